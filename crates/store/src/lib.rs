@@ -1,1 +1,481 @@
-//! placeholder
+//! The durable store of orch: exactly four tables (`events`, `tasks`, `agent_runs`, `jobs`), a
+//! job queue whose every state change is fenced, and `advance_stage`, the only writer of
+//! `tasks.stage`.
+//!
+//! One driver per database, each with its own SQL and migrations ([`sqlite`], [`postgres`]),
+//! behind one [`Store`] type; one conformance suite (`tests/conformance.rs`) runs the same test
+//! functions against both. A new backend = implement the same methods + pass the suite.
+//!
+//! Invariants (see ARCHITECTURE.md):
+//! - Only this crate has SQL.
+//! - A change to a running job presents its [`Lease`] (job id + attempt); a stale attempt gets
+//!   [`StoreError::LeaseLost`], never a silent success.
+//! - `advance_stage` is a compare-and-swap on the expected stage, fenced by the caller's job
+//!   lease or by the task's `stage_seq`, in one transaction with its event and next job.
+//! - A `dedupe_key` is an idempotency key: at most one job row ever carries it.
+//! - Finished jobs of unfinished tasks are never deleted: restart-safe counters are counted
+//!   from them.
+
+mod clock;
+mod common;
+mod error;
+mod migrate;
+mod model;
+pub mod postgres;
+mod sql;
+pub mod sqlite;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::sync::Arc;
+
+pub use clock::{Clock, ManualClock, SystemClock};
+pub use error::{Result, StoreError, redact_url};
+pub use migrate::{MigrateReport, SCHEMA_VERSION};
+pub use model::*;
+
+/// Which database a store talks to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+impl Backend {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Backend::Sqlite => "sqlite",
+            Backend::Postgres => "postgres",
+        }
+    }
+}
+
+/// How to open a store.
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    pub clock: Arc<dyn Clock>,
+    /// SQLite: create the file when missing (only `orch init` and tests do).
+    pub create_if_missing: bool,
+    /// PostgreSQL: connections in the pool.
+    pub max_connections: u32,
+    /// SQLite: `synchronous=FULL` (durable across power loss) instead of `NORMAL` (durable
+    /// across process crashes; the last commits may roll back on power loss).
+    pub sqlite_full_sync: bool,
+    /// How long to wait for a connection (and, on SQLite, for the write lock).
+    pub connect_timeout: std::time::Duration,
+}
+
+impl Default for ConnectOptions {
+    fn default() -> Self {
+        ConnectOptions {
+            clock: Arc::new(SystemClock),
+            create_if_missing: false,
+            max_connections: 10,
+            sqlite_full_sync: false,
+            connect_timeout: std::time::Duration::from_secs(5),
+        }
+    }
+}
+
+/// The store: a handle to SQLite or PostgreSQL. Cheap to clone.
+#[derive(Debug, Clone)]
+pub enum Store {
+    Sqlite(sqlite::SqliteStore),
+    Postgres(postgres::PgStore),
+}
+
+macro_rules! dispatch {
+    ($self:ident, $method:ident ( $($arg:expr),* )) => {
+        match $self {
+            Store::Sqlite(s) => s.$method($($arg),*).await,
+            Store::Postgres(s) => s.$method($($arg),*).await,
+        }
+    };
+}
+
+impl Store {
+    /// Opens `url`: `sqlite://PATH` (or a bare path ending in `.db`) or `postgres://…`.
+    /// Does not migrate; call [`Store::migrate`] or [`Store::check_schema`].
+    pub async fn connect(url: &str, opts: ConnectOptions) -> Result<Store> {
+        let url = url.trim();
+        if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+            Ok(Store::Postgres(
+                postgres::PgStore::connect(url, opts).await?,
+            ))
+        } else if let Some(path) = url.strip_prefix("sqlite://") {
+            Ok(Store::Sqlite(
+                sqlite::SqliteStore::connect(path, opts).await?,
+            ))
+        } else if let Some(path) = url.strip_prefix("sqlite:") {
+            Ok(Store::Sqlite(
+                sqlite::SqliteStore::connect(path, opts).await?,
+            ))
+        } else if url.ends_with(".db") && !url.contains("://") {
+            Ok(Store::Sqlite(
+                sqlite::SqliteStore::connect(url, opts).await?,
+            ))
+        } else {
+            Err(StoreError::BadUrl {
+                url: redact_url(url),
+                reason: "expected sqlite://PATH or postgres://USER@HOST:PORT/DB".into(),
+            })
+        }
+    }
+
+    pub fn backend(&self) -> Backend {
+        match self {
+            Store::Sqlite(_) => Backend::Sqlite,
+            Store::Postgres(_) => Backend::Postgres,
+        }
+    }
+
+    /// Where the store points, with any password hidden.
+    pub fn target(&self) -> String {
+        match self {
+            Store::Sqlite(s) => s.target(),
+            Store::Postgres(s) => s.target(),
+        }
+    }
+
+    pub fn clock(&self) -> &Arc<dyn Clock> {
+        match self {
+            Store::Sqlite(s) => s.clock(),
+            Store::Postgres(s) => s.clock(),
+        }
+    }
+
+    pub fn now_ms(&self) -> Millis {
+        self.clock().now_ms()
+    }
+
+    /// A receiver that changes whenever jobs may have become available: an in-process signal on
+    /// SQLite, LISTEN/NOTIFY on PostgreSQL (it also changes after a listener reconnect, because
+    /// notifications are lost across reconnects). Polling remains the fallback.
+    pub fn wakeups(&self) -> tokio::sync::watch::Receiver<u64> {
+        match self {
+            Store::Sqlite(s) => s.wakeups(),
+            Store::Postgres(s) => s.wakeups(),
+        }
+    }
+
+    pub async fn close(&self) {
+        dispatch!(self, close())
+    }
+
+    // ----- schema -------------------------------------------------------------------------
+
+    /// Applies pending migrations (idempotent; safe to run from several processes at once).
+    pub async fn migrate(&self) -> Result<MigrateReport> {
+        dispatch!(self, migrate())
+    }
+
+    /// The applied schema version; 0 when the database has no orch schema.
+    pub async fn schema_version(&self) -> Result<i64> {
+        dispatch!(self, schema_version())
+    }
+
+    /// Errors unless the schema is exactly the one this binary was built for.
+    pub async fn check_schema(&self) -> Result<()> {
+        let found = self.schema_version().await?;
+        migrate::check_version(&self.target(), found)
+    }
+
+    /// The schema as text (tables, columns, indexes), for the test that holds the schema
+    /// against a committed copy.
+    pub async fn schema_dump(&self) -> Result<String> {
+        dispatch!(self, schema_dump())
+    }
+
+    // ----- jobs ---------------------------------------------------------------------------
+
+    /// Inserts a job (or finds the one that already carries its dedupe key).
+    pub async fn enqueue(&self, job: NewJob) -> Result<Enqueued> {
+        validate_new_job(&job)?;
+        dispatch!(self, enqueue(job))
+    }
+
+    /// Inserts many jobs in one transaction; duplicates by dedupe key are skipped.
+    /// Returns how many rows were inserted.
+    pub async fn enqueue_many(&self, jobs: Vec<NewJob>) -> Result<u64> {
+        for job in &jobs {
+            validate_new_job(job)?;
+        }
+        if jobs.is_empty() {
+            return Ok(0);
+        }
+        dispatch!(self, enqueue_many(jobs))
+    }
+
+    /// Claims up to `claim.limit` available jobs in one statement, each with a lease.
+    pub async fn claim(&self, claim: &Claim) -> Result<Vec<ClaimedJob>> {
+        validate_claim(claim)?;
+        dispatch!(self, complete_and_claim(&[], Some(claim))).map(|r| r.claimed)
+    }
+
+    /// Marks `done` jobs done (fenced) and claims new ones, in one transaction and, on
+    /// PostgreSQL, one statement: a worker that finishes a job and takes the next pays one
+    /// commit, not two.
+    pub async fn complete_and_claim(
+        &self,
+        done: &[Lease],
+        claim: Option<&Claim>,
+    ) -> Result<CompleteAndClaim> {
+        if let Some(claim) = claim {
+            validate_claim(claim)?;
+        }
+        if done.is_empty() && claim.is_none() {
+            return Ok(CompleteAndClaim::default());
+        }
+        dispatch!(self, complete_and_claim(done, claim))
+    }
+
+    /// Extends the leases of running jobs held by `worker_id`. Returns the leases that were
+    /// lost (the job is no longer running under that attempt): their handlers must stop.
+    pub async fn heartbeat(
+        &self,
+        worker_id: &str,
+        leases: &[Lease],
+        lease_ms: i64,
+    ) -> Result<Vec<Lease>> {
+        if leases.is_empty() {
+            return Ok(Vec::new());
+        }
+        if lease_ms <= 0 {
+            return Err(StoreError::Invalid(format!(
+                "lease must be positive, got {lease_ms} ms"
+            )));
+        }
+        dispatch!(self, heartbeat(worker_id, leases, lease_ms))
+    }
+
+    /// Ends a running job: `mark_job(done|failed)`, or back to the queue for a retry.
+    /// Fenced: a stale attempt gets [`StoreError::LeaseLost`]. `event`, when given, is appended
+    /// in the same transaction.
+    pub async fn mark_job(
+        &self,
+        lease: Lease,
+        outcome: JobOutcome,
+        event: Option<NewEvent>,
+    ) -> Result<()> {
+        if let JobOutcome::Retry { delay_ms, .. } = &outcome {
+            if *delay_ms < 0 {
+                return Err(StoreError::Invalid(format!(
+                    "retry delay must not be negative, got {delay_ms} ms"
+                )));
+            }
+        }
+        dispatch!(self, mark_job(lease, outcome, event))
+    }
+
+    /// Gives running jobs back to the queue without spending an attempt (graceful shutdown).
+    /// Returns how many were released; a lease already lost is skipped.
+    pub async fn release(&self, leases: &[Lease]) -> Result<u64> {
+        if leases.is_empty() {
+            return Ok(0);
+        }
+        dispatch!(self, release(leases))
+    }
+
+    /// Re-queues (attempt+1, with backoff) or fails (at the attempt limit) every running job
+    /// whose lease has expired. Each expired job is rescued exactly once, even when several
+    /// processes run this at the same time.
+    pub async fn rescue_expired(&self, rescue: Rescue) -> Result<RescueReport> {
+        dispatch!(self, rescue_expired(rescue))
+    }
+
+    /// Cancels a queued or running job. A running job's worker loses its lease.
+    /// Returns false when the job had already ended.
+    pub async fn cancel_job(&self, job_id: i64) -> Result<bool> {
+        dispatch!(self, cancel_job(job_id))
+    }
+
+    /// Deletes finished jobs older than `older_than` whose task has ended (or that have no
+    /// task), at most `limit` per call.
+    pub async fn cleanup_finished(&self, older_than: Millis, limit: u32) -> Result<u64> {
+        dispatch!(self, cleanup_finished(older_than, limit))
+    }
+
+    /// When the next queued job of these kinds becomes available (for sleeping precisely).
+    pub async fn next_available_at(
+        &self,
+        kinds: &[String],
+        node: Option<&str>,
+    ) -> Result<Option<Millis>> {
+        dispatch!(self, next_available_at(kinds, node))
+    }
+
+    pub async fn get_job(&self, job_id: i64) -> Result<Option<Job>> {
+        dispatch!(self, get_job(job_id))
+    }
+
+    /// Counts a task's jobs of one kind, optionally only those whose `task_content` contains a
+    /// marker substring. This is how deferral and tick counts survive restarts without a column.
+    pub async fn count_jobs(&self, q: &JobCount) -> Result<i64> {
+        dispatch!(self, count_jobs(q))
+    }
+
+    pub async fn task_jobs(&self, task_id: i64) -> Result<Vec<Job>> {
+        dispatch!(self, task_jobs(task_id))
+    }
+
+    pub async fn queue_stats(&self) -> Result<QueueStats> {
+        dispatch!(self, queue_stats())
+    }
+
+    // ----- tasks --------------------------------------------------------------------------
+
+    /// Creates a task with its first event and first job, in one transaction.
+    pub async fn create_task(&self, task: NewTask) -> Result<Task> {
+        if let Some(job) = &task.first_job {
+            validate_new_job(job)?;
+        }
+        dispatch!(self, create_task(task))
+    }
+
+    pub async fn get_task(&self, task_id: i64) -> Result<Option<Task>> {
+        dispatch!(self, get_task(task_id))
+    }
+
+    pub async fn get_task_by_work_item(&self, work_item_id: &str) -> Result<Option<Task>> {
+        dispatch!(self, get_task_by_work_item(work_item_id))
+    }
+
+    /// Tasks, newest first.
+    pub async fn list_tasks(&self, filter: &TaskFilter) -> Result<Vec<Task>> {
+        dispatch!(self, list_tasks(filter))
+    }
+
+    /// Task counts by stage.
+    pub async fn count_tasks_by_stage(&self) -> Result<Vec<(String, i64)>> {
+        dispatch!(self, count_tasks_by_stage())
+    }
+
+    /// The compare-and-swap of a task's stage (see [`AdvanceStage`]).
+    pub async fn advance_stage(&self, adv: AdvanceStage) -> Result<Advanced> {
+        if adv.expected_stage == adv.new_stage {
+            return Err(StoreError::Invalid(format!(
+                "advance_stage from '{}' to itself",
+                adv.expected_stage
+            )));
+        }
+        if let Some(job) = &adv.next_job {
+            validate_new_job(job)?;
+        }
+        dispatch!(self, advance_stage(adv))
+    }
+
+    /// Cancels every live job of a task except `keep` (used with operator stage changes).
+    pub async fn cancel_task_jobs(&self, task_id: i64, keep: Option<i64>) -> Result<u64> {
+        dispatch!(self, cancel_task_jobs(task_id, keep))
+    }
+
+    // ----- events -------------------------------------------------------------------------
+
+    pub async fn append_event(&self, event: NewEvent) -> Result<i64> {
+        dispatch!(self, append_event(event))
+    }
+
+    /// A task's events, oldest first.
+    pub async fn task_events(&self, task_id: i64) -> Result<Vec<Event>> {
+        dispatch!(self, task_events(task_id))
+    }
+
+    /// Events of one kind (any task), oldest first, after `after_id`.
+    pub async fn events_by_kind(
+        &self,
+        kind: &str,
+        after_id: i64,
+        limit: u32,
+    ) -> Result<Vec<Event>> {
+        dispatch!(self, events_by_kind(kind, after_id, limit))
+    }
+
+    // ----- agent runs ---------------------------------------------------------------------
+
+    pub async fn start_agent_run(&self, run: NewAgentRun) -> Result<i64> {
+        dispatch!(self, start_agent_run(run))
+    }
+
+    pub async fn finish_agent_run(&self, run_id: i64, finish: AgentRunFinish) -> Result<()> {
+        dispatch!(self, finish_agent_run(run_id, finish))
+    }
+
+    pub async fn task_agent_runs(&self, task_id: i64) -> Result<Vec<AgentRun>> {
+        dispatch!(self, task_agent_runs(task_id))
+    }
+
+    /// Tokens and cost a task has used so far.
+    pub async fn task_usage(&self, task_id: i64) -> Result<Usage> {
+        dispatch!(self, task_usage(task_id))
+    }
+}
+
+/// Largest `task_content` accepted (1 MiB): payloads are references, not documents.
+pub const MAX_TASK_CONTENT: usize = 1 << 20;
+
+fn validate_new_job(job: &NewJob) -> Result<()> {
+    let bad = |msg: String| Err(StoreError::Invalid(msg));
+    if job.agent.is_empty()
+        || job.agent.len() > 64
+        || !job
+            .agent
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+    {
+        return bad(format!(
+            "job kind {:?} must be 1-64 characters of [A-Za-z0-9-_.:]",
+            job.agent
+        ));
+    }
+    if job.delay_ms < 0 {
+        return bad(format!(
+            "delay must not be negative, got {} ms",
+            job.delay_ms
+        ));
+    }
+    if job.max_attempts < 1 {
+        return bad(format!(
+            "max_attempts must be at least 1, got {}",
+            job.max_attempts
+        ));
+    }
+    if job.task_content.len() > MAX_TASK_CONTENT {
+        return bad(format!(
+            "task_content is {} bytes, more than the {} allowed",
+            job.task_content.len(),
+            MAX_TASK_CONTENT
+        ));
+    }
+    if job
+        .dedupe_key
+        .as_ref()
+        .is_some_and(|k| k.is_empty() || k.len() > 512)
+    {
+        return bad("dedupe key must be 1-512 bytes".into());
+    }
+    Ok(())
+}
+
+fn validate_claim(claim: &Claim) -> Result<()> {
+    if claim.limit == 0 || claim.limit > 10_000 {
+        return Err(StoreError::Invalid(format!(
+            "claim limit must be 1-10000, got {}",
+            claim.limit
+        )));
+    }
+    if claim.lease_ms <= 0 {
+        return Err(StoreError::Invalid(format!(
+            "lease must be positive, got {} ms",
+            claim.lease_ms
+        )));
+    }
+    if claim.worker_id.is_empty() {
+        return Err(StoreError::Invalid("worker id must not be empty".into()));
+    }
+    Ok(())
+}
+
+/// The dedupe key `advance_stage` gives a next job that has none.
+pub fn stage_job_key(task_id: i64, stage_seq: i64) -> String {
+    format!("stage:{task_id}:{stage_seq}")
+}

@@ -1,0 +1,512 @@
+//! The rows of the four tables and the parameter structs of every store operation.
+//!
+//! Times are epoch milliseconds (`i64`), always taken from the store's [`crate::Clock`], never
+//! from the database server, so tests can move time without sleeping.
+
+/// Epoch milliseconds.
+pub type Millis = i64;
+
+/// The stages that end a task. The store knows them only to keep finished tasks' jobs
+/// collectable and to refuse work on a finished task.
+pub const TERMINAL_STAGES: [&str; 3] = ["done", "failed", "cancelled"];
+
+/// True when `stage` ends a task.
+pub fn is_terminal_stage(stage: &str) -> bool {
+    TERMINAL_STAGES.contains(&stage)
+}
+
+/// The lifecycle of a job row.
+///
+/// `queued → running → done | failed | queued (retry, rescue, release)`; `queued | running → cancelled`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum JobState {
+    Queued,
+    Running,
+    Done,
+    Failed,
+    Cancelled,
+}
+
+impl JobState {
+    pub const ALL: [JobState; 5] = [
+        JobState::Queued,
+        JobState::Running,
+        JobState::Done,
+        JobState::Failed,
+        JobState::Cancelled,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            JobState::Queued => "queued",
+            JobState::Running => "running",
+            JobState::Done => "done",
+            JobState::Failed => "failed",
+            JobState::Cancelled => "cancelled",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<JobState> {
+        JobState::ALL.into_iter().find(|st| st.as_str() == s)
+    }
+
+    /// Queued or running: the job still has work ahead of it.
+    pub fn is_live(self) -> bool {
+        matches!(self, JobState::Queued | JobState::Running)
+    }
+}
+
+impl TryFrom<String> for JobState {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<Self, Self::Error> {
+        JobState::parse(&s).ok_or_else(|| format!("unknown job state {s:?}"))
+    }
+}
+
+impl std::fmt::Display for JobState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A row of `jobs`.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Job {
+    pub id: i64,
+    pub task_id: Option<i64>,
+    /// The job kind: which handler runs it (`developer`, `deployer`, `post-deploy-monitor`, …).
+    pub agent: String,
+    /// Free-form payload. Deferral markers live here as substrings (seed ORCH-115 D-2).
+    pub task_content: String,
+    #[sqlx(try_from = "String")]
+    pub state: JobState,
+    pub priority: i64,
+    /// The attempt currently running or last run; bumped by every claim. It is the fencing token.
+    pub attempt: i64,
+    pub max_attempts: i64,
+    pub available_at: Millis,
+    pub lease_expires_at: Option<Millis>,
+    pub locked_by: Option<String>,
+    /// An idempotency key: at most one job row ever carries a given key.
+    pub dedupe_key: Option<String>,
+    /// Affinity: when set, only a worker on this node may claim the job.
+    pub node: Option<String>,
+    pub last_error: Option<String>,
+    pub created_at: Millis,
+    pub started_at: Option<Millis>,
+    pub finished_at: Option<Millis>,
+}
+
+/// The fencing token of a claimed job: its id and the attempt the claim created.
+/// Every state change of a running job must present it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Lease {
+    pub job_id: i64,
+    pub attempt: i64,
+}
+
+/// A job taken by a worker, with the lease that fences its state changes.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ClaimedJob {
+    pub job: Job,
+    pub lease: Lease,
+}
+
+/// A job to insert. Build with [`NewJob::new`] and the chained setters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewJob {
+    pub task_id: Option<i64>,
+    pub agent: String,
+    pub task_content: String,
+    /// Delay before the job becomes visible to workers (`available_at_delay_s` in the seeds), in ms.
+    pub delay_ms: i64,
+    pub priority: i64,
+    pub max_attempts: i64,
+    pub dedupe_key: Option<String>,
+    pub node: Option<String>,
+}
+
+impl NewJob {
+    pub const DEFAULT_MAX_ATTEMPTS: i64 = 3;
+
+    pub fn new(agent: impl Into<String>, task_content: impl Into<String>) -> Self {
+        NewJob {
+            task_id: None,
+            agent: agent.into(),
+            task_content: task_content.into(),
+            delay_ms: 0,
+            priority: 0,
+            max_attempts: Self::DEFAULT_MAX_ATTEMPTS,
+            dedupe_key: None,
+            node: None,
+        }
+    }
+
+    pub fn task(mut self, task_id: i64) -> Self {
+        self.task_id = Some(task_id);
+        self
+    }
+
+    /// `available_at_delay_s`: the job is invisible to workers for this many seconds.
+    pub fn delay_s(mut self, seconds: i64) -> Self {
+        self.delay_ms = seconds.saturating_mul(1000);
+        self
+    }
+
+    pub fn delay_ms(mut self, ms: i64) -> Self {
+        self.delay_ms = ms;
+        self
+    }
+
+    pub fn priority(mut self, priority: i64) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    pub fn max_attempts(mut self, max_attempts: i64) -> Self {
+        self.max_attempts = max_attempts;
+        self
+    }
+
+    pub fn dedupe(mut self, key: impl Into<String>) -> Self {
+        self.dedupe_key = Some(key.into());
+        self
+    }
+
+    pub fn node(mut self, node: impl Into<String>) -> Self {
+        self.node = Some(node.into());
+        self
+    }
+}
+
+/// What an enqueue did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Enqueued {
+    pub job_id: i64,
+    /// True when a job with the same dedupe key already existed; `job_id` is that job.
+    pub duplicate: bool,
+}
+
+/// Parameters of a claim.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Claim {
+    /// Recorded in `locked_by`; heartbeats must present it.
+    pub worker_id: String,
+    /// At most this many jobs in one statement.
+    pub limit: u32,
+    pub lease_ms: i64,
+    /// Job kinds this worker can run. A worker never claims a kind it has no handler for.
+    pub kinds: Vec<String>,
+    /// This worker's node: it may claim jobs pinned to it and unpinned jobs.
+    pub node: Option<String>,
+}
+
+/// How a running job ended, as decided by its handler.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobOutcome {
+    Done,
+    /// Back to the queue for another attempt after `delay_ms`. At the attempt limit this
+    /// becomes [`JobOutcome::Failed`].
+    Retry {
+        error: String,
+        delay_ms: i64,
+    },
+    /// Final failure. If the job drove a task and the task has no other live job, the task
+    /// moves to `failed` in the same transaction (it would otherwise be stranded).
+    Failed {
+        error: String,
+    },
+}
+
+/// The result of [`crate::Store::complete_and_claim`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CompleteAndClaim {
+    /// Completions that lost their lease (stale attempt): nothing was changed for them.
+    pub fenced: Vec<Lease>,
+    pub claimed: Vec<ClaimedJob>,
+}
+
+/// Parameters of a rescue pass over expired leases.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Rescue {
+    /// Backoff before the re-queued attempt: `min(base * 2^(attempt-1), max)`.
+    pub backoff_base_ms: i64,
+    pub backoff_max_ms: i64,
+    /// At most this many jobs per pass.
+    pub limit: u32,
+}
+
+impl Default for Rescue {
+    fn default() -> Self {
+        Rescue {
+            backoff_base_ms: 1_000,
+            backoff_max_ms: 300_000,
+            limit: 1_000,
+        }
+    }
+}
+
+impl Rescue {
+    pub fn backoff_ms(&self, attempt: i64) -> i64 {
+        let exp = attempt.clamp(1, 30) - 1;
+        self.backoff_base_ms
+            .saturating_mul(1_i64 << exp)
+            .min(self.backoff_max_ms)
+    }
+}
+
+/// What a rescue pass did.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RescueReport {
+    /// Jobs put back in the queue (id, new available_at).
+    pub requeued: Vec<i64>,
+    /// Jobs that hit their attempt limit and failed.
+    pub failed: Vec<i64>,
+    /// Tasks moved to `failed` because their only live job failed.
+    pub failed_tasks: Vec<i64>,
+}
+
+/// Counting jobs for restart-safe counters (defers, ticks, infra retries): the count is the state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct JobCount {
+    pub task_id: i64,
+    pub agent: String,
+    /// Only jobs whose `task_content` contains this substring (literal, not a pattern).
+    pub content_contains: Option<String>,
+}
+
+/// A row of `tasks`. There is no status column: the stage is the status.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Task {
+    pub id: i64,
+    pub work_item_id: String,
+    pub repo: String,
+    pub title: String,
+    pub body: String,
+    pub stage: String,
+    /// Bumped by every stage change: a stage visit's identity, and the operator CAS token.
+    pub stage_seq: i64,
+    pub branch: String,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+impl Task {
+    pub fn is_terminal(&self) -> bool {
+        is_terminal_stage(&self.stage)
+    }
+}
+
+/// How the work item id of a new task is chosen.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WorkItemSpec {
+    /// The next free number for this prefix: `<prefix>-<max+1>`.
+    Next { prefix: String },
+    /// An id chosen by the caller; it must be free.
+    Exact(String),
+}
+
+/// A task to create, with its first event and (optionally) its first job, in one transaction.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewTask {
+    pub work_item: WorkItemSpec,
+    pub repo: String,
+    pub title: String,
+    pub body: String,
+    pub stage: String,
+    /// The branch is `<branch_prefix><work_item_id>`.
+    pub branch_prefix: String,
+    pub event: NewEvent,
+    /// Its `task_id` is filled in by the store.
+    pub first_job: Option<NewJob>,
+}
+
+/// What fences a stage change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    /// The caller's job lease: the job must belong to the task and still be running under
+    /// this attempt (the CAS/lease contract of ORCH-114).
+    Job(Lease),
+    /// An operator command (approve, retry, cancel): the task's `stage_seq` must be unchanged
+    /// since the operator read it.
+    Seq(i64),
+}
+
+/// `advance_stage(task, expected_stage → new_stage)`: the only writer of `tasks.stage`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdvanceStage {
+    pub task_id: i64,
+    pub expected_stage: String,
+    pub new_stage: String,
+    pub fence: Fence,
+    /// Appended in the same transaction; `task_id` and `stage` are filled in by the store.
+    pub event: NewEvent,
+    /// Enqueued in the same transaction. Its `task_id` is filled in; without a dedupe key it
+    /// gets `stage:<task_id>:<new stage_seq>`.
+    pub next_job: Option<NewJob>,
+}
+
+/// The result of a successful stage change.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Advanced {
+    pub task: Task,
+    pub next_job_id: Option<i64>,
+}
+
+/// Task list filter with paging.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TaskFilter {
+    pub stage: Option<String>,
+    pub repo: Option<String>,
+    pub limit: u32,
+    pub offset: u32,
+}
+
+/// A row of `events`, append-only.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct Event {
+    pub id: i64,
+    pub task_id: Option<i64>,
+    pub job_id: Option<i64>,
+    pub kind: String,
+    /// The task's stage when the event was written (for a stage change: the new stage).
+    pub stage: Option<String>,
+    pub message: String,
+    /// JSON text.
+    pub data: String,
+    pub created_at: Millis,
+}
+
+/// An event to append.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewEvent {
+    pub task_id: Option<i64>,
+    pub job_id: Option<i64>,
+    pub kind: String,
+    pub stage: Option<String>,
+    pub message: String,
+    /// JSON text; `{}` when empty.
+    pub data: String,
+}
+
+impl NewEvent {
+    pub fn new(kind: impl Into<String>, message: impl Into<String>) -> Self {
+        NewEvent {
+            task_id: None,
+            job_id: None,
+            kind: kind.into(),
+            stage: None,
+            message: message.into(),
+            data: "{}".to_owned(),
+        }
+    }
+
+    pub fn task(mut self, task_id: i64) -> Self {
+        self.task_id = Some(task_id);
+        self
+    }
+
+    pub fn job(mut self, job_id: i64) -> Self {
+        self.job_id = Some(job_id);
+        self
+    }
+
+    pub fn stage(mut self, stage: impl Into<String>) -> Self {
+        self.stage = Some(stage.into());
+        self
+    }
+
+    pub fn data(mut self, json: impl Into<String>) -> Self {
+        self.data = json.into();
+        self
+    }
+}
+
+/// A row of `agent_runs`: one execution of an agent backend.
+#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+pub struct AgentRun {
+    pub id: i64,
+    pub task_id: i64,
+    pub job_id: Option<i64>,
+    pub stage: String,
+    pub agent: String,
+    pub backend: String,
+    pub model: Option<String>,
+    pub attempt: i64,
+    pub started_at: Millis,
+    pub finished_at: Option<Millis>,
+    /// `running`, `success`, `failed`, `timeout`, `error`, …
+    pub outcome: String,
+    pub exit_code: Option<i64>,
+    pub input_tokens: Option<i64>,
+    pub output_tokens: Option<i64>,
+    pub cost_usd: Option<f64>,
+    pub error: Option<String>,
+    /// JSON text.
+    pub data: String,
+}
+
+/// An agent run starting now.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NewAgentRun {
+    pub task_id: i64,
+    pub job_id: Option<i64>,
+    pub stage: String,
+    pub agent: String,
+    pub backend: String,
+    pub model: Option<String>,
+    pub attempt: i64,
+}
+
+/// How an agent run ended.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct AgentRunFinish {
+    pub outcome: String,
+    pub exit_code: Option<i64>,
+    pub input_tokens: Option<i64>,
+    pub output_tokens: Option<i64>,
+    pub cost_usd: Option<f64>,
+    pub error: Option<String>,
+    /// JSON text; `{}` when empty.
+    pub data: String,
+}
+
+/// Tokens and cost spent on a task so far (for budgets).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Usage {
+    pub runs: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_usd: f64,
+}
+
+/// Count of jobs of one kind in one state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KindCount {
+    pub agent: String,
+    pub state: JobState,
+    pub count: i64,
+}
+
+/// A running job's lease as shown in `GET /queue`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LiveLease {
+    pub job_id: i64,
+    pub task_id: Option<i64>,
+    pub agent: String,
+    pub worker: Option<String>,
+    pub attempt: i64,
+    pub expires_at: Option<Millis>,
+}
+
+/// The queue at a glance.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QueueStats {
+    pub counts: Vec<KindCount>,
+    /// `available_at` of the oldest job that is ready to run but not yet claimed.
+    pub oldest_ready_at: Option<Millis>,
+    /// Running jobs, soonest expiry first (at most 500).
+    pub leases: Vec<LiveLease>,
+    pub now: Millis,
+}

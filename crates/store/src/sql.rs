@@ -1,0 +1,108 @@
+//! SQL text that is the same on both backends (both accept `$N` parameters). Statements that
+//! differ live in their driver module.
+
+pub const JOB_COLUMNS: &str = "id, task_id, agent, task_content, state, priority, attempt, \
+     max_attempts, available_at, lease_expires_at, locked_by, dedupe_key, node, last_error, \
+     created_at, started_at, finished_at";
+
+pub const TASK_COLUMNS: &str =
+    "id, work_item_id, repo, title, body, stage, stage_seq, branch, created_at, updated_at";
+
+pub const EVENT_COLUMNS: &str = "id, task_id, job_id, kind, stage, message, data, created_at";
+
+pub const AGENT_RUN_COLUMNS: &str = "id, task_id, job_id, stage, agent, backend, model, attempt, \
+     started_at, finished_at, outcome, exit_code, input_tokens, output_tokens, cost_usd, error, data";
+
+/// `$1 task_id, $2 agent, $3 task_content, $4 priority, $5 max_attempts, $6 available_at,
+/// $7 dedupe_key, $8 node, $9 created_at` → `id` (no row when the dedupe key exists).
+pub const INSERT_JOB: &str = "INSERT INTO jobs (task_id, agent, task_content, state, priority, \
+     attempt, max_attempts, available_at, dedupe_key, node, created_at) \
+     VALUES ($1, $2, $3, 'queued', $4, 0, $5, $6, $7, $8, $9) \
+     ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING \
+     RETURNING id";
+
+pub const JOB_ID_BY_DEDUPE: &str = "SELECT id FROM jobs WHERE dedupe_key = $1";
+
+/// `$1 task_id, $2 job_id, $3 kind, $4 stage, $5 message, $6 data, $7 created_at` → `id`.
+pub const INSERT_EVENT: &str = "INSERT INTO events (task_id, job_id, kind, stage, message, data, \
+     created_at) VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id";
+
+/// `$1 id, $2 attempt, $3 now` → the job's `task_id` when the fence held.
+pub const MARK_DONE: &str = "UPDATE jobs SET state = 'done', finished_at = $3, \
+     lease_expires_at = NULL WHERE id = $1 AND attempt = $2 AND state = 'running' \
+     RETURNING task_id";
+
+/// `$1 id, $2 attempt, $3 now, $4 error` → `task_id`.
+pub const MARK_FAILED: &str = "UPDATE jobs SET state = 'failed', finished_at = $3, \
+     lease_expires_at = NULL, last_error = $4 \
+     WHERE id = $1 AND attempt = $2 AND state = 'running' RETURNING task_id";
+
+/// `$1 id, $2 attempt, $3 available_at, $4 error` → `task_id`.
+pub const MARK_RETRY: &str = "UPDATE jobs SET state = 'queued', available_at = $3, \
+     lease_expires_at = NULL, locked_by = NULL, last_error = $4 \
+     WHERE id = $1 AND attempt = $2 AND state = 'running' RETURNING task_id";
+
+/// `$1 id, $2 attempt, $3 now`: back to the queue without spending an attempt.
+pub const RELEASE: &str = "UPDATE jobs SET state = 'queued', available_at = $3, \
+     lease_expires_at = NULL, locked_by = NULL, max_attempts = max_attempts + 1, \
+     last_error = 'released at shutdown' \
+     WHERE id = $1 AND attempt = $2 AND state = 'running'";
+
+/// `$1 job_id`.
+pub const JOB_STATE: &str = "SELECT state, attempt, task_id FROM jobs WHERE id = $1";
+
+/// `$1 id, $2 now`.
+pub const CANCEL_JOB: &str = "UPDATE jobs SET state = 'cancelled', finished_at = $2, \
+     lease_expires_at = NULL WHERE id = $1 AND state IN ('queued', 'running')";
+
+/// `$1 task_id, $2 keep (job id or NULL → -1), $3 now`.
+pub const CANCEL_TASK_JOBS: &str = "UPDATE jobs SET state = 'cancelled', finished_at = $3, \
+     lease_expires_at = NULL \
+     WHERE task_id = $1 AND id <> $2 AND state IN ('queued', 'running')";
+
+/// `$1 task_id`: live jobs of a task.
+pub const LIVE_JOBS_OF_TASK: &str =
+    "SELECT count(*) FROM jobs WHERE task_id = $1 AND state IN ('queued', 'running')";
+
+/// `$1 task_id, $2 now` → `stage_seq` when the task was moved to `failed`.
+pub const FAIL_TASK: &str = "UPDATE tasks SET stage = 'failed', stage_seq = stage_seq + 1, \
+     updated_at = $2 WHERE id = $1 AND stage NOT IN ('done', 'failed', 'cancelled') \
+     RETURNING stage_seq";
+
+pub const QUEUE_COUNTS: &str =
+    "SELECT agent, state, count(*) AS count FROM jobs GROUP BY agent, state ORDER BY agent, state";
+
+/// `$1 now`.
+pub const OLDEST_READY: &str =
+    "SELECT min(available_at) FROM jobs WHERE state = 'queued' AND available_at <= $1";
+
+pub const LIVE_LEASES: &str = "SELECT id, task_id, agent, locked_by, attempt, lease_expires_at \
+     FROM jobs WHERE state = 'running' ORDER BY lease_expires_at, id LIMIT 500";
+
+/// `$1 task_id, $2 job_id, $3 stage, $4 agent, $5 backend, $6 model, $7 attempt, $8 started_at`.
+pub const INSERT_AGENT_RUN: &str = "INSERT INTO agent_runs (task_id, job_id, stage, agent, \
+     backend, model, attempt, started_at, outcome) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'running') RETURNING id";
+
+/// `$1 id, $2 finished_at, $3 outcome, $4 exit_code, $5 input_tokens, $6 output_tokens,
+/// $7 cost_usd, $8 error, $9 data`.
+pub const FINISH_AGENT_RUN: &str = "UPDATE agent_runs SET finished_at = $2, outcome = $3, \
+     exit_code = $4, input_tokens = $5, output_tokens = $6, cost_usd = $7, error = $8, data = $9 \
+     WHERE id = $1";
+
+/// `$1 task_id`.
+pub const TASK_USAGE: &str = "SELECT count(*), CAST(coalesce(sum(input_tokens), 0) AS BIGINT), \
+     CAST(coalesce(sum(output_tokens), 0) AS BIGINT), \
+     CAST(coalesce(sum(cost_usd), 0.0) AS DOUBLE PRECISION) \
+     FROM agent_runs WHERE task_id = $1";
+
+pub const COUNT_TASKS_BY_STAGE: &str =
+    "SELECT stage, count(*) FROM tasks GROUP BY stage ORDER BY stage";
+
+pub fn select_jobs(where_clause: &str) -> String {
+    format!("SELECT {JOB_COLUMNS} FROM jobs {where_clause}")
+}
+
+pub fn select_tasks(where_clause: &str) -> String {
+    format!("SELECT {TASK_COLUMNS} FROM tasks {where_clause}")
+}

@@ -1,0 +1,894 @@
+//! The conformance suite: the same test functions run against SQLite and PostgreSQL. A backend
+//! is correct when it passes every case here.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use orch_store::testing::{T0, TestDb};
+use orch_store::*;
+
+macro_rules! conformance {
+    ($($case:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(orch_store::testing::TestDb::sqlite().await).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(orch_store::testing::TestDb::postgres().await).await;
+                }
+            )*
+        }
+    };
+}
+
+conformance!(
+    stale_attempt_cannot_mark_done,
+    expired_lease_is_rescued_exactly_once,
+    concurrent_claimers_run_every_job_exactly_once,
+    advance_stage_with_wrong_expected_stage_changes_nothing,
+    advance_stage_with_a_lost_lease_changes_nothing,
+    advance_stage_writes_stage_event_and_next_job_together,
+    operator_fence_is_the_stage_seq,
+    dedupe_key_allows_one_job_ever,
+    delayed_job_is_invisible_before_its_time,
+    attempt_limit_ends_in_failed_and_fails_the_stranded_task,
+    retry_at_the_attempt_limit_is_a_failure,
+    heartbeat_extends_leases_and_reports_lost_ones,
+    release_does_not_spend_an_attempt,
+    cancelled_job_fences_its_worker,
+    bad_job_input_is_refused,
+    work_item_ids_are_allocated_per_prefix,
+    concurrent_task_creation_never_reuses_an_id,
+    cleanup_keeps_jobs_of_unfinished_tasks,
+    marker_counts_match_literal_substrings,
+    complete_and_claim_reports_fenced_completions,
+    claim_order_priority_and_node_affinity,
+    queue_stats_counts_kinds_and_leases,
+    migrate_is_idempotent_and_versioned,
+    wakeups_fire_on_enqueue,
+    agent_runs_and_usage,
+    bulk_enqueue_skips_duplicates,
+);
+
+const LEASE: i64 = 30_000;
+
+fn claim(worker: &str, limit: u32) -> Claim {
+    Claim {
+        worker_id: worker.to_owned(),
+        limit,
+        lease_ms: LEASE,
+        kinds: Vec::new(),
+        node: None,
+    }
+}
+
+async fn claim_one(store: &Store, worker: &str) -> ClaimedJob {
+    let mut got = store.claim(&claim(worker, 1)).await.expect("claim");
+    assert_eq!(got.len(), 1, "expected exactly one job to claim");
+    got.remove(0)
+}
+
+async fn new_task(store: &Store, with_job: bool) -> Task {
+    store
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Next {
+                prefix: "ORCH".into(),
+            },
+            repo: "svc".into(),
+            title: "a task".into(),
+            body: String::new(),
+            stage: "intake".into(),
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new("task.submitted", "submitted"),
+            first_job: with_job.then(|| NewJob::new("analyst", "analyse")),
+        })
+        .await
+        .expect("create task")
+}
+
+async fn stale_attempt_cannot_mark_done(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "x")).await.unwrap();
+    let first = claim_one(s, "w1").await;
+    db.clock.advance_ms(LEASE + 1);
+    let report = s.rescue_expired(Rescue::default()).await.unwrap();
+    assert_eq!(report.requeued, vec![first.lease.job_id]);
+    db.clock.advance_ms(Rescue::default().backoff_ms(1));
+    let second = claim_one(s, "w2").await;
+    assert_eq!(second.lease.job_id, first.lease.job_id);
+    assert_eq!(second.lease.attempt, first.lease.attempt + 1);
+
+    let err = s
+        .mark_job(first.lease, JobOutcome::Done, None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, StoreError::LeaseLost { .. }),
+        "stale attempt must be fenced, got {err}"
+    );
+    let job = s.get_job(first.lease.job_id).await.unwrap().unwrap();
+    assert_eq!(
+        job.state,
+        JobState::Running,
+        "the stale mark changed nothing"
+    );
+    assert_eq!(job.locked_by.as_deref(), Some("w2"));
+
+    s.mark_job(second.lease, JobOutcome::Done, None)
+        .await
+        .unwrap();
+    let job = s.get_job(first.lease.job_id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Done);
+    // Marking again, even with the right attempt, is an error: the job is no longer running.
+    let again = s.mark_job(second.lease, JobOutcome::Done, None).await;
+    assert!(matches!(again, Err(StoreError::LeaseLost { .. })));
+}
+
+async fn expired_lease_is_rescued_exactly_once(db: TestDb) {
+    let s = &db.store;
+    let id = s.enqueue(NewJob::new("noop", "x")).await.unwrap().job_id;
+    let claimed = claim_one(s, "w1").await;
+    db.clock.advance_ms(LEASE + 1);
+    // Four "processes" rescue at the same time.
+    let mut handles = Vec::new();
+    for _ in 0..4 {
+        let store = db.reopen().await;
+        handles.push(tokio::spawn(async move {
+            store.rescue_expired(Rescue::default()).await
+        }));
+    }
+    let mut requeued = Vec::new();
+    for h in handles {
+        requeued.extend(h.await.unwrap().unwrap().requeued);
+    }
+    assert_eq!(requeued, vec![id], "rescued exactly once");
+    let job = s.get_job(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Queued);
+    assert_eq!(job.attempt, claimed.lease.attempt, "rescue does not claim");
+    assert!(job.last_error.unwrap_or_default().contains("lease expired"));
+    assert_eq!(
+        job.available_at,
+        db.clock.now_ms() + Rescue::default().backoff_ms(1),
+        "re-queued with backoff"
+    );
+    // A second pass finds nothing.
+    let again = s.rescue_expired(Rescue::default()).await.unwrap();
+    assert!(again.requeued.is_empty() && again.failed.is_empty());
+}
+
+async fn concurrent_claimers_run_every_job_exactly_once(db: TestDb) {
+    const JOBS: usize = 400;
+    const CLAIMERS: usize = 8;
+    let jobs = (0..JOBS)
+        .map(|i| NewJob::new("noop", format!("job {i}")))
+        .collect();
+    assert_eq!(db.store.enqueue_many(jobs).await.unwrap(), JOBS as u64);
+    let mut handles = Vec::new();
+    for w in 0..CLAIMERS {
+        let store = db.reopen().await;
+        handles.push(tokio::spawn(async move {
+            let worker = format!("w{w}");
+            let mut ran = Vec::new();
+            let mut pending: Vec<Lease> = Vec::new();
+            loop {
+                let limit = 1 + (w as u32 % 4);
+                let out = store
+                    .complete_and_claim(&pending, Some(&claim(&worker, limit)))
+                    .await
+                    .expect("complete_and_claim");
+                assert!(out.fenced.is_empty(), "no completion may be fenced here");
+                if out.claimed.is_empty() {
+                    return ran;
+                }
+                pending = out.claimed.iter().map(|c| c.lease).collect();
+                ran.extend(out.claimed.iter().map(|c| c.job.id));
+            }
+        }));
+    }
+    let mut runs: HashMap<i64, usize> = HashMap::new();
+    for h in handles {
+        for id in h.await.unwrap() {
+            *runs.entry(id).or_default() += 1;
+        }
+    }
+    assert_eq!(runs.len(), JOBS, "every job ran");
+    assert!(runs.values().all(|&n| n == 1), "no job ran twice");
+    let stats = db.store.queue_stats().await.unwrap();
+    let done: i64 = stats
+        .counts
+        .iter()
+        .filter(|c| c.state == JobState::Done)
+        .map(|c| c.count)
+        .sum();
+    assert_eq!(done, JOBS as i64, "every job is done");
+}
+
+async fn advance_stage_with_wrong_expected_stage_changes_nothing(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, true).await;
+    let job = claim_one(s, "w1").await;
+    let events_before = s.task_events(task.id).await.unwrap().len();
+    let err = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "review".into(),
+            new_stage: "verification".into(),
+            fence: Fence::Job(job.lease),
+            event: NewEvent::new("stage.advanced", "x"),
+            next_job: Some(NewJob::new("tester", "t")),
+        })
+        .await
+        .unwrap_err();
+    match &err {
+        StoreError::StageConflict {
+            expected, actual, ..
+        } => {
+            assert_eq!(expected, "review");
+            assert_eq!(actual, "intake");
+        }
+        other => panic!("expected a stage conflict, got {other}"),
+    }
+    assert!(err.to_string().contains("nothing was changed"), "{err}");
+    let after = s.get_task(task.id).await.unwrap().unwrap();
+    assert_eq!(after, task, "the task is untouched");
+    assert_eq!(s.task_events(task.id).await.unwrap().len(), events_before);
+    assert_eq!(
+        s.task_jobs(task.id).await.unwrap().len(),
+        1,
+        "no job enqueued"
+    );
+}
+
+async fn advance_stage_with_a_lost_lease_changes_nothing(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, true).await;
+    let job = claim_one(s, "w1").await;
+    db.clock.advance_ms(LEASE + 1);
+    s.rescue_expired(Rescue::default()).await.unwrap();
+    let err = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "intake".into(),
+            new_stage: "analysis".into(),
+            fence: Fence::Job(job.lease),
+            event: NewEvent::new("stage.advanced", "x"),
+            next_job: None,
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::LeaseLost { .. }), "{err}");
+    assert_eq!(s.get_task(task.id).await.unwrap().unwrap().stage, "intake");
+}
+
+async fn advance_stage_writes_stage_event_and_next_job_together(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, true).await;
+    let job = claim_one(s, "w1").await;
+    let adv = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "intake".into(),
+            new_stage: "analysis".into(),
+            fence: Fence::Job(job.lease),
+            event: NewEvent::new("stage.advanced", "intake → analysis"),
+            next_job: Some(NewJob::new("analyst", "go")),
+        })
+        .await
+        .unwrap();
+    assert_eq!(adv.task.stage, "analysis");
+    assert_eq!(adv.task.stage_seq, task.stage_seq + 1);
+    let next = s.get_job(adv.next_job_id.unwrap()).await.unwrap().unwrap();
+    assert_eq!(next.task_id, Some(task.id));
+    assert_eq!(
+        next.dedupe_key,
+        Some(stage_job_key(task.id, adv.task.stage_seq))
+    );
+    let events = s.task_events(task.id).await.unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(last.kind, "stage.advanced");
+    assert_eq!(last.stage.as_deref(), Some("analysis"));
+    // The same advance again (a crashed worker's retry) is refused and adds nothing.
+    let again = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "intake".into(),
+            new_stage: "analysis".into(),
+            fence: Fence::Job(job.lease),
+            event: NewEvent::new("stage.advanced", "again"),
+            next_job: Some(NewJob::new("analyst", "go")),
+        })
+        .await;
+    assert!(matches!(again, Err(StoreError::StageConflict { .. })));
+    assert_eq!(s.task_jobs(task.id).await.unwrap().len(), 2);
+}
+
+async fn operator_fence_is_the_stage_seq(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, false).await;
+    let moved = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "intake".into(),
+            new_stage: "analysis".into(),
+            fence: Fence::Seq(task.stage_seq),
+            event: NewEvent::new("approval.granted", "approved"),
+            next_job: None,
+        })
+        .await
+        .unwrap();
+    // An operator acting on the stale view (same stage name, old seq) is refused.
+    let back = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "analysis".into(),
+            new_stage: "cancelled".into(),
+            fence: Fence::Seq(task.stage_seq),
+            event: NewEvent::new("task.cancelled", "x"),
+            next_job: None,
+        })
+        .await;
+    assert!(matches!(back, Err(StoreError::StageConflict { .. })));
+    let ok = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "analysis".into(),
+            new_stage: "cancelled".into(),
+            fence: Fence::Seq(moved.task.stage_seq),
+            event: NewEvent::new("task.cancelled", "x"),
+            next_job: None,
+        })
+        .await
+        .unwrap();
+    assert!(ok.task.is_terminal());
+}
+
+async fn dedupe_key_allows_one_job_ever(db: TestDb) {
+    let s = &db.store;
+    let a = s
+        .enqueue(NewJob::new("noop", "a").dedupe("k1"))
+        .await
+        .unwrap();
+    let b = s
+        .enqueue(NewJob::new("noop", "b").dedupe("k1"))
+        .await
+        .unwrap();
+    assert!(!a.duplicate);
+    assert!(b.duplicate);
+    assert_eq!(a.job_id, b.job_id);
+    let c = claim_one(s, "w").await;
+    s.mark_job(c.lease, JobOutcome::Done, None).await.unwrap();
+    // Even once the job is done, the key cannot be used again: a crashed worker re-running its
+    // step cannot enqueue the follow-up a second time.
+    let d = s
+        .enqueue(NewJob::new("noop", "d").dedupe("k1"))
+        .await
+        .unwrap();
+    assert!(d.duplicate);
+    assert_eq!(d.job_id, a.job_id);
+    assert!(s.claim(&claim("w", 5)).await.unwrap().is_empty());
+}
+
+async fn delayed_job_is_invisible_before_its_time(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "later").delay_s(10))
+        .await
+        .unwrap();
+    assert!(s.claim(&claim("w", 10)).await.unwrap().is_empty());
+    assert_eq!(
+        s.next_available_at(&[], None).await.unwrap(),
+        Some(T0 + 10_000)
+    );
+    db.clock.advance_ms(9_999);
+    assert!(s.claim(&claim("w", 10)).await.unwrap().is_empty());
+    db.clock.advance_ms(1);
+    assert_eq!(s.claim(&claim("w", 10)).await.unwrap().len(), 1);
+}
+
+async fn attempt_limit_ends_in_failed_and_fails_the_stranded_task(db: TestDb) {
+    let s = &db.store;
+    let task = s
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Exact("ORCH-7".into()),
+            repo: "svc".into(),
+            title: "t".into(),
+            body: String::new(),
+            stage: "intake".into(),
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new("task.submitted", "x"),
+            first_job: Some(NewJob::new("analyst", "x").max_attempts(2)),
+        })
+        .await
+        .unwrap();
+    for attempt in 1..=2 {
+        let c = claim_one(s, "w").await;
+        assert_eq!(c.lease.attempt, attempt);
+        db.clock.advance_ms(LEASE + 1);
+        let report = s.rescue_expired(Rescue::default()).await.unwrap();
+        if attempt == 1 {
+            assert_eq!(report.requeued.len(), 1);
+            db.clock.advance_ms(Rescue::default().backoff_ms(1));
+        } else {
+            assert_eq!(report.failed.len(), 1);
+            assert_eq!(report.failed_tasks, vec![task.id]);
+        }
+    }
+    let job = &s.task_jobs(task.id).await.unwrap()[0];
+    assert_eq!(job.state, JobState::Failed);
+    let t = s.get_task(task.id).await.unwrap().unwrap();
+    assert_eq!(
+        t.stage, "failed",
+        "a task whose only job failed does not hang"
+    );
+    let events = s.task_events(task.id).await.unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(last.kind, "task.failed");
+    assert!(last.message.contains("lease expired"), "{}", last.message);
+}
+
+async fn retry_at_the_attempt_limit_is_a_failure(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "x").max_attempts(2))
+        .await
+        .unwrap();
+    let c = claim_one(s, "w").await;
+    s.mark_job(
+        c.lease,
+        JobOutcome::Retry {
+            error: "flaky".into(),
+            delay_ms: 500,
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    assert!(s.claim(&claim("w", 1)).await.unwrap().is_empty(), "backoff");
+    db.clock.advance_ms(500);
+    let c2 = claim_one(s, "w").await;
+    s.mark_job(
+        c2.lease,
+        JobOutcome::Retry {
+            error: "flaky".into(),
+            delay_ms: 500,
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let job = s.get_job(c.lease.job_id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Failed);
+    assert!(job.last_error.unwrap().contains("no attempts left"));
+}
+
+async fn heartbeat_extends_leases_and_reports_lost_ones(db: TestDb) {
+    let s = &db.store;
+    for i in 0..3 {
+        s.enqueue(NewJob::new("noop", format!("{i}")))
+            .await
+            .unwrap();
+    }
+    let claimed = s.claim(&claim("w", 3)).await.unwrap();
+    let leases: Vec<Lease> = claimed.iter().map(|c| c.lease).collect();
+    db.clock.advance_ms(LEASE - 1);
+    assert!(s.heartbeat("w", &leases, LEASE).await.unwrap().is_empty());
+    db.clock.advance_ms(LEASE - 1);
+    // Still alive thanks to the heartbeat.
+    let r = s.rescue_expired(Rescue::default()).await.unwrap();
+    assert!(r.requeued.is_empty());
+    // One job is cancelled: its heartbeat reports it lost. Another worker's name loses all.
+    s.cancel_job(leases[1].job_id).await.unwrap();
+    assert_eq!(
+        s.heartbeat("w", &leases, LEASE).await.unwrap(),
+        vec![leases[1]]
+    );
+    assert_eq!(s.heartbeat("other", &leases, LEASE).await.unwrap().len(), 3);
+}
+
+async fn release_does_not_spend_an_attempt(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "x").max_attempts(1))
+        .await
+        .unwrap();
+    let c = claim_one(s, "w").await;
+    assert_eq!(s.release(&[c.lease]).await.unwrap(), 1);
+    // The released job can run again even though max_attempts was 1.
+    let again = claim_one(s, "w2").await;
+    assert_eq!(again.lease.attempt, 2);
+    s.mark_job(again.lease, JobOutcome::Done, None)
+        .await
+        .unwrap();
+    // Releasing a lease that is already gone does nothing.
+    assert_eq!(s.release(&[c.lease]).await.unwrap(), 0);
+}
+
+async fn cancelled_job_fences_its_worker(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "x")).await.unwrap();
+    let c = claim_one(s, "w").await;
+    assert!(s.cancel_job(c.lease.job_id).await.unwrap());
+    assert!(
+        !s.cancel_job(c.lease.job_id).await.unwrap(),
+        "already ended"
+    );
+    let err = s
+        .mark_job(c.lease, JobOutcome::Done, None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("cancelled"), "{err}");
+    assert!(matches!(
+        s.cancel_job(987_654).await,
+        Err(StoreError::JobNotFound(987_654))
+    ));
+}
+
+async fn bad_job_input_is_refused(db: TestDb) {
+    let s = &db.store;
+    let cases = [
+        NewJob::new("noop", "x").delay_ms(-1),
+        NewJob::new("", "x"),
+        NewJob::new("bad kind with spaces", "x"),
+        NewJob::new("noop", "x").max_attempts(0),
+        NewJob::new("noop", "x".repeat(MAX_TASK_CONTENT + 1)),
+        NewJob::new("noop", "x").dedupe(""),
+    ];
+    for job in cases {
+        let err = s.enqueue(job.clone()).await.unwrap_err();
+        assert!(matches!(err, StoreError::Invalid(_)), "{job:?}: {err}");
+    }
+    let bad = s
+        .enqueue(NewJob::new("noop", "x").delay_s(-5))
+        .await
+        .unwrap_err();
+    assert!(bad.to_string().contains("negative"), "{bad}");
+    assert!(
+        s.claim(&claim("w", 10)).await.unwrap().is_empty(),
+        "nothing written"
+    );
+    assert!(matches!(
+        s.claim(&Claim {
+            limit: 0,
+            ..claim("w", 1)
+        })
+        .await,
+        Err(StoreError::Invalid(_))
+    ));
+}
+
+async fn work_item_ids_are_allocated_per_prefix(db: TestDb) {
+    let s = &db.store;
+    let a = new_task(s, false).await;
+    let b = new_task(s, false).await;
+    assert_eq!(a.work_item_id, "ORCH-1");
+    assert_eq!(b.work_item_id, "ORCH-2");
+    assert_eq!(b.branch, "orch/ORCH-2");
+    let other = s
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Exact("ORCH-115".into()),
+            repo: "svc".into(),
+            title: "t".into(),
+            body: String::new(),
+            stage: "intake".into(),
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new("task.submitted", "x"),
+            first_job: None,
+        })
+        .await
+        .unwrap();
+    assert_eq!(other.work_item_id, "ORCH-115");
+    assert_eq!(new_task(s, false).await.work_item_id, "ORCH-116");
+    let taken = s
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Exact("ORCH-115".into()),
+            repo: "svc".into(),
+            title: "t".into(),
+            body: String::new(),
+            stage: "intake".into(),
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new("task.submitted", "x"),
+            first_job: None,
+        })
+        .await;
+    assert!(matches!(taken, Err(StoreError::WorkItemTaken(_))));
+    let bad_prefix = s
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Next {
+                prefix: "OR%".into(),
+            },
+            repo: "svc".into(),
+            title: "t".into(),
+            body: String::new(),
+            stage: "intake".into(),
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new("task.submitted", "x"),
+            first_job: None,
+        })
+        .await;
+    assert!(matches!(bad_prefix, Err(StoreError::Invalid(_))));
+    assert_eq!(
+        s.get_task_by_work_item("ORCH-2").await.unwrap().unwrap().id,
+        b.id
+    );
+}
+
+async fn concurrent_task_creation_never_reuses_an_id(db: TestDb) {
+    let mut handles = Vec::new();
+    for _ in 0..4 {
+        let store = db.reopen().await;
+        handles.push(tokio::spawn(async move {
+            let mut ids = Vec::new();
+            for _ in 0..10 {
+                ids.push(new_task(&store, true).await.work_item_id);
+            }
+            ids
+        }));
+    }
+    let mut all = HashSet::new();
+    for h in handles {
+        for id in h.await.unwrap() {
+            assert!(all.insert(id.clone()), "{id} allocated twice");
+        }
+    }
+    assert_eq!(all.len(), 40);
+}
+
+async fn cleanup_keeps_jobs_of_unfinished_tasks(db: TestDb) {
+    let s = &db.store;
+    let live = new_task(s, true).await;
+    let c = claim_one(s, "w").await;
+    s.mark_job(c.lease, JobOutcome::Done, None).await.unwrap();
+    s.enqueue(NewJob::new("noop", "free-standing"))
+        .await
+        .unwrap();
+    let c2 = claim_one(s, "w").await;
+    s.mark_job(c2.lease, JobOutcome::Done, None).await.unwrap();
+    db.clock.advance_ms(1_000);
+    let deleted = s.cleanup_finished(db.clock.now_ms(), 100).await.unwrap();
+    assert_eq!(deleted, 1, "only the job without an unfinished task goes");
+    assert_eq!(s.task_jobs(live.id).await.unwrap().len(), 1);
+}
+
+async fn marker_counts_match_literal_substrings(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, false).await;
+    let marker = "[orch:staging-defer seq=4]";
+    for content in [
+        format!("deploy {marker}"),
+        format!("{marker} again"),
+        "deploy [orch:staging-defer seq=5]".to_owned(),
+        "no marker".to_owned(),
+        "100% _sure_".to_owned(),
+    ] {
+        s.enqueue(NewJob::new("deployer", content).task(task.id))
+            .await
+            .unwrap();
+    }
+    let count = |m: Option<&str>| JobCount {
+        task_id: task.id,
+        agent: "deployer".into(),
+        content_contains: m.map(str::to_owned),
+    };
+    assert_eq!(s.count_jobs(&count(Some(marker))).await.unwrap(), 2);
+    assert_eq!(s.count_jobs(&count(None)).await.unwrap(), 5);
+    // LIKE wildcards are literal here.
+    assert_eq!(s.count_jobs(&count(Some("%"))).await.unwrap(), 1);
+    assert_eq!(s.count_jobs(&count(Some("_sure_"))).await.unwrap(), 1);
+    assert_eq!(s.count_jobs(&count(Some("a_b"))).await.unwrap(), 0);
+}
+
+async fn complete_and_claim_reports_fenced_completions(db: TestDb) {
+    let s = &db.store;
+    for i in 0..4 {
+        s.enqueue(NewJob::new("noop", format!("{i}")))
+            .await
+            .unwrap();
+    }
+    let first = s.claim(&claim("w", 2)).await.unwrap();
+    let stale = Lease {
+        job_id: first[1].lease.job_id,
+        attempt: first[1].lease.attempt + 7,
+    };
+    let out = s
+        .complete_and_claim(&[first[0].lease, stale], Some(&claim("w", 2)))
+        .await
+        .unwrap();
+    assert_eq!(out.fenced, vec![stale]);
+    assert_eq!(out.claimed.len(), 2);
+    assert_eq!(
+        s.get_job(first[0].lease.job_id)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        JobState::Done
+    );
+    assert_eq!(
+        s.get_job(first[1].lease.job_id)
+            .await
+            .unwrap()
+            .unwrap()
+            .state,
+        JobState::Running
+    );
+    // Completion only, no claim.
+    let leases: Vec<Lease> = out.claimed.iter().map(|c| c.lease).collect();
+    let only = s.complete_and_claim(&leases, None).await.unwrap();
+    assert!(only.fenced.is_empty() && only.claimed.is_empty());
+}
+
+async fn claim_order_priority_and_node_affinity(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "low")).await.unwrap();
+    s.enqueue(NewJob::new("noop", "high").priority(10))
+        .await
+        .unwrap();
+    s.enqueue(NewJob::new("noop", "pinned").node("box-b").priority(20))
+        .await
+        .unwrap();
+    s.enqueue(NewJob::new("other", "other kind").priority(30))
+        .await
+        .unwrap();
+    let mut c = claim("a", 10);
+    c.node = Some("box-a".into());
+    c.kinds = vec!["noop".into()];
+    let got: Vec<String> = s
+        .claim(&c)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|c| c.job.task_content)
+        .collect();
+    assert_eq!(
+        got,
+        vec!["high", "low"],
+        "box-a never takes box-b's job or another kind"
+    );
+    c.node = Some("box-b".into());
+    let got = s.claim(&c).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0].job.task_content, "pinned");
+}
+
+async fn queue_stats_counts_kinds_and_leases(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("a", "1")).await.unwrap();
+    s.enqueue(NewJob::new("a", "2")).await.unwrap();
+    s.enqueue(NewJob::new("b", "3").delay_s(60)).await.unwrap();
+    db.clock.advance_ms(5_000);
+    let mut c = claim("w", 1);
+    c.kinds = vec!["a".into()];
+    let claimed = s.claim(&c).await.unwrap();
+    let stats = s.queue_stats().await.unwrap();
+    let get = |agent: &str, state: JobState| {
+        stats
+            .counts
+            .iter()
+            .find(|k| k.agent == agent && k.state == state)
+            .map_or(0, |k| k.count)
+    };
+    assert_eq!(get("a", JobState::Queued), 1);
+    assert_eq!(get("a", JobState::Running), 1);
+    assert_eq!(get("b", JobState::Queued), 1);
+    assert_eq!(
+        stats.oldest_ready_at,
+        Some(T0),
+        "the delayed job is not ready"
+    );
+    assert_eq!(stats.leases.len(), 1);
+    assert_eq!(stats.leases[0].job_id, claimed[0].lease.job_id);
+    assert_eq!(stats.leases[0].worker.as_deref(), Some("w"));
+    assert_eq!(stats.leases[0].expires_at, Some(T0 + 5_000 + LEASE));
+}
+
+async fn migrate_is_idempotent_and_versioned(db: TestDb) {
+    let s = &db.store;
+    assert_eq!(s.schema_version().await.unwrap(), SCHEMA_VERSION);
+    let again = s.migrate().await.unwrap();
+    assert!(again.applied.is_empty());
+    s.check_schema().await.unwrap();
+    // Concurrent migrations from several processes are safe.
+    let mut handles = Vec::new();
+    for _ in 0..3 {
+        let store = db.reopen().await;
+        handles.push(tokio::spawn(async move { store.migrate().await }));
+    }
+    for h in handles {
+        assert!(h.await.unwrap().unwrap().applied.is_empty());
+    }
+    let migrated = s.events_by_kind("schema.migrated", 0, 10).await.unwrap();
+    assert_eq!(migrated.len(), 1, "one record per applied migration");
+}
+
+async fn wakeups_fire_on_enqueue(db: TestDb) {
+    let s = &db.store;
+    let mut rx = s.wakeups();
+    // The PostgreSQL listener announces itself once connected; let that settle.
+    let _ = tokio::time::timeout(Duration::from_secs(5), rx.changed()).await;
+    rx.borrow_and_update();
+    let other = db.reopen().await;
+    other.enqueue(NewJob::new("noop", "x")).await.unwrap();
+    match s.backend() {
+        Backend::Postgres => {
+            tokio::time::timeout(Duration::from_secs(10), rx.changed())
+                .await
+                .expect("NOTIFY reaches the listener of another connection")
+                .unwrap();
+        }
+        Backend::Sqlite => {
+            // The in-process signal wakes the store that enqueued; other processes poll.
+            let mut own = other.wakeups();
+            own.borrow_and_update();
+            other.enqueue(NewJob::new("noop", "y")).await.unwrap();
+            tokio::time::timeout(Duration::from_secs(5), own.changed())
+                .await
+                .expect("in-process wake-up")
+                .unwrap();
+        }
+    }
+}
+
+async fn agent_runs_and_usage(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, false).await;
+    for (tokens, cost) in [(100, 0.5), (50, 0.25)] {
+        let id = s
+            .start_agent_run(NewAgentRun {
+                task_id: task.id,
+                job_id: None,
+                stage: "analysis".into(),
+                agent: "analyst".into(),
+                backend: "command".into(),
+                model: Some("m".into()),
+                attempt: 1,
+            })
+            .await
+            .unwrap();
+        db.clock.advance_ms(1_500);
+        s.finish_agent_run(
+            id,
+            AgentRunFinish {
+                outcome: "success".into(),
+                exit_code: Some(0),
+                input_tokens: Some(tokens),
+                output_tokens: Some(tokens / 2),
+                cost_usd: Some(cost),
+                error: None,
+                data: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    }
+    let runs = s.task_agent_runs(task.id).await.unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0].finished_at, Some(runs[0].started_at + 1_500));
+    assert_eq!(runs[0].data, "{}");
+    let usage = s.task_usage(task.id).await.unwrap();
+    assert_eq!(usage.runs, 2);
+    assert_eq!(usage.input_tokens, 150);
+    assert_eq!(usage.output_tokens, 75);
+    assert!((usage.cost_usd - 0.75).abs() < 1e-9);
+    let none = s.task_usage(task.id + 1000).await.unwrap();
+    assert_eq!(none, Usage::default());
+}
+
+async fn bulk_enqueue_skips_duplicates(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "pre").dedupe("d1"))
+        .await
+        .unwrap();
+    let jobs = vec![
+        NewJob::new("noop", "a").dedupe("d1"),
+        NewJob::new("noop", "b").dedupe("d2"),
+        NewJob::new("noop", "c"),
+        NewJob::new("noop", "d").delay_s(5),
+    ];
+    assert_eq!(s.enqueue_many(jobs).await.unwrap(), 3);
+    assert_eq!(s.claim(&claim("w", 10)).await.unwrap().len(), 3);
+    assert_eq!(s.enqueue_many(Vec::new()).await.unwrap(), 0);
+}
