@@ -257,12 +257,12 @@ impl Store {
         outcome: JobOutcome,
         event: Option<NewEvent>,
     ) -> Result<()> {
-        if let JobOutcome::Retry { delay_ms, .. } = &outcome {
-            if *delay_ms < 0 {
-                return Err(StoreError::Invalid(format!(
-                    "retry delay must not be negative, got {delay_ms} ms"
-                )));
-            }
+        if let JobOutcome::Retry { delay_ms, .. } = &outcome
+            && *delay_ms < 0
+        {
+            return Err(StoreError::Invalid(format!(
+                "retry delay must not be negative, got {delay_ms} ms"
+            )));
         }
         dispatch!(self, mark_job(lease, outcome, event))
     }

@@ -23,7 +23,7 @@ use crate::{Clock, ConnectOptions, stage_job_key};
 pub const CHANNEL: &str = "orch_jobs";
 
 /// Serializes concurrent `migrate` calls across processes.
-const MIGRATE_LOCK: i64 = 0x6f72_6368_6d69_67; // "orchmig"
+const MIGRATE_LOCK: i64 = 0x006f_7263_686d_6967; // "orchmig"
 
 #[derive(Debug, Clone)]
 pub struct PgStore {
@@ -511,10 +511,10 @@ impl PgStore {
                     .execute(&mut *tx)
                     .await?;
                 report.failed.push(id);
-                if let Some(task_id) = task_id {
-                    if fail_stranded_task(&mut tx, task_id, id, &error, now).await? {
-                        report.failed_tasks.push(task_id);
-                    }
+                if let Some(task_id) = task_id
+                    && fail_stranded_task(&mut tx, task_id, id, &error, now).await?
+                {
+                    report.failed_tasks.push(task_id);
                 }
             } else {
                 sqlx::query(sql::MARK_RETRY)

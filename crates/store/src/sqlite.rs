@@ -448,10 +448,10 @@ impl SqliteStore {
                     .execute(&mut *tx)
                     .await?;
                 report.failed.push(id);
-                if let Some(task_id) = task_id {
-                    if fail_stranded_task(&mut tx, task_id, id, &error, now).await? {
-                        report.failed_tasks.push(task_id);
-                    }
+                if let Some(task_id) = task_id
+                    && fail_stranded_task(&mut tx, task_id, id, &error, now).await?
+                {
+                    report.failed_tasks.push(task_id);
                 }
             } else {
                 sqlx::query(sql::MARK_RETRY)
