@@ -1,0 +1,671 @@
+//! The worker runtime: N concurrent job executions per process, fed by fetch loops that
+//! complete finished jobs and claim new ones in one transaction, a heartbeat that keeps every
+//! held lease alive (and stops handlers whose lease was lost), and a graceful shutdown that
+//! finishes within a grace period or gives the leases back.
+//!
+//! Two shapes, chosen by [`WorkerConfig::claim_batch`]:
+//! - per-job (`claim_batch = 1`): one fetch loop per slot; each loop marks its finished job done
+//!   and claims the next one in the same statement: one commit per job;
+//! - batched (`claim_batch > 1`): one fetch loop claims up to `claim_batch` jobs at a time into
+//!   a local buffer and marks finished jobs done in batches.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures::FutureExt;
+use orch_store::{Claim, ClaimedJob, Job, JobOutcome, Lease, Store, StoreError};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// What a handler tells the runtime about its job.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Mark the job done (batched with other completions).
+    Done,
+    /// Put the job back for another attempt after `delay` (failed at the attempt limit).
+    Retry { error: String, delay: Duration },
+    /// Fail the job for good.
+    Fail { error: String },
+    /// The handler already marked its own job with `mark_job` (or lost its lease doing so).
+    Marked,
+}
+
+/// Everything a handler gets for one job.
+#[derive(Debug, Clone)]
+pub struct JobContext {
+    pub job: Job,
+    pub lease: Lease,
+    pub store: Store,
+    pub worker_id: String,
+    /// Cancelled when the lease is lost or a hard shutdown begins: stop and return.
+    pub cancel: CancellationToken,
+}
+
+/// Runs jobs of one or more kinds.
+#[async_trait::async_trait]
+pub trait JobHandler: Send + Sync + 'static {
+    /// Runs one job. An `Err` is retried with backoff until the attempt limit.
+    async fn run(&self, cx: JobContext) -> anyhow::Result<Outcome>;
+}
+
+/// One registered kind: its handler and its wall-clock limit.
+#[derive(Clone)]
+struct Entry {
+    handler: Arc<dyn JobHandler>,
+    timeout: Duration,
+}
+
+/// Job kinds this process can run. A worker claims only these kinds.
+#[derive(Clone, Default)]
+pub struct Registry {
+    entries: HashMap<String, Entry>,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_set().entries(self.entries.keys()).finish()
+    }
+}
+
+impl Registry {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `handler` for `kind`; a job running longer than `timeout` is stopped and retried.
+    pub fn register(
+        &mut self,
+        kind: impl Into<String>,
+        timeout: Duration,
+        handler: Arc<dyn JobHandler>,
+    ) -> &mut Self {
+        self.entries
+            .insert(kind.into(), Entry { handler, timeout });
+        self
+    }
+
+    pub fn kinds(&self) -> Vec<String> {
+        let mut kinds: Vec<String> = self.entries.keys().cloned().collect();
+        kinds.sort();
+        kinds
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+/// How a worker process runs.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Recorded on every claimed job (`locked_by`); unique per process.
+    pub worker_id: String,
+    /// Jobs running at once in this process.
+    pub concurrency: usize,
+    /// 1: per-job mode; more: batched claims of up to this many jobs.
+    pub claim_batch: u32,
+    pub lease: Duration,
+    /// Fallback poll when no wake-up arrives (wake-ups can be lost).
+    pub poll_interval: Duration,
+    /// On shutdown, running jobs get this long to finish before their leases are released.
+    pub shutdown_grace: Duration,
+    /// This machine's node name, for jobs pinned to it.
+    pub node: Option<String>,
+}
+
+impl WorkerConfig {
+    pub fn new(worker_id: impl Into<String>) -> Self {
+        WorkerConfig {
+            worker_id: worker_id.into(),
+            concurrency: 4,
+            claim_batch: 4,
+            lease: Duration::from_secs(60),
+            poll_interval: Duration::from_secs(1),
+            shutdown_grace: Duration::from_secs(30),
+            node: None,
+        }
+    }
+
+    fn lease_ms(&self) -> i64 {
+        i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX)
+    }
+}
+
+/// A worker id unique enough across machines and restarts: `<host>-<pid>-<random>`.
+pub fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_owned())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "host".to_owned());
+    use std::hash::{BuildHasher, Hasher};
+    // RandomState is seeded randomly per process: enough to tell restarts of one pid apart.
+    let salt = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    format!("{host}-{}-{:04x}", std::process::id(), salt & 0xffff)
+}
+
+/// Live counters of one worker process (read by `/metrics` and the benchmark).
+#[derive(Debug, Default)]
+pub struct WorkerStats {
+    pub claimed: AtomicU64,
+    pub done: AtomicU64,
+    pub retried: AtomicU64,
+    pub failed: AtomicU64,
+    /// Completions refused because the lease was lost in the meantime.
+    pub fenced: AtomicU64,
+    pub leases_lost: AtomicU64,
+    pub released: AtomicU64,
+    /// Sum and count of enqueue-to-start delays (ms), for the mean pickup latency.
+    pub pickup_ms_sum: AtomicU64,
+    pub pickup_count: AtomicU64,
+    pub store_errors: AtomicU64,
+}
+
+/// Leases this process holds, with the token that stops their handler.
+type Held = Arc<Mutex<HashMap<i64, (Lease, CancellationToken)>>>;
+
+fn held_insert(held: &Held, lease: Lease, token: CancellationToken) {
+    if let Ok(mut map) = held.lock() {
+        map.insert(lease.job_id, (lease, token));
+    }
+}
+
+fn held_remove(held: &Held, job_id: i64) {
+    if let Ok(mut map) = held.lock() {
+        map.remove(&job_id);
+    }
+}
+
+fn held_contains(held: &Held, lease: &Lease) -> bool {
+    held.lock()
+        .map(|m| m.get(&lease.job_id).is_some_and(|(l, _)| l == lease))
+        .unwrap_or(false)
+}
+
+fn held_snapshot(held: &Held) -> Vec<(Lease, CancellationToken)> {
+    held.lock()
+        .map(|m| m.values().cloned().collect())
+        .unwrap_or_default()
+}
+
+/// A running worker process's job side.
+pub struct Worker {
+    store: Store,
+    registry: Arc<Registry>,
+    config: WorkerConfig,
+    stats: Arc<WorkerStats>,
+}
+
+impl Worker {
+    pub fn new(store: Store, registry: Registry, config: WorkerConfig) -> Self {
+        Worker {
+            store,
+            registry: Arc::new(registry),
+            config,
+            stats: Arc::new(WorkerStats::default()),
+        }
+    }
+
+    pub fn stats(&self) -> Arc<WorkerStats> {
+        self.stats.clone()
+    }
+
+    /// Runs until `stop` is cancelled, then shuts down gracefully (see module docs).
+    /// `hard_stop`, when cancelled, cuts the grace period short.
+    pub async fn run(self, stop: CancellationToken, hard_stop: CancellationToken) {
+        let held: Held = Arc::new(Mutex::new(HashMap::new()));
+        let heartbeat_stop = CancellationToken::new();
+        let heartbeat = tokio::spawn(heartbeat_loop(
+            self.store.clone(),
+            self.config.clone(),
+            held.clone(),
+            self.stats.clone(),
+            heartbeat_stop.clone(),
+        ));
+        let (loops, slots, batch, prefetch) = if self.config.claim_batch <= 1 {
+            (self.config.concurrency.max(1), 1, 1, 0)
+        } else {
+            let batch = self.config.claim_batch as usize;
+            (1, self.config.concurrency.max(1), batch, batch)
+        };
+        let mut fetchers = JoinSet::new();
+        for i in 0..loops {
+            let f = Fetcher {
+                store: self.store.clone(),
+                registry: self.registry.clone(),
+                config: self.config.clone(),
+                stats: self.stats.clone(),
+                held: held.clone(),
+                slots,
+                batch,
+                prefetch,
+                index: i,
+            };
+            fetchers.spawn(f.run(stop.clone(), hard_stop.clone()));
+        }
+        while fetchers.join_next().await.is_some() {}
+        heartbeat_stop.cancel();
+        let _ = heartbeat.await;
+        tracing::info!(worker = %self.config.worker_id, "worker stopped");
+    }
+}
+
+/// Extends every held lease every lease/3; cancels the handlers of leases that were lost.
+async fn heartbeat_loop(
+    store: Store,
+    config: WorkerConfig,
+    held: Held,
+    stats: Arc<WorkerStats>,
+    stop: CancellationToken,
+) {
+    let every = (config.lease / 3).max(Duration::from_millis(50));
+    loop {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(every) => {}
+        }
+        let snapshot = held_snapshot(&held);
+        if snapshot.is_empty() {
+            continue;
+        }
+        let leases: Vec<Lease> = snapshot.iter().map(|(l, _)| *l).collect();
+        match store
+            .heartbeat(&config.worker_id, &leases, config.lease_ms())
+            .await
+        {
+            Ok(lost) => {
+                for lease in lost {
+                    // Completions committed between the snapshot and the heartbeat also look
+                    // "lost"; only leases still held are.
+                    if !held_contains(&held, &lease) {
+                        continue;
+                    }
+                    tracing::warn!(job = lease.job_id, attempt = lease.attempt,
+                        "lease lost (rescued, cancelled or taken over); stopping its handler");
+                    stats.leases_lost.fetch_add(1, Ordering::Relaxed);
+                    if let Some((_, token)) = snapshot.iter().find(|(l, _)| *l == lease) {
+                        token.cancel();
+                    }
+                    held_remove(&held, lease.job_id);
+                }
+            }
+            Err(e) => {
+                stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(error = %e, "heartbeat failed; retrying at the next beat");
+            }
+        }
+    }
+}
+
+/// One claim/complete loop with `slots` concurrent executions.
+struct Fetcher {
+    store: Store,
+    registry: Arc<Registry>,
+    config: WorkerConfig,
+    stats: Arc<WorkerStats>,
+    held: Held,
+    slots: usize,
+    batch: usize,
+    prefetch: usize,
+    index: usize,
+}
+
+type Finished = (Lease, Result<Outcome, String>);
+
+impl Fetcher {
+    async fn run(self, stop: CancellationToken, hard_stop: CancellationToken) {
+        let kinds = self.registry.kinds();
+        let mut wake = self.store.wakeups();
+        let mut running: JoinSet<Finished> = JoinSet::new();
+        let mut buffer: VecDeque<ClaimedJob> = VecDeque::new();
+        let mut pending_done: Vec<Lease> = Vec::new();
+        let mut next_poll = Instant::now();
+        let mut error_backoff = Duration::from_millis(50);
+        // Stagger loops a little so per-job loops do not claim in lockstep.
+        if self.index > 0 {
+            tokio::time::sleep(Duration::from_millis(self.index as u64)).await;
+        }
+        loop {
+            let stopping = stop.is_cancelled();
+            while let Some(res) = running.try_join_next() {
+                self.finish(res, &mut pending_done).await;
+            }
+            self.start_buffered(&mut buffer, &mut running);
+            let capacity = self.slots + self.prefetch;
+            let want = if stopping || kinds.is_empty() {
+                0
+            } else {
+                let have = running.len() + buffer.len();
+                if buffer.len() < self.slots.max(1).div_ceil(2).max(1) || self.prefetch == 0 {
+                    capacity.saturating_sub(have).min(self.batch)
+                } else {
+                    0
+                }
+            };
+            let flush = !pending_done.is_empty()
+                && (want > 0 || running.is_empty() || pending_done.len() >= self.batch.max(1));
+            if want > 0 || flush {
+                let claim = (want > 0).then(|| Claim {
+                    worker_id: self.config.worker_id.clone(),
+                    limit: want as u32,
+                    lease_ms: self.config.lease_ms(),
+                    kinds: kinds.clone(),
+                    node: self.config.node.clone(),
+                });
+                match self
+                    .store
+                    .complete_and_claim(&pending_done, claim.as_ref())
+                    .await
+                {
+                    Ok(out) => {
+                        error_backoff = Duration::from_millis(50);
+                        self.settle_done(&pending_done, &out.fenced);
+                        pending_done.clear();
+                        let got = out.claimed.len();
+                        self.accept(out.claimed, &mut buffer);
+                        self.start_buffered(&mut buffer, &mut running);
+                        if want > 0 && got == want {
+                            // The queue had at least as much as we asked for: ask again soon.
+                            next_poll = Instant::now();
+                            continue;
+                        }
+                        if want > 0 {
+                            next_poll = Instant::now() + self.idle_sleep(&kinds).await;
+                        }
+                    }
+                    Err(e) => {
+                        self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, "claim/complete failed; retrying with backoff");
+                        tokio::time::sleep(error_backoff).await;
+                        error_backoff = (error_backoff * 2).min(Duration::from_secs(5));
+                        continue;
+                    }
+                }
+            }
+            if stopping && running.is_empty() && pending_done.is_empty() {
+                self.release_buffer(&mut buffer).await;
+                return;
+            }
+            if stopping {
+                self.drain(&mut running, &mut pending_done, &hard_stop, &mut buffer)
+                    .await;
+                continue;
+            }
+            tokio::select! {
+                res = running.join_next(), if !running.is_empty() => {
+                    if let Some(res) = res {
+                        self.finish(res, &mut pending_done).await;
+                    }
+                }
+                changed = wake.changed() => {
+                    if changed.is_err() {
+                        // The store's wake-up source is gone; rely on polling.
+                        wake = self.store.wakeups();
+                    }
+                }
+                _ = tokio::time::sleep_until(next_poll.into()) => {
+                    next_poll = Instant::now() + self.config.poll_interval;
+                }
+                _ = stop.cancelled() => {}
+            }
+        }
+    }
+
+    /// How long to sleep when the queue had nothing: until the next delayed job, at most the
+    /// poll interval.
+    async fn idle_sleep(&self, kinds: &[String]) -> Duration {
+        let poll = self.config.poll_interval;
+        match self
+            .store
+            .next_available_at(kinds, self.config.node.as_deref())
+            .await
+        {
+            Ok(Some(at)) => {
+                let wait = at.saturating_sub(self.store.now_ms()).max(0);
+                Duration::from_millis(u64::try_from(wait).unwrap_or(0)).min(poll)
+            }
+            _ => poll,
+        }
+    }
+
+    fn accept(&self, claimed: Vec<ClaimedJob>, buffer: &mut VecDeque<ClaimedJob>) {
+        let now = self.store.now_ms();
+        for c in claimed {
+            self.stats.claimed.fetch_add(1, Ordering::Relaxed);
+            let pickup = now.saturating_sub(c.job.available_at).max(0);
+            self.stats
+                .pickup_ms_sum
+                .fetch_add(u64::try_from(pickup).unwrap_or(0), Ordering::Relaxed);
+            self.stats.pickup_count.fetch_add(1, Ordering::Relaxed);
+            held_insert(&self.held, c.lease, CancellationToken::new());
+            buffer.push_back(c);
+        }
+    }
+
+    fn start_buffered(&self, buffer: &mut VecDeque<ClaimedJob>, running: &mut JoinSet<Finished>) {
+        while running.len() < self.slots {
+            let Some(c) = buffer.pop_front() else { return };
+            let token = match self.held.lock() {
+                Ok(map) => match map.get(&c.lease.job_id) {
+                    Some((l, t)) if *l == c.lease => t.clone(),
+                    // Lost while waiting in the buffer: do not run it.
+                    _ => continue,
+                },
+                Err(_) => continue,
+            };
+            let Some(entry) = self.registry.entries.get(&c.job.agent).cloned() else {
+                // Claimed only registered kinds; a missing entry is a bug, not input.
+                tracing::error!(kind = %c.job.agent, "claimed a kind with no handler");
+                continue;
+            };
+            let cx = JobContext {
+                job: c.job,
+                lease: c.lease,
+                store: self.store.clone(),
+                worker_id: self.config.worker_id.clone(),
+                cancel: token,
+            };
+            running.spawn(execute(entry, cx));
+        }
+    }
+
+    /// Routes a finished execution: done → the batched fast path; the rest → `mark_job`.
+    async fn finish(
+        &self,
+        res: Result<Finished, tokio::task::JoinError>,
+        pending_done: &mut Vec<Lease>,
+    ) {
+        let (lease, result) = match res {
+            Ok(f) => f,
+            // `execute` catches panics; a join error here means the runtime is shutting down.
+            Err(e) => {
+                tracing::error!(error = %e, "job execution task ended abnormally");
+                return;
+            }
+        };
+        if !held_contains(&self.held, &lease) {
+            // The lease was lost while the handler ran; whatever it returned cannot be recorded.
+            return;
+        }
+        let outcome = match result {
+            Ok(o) => o,
+            Err(error) => {
+                let attempt = u32::try_from(lease.attempt.clamp(1, 20)).unwrap_or(1);
+                Outcome::Retry {
+                    error,
+                    delay: Duration::from_secs(1) * 2u32.pow(attempt - 1),
+                }
+            }
+        };
+        let (store_outcome, counter) = match outcome {
+            Outcome::Done => {
+                pending_done.push(lease);
+                return;
+            }
+            Outcome::Marked => {
+                held_remove(&self.held, lease.job_id);
+                return;
+            }
+            Outcome::Retry { error, delay } => (
+                JobOutcome::Retry {
+                    error,
+                    delay_ms: i64::try_from(delay.as_millis()).unwrap_or(i64::MAX),
+                },
+                &self.stats.retried,
+            ),
+            Outcome::Fail { error } => (JobOutcome::Failed { error }, &self.stats.failed),
+        };
+        match self.store.mark_job(lease, store_outcome, None).await {
+            Ok(()) => {
+                counter.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(StoreError::LeaseLost { .. }) => {
+                self.stats.fenced.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(job = lease.job_id, attempt = lease.attempt,
+                    "could not record the job's failure: its lease was lost");
+            }
+            Err(e) => {
+                self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(job = lease.job_id, error = %e,
+                    "could not record the job's failure; its lease will expire and it will be rescued");
+            }
+        }
+        held_remove(&self.held, lease.job_id);
+    }
+
+    fn settle_done(&self, done: &[Lease], fenced: &[Lease]) {
+        for lease in done {
+            held_remove(&self.held, lease.job_id);
+            if fenced.contains(lease) {
+                self.stats.fenced.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(job = lease.job_id, attempt = lease.attempt,
+                    "job finished but its lease was lost before it could be marked done; \
+                     it was not recorded and will run again under its new attempt");
+            } else {
+                self.stats.done.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Shutdown: wait for running jobs (up to the grace, or until the hard stop), then cancel the
+    /// rest and give their leases back.
+    async fn drain(
+        &self,
+        running: &mut JoinSet<Finished>,
+        pending_done: &mut Vec<Lease>,
+        hard_stop: &CancellationToken,
+        buffer: &mut VecDeque<ClaimedJob>,
+    ) {
+        self.release_buffer(buffer).await;
+        if running.is_empty() {
+            return;
+        }
+        let deadline = tokio::time::sleep(self.config.shutdown_grace);
+        tokio::pin!(deadline);
+        loop {
+            tokio::select! {
+                res = running.join_next() => match res {
+                    Some(res) => self.finish(res, pending_done).await,
+                    None => return,
+                },
+                _ = &mut deadline => break,
+                _ = hard_stop.cancelled() => break,
+            }
+        }
+        // Out of time: stop the handlers and release their leases.
+        let leases: Vec<Lease> = held_snapshot(&self.held)
+            .into_iter()
+            .filter(|(l, _)| !pending_done.contains(l))
+            .map(|(l, t)| {
+                t.cancel();
+                l
+            })
+            .collect();
+        running.abort_all();
+        while running.join_next().await.is_some() {}
+        self.release(&leases).await;
+    }
+
+    async fn release_buffer(&self, buffer: &mut VecDeque<ClaimedJob>) {
+        let leases: Vec<Lease> = buffer.drain(..).map(|c| c.lease).collect();
+        self.release(&leases).await;
+    }
+
+    async fn release(&self, leases: &[Lease]) {
+        if leases.is_empty() {
+            return;
+        }
+        match self.store.release(leases).await {
+            Ok(n) => {
+                self.stats.released.fetch_add(n, Ordering::Relaxed);
+                tracing::info!(released = n, "gave unfinished jobs back to the queue");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "could not release leases; they will expire and be rescued")
+            }
+        }
+        for l in leases {
+            held_remove(&self.held, l.job_id);
+        }
+    }
+}
+
+/// Runs one job: the handler races its timeout and its cancellation; a panic is caught and
+/// becomes a retryable error.
+async fn execute(entry: Entry, cx: JobContext) -> Finished {
+    let lease = cx.lease;
+    let cancel = cx.cancel.clone();
+    let kind = cx.job.agent.clone();
+    let timeout = entry.timeout;
+    let handler = entry.handler;
+    let work = AssertUnwindSafe(handler.run(cx)).catch_unwind();
+    let result = tokio::select! {
+        r = work => match r {
+            Ok(Ok(outcome)) => Ok(outcome),
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(panic) => Err(format!("handler for {kind} panicked: {}", panic_text(&panic))),
+        },
+        _ = tokio::time::sleep(timeout) => {
+            cancel.cancel();
+            Err(format!("{kind} job timed out after {}s", timeout.as_secs()))
+        }
+        _ = cancel.cancelled() => Err("cancelled: lease lost or shutting down".to_owned()),
+    };
+    (lease, result)
+}
+
+fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
+    if let Some(s) = p.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = p.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_owned()
+    }
+}
+
+/// A handler from an async closure (tests, built-in kinds).
+pub fn handler_fn<F, Fut>(f: F) -> Arc<dyn JobHandler>
+where
+    F: Fn(JobContext) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = anyhow::Result<Outcome>> + Send + 'static,
+{
+    struct FnHandler<F>(F);
+    #[async_trait::async_trait]
+    impl<F, Fut> JobHandler for FnHandler<F>
+    where
+        F: Fn(JobContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = anyhow::Result<Outcome>> + Send + 'static,
+    {
+        async fn run(&self, cx: JobContext) -> anyhow::Result<Outcome> {
+            (self.0)(cx).await
+        }
+    }
+    Arc::new(FnHandler(f))
+}
