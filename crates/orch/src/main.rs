@@ -1,1 +1,57 @@
-fn main() {}
+//! The `orch` binary: argument parsing, wiring and exit codes. Every command's work lives in a
+//! library crate; this crate only connects them (see ARCHITECTURE.md).
+
+mod cli;
+mod cmd;
+mod config;
+mod context;
+mod output;
+mod signals;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = cli::Cli::parse();
+    init_tracing(cli.global.verbose, cli.global.quiet);
+    // reqwest is built without a default crypto provider (no cmake here): pick ring once.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("orch")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("orch: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    let result = runtime.block_on(cmd::run(cli));
+    // Do not wait for stray blocking tasks (e.g. a hung stdin reader) on the way out.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(2));
+    match result {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("orch: error: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn init_tracing(verbose: u8, quiet: bool) {
+    use tracing_subscriber::EnvFilter;
+    let default = match (quiet, verbose) {
+        (true, _) => "error",
+        (false, 0) => "warn,orch=info,orch_runner=info",
+        (false, 1) => "info",
+        (false, _) => "debug,sqlx=warn,hyper=info",
+    };
+    let filter = EnvFilter::try_from_env("ORCH_LOG").unwrap_or_else(|_| EnvFilter::new(default));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .try_init();
+}

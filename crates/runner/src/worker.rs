@@ -83,8 +83,7 @@ impl Registry {
         timeout: Duration,
         handler: Arc<dyn JobHandler>,
     ) -> &mut Self {
-        self.entries
-            .insert(kind.into(), Entry { handler, timeout });
+        self.entries.insert(kind.into(), Entry { handler, timeout });
         self
     }
 
@@ -286,8 +285,11 @@ async fn heartbeat_loop(
                     if !held_contains(&held, &lease) {
                         continue;
                     }
-                    tracing::warn!(job = lease.job_id, attempt = lease.attempt,
-                        "lease lost (rescued, cancelled or taken over); stopping its handler");
+                    tracing::warn!(
+                        job = lease.job_id,
+                        attempt = lease.attempt,
+                        "lease lost (rescued, cancelled or taken over); stopping its handler"
+                    );
                     stats.leases_lost.fetch_add(1, Ordering::Relaxed);
                     if let Some((_, token)) = snapshot.iter().find(|(l, _)| *l == lease) {
                         token.cancel();
@@ -527,8 +529,11 @@ impl Fetcher {
             }
             Err(StoreError::LeaseLost { .. }) => {
                 self.stats.fenced.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(job = lease.job_id, attempt = lease.attempt,
-                    "could not record the job's failure: its lease was lost");
+                tracing::warn!(
+                    job = lease.job_id,
+                    attempt = lease.attempt,
+                    "could not record the job's failure: its lease was lost"
+                );
             }
             Err(e) => {
                 self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
@@ -544,9 +549,12 @@ impl Fetcher {
             held_remove(&self.held, lease.job_id);
             if fenced.contains(lease) {
                 self.stats.fenced.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(job = lease.job_id, attempt = lease.attempt,
+                tracing::warn!(
+                    job = lease.job_id,
+                    attempt = lease.attempt,
                     "job finished but its lease was lost before it could be marked done; \
-                     it was not recorded and will run again under its new attempt");
+                     it was not recorded and will run again under its new attempt"
+                );
             } else {
                 self.stats.done.fetch_add(1, Ordering::Relaxed);
             }

@@ -1,0 +1,127 @@
+//! Command-line grammar. Flags override `ORCH_*` environment variables, which override
+//! `orch.toml`, which overrides built-in defaults.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "orch",
+    version,
+    about = "A restart-safe orchestrator for AI-agent delivery pipelines"
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Args)]
+pub struct Global {
+    /// The config file (its directory is the project root: `.orch/` lives beside it).
+    #[arg(long, global = true, env = "ORCH_CONFIG", default_value = "orch.toml")]
+    pub config: PathBuf,
+    /// Database: `sqlite:///path/orch.db` or `postgres://user@host/db`. Default: `.orch/orch.db`
+    /// beside the config file.
+    #[arg(long, global = true, env = "ORCH_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Machine-readable output.
+    #[arg(long, global = true)]
+    pub json: bool,
+    /// More logging (-v, -vv). `ORCH_LOG` takes a full filter.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+    /// Only errors.
+    #[arg(short, long, global = true)]
+    pub quiet: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Create `orch.toml` and the embedded database `.orch/orch.db` in the current directory.
+    Init(InitArgs),
+    /// Bring the database schema up to date (safe to run from many processes at once).
+    Migrate,
+    /// Run the API, workers and maintenance in one process.
+    Serve(ServeArgs),
+    /// Run workers and maintenance only (scale-out: many of these can share one PostgreSQL).
+    Worker(WorkerArgs),
+    /// Show the queue: jobs by state and by agent, oldest queued age, live leases.
+    Queue,
+    /// Benchmarks that print figures (never pass/fail).
+    #[command(subcommand)]
+    Bench(BenchCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct InitArgs {
+    /// Overwrite an existing orch.toml.
+    #[arg(long)]
+    pub force: bool,
+}
+
+#[derive(Debug, Args, Clone)]
+pub struct WorkerArgs {
+    /// Jobs running at once in this process.
+    #[arg(long, env = "ORCH_WORKERS")]
+    pub concurrency: Option<usize>,
+    /// Claim up to this many jobs per statement (1 = one claim per job).
+    #[arg(long, default_value_t = 4)]
+    pub claim_batch: u32,
+    /// Lease length in milliseconds (a dead worker's jobs are rescued after this).
+    #[arg(long, env = "ORCH_LEASE_MS")]
+    pub lease_ms: Option<u64>,
+    /// Seconds running jobs get to finish on shutdown before their leases are released.
+    #[arg(long, default_value_t = 30)]
+    pub grace_s: u64,
+    /// This machine's node name (jobs pinned to a node run only there).
+    #[arg(long, env = "ORCH_NODE")]
+    pub node: Option<String>,
+    /// Worker id recorded on claimed jobs (default: host-pid-random).
+    #[arg(long)]
+    pub worker_id: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    #[command(flatten)]
+    pub worker: WorkerArgs,
+    /// Address of the HTTP API and dashboard.
+    #[arg(long, env = "ORCH_BIND")]
+    pub bind: Option<String>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Queue throughput and pickup latency of the built-in no-op job.
+    Queue(BenchQueueArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchQueueArgs {
+    /// Which backends to measure.
+    #[arg(long, value_enum, default_value = "all")]
+    pub backend: BenchBackend,
+    /// PostgreSQL server for the run; a fresh schema in its `orch_test` database is used.
+    #[arg(
+        long,
+        env = "ORCH_TEST_PG_URL",
+        default_value = "postgres://root@127.0.0.1:5432/test"
+    )]
+    pub pg_url: String,
+    /// Jobs per throughput run.
+    #[arg(long, default_value_t = 20_000)]
+    pub jobs: usize,
+    /// Jobs for the latency run (enqueued one at a time into an idle queue).
+    #[arg(long, default_value_t = 300)]
+    pub latency_jobs: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum BenchBackend {
+    Sqlite,
+    Postgres,
+    All,
+}

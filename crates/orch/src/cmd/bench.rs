@@ -1,0 +1,241 @@
+//! `orch bench queue`: the peers' method (../shared/bench/README.md) applied to orch's queue.
+//! Workload A: bulk-enqueue N no-op jobs (chunks of 5,000), then drain them with P "processes"
+//! (each its own connection pool and worker runtime, in this process) × C concurrency, timing
+//! until no unfinished job is left (polled every 50 ms). Workload B: one idle worker
+//! (concurrency 1); 200 times, enqueue one job and wait for its handler to start; idle gaps of
+//! 20–100 ms. Figures are printed, never asserted.
+
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use orch_runner::builtin;
+use orch_runner::worker::{Outcome, Registry, Worker, WorkerConfig, handler_fn};
+use orch_store::{ConnectOptions, JobState, NewJob, Store};
+use rand::{Rng as _, SeedableRng as _};
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{BenchBackend, BenchQueueArgs};
+use crate::context::Context;
+
+struct Target {
+    name: &'static str,
+    url: String,
+    _dir: Option<tempfile::TempDir>,
+}
+
+pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
+    let mut results = Vec::new();
+    for backend in ["sqlite", "postgres"] {
+        let wanted = matches!(
+            (args.backend, backend),
+            (BenchBackend::All, _)
+                | (BenchBackend::Sqlite, "sqlite")
+                | (BenchBackend::Postgres, "postgres")
+        );
+        if !wanted {
+            continue;
+        }
+        for (procs, conc) in [(1usize, 8usize), (2, 4)] {
+            for batch in [1u32, 16] {
+                let target = fresh_target(backend, &args).await?;
+                let r = throughput(&target, args.jobs, procs, conc, batch).await?;
+                eprintln!(
+                    "{backend:<8} {procs}x{conc} {:<8} enqueue {:>9.0}/s  drain {:>8.0} jobs/s",
+                    if batch == 1 { "per-job" } else { "batched" },
+                    r.enqueue_per_s,
+                    r.jobs_per_s
+                );
+                results.push(serde_json::json!({
+                    "backend": target.name, "processes": procs, "concurrency": conc,
+                    "mode": if batch == 1 { "per-job" } else { "batched" },
+                    "claim_batch": batch, "jobs": args.jobs,
+                    "bulk_enqueue_per_s": r.enqueue_per_s.round(),
+                    "jobs_per_s": r.jobs_per_s.round(),
+                }));
+            }
+        }
+        let target = fresh_target(backend, &args).await?;
+        let l = latency(&target, args.latency_jobs).await?;
+        eprintln!(
+            "{backend:<8} latency p50 {:.2} ms  p95 {:.2} ms  p99 {:.2} ms  (enqueue call p50 {:.2} ms)",
+            l.p50, l.p95, l.p99, l.enqueue_p50
+        );
+        results.push(serde_json::json!({
+            "backend": target.name, "workload": "latency", "samples": args.latency_jobs,
+            "p50_ms": round2(l.p50), "p95_ms": round2(l.p95), "p99_ms": round2(l.p99),
+            "enqueue_call_p50_ms": round2(l.enqueue_p50),
+        }));
+    }
+    if cx.json {
+        crate::output::print_json(&serde_json::Value::Array(results));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn round2(x: f64) -> f64 {
+    (x * 100.0).round() / 100.0
+}
+
+async fn fresh_target(backend: &'static str, args: &BenchQueueArgs) -> Result<Target> {
+    if backend == "sqlite" {
+        let dir = tempfile::tempdir().context("cannot create a temp dir for the bench database")?;
+        let url = format!("sqlite://{}", dir.path().join("bench.db").display());
+        return Ok(Target {
+            name: "sqlite",
+            url,
+            _dir: Some(dir),
+        });
+    }
+    // SAFETY of the env var: read only by the testing helper, set before any worker starts.
+    unsafe { std::env::set_var("ORCH_TEST_PG_URL", &args.pg_url) };
+    let url = orch_store::testing::fresh_pg_schema().await;
+    Ok(Target {
+        name: "postgres",
+        url,
+        _dir: None,
+    })
+}
+
+async fn open(target: &Target, pool: u32) -> Result<Store> {
+    let store = Store::connect(
+        &target.url,
+        ConnectOptions {
+            create_if_missing: true,
+            max_connections: pool,
+            ..ConnectOptions::default()
+        },
+    )
+    .await?;
+    store.migrate().await?;
+    Ok(store)
+}
+
+struct Throughput {
+    enqueue_per_s: f64,
+    jobs_per_s: f64,
+}
+
+async fn throughput(
+    target: &Target,
+    n: usize,
+    procs: usize,
+    conc: usize,
+    batch: u32,
+) -> Result<Throughput> {
+    let store = open(target, 4).await?;
+    let t0 = Instant::now();
+    let mut left = n;
+    while left > 0 {
+        let chunk = left.min(5_000);
+        let jobs = (0..chunk).map(|_| NewJob::new(builtin::NOOP, "")).collect();
+        store.enqueue_many(jobs).await?;
+        left -= chunk;
+    }
+    let enqueue_per_s = n as f64 / t0.elapsed().as_secs_f64();
+    let mut workers = Vec::new();
+    let stop = CancellationToken::new();
+    let start = Instant::now();
+    for p in 0..procs {
+        let s = open(target, u32::try_from(conc + 2).unwrap_or(10)).await?;
+        let mut registry = Registry::new();
+        builtin::register(&mut registry);
+        let mut config = WorkerConfig::new(format!("bench-{p}"));
+        config.concurrency = conc;
+        config.claim_batch = batch;
+        config.poll_interval = Duration::from_millis(200);
+        workers.push(tokio::spawn(
+            Worker::new(s, registry, config).run(stop.clone(), CancellationToken::new()),
+        ));
+    }
+    loop {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let stats = store.queue_stats().await?;
+        let unfinished: i64 = stats
+            .counts
+            .iter()
+            .filter(|c| matches!(c.state, JobState::Queued | JobState::Running))
+            .map(|c| c.count)
+            .sum();
+        if unfinished == 0 {
+            break;
+        }
+    }
+    let elapsed = start.elapsed().as_secs_f64();
+    stop.cancel();
+    for w in workers {
+        let _ = w.await;
+    }
+    store.close().await;
+    Ok(Throughput {
+        enqueue_per_s,
+        jobs_per_s: n as f64 / elapsed,
+    })
+}
+
+struct Latency {
+    p50: f64,
+    p95: f64,
+    p99: f64,
+    enqueue_p50: f64,
+}
+
+async fn latency(target: &Target, samples: usize) -> Result<Latency> {
+    let store = open(target, 4).await?;
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
+    let mut registry = Registry::new();
+    registry.register(
+        "bench.latency",
+        Duration::from_secs(60),
+        handler_fn(move |_cx| {
+            let tx = tx.clone();
+            async move {
+                let _ = tx.send(Instant::now());
+                Ok(Outcome::Done)
+            }
+        }),
+    );
+    let mut config = WorkerConfig::new("bench-latency");
+    config.concurrency = 1;
+    config.claim_batch = 1;
+    let stop = CancellationToken::new();
+    let worker = tokio::spawn(
+        Worker::new(open(target, 4).await?, registry, config)
+            .run(stop.clone(), CancellationToken::new()),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+    let mut lat = Vec::with_capacity(samples);
+    let mut enq = Vec::with_capacity(samples);
+    for i in 0..samples {
+        let t0 = Instant::now();
+        store
+            .enqueue(NewJob::new("bench.latency", format!("{i}")))
+            .await?;
+        enq.push(t0.elapsed().as_secs_f64() * 1000.0);
+        let t1 = tokio::time::timeout(Duration::from_secs(30), rx.recv())
+            .await
+            .context("a latency job was not picked up within 30 s")?
+            .context("the latency worker stopped")?;
+        lat.push(t1.duration_since(t0).as_secs_f64() * 1000.0);
+        tokio::time::sleep(Duration::from_millis(rng.random_range(20..=100))).await;
+    }
+    stop.cancel();
+    let _ = worker.await;
+    store.close().await;
+    Ok(Latency {
+        p50: percentile(&mut lat, 0.50),
+        p95: percentile(&mut lat, 0.95),
+        p99: percentile(&mut lat, 0.99),
+        enqueue_p50: percentile(&mut enq, 0.50),
+    })
+}
+
+fn percentile(v: &mut [f64], q: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    let idx = ((v.len() as f64 - 1.0) * q).round() as usize;
+    v[idx.min(v.len() - 1)]
+}

@@ -1,0 +1,55 @@
+//! One module per subcommand; `run` dispatches.
+
+mod bench;
+mod init;
+mod queue;
+mod worker;
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use orch_store::ConnectOptions;
+
+use crate::cli::{BenchCommand, Cli, Command};
+use crate::context::Context;
+
+pub async fn run(cli: Cli) -> Result<ExitCode> {
+    let cx = Context::new(&cli.global)?;
+    match cli.command {
+        Command::Init(args) => init::run(&cx, args).await,
+        Command::Migrate => migrate(&cx).await,
+        Command::Serve(args) => worker::serve(&cx, args).await,
+        Command::Worker(args) => worker::run(&cx, args).await,
+        Command::Queue => queue::run(&cx).await,
+        Command::Bench(BenchCommand::Queue(args)) => bench::queue(&cx, args).await,
+    }
+}
+
+async fn migrate(cx: &Context) -> Result<ExitCode> {
+    let store = cx.open_store_with(ConnectOptions::default(), false).await?;
+    let report = store.migrate().await?;
+    if cx.json {
+        crate::output::print_json(&serde_json::json!({
+            "database": store.target(),
+            "from": report.from,
+            "to": report.to,
+            "applied": report.applied,
+        }));
+    } else if report.applied.is_empty() {
+        println!(
+            "{}: schema is up to date (version {})",
+            store.target(),
+            report.to
+        );
+    } else {
+        println!(
+            "{}: migrated from version {} to {} ({})",
+            store.target(),
+            report.from,
+            report.to,
+            report.applied.join(", ")
+        );
+    }
+    store.close().await;
+    Ok(ExitCode::SUCCESS)
+}

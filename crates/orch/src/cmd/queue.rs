@@ -1,0 +1,97 @@
+//! `orch queue`: the queue at a glance.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+
+use anyhow::Result;
+
+use crate::context::Context;
+use crate::output::{age, print_json, table};
+
+pub async fn run(cx: &Context) -> Result<ExitCode> {
+    let store = cx.open_store().await?;
+    let stats = store.queue_stats().await?;
+    let stages = store.count_tasks_by_stage().await?;
+    store.close().await;
+    let mut by_state: BTreeMap<&str, i64> = BTreeMap::new();
+    let mut by_agent: BTreeMap<&str, BTreeMap<&str, i64>> = BTreeMap::new();
+    for c in &stats.counts {
+        *by_state.entry(c.state.as_str()).or_default() += c.count;
+        *by_agent
+            .entry(c.agent.as_str())
+            .or_default()
+            .entry(c.state.as_str())
+            .or_default() += c.count;
+    }
+    let oldest_ms = stats.oldest_ready_at.map(|at| (stats.now - at).max(0));
+    if cx.json {
+        print_json(&serde_json::json!({
+            "jobs_by_state": by_state,
+            "jobs_by_agent": by_agent,
+            "oldest_queued_age_s": oldest_ms.map(|ms| ms as f64 / 1000.0),
+            "tasks_by_stage": stages.iter().cloned().collect::<BTreeMap<String, i64>>(),
+            "leases": stats.leases.iter().map(|l| serde_json::json!({
+                "job_id": l.job_id, "task_id": l.task_id, "agent": l.agent,
+                "worker": l.worker, "attempt": l.attempt,
+                "expires_in_s": l.expires_at.map(|at| (at - stats.now) as f64 / 1000.0),
+            })).collect::<Vec<_>>(),
+        }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let states = ["queued", "running", "done", "failed", "cancelled"];
+    let summary: Vec<String> = states
+        .iter()
+        .map(|s| format!("{s} {}", by_state.get(s).copied().unwrap_or(0)))
+        .collect();
+    println!("jobs: {}", summary.join(", "));
+    match oldest_ms {
+        Some(ms) => println!("oldest ready job waiting: {}", age(ms)),
+        None => println!("no job is waiting"),
+    }
+    if !by_agent.is_empty() {
+        let mut headers = vec!["agent"];
+        headers.extend(states);
+        let rows: Vec<Vec<String>> = by_agent
+            .iter()
+            .map(|(agent, m)| {
+                let mut row = vec![(*agent).to_owned()];
+                row.extend(
+                    states
+                        .iter()
+                        .map(|s| m.get(s).copied().unwrap_or(0).to_string()),
+                );
+                row
+            })
+            .collect();
+        print!("\n{}", table(&headers, &rows));
+    }
+    if !stages.is_empty() {
+        let rows: Vec<Vec<String>> = stages
+            .iter()
+            .map(|(s, n)| vec![s.clone(), n.to_string()])
+            .collect();
+        print!("\n{}", table(&["stage", "tasks"], &rows));
+    }
+    if !stats.leases.is_empty() {
+        let rows: Vec<Vec<String>> = stats
+            .leases
+            .iter()
+            .map(|l| {
+                vec![
+                    l.job_id.to_string(),
+                    l.agent.clone(),
+                    l.worker.clone().unwrap_or_default(),
+                    l.attempt.to_string(),
+                    l.expires_at
+                        .map(|at| age(at - stats.now))
+                        .unwrap_or_default(),
+                ]
+            })
+            .collect();
+        print!(
+            "\n{}",
+            table(&["job", "agent", "worker", "attempt", "expires in"], &rows)
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,463 @@
+//! The worker runtime against both backends: every job runs exactly once in both claim shapes,
+//! shutdown drains or gives leases back, a lost lease stops its handler, and errors, panics and
+//! timeouts become retries.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use orch_runner::builtin;
+use orch_runner::worker::{Outcome, Registry, Worker, WorkerConfig, handler_fn};
+use orch_store::testing::TestDb;
+use orch_store::{JobState, NewJob, Rescue, Store};
+use tokio_util::sync::CancellationToken;
+
+macro_rules! both {
+    ($($case:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(orch_store::testing::TestDb::sqlite().await).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    super::$case(orch_store::testing::TestDb::postgres().await).await;
+                }
+            )*
+        }
+    };
+}
+
+both!(
+    every_job_runs_exactly_once_per_job_mode,
+    every_job_runs_exactly_once_batched,
+    two_workers_share_the_queue_without_running_a_job_twice,
+    shutdown_lets_running_jobs_finish_within_the_grace,
+    shutdown_past_the_grace_releases_leases_without_spending_attempts,
+    lost_lease_stops_the_handler_and_its_result_is_not_recorded,
+    errors_panics_and_timeouts_become_retries,
+    kinds_without_a_handler_are_never_claimed,
+);
+
+fn config(concurrency: usize, batch: u32) -> WorkerConfig {
+    let mut c = WorkerConfig::new(format!("test-{concurrency}-{batch}"));
+    c.concurrency = concurrency;
+    c.claim_batch = batch;
+    c.lease = Duration::from_secs(30);
+    c.poll_interval = Duration::from_millis(50);
+    c.shutdown_grace = Duration::from_secs(5);
+    c
+}
+
+struct Running {
+    stop: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    fn start(store: &Store, registry: Registry, config: WorkerConfig) -> Running {
+        let stop = CancellationToken::new();
+        let worker = Worker::new(store.clone(), registry, config);
+        let handle = tokio::spawn(worker.run(stop.clone(), CancellationToken::new()));
+        Running { stop, handle }
+    }
+
+    async fn shutdown(self) {
+        self.stop.cancel();
+        tokio::time::timeout(Duration::from_secs(30), self.handle)
+            .await
+            .expect("worker stops within 30s")
+            .expect("worker task did not panic");
+    }
+}
+
+/// Waits (up to 60 s) until `f` holds.
+async fn eventually<F, Fut>(what: &str, mut f: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..1200 {
+        if f().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+async fn job_states(store: &Store, ids: &[i64]) -> HashMap<JobState, usize> {
+    let mut counts = HashMap::new();
+    for id in ids {
+        let job = store.get_job(*id).await.unwrap().expect("job exists");
+        *counts.entry(job.state).or_insert(0) += 1;
+    }
+    counts
+}
+
+async fn effects_per_job(store: &Store) -> HashMap<i64, usize> {
+    let mut per_job = HashMap::new();
+    let mut after = 0;
+    loop {
+        let page = store
+            .events_by_kind(builtin::EFFECT, after, 1000)
+            .await
+            .unwrap();
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        for e in &page {
+            *per_job
+                .entry(e.job_id.expect("effect names its job"))
+                .or_insert(0) += 1;
+        }
+    }
+    per_job
+}
+
+async fn enqueue_effects(store: &Store, n: usize) -> Vec<i64> {
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let e = store
+            .enqueue(NewJob::new(builtin::EFFECT, format!("effect {i}")))
+            .await
+            .unwrap();
+        ids.push(e.job_id);
+    }
+    ids
+}
+
+async fn run_to_completion(db: &TestDb, workers: Vec<WorkerConfig>, n: usize) {
+    let ids = enqueue_effects(&db.store, n).await;
+    let running: Vec<Running> = workers
+        .into_iter()
+        .map(|c| {
+            let mut r = Registry::new();
+            builtin::register(&mut r);
+            Running::start(&db.store, r, c)
+        })
+        .collect();
+    let store = db.store.clone();
+    let want = ids.clone();
+    eventually("all jobs done", || {
+        let store = store.clone();
+        let want = want.clone();
+        async move { job_states(&store, &want).await.get(&JobState::Done) == Some(&want.len()) }
+    })
+    .await;
+    for r in running {
+        r.shutdown().await;
+    }
+    let effects = effects_per_job(&db.store).await;
+    assert_eq!(effects.len(), n, "every job had an effect");
+    for id in &ids {
+        assert_eq!(effects.get(id), Some(&1), "job {id} had exactly one effect");
+    }
+}
+
+async fn every_job_runs_exactly_once_per_job_mode(db: TestDb) {
+    run_to_completion(&db, vec![config(4, 1)], 300).await;
+}
+
+async fn every_job_runs_exactly_once_batched(db: TestDb) {
+    run_to_completion(&db, vec![config(4, 8)], 300).await;
+}
+
+async fn two_workers_share_the_queue_without_running_a_job_twice(db: TestDb) {
+    let mut a = config(3, 1);
+    a.worker_id = "worker-a".into();
+    let mut b = config(3, 6);
+    b.worker_id = "worker-b".into();
+    run_to_completion(&db, vec![a, b], 400).await;
+}
+
+/// A registry with one kind, `slow`, whose handler sleeps `sleep` and counts starts/finishes.
+fn slow_registry(sleep: Duration, started: Arc<AtomicU64>, finished: Arc<AtomicU64>) -> Registry {
+    let mut r = Registry::new();
+    r.register(
+        "slow",
+        Duration::from_secs(60),
+        handler_fn(move |cx| {
+            let started = started.clone();
+            let finished = finished.clone();
+            async move {
+                started.fetch_add(1, Ordering::SeqCst);
+                tokio::select! {
+                    _ = tokio::time::sleep(sleep) => {}
+                    _ = cx.cancel.cancelled() => return Err(anyhow::anyhow!("cancelled")),
+                }
+                finished.fetch_add(1, Ordering::SeqCst);
+                Ok(Outcome::Done)
+            }
+        }),
+    );
+    r
+}
+
+async fn shutdown_lets_running_jobs_finish_within_the_grace(db: TestDb) {
+    let started = Arc::new(AtomicU64::new(0));
+    let finished = Arc::new(AtomicU64::new(0));
+    let mut ids = Vec::new();
+    for i in 0..2 {
+        ids.push(
+            db.store
+                .enqueue(NewJob::new("slow", format!("{i}")))
+                .await
+                .unwrap()
+                .job_id,
+        );
+    }
+    let r = Running::start(
+        &db.store,
+        slow_registry(
+            Duration::from_millis(600),
+            started.clone(),
+            finished.clone(),
+        ),
+        config(2, 1),
+    );
+    let s = started.clone();
+    eventually("both jobs started", || {
+        let s = s.clone();
+        async move { s.load(Ordering::SeqCst) == 2 }
+    })
+    .await;
+    r.shutdown().await;
+    assert_eq!(finished.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        job_states(&db.store, &ids).await.get(&JobState::Done),
+        Some(&2)
+    );
+}
+
+async fn shutdown_past_the_grace_releases_leases_without_spending_attempts(db: TestDb) {
+    let started = Arc::new(AtomicU64::new(0));
+    let finished = Arc::new(AtomicU64::new(0));
+    let id = db
+        .store
+        .enqueue(NewJob::new("slow", "x").max_attempts(1))
+        .await
+        .unwrap()
+        .job_id;
+    let mut c = config(1, 1);
+    c.shutdown_grace = Duration::from_millis(200);
+    let r = Running::start(
+        &db.store,
+        slow_registry(Duration::from_secs(120), started.clone(), finished.clone()),
+        c,
+    );
+    let s = started.clone();
+    eventually("job started", || {
+        let s = s.clone();
+        async move { s.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    r.shutdown().await;
+    assert_eq!(finished.load(Ordering::SeqCst), 0);
+    let job = db.store.get_job(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Queued, "released, not failed: {job:?}");
+    // With max_attempts = 1 a spent attempt would make the next run fail at once; a second
+    // worker must be able to run it to the end.
+    let r = Running::start(
+        &db.store,
+        slow_registry(Duration::from_millis(10), started.clone(), finished.clone()),
+        config(1, 1),
+    );
+    let store = db.store.clone();
+    eventually("released job done", || {
+        let store = store.clone();
+        async move { store.get_job(id).await.unwrap().unwrap().state == JobState::Done }
+    })
+    .await;
+    r.shutdown().await;
+}
+
+struct CountOnDrop(Arc<AtomicU64>);
+
+impl Drop for CountOnDrop {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+async fn lost_lease_stops_the_handler_and_its_result_is_not_recorded(db: TestDb) {
+    let started = Arc::new(AtomicU64::new(0));
+    let cancelled = Arc::new(AtomicU64::new(0));
+    let mut r = Registry::new();
+    {
+        let started = started.clone();
+        let cancelled = cancelled.clone();
+        r.register(
+            "held",
+            Duration::from_secs(60),
+            handler_fn(move |cx| {
+                let started = started.clone();
+                let cancelled = cancelled.clone();
+                async move {
+                    // Stopped = returned after the cancel or dropped by the runtime: either way
+                    // the guard counts it.
+                    let _guard = CountOnDrop(cancelled);
+                    started.fetch_add(1, Ordering::SeqCst);
+                    cx.cancel.cancelled().await;
+                    Ok(Outcome::Done)
+                }
+            }),
+        );
+    }
+    let id = db
+        .store
+        .enqueue(NewJob::new("held", "x"))
+        .await
+        .unwrap()
+        .job_id;
+    let mut c = config(1, 1);
+    c.lease = Duration::from_millis(600);
+    let worker = Running::start(&db.store, r, c);
+    let s = started.clone();
+    eventually("handler started", || {
+        let s = s.clone();
+        async move { s.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    // Another process decides the lease expired (store time jumps past it) and rescues the job.
+    db.clock.advance_ms(10_000);
+    let report = db
+        .store
+        .rescue_expired(Rescue {
+            backoff_base_ms: 3_600_000,
+            backoff_max_ms: 3_600_000,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(report.requeued, vec![id]);
+    let c2 = cancelled.clone();
+    eventually("handler stopped by the heartbeat", || {
+        let c2 = c2.clone();
+        async move { c2.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    worker.shutdown().await;
+    let job = db.store.get_job(id).await.unwrap().unwrap();
+    assert_eq!(
+        job.state,
+        JobState::Queued,
+        "the stale handler's Done was not recorded: {job:?}"
+    );
+    assert_eq!(job.attempt, 1);
+}
+
+async fn errors_panics_and_timeouts_become_retries(db: TestDb) {
+    let mut r = Registry::new();
+    r.register(
+        "err",
+        Duration::from_secs(60),
+        handler_fn(|_cx| async { Err(anyhow::anyhow!("boom: disk on fire")) }),
+    );
+    r.register(
+        "panic",
+        Duration::from_secs(60),
+        handler_fn(|_cx| async { panic!("handler bug") }),
+    );
+    r.register(
+        "hang",
+        Duration::from_millis(200),
+        handler_fn(|_cx| async {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+            Ok(Outcome::Done)
+        }),
+    );
+    r.register(
+        "fail",
+        Duration::from_secs(60),
+        handler_fn(|_cx| async {
+            Ok(Outcome::Fail {
+                error: "bad input".into(),
+            })
+        }),
+    );
+    let mut ids = HashMap::new();
+    for kind in ["err", "panic", "hang", "fail"] {
+        ids.insert(
+            kind,
+            db.store
+                .enqueue(NewJob::new(kind, "x").max_attempts(2))
+                .await
+                .unwrap()
+                .job_id,
+        );
+    }
+    let w = Running::start(&db.store, r, config(4, 1));
+    let store = db.store.clone();
+    let want: Vec<i64> = ids.values().copied().collect();
+    eventually("every job left running", || {
+        let store = store.clone();
+        let want = want.clone();
+        async move {
+            let s = job_states(&store, &want).await;
+            s.get(&JobState::Running).is_none()
+                && s.values().sum::<usize>() == 4
+                && s.get(&JobState::Queued).copied().unwrap_or(0)
+                    + s.get(&JobState::Failed).copied().unwrap_or(0)
+                    == 4
+        }
+    })
+    .await;
+    w.shutdown().await;
+    for (kind, want_error) in [
+        ("err", "boom: disk on fire"),
+        ("panic", "handler bug"),
+        ("hang", "timed out"),
+    ] {
+        let job = db.store.get_job(ids[kind]).await.unwrap().unwrap();
+        assert_eq!(job.state, JobState::Queued, "{kind} is retried: {job:?}");
+        assert!(
+            job.available_at > job.created_at,
+            "{kind} retry is delayed (backoff)"
+        );
+        let err = job.last_error.unwrap_or_default();
+        assert!(
+            err.contains(want_error),
+            "{kind}: error {err:?} mentions {want_error:?}"
+        );
+    }
+    let failed = db.store.get_job(ids["fail"]).await.unwrap().unwrap();
+    assert_eq!(failed.state, JobState::Failed);
+    assert_eq!(
+        failed.attempt, 1,
+        "an explicit failure is final, no second attempt"
+    );
+}
+
+async fn kinds_without_a_handler_are_never_claimed(db: TestDb) {
+    let stranger = db
+        .store
+        .enqueue(NewJob::new("no-such-kind", "x"))
+        .await
+        .unwrap()
+        .job_id;
+    let known = db
+        .store
+        .enqueue(NewJob::new(builtin::NOOP, "x"))
+        .await
+        .unwrap()
+        .job_id;
+    let mut r = Registry::new();
+    builtin::register(&mut r);
+    let w = Running::start(&db.store, r, config(2, 4));
+    let store = db.store.clone();
+    eventually("known job done", || {
+        let store = store.clone();
+        async move { store.get_job(known).await.unwrap().unwrap().state == JobState::Done }
+    })
+    .await;
+    w.shutdown().await;
+    let job = db.store.get_job(stranger).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Queued);
+    assert_eq!(job.attempt, 0, "never claimed");
+}
