@@ -10,3 +10,15 @@ pub mod config;
 pub mod gate;
 pub mod ids;
 pub mod pipeline;
+
+/// Property tests run from a fixed seed so that every run checks the same cases and a failure
+/// replays exactly; nothing is written next to the sources.
+#[cfg(test)]
+pub(crate) fn proptest_config(cases: u32) -> proptest::test_runner::Config {
+    proptest::test_runner::Config {
+        cases,
+        rng_seed: proptest::test_runner::RngSeed::Fixed(0x00c4_2026),
+        failure_persistence: None,
+        ..proptest::test_runner::Config::default()
+    }
+}
