@@ -111,6 +111,14 @@ macro_rules! string_newtype {
             pub fn as_str(&self) -> &str {
                 &self.0
             }
+
+            /// A name written in this crate's source. Tests validate every such constant
+            /// (the default pipeline is checked by `Pipeline::validate`).
+            #[allow(dead_code)]
+            pub(crate) fn known(s: &'static str) -> Self {
+                debug_assert!($check(s).is_ok(), "bad built-in name {s:?}");
+                Self(s.to_owned())
+            }
         }
 
         impl fmt::Display for $name {
