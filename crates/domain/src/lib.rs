@@ -4,6 +4,15 @@
 //! Invariant: nothing in this crate does I/O, reads a clock or spawns a process. Time, file
 //! contents and environment variables are passed in by the caller, so every function here is
 //! deterministic and testable without setup.
+//!
+//! Map:
+//! - [`ids`]: validated names (`WorkItemId`, `RepoName`, `ArtifactName`, ...). Hostile input is
+//!   rejected here, once.
+//! - [`artifact`]: `NN-name.md` files: frontmatter (ordered, duplicate keys rejected) + body.
+//! - [`gate`]: conservative checks of artifacts; only an exact, valid status is a pass.
+//! - [`pipeline`]: the stages as data and `decide`, the only place that picks a next stage.
+//! - [`config`]: the `orch.toml` model, `ORCH_*` overrides and the `orch init` template.
+#![warn(missing_docs)]
 
 pub mod artifact;
 pub mod config;
