@@ -1,0 +1,1567 @@
+//! The `orch.toml` configuration model: settings, managed repos with their commands, agent
+//! backends and pipeline overrides (SPEC §9).
+//!
+//! The text and the environment are passed in, so loading is pure and testable; the CLI reads
+//! the file and hands over `std::env::var`. Unknown keys are errors (a typo must not silently
+//! fall back to a default), every `[settings]` key can be overridden by an `ORCH_<KEY>`
+//! variable, and every error names the section and key (or variable) at fault. Secrets are
+//! never stored: agents name the environment variable that holds their API key.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+
+use serde::Deserialize;
+
+use crate::ids::{AgentName, Prefix, RepoName, StageName, WorkItemId};
+use crate::pipeline::{Pipeline, StageKind};
+
+/// A value that must not appear in logs: `Debug` prints `***`.
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a secret value.
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the one place that needs it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// The whole configuration.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    /// `[settings]`: process-wide settings.
+    #[serde(default)]
+    pub settings: Settings,
+    /// `[repos.<name>]`: the managed repos.
+    #[serde(default)]
+    pub repos: BTreeMap<RepoName, RepoConfig>,
+    /// `[agents.<name>]`: the LLM agent backends.
+    #[serde(default)]
+    pub agents: BTreeMap<AgentName, AgentConfig>,
+    /// `[pipeline]`: overrides of the default pipeline.
+    #[serde(default)]
+    pub pipeline: PipelineConfig,
+}
+
+/// `[settings]`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Settings {
+    /// Where repos are cloned and kept (`<repos_dir>/<repo>`). Default `.orch/repos`.
+    pub repos_dir: String,
+    /// `postgres://…` to share one queue between machines; unset means embedded SQLite.
+    pub database_url: Option<String>,
+    /// Address of the HTTP API and dashboard. Default `127.0.0.1:7878`.
+    pub bind: String,
+    /// Bearer token required by mutating API calls.
+    pub token: Option<Secret>,
+    /// Concurrent jobs per process. Default 4.
+    pub workers: u32,
+    /// Job lease length in seconds. Default 60.
+    pub lease_s: u64,
+    /// Queue polling interval in milliseconds, the fallback to notifications. Default 1000.
+    pub poll_interval_ms: u64,
+    /// Loops back to implementation allowed per work item. Default 3.
+    pub max_loops: u32,
+    /// Agent runs at once, across all work items. Default 2.
+    pub agent_concurrency: u32,
+    /// Token budget per work item; a run that would exceed it is not started.
+    pub max_tokens_per_item: Option<u64>,
+    /// Cost budget per work item in US dollars.
+    pub max_cost_usd_per_item: Option<f64>,
+    /// Default wall-clock timeout of an agent run, in seconds. Default 1800.
+    pub agent_timeout_s: u64,
+    /// This machine's node name, for job affinity; unset means the host name.
+    pub node: Option<String>,
+}
+
+impl Default for Settings {
+    fn default() -> Settings {
+        Settings {
+            repos_dir: ".orch/repos".to_owned(),
+            database_url: None,
+            bind: "127.0.0.1:7878".to_owned(),
+            token: None,
+            workers: 4,
+            lease_s: 60,
+            poll_interval_ms: 1000,
+            max_loops: crate::pipeline::DEFAULT_MAX_LOOPS,
+            agent_concurrency: 2,
+            max_tokens_per_item: None,
+            max_cost_usd_per_item: None,
+            agent_timeout_s: 1800,
+            node: None,
+        }
+    }
+}
+
+/// `[repos.<name>]`: one managed repo and its commands.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RepoConfig {
+    /// A local checkout to work from.
+    pub path: Option<String>,
+    /// A remote to clone from and push to.
+    pub url: Option<String>,
+    /// The branch work is merged into. Default `main`.
+    #[serde(default = "default_branch")]
+    pub default_branch: String,
+    /// The work item id prefix of this repo (`ORCH` for `ORCH-115`).
+    pub prefix: Prefix,
+    /// The verification command (stage `verification`, and the merge gate).
+    pub test: Option<String>,
+    /// Timeout of the test command, in seconds. Default 1800.
+    #[serde(default = "default_test_timeout_s")]
+    pub test_timeout_s: u64,
+    /// Staging steps, run in order (build, deploy to staging, ...).
+    #[serde(default)]
+    pub staging: Vec<StepConfig>,
+    /// Smoke checks run after the staging steps.
+    #[serde(default)]
+    pub staging_smoke: Vec<StepConfig>,
+    /// The production deploy command.
+    pub deploy: Option<String>,
+    /// Timeout of the deploy and rollback commands, in seconds. Default 900.
+    #[serde(default = "default_deploy_timeout_s")]
+    pub deploy_timeout_s: u64,
+    /// The rollback command, run when the post-deploy watch decides FAILED.
+    pub rollback: Option<String>,
+    /// Health endpoint polled after a deploy.
+    pub health_url: Option<String>,
+    /// Endpoint answering the live revision.
+    pub revision_url: Option<String>,
+    /// How the merge gate merges. Default `ff`.
+    #[serde(default)]
+    pub merge_strategy: MergeStrategy,
+    /// `[repos.<name>.post_deploy]`: the post-deploy watch.
+    #[serde(default)]
+    pub post_deploy: PostDeployConfig,
+    /// Tool-error defers of the staging runner before the result is FAILED. Default 2.
+    #[serde(default = "default_staging_defer_limit")]
+    pub staging_defer_limit: u32,
+    /// The repo's lessons file, relative to its root. Default `LESSONS.md`.
+    #[serde(default = "default_lessons_file")]
+    pub lessons_file: String,
+}
+
+fn default_branch() -> String {
+    "main".to_owned()
+}
+
+fn default_test_timeout_s() -> u64 {
+    1800
+}
+
+fn default_deploy_timeout_s() -> u64 {
+    900
+}
+
+fn default_staging_defer_limit() -> u32 {
+    2
+}
+
+fn default_lessons_file() -> String {
+    "LESSONS.md".to_owned()
+}
+
+fn default_step_timeout_s() -> u64 {
+    600
+}
+
+/// One staging step or smoke check.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct StepConfig {
+    /// The step's name, shown in the staging log.
+    pub name: String,
+    /// The shell command.
+    pub run: String,
+    /// Timeout in seconds. Default 600.
+    #[serde(default = "default_step_timeout_s")]
+    pub timeout_s: u64,
+}
+
+/// How the merge gate merges a branch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MergeStrategy {
+    /// Fast-forward only, after bringing the branch up to date.
+    #[default]
+    Ff,
+    /// A merge commit.
+    Merge,
+}
+
+/// `[repos.<name>.post_deploy]`: the post-deploy watch (seed 002).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PostDeployConfig {
+    /// Length of the watch, in seconds. Default 600.
+    pub window_s: u64,
+    /// Time between polls, in seconds. Default 30.
+    pub interval_s: u64,
+    /// Wait before the first poll, in seconds. Default 30.
+    pub initial_delay_s: u64,
+    /// Timeout of one poll's requests, in seconds. Default 10.
+    pub poll_timeout_s: u64,
+}
+
+impl Default for PostDeployConfig {
+    fn default() -> PostDeployConfig {
+        PostDeployConfig {
+            window_s: 600,
+            interval_s: 30,
+            initial_delay_s: 30,
+            poll_timeout_s: 10,
+        }
+    }
+}
+
+/// `[agents.<name>]`: an agent backend.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Which kind of backend.
+    pub backend: Backend,
+    /// The program to run (`command` backend; overrides a preset's program).
+    pub command: Option<String>,
+    /// Extra arguments.
+    #[serde(default)]
+    pub args: Vec<String>,
+    /// How the prompt reaches the program. Default `stdin`.
+    #[serde(default)]
+    pub prompt_via: PromptVia,
+    /// The model to ask for.
+    pub model: Option<String>,
+    /// The chat endpoint (`openai` backend).
+    pub endpoint: Option<String>,
+    /// The name of the environment variable holding the API key (never the key itself).
+    pub api_key_env: Option<String>,
+    /// Wall-clock timeout of a run in seconds; default `settings.agent_timeout_s`.
+    pub timeout_s: Option<u64>,
+}
+
+/// Agent backend kinds (SPEC §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Any CLI.
+    Command,
+    /// Claude Code preset (`claude -p --output-format json`).
+    Claude,
+    /// Codex CLI preset (`codex exec --json`).
+    Codex,
+    /// Aider preset.
+    Aider,
+    /// An OpenAI-compatible chat endpoint.
+    Openai,
+}
+
+/// How a `command` backend receives its prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptVia {
+    /// On standard input.
+    #[default]
+    Stdin,
+    /// In a file whose path is in `ORCH_PROMPT_FILE`.
+    File,
+}
+
+/// `[pipeline]`: overrides of the default pipeline.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct PipelineConfig {
+    /// Overrides `settings.max_loops` (`ORCH_MAX_LOOPS` overrides both).
+    pub max_loops: Option<u32>,
+    /// `[pipeline.stages.<stage>]`: per-stage overrides.
+    pub stages: BTreeMap<StageName, StageOverride>,
+}
+
+/// `[pipeline.stages.<stage>]`.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct StageOverride {
+    /// The agent of an LLM stage (must have an `[agents.<name>]` section).
+    pub agent: Option<AgentName>,
+    /// Whether the task waits for `orch approve` before the stage runs.
+    pub approval: Option<bool>,
+}
+
+/// Why a configuration cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The TOML is malformed, has an unknown key or a value of the wrong type.
+    #[error("{}{}: {message}", section_label(section), line.map(|l| format!(" (line {l})")).unwrap_or_default())]
+    Parse {
+        /// The `[section]` the error is in, `None` at the top level.
+        section: Option<String>,
+        /// The line, when known.
+        line: Option<usize>,
+        /// What is wrong.
+        message: String,
+    },
+    /// An `ORCH_…` environment variable has a bad value.
+    #[error("environment variable {var}={value:?}: {reason}")]
+    Env {
+        /// The variable.
+        var: String,
+        /// Its value.
+        value: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A value parses but cannot be used.
+    #[error("[{section}] {key}: {reason}")]
+    Invalid {
+        /// The section (`settings`, `repos.app`, ...).
+        section: String,
+        /// The key.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn section_label(section: &Option<String>) -> String {
+    match section {
+        Some(s) => format!("[{s}]"),
+        None => "top level".to_owned(),
+    }
+}
+
+fn invalid(section: impl Into<String>, key: &str, reason: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        section: section.into(),
+        key: key.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// The agents of deterministic stages: built into orch, not configured in `[agents]`.
+pub const BUILT_IN_AGENTS: [&str; 5] = [
+    "tester",
+    "merge-gate",
+    "deployer",
+    "post-deploy-monitor",
+    "lessons",
+];
+
+impl Config {
+    /// Parses `orch.toml` text, applies `ORCH_…` overrides read through `env`, and validates.
+    /// An empty variable counts as unset.
+    pub fn from_toml_str(
+        text: &str,
+        env: &impl Fn(&str) -> Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let mut config: Config = toml::from_str(text).map_err(|e| parse_error(text, &e))?;
+        config.apply_env(env)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Applies the `ORCH_<SETTING>` environment overrides to `[settings]`.
+    fn apply_env(&mut self, env: &impl Fn(&str) -> Option<String>) -> Result<(), ConfigError> {
+        let get = |var: &str| env(var).filter(|v| !v.is_empty());
+        let s = &mut self.settings;
+        if let Some(v) = get("ORCH_REPOS_DIR") {
+            s.repos_dir = v;
+        }
+        if let Some(v) = get("ORCH_DATABASE_URL") {
+            s.database_url = Some(v);
+        }
+        if let Some(v) = get("ORCH_BIND") {
+            s.bind = v;
+        }
+        if let Some(v) = get("ORCH_TOKEN") {
+            s.token = Some(Secret(v));
+        }
+        if let Some(v) = get("ORCH_NODE") {
+            s.node = Some(v);
+        }
+        env_number(&get, "ORCH_WORKERS", &mut s.workers)?;
+        env_number(&get, "ORCH_LEASE_S", &mut s.lease_s)?;
+        env_number(&get, "ORCH_POLL_INTERVAL_MS", &mut s.poll_interval_ms)?;
+        env_number(&get, "ORCH_AGENT_CONCURRENCY", &mut s.agent_concurrency)?;
+        env_number(&get, "ORCH_AGENT_TIMEOUT_S", &mut s.agent_timeout_s)?;
+        if env_number(&get, "ORCH_MAX_LOOPS", &mut s.max_loops)? {
+            self.pipeline.max_loops = None;
+        }
+        let mut tokens = 0u64;
+        if env_number(&get, "ORCH_MAX_TOKENS_PER_ITEM", &mut tokens)? {
+            s.max_tokens_per_item = Some(tokens);
+        }
+        let mut cost = 0f64;
+        if env_number(&get, "ORCH_MAX_COST_USD_PER_ITEM", &mut cost)? {
+            s.max_cost_usd_per_item = Some(cost);
+        }
+        Ok(())
+    }
+
+    /// Checks everything a parse cannot: settings in range, each repo usable, prefixes
+    /// unique, agents complete, pipeline overrides naming known stages and agents.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_settings()?;
+        let mut prefixes: BTreeMap<&Prefix, &RepoName> = BTreeMap::new();
+        for (name, repo) in &self.repos {
+            validate_repo(name, repo)?;
+            if let Some(other) = prefixes.insert(&repo.prefix, name) {
+                return Err(invalid(
+                    format!("repos.{name}"),
+                    "prefix",
+                    format!(
+                        "prefix `{}` is already used by [repos.{other}]",
+                        repo.prefix
+                    ),
+                ));
+            }
+        }
+        for (name, agent) in &self.agents {
+            validate_agent(name, agent)?;
+        }
+        self.pipeline().map(|_| ())
+    }
+
+    fn validate_settings(&self) -> Result<(), ConfigError> {
+        let s = &self.settings;
+        let at_least_one = [
+            ("workers", s.workers.into()),
+            ("lease_s", s.lease_s),
+            ("poll_interval_ms", s.poll_interval_ms),
+            ("agent_concurrency", s.agent_concurrency.into()),
+            ("agent_timeout_s", s.agent_timeout_s),
+        ];
+        for (key, value) in at_least_one {
+            if value == 0 {
+                return Err(invalid("settings", key, "must be at least 1"));
+            }
+        }
+        if s.repos_dir.trim().is_empty() {
+            return Err(invalid("settings", "repos_dir", "must not be empty"));
+        }
+        check_bind(&s.bind).map_err(|reason| invalid("settings", "bind", reason))?;
+        if let Some(url) = &s.database_url
+            && !(url.starts_with("postgres://")
+                || url.starts_with("postgresql://")
+                || url.starts_with("sqlite:"))
+        {
+            return Err(invalid(
+                "settings",
+                "database_url",
+                "expected a `postgres://…`, `postgresql://…` or `sqlite:…` URL",
+            ));
+        }
+        if let Some(token) = &s.token
+            && token.expose().trim().is_empty()
+        {
+            return Err(invalid("settings", "token", "must not be blank"));
+        }
+        if let Some(cost) = s.max_cost_usd_per_item
+            && !(cost.is_finite() && cost >= 0.0)
+        {
+            return Err(invalid(
+                "settings",
+                "max_cost_usd_per_item",
+                "must be a non-negative number",
+            ));
+        }
+        if let Some(node) = &s.node
+            && !is_node_name(node)
+        {
+            return Err(invalid(
+                "settings",
+                "node",
+                "expected 1 to 64 characters of A-Z, a-z, 0-9, `.`, `_`, `-`",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The default pipeline with the `[pipeline]` overrides applied, validated.
+    pub fn pipeline(&self) -> Result<Pipeline, ConfigError> {
+        let mut pipeline = Pipeline::default_pipeline();
+        pipeline.max_loops = self.pipeline.max_loops.unwrap_or(self.settings.max_loops);
+        for (stage, over) in &self.pipeline.stages {
+            let section = format!("pipeline.stages.{stage}");
+            let names: Vec<String> = pipeline.stages.iter().map(|d| d.name.to_string()).collect();
+            let Some(def) = pipeline.stage_mut(stage) else {
+                return Err(invalid(
+                    section,
+                    stage.as_str(),
+                    format!("unknown stage; the stages are {}", names.join(", ")),
+                ));
+            };
+            if let Some(agent) = &over.agent {
+                if def.kind == StageKind::Deterministic {
+                    let built_in = def.agent.as_ref().map_or("-", |a| a.as_str());
+                    return Err(invalid(
+                        section,
+                        "agent",
+                        format!(
+                            "stage `{stage}` is run by built-in `{built_in}`; its agent cannot be changed"
+                        ),
+                    ));
+                }
+                def.agent = Some(agent.clone());
+            }
+            if let Some(approval) = over.approval {
+                def.approval = approval;
+            }
+        }
+        for def in &pipeline.stages {
+            let Some(agent) = &def.agent else { continue };
+            if def.kind == StageKind::Llm && !self.agents.contains_key(agent) {
+                let (section, key) = if self.pipeline.stages.contains_key(&def.name) {
+                    (format!("pipeline.stages.{}", def.name), "agent")
+                } else {
+                    ("agents".to_owned(), agent.as_str())
+                };
+                return Err(invalid(
+                    section,
+                    key,
+                    format!(
+                        "stage `{}` uses agent `{agent}`, which has no [agents.{agent}] section",
+                        def.name
+                    ),
+                ));
+            }
+        }
+        pipeline
+            .validate()
+            .map_err(|e| invalid("pipeline", "stages", e.to_string()))?;
+        Ok(pipeline)
+    }
+
+    /// The repo whose prefix is the work item's.
+    pub fn repo_for(&self, work_item: &WorkItemId) -> Option<(&RepoName, &RepoConfig)> {
+        let prefix = work_item.prefix();
+        self.repos.iter().find(|(_, r)| r.prefix == prefix)
+    }
+
+    /// The timeout of an agent's runs: its own, or `settings.agent_timeout_s`.
+    pub fn agent_timeout_s(&self, agent: &AgentName) -> u64 {
+        self.agents
+            .get(agent)
+            .and_then(|a| a.timeout_s)
+            .unwrap_or(self.settings.agent_timeout_s)
+    }
+
+    /// The commented `orch.toml` that `orch init` writes, with `token` as the API token.
+    /// It parses back to a valid configuration.
+    pub fn default_toml(token: &str) -> String {
+        DEFAULT_TOML.replace("@TOKEN@", &toml_quote(token))
+    }
+}
+
+/// Reads a numeric override; returns whether the variable was set.
+fn env_number<T: EnvNumber>(
+    get: &impl Fn(&str) -> Option<String>,
+    var: &str,
+    target: &mut T,
+) -> Result<bool, ConfigError> {
+    let expected = T::EXPECTED;
+    let Some(value) = get(var) else {
+        return Ok(false);
+    };
+    match value.trim().parse::<T>() {
+        Ok(v) => {
+            *target = v;
+            Ok(true)
+        }
+        Err(_) => Err(ConfigError::Env {
+            var: var.to_owned(),
+            reason: format!("expected {expected}"),
+            value,
+        }),
+    }
+}
+
+/// A number type an `ORCH_…` variable can hold, with how to describe it in an error.
+trait EnvNumber: std::str::FromStr {
+    const EXPECTED: &'static str;
+}
+
+impl EnvNumber for u32 {
+    const EXPECTED: &'static str = "a whole number";
+}
+
+impl EnvNumber for u64 {
+    const EXPECTED: &'static str = "a whole number";
+}
+
+impl EnvNumber for f64 {
+    const EXPECTED: &'static str = "a number";
+}
+
+fn check_bind(bind: &str) -> Result<(), String> {
+    let Some((host, port)) = bind.rsplit_once(':') else {
+        return Err(format!("{bind:?} is not `host:port`"));
+    };
+    if host.is_empty() {
+        return Err(format!("{bind:?} has no host"));
+    }
+    if port.parse::<u16>().is_err() {
+        return Err(format!(
+            "{bind:?}: port {port:?} is not a number from 0 to 65535"
+        ));
+    }
+    Ok(())
+}
+
+fn is_node_name(s: &str) -> bool {
+    (1..=64).contains(&s.len())
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
+}
+
+fn is_env_var_name(s: &str) -> bool {
+    s.starts_with(|c: char| c.is_ascii_alphabetic() || c == '_')
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+fn is_http_url(s: &str) -> bool {
+    let rest = s
+        .strip_prefix("http://")
+        .or_else(|| s.strip_prefix("https://"));
+    rest.is_some_and(|r| !r.is_empty() && !r.contains(char::is_whitespace))
+}
+
+/// A branch name safe to pass to git: no whitespace, no `..`, not starting with `-`.
+fn is_branch_name(s: &str) -> bool {
+    !s.is_empty()
+        && !s.starts_with('-')
+        && !s.contains("..")
+        && !s.contains(|c: char| c.is_whitespace() || c.is_control() || "~^:?*[\\".contains(c))
+}
+
+/// A path relative to the repo root that stays inside it.
+fn is_relative_inside(s: &str) -> bool {
+    !s.is_empty()
+        && !s.starts_with('/')
+        && !s.contains('\0')
+        && s.split(['/', '\\']).all(|part| part != "..")
+}
+
+fn validate_repo(name: &RepoName, repo: &RepoConfig) -> Result<(), ConfigError> {
+    let section = format!("repos.{name}");
+    let err = |key: &str, reason: &str| invalid(section.clone(), key, reason);
+    let blank = |v: &Option<String>| v.as_deref().is_some_and(|s| s.trim().is_empty());
+    if repo.path.is_none() && repo.url.is_none() {
+        return Err(err(
+            "path",
+            "set `path` (a local checkout) or `url` (a remote to clone)",
+        ));
+    }
+    for (key, value) in [
+        ("path", &repo.path),
+        ("url", &repo.url),
+        ("test", &repo.test),
+        ("deploy", &repo.deploy),
+        ("rollback", &repo.rollback),
+    ] {
+        if blank(value) {
+            return Err(err(key, "must not be blank; remove the key instead"));
+        }
+    }
+    if !is_branch_name(&repo.default_branch) {
+        return Err(err("default_branch", "not a usable git branch name"));
+    }
+    for (key, value) in [
+        ("health_url", &repo.health_url),
+        ("revision_url", &repo.revision_url),
+    ] {
+        if let Some(url) = value
+            && !is_http_url(url)
+        {
+            return Err(err(key, "expected an http:// or https:// URL"));
+        }
+    }
+    for (key, value) in [
+        ("test_timeout_s", repo.test_timeout_s),
+        ("deploy_timeout_s", repo.deploy_timeout_s),
+    ] {
+        if value == 0 {
+            return Err(err(key, "must be at least 1"));
+        }
+    }
+    for (key, steps) in [
+        ("staging", &repo.staging),
+        ("staging_smoke", &repo.staging_smoke),
+    ] {
+        let mut names = BTreeSet::new();
+        for (i, step) in steps.iter().enumerate() {
+            let where_ = format!("step {} ({:?})", i + 1, step.name);
+            if step.name.trim().is_empty() {
+                return Err(err(
+                    key,
+                    &format!("step {}: `name` must not be blank", i + 1),
+                ));
+            }
+            if !names.insert(step.name.as_str()) {
+                return Err(err(key, &format!("{where_}: the name is used twice")));
+            }
+            if step.run.trim().is_empty() {
+                return Err(err(key, &format!("{where_}: `run` must not be blank")));
+            }
+            if step.timeout_s == 0 {
+                return Err(err(
+                    key,
+                    &format!("{where_}: `timeout_s` must be at least 1"),
+                ));
+            }
+        }
+    }
+    let pd = &repo.post_deploy;
+    let pd_section = format!("repos.{name}.post_deploy");
+    for (key, value) in [
+        ("window_s", pd.window_s),
+        ("interval_s", pd.interval_s),
+        ("poll_timeout_s", pd.poll_timeout_s),
+    ] {
+        if value == 0 {
+            return Err(invalid(pd_section, key, "must be at least 1"));
+        }
+    }
+    if pd.interval_s > pd.window_s {
+        return Err(invalid(
+            pd_section,
+            "interval_s",
+            format!(
+                "{} is longer than window_s ({})",
+                pd.interval_s, pd.window_s
+            ),
+        ));
+    }
+    if !is_relative_inside(&repo.lessons_file) {
+        return Err(err(
+            "lessons_file",
+            "must be a relative path inside the repo (no leading `/`, no `..`)",
+        ));
+    }
+    Ok(())
+}
+
+fn validate_agent(name: &AgentName, agent: &AgentConfig) -> Result<(), ConfigError> {
+    let section = format!("agents.{name}");
+    let err = |key: &str, reason: &str| invalid(section.clone(), key, reason);
+    if BUILT_IN_AGENTS.contains(&name.as_str()) {
+        return Err(err(
+            "backend",
+            &format!("`{name}` is a built-in deterministic agent and cannot be configured"),
+        ));
+    }
+    match agent.backend {
+        Backend::Command if agent.command.as_deref().is_none_or(|c| c.trim().is_empty()) => {
+            return Err(err("command", "the `command` backend needs a `command`"));
+        }
+        Backend::Openai => {
+            let Some(endpoint) = &agent.endpoint else {
+                return Err(err("endpoint", "the `openai` backend needs an `endpoint`"));
+            };
+            if !is_http_url(endpoint) {
+                return Err(err("endpoint", "expected an http:// or https:// URL"));
+            }
+            if agent.model.as_deref().is_none_or(|m| m.trim().is_empty()) {
+                return Err(err("model", "the `openai` backend needs a `model`"));
+            }
+        }
+        _ => {}
+    }
+    if let Some(var) = &agent.api_key_env
+        && !is_env_var_name(var)
+    {
+        return Err(err(
+            "api_key_env",
+            "expected the NAME of an environment variable (e.g. OPENAI_API_KEY), not the key",
+        ));
+    }
+    if agent.timeout_s == Some(0) {
+        return Err(err("timeout_s", "must be at least 1"));
+    }
+    Ok(())
+}
+
+/// Turns a TOML error into one naming the section and line.
+fn parse_error(text: &str, e: &toml::de::Error) -> ConfigError {
+    let mut message = e.message().trim_end().to_owned();
+    if message.contains("unknown field `api_key`") {
+        message.push_str(
+            " (orch never stores keys: put the key in an environment variable and name it with `api_key_env`)",
+        );
+    }
+    let Some(span) = e.span() else {
+        return ConfigError::Parse {
+            section: None,
+            line: None,
+            message,
+        };
+    };
+    let start = span.start.min(text.len());
+    let before = text.get(..start).unwrap_or("");
+    let line = before.matches('\n').count() + 1;
+    let error_line = text.lines().nth(line - 1).unwrap_or("");
+    let section = match table_header(error_line) {
+        // A missing field is reported at the header of the table that lacks it.
+        Some(header) if message.starts_with("missing field") => Some(header.to_owned()),
+        // Any other error at a header is about the header's name: a key of the parent table
+        // (`[setings]`, `[repos.App]`).
+        Some(header) => header.rsplit_once('.').map(|(parent, _)| parent.to_owned()),
+        None => text
+            .lines()
+            .take(line)
+            .filter_map(table_header)
+            .last()
+            .map(str::to_owned),
+    };
+    ConfigError::Parse {
+        section,
+        line: Some(line),
+        message,
+    }
+}
+
+/// The name of the table a line opens (`repos.app` for `[repos.app]` or `[[repos.app]]`).
+fn table_header(line: &str) -> Option<&str> {
+    let t = line.trim_start();
+    let inner = t.strip_prefix("[[").or_else(|| t.strip_prefix('['))?;
+    let end = inner.find(']')?;
+    Some(inner[..end].trim())
+}
+
+/// A TOML basic string holding `s` exactly.
+fn toml_quote(s: &str) -> String {
+    let mut out = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04X}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The template behind [`Config::default_toml`]; `@TOKEN@` is replaced by the quoted token.
+const DEFAULT_TOML: &str = r#"# orch.toml — configuration of the orch orchestrator (written by `orch init`).
+#
+# Every [settings] key can be overridden by an environment variable named ORCH_ and the key in
+# upper case: ORCH_DATABASE_URL, ORCH_BIND, ORCH_TOKEN, ORCH_WORKERS, ORCH_LEASE_S, ...
+# Unknown keys are errors, so a typo never silently falls back to a default.
+
+[settings]
+# Where managed repos are cloned and kept: <repos_dir>/<repo>.
+repos_dir = ".orch/repos"
+# Unset: embedded SQLite (one machine, zero setup). A PostgreSQL URL lets many
+# `orch worker` processes on many machines share one queue.
+# database_url = "postgres://orch@127.0.0.1:5432/orch"
+# The HTTP API and dashboard. Mutating calls need `Authorization: Bearer <token>`.
+bind = "127.0.0.1:7878"
+token = @TOKEN@
+# Concurrent jobs per process, job lease (s), queue polling fallback (ms).
+workers = 4
+lease_s = 60
+poll_interval_ms = 1000
+# Loops back to implementation allowed per work item before it fails.
+max_loops = 3
+# Agent runs at once, and the default timeout of one run (s).
+agent_concurrency = 2
+agent_timeout_s = 1800
+# Budgets per work item; a run that would exceed them is not started.
+# max_tokens_per_item = 2000000
+# max_cost_usd_per_item = 20.0
+# This machine's name for job affinity (default: the host name).
+# node = "build-1"
+
+# One section per managed repo. Work item ids are <prefix>-<n>, e.g. APP-1.
+# [repos.app]
+# path = "/srv/src/app"                 # a local checkout, or:
+# url = "git@git.example.com:team/app.git"
+# default_branch = "main"
+# prefix = "APP"
+# test = "cargo test"
+# test_timeout_s = 1800
+# merge_strategy = "ff"                 # or "merge"
+# deploy = "./deploy.sh production"
+# deploy_timeout_s = 900
+# rollback = "./deploy.sh rollback"
+# health_url = "http://127.0.0.1:8080/healthz"
+# revision_url = "http://127.0.0.1:8080/version"
+# staging_defer_limit = 2
+# lessons_file = "LESSONS.md"
+#
+# [[repos.app.staging]]
+# name = "build"
+# run = "cargo build --release"
+# timeout_s = 900
+#
+# [[repos.app.staging]]
+# name = "deploy-staging"
+# run = "./deploy.sh staging"
+#
+# [[repos.app.staging_smoke]]
+# name = "health"
+# run = "curl -fsS http://127.0.0.1:8081/healthz"
+# timeout_s = 30
+#
+# [repos.app.post_deploy]
+# window_s = 600
+# interval_s = 30
+# initial_delay_s = 30
+# poll_timeout_s = 10
+
+# LLM agents, one per LLM stage. backend: "claude", "codex", "aider" (presets),
+# "command" (any CLI: command, args, prompt_via = "stdin" | "file") or
+# "openai" (an OpenAI-compatible endpoint: endpoint, model, api_key_env).
+# API keys are never written here: api_key_env names the variable that holds one.
+
+[agents.analyst]
+backend = "claude"
+
+[agents.architect]
+backend = "claude"
+
+[agents.developer]
+backend = "claude"
+# timeout_s = 3600
+
+[agents.reviewer]
+backend = "claude"
+
+# [agents.local-writer]
+# backend = "openai"
+# endpoint = "http://127.0.0.1:8000/v1"
+# model = "qwen2.5-coder"
+# api_key_env = "LOCAL_LLM_KEY"
+
+# Pipeline overrides: the agent of an LLM stage, and approval = true to make a
+# stage wait for `orch approve <id>` before it runs.
+[pipeline]
+# max_loops = 3
+# [pipeline.stages.analysis]
+# agent = "local-writer"
+# [pipeline.stages.deploy]
+# approval = true
+"#;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AGENTS: &str = "[agents.analyst]\nbackend = \"claude\"\n[agents.architect]\nbackend = \"claude\"\n\
+                          [agents.developer]\nbackend = \"codex\"\n[agents.reviewer]\nbackend = \"claude\"\n";
+
+    fn no_env(_: &str) -> Option<String> {
+        None
+    }
+
+    /// Loads `text` (plus the four LLM agents) with `env` and compares with `expect`:
+    /// `Ok(probe result)` or `Err(fragment of the error message)`.
+    fn check(
+        text: &str,
+        env: &[(&str, &str)],
+        probe: impl Fn(&Config) -> String,
+        expect: Result<&str, &str>,
+    ) {
+        let full = format!("{text}\n{AGENTS}");
+        let lookup = |k: &str| {
+            env.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| (*v).to_owned())
+        };
+        let got = Config::from_toml_str(&full, &lookup);
+        match (&got, expect) {
+            (Ok(c), Ok(want)) => assert_eq!(probe(c), want, "text:\n{text}"),
+            (Err(e), Err(fragment)) => {
+                let msg = e.to_string();
+                assert!(
+                    msg.contains(fragment),
+                    "text:\n{text}\nerror {msg:?} lacks {fragment:?}"
+                );
+            }
+            (got, expect) => panic!("text:\n{text}\ngot {got:?}, expected {expect:?}"),
+        }
+    }
+
+    const REPO: &str = "[repos.app]\npath = \"/srv/app\"\nprefix = \"APP\"\n";
+
+    #[test]
+    fn defaults() {
+        let c = Config::from_toml_str(AGENTS, &no_env).unwrap();
+        assert_eq!(c.settings, Settings::default());
+        assert_eq!(c.settings.repos_dir, ".orch/repos");
+        assert_eq!(c.settings.bind, "127.0.0.1:7878");
+        assert_eq!(
+            (
+                c.settings.workers,
+                c.settings.lease_s,
+                c.settings.poll_interval_ms
+            ),
+            (4, 60, 1000)
+        );
+        assert_eq!((c.settings.max_loops, c.settings.agent_concurrency), (3, 2));
+        assert_eq!(c.settings.agent_timeout_s, 1800);
+        let c = Config::from_toml_str(&format!("{REPO}{AGENTS}"), &no_env).unwrap();
+        let repo = &c.repos[&"app".parse::<RepoName>().unwrap()];
+        assert_eq!(repo.default_branch, "main");
+        assert_eq!(repo.merge_strategy, MergeStrategy::Ff);
+        assert_eq!(repo.post_deploy, PostDeployConfig::default());
+        assert_eq!(
+            (repo.post_deploy.window_s, repo.post_deploy.interval_s),
+            (600, 30)
+        );
+        assert_eq!(
+            (
+                repo.post_deploy.initial_delay_s,
+                repo.post_deploy.poll_timeout_s
+            ),
+            (30, 10)
+        );
+        assert_eq!(repo.staging_defer_limit, 2);
+        assert_eq!(repo.lessons_file, "LESSONS.md");
+        assert_eq!(c.pipeline().unwrap(), Pipeline::default_pipeline());
+    }
+
+    #[test]
+    fn full_repo_section() {
+        let text = r#"
+[repos.app]
+url = "git@example.com:team/app.git"
+prefix = "APP"
+default_branch = "trunk"
+test = "make test"
+merge_strategy = "merge"
+deploy = "./deploy.sh"
+rollback = "./rollback.sh"
+health_url = "http://127.0.0.1:9/healthz"
+revision_url = "https://127.0.0.1:9/version"
+staging_defer_limit = 5
+lessons_file = "docs/LESSONS.md"
+
+[[repos.app.staging]]
+name = "build"
+run = "make"
+timeout_s = 100
+
+[[repos.app.staging]]
+name = "ship"
+run = "./ship staging"
+
+[[repos.app.staging_smoke]]
+name = "health"
+run = "curl -f http://127.0.0.1:9/healthz"
+
+[repos.app.post_deploy]
+window_s = 120
+interval_s = 10
+"#;
+        let c = Config::from_toml_str(&format!("{text}{AGENTS}"), &no_env).unwrap();
+        let (name, repo) = c.repo_for(&"APP-12".parse().unwrap()).unwrap();
+        assert_eq!(name.as_str(), "app");
+        assert_eq!(repo.merge_strategy, MergeStrategy::Merge);
+        assert_eq!(repo.staging.len(), 2);
+        assert_eq!(repo.staging[0].timeout_s, 100);
+        assert_eq!(repo.staging[1].timeout_s, 600);
+        assert_eq!(repo.staging_smoke[0].name, "health");
+        assert_eq!(repo.post_deploy.window_s, 120);
+        assert_eq!(repo.post_deploy.initial_delay_s, 30);
+        assert!(c.repo_for(&"ORCH-1".parse().unwrap()).is_none());
+    }
+
+    #[test]
+    fn parse_errors_name_section_and_key() {
+        let show = |c: &Config| format!("{:?}", c.settings.workers);
+        let cases: &[(&str, Result<&str, &str>)] = &[
+            ("[settings]\nworkers = 8\n", Ok("8")),
+            (
+                "[settings]\nworkerz = 8\n",
+                Err("[settings] (line 2): unknown field `workerz`"),
+            ),
+            (
+                "[settings]\nworkers = \"many\"\n",
+                Err("[settings] (line 2): invalid type"),
+            ),
+            ("[settings]\nworkers = -1\n", Err("[settings] (line 2)")),
+            (
+                "[setings]\n",
+                Err("top level (line 1): unknown field `setings`"),
+            ),
+            (
+                &format!("{REPO}tset = \"x\"\n"),
+                Err("[repos.app] (line 4): unknown field `tset`"),
+            ),
+            (
+                &format!("{REPO}[repos.app.post_deploy]\nwindow = 5\n"),
+                Err("[repos.app.post_deploy] (line 5): unknown field `window`"),
+            ),
+            (
+                &format!("{REPO}[[repos.app.staging]]\nname = \"a\"\ncmd = \"b\"\n"),
+                Err("[repos.app.staging] (line 6): unknown field `cmd`"),
+            ),
+            (
+                &format!("{REPO}merge_strategy = \"rebase\"\n"),
+                Err("[repos.app] (line 4): unknown variant `rebase`"),
+            ),
+            (
+                "[repos.App]\npath = \"/x\"\nprefix = \"APP\"\n",
+                Err("[repos] (line 1): invalid repo name \"App\": must be lower case"),
+            ),
+            (
+                "[repos.app]\npath = \"/x\"\nprefix = \"app\"\n",
+                Err("[repos.app] (line 3): invalid prefix \"app\": must be upper case"),
+            ),
+            (
+                "[repos.app]\npath = \"/x\"\n",
+                Err("[repos.app] (line 1): missing field `prefix`"),
+            ),
+            (
+                "[agents.writer]\nbackend = \"openai\"\nendpoint = \"http://127.0.0.1:1\"\nmodel = \"m\"\napi_key = \"sk-123\"\n",
+                Err("unknown field `api_key`, expected one of"),
+            ),
+            (
+                "[agents.writer]\nbackend = \"gpt\"\n",
+                Err("[agents.writer] (line 2): unknown variant `gpt`"),
+            ),
+            (
+                "[pipeline]\nmax_loop = 2\n",
+                Err("[pipeline] (line 2): unknown field `max_loop`"),
+            ),
+            (
+                "[pipeline.stages.review]\napprove = true\n",
+                Err("[pipeline.stages.review] (line 2): unknown field `approve`"),
+            ),
+            ("[settings\n", Err("top level (line 1)")),
+        ];
+        for (text, expect) in cases {
+            check(text, &[], show, *expect);
+        }
+    }
+
+    #[test]
+    fn api_key_error_explains_where_keys_go() {
+        let text = "[agents.writer]\nbackend = \"command\"\ncommand = \"x\"\napi_key = \"sk\"\n";
+        let e = Config::from_toml_str(text, &no_env)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("api_key_env"), "{e}");
+        assert!(!e.contains("sk\""), "the key must not be echoed: {e}");
+    }
+
+    #[test]
+    fn validation_errors_name_section_and_key() {
+        let ok = |_: &Config| "ok".to_owned();
+        let cases: &[(&str, Result<&str, &str>)] = &[
+            (REPO, Ok("ok")),
+            (
+                "[settings]\nworkers = 0\n",
+                Err("[settings] workers: must be at least 1"),
+            ),
+            (
+                "[settings]\nlease_s = 0\n",
+                Err("[settings] lease_s: must be at least 1"),
+            ),
+            (
+                "[settings]\nbind = \"7878\"\n",
+                Err("[settings] bind: \"7878\" is not `host:port`"),
+            ),
+            (
+                "[settings]\nbind = \"localhost:http\"\n",
+                Err("[settings] bind"),
+            ),
+            ("[settings]\nbind = \"[::1]:7878\"\n", Ok("ok")),
+            (
+                "[settings]\ndatabase_url = \"mysql://x\"\n",
+                Err("[settings] database_url"),
+            ),
+            (
+                "[settings]\ndatabase_url = \"postgres://orch@127.0.0.1/orch\"\n",
+                Ok("ok"),
+            ),
+            (
+                "[settings]\ntoken = \" \"\n",
+                Err("[settings] token: must not be blank"),
+            ),
+            (
+                "[settings]\nmax_cost_usd_per_item = -1.0\n",
+                Err("[settings] max_cost_usd_per_item"),
+            ),
+            ("[settings]\nnode = \"a b\"\n", Err("[settings] node")),
+            (
+                "[repos.app]\nprefix = \"APP\"\n",
+                Err("[repos.app] path: set `path`"),
+            ),
+            (
+                &format!("{REPO}test = \"  \"\n"),
+                Err("[repos.app] test: must not be blank"),
+            ),
+            (
+                &format!("{REPO}default_branch = \"../x\"\n"),
+                Err("[repos.app] default_branch"),
+            ),
+            (
+                &format!("{REPO}health_url = \"127.0.0.1:80\"\n"),
+                Err("[repos.app] health_url"),
+            ),
+            (
+                &format!("{REPO}lessons_file = \"../LESSONS.md\"\n"),
+                Err("[repos.app] lessons_file"),
+            ),
+            (
+                &format!("{REPO}lessons_file = \"/etc/x\"\n"),
+                Err("[repos.app] lessons_file"),
+            ),
+            (
+                &format!("{REPO}test_timeout_s = 0\n"),
+                Err("[repos.app] test_timeout_s"),
+            ),
+            (
+                &format!(
+                    "{REPO}[[repos.app.staging]]\nname = \"a\"\nrun = \"x\"\n[[repos.app.staging]]\nname = \"a\"\nrun = \"y\"\n"
+                ),
+                Err("[repos.app] staging: step 2 (\"a\"): the name is used twice"),
+            ),
+            (
+                &format!("{REPO}[[repos.app.staging_smoke]]\nname = \"a\"\nrun = \"\"\n"),
+                Err("[repos.app] staging_smoke: step 1 (\"a\"): `run` must not be blank"),
+            ),
+            (
+                &format!("{REPO}[repos.app.post_deploy]\nwindow_s = 10\ninterval_s = 30\n"),
+                Err("[repos.app.post_deploy] interval_s: 30 is longer than window_s (10)"),
+            ),
+            (
+                &format!("{REPO}[repos.other]\npath = \"/o\"\nprefix = \"APP\"\n"),
+                Err("[repos.other] prefix: prefix `APP` is already used by [repos.app]"),
+            ),
+            (
+                "[agents.x]\nbackend = \"command\"\n",
+                Err("[agents.x] command: the `command` backend needs a `command`"),
+            ),
+            (
+                "[agents.x]\nbackend = \"command\"\ncommand = \"my-agent\"\nprompt_via = \"file\"\n",
+                Ok("ok"),
+            ),
+            (
+                "[agents.x]\nbackend = \"openai\"\nmodel = \"m\"\n",
+                Err("[agents.x] endpoint"),
+            ),
+            (
+                "[agents.x]\nbackend = \"openai\"\nendpoint = \"http://127.0.0.1:8000/v1\"\n",
+                Err("[agents.x] model"),
+            ),
+            (
+                "[agents.x]\nbackend = \"openai\"\nendpoint = \"http://h/v1\"\nmodel = \"m\"\napi_key_env = \"sk-abc123\"\n",
+                Err("[agents.x] api_key_env: expected the NAME of an environment variable"),
+            ),
+            (
+                "[agents.x]\nbackend = \"claude\"\ntimeout_s = 0\n",
+                Err("[agents.x] timeout_s"),
+            ),
+            (
+                "[agents.tester]\nbackend = \"claude\"\n",
+                Err("[agents.tester] backend: `tester` is a built-in"),
+            ),
+            (
+                "[pipeline.stages.reveiw]\napproval = true\n",
+                Err(
+                    "[pipeline.stages.reveiw] reveiw: unknown stage; the stages are intake, analysis",
+                ),
+            ),
+            (
+                "[pipeline.stages.review]\nagent = \"critic\"\n",
+                Err(
+                    "[pipeline.stages.review] agent: stage `review` uses agent `critic`, which has no [agents.critic] section",
+                ),
+            ),
+            (
+                "[pipeline.stages.verification]\nagent = \"developer\"\n",
+                Err(
+                    "[pipeline.stages.verification] agent: stage `verification` is run by built-in `tester`",
+                ),
+            ),
+            (
+                "[pipeline.stages.review]\nagent = \"Critic\"\n",
+                Err("[pipeline.stages.review] (line 2): invalid agent name \"Critic\""),
+            ),
+        ];
+        for (text, expect) in cases {
+            check(text, &[], ok, *expect);
+        }
+    }
+
+    #[test]
+    fn missing_llm_agent_section_is_named() {
+        let text = "[agents.analyst]\nbackend = \"claude\"\n";
+        let e = Config::from_toml_str(text, &no_env)
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            e,
+            "[agents] architect: stage `architecture` uses agent `architect`, which has no [agents.architect] section"
+        );
+    }
+
+    #[test]
+    fn pipeline_overrides() {
+        let text = "[agents.critic]\nbackend = \"claude\"\n[pipeline]\nmax_loops = 5\n\
+                    [pipeline.stages.review]\nagent = \"critic\"\n[pipeline.stages.deploy]\napproval = true\n";
+        let c = Config::from_toml_str(&format!("{text}{AGENTS}"), &no_env).unwrap();
+        let p = c.pipeline().unwrap();
+        assert_eq!(p.max_loops, 5);
+        let review = p.stage(&"review".parse().unwrap()).unwrap();
+        assert_eq!(review.agent.as_ref().map(AgentName::as_str), Some("critic"));
+        assert!(p.stage(&"deploy".parse().unwrap()).unwrap().approval);
+        assert!(!p.stage(&"staging".parse().unwrap()).unwrap().approval);
+    }
+
+    #[test]
+    fn environment_overrides() {
+        type Probe = fn(&Config) -> String;
+        type Env<'a> = &'a [(&'a str, &'a str)];
+        let cases: Vec<(Env<'_>, &str, Probe, Result<&str, &str>)> = vec![
+            (
+                &[("ORCH_REPOS_DIR", "/var/orch")],
+                "",
+                |c| c.settings.repos_dir.clone(),
+                Ok("/var/orch"),
+            ),
+            (
+                &[("ORCH_DATABASE_URL", "postgres://db/orch")],
+                "",
+                |c| format!("{:?}", c.settings.database_url),
+                Ok("Some(\"postgres://db/orch\")"),
+            ),
+            (
+                &[("ORCH_BIND", "0.0.0.0:80")],
+                "",
+                |c| c.settings.bind.clone(),
+                Ok("0.0.0.0:80"),
+            ),
+            (
+                &[("ORCH_TOKEN", "t0k")],
+                "[settings]\ntoken = \"file\"\n",
+                |c| {
+                    c.settings
+                        .token
+                        .as_ref()
+                        .map(|t| t.expose().to_owned())
+                        .unwrap_or_default()
+                },
+                Ok("t0k"),
+            ),
+            (
+                &[("ORCH_TOKEN", "")],
+                "[settings]\ntoken = \"file\"\n",
+                |c| {
+                    c.settings
+                        .token
+                        .as_ref()
+                        .map(|t| t.expose().to_owned())
+                        .unwrap_or_default()
+                },
+                Ok("file"),
+            ),
+            (
+                &[("ORCH_WORKERS", "16")],
+                "[settings]\nworkers = 2\n",
+                |c| c.settings.workers.to_string(),
+                Ok("16"),
+            ),
+            (
+                &[("ORCH_LEASE_S", " 90 ")],
+                "",
+                |c| c.settings.lease_s.to_string(),
+                Ok("90"),
+            ),
+            (
+                &[("ORCH_POLL_INTERVAL_MS", "250")],
+                "",
+                |c| c.settings.poll_interval_ms.to_string(),
+                Ok("250"),
+            ),
+            (
+                &[("ORCH_AGENT_CONCURRENCY", "1")],
+                "",
+                |c| c.settings.agent_concurrency.to_string(),
+                Ok("1"),
+            ),
+            (
+                &[("ORCH_AGENT_TIMEOUT_S", "60")],
+                "",
+                |c| c.settings.agent_timeout_s.to_string(),
+                Ok("60"),
+            ),
+            (
+                &[("ORCH_MAX_TOKENS_PER_ITEM", "1000")],
+                "",
+                |c| format!("{:?}", c.settings.max_tokens_per_item),
+                Ok("Some(1000)"),
+            ),
+            (
+                &[("ORCH_MAX_COST_USD_PER_ITEM", "2.5")],
+                "",
+                |c| format!("{:?}", c.settings.max_cost_usd_per_item),
+                Ok("Some(2.5)"),
+            ),
+            (
+                &[("ORCH_NODE", "node-2")],
+                "",
+                |c| format!("{:?}", c.settings.node),
+                Ok("Some(\"node-2\")"),
+            ),
+            (
+                &[("ORCH_MAX_LOOPS", "7")],
+                "[pipeline]\nmax_loops = 2\n",
+                |c| {
+                    c.pipeline()
+                        .map(|p| p.max_loops.to_string())
+                        .unwrap_or_default()
+                },
+                Ok("7"),
+            ),
+            (
+                &[],
+                "[settings]\nmax_loops = 4\n[pipeline]\nmax_loops = 2\n",
+                |c| {
+                    c.pipeline()
+                        .map(|p| p.max_loops.to_string())
+                        .unwrap_or_default()
+                },
+                Ok("2"),
+            ),
+            (
+                &[],
+                "[settings]\nmax_loops = 4\n",
+                |c| {
+                    c.pipeline()
+                        .map(|p| p.max_loops.to_string())
+                        .unwrap_or_default()
+                },
+                Ok("4"),
+            ),
+            (
+                &[("ORCH_WORKERS", "many")],
+                "",
+                |_| String::new(),
+                Err("environment variable ORCH_WORKERS=\"many\": expected a whole number"),
+            ),
+            (
+                &[("ORCH_LEASE_S", "-5")],
+                "",
+                |_| String::new(),
+                Err("ORCH_LEASE_S=\"-5\": expected a whole number"),
+            ),
+            (
+                &[("ORCH_MAX_COST_USD_PER_ITEM", "lots")],
+                "",
+                |_| String::new(),
+                Err("ORCH_MAX_COST_USD_PER_ITEM=\"lots\": expected a number"),
+            ),
+            (
+                &[("ORCH_WORKERS", "0")],
+                "",
+                |_| String::new(),
+                Err("[settings] workers: must be at least 1"),
+            ),
+            (
+                &[("ORCH_BIND", "nowhere")],
+                "",
+                |_| String::new(),
+                Err("[settings] bind"),
+            ),
+        ];
+        for (env, text, probe, expect) in cases {
+            check(text, env, probe, expect);
+        }
+    }
+
+    #[test]
+    fn secrets_stay_out_of_debug_output() {
+        let c = Config::from_toml_str(
+            &format!("[settings]\ntoken = \"hunter2\"\n{AGENTS}"),
+            &no_env,
+        )
+        .unwrap();
+        let debug = format!("{c:?}");
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("Secret(***)"));
+    }
+
+    #[test]
+    fn default_toml_parses_back_valid() {
+        for token in ["0123456789abcdef", "we\"ird\\to\nken\t\u{1}ü"] {
+            let text = Config::default_toml(token);
+            let c = Config::from_toml_str(&text, &no_env).unwrap_or_else(|e| panic!("{e}\n{text}"));
+            assert_eq!(c.settings.token.as_ref().map(Secret::expose), Some(token));
+            let expected = Settings {
+                token: Some(Secret::new(token)),
+                ..Settings::default()
+            };
+            assert_eq!(c.settings, expected);
+            assert!(c.repos.is_empty());
+            assert_eq!(c.agents.len(), 4);
+            assert_eq!(c.pipeline().unwrap(), Pipeline::default_pipeline());
+        }
+    }
+
+    #[test]
+    fn default_toml_examples_are_valid_when_uncommented() {
+        // Uncommenting the example lines (all but the prose) must give a valid config too,
+        // so the template never teaches a key that does not exist.
+        let text = Config::default_toml("tok");
+        let uncommented: String = text
+            .lines()
+            .map(|l| match l.strip_prefix("# ") {
+                Some(rest)
+                    if rest.starts_with('[')
+                        || rest
+                            .split_once(" = ")
+                            .is_some_and(|(k, _)| !k.contains(' ') && !k.is_empty()) =>
+                {
+                    // `url` and `path` are alternatives: keep `path` only.
+                    if rest.starts_with("url = ") {
+                        String::new()
+                    } else {
+                        rest.to_owned()
+                    }
+                }
+                _ => l.to_owned(),
+            })
+            .map(|l| l + "\n")
+            .collect();
+        let c = Config::from_toml_str(&uncommented, &no_env)
+            .unwrap_or_else(|e| panic!("{e}\n{uncommented}"));
+        assert_eq!(c.repos.len(), 1);
+        assert_eq!(c.agents.len(), 5);
+        let p = c.pipeline().unwrap();
+        assert!(p.stage(&"deploy".parse().unwrap()).unwrap().approval);
+        assert_eq!(c.settings.node.as_deref(), Some("build-1"));
+    }
+
+    #[test]
+    fn agent_timeout_falls_back_to_settings() {
+        let mut c = Config::from_toml_str(AGENTS, &no_env).unwrap();
+        let dev: AgentName = "developer".parse().unwrap();
+        assert_eq!(c.agent_timeout_s(&dev), 1800);
+        if let Some(a) = c.agents.get_mut(&dev) {
+            a.timeout_s = Some(60);
+        }
+        assert_eq!(c.agent_timeout_s(&dev), 60);
+    }
+}
