@@ -8,21 +8,92 @@
 //!   PID 1, and [`reap`] collects them with `waitpid(-pgid)`;
 //! - the group leader is always reaped by tokio's `Child::wait` first; [`reap`] is only called after
 //!   that, so it never steals the leader's exit status from tokio;
-//! - [`signal`] refuses process group ids ≤ 1, so a bug can never become `kill(-1)`.
-//!
-//! Limit: a descendant that leaves the group (`setsid`, a daemonizing tool) is out of reach.
+//! - [`signal`] refuses process group ids ≤ 1, so a bug can never become `kill(-1)`;
+//! - a descendant that leaves the group (`setsid`, a daemonizing tool such as git's detached
+//!   auto-maintenance) cannot be stopped with it, but once orphaned it is adopted by orch like
+//!   any other, and [`reap_adopted`] collects it when it exits. It only touches children that are
+//!   not live group leaders of orch (those belong to tokio) and not in orch's own process group
+//!   (children spawned by anything else), so it never takes another waiter's exit status.
 
+use std::collections::HashSet;
+use std::io;
 use std::process::ExitStatus;
-use std::sync::Once;
+use std::sync::{Mutex, MutexGuard, Once, PoisonError};
 use std::time::{Duration, Instant};
 
-use tokio::process::Child;
+use tokio::process::{Child, Command};
 
 /// How long to wait for the group to disappear after SIGKILL before giving up with a warning
 /// (a process stuck in uninterruptible sleep cannot die until its I/O returns).
 const AFTER_KILL: Duration = Duration::from_secs(5);
 /// Polling step while waiting for a group's members to die and be reaped.
 const POLL: Duration = Duration::from_millis(10);
+
+/// Group leaders spawned by [`spawn`] that tokio has not reaped yet: [`reap_adopted`] must not
+/// touch them. Spawning and sweeping both hold this lock, so a leader that exits at once is
+/// registered before any sweep can see it.
+static LEADERS: Mutex<Option<HashSet<i32>>> = Mutex::new(None);
+
+fn leaders() -> MutexGuard<'static, Option<HashSet<i32>>> {
+    LEADERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Spawns `command` (configured with `process_group(0)`) and registers it as a live leader.
+pub(crate) fn spawn(command: &mut Command) -> io::Result<Child> {
+    let mut live = leaders();
+    let child = command.spawn()?;
+    if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+        live.get_or_insert_with(HashSet::new).insert(pid);
+    }
+    Ok(child)
+}
+
+/// Forgets a leader once tokio has reaped it.
+pub(crate) fn release(pid: i32) {
+    if let Some(live) = leaders().as_mut() {
+        live.remove(&pid);
+    }
+}
+
+/// Reaps exited children that orch adopted as subreaper and that no one else waits for:
+/// not a live leader, not in orch's own process group. Never fails; cheap (a few /proc reads).
+pub(crate) fn reap_adopted() {
+    let live = leaders();
+    // SAFETY: getpgrp cannot fail and touches no memory.
+    let own_group = unsafe { libc::getpgrp() };
+    for pid in children() {
+        if pid <= 1 || live.as_ref().is_some_and(|l| l.contains(&pid)) {
+            continue;
+        }
+        // SAFETY: getpgid has no memory-safety preconditions.
+        let pgid = unsafe { libc::getpgid(pid) };
+        if pgid < 0 || pgid == own_group {
+            continue;
+        }
+        // SAFETY: a null status pointer is allowed; WNOHANG leaves a running child alone.
+        let reaped = unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+        if reaped == pid {
+            tracing::debug!(pid, "reaped an adopted orphan");
+        }
+    }
+}
+
+/// The pids of orch's children (Linux `/proc`; empty elsewhere or when unreadable).
+fn children() -> Vec<i32> {
+    let mut pids = Vec::new();
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return pids;
+    };
+    for task in tasks.flatten() {
+        if let Ok(list) = std::fs::read_to_string(task.path().join("children")) {
+            pids.extend(
+                list.split_whitespace()
+                    .filter_map(|p| p.parse::<i32>().ok()),
+            );
+        }
+    }
+    pids
+}
 
 /// Makes orch the reaper of its orphaned descendants (Linux only; elsewhere a no-op). Idempotent.
 pub(crate) fn become_subreaper() {

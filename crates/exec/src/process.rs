@@ -353,9 +353,7 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         .process_group(0);
 
     let started = Instant::now();
-    let mut child = command
-        .spawn()
-        .map_err(|e| SpawnError::from_io(&cmd.program, e))?;
+    let mut child = group::spawn(&mut command).map_err(|e| SpawnError::from_io(&cmd.program, e))?;
     let pgid = child
         .id()
         .and_then(|pid| i32::try_from(pid).ok())
@@ -389,6 +387,7 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         status
     };
     let ((out, err, ()), status) = tokio::join!(io, supervise);
+    group::reap_adopted();
     let status = status.map_err(|source| SpawnError::Io {
         program: program(),
         source,
@@ -436,22 +435,25 @@ impl Running {
             () = tokio::time::sleep(timeout) => End::Stopped(ExitKind::TimedOut),
             () = cancelled => End::Stopped(ExitKind::Cancelled),
         };
-        let result = match end {
+        let (result, reaped) = match end {
             End::Exited(Ok(status)) => {
                 group::sweep(self.pgid, self.grace).await;
-                Ok(exit_kind(status))
+                (Ok(exit_kind(status)), true)
             }
             End::Exited(Err(e)) => {
-                group::terminate(child, self.pgid, self.grace).await;
-                Err(e)
+                let status = group::terminate(child, self.pgid, self.grace).await;
+                (Err(e), status.is_some())
             }
             End::Stopped(kind) => {
                 tracing::debug!(pgid = self.pgid, %kind, "stopping the process group");
-                group::terminate(child, self.pgid, self.grace).await;
-                Ok(kind)
+                let status = group::terminate(child, self.pgid, self.grace).await;
+                (Ok(kind), status.is_some())
             }
         };
         self.child = None;
+        if reaped {
+            group::release(self.pgid);
+        }
         result
     }
 }
@@ -472,7 +474,9 @@ impl Drop for Running {
         match tokio::runtime::Handle::try_current() {
             Ok(handle) => {
                 handle.spawn(async move {
-                    group::terminate(&mut child, pgid, grace).await;
+                    if group::terminate(&mut child, pgid, grace).await.is_some() {
+                        group::release(pgid);
+                    }
                 });
             }
             Err(_) => {

@@ -210,6 +210,22 @@ async fn processes_left_behind_by_a_finished_command_are_stopped() {
 }
 
 #[tokio::test]
+async fn a_daemon_that_left_the_group_is_reaped_when_it_exits() {
+    // `setsid` moves the daemon into its own session: the group kill cannot reach it, it
+    // outlives the run, is orphaned and adopted by us; a later run reaps it once it exits.
+    let dir = tempfile::tempdir().unwrap();
+    let script = "setsid sh -c 'touch ready; exec sleep 0.5' </dev/null >/dev/null 2>&1 & \
+                  while [ ! -f ready ]; do sleep 0.01; done; echo $!";
+    let out = run(&sh(script).cwd(dir.path())).await.unwrap();
+    assert_eq!(out.status, ExitKind::Exited(0));
+    let pid = pids(&out.stdout_lossy())[0];
+    assert!(exists(pid), "the daemon should have escaped the group kill");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    run(&Cmd::new("true")).await.unwrap();
+    assert!(!exists(pid), "the exited daemon {pid} was left as a zombie");
+}
+
+#[tokio::test]
 async fn megabytes_of_output_stay_bounded_with_exact_counts() {
     let cmd = sh("seq 1 1000000; seq 1 300000 >&2").output_limit(1000);
     let out = run(&cmd).await.unwrap();
