@@ -173,7 +173,8 @@ pub enum GitError {
 pub enum Pathspec {
     /// Everything: new, modified and deleted files (`git add -A`).
     All,
-    /// Only these paths (files or directories, relative to the working tree root).
+    /// Only these paths (files or directories, relative to the working tree root); an empty
+    /// list commits nothing.
     Only(Vec<PathBuf>),
 }
 

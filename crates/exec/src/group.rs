@@ -163,7 +163,7 @@ pub(crate) async fn reap(pgid: i32, deadline: Instant) -> bool {
 /// leader's exit status when it could be collected.
 pub(crate) async fn terminate(child: &mut Child, pgid: i32, grace: Duration) -> Option<ExitStatus> {
     let mut guard = KillOnDrop(Some(pgid));
-    let grace_end = Instant::now() + grace;
+    let grace_end = after(grace);
     signal(pgid, libc::SIGTERM);
     let mut status = tokio::time::timeout(grace, child.wait())
         .await
@@ -185,7 +185,7 @@ pub(crate) async fn terminate(child: &mut Child, pgid: i32, grace: Duration) -> 
                 }
             };
         }
-        if status.is_some() && !reap(pgid, Instant::now() + AFTER_KILL).await {
+        if status.is_some() && !reap(pgid, after(AFTER_KILL)).await {
             tracing::warn!(pgid, "members of a killed process group are still present");
         }
     }
@@ -206,13 +206,20 @@ pub(crate) async fn sweep(pgid: i32, grace: Duration) {
     }
     tracing::debug!(pgid, "stopping processes left behind by a finished command");
     signal(pgid, libc::SIGTERM);
-    if reap(pgid, Instant::now() + grace).await {
+    if reap(pgid, after(grace)).await {
         return;
     }
     signal(pgid, libc::SIGKILL);
-    if !reap(pgid, Instant::now() + AFTER_KILL).await {
+    if !reap(pgid, after(AFTER_KILL)).await {
         tracing::warn!(pgid, "members of a killed process group are still present");
     }
+}
+
+/// The instant `d` from now; a grace too large to represent (`Duration::MAX`) means a day.
+fn after(d: Duration) -> Instant {
+    let now = Instant::now();
+    now.checked_add(d)
+        .unwrap_or_else(|| now + Duration::from_secs(86_400))
 }
 
 /// SIGKILLs the group if dropped while armed: the last line of defence when a termination is

@@ -166,6 +166,24 @@ async fn cancel_kills_the_whole_group() {
 }
 
 #[tokio::test]
+async fn unbounded_limits_do_not_overflow() {
+    let cmd = sh("exit 0")
+        .timeout(Duration::MAX)
+        .kill_grace(Duration::MAX);
+    assert_eq!(run(&cmd).await.unwrap().status, ExitKind::Exited(0));
+    let token = CancellationToken::new();
+    let cmd = sh("sleep 100")
+        .timeout(Duration::MAX)
+        .kill_grace(Duration::MAX)
+        .cancel_on(token.clone());
+    let (out, ()) = tokio::join!(run(&cmd), async {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        token.cancel();
+    });
+    assert_eq!(out.unwrap().status, ExitKind::Cancelled);
+}
+
+#[tokio::test]
 async fn a_run_cancelled_before_it_starts_spawns_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let marker = dir.path().join("ran");
