@@ -1,1 +1,21 @@
-//! placeholder
+//! orch-exec: the only place in orch that spawns processes.
+//!
+//! - [`process`]: run one child in its own process group with a timeout, an early stop, bounded
+//!   capture of its output and a guaranteed kill-and-reap of the whole group.
+//! - [`git`]: the git operations orch needs, each a run of the `git` binary through [`process`].
+//!
+//! Invariants: nothing else in orch creates processes; no run leaves a process of its group
+//! running or unreaped (orch makes itself a child subreaper on Linux so orphaned grandchildren
+//! come back to it); no captured output grows past its limit. Error messages are complete on
+//! their own (command, directory, cause); the cause is also kept as `source()`.
+
+mod group;
+mod tail;
+
+pub mod git;
+pub mod process;
+
+pub use git::{
+    Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, StatusEntry, WorktreeAdd,
+};
+pub use process::{Cmd, ExitKind, Output, SpawnError, run};

@@ -1,0 +1,1073 @@
+//! git for orch: the operations the pipeline needs (repos, work-item worktrees, commits, merges,
+//! pushes, reading committed artifacts), each one a run of the `git` binary through
+//! [`crate::process::run`], so git inherits the same timeout, process-group kill and bounded capture
+//! as every other child of orch.
+//!
+//! Every invocation gets `GIT_TERMINAL_PROMPT=0` (never wait for a password), a fixed
+//! author/committer identity ([`Identity`], `orch <orch@localhost>` by default),
+//! `-c commit.gpgsign=false`, foreground garbage collection (so no detached `git gc` outlives its
+//! run), and none of the `GIT_DIR`-like variables orch itself may have inherited. Hooks are kept.
+//!
+//! Operations that orch repeats after a crash are idempotent: [`Git::worktree_add`] reuses or
+//! repairs, [`Git::worktree_remove`] succeeds on a missing worktree, [`Git::add_and_commit`]
+//! with nothing to commit is `None`, [`Git::clone_repo`] keeps an existing clone. Worktree changes are
+//! serialized per repository inside the process.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
+use std::time::Duration;
+
+use crate::process::{self, Cmd, ExitKind, Output, SpawnError};
+
+/// Default limit for one git command.
+pub const DEFAULT_GIT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The most stdout orch reads from one git command (a larger committed file or listing is an
+/// error, never a silently cut answer).
+const GIT_OUTPUT_LIMIT: usize = 16 * 1024 * 1024;
+/// Lines of stderr kept in a [`GitError::Failed`].
+const ERROR_LINES: usize = 20;
+/// Options given to every git command.
+const CONFIG: [&str; 6] = [
+    "-c",
+    "commit.gpgsign=false",
+    "-c",
+    "gc.autoDetach=false",
+    "-c",
+    "maintenance.autoDetach=false",
+];
+/// Variables that would point git at another repository than the one orch names.
+const LEAKY_ENV: [&str; 8] = [
+    "GIT_DIR",
+    "GIT_WORK_TREE",
+    "GIT_INDEX_FILE",
+    "GIT_OBJECT_DIRECTORY",
+    "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+    "GIT_COMMON_DIR",
+    "GIT_NAMESPACE",
+    "GIT_PREFIX",
+];
+
+/// Author and committer of every commit orch makes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Identity {
+    /// `user.name`.
+    pub name: String,
+    /// `user.email`.
+    pub email: String,
+}
+
+impl Default for Identity {
+    fn default() -> Identity {
+        Identity {
+            name: "orch".to_owned(),
+            email: "orch@localhost".to_owned(),
+        }
+    }
+}
+
+/// How to run git.
+#[derive(Debug, Clone)]
+pub struct Git {
+    /// The git binary (`git` looks it up in `PATH`).
+    pub bin: PathBuf,
+    /// Wall-clock limit of each git command.
+    pub timeout: Duration,
+    /// Author and committer identity.
+    pub identity: Identity,
+}
+
+impl Default for Git {
+    fn default() -> Git {
+        Git {
+            bin: PathBuf::from("git"),
+            timeout: DEFAULT_GIT_TIMEOUT,
+            identity: Identity::default(),
+        }
+    }
+}
+
+/// A failed git operation; its message names the command, the directory and the cause.
+#[derive(Debug, thiserror::Error)]
+pub enum GitError {
+    /// git could not be started at all.
+    #[error("git {} in {}: {source}", .args.join(" "), .dir.display())]
+    Spawn {
+        /// Where it ran.
+        dir: PathBuf,
+        /// The git arguments.
+        args: Vec<String>,
+        /// Why it could not start.
+        #[source]
+        source: SpawnError,
+    },
+    /// git ran and failed.
+    #[error("git {} in {} failed ({exit}): {stderr}", .args.join(" "), .dir.display())]
+    Failed {
+        /// Where it ran.
+        dir: PathBuf,
+        /// The git arguments.
+        args: Vec<String>,
+        /// How it ended.
+        exit: ExitKind,
+        /// The last lines of its stderr (of stdout when stderr was empty).
+        stderr: String,
+    },
+    /// git printed more than orch reads from one command.
+    #[error("git {} in {} printed {bytes} bytes, more than the {limit} orch reads", .args.join(" "), .dir.display())]
+    TooMuchOutput {
+        /// Where it ran.
+        dir: PathBuf,
+        /// The git arguments.
+        args: Vec<String>,
+        /// How much it printed.
+        bytes: u64,
+        /// The limit.
+        limit: usize,
+    },
+    /// A revision to merge does not exist.
+    #[error("revision '{rev}' does not exist in {}", .dir.display())]
+    UnknownRevision {
+        /// The repository.
+        dir: PathBuf,
+        /// The revision.
+        rev: String,
+    },
+    /// The worktree path holds a worktree of another branch (or a detached HEAD); orch does
+    /// not take over a worktree it did not create for that branch.
+    #[error("worktree {} is on {found}, not on branch '{branch}'; left untouched", .path.display())]
+    WorktreeMismatch {
+        /// The worktree path.
+        path: PathBuf,
+        /// The branch orch wanted there.
+        branch: String,
+        /// What is checked out there instead.
+        found: String,
+    },
+    /// A stale worktree directory could not be cleared safely.
+    #[error("refusing to delete {}: {reason}", .path.display())]
+    RefuseToDelete {
+        /// The directory.
+        path: PathBuf,
+        /// Why it was not deleted.
+        reason: &'static str,
+    },
+    /// A file system step around git failed.
+    #[error("cannot {action} {}: {source}", .path.display())]
+    Io {
+        /// What orch tried to do.
+        action: &'static str,
+        /// On which path.
+        path: PathBuf,
+        /// The cause.
+        #[source]
+        source: io::Error,
+    },
+}
+
+/// Which changes [`Git::add_and_commit`] commits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Pathspec {
+    /// Everything: new, modified and deleted files (`git add -A`).
+    All,
+    /// Only these paths (files or directories, relative to the working tree root); an empty
+    /// list commits nothing.
+    Only(Vec<PathBuf>),
+}
+
+/// How [`Git::merge`] merges.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MergeStrategy {
+    /// Only move the branch forward; a diverged branch is [`MergeResult::NotFastForward`].
+    FastForwardOnly,
+    /// Always record a merge commit (`--no-ff`).
+    MergeCommit,
+}
+
+/// The outcome of a merge that git could attempt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MergeResult {
+    /// Merged (or already contained); `sha` is the new `HEAD`.
+    Merged {
+        /// `HEAD` after the merge.
+        sha: String,
+    },
+    /// The merge conflicted in these files; it was aborted and the tree is as before.
+    Conflict {
+        /// Paths with conflicts, sorted.
+        files: Vec<String>,
+    },
+    /// Fast-forward only, but the branches have diverged; nothing was changed.
+    NotFastForward,
+}
+
+/// What [`Git::worktree_add`] found and did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WorktreeAdd {
+    /// A new worktree was created.
+    Created,
+    /// A healthy worktree of that branch was already there and is kept as it is.
+    Reused,
+    /// A broken or unregistered leftover was cleared and the worktree created again.
+    Repaired,
+}
+
+/// One line of `git status --porcelain`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StatusEntry {
+    /// The two-letter status `XY` (`??` untracked, ` M` modified, `A ` added, `R ` renamed, …).
+    pub code: String,
+    /// The path, relative to the working tree root.
+    pub path: String,
+    /// For renames and copies, the path it came from.
+    pub orig_path: Option<String>,
+}
+
+impl Git {
+    /// Git with the defaults: `git` from `PATH`, [`DEFAULT_GIT_TIMEOUT`], identity `orch`.
+    pub fn new() -> Git {
+        Git::default()
+    }
+
+    /// Creates `dir` (if needed) and makes it a repository whose first branch is
+    /// `default_branch`. Running it on an existing repository is harmless.
+    pub async fn init_repo(&self, dir: &Path, default_branch: &str) -> Result<(), GitError> {
+        create_dir_all(dir)?;
+        self.run(
+            dir,
+            args(["init", "--quiet", "--initial-branch", default_branch]),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Clones `src` (a URL or a local path) into `dest`. A repository already at `dest` is
+    /// kept as it is (the clone is not redone after a restart).
+    pub async fn clone_repo(&self, src: &str, dest: &Path) -> Result<(), GitError> {
+        let dest = &absolute(dest);
+        if dest.join(".git").exists() && self.is_toplevel(dest).await {
+            tracing::debug!(dest = %dest.display(), "clone already present");
+            return Ok(());
+        }
+        let parent = parent_dir(dest);
+        create_dir_all(&parent)?;
+        // git runs in `parent`: a relative local source must not change meaning.
+        let src: OsString = if Path::new(src).exists() {
+            absolute(Path::new(src)).into()
+        } else {
+            src.into()
+        };
+        let mut argv = args(["clone", "--quiet", "--"]);
+        argv.push(src);
+        argv.push(dest.into());
+        self.run(&parent, argv).await?;
+        Ok(())
+    }
+
+    /// The full object id `rev` names, or `None` when it names nothing.
+    pub async fn rev_parse(&self, dir: &Path, rev: &str) -> Result<Option<String>, GitError> {
+        let argv = args(["rev-parse", "--verify", "--quiet", "--end-of-options", rev]);
+        let out = self.output(dir, argv.clone(), None).await?;
+        match out.status {
+            ExitKind::Exited(0) => Ok(Some(out.stdout_lossy().trim().to_owned())),
+            ExitKind::Exited(1) if out.stderr_tail.is_empty() => Ok(None),
+            _ => Err(failed(dir, &argv, &out)),
+        }
+    }
+
+    /// The branch checked out in `dir`, or `None` on a detached `HEAD`.
+    pub async fn current_branch(&self, dir: &Path) -> Result<Option<String>, GitError> {
+        let argv = args(["symbolic-ref", "--quiet", "--short", "HEAD"]);
+        let out = self.output(dir, argv.clone(), None).await?;
+        match out.status {
+            ExitKind::Exited(0) => Ok(Some(out.stdout_lossy().trim().to_owned())),
+            ExitKind::Exited(1) => Ok(None),
+            _ => Err(failed(dir, &argv, &out)),
+        }
+    }
+
+    /// Makes `path` a worktree of `repo` with `branch` checked out. A worktree inside the
+    /// repository's own working tree (`<repo>/worktrees/<id>`) gets its parent directory listed
+    /// in the repository's `.git/info/exclude`, so the main checkout stays clean. Idempotent:
+    /// - a healthy worktree of `branch` at `path` is reused;
+    /// - a registration whose directory is gone or broken, or a directory git does not know,
+    ///   is cleared (`git worktree prune`, the leftover directory deleted) and re-added;
+    /// - an existing local branch is checked out as it is; a branch that only exists on a remote
+    ///   (`<remote>/<branch>`, `origin` preferred) is checked out tracking it; otherwise the
+    ///   branch is created from `base`.
+    ///
+    /// A worktree of another branch at `path` is an error ([`GitError::WorktreeMismatch`]).
+    pub async fn worktree_add(
+        &self,
+        repo: &Path,
+        path: &Path,
+        branch: &str,
+        base: &str,
+    ) -> Result<WorktreeAdd, GitError> {
+        // git runs in `repo`: a relative path must mean the same to git and to this code.
+        let path = &absolute(path);
+        let lock = repo_lock(repo);
+        let _held = lock.lock().await;
+        let target = normalize(path);
+        let registered = self
+            .worktrees(repo)
+            .await?
+            .into_iter()
+            .find(|w| normalize(&w.path) == target);
+        let mut repaired = false;
+        if let Some(found) = &registered {
+            if !found.prunable && path.join(".git").is_file() && self.is_toplevel(path).await {
+                return match self.current_branch(path).await? {
+                    Some(current) if current == branch => {
+                        self.exclude_nested(repo, path).await;
+                        Ok(WorktreeAdd::Reused)
+                    }
+                    other => Err(GitError::WorktreeMismatch {
+                        path: path.to_owned(),
+                        branch: branch.to_owned(),
+                        found: other
+                            .map_or("a detached HEAD".to_owned(), |b| format!("branch '{b}'")),
+                    }),
+                };
+            }
+            tracing::warn!(path = %path.display(), "worktree registered but broken; recreating it");
+            let mut argv = args(["worktree", "remove", "--force", "--force"]);
+            argv.push(path.into());
+            let out = self.output(repo, argv, None).await?;
+            if !out.success() {
+                tracing::debug!(stderr = %out.stderr_lossy(), "worktree remove of a broken worktree failed; pruning");
+            }
+            repaired = true;
+        }
+        self.run(repo, args(["worktree", "prune"])).await?;
+        if is_non_empty(path) {
+            tracing::warn!(path = %path.display(), "a directory git does not know is in the worktree's place; deleting it");
+            remove_stray(repo, path)?;
+            repaired = true;
+        }
+        create_dir_all(&parent_dir(path))?;
+
+        let mut argv = args(["worktree", "add", "--quiet"]);
+        if self
+            .rev_parse(repo, &format!("refs/heads/{branch}"))
+            .await?
+            .is_some()
+        {
+            argv.push(path.into());
+            argv.push(branch.into());
+        } else if let Some(remote_ref) = self.remote_branch(repo, branch).await? {
+            argv.extend(args(["--track", "-b", branch]));
+            argv.push(path.into());
+            argv.push(remote_ref.into());
+        } else {
+            argv.extend(args(["-b", branch]));
+            argv.push(path.into());
+            argv.push(base.into());
+        }
+        self.run(repo, argv).await?;
+        self.exclude_nested(repo, path).await;
+        Ok(if repaired {
+            WorktreeAdd::Repaired
+        } else {
+            WorktreeAdd::Created
+        })
+    }
+
+    /// Removes the worktree at `path` (uncommitted changes included), prunes git's records of
+    /// it and deletes what is left of the directory. Removing a missing worktree succeeds.
+    pub async fn worktree_remove(&self, repo: &Path, path: &Path) -> Result<(), GitError> {
+        let path = &absolute(path);
+        let lock = repo_lock(repo);
+        let _held = lock.lock().await;
+        let target = normalize(path);
+        let registered = self
+            .worktrees(repo)
+            .await?
+            .iter()
+            .any(|w| normalize(&w.path) == target);
+        if registered {
+            let mut argv = args(["worktree", "remove", "--force", "--force"]);
+            argv.push(path.into());
+            let out = self.output(repo, argv, None).await?;
+            if !out.success() {
+                tracing::debug!(stderr = %out.stderr_lossy(), "worktree remove failed; pruning and deleting");
+            }
+        }
+        self.run(repo, args(["worktree", "prune"])).await?;
+        if path.symlink_metadata().is_ok() {
+            remove_stray(repo, path)?;
+        }
+        Ok(())
+    }
+
+    /// Stages `paths` and commits them with `message`. Returns the new commit, or `None` when
+    /// there was nothing to commit (not an error). Hooks run; a failing hook is an error.
+    pub async fn add_and_commit(
+        &self,
+        dir: &Path,
+        paths: &Pathspec,
+        message: &str,
+    ) -> Result<Option<String>, GitError> {
+        let only: Vec<OsString> = match paths {
+            Pathspec::All => Vec::new(),
+            Pathspec::Only(list) => {
+                let mut v = vec![OsString::from("--")];
+                v.extend(list.iter().map(OsString::from));
+                v
+            }
+        };
+        if matches!(paths, Pathspec::Only(list) if list.is_empty()) {
+            return Ok(None);
+        }
+        let mut add = args(["add", "-A"]);
+        add.extend(only.iter().cloned());
+        self.run(dir, add).await?;
+
+        let mut staged = args(["diff", "--cached", "--quiet"]);
+        staged.extend(only.iter().cloned());
+        let out = self.output(dir, staged.clone(), None).await?;
+        match out.status {
+            ExitKind::Exited(0) => return Ok(None),
+            ExitKind::Exited(1) => {}
+            _ => return Err(failed(dir, &staged, &out)),
+        }
+
+        let mut commit = args(["commit", "--quiet", "--file", "-"]);
+        commit.extend(only);
+        let out = self
+            .output(dir, commit.clone(), Some(message.as_bytes().to_vec()))
+            .await?;
+        if !out.success() {
+            return Err(failed(dir, &commit, &out));
+        }
+        self.rev_parse(dir, "HEAD").await
+    }
+
+    /// The changes in the working tree of `dir`: one entry per changed, added, deleted or
+    /// untracked file (untracked directories are listed file by file).
+    pub async fn status_porcelain(&self, dir: &Path) -> Result<Vec<StatusEntry>, GitError> {
+        let out = self
+            .text(
+                dir,
+                args(["status", "--porcelain=v1", "-z", "--untracked-files=all"]),
+            )
+            .await?;
+        Ok(parse_status(&out))
+    }
+
+    /// Paths changed in the working tree of `dir` that are not under `allowed_prefix` (a
+    /// directory relative to the root, e.g. `docs/work-items/ORCH-1`), sorted: catches an agent
+    /// that wrote outside its area. Both sides of a rename count.
+    pub async fn changed_files_outside(
+        &self,
+        dir: &Path,
+        allowed_prefix: &str,
+    ) -> Result<Vec<String>, GitError> {
+        let entries = self.status_porcelain(dir).await?;
+        let mut outside: Vec<String> = entries
+            .into_iter()
+            .flat_map(|e| std::iter::once(e.path).chain(e.orig_path))
+            .filter(|p| !under_prefix(p, allowed_prefix))
+            .collect();
+        outside.sort();
+        outside.dedup();
+        Ok(outside)
+    }
+
+    /// Files that differ between `base` and `head` since `head` left `base`
+    /// (`git diff --name-only base...head`), sorted: what a branch's commits changed.
+    pub async fn changed_files_between(
+        &self,
+        dir: &Path,
+        base: &str,
+        head: &str,
+    ) -> Result<Vec<String>, GitError> {
+        let range = format!("{base}...{head}");
+        let out = self
+            .text(dir, args(["diff", "--name-only", "-z", &range, "--"]))
+            .await?;
+        let mut files = split_nul(&out);
+        files.sort();
+        Ok(files)
+    }
+
+    /// Merges `branch` (any revision) into the branch checked out in `dir`. A conflict is
+    /// aborted, leaving the tree as it was, and reported as [`MergeResult::Conflict`].
+    pub async fn merge(
+        &self,
+        dir: &Path,
+        branch: &str,
+        strategy: MergeStrategy,
+    ) -> Result<MergeResult, GitError> {
+        let mode = match strategy {
+            MergeStrategy::FastForwardOnly => "--ff-only",
+            MergeStrategy::MergeCommit => "--no-ff",
+        };
+        self.merge_rev(dir, branch, mode).await
+    }
+
+    /// Brings the branch checked out in `worktree` up to date with `default_branch` (any
+    /// revision, e.g. `main` or `origin/main`) by merging it in (fast-forward when possible).
+    /// A conflict is aborted and reported as [`MergeResult::Conflict`].
+    pub async fn rebase_or_merge_default(
+        &self,
+        worktree: &Path,
+        default_branch: &str,
+    ) -> Result<MergeResult, GitError> {
+        self.merge_rev(worktree, default_branch, "--ff").await
+    }
+
+    /// True when `dir` has a remote called `remote`.
+    pub async fn has_remote(&self, dir: &Path, remote: &str) -> Result<bool, GitError> {
+        let out = self.text(dir, args(["remote"])).await?;
+        Ok(out.lines().any(|line| line.trim() == remote))
+    }
+
+    /// Pushes `branch` to the same name on `remote`. Returns false (and does nothing) when
+    /// there is no such remote.
+    pub async fn push(&self, dir: &Path, remote: &str, branch: &str) -> Result<bool, GitError> {
+        if !self.has_remote(dir, remote).await? {
+            return Ok(false);
+        }
+        let refspec = format!("refs/heads/{branch}:refs/heads/{branch}");
+        self.run(dir, args(["push", "--quiet", remote, &refspec]))
+            .await?;
+        Ok(true)
+    }
+
+    /// Fetches `remote` (pruning deleted branches). Returns false (and does nothing) when there
+    /// is no such remote.
+    pub async fn fetch(&self, dir: &Path, remote: &str) -> Result<bool, GitError> {
+        if !self.has_remote(dir, remote).await? {
+            return Ok(false);
+        }
+        self.run(dir, args(["fetch", "--quiet", "--prune", remote]))
+            .await?;
+        Ok(true)
+    }
+
+    /// The files under `path` (relative to the root; a directory or a file) as committed on
+    /// `branch`, sorted. A branch that does not exist has no files.
+    pub async fn log_files(
+        &self,
+        dir: &Path,
+        branch: &str,
+        path: &str,
+    ) -> Result<Vec<String>, GitError> {
+        let Some(tree) = self.rev_parse(dir, &format!("{branch}^{{tree}}")).await? else {
+            return Ok(Vec::new());
+        };
+        let out = self
+            .text(
+                dir,
+                args([
+                    "ls-tree",
+                    "-r",
+                    "-z",
+                    "--full-tree",
+                    "--name-only",
+                    &tree,
+                    "--",
+                    path,
+                ]),
+            )
+            .await?;
+        let mut files = split_nul(&out);
+        files.sort();
+        Ok(files)
+    }
+
+    /// The content of `path` (relative to the root) as committed at `rev`, or `None` when the
+    /// revision or the file does not exist. Invalid UTF-8 is replaced.
+    pub async fn show_file(
+        &self,
+        dir: &Path,
+        rev: &str,
+        path: &str,
+    ) -> Result<Option<String>, GitError> {
+        let Some(object) = self.rev_parse(dir, &format!("{rev}:{path}")).await? else {
+            return Ok(None);
+        };
+        let kind = self.text(dir, args(["cat-file", "-t", &object])).await?;
+        if kind.trim() != "blob" {
+            return Ok(None);
+        }
+        Ok(Some(
+            self.text(dir, args(["cat-file", "blob", &object])).await?,
+        ))
+    }
+
+    /// Resets the checked-out branch, index and working tree of `dir` to `rev`.
+    pub async fn reset_hard(&self, dir: &Path, rev: &str) -> Result<(), GitError> {
+        self.run(dir, args(["reset", "--quiet", "--hard", rev, "--"]))
+            .await?;
+        Ok(())
+    }
+
+    /// Deletes untracked files and directories in `dir` (ignored files, such as build output,
+    /// and nested repositories and worktrees are kept).
+    pub async fn clean(&self, dir: &Path) -> Result<(), GitError> {
+        self.run(dir, args(["clean", "--quiet", "-f", "-d"]))
+            .await?;
+        Ok(())
+    }
+
+    // ---- internals ----
+
+    /// Runs git and returns its output whatever the exit; `Err` only when it could not start.
+    async fn output(
+        &self,
+        dir: &Path,
+        argv: Vec<OsString>,
+        stdin: Option<Vec<u8>>,
+    ) -> Result<Output, GitError> {
+        let mut cmd = Cmd::new(&self.bin)
+            .args(CONFIG)
+            .args(argv.iter().cloned())
+            .cwd(dir)
+            .env("GIT_TERMINAL_PROMPT", "0")
+            .env("GIT_AUTHOR_NAME", &self.identity.name)
+            .env("GIT_AUTHOR_EMAIL", &self.identity.email)
+            .env("GIT_COMMITTER_NAME", &self.identity.name)
+            .env("GIT_COMMITTER_EMAIL", &self.identity.email)
+            .timeout(self.timeout)
+            .output_limit(GIT_OUTPUT_LIMIT);
+        for key in LEAKY_ENV {
+            cmd = cmd.env_remove(key);
+        }
+        if let Some(bytes) = stdin {
+            cmd = cmd.stdin(bytes);
+        }
+        let out = process::run(&cmd).await.map_err(|source| GitError::Spawn {
+            dir: dir.to_owned(),
+            args: lossy(&argv),
+            source,
+        })?;
+        tracing::debug!(dir = %dir.display(), args = ?lossy(&argv), status = %out.status, "git");
+        Ok(out)
+    }
+
+    /// Runs git; anything but exit 0 is an error.
+    async fn run(&self, dir: &Path, argv: Vec<OsString>) -> Result<Output, GitError> {
+        let out = self.output(dir, argv.clone(), None).await?;
+        if out.success() {
+            Ok(out)
+        } else {
+            Err(failed(dir, &argv, &out))
+        }
+    }
+
+    /// Runs git and returns its whole stdout; exit ≠ 0 or an over-long stdout is an error.
+    async fn text(&self, dir: &Path, argv: Vec<OsString>) -> Result<String, GitError> {
+        let out = self.run(dir, argv.clone()).await?;
+        if out.stdout_truncated() {
+            return Err(GitError::TooMuchOutput {
+                dir: dir.to_owned(),
+                args: lossy(&argv),
+                bytes: out.stdout_bytes,
+                limit: GIT_OUTPUT_LIMIT,
+            });
+        }
+        Ok(out.stdout_lossy())
+    }
+
+    /// True when `dir` is the top of a working tree (not a subdirectory of some other one).
+    async fn is_toplevel(&self, dir: &Path) -> bool {
+        match self.text(dir, args(["rev-parse", "--show-toplevel"])).await {
+            Ok(top) => normalize(Path::new(top.trim())) == normalize(dir),
+            Err(_) => false,
+        }
+    }
+
+    /// True when commit `a` is an ancestor of (or equal to) commit `b`.
+    async fn is_ancestor(&self, dir: &Path, a: &str, b: &str) -> Result<bool, GitError> {
+        let argv = args(["merge-base", "--is-ancestor", a, b]);
+        let out = self.output(dir, argv.clone(), None).await?;
+        match out.status {
+            ExitKind::Exited(0) => Ok(true),
+            ExitKind::Exited(1) => Ok(false),
+            _ => Err(failed(dir, &argv, &out)),
+        }
+    }
+
+    async fn head(&self, dir: &Path) -> Result<String, GitError> {
+        self.rev_parse(dir, "HEAD")
+            .await?
+            .ok_or_else(|| GitError::UnknownRevision {
+                dir: dir.to_owned(),
+                rev: "HEAD".to_owned(),
+            })
+    }
+
+    /// Merges `rev` into `HEAD` with `mode` (`--ff-only`, `--no-ff` or `--ff`).
+    async fn merge_rev(&self, dir: &Path, rev: &str, mode: &str) -> Result<MergeResult, GitError> {
+        let Some(theirs) = self.rev_parse(dir, &format!("{rev}^{{commit}}")).await? else {
+            return Err(GitError::UnknownRevision {
+                dir: dir.to_owned(),
+                rev: rev.to_owned(),
+            });
+        };
+        if self.is_ancestor(dir, &theirs, "HEAD").await? {
+            return Ok(MergeResult::Merged {
+                sha: self.head(dir).await?,
+            });
+        }
+        if mode == "--ff-only" && !self.is_ancestor(dir, "HEAD", &theirs).await? {
+            return Ok(MergeResult::NotFastForward);
+        }
+        let argv = args(["merge", "--quiet", "--no-edit", mode, rev]);
+        let out = self.output(dir, argv.clone(), None).await?;
+        if out.success() {
+            return Ok(MergeResult::Merged {
+                sha: self.head(dir).await?,
+            });
+        }
+        let conflicted = self
+            .text(dir, args(["diff", "--name-only", "--diff-filter=U", "-z"]))
+            .await?;
+        let mut files = split_nul(&conflicted);
+        if self.rev_parse(dir, "MERGE_HEAD").await?.is_some() {
+            self.run(dir, args(["merge", "--abort"])).await?;
+        }
+        if files.is_empty() {
+            return Err(failed(dir, &argv, &out));
+        }
+        files.sort();
+        files.dedup();
+        Ok(MergeResult::Conflict { files })
+    }
+
+    /// The worktrees git has registered for `repo` (the main one included).
+    async fn worktrees(&self, repo: &Path) -> Result<Vec<WorktreeEntry>, GitError> {
+        let out = self
+            .text(repo, args(["worktree", "list", "--porcelain", "-z"]))
+            .await?;
+        Ok(parse_worktrees(&out))
+    }
+
+    /// Never-raise: lists the directory holding the worktree `path` in `repo`'s
+    /// `info/exclude` when it lies inside `repo`'s working tree, so worktrees do not show up as
+    /// untracked files of the main checkout. Failures are logged; the worktree works regardless.
+    async fn exclude_nested(&self, repo: &Path, path: &Path) {
+        if let Err(e) = self.try_exclude_nested(repo, path).await {
+            tracing::warn!(repo = %repo.display(), path = %path.display(), error = %e, "cannot exclude the worktree from the main checkout; it will show as untracked there");
+        }
+    }
+
+    async fn try_exclude_nested(&self, repo: &Path, path: &Path) -> Result<(), GitError> {
+        let top = self
+            .text(repo, args(["rev-parse", "--show-toplevel"]))
+            .await?;
+        let target = normalize(path);
+        let Ok(rel) = target.strip_prefix(normalize(Path::new(top.trim()))) else {
+            return Ok(());
+        };
+        let dir = rel
+            .parent()
+            .filter(|p| !p.as_os_str().is_empty())
+            .unwrap_or(rel);
+        let Some(dir) = dir.to_str().filter(|d| !d.is_empty()) else {
+            return Ok(());
+        };
+        let line = format!("/{dir}/");
+        let exclude = self
+            .text(repo, args(["rev-parse", "--git-path", "info/exclude"]))
+            .await?;
+        let exclude = repo.join(exclude.trim());
+        let mut content = std::fs::read_to_string(&exclude).unwrap_or_default();
+        if content.lines().any(|l| l.trim() == line) {
+            return Ok(());
+        }
+        create_dir_all(&parent_dir(&exclude))?;
+        if !content.is_empty() && !content.ends_with('\n') {
+            content.push('\n');
+        }
+        content.push_str(&line);
+        content.push('\n');
+        std::fs::write(&exclude, content).map_err(|source| GitError::Io {
+            action: "write",
+            path: exclude.clone(),
+            source,
+        })
+    }
+
+    /// `<remote>/<branch>` when a remote-tracking branch of that name exists (`origin` first).
+    async fn remote_branch(&self, repo: &Path, branch: &str) -> Result<Option<String>, GitError> {
+        let out = self
+            .text(
+                repo,
+                args(["for-each-ref", "--format=%(refname)", "refs/remotes/"]),
+            )
+            .await?;
+        let mut found: Vec<String> = out
+            .lines()
+            .filter_map(|r| r.strip_prefix("refs/remotes/"))
+            .filter(|r| r.split_once('/').is_some_and(|(_, b)| b == branch))
+            .map(str::to_owned)
+            .collect();
+        found.sort_by_key(|r| !r.starts_with("origin/"));
+        Ok(found.into_iter().next())
+    }
+}
+
+/// One entry of `git worktree list --porcelain`.
+#[derive(Debug, PartialEq, Eq)]
+struct WorktreeEntry {
+    path: PathBuf,
+    branch: Option<String>,
+    prunable: bool,
+}
+
+fn parse_worktrees(out: &str) -> Vec<WorktreeEntry> {
+    let mut entries = Vec::new();
+    let mut current: Option<WorktreeEntry> = None;
+    for field in out.split('\0') {
+        if let Some(path) = field.strip_prefix("worktree ") {
+            entries.extend(current.take());
+            current = Some(WorktreeEntry {
+                path: PathBuf::from(path),
+                branch: None,
+                prunable: false,
+            });
+        } else if let Some(entry) = current.as_mut() {
+            if let Some(branch) = field.strip_prefix("branch ") {
+                entry.branch = Some(
+                    branch
+                        .strip_prefix("refs/heads/")
+                        .unwrap_or(branch)
+                        .to_owned(),
+                );
+            } else if field == "prunable" || field.starts_with("prunable ") {
+                entry.prunable = true;
+            }
+        }
+    }
+    entries.extend(current);
+    entries
+}
+
+fn parse_status(out: &str) -> Vec<StatusEntry> {
+    let mut entries = Vec::new();
+    let mut fields = out.split('\0').filter(|f| !f.is_empty());
+    while let Some(field) = fields.next() {
+        let (Some(code), Some(path)) = (field.get(..2), field.get(3..)) else {
+            tracing::warn!(field, "unexpected git status line; skipped");
+            continue;
+        };
+        let orig_path = if code.contains(['R', 'C']) {
+            fields.next().map(str::to_owned)
+        } else {
+            None
+        };
+        entries.push(StatusEntry {
+            code: code.to_owned(),
+            path: path.to_owned(),
+            orig_path,
+        });
+    }
+    entries
+}
+
+/// True when `path` is `prefix` or inside it (by whole path components).
+fn under_prefix(path: &str, prefix: &str) -> bool {
+    let prefix = prefix.trim_matches('/');
+    if prefix.is_empty() {
+        return true;
+    }
+    path == prefix
+        || path
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.starts_with('/'))
+}
+
+fn split_nul(out: &str) -> Vec<String> {
+    out.split('\0')
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn args<const N: usize>(list: [&str; N]) -> Vec<OsString> {
+    list.iter().map(OsString::from).collect()
+}
+
+fn lossy(argv: &[OsString]) -> Vec<String> {
+    argv.iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
+fn failed(dir: &Path, argv: &[OsString], out: &Output) -> GitError {
+    let text = if out.stderr_tail.is_empty() {
+        out.stdout_lossy()
+    } else {
+        out.stderr_lossy()
+    };
+    GitError::Failed {
+        dir: dir.to_owned(),
+        args: lossy(argv),
+        exit: out.status,
+        stderr: process::last_lines(&text, ERROR_LINES),
+    }
+}
+
+fn create_dir_all(dir: &Path) -> Result<(), GitError> {
+    std::fs::create_dir_all(dir).map_err(|source| GitError::Io {
+        action: "create directory",
+        path: dir.to_owned(),
+        source,
+    })
+}
+
+/// The directory containing `path` (`.` for a bare name).
+fn parent_dir(path: &Path) -> PathBuf {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_owned(),
+        _ => PathBuf::from("."),
+    }
+}
+
+fn is_non_empty(path: &Path) -> bool {
+    match std::fs::read_dir(path) {
+        Ok(mut entries) => entries.next().is_some(),
+        // A file (or a dangling symlink) in the worktree's place also has to go.
+        Err(_) => path.symlink_metadata().is_ok(),
+    }
+}
+
+/// Deletes a leftover worktree directory, unless it is (or contains) the repository itself or
+/// holds a repository of its own.
+fn remove_stray(repo: &Path, path: &Path) -> Result<(), GitError> {
+    let target = normalize(path);
+    let refuse = |reason| GitError::RefuseToDelete {
+        path: path.to_owned(),
+        reason,
+    };
+    if normalize(repo).starts_with(&target) {
+        return Err(refuse("it is the repository or contains it"));
+    }
+    if path.join(".git").is_dir() {
+        return Err(refuse(
+            "it holds a repository of its own (.git is a directory)",
+        ));
+    }
+    let meta = path.symlink_metadata().map_err(|source| GitError::Io {
+        action: "inspect",
+        path: path.to_owned(),
+        source,
+    })?;
+    let removed = if meta.is_dir() {
+        std::fs::remove_dir_all(path)
+    } else {
+        std::fs::remove_file(path)
+    };
+    removed.map_err(|source| GitError::Io {
+        action: "delete",
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// `path` made absolute against orch's working directory (unchanged if that fails).
+fn absolute(path: &Path) -> PathBuf {
+    std::path::absolute(path).unwrap_or_else(|_| path.to_owned())
+}
+
+/// `path` made absolute with symlinks resolved as far as it exists, for comparing paths git
+/// prints with paths orch was given.
+fn normalize(path: &Path) -> PathBuf {
+    if let Ok(real) = path.canonicalize() {
+        return real;
+    }
+    let abs = absolute(path);
+    match (abs.parent(), abs.file_name()) {
+        (Some(parent), Some(name)) => parent
+            .canonicalize()
+            .map(|p| p.join(name))
+            .unwrap_or(abs.clone()),
+        _ => abs,
+    }
+}
+
+/// The in-process lock that serializes worktree changes of one repository.
+fn repo_lock(repo: &Path) -> Arc<tokio::sync::Mutex<()>> {
+    static LOCKS: OnceLock<Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>> = OnceLock::new();
+    let mut locks = LOCKS
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    locks.entry(normalize(repo)).or_default().clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_worktree_list() {
+        let out = "worktree /r\0HEAD abc\0branch refs/heads/main\0\0\
+                   worktree /r/wt/a\0HEAD def\0branch refs/heads/orch/A-1\0prunable gitdir file points to non-existent location\0\0\
+                   worktree /r/wt/b\0HEAD 123\0detached\0\0";
+        let expect = vec![
+            WorktreeEntry {
+                path: "/r".into(),
+                branch: Some("main".into()),
+                prunable: false,
+            },
+            WorktreeEntry {
+                path: "/r/wt/a".into(),
+                branch: Some("orch/A-1".into()),
+                prunable: true,
+            },
+            WorktreeEntry {
+                path: "/r/wt/b".into(),
+                branch: None,
+                prunable: false,
+            },
+        ];
+        assert_eq!(parse_worktrees(out), expect);
+    }
+
+    #[test]
+    fn parses_status_with_renames() {
+        let out = " M a.txt\0R  new.txt\0old.txt\0?? dir/x y.txt\0";
+        let got = parse_status(out);
+        assert_eq!(got.len(), 3);
+        assert_eq!(
+            (
+                got[0].code.as_str(),
+                got[0].path.as_str(),
+                got[0].orig_path.as_deref()
+            ),
+            (" M", "a.txt", None)
+        );
+        assert_eq!(
+            (
+                got[1].code.as_str(),
+                got[1].path.as_str(),
+                got[1].orig_path.as_deref()
+            ),
+            ("R ", "new.txt", Some("old.txt"))
+        );
+        assert_eq!(
+            (got[2].code.as_str(), got[2].path.as_str()),
+            ("??", "dir/x y.txt")
+        );
+    }
+
+    #[test]
+    fn prefix_matches_whole_components() {
+        let check = |path: &str, prefix: &str, expect: bool| {
+            assert_eq!(under_prefix(path, prefix), expect, "{path} under {prefix}");
+        };
+        check("docs/work-items/A-1/02.md", "docs/work-items/A-1", true);
+        check("docs/work-items/A-1/02.md", "docs/work-items/A-1/", true);
+        check("docs/work-items/A-1", "docs/work-items/A-1", true);
+        check("docs/work-items/A-10/02.md", "docs/work-items/A-1", false);
+        check("src/main.rs", "docs/work-items/A-1", false);
+        check("anything", "", true);
+    }
+}

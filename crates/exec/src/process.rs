@@ -1,0 +1,551 @@
+//! Running one child process the way every part of orch needs it: in its own process group,
+//! with a wall-clock timeout, an early stop, bounded capture of stdout and stderr, and no way to
+//! leave a process behind.
+//!
+//! Habits taken from ripgrep's `process.rs`: stdout, stderr and stdin are all driven
+//! concurrently, so a child blocked on a full pipe can never deadlock the run, and the captured
+//! stderr stays with the result for error messages.
+//!
+//! Lifecycle of [`run`]: spawn as the leader of a new process group → wait for the first of
+//! (leader exits, timeout, cancellation) → on timeout/cancel SIGTERM the whole group, wait
+//! `kill_grace`, SIGKILL what is left → in every case stop and reap whatever the leader left in
+//! its group → collect the output tails. Dropping the future does the same termination in a
+//! background task.
+
+use std::ffi::OsString;
+use std::fmt;
+use std::future::Future;
+use std::io;
+use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::process::{Child, ChildStdin, Command};
+use tokio_util::sync::CancellationToken;
+
+use crate::group;
+use crate::tail::Tail;
+
+/// Default wall-clock limit of a [`Cmd`].
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
+/// Default time between SIGTERM and SIGKILL when a [`Cmd`] is stopped.
+pub const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(5);
+/// Default number of bytes kept from the end of stdout, and separately of stderr.
+pub const DEFAULT_OUTPUT_LIMIT: usize = 256 * 1024;
+
+/// How long output is still read after the whole group is gone: only a descendant that left
+/// the group can still hold a pipe open, and it must not hold the run hostage.
+const DRAIN_GRACE: Duration = Duration::from_millis(500);
+/// Read buffer size for each output pipe.
+const READ_CHUNK: usize = 64 * 1024;
+
+/// What to run and under which limits. Build with [`Cmd::new`] and the chained setters, or set
+/// the public fields directly.
+#[derive(Debug, Clone)]
+pub struct Cmd {
+    /// The program: a path, or a bare name looked up in `PATH`.
+    pub program: PathBuf,
+    /// Arguments, without the program.
+    pub args: Vec<OsString>,
+    /// Working directory; `None` inherits orch's.
+    pub cwd: Option<PathBuf>,
+    /// Variables added to (or overriding) the environment, applied last.
+    pub env: Vec<(OsString, OsString)>,
+    /// Variables removed from the inherited environment.
+    pub env_remove: Vec<OsString>,
+    /// Start from an empty environment instead of orch's (then `env` is all the child gets).
+    pub env_clear: bool,
+    /// Bytes written to the child's stdin, which is then closed; `None` gives it `/dev/null`.
+    pub stdin: Option<Vec<u8>>,
+    /// Wall-clock limit from spawn; past it the group is stopped and the run is `TimedOut`.
+    pub timeout: Duration,
+    /// Time between SIGTERM and SIGKILL when the group is stopped.
+    pub kill_grace: Duration,
+    /// Bytes kept from the end of stdout and, separately, of stderr.
+    pub output_limit: usize,
+    /// Stops the run early (the run ends as `Cancelled`) when this token is cancelled.
+    pub cancel: Option<CancellationToken>,
+}
+
+impl Cmd {
+    /// A command with no arguments and the default limits.
+    pub fn new(program: impl Into<PathBuf>) -> Cmd {
+        Cmd {
+            program: program.into(),
+            args: Vec::new(),
+            cwd: None,
+            env: Vec::new(),
+            env_remove: Vec::new(),
+            env_clear: false,
+            stdin: None,
+            timeout: DEFAULT_TIMEOUT,
+            kill_grace: DEFAULT_KILL_GRACE,
+            output_limit: DEFAULT_OUTPUT_LIMIT,
+            cancel: None,
+        }
+    }
+
+    /// Appends one argument.
+    pub fn arg(mut self, arg: impl Into<OsString>) -> Cmd {
+        self.args.push(arg.into());
+        self
+    }
+
+    /// Appends arguments.
+    pub fn args<I, S>(mut self, args: I) -> Cmd
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<OsString>,
+    {
+        self.args.extend(args.into_iter().map(Into::into));
+        self
+    }
+
+    /// Sets the working directory.
+    pub fn cwd(mut self, dir: impl Into<PathBuf>) -> Cmd {
+        self.cwd = Some(dir.into());
+        self
+    }
+
+    /// Adds one environment variable.
+    pub fn env(mut self, key: impl Into<OsString>, value: impl Into<OsString>) -> Cmd {
+        self.env.push((key.into(), value.into()));
+        self
+    }
+
+    /// Removes one inherited environment variable.
+    pub fn env_remove(mut self, key: impl Into<OsString>) -> Cmd {
+        self.env_remove.push(key.into());
+        self
+    }
+
+    /// Starts the child with an empty environment (plus [`Cmd::env`] variables).
+    pub fn env_clear(mut self) -> Cmd {
+        self.env_clear = true;
+        self
+    }
+
+    /// Feeds `bytes` to the child's stdin.
+    pub fn stdin(mut self, bytes: impl Into<Vec<u8>>) -> Cmd {
+        self.stdin = Some(bytes.into());
+        self
+    }
+
+    /// Sets the wall-clock limit.
+    pub fn timeout(mut self, timeout: Duration) -> Cmd {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Sets the time between SIGTERM and SIGKILL.
+    pub fn kill_grace(mut self, grace: Duration) -> Cmd {
+        self.kill_grace = grace;
+        self
+    }
+
+    /// Sets how many bytes of stdout and of stderr are kept.
+    pub fn output_limit(mut self, bytes: usize) -> Cmd {
+        self.output_limit = bytes;
+        self
+    }
+
+    /// Stops the run when `token` is cancelled.
+    pub fn cancel_on(mut self, token: CancellationToken) -> Cmd {
+        self.cancel = Some(token);
+        self
+    }
+}
+
+/// The command line as a person would type it (lossy, for logs and reports).
+impl fmt::Display for Cmd {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.program.display())?;
+        for arg in &self.args {
+            let arg = arg.to_string_lossy();
+            if arg.is_empty() || arg.contains(|c: char| c.is_whitespace() || c == '\'' || c == '"')
+            {
+                write!(f, " '{}'", arg.replace('\'', r"'\''"))?;
+            } else {
+                write!(f, " {arg}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a run ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ExitKind {
+    /// The program exited by itself with this code.
+    Exited(i32),
+    /// The program was killed by this signal (not by orch).
+    Signaled(i32),
+    /// orch stopped it at the timeout.
+    TimedOut,
+    /// orch stopped it because the run was cancelled.
+    Cancelled,
+}
+
+impl fmt::Display for ExitKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ExitKind::Exited(code) => write!(f, "exit code {code}"),
+            ExitKind::Signaled(sig) => write!(f, "killed by signal {sig}"),
+            ExitKind::TimedOut => f.write_str("timed out"),
+            ExitKind::Cancelled => f.write_str("cancelled"),
+        }
+    }
+}
+
+/// The result of a run that started.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    /// How it ended.
+    pub status: ExitKind,
+    /// The last `output_limit` bytes of stdout.
+    pub stdout_tail: Vec<u8>,
+    /// The last `output_limit` bytes of stderr.
+    pub stderr_tail: Vec<u8>,
+    /// All bytes the child wrote to stdout.
+    pub stdout_bytes: u64,
+    /// All bytes the child wrote to stderr.
+    pub stderr_bytes: u64,
+    /// Wall-clock time from spawn to the end of the run.
+    pub duration: Duration,
+}
+
+impl Output {
+    /// True when the program exited with code 0.
+    pub fn success(&self) -> bool {
+        self.status == ExitKind::Exited(0)
+    }
+
+    /// The captured stdout as text (invalid UTF-8 replaced).
+    pub fn stdout_lossy(&self) -> String {
+        String::from_utf8_lossy(&self.stdout_tail).into_owned()
+    }
+
+    /// The captured stderr as text (invalid UTF-8 replaced).
+    pub fn stderr_lossy(&self) -> String {
+        String::from_utf8_lossy(&self.stderr_tail).into_owned()
+    }
+
+    /// True when stdout was longer than the capture limit (the tail misses its beginning).
+    pub fn stdout_truncated(&self) -> bool {
+        self.stdout_bytes > self.stdout_tail.len() as u64
+    }
+
+    /// The last `n_lines` lines of the captured stdout followed by the captured stderr, for
+    /// reports and error messages (where the reason for a failure usually is at the very end).
+    pub fn tail_text(&self, n_lines: usize) -> String {
+        let mut text = self.stdout_lossy();
+        if !self.stderr_tail.is_empty() {
+            if !text.is_empty() && !text.ends_with('\n') {
+                text.push('\n');
+            }
+            text.push_str(&self.stderr_lossy());
+        }
+        last_lines(&text, n_lines)
+    }
+}
+
+/// The last `n` lines of `text`, without trailing blank lines.
+pub(crate) fn last_lines(text: &str, n: usize) -> String {
+    let lines: Vec<&str> = text.trim_end().lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+/// Why a run could not start (or could not be supervised).
+#[derive(Debug, thiserror::Error)]
+pub enum SpawnError {
+    /// The program does not exist (not in `PATH`, or no such file).
+    #[error("cannot run '{program}': program not found (not on PATH or no such file)")]
+    NotFound {
+        /// The program as given.
+        program: String,
+    },
+    /// The program exists but may not be executed (not executable, or a directory).
+    #[error("cannot run '{program}': permission denied (is it an executable file?)")]
+    PermissionDenied {
+        /// The program as given.
+        program: String,
+    },
+    /// Any other failure to start or supervise the program.
+    #[error("cannot run '{program}': {source}")]
+    Io {
+        /// The program as given.
+        program: String,
+        /// The underlying error.
+        #[source]
+        source: io::Error,
+    },
+}
+
+impl SpawnError {
+    fn from_io(program: &Path, source: io::Error) -> SpawnError {
+        let program = program.display().to_string();
+        match source.kind() {
+            io::ErrorKind::NotFound => SpawnError::NotFound { program },
+            io::ErrorKind::PermissionDenied => SpawnError::PermissionDenied { program },
+            _ => SpawnError::Io { program, source },
+        }
+    }
+}
+
+/// Runs `cmd` to its end and returns how it ended with the tails of its output. Exit codes,
+/// signals, timeouts and cancellation are all `Ok`; `Err` means it could not start.
+///
+/// The child leads a new process group; a timeout, a cancellation or dropping this future stops
+/// the whole group (SIGTERM, `kill_grace`, SIGKILL) and reaps it, grandchildren included.
+/// Processes the child leaves running in its group after it exits are stopped the same way.
+pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
+    let program = || cmd.program.display().to_string();
+    if cmd
+        .cancel
+        .as_ref()
+        .is_some_and(CancellationToken::is_cancelled)
+    {
+        return Ok(Output {
+            status: ExitKind::Cancelled,
+            stdout_tail: Vec::new(),
+            stderr_tail: Vec::new(),
+            stdout_bytes: 0,
+            stderr_bytes: 0,
+            duration: Duration::ZERO,
+        });
+    }
+    if let Some(dir) = &cmd.cwd
+        && !dir.is_dir()
+    {
+        let msg = format!(
+            "working directory {} does not exist or is not a directory",
+            dir.display()
+        );
+        return Err(SpawnError::Io {
+            program: program(),
+            source: io::Error::new(io::ErrorKind::NotFound, msg),
+        });
+    }
+    group::become_subreaper();
+
+    let mut command = Command::new(&cmd.program);
+    command.args(&cmd.args);
+    if let Some(dir) = &cmd.cwd {
+        command.current_dir(dir);
+    }
+    if cmd.env_clear {
+        command.env_clear();
+    }
+    for key in &cmd.env_remove {
+        command.env_remove(key);
+    }
+    command.envs(cmd.env.iter().map(|(k, v)| (k, v)));
+    command
+        .stdin(if cmd.stdin.is_some() {
+            Stdio::piped()
+        } else {
+            Stdio::null()
+        })
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+
+    let started = Instant::now();
+    let mut child = group::spawn(&mut command).map_err(|e| SpawnError::from_io(&cmd.program, e))?;
+    let pgid = child
+        .id()
+        .and_then(|pid| i32::try_from(pid).ok())
+        .unwrap_or(0);
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    let stdin = child.stdin.take();
+    let mut running = Running {
+        child: Some(child),
+        pgid,
+        grace: cmd.kill_grace,
+    };
+    tracing::debug!(pgid, cmd = %cmd, "started");
+
+    let ended = CancellationToken::new();
+    let ended_ref = &ended;
+    let drained = move || async move {
+        ended_ref.cancelled().await;
+        tokio::time::sleep(DRAIN_GRACE).await;
+    };
+    let io = async {
+        tokio::join!(
+            read_tail(stdout, cmd.output_limit, drained()),
+            read_tail(stderr, cmd.output_limit, drained()),
+            feed(stdin, cmd.stdin.as_deref(), drained()),
+        )
+    };
+    let supervise = async {
+        let status = running.supervise(cmd.timeout, cmd.cancel.as_ref()).await;
+        ended.cancel();
+        status
+    };
+    let ((out, err, ()), status) = tokio::join!(io, supervise);
+    group::reap_adopted();
+    let status = status.map_err(|source| SpawnError::Io {
+        program: program(),
+        source,
+    })?;
+    let (stdout_tail, stdout_bytes) = out.finish();
+    let (stderr_tail, stderr_bytes) = err.finish();
+    let duration = started.elapsed();
+    tracing::debug!(pgid, %status, ?duration, stdout_bytes, stderr_bytes, "finished");
+    Ok(Output {
+        status,
+        stdout_tail,
+        stderr_tail,
+        stdout_bytes,
+        stderr_bytes,
+        duration,
+    })
+}
+
+/// The spawned group while its run is in progress. Dropping it before [`Running::supervise`]
+/// finished (the run's future was dropped) stops the group in a background task.
+struct Running {
+    child: Option<Child>,
+    pgid: i32,
+    grace: Duration,
+}
+
+impl Running {
+    /// Waits for the leader, the timeout or the cancellation; stops and reaps the group.
+    async fn supervise(
+        &mut self,
+        timeout: Duration,
+        cancel: Option<&CancellationToken>,
+    ) -> io::Result<ExitKind> {
+        let Some(child) = self.child.as_mut() else {
+            return Err(io::Error::other("the child was already released"));
+        };
+        let cancelled = async {
+            match cancel {
+                Some(token) => token.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        let end = tokio::select! {
+            status = child.wait() => End::Exited(status),
+            () = tokio::time::sleep(timeout) => End::Stopped(ExitKind::TimedOut),
+            () = cancelled => End::Stopped(ExitKind::Cancelled),
+        };
+        let (result, reaped) = match end {
+            End::Exited(Ok(status)) => {
+                group::sweep(self.pgid, self.grace).await;
+                (Ok(exit_kind(status)), true)
+            }
+            End::Exited(Err(e)) => {
+                let status = group::terminate(child, self.pgid, self.grace).await;
+                (Err(e), status.is_some())
+            }
+            End::Stopped(kind) => {
+                tracing::debug!(pgid = self.pgid, %kind, "stopping the process group");
+                let status = group::terminate(child, self.pgid, self.grace).await;
+                (Ok(kind), status.is_some())
+            }
+        };
+        self.child = None;
+        if reaped {
+            group::release(self.pgid);
+        }
+        result
+    }
+}
+
+enum End {
+    Exited(io::Result<ExitStatus>),
+    Stopped(ExitKind),
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let (pgid, grace) = (self.pgid, self.grace);
+        tracing::debug!(pgid, "run dropped; stopping its process group");
+        group::signal(pgid, libc::SIGTERM);
+        match tokio::runtime::Handle::try_current() {
+            Ok(handle) => {
+                handle.spawn(async move {
+                    if group::terminate(&mut child, pgid, grace).await.is_some() {
+                        group::release(pgid);
+                    }
+                });
+            }
+            Err(_) => {
+                // No runtime to wait in: kill now; tokio's orphan queue reaps the leader.
+                group::signal(pgid, libc::SIGKILL);
+            }
+        }
+    }
+}
+
+fn exit_kind(status: ExitStatus) -> ExitKind {
+    match (status.code(), status.signal()) {
+        (Some(code), _) => ExitKind::Exited(code),
+        (None, Some(sig)) => ExitKind::Signaled(sig),
+        (None, None) => {
+            tracing::warn!(?status, "exit status with neither code nor signal");
+            ExitKind::Exited(-1)
+        }
+    }
+}
+
+/// Reads a pipe to its end (or until `stop`), keeping its tail.
+async fn read_tail<R: AsyncRead + Unpin>(
+    pipe: Option<R>,
+    limit: usize,
+    stop: impl Future<Output = ()>,
+) -> Tail {
+    let mut tail = Tail::new(limit);
+    let Some(mut pipe) = pipe else {
+        return tail;
+    };
+    let mut buf = vec![0u8; READ_CHUNK];
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            read = pipe.read(&mut buf) => match read {
+                Ok(0) => break,
+                Ok(n) => tail.push(&buf[..n]),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading a child's output failed; keeping what was read");
+                    break;
+                }
+            },
+            () = &mut stop => {
+                tracing::warn!("a process outside the run's group still holds its output open; stopped reading");
+                break;
+            }
+        }
+    }
+    tail
+}
+
+/// Writes `data` to the child's stdin and closes it. A child that exits without reading
+/// (broken pipe) is normal, not an error.
+async fn feed(stdin: Option<ChildStdin>, data: Option<&[u8]>, stop: impl Future<Output = ()>) {
+    let (Some(mut pipe), Some(data)) = (stdin, data) else {
+        return;
+    };
+    let write = async {
+        pipe.write_all(data).await?;
+        pipe.shutdown().await
+    };
+    tokio::select! {
+        written = write => match written {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {}
+            Err(e) => tracing::debug!(error = %e, "writing a child's stdin failed"),
+        },
+        () = stop => {}
+    }
+}
