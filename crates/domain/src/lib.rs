@@ -1,2 +1,3 @@
 //! placeholder
+pub mod monitor;
 pub mod staging;
