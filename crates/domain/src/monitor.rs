@@ -553,6 +553,8 @@ pub struct PostDeployLog<'a> {
 /// Renders `docs/work-items/<id>/16-post-deploy-log.md` (seed §4): frontmatter with the common
 /// keys plus `post_deploy_status`, `action_taken`, `window_s`, `checks_total`,
 /// `checks_failed`, `checks_errored`, `reason`, `revision`, and a body with the whole series.
+/// It is a repository file, not replicated to the database (seed §4), and the lessons loop's
+/// source (BR-10, SPEC §8).
 ///
 /// The `checks_*` counts are of polls (one poll = one round of checks at one slot):
 /// `checks_total` = polls, `checks_failed` = FAIL polls, `checks_errored` = polls that were

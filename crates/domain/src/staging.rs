@@ -474,7 +474,10 @@ pub const MAX_CELL_CHARS: usize = 1_500;
 /// Renders `docs/work-items/<id>/15-staging-log.md` (D-3): YAML frontmatter with the common
 /// keys plus `staging_status` (exactly `SUCCESS` or `FAILED`), `failure_kind` (`none` on
 /// success), `attempt` and `reason`, then the fixed body: Summary, Environment, Steps (a table
-/// of command, exit, duration, output tail) and Verdict.
+/// of command, exit, duration, output tail) and Verdict. Only the producer changes (D-3):
+/// `author_agent: staging-runner`, `model_used: n/a`; the key `staging_status:` keeps its name
+/// and case so the unchanged `parse_staging_status` reads it (AC-2/AC-5, TC-04). The key is
+/// always written as the plain line `staging_status: SUCCESS` / `staging_status: FAILED`.
 pub fn render_staging_log(log: &StagingLog<'_>) -> String {
     let outcome = log.outcome;
     let mut out = render_frontmatter(&[
