@@ -12,13 +12,17 @@
 //! - [`gate`]: conservative checks of artifacts; only an exact, valid status is a pass.
 //! - [`pipeline`]: the stages as data and `decide`, the only place that picks a next stage.
 //! - [`config`]: the `orch.toml` model, `ORCH_*` overrides and the `orch init` template.
+//! - [`staging`]: the staging runner's classification, defer rules and `15-staging-log.md` (ORCH-115).
+//! - [`monitor`]: the post-deploy watch's decision rules and `16-post-deploy-log.md` (ORCH-021).
 #![warn(missing_docs)]
 
 pub mod artifact;
 pub mod config;
 pub mod gate;
 pub mod ids;
+pub mod monitor;
 pub mod pipeline;
+pub mod staging;
 
 /// Property tests run from a fixed seed so that every run checks the same cases and a failure
 /// replays exactly; nothing is written next to the sources.
