@@ -188,3 +188,50 @@ where
     tracing::info!(%addr, "HTTP API stopped");
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+
+    async fn check(status: StatusCode, content_type: Option<&str>, want_code: Option<&str>) {
+        let mut resp = Response::builder().status(status);
+        if let Some(ct) = content_type {
+            resp = resp.header(header::CONTENT_TYPE, ct);
+        }
+        let resp = bare_errors_as_json(resp.body(Body::from("original")).unwrap()).await;
+        assert_eq!(resp.status(), status);
+        let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        match want_code {
+            Some(code) => {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                assert_eq!(v["error"]["code"], code, "{status}");
+            }
+            None => assert_eq!(&body[..], b"original", "{status}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn bare_error_statuses_get_the_json_shape() {
+        for (status, ct, want) in [
+            (StatusCode::REQUEST_TIMEOUT, None, Some("timeout")),
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                None,
+                Some("method_not_allowed"),
+            ),
+            (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                None,
+                Some("payload_too_large"),
+            ),
+            (StatusCode::BAD_GATEWAY, None, Some("internal")),
+            (StatusCode::NOT_FOUND, Some("text/html"), None),
+            (StatusCode::OK, None, None),
+        ] {
+            check(status, ct, want).await;
+        }
+    }
+}

@@ -282,6 +282,13 @@ async fn healthz_is_ok_then_503_when_the_store_is_closed() {
     // The other store-backed routes say so too, with the error shape.
     let a = h.get("/queue", StatusCode::SERVICE_UNAVAILABLE).await;
     assert_eq!(a.error_code(), "store_unavailable");
+    let page = h.get("/", StatusCode::SERVICE_UNAVAILABLE).await;
+    assert!(page.content_type().starts_with("text/html"));
+    assert!(
+        page.text.contains("the store could not answer"),
+        "{}",
+        page.text
+    );
     let m = h.get("/metrics", StatusCode::OK).await;
     assert!(m.text.contains("\norch_up 0\n"), "{}", m.text);
     assert!(
@@ -824,6 +831,9 @@ async fn hostile_work_item_ids_are_refused_before_any_handler() {
         "%E2%80%AEORCH-1",
         "ORCH-1;rm",
         "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA-1",
+        "%3Cscript%3E-1",
+        // Not UTF-8 once decoded: refused by the path extractor itself.
+        "ORCH-%FF",
     ] {
         for suffix in ["", "/events", "/artifacts"] {
             let a = h
@@ -835,7 +845,7 @@ async fn hostile_work_item_ids_are_refused_before_any_handler() {
                     .as_str()
                     .unwrap()
                     .contains("PREFIX-NUMBER")
-                    || id == "ORCH-1%00",
+                    || id == "ORCH-%FF",
                 "{}",
                 a.text
             );
