@@ -313,7 +313,7 @@ pub(crate) struct IndexQuery {
 /// `GET /`: queue summary, counters, watches and the newest tasks.
 pub(crate) async fn index(
     State(state): State<ApiState>,
-    query: Result<ApiQuery<IndexQuery>, crate::AppError>,
+    query: Result<ApiQuery<IndexQuery>, crate::error::AppError>,
 ) -> Result<Response, PageError> {
     let stage_filter = match query {
         Ok(ApiQuery(q)) => q.stage.unwrap_or_default(),

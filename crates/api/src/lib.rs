@@ -1,5 +1,5 @@
 //! orch's HTTP edge: the JSON API, Prometheus metrics and the server-rendered dashboard
-//! (SPEC §9). It is the only crate that knows JSON shapes ([`dto`]).
+//! (SPEC §9). It is the only crate that knows JSON shapes (all in the private `dto` module).
 //!
 //! Invariants:
 //! - Reads go to the [`Store`]; every change goes through [`Operations`], implemented by the
@@ -12,7 +12,7 @@
 
 mod auth;
 mod dashboard;
-pub mod dto;
+mod dto;
 mod error;
 mod extract;
 mod id;
@@ -33,7 +33,7 @@ use axum::routing::{get, post};
 use orch_store::Store;
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
 
-pub use error::AppError;
+use error::AppError;
 pub use id::validate_work_item_id;
 pub use ops::{
     ArtifactFile, Observation, OpError, Operations, RunnerCounters, SubmitRequest, SubmitResult,
