@@ -136,6 +136,7 @@ async fn bare_errors_as_json(resp: Response) -> Response {
 /// Why [`serve`] stopped with an error.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    /// Accepting or serving connections failed.
     #[error("the HTTP server on {addr} failed: {source}")]
     Io {
         addr: String,
