@@ -1,1 +1,238 @@
-//! placeholder
+//! orch's HTTP edge: the JSON API, Prometheus metrics and the server-rendered dashboard
+//! (SPEC §9). It is the only crate that knows JSON shapes (all in the private `dto` module).
+//!
+//! Invariants:
+//! - Reads go to the [`Store`]; every change goes through [`Operations`], implemented by the
+//!   orchestrator. This crate does not depend on the runner.
+//! - Mutating calls (any method other than GET/HEAD/OPTIONS) need `Authorization: Bearer
+//!   <token>`; with no token configured they are refused (403). Never open by default.
+//! - Work item ids in paths are validated ([`validate_work_item_id`]) before any handler runs.
+//! - Every JSON error has the shape `{"error": {"code", "message"}}`, including bad JSON, an
+//!   oversized body (413), timeouts and unknown routes.
+
+mod auth;
+mod dashboard;
+mod dto;
+mod error;
+mod extract;
+mod id;
+mod metrics;
+mod ops;
+mod routes;
+mod snapshot;
+
+use std::future::{Future, IntoFuture};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::DefaultBodyLimit;
+use axum::http::{StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use orch_store::Store;
+use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
+
+use error::AppError;
+pub use id::validate_work_item_id;
+pub use ops::{
+    ArtifactFile, Observation, OpError, Operations, RunnerCounters, SubmitRequest, SubmitResult,
+};
+
+/// Largest request body accepted (64 KiB); larger bodies get 413.
+pub const BODY_LIMIT: usize = 64 * 1024;
+/// Longest a request may take, body included, before it gets 408.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+/// Longest a client may take to send the request body.
+pub const BODY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long [`serve`] waits for in-flight requests after the shutdown signal.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// What every handler can reach. Cheap to clone.
+#[derive(Clone)]
+pub struct ApiState {
+    /// The store, read directly by the GET routes.
+    pub store: Store,
+    /// The bearer token of mutating calls; `None` (or empty) refuses them all.
+    pub token: Option<String>,
+    /// The orchestrator's operations and in-process state.
+    pub ops: Arc<dyn Operations>,
+    /// When the server started (epoch ms, from the store's clock), for uptime.
+    pub started_at_ms: i64,
+    /// The version shown by `/healthz`, `/queue`, `/metrics` and the dashboard.
+    pub version: String,
+}
+
+impl ApiState {
+    /// A state starting now, with this crate's version.
+    pub fn new(store: Store, ops: Arc<dyn Operations>, token: Option<String>) -> Self {
+        ApiState {
+            started_at_ms: store.now_ms(),
+            store,
+            token: token.filter(|t| !t.is_empty()),
+            ops,
+            version: env!("CARGO_PKG_VERSION").to_owned(),
+        }
+    }
+}
+
+impl std::fmt::Debug for ApiState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ApiState")
+            .field("store", &self.store.target())
+            .field("token", &self.token.as_ref().map(|_| "<redacted>"))
+            .field("started_at_ms", &self.started_at_ms)
+            .field("version", &self.version)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The whole HTTP surface: JSON API, metrics, health and dashboard, with auth, limits and
+/// timeouts applied.
+pub fn app(state: ApiState) -> Router {
+    Router::new()
+        .route("/healthz", get(routes::healthz))
+        .route("/queue", get(routes::queue))
+        .route("/metrics", get(routes::metrics))
+        .route("/api/tasks", get(routes::list_tasks).post(routes::submit))
+        .route("/api/tasks/{id}", get(routes::get_task))
+        .route("/api/tasks/{id}/events", get(routes::task_events))
+        .route("/api/tasks/{id}/artifacts", get(routes::task_artifacts))
+        .route("/api/tasks/{id}/approve", post(routes::approve))
+        .route("/api/tasks/{id}/retry", post(routes::retry))
+        .route("/api/tasks/{id}/cancel", post(routes::cancel))
+        .route("/", get(dashboard::index))
+        .route("/tasks/{id}", get(dashboard::task_page))
+        .fallback(routes::fallback)
+        .layer(RequestBodyTimeoutLayer::new(BODY_TIMEOUT))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ))
+        .layer(TimeoutLayer::with_status_code(
+            StatusCode::REQUEST_TIMEOUT,
+            REQUEST_TIMEOUT,
+        ))
+        .layer(axum::middleware::map_response(bare_errors_as_json))
+        .with_state(state)
+}
+
+/// Gives error statuses produced without a body (by a layer or the router) the JSON error shape.
+async fn bare_errors_as_json(resp: Response) -> Response {
+    let status = resp.status();
+    let is_error = status.is_client_error() || status.is_server_error();
+    if !is_error || resp.headers().contains_key(header::CONTENT_TYPE) {
+        return resp;
+    }
+    let allow = resp.headers().get(header::ALLOW).cloned();
+    let mut out = AppError::from_status(status).into_response();
+    if let Some(allow) = allow {
+        out.headers_mut().insert(header::ALLOW, allow);
+    }
+    out
+}
+
+/// Why [`serve`] stopped with an error.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Accepting or serving connections failed.
+    #[error("the HTTP server on {addr} failed: {source}")]
+    Io {
+        addr: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Serves [`app`] on `listener` until `shutdown` completes, then stops accepting connections
+/// and waits up to [`SHUTDOWN_GRACE`] for requests in flight.
+pub async fn serve<F>(
+    listener: tokio::net::TcpListener,
+    state: ApiState,
+    shutdown: F,
+) -> Result<(), ServeError>
+where
+    F: Future<Output = ()> + Send + 'static,
+{
+    let addr = listener
+        .local_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "an unknown address".to_owned());
+    tracing::info!(%addr, token = state.token.is_some(), "HTTP API listening");
+    let (stopping_tx, mut stopping_rx) = tokio::sync::watch::channel(false);
+    let signal = async move {
+        shutdown.await;
+        let _ = stopping_tx.send(true);
+    };
+    let server = axum::serve(listener, app(state)).with_graceful_shutdown(signal);
+    let grace_addr = addr.clone();
+    let grace_over = async move {
+        let addr = grace_addr;
+        if stopping_rx.wait_for(|stopping| *stopping).await.is_err() {
+            // The signal future was dropped without firing: only the server can end things.
+            std::future::pending::<()>().await;
+        }
+        tracing::info!(%addr, "HTTP API shutting down; waiting for requests in flight");
+        tokio::time::sleep(SHUTDOWN_GRACE).await;
+    };
+    tokio::select! {
+        result = server.into_future() => result.map_err(|source| ServeError::Io { addr: addr.clone(), source })?,
+        () = grace_over => {
+            tracing::warn!(
+                %addr,
+                "HTTP API: requests still in flight after {:?}; closing them",
+                SHUTDOWN_GRACE
+            );
+        }
+    }
+    tracing::info!(%addr, "HTTP API stopped");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+
+    async fn check(status: StatusCode, content_type: Option<&str>, want_code: Option<&str>) {
+        let mut resp = Response::builder().status(status);
+        if let Some(ct) = content_type {
+            resp = resp.header(header::CONTENT_TYPE, ct);
+        }
+        let resp = bare_errors_as_json(resp.body(Body::from("original")).unwrap()).await;
+        assert_eq!(resp.status(), status);
+        let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        match want_code {
+            Some(code) => {
+                let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+                assert_eq!(v["error"]["code"], code, "{status}");
+            }
+            None => assert_eq!(&body[..], b"original", "{status}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn bare_error_statuses_get_the_json_shape() {
+        for (status, ct, want) in [
+            (StatusCode::REQUEST_TIMEOUT, None, Some("timeout")),
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                None,
+                Some("method_not_allowed"),
+            ),
+            (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                None,
+                Some("payload_too_large"),
+            ),
+            (StatusCode::BAD_GATEWAY, None, Some("internal")),
+            (StatusCode::NOT_FOUND, Some("text/html"), None),
+            (StatusCode::OK, None, None),
+        ] {
+            check(status, ct, want).await;
+        }
+    }
+}

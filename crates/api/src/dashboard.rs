@@ -1,0 +1,648 @@
+//! The web dashboard: server-rendered HTML (askama, templates in `crates/api/templates/`) with
+//! the queue at a glance, the task list, and one page per task with its timeline, agent runs and
+//! artifacts. No scripts and no external assets; the page refreshes itself every 5 s. Every value
+//! from the store or from disk is HTML-escaped by the templates.
+
+use askama::Template;
+use axum::extract::{FromRequestParts, Path, State};
+use axum::http::StatusCode;
+use axum::http::request::Parts;
+use axum::response::{Html, IntoResponse, Response};
+
+use crate::ApiState;
+use crate::extract::ApiQuery;
+use crate::id::validate_work_item_id;
+use crate::ops::{ArtifactFile, Observation, RunnerCounters};
+use crate::snapshot::QueueSnapshot;
+
+/// Tasks shown on the front page.
+const INDEX_TASKS: u32 = 200;
+/// Longest artifact text shown on a task page; the rest is cut with a note.
+const MAX_ARTIFACT_SHOWN: usize = 256 * 1024;
+
+// ----- view models ---------------------------------------------------------------------------
+
+struct JobStateRow {
+    state: &'static str,
+    count: i64,
+}
+
+struct AgentRow {
+    agent: String,
+    /// Counts in the order of `JobState::ALL`.
+    counts: Vec<i64>,
+}
+
+struct LeaseRow {
+    job_id: i64,
+    work_item: String,
+    agent: String,
+    worker: String,
+    attempt: i64,
+    expires: String,
+}
+
+struct ObservationRow {
+    work_item_id: String,
+    repo: String,
+    armed_at: String,
+    deadline: String,
+    remaining: String,
+    revision: String,
+    polls: u64,
+}
+
+impl ObservationRow {
+    fn new(o: &Observation, now: i64) -> Self {
+        ObservationRow {
+            work_item_id: o.work_item_id.clone(),
+            repo: o.repo.clone(),
+            armed_at: fmt_time(o.armed_at_ms),
+            deadline: fmt_time(o.deadline_ms),
+            remaining: fmt_relative(o.deadline_ms.saturating_sub(now)),
+            revision: o.revision.clone(),
+            polls: o.polls,
+        }
+    }
+}
+
+struct StageRow {
+    stage: String,
+    /// The stage percent-encoded for a query string.
+    query: String,
+    count: i64,
+}
+
+struct QueueView {
+    job_states: Vec<JobStateRow>,
+    state_names: Vec<&'static str>,
+    agents: Vec<AgentRow>,
+    oldest_queued: String,
+    leases: Vec<LeaseRow>,
+    stages: Vec<StageRow>,
+    runners: Vec<RunnerCounters>,
+    observations: Vec<ObservationRow>,
+}
+
+impl QueueView {
+    fn new(s: &QueueSnapshot, work_items: &std::collections::HashMap<i64, String>) -> Self {
+        let now = s.stats.now;
+        let all = orch_store::JobState::ALL;
+        let mut agents: Vec<AgentRow> = Vec::new();
+        for c in &s.stats.counts {
+            let Some(col) = all.iter().position(|st| *st == c.state) else {
+                continue;
+            };
+            let row = match agents.iter_mut().position(|r| r.agent == c.agent) {
+                Some(i) => &mut agents[i],
+                None => {
+                    agents.push(AgentRow {
+                        agent: c.agent.clone(),
+                        counts: vec![0; all.len()],
+                    });
+                    let last = agents.len() - 1;
+                    &mut agents[last]
+                }
+            };
+            row.counts[col] += c.count;
+        }
+        agents.sort_by(|a, b| a.agent.cmp(&b.agent));
+        QueueView {
+            job_states: all
+                .iter()
+                .map(|st| JobStateRow {
+                    state: st.as_str(),
+                    count: s.jobs_in(*st),
+                })
+                .collect(),
+            state_names: all.iter().map(|st| st.as_str()).collect(),
+            agents,
+            oldest_queued: s
+                .oldest_queued_age_ms()
+                .map(fmt_duration)
+                .unwrap_or_else(|| "none waiting".to_owned()),
+            leases: s
+                .stats
+                .leases
+                .iter()
+                .map(|l| LeaseRow {
+                    job_id: l.job_id,
+                    work_item: l
+                        .task_id
+                        .and_then(|t| work_items.get(&t).cloned())
+                        .unwrap_or_default(),
+                    agent: l.agent.clone(),
+                    worker: l.worker.clone().unwrap_or_default(),
+                    attempt: l.attempt,
+                    expires: l
+                        .expires_at
+                        .map(|e| fmt_relative(e.saturating_sub(now)))
+                        .unwrap_or_default(),
+                })
+                .collect(),
+            stages: s
+                .tasks_by_stage
+                .iter()
+                .map(|(stage, count)| StageRow {
+                    stage: stage.clone(),
+                    query: percent_encode(stage),
+                    count: *count,
+                })
+                .collect(),
+            runners: s.runners.clone(),
+            observations: s
+                .observations
+                .iter()
+                .map(|o| ObservationRow::new(o, now))
+                .collect(),
+        }
+    }
+}
+
+struct TaskRow {
+    work_item_id: String,
+    repo: String,
+    title: String,
+    stage: String,
+    terminal: bool,
+    updated: String,
+}
+
+#[derive(Template)]
+#[template(path = "index.html")]
+struct IndexPage {
+    version: String,
+    now: String,
+    queue: QueueView,
+    tasks: Vec<TaskRow>,
+    stage_filter: String,
+}
+
+struct EventRow {
+    at: String,
+    kind: String,
+    stage: String,
+    message: String,
+    data: String,
+}
+
+struct RunRow {
+    agent: String,
+    stage: String,
+    backend: String,
+    model: String,
+    attempt: i64,
+    started: String,
+    duration: String,
+    outcome: String,
+    exit_code: String,
+    input_tokens: String,
+    output_tokens: String,
+    cost: String,
+    error: String,
+}
+
+struct JobRow {
+    id: i64,
+    agent: String,
+    state: &'static str,
+    attempt: String,
+    available: String,
+    worker: String,
+    last_error: String,
+}
+
+struct ArtifactView {
+    name: String,
+    size: String,
+    content: String,
+}
+
+#[derive(Template)]
+#[template(path = "task.html")]
+struct TaskPage {
+    version: String,
+    now: String,
+    task: orch_store::Task,
+    created: String,
+    updated: String,
+    usage_runs: i64,
+    usage_tokens_in: i64,
+    usage_tokens_out: i64,
+    usage_cost: String,
+    events: Vec<EventRow>,
+    runs: Vec<RunRow>,
+    jobs: Vec<JobRow>,
+    artifacts: Vec<ArtifactView>,
+    artifacts_error: String,
+    observations: Vec<ObservationRow>,
+}
+
+#[derive(Template)]
+#[template(path = "error.html")]
+struct ErrorPage {
+    version: String,
+    now: String,
+    status: u16,
+    title: String,
+    message: String,
+}
+
+// ----- handlers ------------------------------------------------------------------------------
+
+/// A dashboard failure, answered as an HTML page.
+pub(crate) struct PageError {
+    status: StatusCode,
+    message: String,
+    version: String,
+    now: i64,
+}
+
+impl IntoResponse for PageError {
+    fn into_response(self) -> Response {
+        let page = ErrorPage {
+            version: self.version,
+            now: fmt_time(self.now),
+            status: self.status.as_u16(),
+            title: self.status.canonical_reason().unwrap_or("Error").to_owned(),
+            message: self.message,
+        };
+        (self.status, render(&page)).into_response()
+    }
+}
+
+fn page_error(state: &ApiState, status: StatusCode, message: impl Into<String>) -> PageError {
+    PageError {
+        status,
+        message: message.into(),
+        version: state.version.clone(),
+        now: state.store.now_ms(),
+    }
+}
+
+fn store_error(state: &ApiState, what: &str, e: &orch_store::StoreError) -> PageError {
+    tracing::warn!(error = %e, "dashboard: store query for {what} failed");
+    page_error(
+        state,
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("the store could not answer ({what}): {e}"),
+    )
+}
+
+/// Renders a template; a render failure (a bug) becomes a plain 500 page.
+fn render<T: Template>(t: &T) -> Response {
+    match t.render() {
+        Ok(html) => Html(html).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "dashboard template failed to render");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                Html("<!doctype html><title>orch</title><p>the page failed to render; see the server log</p>".to_owned()),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// Query of the front page.
+#[derive(Debug, serde::Deserialize)]
+pub(crate) struct IndexQuery {
+    stage: Option<String>,
+}
+
+/// `GET /`: queue summary, counters, watches and the newest tasks.
+pub(crate) async fn index(
+    State(state): State<ApiState>,
+    query: Result<ApiQuery<IndexQuery>, crate::error::AppError>,
+) -> Result<Response, PageError> {
+    let stage_filter = match query {
+        Ok(ApiQuery(q)) => q.stage.unwrap_or_default(),
+        Err(e) => return Err(page_error(&state, StatusCode::BAD_REQUEST, e.message)),
+    };
+    let snap = QueueSnapshot::read(&state)
+        .await
+        .map_err(|e| store_error(&state, "the queue", &e))?;
+    let tasks = state
+        .store
+        .list_tasks(&orch_store::TaskFilter {
+            stage: Some(stage_filter.clone()).filter(|s| !s.is_empty()),
+            repo: None,
+            limit: INDEX_TASKS,
+            offset: 0,
+        })
+        .await
+        .map_err(|e| store_error(&state, "the task list", &e))?;
+    let mut work_items = std::collections::HashMap::new();
+    for l in &snap.stats.leases {
+        if let Some(task_id) = l.task_id
+            && !work_items.contains_key(&task_id)
+        {
+            let known = tasks.iter().find(|t| t.id == task_id).cloned();
+            let task = match known {
+                Some(t) => Some(t),
+                // Only a label for the lease table: a failed read leaves the cell empty.
+                None => state.store.get_task(task_id).await.unwrap_or_else(|e| {
+                    tracing::warn!(error = %e, task_id, "dashboard: cannot read a leased job's task");
+                    None
+                }),
+            };
+            if let Some(t) = task {
+                work_items.insert(task_id, t.work_item_id);
+            }
+        }
+    }
+    let page = IndexPage {
+        version: state.version.clone(),
+        now: fmt_time(snap.stats.now),
+        queue: QueueView::new(&snap, &work_items),
+        tasks: tasks
+            .iter()
+            .map(|t| TaskRow {
+                work_item_id: t.work_item_id.clone(),
+                repo: t.repo.clone(),
+                title: t.title.clone(),
+                stage: t.stage.clone(),
+                terminal: t.is_terminal(),
+                updated: fmt_time(t.updated_at),
+            })
+            .collect(),
+        stage_filter,
+    };
+    Ok(render(&page))
+}
+
+/// The `{id}` of a dashboard path, validated; failures become an HTML page.
+pub(crate) struct PageId(String);
+
+impl FromRequestParts<ApiState> for PageId {
+    type Rejection = PageError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &ApiState,
+    ) -> Result<Self, Self::Rejection> {
+        let id = match Path::<String>::from_request_parts(parts, state).await {
+            Ok(Path(id)) => id,
+            Err(e) => return Err(page_error(state, StatusCode::BAD_REQUEST, e.body_text())),
+        };
+        validate_work_item_id(&id).map_err(|m| page_error(state, StatusCode::BAD_REQUEST, m))?;
+        Ok(PageId(id))
+    }
+}
+
+/// `GET /tasks/{id}`: one task with its timeline, runs, jobs and artifacts.
+pub(crate) async fn task_page(
+    State(state): State<ApiState>,
+    PageId(id): PageId,
+) -> Result<Response, PageError> {
+    let task = state
+        .store
+        .get_task_by_work_item(&id)
+        .await
+        .map_err(|e| store_error(&state, "a task", &e))?
+        .ok_or_else(|| {
+            page_error(
+                &state,
+                StatusCode::NOT_FOUND,
+                format!("no task for work item {id}"),
+            )
+        })?;
+    let store_err = |e: orch_store::StoreError| store_error(&state, "a task's details", &e);
+    let usage = state.store.task_usage(task.id).await.map_err(store_err)?;
+    let events = state.store.task_events(task.id).await.map_err(store_err)?;
+    let runs = state
+        .store
+        .task_agent_runs(task.id)
+        .await
+        .map_err(store_err)?;
+    let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
+    let (artifacts, artifacts_error) = match state.ops.artifacts(&task.work_item_id).await {
+        Ok(files) => (
+            files.into_iter().map(artifact_view).collect(),
+            String::new(),
+        ),
+        Err(e) => (Vec::new(), e.to_string()),
+    };
+    let now = state.store.now_ms();
+    let observations = state
+        .ops
+        .active_observations()
+        .await
+        .iter()
+        .filter(|o| o.work_item_id == task.work_item_id)
+        .map(|o| ObservationRow::new(o, now))
+        .collect();
+    let page = TaskPage {
+        version: state.version.clone(),
+        now: fmt_time(now),
+        created: fmt_time(task.created_at),
+        updated: fmt_time(task.updated_at),
+        usage_runs: usage.runs,
+        usage_tokens_in: usage.input_tokens,
+        usage_tokens_out: usage.output_tokens,
+        usage_cost: format!("${:.4}", usage.cost_usd),
+        events: events
+            .iter()
+            .map(|e| EventRow {
+                at: fmt_time(e.created_at),
+                kind: e.kind.clone(),
+                stage: e.stage.clone().unwrap_or_default(),
+                message: e.message.clone(),
+                data: if e.data.trim() == "{}" {
+                    String::new()
+                } else {
+                    e.data.clone()
+                },
+            })
+            .collect(),
+        runs: runs.iter().map(|r| run_row(r, now)).collect(),
+        jobs: jobs
+            .iter()
+            .map(|j| JobRow {
+                id: j.id,
+                agent: j.agent.clone(),
+                state: j.state.as_str(),
+                attempt: format!("{}/{}", j.attempt, j.max_attempts),
+                available: fmt_time(j.available_at),
+                worker: j.locked_by.clone().unwrap_or_default(),
+                last_error: j.last_error.clone().unwrap_or_default(),
+            })
+            .collect(),
+        artifacts,
+        artifacts_error,
+        observations,
+        task,
+    };
+    Ok(render(&page))
+}
+
+fn run_row(r: &orch_store::AgentRun, now: i64) -> RunRow {
+    let opt = |v: Option<i64>| v.map(|v| v.to_string()).unwrap_or_default();
+    RunRow {
+        agent: r.agent.clone(),
+        stage: r.stage.clone(),
+        backend: r.backend.clone(),
+        model: r.model.clone().unwrap_or_default(),
+        attempt: r.attempt,
+        started: fmt_time(r.started_at),
+        duration: match r.finished_at {
+            Some(end) => fmt_duration(end.saturating_sub(r.started_at)),
+            None => format!(
+                "{} (running)",
+                fmt_duration(now.saturating_sub(r.started_at))
+            ),
+        },
+        outcome: r.outcome.clone(),
+        exit_code: opt(r.exit_code),
+        input_tokens: opt(r.input_tokens),
+        output_tokens: opt(r.output_tokens),
+        cost: r.cost_usd.map(|c| format!("${c:.4}")).unwrap_or_default(),
+        error: r.error.clone().unwrap_or_default(),
+    }
+}
+
+fn artifact_view(a: ArtifactFile) -> ArtifactView {
+    let size = format!("{} bytes", a.content.len());
+    let content = if a.content.len() > MAX_ARTIFACT_SHOWN {
+        let mut cut = MAX_ARTIFACT_SHOWN;
+        while !a.content.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        format!(
+            "{}\n\n[… cut at {} KiB; the whole file is in the API]",
+            &a.content[..cut],
+            MAX_ARTIFACT_SHOWN / 1024
+        )
+    } else {
+        a.content
+    };
+    ArtifactView {
+        name: a.name,
+        size,
+        content,
+    }
+}
+
+// ----- formatting ----------------------------------------------------------------------------
+
+/// Epoch ms as `YYYY-MM-DD HH:MM:SSZ` (UTC).
+fn fmt_time(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}Z",
+        rem / 3600,
+        (rem % 3600) / 60,
+        rem % 60
+    )
+}
+
+/// Days since 1970-01-01 to a proleptic Gregorian date (H. Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, i64, i64) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let y = yoe + era * 400;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    (if m <= 2 { y + 1 } else { y }, m, d)
+}
+
+/// A duration in ms for humans: `850ms`, `4.2s`, `3m 05s`, `2h 07m`, `3d 04h`.
+fn fmt_duration(ms: i64) -> String {
+    let ms = ms.max(0);
+    let s = ms / 1000;
+    if ms < 1000 {
+        format!("{ms}ms")
+    } else if s < 60 {
+        format!("{:.1}s", ms as f64 / 1000.0)
+    } else if s < 3600 {
+        format!("{}m {:02}s", s / 60, s % 60)
+    } else if s < 86_400 {
+        format!("{}h {:02}m", s / 3600, (s % 3600) / 60)
+    } else {
+        format!("{}d {:02}h", s / 86_400, (s % 86_400) / 3600)
+    }
+}
+
+/// Percent-encodes everything but RFC 3986 unreserved characters.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A signed offset from now: `in 4.2s` or `12.0s ago`.
+fn fmt_relative(delta_ms: i64) -> String {
+    if delta_ms >= 0 {
+        format!("in {}", fmt_duration(delta_ms))
+    } else {
+        format!("{} ago", fmt_duration(delta_ms.saturating_neg()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn times() {
+        for (ms, want) in [
+            (0, "1970-01-01 00:00:00Z"),
+            (1_800_000_000_000, "2027-01-15 08:00:00Z"),
+            (951_782_400_000, "2000-02-29 00:00:00Z"),
+            (-1_000, "1969-12-31 23:59:59Z"),
+        ] {
+            assert_eq!(fmt_time(ms), want, "{ms}");
+        }
+    }
+
+    #[test]
+    fn durations() {
+        for (ms, want) in [
+            (-5, "0ms"),
+            (850, "850ms"),
+            (4_200, "4.2s"),
+            (185_000, "3m 05s"),
+            (7_620_000, "2h 07m"),
+            (273_600_000, "3d 04h"),
+        ] {
+            assert_eq!(fmt_duration(ms), want, "{ms}");
+        }
+        assert_eq!(fmt_relative(4_200), "in 4.2s");
+        assert_eq!(fmt_relative(-12_000), "12.0s ago");
+    }
+
+    #[test]
+    fn percent_encoding() {
+        for (input, want) in [
+            ("review", "review"),
+            ("a b&c", "a%20b%26c"),
+            ("é", "%C3%A9"),
+        ] {
+            assert_eq!(percent_encode(input), want, "{input}");
+        }
+    }
+
+    #[test]
+    fn long_artifacts_are_cut_on_a_char_boundary() {
+        let content = "é".repeat(MAX_ARTIFACT_SHOWN);
+        let v = artifact_view(ArtifactFile {
+            name: "02-requirements.md".into(),
+            content,
+        });
+        assert!(v.content.contains("cut at 256 KiB"));
+        assert!(v.content.len() < MAX_ARTIFACT_SHOWN + 100);
+    }
+}

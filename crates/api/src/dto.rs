@@ -1,0 +1,420 @@
+//! The JSON shapes of the HTTP API. Only this module knows them: store rows and operation
+//! results are plain Rust and are converted here, so a change of wire format touches one file.
+//! Times are epoch milliseconds in fields ending in `_ms`; durations in seconds end in `_s`.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::ops::{ArtifactFile, Observation, RunnerCounters};
+use crate::snapshot::QueueSnapshot;
+
+/// `{"error": {"code", "message"}}`.
+#[derive(Debug, Serialize)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// The inside of [`ErrorBody`].
+#[derive(Debug, Serialize)]
+pub struct ErrorDetail {
+    pub code: &'static str,
+    pub message: String,
+}
+
+/// `GET /healthz`.
+#[derive(Debug, Serialize)]
+pub struct Health {
+    /// `ok` or `unavailable`.
+    pub status: &'static str,
+    /// `ok`, or the store's error.
+    pub db: String,
+    pub version: String,
+    pub schema_version: Option<i64>,
+    pub uptime_s: i64,
+}
+
+/// Body of `POST /api/tasks`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct SubmitBody {
+    pub repo: String,
+    pub title: String,
+    #[serde(default)]
+    pub body: String,
+}
+
+/// Answer of `POST /api/tasks`.
+#[derive(Debug, Serialize)]
+pub struct Submitted {
+    pub work_item_id: String,
+    pub task_id: i64,
+    /// The task as stored right after the submit (absent if it cannot be read back).
+    pub task: Option<TaskDto>,
+}
+
+/// Answer of `POST /api/tasks/{id}/approve|retry|cancel`.
+#[derive(Debug, Serialize)]
+pub struct ActionDone {
+    pub work_item_id: String,
+    /// `approve`, `retry` or `cancel`.
+    pub action: &'static str,
+    /// The task as stored after the action.
+    pub task: Option<TaskDto>,
+}
+
+/// A task row.
+#[derive(Debug, Serialize)]
+pub struct TaskDto {
+    pub id: i64,
+    pub work_item_id: String,
+    pub repo: String,
+    pub title: String,
+    pub body: String,
+    pub stage: String,
+    pub stage_seq: i64,
+    pub terminal: bool,
+    pub branch: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+impl From<&orch_store::Task> for TaskDto {
+    fn from(t: &orch_store::Task) -> Self {
+        TaskDto {
+            id: t.id,
+            work_item_id: t.work_item_id.clone(),
+            repo: t.repo.clone(),
+            title: t.title.clone(),
+            body: t.body.clone(),
+            stage: t.stage.clone(),
+            stage_seq: t.stage_seq,
+            terminal: t.is_terminal(),
+            branch: t.branch.clone(),
+            created_at_ms: t.created_at,
+            updated_at_ms: t.updated_at,
+        }
+    }
+}
+
+/// `GET /api/tasks`.
+#[derive(Debug, Serialize)]
+pub struct TaskList {
+    pub count: usize,
+    pub tasks: Vec<TaskDto>,
+}
+
+/// Query of `GET /api/tasks`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskQuery {
+    pub stage: Option<String>,
+    pub repo: Option<String>,
+    pub limit: Option<u32>,
+    pub offset: Option<u32>,
+}
+
+/// `GET /api/tasks/{id}`.
+#[derive(Debug, Serialize)]
+pub struct TaskDetail {
+    pub task: TaskDto,
+    pub usage: UsageDto,
+    pub agent_runs: Vec<AgentRunDto>,
+    pub jobs: Vec<JobDto>,
+}
+
+/// Tokens and cost of a task.
+#[derive(Debug, Serialize)]
+pub struct UsageDto {
+    pub runs: i64,
+    pub input_tokens: i64,
+    pub output_tokens: i64,
+    pub cost_usd: f64,
+}
+
+impl From<orch_store::Usage> for UsageDto {
+    fn from(u: orch_store::Usage) -> Self {
+        UsageDto {
+            runs: u.runs,
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            cost_usd: u.cost_usd,
+        }
+    }
+}
+
+/// An agent run row.
+#[derive(Debug, Serialize)]
+pub struct AgentRunDto {
+    pub id: i64,
+    pub job_id: Option<i64>,
+    pub stage: String,
+    pub agent: String,
+    pub backend: String,
+    pub model: Option<String>,
+    pub attempt: i64,
+    pub started_at_ms: i64,
+    pub finished_at_ms: Option<i64>,
+    pub outcome: String,
+    pub exit_code: Option<i64>,
+    pub input_tokens: Option<i64>,
+    pub output_tokens: Option<i64>,
+    pub cost_usd: Option<f64>,
+    pub error: Option<String>,
+    pub data: serde_json::Value,
+}
+
+impl From<&orch_store::AgentRun> for AgentRunDto {
+    fn from(r: &orch_store::AgentRun) -> Self {
+        AgentRunDto {
+            id: r.id,
+            job_id: r.job_id,
+            stage: r.stage.clone(),
+            agent: r.agent.clone(),
+            backend: r.backend.clone(),
+            model: r.model.clone(),
+            attempt: r.attempt,
+            started_at_ms: r.started_at,
+            finished_at_ms: r.finished_at,
+            outcome: r.outcome.clone(),
+            exit_code: r.exit_code,
+            input_tokens: r.input_tokens,
+            output_tokens: r.output_tokens,
+            cost_usd: r.cost_usd,
+            error: r.error.clone(),
+            data: json_text(&r.data),
+        }
+    }
+}
+
+/// A job row without its payload (payloads are references and may be long).
+#[derive(Debug, Serialize)]
+pub struct JobDto {
+    pub id: i64,
+    pub agent: String,
+    pub state: &'static str,
+    pub attempt: i64,
+    pub max_attempts: i64,
+    pub available_at_ms: i64,
+    pub locked_by: Option<String>,
+    pub lease_expires_at_ms: Option<i64>,
+    pub node: Option<String>,
+    pub last_error: Option<String>,
+    pub created_at_ms: i64,
+    pub started_at_ms: Option<i64>,
+    pub finished_at_ms: Option<i64>,
+}
+
+impl From<&orch_store::Job> for JobDto {
+    fn from(j: &orch_store::Job) -> Self {
+        JobDto {
+            id: j.id,
+            agent: j.agent.clone(),
+            state: j.state.as_str(),
+            attempt: j.attempt,
+            max_attempts: j.max_attempts,
+            available_at_ms: j.available_at,
+            locked_by: j.locked_by.clone(),
+            lease_expires_at_ms: j.lease_expires_at,
+            node: j.node.clone(),
+            last_error: j.last_error.clone(),
+            created_at_ms: j.created_at,
+            started_at_ms: j.started_at,
+            finished_at_ms: j.finished_at,
+        }
+    }
+}
+
+/// `GET /api/tasks/{id}/events`.
+#[derive(Debug, Serialize)]
+pub struct EventList {
+    pub work_item_id: String,
+    pub events: Vec<EventDto>,
+}
+
+/// An event row.
+#[derive(Debug, Serialize)]
+pub struct EventDto {
+    pub id: i64,
+    pub job_id: Option<i64>,
+    pub kind: String,
+    pub stage: Option<String>,
+    pub message: String,
+    /// The event's JSON data (a string when the stored text is not JSON).
+    pub data: serde_json::Value,
+    pub created_at_ms: i64,
+}
+
+impl From<&orch_store::Event> for EventDto {
+    fn from(e: &orch_store::Event) -> Self {
+        EventDto {
+            id: e.id,
+            job_id: e.job_id,
+            kind: e.kind.clone(),
+            stage: e.stage.clone(),
+            message: e.message.clone(),
+            data: json_text(&e.data),
+            created_at_ms: e.created_at,
+        }
+    }
+}
+
+/// `GET /api/tasks/{id}/artifacts`.
+#[derive(Debug, Serialize)]
+pub struct ArtifactList {
+    pub work_item_id: String,
+    pub artifacts: Vec<ArtifactDto>,
+}
+
+/// One artifact file.
+#[derive(Debug, Serialize)]
+pub struct ArtifactDto {
+    pub name: String,
+    pub bytes: usize,
+    pub content: String,
+}
+
+impl From<ArtifactFile> for ArtifactDto {
+    fn from(a: ArtifactFile) -> Self {
+        ArtifactDto {
+            name: a.name,
+            bytes: a.content.len(),
+            content: a.content,
+        }
+    }
+}
+
+/// `GET /queue`.
+#[derive(Debug, Serialize)]
+pub struct Queue {
+    pub now_ms: i64,
+    pub version: String,
+    pub uptime_s: i64,
+    pub jobs: JobCounts,
+    /// Age of the oldest job that is ready to run but not yet claimed; null when none waits.
+    pub oldest_queued_age_s: Option<f64>,
+    pub leases: Vec<LeaseDto>,
+    pub tasks_by_stage: BTreeMap<String, i64>,
+    /// Counters of every deterministic runner, by runner then counter name.
+    pub runners: BTreeMap<String, BTreeMap<String, u64>>,
+    pub active_observations: Vec<ObservationDto>,
+}
+
+/// Job counts of `GET /queue`.
+#[derive(Debug, Serialize)]
+pub struct JobCounts {
+    /// Every state, zeros included.
+    pub by_state: BTreeMap<&'static str, i64>,
+    /// Agent (job kind) → state → count; only non-zero entries.
+    pub by_agent: BTreeMap<String, BTreeMap<&'static str, i64>>,
+}
+
+/// A running job's lease.
+#[derive(Debug, Serialize)]
+pub struct LeaseDto {
+    pub job_id: i64,
+    pub task_id: Option<i64>,
+    pub agent: String,
+    pub worker: Option<String>,
+    pub attempt: i64,
+    pub expires_at_ms: Option<i64>,
+    /// Negative when the lease has already expired (awaiting rescue).
+    pub expires_in_s: Option<f64>,
+}
+
+/// An armed post-deploy watch.
+#[derive(Debug, Serialize)]
+pub struct ObservationDto {
+    pub work_item_id: String,
+    pub repo: String,
+    pub armed_at_ms: i64,
+    pub deadline_ms: i64,
+    /// Negative when the deadline has passed (a stale watch awaiting its job).
+    pub remaining_s: f64,
+    pub revision: String,
+    pub polls: u64,
+}
+
+impl ObservationDto {
+    fn new(o: &Observation, now_ms: i64) -> Self {
+        ObservationDto {
+            work_item_id: o.work_item_id.clone(),
+            repo: o.repo.clone(),
+            armed_at_ms: o.armed_at_ms,
+            deadline_ms: o.deadline_ms,
+            remaining_s: secs(o.deadline_ms.saturating_sub(now_ms)),
+            revision: o.revision.clone(),
+            polls: o.polls,
+        }
+    }
+}
+
+impl Queue {
+    pub(crate) fn new(s: &QueueSnapshot) -> Self {
+        let now = s.stats.now;
+        let mut by_state: BTreeMap<&'static str, i64> = orch_store::JobState::ALL
+            .iter()
+            .map(|st| (st.as_str(), 0))
+            .collect();
+        let mut by_agent: BTreeMap<String, BTreeMap<&'static str, i64>> = BTreeMap::new();
+        for c in &s.stats.counts {
+            *by_state.entry(c.state.as_str()).or_default() += c.count;
+            if c.count != 0 {
+                *by_agent
+                    .entry(c.agent.clone())
+                    .or_default()
+                    .entry(c.state.as_str())
+                    .or_default() += c.count;
+            }
+        }
+        Queue {
+            now_ms: now,
+            version: s.version.clone(),
+            uptime_s: s.uptime_ms / 1000,
+            jobs: JobCounts { by_state, by_agent },
+            oldest_queued_age_s: s.oldest_queued_age_ms().map(secs),
+            leases: s
+                .stats
+                .leases
+                .iter()
+                .map(|l| LeaseDto {
+                    job_id: l.job_id,
+                    task_id: l.task_id,
+                    agent: l.agent.clone(),
+                    worker: l.worker.clone(),
+                    attempt: l.attempt,
+                    expires_at_ms: l.expires_at,
+                    expires_in_s: l.expires_at.map(|e| secs(e.saturating_sub(now))),
+                })
+                .collect(),
+            tasks_by_stage: s.tasks_by_stage.iter().cloned().collect(),
+            runners: runners(&s.runners),
+            active_observations: s
+                .observations
+                .iter()
+                .map(|o| ObservationDto::new(o, now))
+                .collect(),
+        }
+    }
+}
+
+fn runners(rs: &[RunnerCounters]) -> BTreeMap<String, BTreeMap<String, u64>> {
+    let mut out: BTreeMap<String, BTreeMap<String, u64>> = BTreeMap::new();
+    for r in rs {
+        let entry = out.entry(r.runner.clone()).or_default();
+        for (name, value) in &r.counters {
+            entry.insert(name.clone(), *value);
+        }
+    }
+    out
+}
+
+/// Milliseconds as fractional seconds.
+pub(crate) fn secs(ms: i64) -> f64 {
+    ms as f64 / 1000.0
+}
+
+/// Stored JSON text as a JSON value; text that is not JSON is kept as a string.
+fn json_text(text: &str) -> serde_json::Value {
+    serde_json::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.to_owned()))
+}

@@ -1,0 +1,119 @@
+//! The operations the HTTP edge asks of the running orchestrator: submit, approve, retry,
+//! cancel, and the in-process state that lives nowhere in the database (runner counters, armed
+//! post-deploy watches, artifact files on disk).
+//!
+//! The api crate defines this trait and the orchestrator implements it, so the api never depends
+//! on the runner. Everything here is plain Rust: JSON shapes live in [`crate::dto`] only.
+
+use async_trait::async_trait;
+
+/// A new work item to submit (`POST /api/tasks`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmitRequest {
+    /// A repo declared in `orch.toml`.
+    pub repo: String,
+    /// One line; already trimmed and non-empty.
+    pub title: String,
+    /// Free text (may be empty).
+    pub body: String,
+}
+
+/// What a submit created.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubmitResult {
+    pub work_item_id: String,
+    pub task_id: i64,
+}
+
+/// In-process counters of one deterministic runner or worker, e.g. `staging_runner` with
+/// `runs, success, failed, tool_error, deferred` (SPEC §5 D-4). Not persisted; shown read-only.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RunnerCounters {
+    /// The runner's name (`staging_runner`, `merge_gate`, `worker`, …).
+    pub runner: String,
+    /// `(counter name, value)` in display order.
+    pub counters: Vec<(String, u64)>,
+}
+
+/// An armed post-deploy watch (SPEC §7), including a stale `armed` without `done` after a crash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Observation {
+    pub work_item_id: String,
+    pub repo: String,
+    /// Epoch milliseconds.
+    pub armed_at_ms: i64,
+    /// Epoch milliseconds.
+    pub deadline_ms: i64,
+    /// The deployed revision being watched.
+    pub revision: String,
+    /// Polls recorded in the series so far.
+    pub polls: u64,
+}
+
+/// One artifact file of a work item (`docs/work-items/<id>/NN-name.md`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArtifactFile {
+    /// File name inside the work item's folder, e.g. `02-requirements.md`.
+    pub name: String,
+    /// The file's text (frontmatter + body).
+    pub content: String,
+}
+
+/// Why an operation was refused. Each variant maps to one HTTP status.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum OpError {
+    /// The work item / repo does not exist (404).
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The task is not in a state that allows this (409), e.g. approving a task that does not
+    /// wait for approval, or a concurrent stage change.
+    #[error("conflict: {0}")]
+    Conflict(String),
+    /// The request is well-formed but its content is refused (422), e.g. an unknown repo.
+    #[error("invalid: {0}")]
+    Invalid(String),
+    /// Something broke on the server side (500). The message is logged and returned.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl From<anyhow::Error> for OpError {
+    fn from(e: anyhow::Error) -> Self {
+        OpError::Internal(format!("{e:#}"))
+    }
+}
+
+impl From<orch_store::StoreError> for OpError {
+    fn from(e: orch_store::StoreError) -> Self {
+        use orch_store::StoreError as S;
+        match &e {
+            S::TaskNotFound(_) | S::JobNotFound(_) => OpError::NotFound(e.to_string()),
+            S::StageConflict { .. } | S::WorkItemTaken(_) | S::LeaseLost { .. } => {
+                OpError::Conflict(e.to_string())
+            }
+            S::Invalid(_) => OpError::Invalid(e.to_string()),
+            _ => OpError::Internal(e.to_string()),
+        }
+    }
+}
+
+/// The orchestrator as seen from the HTTP edge. Implemented by the `orch` binary; tests use a
+/// small recording implementation. Work item ids passed in are already validated.
+#[async_trait]
+pub trait Operations: Send + Sync {
+    /// Creates a task for a new work item (stage `intake`, first job enqueued).
+    async fn submit(&self, req: SubmitRequest) -> Result<SubmitResult, OpError>;
+    /// Releases a task waiting at an approval gate.
+    async fn approve(&self, work_item_id: &str) -> Result<(), OpError>;
+    /// Re-runs a failed task's last stage.
+    async fn retry(&self, work_item_id: &str) -> Result<(), OpError>;
+    /// Moves a task to `cancelled` and cancels its live jobs.
+    async fn cancel(&self, work_item_id: &str) -> Result<(), OpError>;
+    /// Counters of every deterministic runner and worker in this process. Never fails.
+    async fn runner_counters(&self) -> Vec<RunnerCounters>;
+    /// Armed post-deploy watches on this machine. Never fails (a corrupt sentinel is skipped
+    /// and logged by the implementation).
+    async fn active_observations(&self) -> Vec<Observation>;
+    /// The work item's artifact files, in name order.
+    async fn artifacts(&self, work_item_id: &str) -> Result<Vec<ArtifactFile>, OpError>;
+}

@@ -1,0 +1,328 @@
+//! The JSON routes: health, queue, metrics, tasks (list, one, events, artifacts), submit and the
+//! operator actions. Handlers read the store directly and delegate every change to
+//! [`crate::Operations`]; they convert rows to [`crate::dto`] shapes and nothing else.
+
+use axum::Json;
+use axum::extract::State;
+use axum::http::{StatusCode, Uri, header};
+use axum::response::{IntoResponse, Response};
+
+use crate::ApiState;
+use crate::dto;
+use crate::error::AppError;
+use crate::extract::{ApiJson, ApiQuery};
+use crate::id::WorkItemPath;
+use crate::metrics;
+use crate::ops::SubmitRequest;
+use crate::snapshot::QueueSnapshot;
+
+/// Tasks listed when the query names no limit.
+const DEFAULT_LIMIT: u32 = 100;
+/// Most tasks one list call returns.
+const MAX_LIMIT: u32 = 1000;
+/// Longest title accepted by submit, in characters.
+const MAX_TITLE: usize = 200;
+/// Longest repo name accepted by submit.
+const MAX_REPO: usize = 64;
+
+type ApiResult<T> = Result<T, AppError>;
+
+/// `GET /healthz`: 200 when the store answers a query, 503 otherwise.
+pub(crate) async fn healthz(State(state): State<ApiState>) -> Response {
+    let uptime_s = state
+        .store
+        .now_ms()
+        .saturating_sub(state.started_at_ms)
+        .max(0)
+        / 1000;
+    match state.store.schema_version().await {
+        Ok(v) => Json(dto::Health {
+            status: "ok",
+            db: "ok".to_owned(),
+            version: state.version.clone(),
+            schema_version: Some(v),
+            uptime_s,
+        })
+        .into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "health check: the store did not answer");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                Json(dto::Health {
+                    status: "unavailable",
+                    db: format!("error: {e}"),
+                    version: state.version.clone(),
+                    schema_version: None,
+                    uptime_s,
+                }),
+            )
+                .into_response()
+        }
+    }
+}
+
+/// `GET /queue`.
+pub(crate) async fn queue(State(state): State<ApiState>) -> ApiResult<Json<dto::Queue>> {
+    let snap = QueueSnapshot::read(&state)
+        .await
+        .map_err(|e| AppError::store("the queue", &e))?;
+    Ok(Json(dto::Queue::new(&snap)))
+}
+
+/// `GET /metrics`: always 200; `orch_up 0` when the store did not answer.
+pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
+    let (snap, up) = match QueueSnapshot::read(&state).await {
+        Ok(s) => (s, true),
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics: the store did not answer");
+            let snap = QueueSnapshot {
+                stats: Default::default(),
+                tasks_by_stage: Vec::new(),
+                runners: state.ops.runner_counters().await,
+                observations: state.ops.active_observations().await,
+                version: state.version.clone(),
+                uptime_ms: state
+                    .store
+                    .now_ms()
+                    .saturating_sub(state.started_at_ms)
+                    .max(0),
+            };
+            (snap, false)
+        }
+    };
+    (
+        [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
+        metrics::render(&snap, up),
+    )
+        .into_response()
+}
+
+/// `GET /api/tasks?stage=&repo=&limit=&offset=`: newest first.
+pub(crate) async fn list_tasks(
+    State(state): State<ApiState>,
+    ApiQuery(q): ApiQuery<dto::TaskQuery>,
+) -> ApiResult<Json<dto::TaskList>> {
+    let limit = q.limit.unwrap_or(DEFAULT_LIMIT);
+    if !(1..=MAX_LIMIT).contains(&limit) {
+        return Err(AppError::bad_request(format!(
+            "limit must be 1-{MAX_LIMIT}, got {limit}"
+        )));
+    }
+    let filter = orch_store::TaskFilter {
+        stage: q.stage.filter(|s| !s.is_empty()),
+        repo: q.repo.filter(|s| !s.is_empty()),
+        limit,
+        offset: q.offset.unwrap_or(0),
+    };
+    let tasks = state
+        .store
+        .list_tasks(&filter)
+        .await
+        .map_err(|e| AppError::store("the task list", &e))?;
+    Ok(Json(dto::TaskList {
+        count: tasks.len(),
+        tasks: tasks.iter().map(dto::TaskDto::from).collect(),
+    }))
+}
+
+/// The task of a work item, or 404.
+pub(crate) async fn find_task(state: &ApiState, id: &str) -> ApiResult<orch_store::Task> {
+    state
+        .store
+        .get_task_by_work_item(id)
+        .await
+        .map_err(|e| AppError::store("a task", &e))?
+        .ok_or_else(|| AppError::not_found(format!("no task for work item {id}")))
+}
+
+/// `GET /api/tasks/{id}`: the task, its usage, agent runs and jobs.
+pub(crate) async fn get_task(
+    State(state): State<ApiState>,
+    WorkItemPath(id): WorkItemPath,
+) -> ApiResult<Json<dto::TaskDetail>> {
+    let task = find_task(&state, &id).await?;
+    let store_err = |e| AppError::store("a task's details", &e);
+    let usage = state.store.task_usage(task.id).await.map_err(store_err)?;
+    let runs = state
+        .store
+        .task_agent_runs(task.id)
+        .await
+        .map_err(store_err)?;
+    let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
+    Ok(Json(dto::TaskDetail {
+        task: dto::TaskDto::from(&task),
+        usage: usage.into(),
+        agent_runs: runs.iter().map(dto::AgentRunDto::from).collect(),
+        jobs: jobs.iter().map(dto::JobDto::from).collect(),
+    }))
+}
+
+/// `GET /api/tasks/{id}/events`: oldest first.
+pub(crate) async fn task_events(
+    State(state): State<ApiState>,
+    WorkItemPath(id): WorkItemPath,
+) -> ApiResult<Json<dto::EventList>> {
+    let task = find_task(&state, &id).await?;
+    let events = state
+        .store
+        .task_events(task.id)
+        .await
+        .map_err(|e| AppError::store("a task's events", &e))?;
+    Ok(Json(dto::EventList {
+        work_item_id: task.work_item_id,
+        events: events.iter().map(dto::EventDto::from).collect(),
+    }))
+}
+
+/// `GET /api/tasks/{id}/artifacts`.
+pub(crate) async fn task_artifacts(
+    State(state): State<ApiState>,
+    WorkItemPath(id): WorkItemPath,
+) -> ApiResult<Json<dto::ArtifactList>> {
+    let task = find_task(&state, &id).await?;
+    let files = state.ops.artifacts(&task.work_item_id).await?;
+    Ok(Json(dto::ArtifactList {
+        work_item_id: task.work_item_id,
+        artifacts: files.into_iter().map(dto::ArtifactDto::from).collect(),
+    }))
+}
+
+/// `POST /api/tasks` with `{repo, title, body}`: 201 and the new work item's id.
+pub(crate) async fn submit(
+    State(state): State<ApiState>,
+    ApiJson(body): ApiJson<dto::SubmitBody>,
+) -> ApiResult<Response> {
+    let req = validate_submit(body)?;
+    let created = state.ops.submit(req).await?;
+    let task = match state
+        .store
+        .get_task_by_work_item(&created.work_item_id)
+        .await
+    {
+        Ok(t) => t.as_ref().map(dto::TaskDto::from),
+        Err(e) => {
+            tracing::warn!(error = %e, work_item = %created.work_item_id, "cannot read back a submitted task");
+            None
+        }
+    };
+    let location = format!("/api/tasks/{}", created.work_item_id);
+    Ok((
+        StatusCode::CREATED,
+        [(header::LOCATION, location)],
+        Json(dto::Submitted {
+            work_item_id: created.work_item_id,
+            task_id: created.task_id,
+            task,
+        }),
+    )
+        .into_response())
+}
+
+fn validate_submit(body: dto::SubmitBody) -> ApiResult<SubmitRequest> {
+    let repo = body.repo.trim();
+    if repo.is_empty() || repo.len() > MAX_REPO {
+        return Err(AppError::invalid(format!(
+            "repo must be 1-{MAX_REPO} characters"
+        )));
+    }
+    if repo.starts_with('.')
+        || !repo
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+    {
+        return Err(AppError::invalid(
+            "repo may hold only A-Z, a-z, 0-9, '-', '_' and '.', and must not start with '.'",
+        ));
+    }
+    let title = body.title.trim();
+    if title.is_empty() {
+        return Err(AppError::invalid("title must not be empty"));
+    }
+    if title.chars().count() > MAX_TITLE {
+        return Err(AppError::invalid(format!(
+            "title is longer than {MAX_TITLE} characters"
+        )));
+    }
+    if title.chars().any(char::is_control) {
+        return Err(AppError::invalid(
+            "title must be one line without control characters",
+        ));
+    }
+    if body.body.contains('\0') {
+        return Err(AppError::invalid("body must not contain NUL characters"));
+    }
+    Ok(SubmitRequest {
+        repo: repo.to_owned(),
+        title: title.to_owned(),
+        body: body.body,
+    })
+}
+
+/// An operator action on a task.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Action {
+    Approve,
+    Retry,
+    Cancel,
+}
+
+impl Action {
+    fn as_str(self) -> &'static str {
+        match self {
+            Action::Approve => "approve",
+            Action::Retry => "retry",
+            Action::Cancel => "cancel",
+        }
+    }
+}
+
+async fn act(state: ApiState, id: String, action: Action) -> ApiResult<Json<dto::ActionDone>> {
+    find_task(&state, &id).await?;
+    match action {
+        Action::Approve => state.ops.approve(&id).await?,
+        Action::Retry => state.ops.retry(&id).await?,
+        Action::Cancel => state.ops.cancel(&id).await?,
+    }
+    tracing::info!(work_item = %id, action = action.as_str(), "operator action");
+    let task = match state.store.get_task_by_work_item(&id).await {
+        Ok(t) => t.as_ref().map(dto::TaskDto::from),
+        Err(e) => {
+            tracing::warn!(error = %e, work_item = %id, "cannot read back a task after {}", action.as_str());
+            None
+        }
+    };
+    Ok(Json(dto::ActionDone {
+        work_item_id: id,
+        action: action.as_str(),
+        task,
+    }))
+}
+
+/// `POST /api/tasks/{id}/approve`.
+pub(crate) async fn approve(
+    State(state): State<ApiState>,
+    WorkItemPath(id): WorkItemPath,
+) -> ApiResult<Json<dto::ActionDone>> {
+    act(state, id, Action::Approve).await
+}
+
+/// `POST /api/tasks/{id}/retry`.
+pub(crate) async fn retry(
+    State(state): State<ApiState>,
+    WorkItemPath(id): WorkItemPath,
+) -> ApiResult<Json<dto::ActionDone>> {
+    act(state, id, Action::Retry).await
+}
+
+/// `POST /api/tasks/{id}/cancel`.
+pub(crate) async fn cancel(
+    State(state): State<ApiState>,
+    WorkItemPath(id): WorkItemPath,
+) -> ApiResult<Json<dto::ActionDone>> {
+    act(state, id, Action::Cancel).await
+}
+
+/// Any other path.
+pub(crate) async fn fallback(uri: Uri) -> AppError {
+    AppError::not_found(format!("no route for {}", uri.path()))
+}

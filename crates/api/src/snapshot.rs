@@ -1,0 +1,53 @@
+//! One read of "the queue at a glance" (store stats, tasks by stage, in-process counters and
+//! watches), shared by `GET /queue`, `GET /metrics` and the dashboard so the three never disagree.
+
+use orch_store::{QueueStats, StoreError};
+
+use crate::ApiState;
+use crate::ops::{Observation, RunnerCounters};
+
+/// Everything the queue views show, read at one moment.
+#[derive(Debug, Clone)]
+pub(crate) struct QueueSnapshot {
+    pub stats: QueueStats,
+    pub tasks_by_stage: Vec<(String, i64)>,
+    pub runners: Vec<RunnerCounters>,
+    pub observations: Vec<Observation>,
+    pub version: String,
+    pub uptime_ms: i64,
+}
+
+impl QueueSnapshot {
+    /// Reads the store and the orchestrator's in-process state.
+    pub async fn read(state: &ApiState) -> Result<QueueSnapshot, StoreError> {
+        let stats = state.store.queue_stats().await?;
+        let tasks_by_stage = state.store.count_tasks_by_stage().await?;
+        let runners = state.ops.runner_counters().await;
+        let observations = state.ops.active_observations().await;
+        Ok(QueueSnapshot {
+            uptime_ms: stats.now.saturating_sub(state.started_at_ms).max(0),
+            stats,
+            tasks_by_stage,
+            runners,
+            observations,
+            version: state.version.clone(),
+        })
+    }
+
+    /// How long the oldest ready-but-unclaimed job has waited (never negative).
+    pub fn oldest_queued_age_ms(&self) -> Option<i64> {
+        self.stats
+            .oldest_ready_at
+            .map(|at| self.stats.now.saturating_sub(at).max(0))
+    }
+
+    /// Jobs in one state, summed over kinds.
+    pub fn jobs_in(&self, state: orch_store::JobState) -> i64 {
+        self.stats
+            .counts
+            .iter()
+            .filter(|c| c.state == state)
+            .map(|c| c.count)
+            .sum()
+    }
+}

@@ -1,0 +1,1172 @@
+//! The HTTP surface against a real migrated SQLite store: every route's status and content
+//! from real rows, auth, limits, hostile ids, metrics syntax, the dashboard's escaping, and one
+//! real socket to prove `serve` answers and shuts down gracefully.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, StatusCode, header};
+use orch_api::*;
+use orch_store::testing::{T0, TestDb};
+use orch_store::{
+    AgentRunFinish, Claim, NewAgentRun, NewEvent, NewJob, NewTask, Store, Task, WorkItemSpec,
+};
+use serde_json::{Value, json};
+use tower::ServiceExt;
+
+const TOKEN: &str = "t0k3n-s3cret";
+
+// ----- a recording Operations -----------------------------------------------------------------
+
+#[derive(Default)]
+struct Recorder {
+    store: Mutex<Option<Store>>,
+    calls: Mutex<Vec<String>>,
+    /// Returned by the next approve/retry/cancel instead of success.
+    refuse_next: Mutex<Option<OpError>>,
+    counters: Vec<RunnerCounters>,
+    observations: Vec<Observation>,
+    artifacts: HashMap<String, Vec<ArtifactFile>>,
+}
+
+impl Recorder {
+    fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    fn record(&self, call: String) -> Result<(), OpError> {
+        self.calls.lock().unwrap().push(call);
+        match self.refuse_next.lock().unwrap().take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+#[async_trait]
+impl Operations for Recorder {
+    async fn submit(&self, req: SubmitRequest) -> Result<SubmitResult, OpError> {
+        self.record(format!("submit {} {}", req.repo, req.title))?;
+        let store = self.store.lock().unwrap().clone().unwrap();
+        let task = store
+            .create_task(NewTask {
+                work_item: WorkItemSpec::Next {
+                    prefix: "ORCH".into(),
+                },
+                repo: req.repo,
+                title: req.title,
+                body: req.body,
+                stage: "intake".into(),
+                branch_prefix: "orch/".into(),
+                event: NewEvent::new("task.submitted", "submitted over HTTP"),
+                first_job: Some(NewJob::new("analyst", "analyse")),
+            })
+            .await?;
+        Ok(SubmitResult {
+            work_item_id: task.work_item_id,
+            task_id: task.id,
+        })
+    }
+
+    async fn approve(&self, id: &str) -> Result<(), OpError> {
+        self.record(format!("approve {id}"))
+    }
+
+    async fn retry(&self, id: &str) -> Result<(), OpError> {
+        self.record(format!("retry {id}"))
+    }
+
+    async fn cancel(&self, id: &str) -> Result<(), OpError> {
+        self.record(format!("cancel {id}"))
+    }
+
+    async fn runner_counters(&self) -> Vec<RunnerCounters> {
+        self.counters.clone()
+    }
+
+    async fn active_observations(&self) -> Vec<Observation> {
+        self.observations.clone()
+    }
+
+    async fn artifacts(&self, id: &str) -> Result<Vec<ArtifactFile>, OpError> {
+        Ok(self.artifacts.get(id).cloned().unwrap_or_default())
+    }
+}
+
+// ----- harness --------------------------------------------------------------------------------
+
+struct Harness {
+    db: TestDb,
+    ops: Arc<Recorder>,
+    token: Option<String>,
+}
+
+/// One HTTP answer.
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    text: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.text).unwrap_or_else(|e| panic!("not JSON ({e}): {}", self.text))
+    }
+
+    fn content_type(&self) -> &str {
+        self.headers
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap())
+            .unwrap_or("")
+    }
+
+    /// Asserts the API's error shape and returns the code.
+    fn error_code(&self) -> String {
+        assert!(
+            self.content_type().starts_with("application/json"),
+            "error without JSON: {} {:?} {}",
+            self.status,
+            self.content_type(),
+            self.text
+        );
+        let v = self.json();
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(!msg.is_empty(), "error without a message: {v}");
+        assert!(!msg.contains(TOKEN), "the token leaked into {msg}");
+        v["error"]["code"].as_str().unwrap().to_owned()
+    }
+}
+
+fn counters() -> Vec<RunnerCounters> {
+    vec![
+        RunnerCounters {
+            runner: "staging_runner".into(),
+            counters: vec![
+                ("runs".into(), 3),
+                ("success".into(), 1),
+                ("failed".into(), 1),
+                ("tool_error".into(), 1),
+                ("deferred".into(), 1),
+            ],
+        },
+        RunnerCounters {
+            runner: "we\"ird\\run\nner".into(),
+            counters: vec![("x".into(), 7)],
+        },
+    ]
+}
+
+impl Harness {
+    async fn new(token: Option<&str>) -> Harness {
+        Harness::with(token, |_| {}).await
+    }
+
+    async fn with(token: Option<&str>, setup: impl FnOnce(&mut Recorder)) -> Harness {
+        let db = TestDb::sqlite().await;
+        let mut rec = Recorder {
+            counters: counters(),
+            observations: vec![Observation {
+                work_item_id: "ORCH-7".into(),
+                repo: "svc".into(),
+                armed_at_ms: T0 - 60_000,
+                deadline_ms: T0 + 540_000,
+                revision: "abc123".into(),
+                polls: 2,
+            }],
+            ..Recorder::default()
+        };
+        *rec.store.lock().unwrap() = Some(db.store.clone());
+        setup(&mut rec);
+        Harness {
+            db,
+            ops: Arc::new(rec),
+            token: token.map(str::to_owned),
+        }
+    }
+
+    fn state(&self) -> ApiState {
+        ApiState::new(self.db.store.clone(), self.ops.clone(), self.token.clone())
+    }
+
+    /// The single place that calls the router.
+    async fn check(&self, req: Request<Body>, want: StatusCode) -> Answer {
+        let what = format!("{} {}", req.method(), req.uri());
+        let resp = app(self.state()).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let headers = resp.headers().clone();
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .unwrap();
+        let text = String::from_utf8(bytes.to_vec()).unwrap();
+        assert_eq!(status, want, "{what} answered {text}");
+        Answer {
+            status,
+            headers,
+            text,
+        }
+    }
+
+    async fn get(&self, uri: &str, want: StatusCode) -> Answer {
+        self.check(Request::get(uri).body(Body::empty()).unwrap(), want)
+            .await
+    }
+
+    async fn post(
+        &self,
+        uri: &str,
+        token: Option<&str>,
+        body: Option<&str>,
+        want: StatusCode,
+    ) -> Answer {
+        let mut req = Request::post(uri);
+        if let Some(t) = token {
+            req = req.header(header::AUTHORIZATION, format!("Bearer {t}"));
+        }
+        let body = match body {
+            Some(b) => {
+                req = req.header(header::CONTENT_TYPE, "application/json");
+                Body::from(b.to_owned())
+            }
+            None => Body::empty(),
+        };
+        self.check(req.body(body).unwrap(), want).await
+    }
+
+    async fn task(&self, id: &str, title: &str, repo: &str, job: Option<&str>) -> Task {
+        self.db
+            .store
+            .create_task(NewTask {
+                work_item: WorkItemSpec::Exact(id.into()),
+                repo: repo.into(),
+                title: title.into(),
+                body: "the body".into(),
+                stage: "intake".into(),
+                branch_prefix: "orch/".into(),
+                event: NewEvent::new("task.submitted", "submitted"),
+                first_job: job.map(|agent| NewJob::new(agent, "content")),
+            })
+            .await
+            .unwrap()
+    }
+}
+
+// ----- health ---------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn healthz_is_ok_then_503_when_the_store_is_closed() {
+    let h = Harness::new(None).await;
+    h.db.clock.advance_ms(42_000);
+    let v = h.get("/healthz", StatusCode::OK).await.json();
+    assert_eq!(v["status"], "ok");
+    assert_eq!(v["db"], "ok");
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    assert_eq!(v["schema_version"], json!(orch_store::SCHEMA_VERSION));
+
+    let state = h.state();
+    h.db.store.close().await;
+    let resp = app(state)
+        .oneshot(Request::get("/healthz").body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["status"], "unavailable");
+    assert!(v["db"].as_str().unwrap().starts_with("error: "), "{v}");
+
+    // The other store-backed routes say so too, with the error shape.
+    let a = h.get("/queue", StatusCode::SERVICE_UNAVAILABLE).await;
+    assert_eq!(a.error_code(), "store_unavailable");
+    let page = h.get("/", StatusCode::SERVICE_UNAVAILABLE).await;
+    assert!(page.content_type().starts_with("text/html"));
+    assert!(
+        page.text.contains("the store could not answer"),
+        "{}",
+        page.text
+    );
+    let m = h.get("/metrics", StatusCode::OK).await;
+    assert!(m.text.contains("\norch_up 0\n"), "{}", m.text);
+    assert!(
+        !m.text.contains("orch_jobs{"),
+        "no store families when down"
+    );
+    assert!(
+        m.text
+            .contains("orch_runner_counter{runner=\"staging_runner\",name=\"runs\"} 3")
+    );
+}
+
+// ----- queue and metrics ------------------------------------------------------------------------
+
+/// Two tasks with analyst jobs, a delayed deployer job, one claimed job; 5 s later.
+async fn busy_queue() -> (Harness, Task) {
+    let h = Harness::new(None).await;
+    let t1 = h.task("ORCH-1", "first", "svc", Some("analyst")).await;
+    h.task("ORCH-2", "second", "web", Some("analyst")).await;
+    h.db.store
+        .enqueue(NewJob::new("deployer", "x").task(t1.id).delay_s(60))
+        .await
+        .unwrap();
+    h.db.clock.advance_ms(5_000);
+    let claimed =
+        h.db.store
+            .claim(&Claim {
+                worker_id: "w1".into(),
+                limit: 1,
+                lease_ms: 30_000,
+                kinds: vec!["analyst".into()],
+                node: None,
+            })
+            .await
+            .unwrap();
+    assert_eq!(claimed.len(), 1);
+    (h, t1)
+}
+
+#[tokio::test]
+async fn queue_shows_jobs_leases_stages_counters_and_observations() {
+    let (h, t1) = busy_queue().await;
+    let v = h.get("/queue", StatusCode::OK).await.json();
+    assert_eq!(v["now_ms"], json!(T0 + 5_000));
+    assert_eq!(v["jobs"]["by_state"]["queued"], 2);
+    assert_eq!(v["jobs"]["by_state"]["running"], 1);
+    assert_eq!(v["jobs"]["by_state"]["done"], 0);
+    assert_eq!(v["jobs"]["by_agent"]["analyst"]["queued"], 1);
+    assert_eq!(v["jobs"]["by_agent"]["analyst"]["running"], 1);
+    assert_eq!(v["jobs"]["by_agent"]["deployer"]["queued"], 1);
+    assert_eq!(v["oldest_queued_age_s"], json!(5.0));
+    let leases = v["leases"].as_array().unwrap();
+    assert_eq!(leases.len(), 1);
+    assert_eq!(leases[0]["worker"], "w1");
+    assert_eq!(leases[0]["agent"], "analyst");
+    assert_eq!(leases[0]["task_id"], json!(t1.id));
+    assert_eq!(leases[0]["expires_at_ms"], json!(T0 + 35_000));
+    assert_eq!(leases[0]["expires_in_s"], json!(30.0));
+    assert_eq!(v["tasks_by_stage"]["intake"], 2);
+    assert_eq!(v["runners"]["staging_runner"]["runs"], 3);
+    assert_eq!(v["runners"]["staging_runner"]["deferred"], 1);
+    let obs = v["active_observations"].as_array().unwrap();
+    assert_eq!(obs.len(), 1);
+    assert_eq!(obs[0]["work_item_id"], "ORCH-7");
+    assert_eq!(obs[0]["revision"], "abc123");
+    assert_eq!(obs[0]["remaining_s"], json!(535.0));
+}
+
+/// One parsed exposition line: name, labels, value.
+type Sample = (String, Vec<(String, String)>, f64);
+
+/// Parses one exposition line `name{k="v",…} value` into its parts.
+fn parse_sample(line: &str) -> Option<Sample> {
+    let name_end = line.find(['{', ' '])?;
+    let name = &line[..name_end];
+    let name_ok = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+        && !name.starts_with(|c: char| c.is_ascii_digit());
+    if !name_ok {
+        return None;
+    }
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if let Some(r) = rest.strip_prefix('{') {
+        rest = r;
+        loop {
+            if let Some(r) = rest.strip_prefix('}') {
+                rest = r;
+                break;
+            }
+            let eq = rest.find("=\"")?;
+            let key = rest[..eq].trim_start_matches(',').to_owned();
+            if key.is_empty() || !key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_') {
+                return None;
+            }
+            let mut value = String::new();
+            let mut chars = rest[eq + 2..].char_indices();
+            let end = loop {
+                let (i, c) = chars.next()?;
+                match c {
+                    '\\' => match chars.next()?.1 {
+                        'n' => value.push('\n'),
+                        '\\' => value.push('\\'),
+                        '"' => value.push('"'),
+                        _ => return None,
+                    },
+                    '"' => break i,
+                    '\n' => return None,
+                    c => value.push(c),
+                }
+            };
+            labels.push((key, value));
+            rest = &rest[eq + 2 + end + 1..];
+        }
+    }
+    let value = rest.strip_prefix(' ')?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some((name.to_owned(), labels, value))
+}
+
+#[tokio::test]
+async fn metrics_text_parses_and_carries_the_queue() {
+    let (h, _) = busy_queue().await;
+    let a = h.get("/metrics", StatusCode::OK).await;
+    assert!(a.content_type().starts_with("text/plain; version=0.0.4"));
+    let mut samples = Vec::new();
+    let mut typed = std::collections::HashSet::new();
+    for line in a.text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            typed.insert(rest.split(' ').next().unwrap().to_owned());
+            continue;
+        }
+        if line.starts_with("# HELP ") {
+            continue;
+        }
+        let parsed = parse_sample(line).unwrap_or_else(|| panic!("bad exposition line {line:?}"));
+        assert!(
+            typed.contains(&parsed.0),
+            "{} has no TYPE line before it",
+            parsed.0
+        );
+        samples.push(parsed);
+    }
+    let get = |name: &str, labels: &[(&str, &str)]| -> Option<f64> {
+        samples
+            .iter()
+            .find(|(n, l, _)| {
+                n == name
+                    && l.len() == labels.len()
+                    && labels
+                        .iter()
+                        .all(|(k, v)| l.iter().any(|(lk, lv)| lk == k && lv == v))
+            })
+            .map(|s| s.2)
+    };
+    for (name, labels, want) in [
+        ("orch_up", vec![], 1.0),
+        ("orch_jobs", vec![("state", "queued")], 2.0),
+        ("orch_jobs", vec![("state", "running")], 1.0),
+        ("orch_jobs", vec![("state", "failed")], 0.0),
+        (
+            "orch_jobs_by_agent",
+            vec![("agent", "analyst"), ("state", "running")],
+            1.0,
+        ),
+        (
+            "orch_jobs_by_agent",
+            vec![("agent", "deployer"), ("state", "queued")],
+            1.0,
+        ),
+        ("orch_oldest_queued_age_seconds", vec![], 5.0),
+        ("orch_live_leases", vec![], 1.0),
+        ("orch_tasks", vec![("stage", "intake")], 2.0),
+        (
+            "orch_runner_counter",
+            vec![("runner", "staging_runner"), ("name", "tool_error")],
+            1.0,
+        ),
+        // The hostile runner name survives escaping intact.
+        (
+            "orch_runner_counter",
+            vec![("runner", "we\"ird\\run\nner"), ("name", "x")],
+            7.0,
+        ),
+        ("orch_active_observations", vec![], 1.0),
+    ] {
+        assert_eq!(
+            get(name, &labels),
+            Some(want),
+            "{name} {labels:?} in\n{}",
+            a.text
+        );
+    }
+}
+
+// ----- tasks --------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn task_list_filters_by_stage_repo_and_limit() {
+    let h = Harness::new(None).await;
+    for (id, repo) in [("ORCH-1", "svc"), ("ORCH-2", "web"), ("ORCH-3", "svc")] {
+        h.task(id, &format!("title of {id}"), repo, None).await;
+        h.db.clock.advance_ms(1_000);
+    }
+    let ids = |v: Value| -> Vec<String> {
+        v["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|t| t["work_item_id"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    for (uri, want) in [
+        ("/api/tasks", vec!["ORCH-3", "ORCH-2", "ORCH-1"]),
+        ("/api/tasks?repo=svc", vec!["ORCH-3", "ORCH-1"]),
+        ("/api/tasks?stage=intake&limit=2", vec!["ORCH-3", "ORCH-2"]),
+        ("/api/tasks?stage=done", vec![]),
+        ("/api/tasks?limit=1&offset=2", vec!["ORCH-1"]),
+    ] {
+        let v = h.get(uri, StatusCode::OK).await.json();
+        assert_eq!(v["count"], json!(want.len()), "{uri}");
+        assert_eq!(ids(v), want, "{uri}");
+    }
+    let v = h.get("/api/tasks?repo=web", StatusCode::OK).await.json();
+    let t = &v["tasks"][0];
+    assert_eq!(t["title"], "title of ORCH-2");
+    assert_eq!(t["stage"], "intake");
+    assert_eq!(t["branch"], "orch/ORCH-2");
+    assert_eq!(t["terminal"], false);
+    assert_eq!(t["created_at_ms"], json!(T0 + 1_000));
+
+    for uri in [
+        "/api/tasks?limit=0",
+        "/api/tasks?limit=5000",
+        "/api/tasks?limit=abc",
+        "/api/tasks?bogus=1",
+    ] {
+        let a = h.get(uri, StatusCode::BAD_REQUEST).await;
+        assert_eq!(a.error_code(), "bad_request", "{uri}");
+    }
+}
+
+#[tokio::test]
+async fn task_detail_has_usage_agent_runs_and_jobs() {
+    let h = Harness::new(None).await;
+    let t = h.task("ORCH-5", "detail", "svc", Some("analyst")).await;
+    for (tokens, cost) in [(1000, 0.5), (200, 0.25)] {
+        let run =
+            h.db.store
+                .start_agent_run(NewAgentRun {
+                    task_id: t.id,
+                    job_id: None,
+                    stage: "analysis".into(),
+                    agent: "analyst".into(),
+                    backend: "command".into(),
+                    model: Some("claude-x".into()),
+                    attempt: 1,
+                })
+                .await
+                .unwrap();
+        h.db.clock.advance_ms(2_000);
+        h.db.store
+            .finish_agent_run(
+                run,
+                AgentRunFinish {
+                    outcome: "success".into(),
+                    exit_code: Some(0),
+                    input_tokens: Some(tokens),
+                    output_tokens: Some(tokens / 10),
+                    cost_usd: Some(cost),
+                    error: None,
+                    data: r#"{"turns":3}"#.into(),
+                },
+            )
+            .await
+            .unwrap();
+    }
+    let v = h.get("/api/tasks/ORCH-5", StatusCode::OK).await.json();
+    assert_eq!(v["task"]["work_item_id"], "ORCH-5");
+    assert_eq!(v["task"]["body"], "the body");
+    assert_eq!(v["usage"]["runs"], 2);
+    assert_eq!(v["usage"]["input_tokens"], 1200);
+    assert_eq!(v["usage"]["output_tokens"], 120);
+    assert_eq!(v["usage"]["cost_usd"], json!(0.75));
+    let runs = v["agent_runs"].as_array().unwrap();
+    assert_eq!(runs.len(), 2);
+    assert_eq!(runs[0]["model"], "claude-x");
+    assert_eq!(runs[0]["input_tokens"], 1000);
+    assert_eq!(runs[0]["finished_at_ms"], json!(T0 + 2_000));
+    assert_eq!(runs[0]["data"]["turns"], 3);
+    let jobs = v["jobs"].as_array().unwrap();
+    assert_eq!(jobs.len(), 1);
+    assert_eq!(jobs[0]["agent"], "analyst");
+    assert_eq!(jobs[0]["state"], "queued");
+
+    let a = h.get("/api/tasks/ORCH-6", StatusCode::NOT_FOUND).await;
+    assert_eq!(a.error_code(), "not_found");
+}
+
+#[tokio::test]
+async fn task_events_are_oldest_first_with_their_data() {
+    let h = Harness::new(None).await;
+    let t = h.task("ORCH-9", "events", "svc", None).await;
+    h.db.clock.advance_ms(1_000);
+    h.db.store
+        .append_event(
+            NewEvent::new("gate.passed", "requirements are valid")
+                .task(t.id)
+                .stage("analysis")
+                .data(r#"{"artifact":"02-requirements.md"}"#),
+        )
+        .await
+        .unwrap();
+    let v = h
+        .get("/api/tasks/ORCH-9/events", StatusCode::OK)
+        .await
+        .json();
+    assert_eq!(v["work_item_id"], "ORCH-9");
+    let ev = v["events"].as_array().unwrap();
+    assert_eq!(ev.len(), 2);
+    assert_eq!(ev[0]["kind"], "task.submitted");
+    assert_eq!(ev[1]["kind"], "gate.passed");
+    assert_eq!(ev[1]["stage"], "analysis");
+    assert_eq!(ev[1]["message"], "requirements are valid");
+    assert_eq!(ev[1]["data"]["artifact"], "02-requirements.md");
+    assert_eq!(ev[1]["created_at_ms"], json!(T0 + 1_000));
+    h.get("/api/tasks/ORCH-10/events", StatusCode::NOT_FOUND)
+        .await;
+}
+
+#[tokio::test]
+async fn task_artifacts_come_from_operations() {
+    let h = Harness::with(None, |r| {
+        r.artifacts.insert(
+            "ORCH-3".into(),
+            vec![ArtifactFile {
+                name: "01-request.md".into(),
+                content: "---\nwork_item: ORCH-3\n---\nhello".into(),
+            }],
+        );
+    })
+    .await;
+    h.task("ORCH-3", "arts", "svc", None).await;
+    let v = h
+        .get("/api/tasks/ORCH-3/artifacts", StatusCode::OK)
+        .await
+        .json();
+    assert_eq!(v["work_item_id"], "ORCH-3");
+    assert_eq!(v["artifacts"][0]["name"], "01-request.md");
+    assert_eq!(
+        v["artifacts"][0]["content"],
+        "---\nwork_item: ORCH-3\n---\nhello"
+    );
+    assert_eq!(v["artifacts"][0]["bytes"], 31);
+    h.get("/api/tasks/ORCH-4/artifacts", StatusCode::NOT_FOUND)
+        .await;
+}
+
+// ----- submit, auth, limits -----------------------------------------------------------------------
+
+#[tokio::test]
+async fn submit_creates_a_task_with_the_right_token_only() {
+    let h = Harness::new(Some(TOKEN)).await;
+    let body = r#"{"repo":"svc","title":"  add a login page ","body":"details"}"#;
+    for (token, want, code) in [
+        (None, StatusCode::UNAUTHORIZED, "unauthorized"),
+        (Some("wrong"), StatusCode::UNAUTHORIZED, "unauthorized"),
+        (
+            Some("t0k3n-s3cre"),
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+        ),
+    ] {
+        let a = h.post("/api/tasks", token, Some(body), want).await;
+        assert_eq!(a.error_code(), code);
+        assert_eq!(a.headers.get(header::WWW_AUTHENTICATE).unwrap(), "Bearer");
+    }
+    assert!(
+        h.ops.calls().is_empty(),
+        "refused calls never reach the orchestrator"
+    );
+
+    let a = h
+        .post("/api/tasks", Some(TOKEN), Some(body), StatusCode::CREATED)
+        .await;
+    let v = a.json();
+    assert_eq!(v["work_item_id"], "ORCH-1");
+    assert_eq!(
+        a.headers.get(header::LOCATION).unwrap(),
+        "/api/tasks/ORCH-1"
+    );
+    assert_eq!(v["task"]["title"], "add a login page");
+    assert_eq!(v["task"]["stage"], "intake");
+    assert_eq!(h.ops.calls(), vec!["submit svc add a login page"]);
+    let stored =
+        h.db.store
+            .get_task_by_work_item("ORCH-1")
+            .await
+            .unwrap()
+            .unwrap();
+    assert_eq!(stored.id, v["task_id"].as_i64().unwrap());
+    assert_eq!(stored.body, "details");
+}
+
+#[tokio::test]
+async fn without_a_configured_token_mutating_calls_are_refused() {
+    for configured in [None, Some("")] {
+        let h = Harness::new(configured).await;
+        h.task("ORCH-1", "t", "svc", None).await;
+        for uri in [
+            "/api/tasks",
+            "/api/tasks/ORCH-1/approve",
+            "/api/tasks/ORCH-1/cancel",
+        ] {
+            let a = h
+                .post(
+                    uri,
+                    Some(""),
+                    Some(r#"{"repo":"svc","title":"x"}"#),
+                    StatusCode::FORBIDDEN,
+                )
+                .await;
+            assert_eq!(a.error_code(), "no_token_configured");
+            assert!(
+                a.json()["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("token")
+            );
+        }
+        assert!(h.ops.calls().is_empty());
+        // Reads stay open.
+        h.get("/api/tasks", StatusCode::OK).await;
+    }
+}
+
+#[tokio::test]
+async fn bad_bodies_get_the_json_error_shape() {
+    let h = Harness::new(Some(TOKEN)).await;
+    let big = format!(
+        r#"{{"repo":"svc","title":"big","body":"{}"}}"#,
+        "x".repeat(BODY_LIMIT + 1)
+    );
+    let title_201 = "x".repeat(201);
+    let long_title = format!(r#"{{"repo":"svc","title":"{title_201}"}}"#);
+    for (body, want, code) in [
+        (
+            big.as_str(),
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "payload_too_large",
+        ),
+        ("{not json", StatusCode::BAD_REQUEST, "bad_json"),
+        (
+            r#"{"repo":"svc","title":"a","#,
+            StatusCode::BAD_REQUEST,
+            "bad_json",
+        ),
+        (
+            r#"{"repo":"svc"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_json",
+        ),
+        (
+            r#"{"repo":1,"title":"a"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_json",
+        ),
+        (
+            r#"{"repo":"svc","title":"a","extra":1}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_json",
+        ),
+        (
+            r#"{"repo":"svc","title":"   "}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+        ),
+        (
+            r#"{"repo":"../etc","title":"a"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+        ),
+        (
+            r#"{"repo":"svc","title":"a\nb"}"#,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+        ),
+        (
+            long_title.as_str(),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+        ),
+    ] {
+        let a = h.post("/api/tasks", Some(TOKEN), Some(body), want).await;
+        assert_eq!(a.error_code(), code, "{}", &body[..body.len().min(60)]);
+    }
+    // No content type.
+    let req = Request::post("/api/tasks")
+        .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+        .body(Body::from(r#"{"repo":"svc","title":"a"}"#))
+        .unwrap();
+    let a = h.check(req, StatusCode::UNSUPPORTED_MEDIA_TYPE).await;
+    assert_eq!(a.error_code(), "unsupported_media_type");
+    // A body streamed without a length is limited too.
+    let chunks = unsized_body(BODY_LIMIT * 2);
+    let req = Request::post("/api/tasks")
+        .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(chunks)
+        .unwrap();
+    let a = h.check(req, StatusCode::PAYLOAD_TOO_LARGE).await;
+    assert_eq!(a.error_code(), "payload_too_large");
+    assert!(h.ops.calls().is_empty(), "{:?}", h.ops.calls());
+}
+
+/// A body of `n` bytes in 1 KiB chunks, with no known length.
+fn unsized_body(n: usize) -> Body {
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        (0..n / 1024).map(|_| Ok(vec![b' '; 1024])).collect();
+    Body::from_stream(futures::stream::iter(chunks))
+}
+
+#[tokio::test]
+async fn hostile_work_item_ids_are_refused_before_any_handler() {
+    let h = Harness::new(Some(TOKEN)).await;
+    h.task("ORCH-1", "t", "svc", None).await;
+    for id in [
+        "..%2F..%2Fetc%2Fpasswd",
+        "..",
+        "orch-1",
+        "ORCH-01",
+        "ORCH-1%00",
+        "ORCH-1%0Ax",
+        "%E2%80%AEORCH-1",
+        "ORCH-1;rm",
+        "AAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA-1",
+        "%3Cscript%3E-1",
+        // Not UTF-8 once decoded: refused by the path extractor itself.
+        "ORCH-%FF",
+    ] {
+        for suffix in ["", "/events", "/artifacts"] {
+            let a = h
+                .get(&format!("/api/tasks/{id}{suffix}"), StatusCode::BAD_REQUEST)
+                .await;
+            assert_eq!(a.error_code(), "invalid_id", "{id}{suffix}");
+            assert!(
+                a.json()["error"]["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("PREFIX-NUMBER")
+                    || id == "ORCH-%FF",
+                "{}",
+                a.text
+            );
+        }
+        for action in ["approve", "retry", "cancel"] {
+            let a = h
+                .post(
+                    &format!("/api/tasks/{id}/{action}"),
+                    Some(TOKEN),
+                    None,
+                    StatusCode::BAD_REQUEST,
+                )
+                .await;
+            assert_eq!(a.error_code(), "invalid_id");
+        }
+        let page = h
+            .get(&format!("/tasks/{id}"), StatusCode::BAD_REQUEST)
+            .await;
+        assert!(page.content_type().starts_with("text/html"));
+        assert!(!page.text.contains("<script"), "{}", page.text);
+    }
+    // Unencoded traversal never reaches a handler: no route matches.
+    let a = h
+        .get("/api/tasks/../../etc/passwd", StatusCode::NOT_FOUND)
+        .await;
+    assert_eq!(a.error_code(), "not_found");
+    assert!(h.ops.calls().is_empty());
+}
+
+#[tokio::test]
+async fn actions_reach_operations_and_map_their_errors() {
+    let h = Harness::new(Some(TOKEN)).await;
+    h.task("ORCH-4", "t", "svc", None).await;
+    for action in ["approve", "retry", "cancel"] {
+        let v = h
+            .post(
+                &format!("/api/tasks/ORCH-4/{action}"),
+                Some(TOKEN),
+                None,
+                StatusCode::OK,
+            )
+            .await
+            .json();
+        assert_eq!(v["action"], action);
+        assert_eq!(v["work_item_id"], "ORCH-4");
+        assert_eq!(v["task"]["stage"], "intake");
+    }
+    assert_eq!(
+        h.ops.calls(),
+        vec!["approve ORCH-4", "retry ORCH-4", "cancel ORCH-4"]
+    );
+
+    for (err, want, code) in [
+        (
+            OpError::Conflict("not waiting for approval".into()),
+            StatusCode::CONFLICT,
+            "conflict",
+        ),
+        (
+            OpError::NotFound("gone".into()),
+            StatusCode::NOT_FOUND,
+            "not_found",
+        ),
+        (
+            OpError::Invalid("nope".into()),
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid",
+        ),
+        (
+            OpError::Internal("disk on fire".into()),
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal",
+        ),
+    ] {
+        *h.ops.refuse_next.lock().unwrap() = Some(err.clone());
+        let a = h
+            .post("/api/tasks/ORCH-4/approve", Some(TOKEN), None, want)
+            .await;
+        assert_eq!(a.error_code(), code);
+        let msg = a.json()["error"]["message"].as_str().unwrap().to_owned();
+        let inner = match &err {
+            OpError::NotFound(m)
+            | OpError::Conflict(m)
+            | OpError::Invalid(m)
+            | OpError::Internal(m) => m,
+        };
+        assert!(msg.contains(inner.as_str()), "{msg}");
+    }
+
+    // An unknown work item is a 404 and never reaches the orchestrator.
+    let before = h.ops.calls().len();
+    let a = h
+        .post(
+            "/api/tasks/ORCH-99/approve",
+            Some(TOKEN),
+            None,
+            StatusCode::NOT_FOUND,
+        )
+        .await;
+    assert_eq!(a.error_code(), "not_found");
+    assert_eq!(h.ops.calls().len(), before);
+}
+
+#[tokio::test]
+async fn unknown_routes_and_methods_get_json_errors() {
+    let h = Harness::new(Some(TOKEN)).await;
+    let a = h.get("/api/nope", StatusCode::NOT_FOUND).await;
+    assert_eq!(a.error_code(), "not_found");
+    let a = h
+        .get("/api/tasks/ORCH-1/approve", StatusCode::METHOD_NOT_ALLOWED)
+        .await;
+    assert_eq!(a.error_code(), "method_not_allowed");
+    assert!(a.headers.contains_key(header::ALLOW));
+    let a = h
+        .post("/queue", Some(TOKEN), None, StatusCode::METHOD_NOT_ALLOWED)
+        .await;
+    assert_eq!(a.error_code(), "method_not_allowed");
+    // A mutating method on an unknown route still needs the token.
+    let a = h
+        .post("/api/nope", None, None, StatusCode::UNAUTHORIZED)
+        .await;
+    assert_eq!(a.error_code(), "unauthorized");
+}
+
+#[tokio::test]
+async fn state_debug_never_shows_the_token() {
+    let h = Harness::new(Some(TOKEN)).await;
+    let shown = format!("{:?}", h.state());
+    assert!(!shown.contains(TOKEN), "{shown}");
+    assert!(shown.contains("redacted"), "{shown}");
+}
+
+// ----- dashboard ------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn dashboard_shows_real_data_and_escapes_it() {
+    let h = Harness::with(None, |r| {
+        r.artifacts.insert(
+            "ORCH-2".into(),
+            vec![ArtifactFile {
+                name: "02-requirements.md".into(),
+                content: "---\nstatus: ok\n---\n<script>alert('art')</script> & more".into(),
+            }],
+        );
+    })
+    .await;
+    h.task("ORCH-1", "plain task", "svc", Some("analyst")).await;
+    let t2 = h
+        .task(
+            "ORCH-2",
+            "<script>alert(1)</script>",
+            "svc",
+            Some("developer"),
+        )
+        .await;
+    let run =
+        h.db.store
+            .start_agent_run(NewAgentRun {
+                task_id: t2.id,
+                job_id: None,
+                stage: "implementation".into(),
+                agent: "developer".into(),
+                backend: "command".into(),
+                model: Some("gpt-x".into()),
+                attempt: 1,
+            })
+            .await
+            .unwrap();
+    h.db.clock.advance_ms(65_000);
+    h.db.store
+        .finish_agent_run(
+            run,
+            AgentRunFinish {
+                outcome: "success".into(),
+                exit_code: Some(0),
+                input_tokens: Some(12345),
+                output_tokens: Some(678),
+                cost_usd: Some(1.25),
+                error: None,
+                data: String::new(),
+            },
+        )
+        .await
+        .unwrap();
+    h.db.store
+        .append_event(
+            NewEvent::new("note", "<b>bold</b> claim")
+                .task(t2.id)
+                .stage("intake"),
+        )
+        .await
+        .unwrap();
+
+    let page = h.get("/", StatusCode::OK).await;
+    assert!(page.content_type().starts_with("text/html"));
+    let html = &page.text;
+    for want in [
+        "http-equiv=\"refresh\" content=\"5\"",
+        "href=\"/tasks/ORCH-1\"",
+        "href=\"/tasks/ORCH-2\"",
+        "plain task",
+        "staging_runner",
+        "tool_error",
+        "ORCH-7",
+        "abc123",
+        "analyst",
+        "developer",
+    ] {
+        assert!(html.contains(want), "index lacks {want:?}:\n{html}");
+    }
+    assert!(has_escaped(html, "<script>alert(1)</script>"), "{html}");
+    assert!(!html.contains("<script"), "unescaped script in:\n{html}");
+    assert!(
+        !html.contains("<link") && !html.contains("src=\"http"),
+        "external assets"
+    );
+
+    let page = h.get("/tasks/ORCH-2", StatusCode::OK).await;
+    let html = &page.text;
+    for want in [
+        "ORCH-2",
+        "task.submitted",
+        "12345",
+        "678",
+        "$1.2500",
+        "gpt-x",
+        "1m 05s",
+        "02-requirements.md",
+        "orch/ORCH-2",
+    ] {
+        assert!(html.contains(want), "task page lacks {want:?}:\n{html}");
+    }
+    for raw in [
+        "<script>alert(1)</script>",
+        "<b>bold</b> claim",
+        "<script>alert('art')</script> & more",
+    ] {
+        assert!(has_escaped(html, raw), "{raw:?} is not escaped in:\n{html}");
+    }
+    assert!(
+        !html.contains("<script") && !html.contains("<b>bold"),
+        "unescaped:\n{html}"
+    );
+
+    let page = h.get("/?stage=intake", StatusCode::OK).await;
+    assert!(page.text.contains("at stage"));
+    let page = h.get("/tasks/ORCH-3", StatusCode::NOT_FOUND).await;
+    assert!(page.text.contains("no task for work item ORCH-3"));
+}
+
+/// True when `html` holds `raw` HTML-escaped (named or numeric entities).
+fn has_escaped(html: &str, raw: &str) -> bool {
+    let escape = |named: bool| {
+        let mut out = String::new();
+        for c in raw.chars() {
+            match (c, named) {
+                ('<', true) => out.push_str("&lt;"),
+                ('>', true) => out.push_str("&gt;"),
+                ('&', true) => out.push_str("&amp;"),
+                ('<' | '>' | '&' | '"' | '\'', _) => out.push_str(&format!("&#{};", c as u32)),
+                (c, _) => out.push(c),
+            }
+        }
+        out
+    };
+    html.contains(&escape(true)) || html.contains(&escape(false))
+}
+
+// ----- a real socket ---------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn serve_answers_on_a_real_socket_and_shuts_down_gracefully() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let h = Harness::new(Some(TOKEN)).await;
+    h.task("ORCH-1", "over the wire", "svc", None).await;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(serve(listener, h.state(), async move {
+        let _ = stop_rx.await;
+    }));
+
+    let request = |req: String| async move {
+        let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+        stream.write_all(req.as_bytes()).await.unwrap();
+        let mut out = String::new();
+        stream.read_to_string(&mut out).await.unwrap();
+        out
+    };
+    let resp = request(format!(
+        "GET /api/tasks/ORCH-1 HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    ))
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 200 OK\r\n"), "{resp}");
+    assert!(resp.contains("\"title\":\"over the wire\""), "{resp}");
+    let body = r#"{"repo":"svc","title":"via socket"}"#;
+    let resp = request(format!(
+        "POST /api/tasks HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    ))
+    .await;
+    assert!(resp.starts_with("HTTP/1.1 201 Created\r\n"), "{resp}");
+
+    // An idle keep-alive connection must not hold the shutdown up.
+    let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    idle.write_all(format!("GET /healthz HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .await
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = idle.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200 OK"));
+
+    stop_tx.send(()).unwrap();
+    let result = tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("serve stops promptly after the signal")
+        .unwrap();
+    assert!(result.is_ok(), "{result:?}");
+    assert!(
+        tokio::net::TcpStream::connect(addr).await.is_err(),
+        "the listener is closed"
+    );
+}
