@@ -1,7 +1,9 @@
-//! orch's runtime: the worker loop that runs queued jobs, maintenance, and (as they land) the
-//! pipeline engine, the deterministic runners and the agent backends.
+//! orch's runtime: the worker loop, the pipeline engine and its stage executors (agents and
+//! deterministic runners), maintenance passes and the operator operations.
 
 pub mod builtin;
+pub mod counters;
+pub mod engine;
 pub mod failpoint;
 pub mod maintenance;
 pub mod worker;

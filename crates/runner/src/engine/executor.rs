@@ -1,0 +1,94 @@
+//! The contract between the pipeline engine and whatever does a stage's work (an LLM agent
+//! backend or a deterministic runner). The engine owns everything around the work: loading the
+//! task, the worktree, committing artifacts, the gate, the decision and the fenced stage
+//! change. An executor only does the work and reports what happened.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use orch_domain::config::{RepoConfig, Settings};
+use orch_domain::gate::GateOutcome;
+use orch_domain::ids::{ArtifactName, RepoName, WorkItemId};
+use orch_domain::pipeline::StageDef;
+use orch_exec::git::Git;
+use orch_store::{Job, Lease, Store, Task};
+use tokio_util::sync::CancellationToken;
+
+use crate::counters::Counters;
+
+/// Everything an executor gets for one stage attempt.
+#[derive(Clone)]
+pub struct StageRun {
+    pub store: Store,
+    /// The job being run and its fencing token. Executors that need to change job state use
+    /// this lease; the stage itself is changed only by the engine.
+    pub job: Job,
+    pub lease: Lease,
+    /// Cancelled when the lease is lost or the process stops hard: stop and return.
+    pub cancel: CancellationToken,
+    pub task: Task,
+    pub work_item: WorkItemId,
+    pub stage: StageDef,
+    pub repo_name: RepoName,
+    pub repo: RepoConfig,
+    pub settings: Settings,
+    /// `<repos_dir>`: sentinel state dirs live here (`.post-deploy-state-<repo>/…`).
+    pub repos_dir: PathBuf,
+    /// The repo's main checkout, on its default branch (`<repos_dir>/<repo>`).
+    pub repo_dir: PathBuf,
+    /// The work item's own worktree (`<repos_dir>/<repo>/worktrees/<id>`), on branch
+    /// `orch/<id>`, already created and up to date.
+    pub worktree: PathBuf,
+    /// `docs/work-items/<id>` inside the worktree.
+    pub artifact_dir: PathBuf,
+    /// The failing artifact when this visit is a loop back (its name and content).
+    pub feedback: Option<(ArtifactName, String)>,
+    /// Loops back to implementation so far.
+    pub loops: u32,
+    pub git: Git,
+    pub counters: Arc<Counters>,
+    /// This machine's node name (for jobs pinned to local state).
+    pub node: String,
+}
+
+impl StageRun {
+    /// The path of artifact `name` in the worktree.
+    pub fn artifact_path(&self, name: &str) -> PathBuf {
+        self.artifact_dir.join(name)
+    }
+
+    /// This job's payload without any markers: what a re-enqueued job of the same stage visit
+    /// should carry before its own marker is appended.
+    pub fn base_content(&self) -> String {
+        crate::engine::StageJob::from_content(&self.job.task_content)
+            .map(|j| j.to_content())
+            .unwrap_or_else(|_| self.job.task_content.clone())
+    }
+}
+
+/// What a stage attempt produced.
+#[derive(Debug)]
+pub enum StageEffect {
+    /// The work is done and its artifacts are in the worktree: the engine commits them,
+    /// reads them back through the stage's gate, decides and advances. `outcome` replaces the
+    /// gate for stages without artifacts (deploy) and is combined with it otherwise: when set,
+    /// it is the outcome used for the decision.
+    Produced { outcome: Option<GateOutcome> },
+    /// Come back later within the same stage visit: the engine enqueues a job of the same kind
+    /// after `delay_s` whose content carries `marker` (restart-safe counting of defers and
+    /// ticks: the count is the number of such jobs, seed ORCH-115 D-2), commits any files the
+    /// executor wrote, marks this job done, and leaves the stage unchanged.
+    Requeue {
+        delay_s: u64,
+        marker: String,
+        reason: String,
+    },
+}
+
+/// Does the work of one kind of stage.
+#[async_trait::async_trait]
+pub trait StageExecutor: Send + Sync + 'static {
+    /// Runs one attempt. An `Err` is a transient failure: the job is retried with backoff
+    /// (a new attempt) until its attempt limit, then the task fails with the error.
+    async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect>;
+}
