@@ -83,6 +83,9 @@ pub enum StageEffect {
         marker: String,
         reason: String,
     },
+    /// The attempt cannot succeed and retrying will not help (over budget, misconfigured
+    /// stage): the job fails for good and the task goes to `failed` with `reason`.
+    Failed { reason: String },
 }
 
 /// Does the work of one kind of stage.
