@@ -50,9 +50,54 @@ pub enum Command {
     Worker(WorkerArgs),
     /// Show the queue: jobs by state and by agent, oldest queued age, live leases.
     Queue,
+    /// Submit a new work item.
+    Submit(SubmitArgs),
+    /// Show all tasks, or one work item's stage, timeline and agent runs.
+    Status(StatusArgs),
+    /// A work item's full event log and agent runs.
+    Logs(IdArg),
+    /// Let a work item waiting at an `approval = true` stage go on.
+    Approve(IdArg),
+    /// Put a failed work item back at the stage it failed in.
+    Retry(IdArg),
+    /// Cancel a work item (its running job is stopped).
+    Cancel(IdArg),
     /// Benchmarks that print figures (never pass/fail).
     #[command(subcommand)]
     Bench(BenchCommand),
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// The repo (a `[repos.<name>]` of orch.toml).
+    #[arg(long)]
+    pub repo: String,
+    /// One line.
+    #[arg(long)]
+    pub title: String,
+    /// The request's body from a file (`-` for stdin).
+    #[arg(long)]
+    pub body_file: Option<std::path::PathBuf>,
+    /// The body as text.
+    #[arg(long, conflicts_with = "body_file")]
+    pub body: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// A work item id like APP-12; without it, all tasks.
+    pub id: Option<String>,
+    /// Only tasks at this stage.
+    #[arg(long)]
+    pub stage: Option<String>,
+    #[arg(long, default_value_t = 50)]
+    pub limit: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct IdArg {
+    /// A work item id like APP-12.
+    pub id: String,
 }
 
 #[derive(Debug, Args)]

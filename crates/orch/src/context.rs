@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
+use orch_domain::config::Config;
 use orch_store::{ConnectOptions, Store};
 
 use crate::cli::Global;
@@ -15,6 +16,8 @@ pub struct Context {
     pub root: PathBuf,
     pub config_path: PathBuf,
     pub database_url: String,
+    /// `orch.toml`, when it exists.
+    pub config: Option<Config>,
     pub json: bool,
 }
 
@@ -25,16 +28,42 @@ impl Context {
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from("."));
-        let database_url = match &global.database_url {
-            Some(url) if !url.trim().is_empty() => url.trim().to_owned(),
+        let config = load_config(&config_path)?;
+        let from_config = config
+            .as_ref()
+            .and_then(|c| c.settings.database_url.clone());
+        let database_url = match (&global.database_url, from_config) {
+            (Some(url), _) if !url.trim().is_empty() => url.trim().to_owned(),
+            (_, Some(url)) if !url.trim().is_empty() => url.trim().to_owned(),
             _ => format!("sqlite://{}", root.join(".orch").join("orch.db").display()),
         };
         Ok(Context {
             root,
             config_path,
             database_url,
+            config,
             json: global.json,
         })
+    }
+
+    /// The configuration, or an error telling how to create it.
+    pub fn require_config(&self) -> Result<&Config> {
+        self.config.as_ref().with_context(|| {
+            format!(
+                "no config at {}; run `orch init` there (or pass --config)",
+                self.config_path.display()
+            )
+        })
+    }
+
+    /// `settings.repos_dir`, resolved against the project root.
+    pub fn repos_dir(&self, config: &Config) -> PathBuf {
+        let p = Path::new(&config.settings.repos_dir);
+        if p.is_absolute() {
+            p.to_path_buf()
+        } else {
+            self.root.join(p)
+        }
     }
 
     pub fn state_dir(&self) -> PathBuf {
@@ -67,6 +96,18 @@ impl Context {
         }
         Ok(store)
     }
+}
+
+/// Reads and validates `orch.toml` with `ORCH_*` overrides; `None` when the file is absent.
+fn load_config(path: &Path) -> Result<Option<Config>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let config = Config::from_toml_str(&text, &|k: &str| std::env::var(k).ok())
+        .with_context(|| format!("invalid config {}", path.display()))?;
+    Ok(Some(config))
 }
 
 fn sqlite_path(url: &str) -> String {

@@ -1,11 +1,12 @@
 //! The `orch` binary: argument parsing, wiring and exit codes. Every command's work lives in a
 //! library crate; this crate only connects them (see ARCHITECTURE.md).
 
+mod api_ops;
 mod cli;
 mod cmd;
-mod config;
 mod context;
 mod output;
+mod runtime;
 mod signals;
 
 use std::process::ExitCode;

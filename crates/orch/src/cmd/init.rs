@@ -16,22 +16,20 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
     let state = cx.state_dir();
     std::fs::create_dir_all(&state)
         .with_context(|| format!("cannot create {}", state.display()))?;
-    let token_path = state.join("token");
-    let token_created = if token_path.exists() {
-        false
-    } else {
-        write_private(&token_path, &format!("{}\n", new_token()?))?;
-        true
-    };
     let config_written = if cx.config_path.exists() && !args.force {
         false
     } else {
-        write_atomic(&cx.config_path, crate::config::DEFAULT_TOML)?;
+        let text = orch_domain::config::Config::default_toml(&new_token()?);
+        if args.force {
+            let _ = std::fs::remove_file(&cx.config_path);
+        }
+        // The file holds the API token: readable by its owner only.
+        write_private(&cx.config_path, &text)?;
         true
     };
     let gitignore = state.join(".gitignore");
     if !gitignore.exists() {
-        write_atomic(&gitignore, "*\n")?;
+        orch_runner::fsutil::write_atomic(&gitignore, "*\n")?;
     }
     let opts = ConnectOptions {
         create_if_missing: true,
@@ -46,8 +44,6 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
             "config_written": config_written,
             "database": cx.database_url,
             "schema_version": report.to,
-            "token_file": token_path.display().to_string(),
-            "token_created": token_created,
         }));
     } else {
         let verb = if config_written {
@@ -61,8 +57,10 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
             redacted(&cx.database_url),
             report.to
         );
-        if token_created {
-            println!("API token written to {} (mode 0600)", token_path.display());
+        if config_written {
+            println!(
+                "  it holds a fresh API token (mode 0600): keep it out of git, or set ORCH_TOKEN instead"
+            );
         }
         println!("next: declare a repo in orch.toml, then `orch serve` and `orch submit`");
     }
@@ -94,12 +92,4 @@ fn write_private(path: &Path, content: &str) -> Result<()> {
     f.write_all(content.as_bytes())
         .and_then(|()| f.sync_all())
         .with_context(|| format!("cannot write {}", path.display()))
-}
-
-/// Writes via a temp file and rename so a crash never leaves half a file.
-pub fn write_atomic(path: &Path, content: &str) -> Result<()> {
-    let tmp = path.with_extension("tmp-orch");
-    std::fs::write(&tmp, content).with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot move {} into place", path.display()))
 }

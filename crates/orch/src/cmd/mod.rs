@@ -3,6 +3,7 @@
 mod bench;
 mod init;
 mod queue;
+mod tasks;
 mod worker;
 
 use std::process::ExitCode;
@@ -21,6 +22,12 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Serve(args) => worker::serve(&cx, args).await,
         Command::Worker(args) => worker::run(&cx, args).await,
         Command::Queue => queue::run(&cx).await,
+        Command::Submit(args) => tasks::submit(&cx, args).await,
+        Command::Status(args) => tasks::status(&cx, args).await,
+        Command::Logs(args) => tasks::logs(&cx, &args.id).await,
+        Command::Approve(args) => tasks::operate(&cx, tasks::Op::Approve, &args.id).await,
+        Command::Retry(args) => tasks::operate(&cx, tasks::Op::Retry, &args.id).await,
+        Command::Cancel(args) => tasks::operate(&cx, tasks::Op::Cancel, &args.id).await,
         Command::Bench(BenchCommand::Queue(args)) => bench::queue(&cx, args).await,
     }
 }

@@ -1,16 +1,19 @@
-//! `orch worker` (workers + maintenance) and `orch serve` (the same plus the HTTP API).
+//! `orch worker` (workers + maintenance) and `orch serve` (the same plus the HTTP API and
+//! dashboard).
 
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
 
-use anyhow::Result;
-use orch_runner::worker::{Registry, Worker, WorkerConfig, default_worker_id};
+use anyhow::{Context as _, Result};
+use orch_runner::worker::{Registry, Worker, WorkerConfig, WorkerStats, default_worker_id};
 use orch_runner::{builtin, maintenance};
 use orch_store::{ConnectOptions, Store};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{ServeArgs, WorkerArgs};
 use crate::context::Context;
+use crate::runtime::Runtime;
 
 /// Retention of finished jobs of finished tasks.
 const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
@@ -18,41 +21,111 @@ const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let (stop, hard) = crate::signals::shutdown_tokens()?;
     let (store, config) = open(cx, &args).await?;
+    let registry = match &cx.config {
+        Some(c) => Runtime::new(cx, c, &store)?.registry(),
+        None => {
+            tracing::warn!(config = %cx.config_path.display(),
+                "no config: running only the built-in job kinds");
+            let mut r = Registry::new();
+            builtin::register(&mut r);
+            r
+        }
+    };
     tracing::info!(worker = %config.worker_id, database = %store.target(),
-        concurrency = config.concurrency, "worker started");
-    run_workers(store.clone(), registry(), config, stop, hard).await;
+        concurrency = config.concurrency, kinds = ?registry.kinds(), "worker started");
+    let worker = Worker::new(store.clone(), registry, config.clone());
+    run_workers(store.clone(), worker, &config, stop, hard).await;
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
 
 pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
+    let config = cx.require_config()?.clone();
     let (stop, hard) = crate::signals::shutdown_tokens()?;
-    let (store, config) = open(cx, &args.worker).await?;
-    tracing::info!(worker = %config.worker_id, database = %store.target(), "serve started");
-    run_workers(store.clone(), registry(), config, stop, hard).await;
+    let (store, wconfig) = open(cx, &args.worker).await?;
+    let runtime = Arc::new(Runtime::new(cx, &config, &store)?);
+    let worker = Worker::new(store.clone(), runtime.registry(), wconfig.clone());
+    let bind = args
+        .bind
+        .clone()
+        .unwrap_or_else(|| config.settings.bind.clone());
+    let listener = tokio::net::TcpListener::bind(&bind)
+        .await
+        .with_context(|| format!("cannot listen on {bind}"))?;
+    let addr = listener.local_addr().map(|a| a.to_string()).unwrap_or(bind);
+    let api = spawn_api(
+        listener,
+        &store,
+        &runtime,
+        worker.stats(),
+        &config,
+        stop.clone(),
+    );
+    tracing::info!(worker = %wconfig.worker_id, database = %store.target(), %addr, "serve started");
+    eprintln!("orch: serving http://{addr}/ (API, dashboard, /metrics)");
+    run_workers(store.clone(), worker, &wconfig, stop, hard).await;
+    let _ = api.await;
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
 
-/// The job kinds this binary runs.
-fn registry() -> Registry {
-    let mut r = Registry::new();
-    builtin::register(&mut r);
-    r
+/// Starts the HTTP API on `listener` until `stop`.
+pub fn spawn_api(
+    listener: tokio::net::TcpListener,
+    store: &Store,
+    runtime: &Arc<Runtime>,
+    stats: Arc<WorkerStats>,
+    config: &orch_domain::config::Config,
+    stop: CancellationToken,
+) -> tokio::task::JoinHandle<()> {
+    let ops = Arc::new(crate::api_ops::ApiOps {
+        runtime: runtime.clone(),
+        worker_stats: stats,
+    });
+    let token = config
+        .settings
+        .token
+        .as_ref()
+        .map(|t| t.expose().to_owned());
+    let state = orch_api::ApiState::new(store.clone(), ops, token);
+    tokio::spawn(async move {
+        if let Err(e) =
+            orch_api::serve(listener, state, async move { stop.cancelled().await }).await
+        {
+            tracing::error!(error = %e, "the HTTP API stopped");
+        }
+    })
 }
 
 async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> {
+    let settings = cx
+        .config
+        .as_ref()
+        .map(|c| c.settings.clone())
+        .unwrap_or_default();
     let mut config = WorkerConfig::new(args.worker_id.clone().unwrap_or_else(default_worker_id));
-    config.concurrency = args.concurrency.unwrap_or(4).max(1);
+    config.concurrency = args.concurrency.unwrap_or(settings.workers as usize).max(1);
     config.claim_batch = args.claim_batch.max(1);
+    config.lease = Duration::from_secs(settings.lease_s.max(1));
     if let Some(ms) = args.lease_ms {
         anyhow::ensure!(ms >= 200, "--lease-ms must be at least 200 (got {ms})");
         config.lease = Duration::from_millis(ms);
     }
+    config.poll_interval = Duration::from_millis(settings.poll_interval_ms.clamp(10, 60_000));
     config.shutdown_grace = Duration::from_secs(args.grace_s);
-    config.node = args.node.clone();
+    config.node = Some(
+        args.node
+            .clone()
+            .or(settings.node.clone())
+            .unwrap_or_else(|| {
+                cx.config
+                    .as_ref()
+                    .map(crate::runtime::node_name)
+                    .unwrap_or_else(|| "localhost".into())
+            }),
+    );
     let opts = ConnectOptions {
-        max_connections: u32::try_from(config.concurrency + 4).unwrap_or(16),
+        max_connections: u32::try_from(config.concurrency + 6).unwrap_or(16),
         ..ConnectOptions::default()
     };
     let store = cx.open_store_with(opts, true).await?;
@@ -63,15 +136,15 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
 /// workers have drained.
 pub async fn run_workers(
     store: Store,
-    registry: Registry,
-    config: WorkerConfig,
+    worker: Worker,
+    config: &WorkerConfig,
     stop: CancellationToken,
     hard: CancellationToken,
 ) {
     let maint_stop = CancellationToken::new();
     let passes = maintenance::default_passes(config.lease, RETENTION);
-    let maint = tokio::spawn(maintenance::run(store.clone(), passes, maint_stop.clone()));
-    Worker::new(store, registry, config).run(stop, hard).await;
+    let maint = tokio::spawn(maintenance::run(store, passes, maint_stop.clone()));
+    worker.run(stop, hard).await;
     maint_stop.cancel();
     let _ = maint.await;
 }

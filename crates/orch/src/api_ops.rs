@@ -1,0 +1,147 @@
+//! The HTTP API's `Operations`, implemented by the runner's operator operations, counters and
+//! the state files on this machine.
+
+use std::sync::Arc;
+
+use orch_api::{
+    ArtifactFile, Observation, OpError, Operations, RunnerCounters, SubmitRequest, SubmitResult,
+};
+use orch_deploystate::{ArmedRead, WatchState};
+use orch_runner::ops::{Ops, OpsError};
+use orch_runner::worker::WorkerStats;
+
+pub struct ApiOps {
+    pub runtime: Arc<crate::runtime::Runtime>,
+    pub worker_stats: Arc<WorkerStats>,
+}
+
+fn op_err(e: OpsError) -> OpError {
+    match e {
+        OpsError::NotFound(m) => OpError::NotFound(m),
+        OpsError::Conflict(m) => OpError::Conflict(m),
+        OpsError::Invalid(m) => OpError::Invalid(m),
+        OpsError::Internal(e) => OpError::Internal(format!("{e:#}")),
+    }
+}
+
+impl ApiOps {
+    fn ops(&self) -> &Ops {
+        &self.runtime.ops
+    }
+}
+
+#[async_trait::async_trait]
+impl Operations for ApiOps {
+    async fn submit(&self, req: SubmitRequest) -> Result<SubmitResult, OpError> {
+        let task = self
+            .ops()
+            .submit(&req.repo, &req.title, &req.body)
+            .await
+            .map_err(op_err)?;
+        Ok(SubmitResult {
+            work_item_id: task.work_item_id,
+            task_id: task.id,
+        })
+    }
+
+    async fn approve(&self, id: &str) -> Result<(), OpError> {
+        self.ops().approve(id).await.map(|_| ()).map_err(op_err)
+    }
+
+    async fn retry(&self, id: &str) -> Result<(), OpError> {
+        self.ops().retry(id).await.map(|_| ()).map_err(op_err)
+    }
+
+    async fn cancel(&self, id: &str) -> Result<(), OpError> {
+        self.ops().cancel(id).await.map(|_| ()).map_err(op_err)
+    }
+
+    async fn runner_counters(&self) -> Vec<RunnerCounters> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let s = &self.worker_stats;
+        let mut out = vec![RunnerCounters {
+            runner: "worker".into(),
+            counters: vec![
+                ("claimed".into(), s.claimed.load(Relaxed)),
+                ("done".into(), s.done.load(Relaxed)),
+                ("retried".into(), s.retried.load(Relaxed)),
+                ("failed".into(), s.failed.load(Relaxed)),
+                ("fenced".into(), s.fenced.load(Relaxed)),
+                ("leases_lost".into(), s.leases_lost.load(Relaxed)),
+                ("released".into(), s.released.load(Relaxed)),
+                ("store_errors".into(), s.store_errors.load(Relaxed)),
+            ],
+        }];
+        out.extend(
+            self.runtime
+                .counters
+                .snapshot()
+                .into_iter()
+                .map(|(runner, counters)| RunnerCounters { runner, counters }),
+        );
+        out
+    }
+
+    async fn active_observations(&self) -> Vec<Observation> {
+        let repos_dir = self.runtime.repos_dir.clone();
+        tokio::task::spawn_blocking(move || {
+            orch_deploystate::list_active(&repos_dir)
+                .into_iter()
+                .map(|w| match w.armed {
+                    ArmedRead::Present(r) => {
+                        let polls = WatchState::new(&repos_dir, &w.repo, &w.work_item_id)
+                            .series()
+                            .polls
+                            .len();
+                        Observation {
+                            work_item_id: w.work_item_id,
+                            repo: w.repo,
+                            armed_at_ms: r.armed_at_ms,
+                            deadline_ms: r.deadline_ms,
+                            revision: r.revision,
+                            polls: polls as u64,
+                        }
+                    }
+                    // Listed anyway: a stale or corrupt watch is exactly what an operator must see.
+                    ArmedRead::Corrupt(_) | ArmedRead::Absent => Observation {
+                        work_item_id: w.work_item_id,
+                        repo: w.repo,
+                        armed_at_ms: 0,
+                        deadline_ms: 0,
+                        revision: "unknown (state unreadable)".into(),
+                        polls: 0,
+                    },
+                })
+                .collect()
+        })
+        .await
+        .unwrap_or_default()
+    }
+
+    async fn artifacts(&self, id: &str) -> Result<Vec<ArtifactFile>, OpError> {
+        let task = self.ops().task(id).await.map_err(op_err)?;
+        let repo_dir = self.runtime.repos_dir.join(&task.repo);
+        if !repo_dir.join(".git").exists() {
+            return Ok(Vec::new());
+        }
+        let git = self.runtime.engine.git();
+        let dir = format!("docs/work-items/{}", task.work_item_id);
+        let files = git
+            .log_files(&repo_dir, &task.branch, &dir)
+            .await
+            .map_err(|e| OpError::Internal(e.to_string()))?;
+        let mut out = Vec::new();
+        for path in files {
+            if let Some(content) = git
+                .show_file(&repo_dir, &task.branch, &path)
+                .await
+                .map_err(|e| OpError::Internal(e.to_string()))?
+            {
+                let name = path.rsplit('/').next().unwrap_or(&path).to_owned();
+                out.push(ArtifactFile { name, content });
+            }
+        }
+        out.sort_by(|a, b| a.name.cmp(&b.name));
+        Ok(out)
+    }
+}

@@ -1,0 +1,263 @@
+//! Task commands: submit, status, logs, approve, retry, cancel. They work on the database
+//! directly (no server needed); a running `orch serve` picks the changes up.
+
+use std::io::Read as _;
+use std::process::ExitCode;
+
+use anyhow::{Context as _, Result};
+use orch_store::{AgentRun, Event, Store, Task, TaskFilter};
+
+use crate::cli::{StatusArgs, SubmitArgs};
+use crate::context::Context;
+use crate::output::{age, print_json, table};
+use crate::runtime::Runtime;
+
+async fn runtime(cx: &Context) -> Result<(Store, Runtime)> {
+    let config = cx.require_config()?.clone();
+    let store = cx.open_store().await?;
+    let rt = Runtime::new(cx, &config, &store)?;
+    Ok((store, rt))
+}
+
+pub async fn submit(cx: &Context, args: SubmitArgs) -> Result<ExitCode> {
+    let body = match (&args.body_file, &args.body) {
+        (Some(p), _) if p.as_os_str() == "-" => {
+            let mut s = String::new();
+            std::io::stdin()
+                .take(256 * 1024 + 1)
+                .read_to_string(&mut s)
+                .context("cannot read the body from stdin")?;
+            s
+        }
+        (Some(p), _) => {
+            std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?
+        }
+        (None, Some(b)) => b.clone(),
+        (None, None) => String::new(),
+    };
+    let (store, rt) = runtime(cx).await?;
+    let task = rt.ops.submit(&args.repo, &args.title, &body).await?;
+    store.close().await;
+    if cx.json {
+        print_json(&task_json(&task));
+    } else {
+        println!(
+            "{} submitted (repo {}, branch {}); it starts when a worker is running (`orch serve`)",
+            task.work_item_id, task.repo, task.branch
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub enum Op {
+    Approve,
+    Retry,
+    Cancel,
+}
+
+pub async fn operate(cx: &Context, op: Op, id: &str) -> Result<ExitCode> {
+    let (store, rt) = runtime(cx).await?;
+    let (task, verb) = match op {
+        Op::Approve => (rt.ops.approve(id).await?, "approved"),
+        Op::Retry => (rt.ops.retry(id).await?, "retried"),
+        Op::Cancel => (rt.ops.cancel(id).await?, "cancelled"),
+    };
+    store.close().await;
+    if cx.json {
+        print_json(&task_json(&task));
+    } else {
+        println!("{} {verb}; now at stage {}", task.work_item_id, task.stage);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
+    let store = cx.open_store().await?;
+    if let Some(id) = &args.id {
+        let task = find(&store, id).await?;
+        let events = store.task_events(task.id).await?;
+        let runs = store.task_agent_runs(task.id).await?;
+        let usage = store.task_usage(task.id).await?;
+        if cx.json {
+            let mut v = task_json(&task);
+            v["events"] = events.iter().map(event_json).collect();
+            v["agent_runs"] = runs.iter().map(run_json).collect();
+            v["usage"] = serde_json::json!({"runs": usage.runs, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens, "cost_usd": usage.cost_usd});
+            print_json(&v);
+        } else {
+            println!("{}  {}", task.work_item_id, task.title);
+            println!(
+                "repo {}  branch {}  stage {}",
+                task.repo, task.branch, task.stage
+            );
+            println!(
+                "agent runs {}  tokens in {} out {}  cost ${:.4}",
+                usage.runs, usage.input_tokens, usage.output_tokens, usage.cost_usd
+            );
+            let stage_events: Vec<&Event> = events
+                .iter()
+                .filter(|e| {
+                    e.kind.starts_with("stage.advanced")
+                        || e.kind.starts_with("stage.loop_back")
+                        || e.kind.starts_with("task.")
+                        || e.kind == "stage.approved"
+                })
+                .collect();
+            print!("\n{}", timeline(&stage_events, task.created_at));
+        }
+    } else {
+        let tasks = store
+            .list_tasks(&TaskFilter {
+                stage: args.stage.clone(),
+                repo: None,
+                limit: args.limit,
+                offset: 0,
+            })
+            .await?;
+        let now = store.now_ms();
+        if cx.json {
+            print_json(&serde_json::Value::Array(
+                tasks.iter().map(task_json).collect(),
+            ));
+        } else if tasks.is_empty() {
+            println!("no tasks yet: `orch submit --repo R --title ...`");
+        } else {
+            let rows: Vec<Vec<String>> = tasks
+                .iter()
+                .map(|t| {
+                    vec![
+                        t.work_item_id.clone(),
+                        t.stage.clone(),
+                        t.repo.clone(),
+                        age(now - t.updated_at),
+                        t.title.chars().take(60).collect(),
+                    ]
+                })
+                .collect();
+            print!(
+                "{}",
+                table(&["id", "stage", "repo", "updated", "title"], &rows)
+            );
+        }
+    }
+    store.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
+    let store = cx.open_store().await?;
+    let task = find(&store, id).await?;
+    let events = store.task_events(task.id).await?;
+    let runs = store.task_agent_runs(task.id).await?;
+    store.close().await;
+    if cx.json {
+        print_json(&serde_json::json!({
+            "task": task_json(&task),
+            "events": events.iter().map(event_json).collect::<Vec<_>>(),
+            "agent_runs": runs.iter().map(run_json).collect::<Vec<_>>(),
+        }));
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!(
+        "{}  {}  (stage {})\n",
+        task.work_item_id, task.title, task.stage
+    );
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            vec![
+                format!("+{}", age(e.created_at - task.created_at)),
+                e.kind.clone(),
+                e.stage.clone().unwrap_or_default(),
+                e.message
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .chars()
+                    .take(120)
+                    .collect(),
+            ]
+        })
+        .collect();
+    print!("{}", table(&["at", "event", "stage", "message"], &rows));
+    if !runs.is_empty() {
+        let rows: Vec<Vec<String>> = runs
+            .iter()
+            .map(|r| {
+                vec![
+                    r.stage.clone(),
+                    r.agent.clone(),
+                    r.backend.clone(),
+                    r.outcome.clone(),
+                    r.input_tokens.map(|t| t.to_string()).unwrap_or_default(),
+                    r.output_tokens.map(|t| t.to_string()).unwrap_or_default(),
+                    r.cost_usd.map(|c| format!("{c:.4}")).unwrap_or_default(),
+                ]
+            })
+            .collect();
+        print!(
+            "\n{}",
+            table(
+                &[
+                    "stage", "agent", "backend", "outcome", "in", "out", "cost $"
+                ],
+                &rows
+            )
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn find(store: &Store, id: &str) -> Result<Task> {
+    let id: orch_domain::ids::WorkItemId = id.parse()?;
+    store
+        .get_task_by_work_item(id.as_str())
+        .await?
+        .with_context(|| format!("no work item {id}"))
+}
+
+/// The stage timeline: when each stage change happened, relative to submission.
+pub fn timeline(events: &[&Event], t0: i64) -> String {
+    let rows: Vec<Vec<String>> = events
+        .iter()
+        .map(|e| {
+            vec![
+                format!("+{}", age(e.created_at - t0)),
+                e.stage.clone().unwrap_or_default(),
+                e.message
+                    .lines()
+                    .next()
+                    .unwrap_or_default()
+                    .chars()
+                    .take(100)
+                    .collect(),
+            ]
+        })
+        .collect();
+    table(&["at", "stage", "why"], &rows)
+}
+
+fn task_json(t: &Task) -> serde_json::Value {
+    serde_json::json!({
+        "id": t.work_item_id, "task_id": t.id, "repo": t.repo, "title": t.title,
+        "stage": t.stage, "stage_seq": t.stage_seq, "branch": t.branch,
+        "created_at_ms": t.created_at, "updated_at_ms": t.updated_at,
+    })
+}
+
+fn event_json(e: &Event) -> serde_json::Value {
+    serde_json::json!({
+        "id": e.id, "at_ms": e.created_at, "kind": e.kind, "stage": e.stage, "job_id": e.job_id,
+        "message": e.message,
+        "data": serde_json::from_str::<serde_json::Value>(&e.data).unwrap_or(serde_json::Value::Null),
+    })
+}
+
+fn run_json(r: &AgentRun) -> serde_json::Value {
+    serde_json::json!({
+        "stage": r.stage, "agent": r.agent, "backend": r.backend, "model": r.model,
+        "attempt": r.attempt, "started_at_ms": r.started_at, "finished_at_ms": r.finished_at,
+        "outcome": r.outcome, "exit_code": r.exit_code, "input_tokens": r.input_tokens,
+        "output_tokens": r.output_tokens, "cost_usd": r.cost_usd, "error": r.error,
+    })
+}

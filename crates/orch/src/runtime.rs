@@ -1,0 +1,76 @@
+//! Wiring: the engine with every stage executor, the worker registry, the operator
+//! operations, and the HTTP API's view of them. The one place that knows which executor runs
+//! which stage.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use orch_domain::config::Config;
+use orch_runner::builtin;
+use orch_runner::counters::Counters;
+use orch_runner::engine::{Engine, EngineConfig, INTAKE, intake::IntakeExecutor};
+use orch_runner::ops::Ops;
+use orch_runner::worker::Registry;
+use orch_store::Store;
+
+use crate::context::Context;
+
+/// Everything a process that runs the pipeline holds.
+pub struct Runtime {
+    pub engine: Arc<Engine>,
+    pub ops: Ops,
+    pub counters: Arc<Counters>,
+    pub config: Arc<Config>,
+    pub repos_dir: std::path::PathBuf,
+}
+
+/// This machine's node name: `settings.node`, else the host name.
+pub fn node_name(config: &Config) -> String {
+    config.settings.node.clone().unwrap_or_else(|| {
+        std::fs::read_to_string("/etc/hostname")
+            .map(|h| h.trim().to_owned())
+            .ok()
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "localhost".to_owned())
+    })
+}
+
+impl Runtime {
+    pub fn new(cx: &Context, config: &Config, store: &Store) -> Result<Runtime> {
+        let pipeline = config.pipeline().context("invalid pipeline in orch.toml")?;
+        let repos_dir = cx.repos_dir(config);
+        let counters = Arc::new(Counters::new());
+        let config = Arc::new(config.clone());
+        let mut engine = Engine::new(
+            store.clone(),
+            EngineConfig {
+                config: config.clone(),
+                pipeline: Arc::new(pipeline),
+                root: cx.root.clone(),
+                repos_dir: repos_dir.clone(),
+                node: node_name(&config),
+            },
+            counters.clone(),
+        );
+        engine.set_executor(INTAKE, Arc::new(IntakeExecutor));
+        let engine = Arc::new(engine);
+        let ops = Ops::new(store.clone(), engine.clone());
+        Ok(Runtime {
+            engine,
+            ops,
+            counters,
+            config,
+            repos_dir,
+        })
+    }
+
+    /// The job kinds this process runs: the built-in ones and every stage's.
+    pub fn registry(&self) -> Registry {
+        let mut r = Registry::new();
+        builtin::register(&mut r);
+        let timeout = Duration::from_secs(self.config.settings.agent_timeout_s.max(60) + 300);
+        self.engine.register(&mut r, timeout);
+        r
+    }
+}

@@ -1,0 +1,545 @@
+//! The stage job handler: everything around an executor's work (see the module docs of
+//! [`crate::engine`]). Every stage change goes through `advance_stage` fenced by the job's
+//! lease; a job whose stage visit is over is a no-op, so a re-run after a crash at any instant
+//! never applies a stage twice.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context as _, Result};
+use orch_domain::config::Config;
+use orch_domain::gate::{GateOutcome, Verdict};
+use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
+use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
+use orch_exec::git::{Git, Pathspec};
+use orch_store::{AdvanceStage, Fence, JobState, NewEvent, NewJob, Store, StoreError, Task};
+
+use super::{StageEffect, StageExecutor, StageJob, StageRun};
+use crate::counters::Counters;
+use crate::repos::{self, RepoPaths};
+use crate::worker::{JobContext, JobHandler, Outcome, Registry};
+
+/// The job kind (agent) of stage `intake`, which has no agent of its own.
+pub const INTAKE: &str = "intake";
+/// Attempts of one stage job before its task fails.
+pub const STAGE_ATTEMPTS: i64 = 3;
+/// An artifact bigger than this is not read (and so not a pass).
+const MAX_ARTIFACT_BYTES: u64 = 1024 * 1024;
+/// Stages whose jobs must run where the deploy's local state lives (SPEC §10).
+const PINNED_STAGES: &[&str] = &["deploy", "observe"];
+
+/// Where the engine finds things.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    pub config: Arc<Config>,
+    pub pipeline: Arc<Pipeline>,
+    /// The project root: relative repo paths are resolved against it.
+    pub root: PathBuf,
+    pub repos_dir: PathBuf,
+    pub node: String,
+}
+
+/// The pipeline engine: handles the jobs of every stage.
+pub struct Engine {
+    store: Store,
+    cfg: EngineConfig,
+    git: Git,
+    executors: HashMap<String, Arc<dyn StageExecutor>>,
+    counters: Arc<Counters>,
+}
+
+/// The job kind of a stage: its agent, or `intake`.
+pub fn job_kind(stage: &StageDef) -> String {
+    stage
+        .agent
+        .as_ref()
+        .map_or_else(|| INTAKE.to_owned(), |a| a.as_str().to_owned())
+}
+
+impl Engine {
+    pub fn new(store: Store, cfg: EngineConfig, counters: Arc<Counters>) -> Engine {
+        Engine {
+            store,
+            cfg,
+            git: Git::new(),
+            executors: HashMap::new(),
+            counters,
+        }
+    }
+
+    /// Sets the executor of job kind `agent`.
+    pub fn set_executor(&mut self, agent: &str, executor: Arc<dyn StageExecutor>) {
+        self.executors.insert(agent.to_owned(), executor);
+    }
+
+    pub fn git(&self) -> &Git {
+        &self.git
+    }
+
+    /// Registers a handler for every stage's job kind with `timeout`.
+    pub fn register(self: &Arc<Self>, registry: &mut Registry, timeout: Duration) {
+        let mut kinds: Vec<String> = self.cfg.pipeline.stages.iter().map(job_kind).collect();
+        kinds.sort();
+        kinds.dedup();
+        for kind in kinds {
+            registry.register(kind, timeout, Arc::new(Handler(self.clone())));
+        }
+    }
+
+    /// The first job of a new task (stage `intake`, visit 0).
+    pub fn first_job(&self) -> NewJob {
+        let first = self
+            .cfg
+            .pipeline
+            .stages
+            .first()
+            .map_or_else(|| INTAKE.to_owned(), |s| s.name.to_string());
+        let kind = self
+            .cfg
+            .pipeline
+            .stages
+            .first()
+            .map_or_else(|| INTAKE.to_owned(), job_kind);
+        NewJob::new(
+            kind,
+            StageJob {
+                stage: first,
+                seq: 0,
+            }
+            .to_content(),
+        )
+        .max_attempts(STAGE_ATTEMPTS)
+    }
+
+    /// The job that runs `stage` for visit `seq`, or `None` for a terminal stage.
+    pub fn stage_job(&self, stage: &str, seq: i64) -> Option<NewJob> {
+        let def = self
+            .cfg
+            .pipeline
+            .stages
+            .iter()
+            .find(|s| s.name.as_str() == stage)?;
+        let mut job = NewJob::new(
+            job_kind(def),
+            StageJob {
+                stage: stage.to_owned(),
+                seq,
+            }
+            .to_content(),
+        )
+        .max_attempts(STAGE_ATTEMPTS);
+        if PINNED_STAGES.contains(&stage) {
+            job = job.node(self.cfg.node.clone());
+        }
+        Some(job)
+    }
+
+    pub fn config(&self) -> &EngineConfig {
+        &self.cfg
+    }
+
+    async fn handle(&self, cx: JobContext) -> Result<Outcome> {
+        let sj = match StageJob::from_content(&cx.job.task_content) {
+            Ok(sj) => sj,
+            Err(e) => return Ok(Outcome::Fail { error: e }),
+        };
+        let Some(task_id) = cx.job.task_id else {
+            return Ok(Outcome::Fail {
+                error: "a stage job without a task".into(),
+            });
+        };
+        let Some(task) = self.store.get_task(task_id).await? else {
+            return Ok(Outcome::Fail {
+                error: format!("task {task_id} does not exist"),
+            });
+        };
+        if task.stage != sj.stage || task.stage_seq != sj.seq {
+            tracing::info!(job = cx.job.id, work_item = %task.work_item_id,
+                job_stage = %sj.stage, task_stage = %task.stage,
+                "stale stage job (the task has moved on); nothing to do");
+            return Ok(Outcome::Done);
+        }
+        match self.prepare(&cx, &task).await {
+            Ok(run) => self.run_stage(&cx, sj, run).await,
+            Err(Prep::Fatal(reason)) => self.fail_task(&cx, &task, &reason).await,
+            Err(Prep::Transient(e)) => Err(e),
+        }
+    }
+
+    async fn prepare(&self, cx: &JobContext, task: &Task) -> Result<StageRun, Prep> {
+        let work_item: WorkItemId = task
+            .work_item_id
+            .parse()
+            .map_err(|e| Prep::Fatal(format!("invalid work item id: {e}")))?;
+        let stage_name: StageName = task
+            .stage
+            .parse()
+            .map_err(|e| Prep::Fatal(format!("invalid stage: {e}")))?;
+        let stage = self
+            .cfg
+            .pipeline
+            .stage(&stage_name)
+            .cloned()
+            .ok_or_else(|| Prep::Fatal(format!("stage {stage_name} is not in the pipeline")))?;
+        let repo_name: RepoName = task
+            .repo
+            .parse()
+            .map_err(|e| Prep::Fatal(format!("invalid repo name: {e}")))?;
+        let repo = self
+            .cfg
+            .config
+            .repos
+            .get(&repo_name)
+            .cloned()
+            .ok_or_else(|| Prep::Fatal(format!("repo {repo_name} is not declared in orch.toml")))?;
+        let paths = RepoPaths::new(&self.cfg.repos_dir, &repo_name);
+        repos::ensure_clone(&self.git, &self.cfg.root, &paths, &repo_name, &repo)
+            .await
+            .map_err(Prep::Transient)?;
+        let worktree = repos::prepare_worktree(&self.git, &paths, &work_item, &repo.default_branch)
+            .await
+            .map_err(Prep::Transient)?;
+        let artifact_dir = worktree.join(work_item.artifact_dir());
+        let (loops, feedback_name) = self
+            .loops_and_feedback(task.id)
+            .await
+            .map_err(Prep::Transient)?;
+        let feedback = feedback_name
+            .and_then(|name| read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c)));
+        Ok(StageRun {
+            store: self.store.clone(),
+            job: cx.job.clone(),
+            lease: cx.lease,
+            cancel: cx.cancel.clone(),
+            task: task.clone(),
+            work_item,
+            stage,
+            repo_name,
+            repo,
+            settings: self.cfg.config.settings.clone(),
+            repos_dir: self.cfg.repos_dir.clone(),
+            repo_dir: paths.repo_dir.clone(),
+            worktree,
+            artifact_dir,
+            feedback,
+            loops,
+            git: self.git.clone(),
+            counters: self.counters.clone(),
+            node: self.cfg.node.clone(),
+        })
+    }
+
+    /// Loops back so far, and the feedback artifact of the latest one if the task is still in
+    /// the visit it started.
+    async fn loops_and_feedback(&self, task_id: i64) -> Result<(u32, Option<ArtifactName>)> {
+        let events = self.store.task_events(task_id).await?;
+        let mut loops = 0;
+        let mut feedback = None;
+        for e in &events {
+            if e.kind == "stage.loop_back" {
+                loops += 1;
+                feedback = serde_json::from_str::<serde_json::Value>(&e.data)
+                    .ok()
+                    .and_then(|v| v["feedback"].as_str().and_then(|f| f.parse().ok()));
+            } else if e.kind == "stage.advanced" {
+                feedback = None;
+            }
+        }
+        Ok((loops, feedback))
+    }
+
+    async fn run_stage(&self, cx: &JobContext, sj: StageJob, run: StageRun) -> Result<Outcome> {
+        let kind = job_kind(&run.stage);
+        let Some(executor) = self.executors.get(&kind).cloned() else {
+            let reason = format!("no executor for agent {kind} in this process");
+            return self.fail_task(cx, &run.task, &reason).await;
+        };
+        self.event(
+            &run,
+            "stage.started",
+            &format!("{} attempt {}", sj.stage, cx.lease.attempt),
+            None,
+        )
+        .await;
+        let effect = executor.execute(&run).await?;
+        match effect {
+            StageEffect::Failed { reason } => self.fail_task(cx, &run.task, &reason).await,
+            StageEffect::Requeue {
+                delay_s,
+                marker,
+                reason,
+            } => {
+                self.commit(&run, "progress").await?;
+                let mut job = NewJob::new(kind, sj.with_marker(&marker))
+                    .task(run.task.id)
+                    .delay_s(i64::try_from(delay_s).unwrap_or(i64::MAX / 1000))
+                    .max_attempts(STAGE_ATTEMPTS)
+                    .dedupe(format!("requeue-of:{}", cx.job.id));
+                if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
+                    job = job.node(self.cfg.node.clone());
+                }
+                self.store.enqueue(job).await?;
+                self.event(
+                    &run,
+                    "stage.requeued",
+                    &reason,
+                    Some(serde_json::json!({
+                        "delay_s": delay_s, "marker": marker,
+                    })),
+                )
+                .await;
+                Ok(Outcome::Done)
+            }
+            StageEffect::Produced { outcome } => self.finish_stage(cx, run, outcome).await,
+        }
+    }
+
+    async fn finish_stage(
+        &self,
+        cx: &JobContext,
+        run: StageRun,
+        outcome: Option<GateOutcome>,
+    ) -> Result<Outcome> {
+        // Only the developer changes code; other agents write their artifacts and nothing else.
+        if run.stage.kind == StageKind::Llm && run.stage.name.as_str() != "implementation" {
+            let outside = self
+                .git
+                .changed_files_outside(&run.worktree, &run.work_item.artifact_dir())
+                .await?;
+            if !outside.is_empty() {
+                let reason = format!(
+                    "agent wrote outside {}: {}",
+                    run.work_item.artifact_dir(),
+                    outside.join(", ")
+                );
+                self.event(&run, "artifact.rejected", &reason, None).await;
+                anyhow::bail!(reason);
+            }
+        }
+        let repo_status = self.git.status_porcelain(&run.repo_dir).await?;
+        if !repo_status.is_empty() {
+            let files: Vec<String> = repo_status.iter().map(|s| s.path.clone()).collect();
+            self.git.reset_hard(&run.repo_dir, "HEAD").await?;
+            self.git.clean(&run.repo_dir).await?;
+            let reason = format!(
+                "files were changed in the repo's main checkout (outside the worktree): {}; reverted",
+                files.join(", ")
+            );
+            self.event(&run, "artifact.rejected", &reason, None).await;
+            anyhow::bail!(reason);
+        }
+        let commit = self.commit(&run, "result").await?;
+        let gate = match outcome {
+            Some(o) => o,
+            None => {
+                let files = read_stage_artifacts(&run.artifact_dir, &run.stage);
+                let refs: Vec<(ArtifactName, &str)> =
+                    files.iter().map(|(n, c)| (n.clone(), c.as_str())).collect();
+                run.stage.check(&run.work_item, &refs)
+            }
+        };
+        if run.stage.kind == StageKind::Llm && gate.verdict == Verdict::NotSuccess {
+            // A bad artifact never advances the task: this attempt fails, the next one retries.
+            let reason = format!("artifact rejected: {}", gate.reason);
+            self.event(&run, "artifact.rejected", &reason, None).await;
+            anyhow::bail!(reason);
+        }
+        let decision = match self.cfg.pipeline.decide(&run.stage.name, &gate, run.loops) {
+            Ok(d) => d,
+            Err(e) => {
+                return self
+                    .fail_task(cx, &run.task, &format!("pipeline: {e}"))
+                    .await;
+            }
+        };
+        let next = decision.next_stage.as_str().to_owned();
+        let next_job = if decision.next_stage.is_terminal() || decision.needs_approval {
+            None
+        } else {
+            self.stage_job(&next, run.task.stage_seq + 1)
+        };
+        let kind = if decision.loop_back {
+            "stage.loop_back"
+        } else if decision.next_stage.is_terminal() {
+            match next.as_str() {
+                "done" => "task.done",
+                "cancelled" => "task.cancelled",
+                _ => "task.failed",
+            }
+        } else {
+            "stage.advanced"
+        };
+        let data = serde_json::json!({
+            "from": run.stage.name.as_str(),
+            "to": next,
+            "outcome": match &gate.verdict { Verdict::Pass(v) => v.clone(), Verdict::NotSuccess => "NOT_SUCCESS".into() },
+            "feedback": decision.feedback.as_ref().map(|f| f.as_str().to_owned()),
+            "awaiting_approval": decision.needs_approval,
+            "commit": commit,
+            "attempt": cx.lease.attempt,
+        });
+        let advanced = self
+            .store
+            .advance_stage(AdvanceStage {
+                task_id: run.task.id,
+                expected_stage: run.stage.name.as_str().to_owned(),
+                new_stage: next.clone(),
+                fence: Fence::Job(cx.lease),
+                event: NewEvent::new(kind, decision.reason.clone())
+                    .job(cx.job.id)
+                    .data(data.to_string()),
+                next_job,
+            })
+            .await;
+        match advanced {
+            Ok(_) => {}
+            Err(StoreError::LeaseLost { .. }) => return Ok(Outcome::Marked),
+            Err(StoreError::StageConflict { .. }) => return Ok(Outcome::Done),
+            Err(e) => return Err(e.into()),
+        }
+        crate::failpoint::hit("engine.after_advance");
+        if decision.next_stage.is_terminal() {
+            self.remove_worktree(&run).await;
+        }
+        Ok(Outcome::Done)
+    }
+
+    /// Commits whatever the stage left in the worktree and pushes the branch when the repo
+    /// has a remote (the hand-off to other machines, SPEC §10).
+    async fn commit(&self, run: &StageRun, what: &str) -> Result<Option<String>> {
+        let message = format!(
+            "orch: {} {} {what} (attempt {})\n\nWork-Item: {}\nStage: {}",
+            run.work_item, run.stage.name, run.lease.attempt, run.work_item, run.stage.name
+        );
+        let commit = self
+            .git
+            .add_and_commit(&run.worktree, &Pathspec::All, &message)
+            .await
+            .context("cannot commit the stage's changes")?;
+        if commit.is_some()
+            && self
+                .git
+                .has_remote(&run.worktree, "origin")
+                .await
+                .unwrap_or(false)
+            && let Err(e) = self
+                .git
+                .push(&run.worktree, "origin", &run.work_item.branch_name())
+                .await
+        {
+            tracing::warn!(work_item = %run.work_item, error = %e, "could not push the work item's branch");
+        }
+        Ok(commit)
+    }
+
+    async fn remove_worktree(&self, run: &StageRun) {
+        if let Err(e) = self.git.worktree_remove(&run.repo_dir, &run.worktree).await {
+            tracing::warn!(work_item = %run.work_item, error = %e, "could not remove the worktree");
+        }
+    }
+
+    /// Moves the task to `failed` (fenced by this job) with `reason`.
+    async fn fail_task(&self, cx: &JobContext, task: &Task, reason: &str) -> Result<Outcome> {
+        let res = self
+            .store
+            .advance_stage(AdvanceStage {
+                task_id: task.id,
+                expected_stage: task.stage.clone(),
+                new_stage: "failed".into(),
+                fence: Fence::Job(cx.lease),
+                event: NewEvent::new("task.failed", reason.to_owned())
+                    .job(cx.job.id)
+                    .data(serde_json::json!({"from": task.stage, "to": "failed"}).to_string()),
+                next_job: None,
+            })
+            .await;
+        match res {
+            Ok(_) | Err(StoreError::StageConflict { .. }) => Ok(Outcome::Done),
+            Err(StoreError::LeaseLost { .. }) => Ok(Outcome::Marked),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    async fn event(
+        &self,
+        run: &StageRun,
+        kind: &str,
+        message: &str,
+        data: Option<serde_json::Value>,
+    ) {
+        let mut e = NewEvent::new(kind, message.to_owned())
+            .task(run.task.id)
+            .job(run.job.id)
+            .stage(run.stage.name.as_str().to_owned());
+        if let Some(d) = data {
+            e = e.data(d.to_string());
+        }
+        if let Err(err) = self.store.append_event(e).await {
+            tracing::warn!(error = %err, kind, "could not append an event");
+        }
+    }
+
+    /// True when the task has a queued or running job.
+    pub async fn has_live_job(&self, task_id: i64) -> Result<bool> {
+        Ok(self
+            .store
+            .task_jobs(task_id)
+            .await?
+            .iter()
+            .any(|j| matches!(j.state, JobState::Queued | JobState::Running)))
+    }
+}
+
+enum Prep {
+    /// Retrying cannot help: the task fails with this reason.
+    Fatal(String),
+    /// Try again (a new attempt).
+    Transient(anyhow::Error),
+}
+
+struct Handler(Arc<Engine>);
+
+#[async_trait::async_trait]
+impl JobHandler for Handler {
+    async fn run(&self, cx: JobContext) -> Result<Outcome> {
+        self.0.handle(cx).await
+    }
+}
+
+/// Reads a file of at most [`MAX_ARTIFACT_BYTES`]; `None` when missing, unreadable or too big.
+fn read_bounded(path: &Path) -> Option<String> {
+    let meta = std::fs::metadata(path).ok()?;
+    if !meta.is_file() || meta.len() > MAX_ARTIFACT_BYTES {
+        tracing::warn!(path = %path.display(), "artifact missing, not a file or too big to read");
+        return None;
+    }
+    std::fs::read_to_string(path).ok()
+}
+
+/// The artifacts of `stage` present in `dir` (exact names and families like `07-adr-*`).
+fn read_stage_artifacts(dir: &Path, stage: &StageDef) -> Vec<(ArtifactName, String)> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Ok(artifact) = name.parse::<ArtifactName>() else {
+            continue;
+        };
+        if !stage
+            .artifacts
+            .iter()
+            .any(|spec| spec.name.matches(&artifact))
+        {
+            continue;
+        }
+        if let Some(content) = read_bounded(&entry.path()) {
+            out.push((artifact, content));
+        }
+    }
+    out.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
+    out
+}

@@ -1,0 +1,214 @@
+//! Operator operations shared by the CLI and the HTTP API: submit, approve, retry, cancel.
+//! Each is fenced by the task's `stage_seq` as read (an operator CAS), so two operators (or an
+//! operator and a worker) racing on one task cannot both win.
+
+use std::sync::Arc;
+
+use orch_domain::ids::{RepoName, WorkItemId};
+use orch_store::{AdvanceStage, Fence, NewEvent, NewTask, Store, StoreError, Task, WorkItemSpec};
+
+use crate::engine::{Engine, StageJob};
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("{0}")]
+    NotFound(String),
+    #[error("{0}")]
+    Conflict(String),
+    #[error("{0}")]
+    Invalid(String),
+    #[error(transparent)]
+    Internal(#[from] anyhow::Error),
+}
+
+impl From<StoreError> for OpsError {
+    fn from(e: StoreError) -> Self {
+        match e {
+            StoreError::TaskNotFound(_) => OpsError::NotFound(e.to_string()),
+            StoreError::StageConflict { .. } | StoreError::WorkItemTaken(_) => OpsError::Conflict(
+                format!("{e} (someone else changed the task; look again and retry)"),
+            ),
+            StoreError::Invalid(m) => OpsError::Invalid(m),
+            other => OpsError::Internal(other.into()),
+        }
+    }
+}
+
+pub type OpsResult<T> = Result<T, OpsError>;
+
+/// The operations, over one store and engine.
+#[derive(Clone)]
+pub struct Ops {
+    store: Store,
+    engine: Arc<Engine>,
+}
+
+impl Ops {
+    pub fn new(store: Store, engine: Arc<Engine>) -> Ops {
+        Ops { store, engine }
+    }
+
+    /// Creates a task for a new work item of `repo`, with its intake job.
+    pub async fn submit(&self, repo: &str, title: &str, body: &str) -> OpsResult<Task> {
+        let repo_name: RepoName = repo
+            .parse()
+            .map_err(|e| OpsError::Invalid(format!("{e}")))?;
+        let config = &self.engine.config().config;
+        let Some(repo_cfg) = config.repos.get(&repo_name) else {
+            let known: Vec<&str> = config.repos.keys().map(|r| r.as_str()).collect();
+            return Err(OpsError::Invalid(format!(
+                "repo {repo} is not declared in orch.toml (declared: {})",
+                if known.is_empty() {
+                    "none".to_owned()
+                } else {
+                    known.join(", ")
+                }
+            )));
+        };
+        let title = title.trim();
+        if title.is_empty() || title.len() > 200 || title.contains('\n') {
+            return Err(OpsError::Invalid(
+                "the title must be one line of 1 to 200 characters".into(),
+            ));
+        }
+        if body.len() > 256 * 1024 {
+            return Err(OpsError::Invalid("the body is larger than 256 KiB".into()));
+        }
+        let first = self.engine.first_job();
+        let task = self
+            .store
+            .create_task(NewTask {
+                work_item: WorkItemSpec::Next {
+                    prefix: repo_cfg.prefix.as_str().to_owned(),
+                },
+                repo: repo_name.as_str().to_owned(),
+                title: title.to_owned(),
+                body: body.to_owned(),
+                stage: StageJob::from_content(&first.task_content)
+                    .map(|j| j.stage)
+                    .unwrap_or_else(|_| "intake".into()),
+                branch_prefix: "orch/".into(),
+                event: NewEvent::new("task.submitted", format!("submitted: {title}")),
+                first_job: Some(first),
+            })
+            .await?;
+        Ok(task)
+    }
+
+    pub async fn task(&self, id: &str) -> OpsResult<Task> {
+        let id: WorkItemId = id.parse().map_err(|e| OpsError::Invalid(format!("{e}")))?;
+        self.store
+            .get_task_by_work_item(id.as_str())
+            .await?
+            .ok_or_else(|| OpsError::NotFound(format!("no work item {id}")))
+    }
+
+    /// Lets a task waiting at an `approval = true` stage go on.
+    pub async fn approve(&self, id: &str) -> OpsResult<Task> {
+        let task = self.task(id).await?;
+        let stage = self
+            .engine
+            .config()
+            .pipeline
+            .stages
+            .iter()
+            .find(|s| s.name.as_str() == task.stage)
+            .cloned();
+        let Some(stage) = stage.filter(|s| s.approval) else {
+            return Err(OpsError::Conflict(format!(
+                "{id} is at stage {} which does not wait for approval",
+                task.stage
+            )));
+        };
+        if self.engine.has_live_job(task.id).await? {
+            return Err(OpsError::Conflict(format!(
+                "{id} is already approved and running"
+            )));
+        }
+        let Some(job) = self.engine.stage_job(stage.name.as_str(), task.stage_seq) else {
+            return Err(OpsError::Conflict(format!(
+                "{id}: stage {} has no job",
+                task.stage
+            )));
+        };
+        // The standard dedupe key of this stage visit: approving twice enqueues one job.
+        let job = job
+            .task(task.id)
+            .dedupe(orch_store::stage_job_key(task.id, task.stage_seq));
+        let enq = self.store.enqueue(job).await?;
+        if !enq.duplicate {
+            self.store
+                .append_event(
+                    NewEvent::new(
+                        "stage.approved",
+                        format!("{} approved by an operator", task.stage),
+                    )
+                    .task(task.id)
+                    .stage(task.stage.clone()),
+                )
+                .await?;
+        }
+        Ok(task)
+    }
+
+    /// Puts a failed task back at the stage it failed in, as a new visit.
+    pub async fn retry(&self, id: &str) -> OpsResult<Task> {
+        let task = self.task(id).await?;
+        if task.stage != "failed" {
+            return Err(OpsError::Conflict(format!(
+                "{id} is at stage {}; only a failed task can be retried",
+                task.stage
+            )));
+        }
+        let jobs = self.store.task_jobs(task.id).await?;
+        let stage = jobs
+            .iter()
+            .filter_map(|j| StageJob::from_content(&j.task_content).ok())
+            .rfind(|sj| !matches!(sj.stage.as_str(), "done" | "failed" | "cancelled"))
+            .map(|sj| sj.stage)
+            .ok_or_else(|| OpsError::Conflict(format!("{id}: cannot tell which stage failed")))?;
+        let next_job = self.engine.stage_job(&stage, task.stage_seq + 1);
+        let adv = self
+            .store
+            .advance_stage(AdvanceStage {
+                task_id: task.id,
+                expected_stage: "failed".into(),
+                new_stage: stage.clone(),
+                fence: Fence::Seq(task.stage_seq),
+                event: NewEvent::new(
+                    "task.retried",
+                    format!("retried at stage {stage} by an operator"),
+                )
+                .data(serde_json::json!({"from": "failed", "to": stage}).to_string()),
+                next_job,
+            })
+            .await?;
+        Ok(adv.task)
+    }
+
+    /// Cancels a task: its stage becomes `cancelled` and its live jobs are cancelled (a running
+    /// job's worker loses its lease and stops).
+    pub async fn cancel(&self, id: &str) -> OpsResult<Task> {
+        let task = self.task(id).await?;
+        if task.is_terminal() {
+            return Err(OpsError::Conflict(format!(
+                "{id} has already ended ({})",
+                task.stage
+            )));
+        }
+        let adv = self
+            .store
+            .advance_stage(AdvanceStage {
+                task_id: task.id,
+                expected_stage: task.stage.clone(),
+                new_stage: "cancelled".into(),
+                fence: Fence::Seq(task.stage_seq),
+                event: NewEvent::new("task.cancelled", "cancelled by an operator")
+                    .data(serde_json::json!({"from": task.stage, "to": "cancelled"}).to_string()),
+                next_job: None,
+            })
+            .await?;
+        self.store.cancel_task_jobs(task.id, None).await?;
+        Ok(adv.task)
+    }
+}

@@ -1,0 +1,102 @@
+//! Where repos and worktrees live on this machine: `<repos_dir>/<repo>` is orch's own clone of
+//! each declared repo (on its default branch; merges land here and are pushed to `origin`),
+//! and `<repos_dir>/<repo>/worktrees/<id>` is one work item's worktree on branch `orch/<id>`.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, LazyLock, Mutex};
+
+use anyhow::{Context as _, Result};
+use orch_domain::config::RepoConfig;
+use orch_domain::ids::{RepoName, WorkItemId};
+use orch_exec::git::{Git, WorktreeAdd};
+
+/// Paths of one repo on this machine.
+#[derive(Debug, Clone)]
+pub struct RepoPaths {
+    pub repo_dir: PathBuf,
+}
+
+impl RepoPaths {
+    pub fn new(repos_dir: &Path, repo: &RepoName) -> RepoPaths {
+        RepoPaths {
+            repo_dir: repos_dir.join(repo.as_str()),
+        }
+    }
+
+    pub fn worktree(&self, work_item: &WorkItemId) -> PathBuf {
+        self.repo_dir.join("worktrees").join(work_item.as_str())
+    }
+}
+
+static CLONE_LOCKS: LazyLock<Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
+
+fn clone_lock(dir: &Path) -> Arc<tokio::sync::Mutex<()>> {
+    match CLONE_LOCKS.lock() {
+        Ok(mut m) => m.entry(dir.to_path_buf()).or_default().clone(),
+        Err(_) => Arc::new(tokio::sync::Mutex::new(())),
+    }
+}
+
+/// Makes sure orch's clone of `repo` exists: cloned from `url`, or from the local `path`
+/// (resolved against `root`). Idempotent; concurrent callers in this process wait for one clone.
+pub async fn ensure_clone(
+    git: &Git,
+    root: &Path,
+    paths: &RepoPaths,
+    name: &RepoName,
+    repo: &RepoConfig,
+) -> Result<()> {
+    let lock = clone_lock(&paths.repo_dir);
+    let _held = lock.lock().await;
+    if paths.repo_dir.join(".git").exists() {
+        return Ok(());
+    }
+    let source = match (&repo.url, &repo.path) {
+        (Some(url), _) => url.clone(),
+        (None, Some(path)) => {
+            let p = Path::new(path);
+            let p = if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                root.join(p)
+            };
+            p.display().to_string()
+        }
+        (None, None) => anyhow::bail!("[repos.{name}] has neither `path` nor `url`"),
+    };
+    if let Some(parent) = paths.repo_dir.parent() {
+        std::fs::create_dir_all(parent)
+            .with_context(|| format!("cannot create {}", parent.display()))?;
+    }
+    git.clone_repo(&source, &paths.repo_dir)
+        .await
+        .with_context(|| format!("cannot clone repo {name} from {source}"))?;
+    Ok(())
+}
+
+/// Creates (or reuses, or repairs) the work item's worktree and resets it to the branch's
+/// committed state, so a crashed attempt's leftovers never leak into the next attempt.
+pub async fn prepare_worktree(
+    git: &Git,
+    paths: &RepoPaths,
+    work_item: &WorkItemId,
+    default_branch: &str,
+) -> Result<PathBuf> {
+    let worktree = paths.worktree(work_item);
+    let added = git
+        .worktree_add(
+            &paths.repo_dir,
+            &worktree,
+            &work_item.branch_name(),
+            default_branch,
+        )
+        .await
+        .with_context(|| format!("cannot prepare the worktree of {work_item}"))?;
+    if added != WorktreeAdd::Created {
+        git.reset_hard(&worktree, "HEAD").await?;
+        git.clean(&worktree).await?;
+    }
+    Ok(worktree)
+}
