@@ -400,7 +400,7 @@ async fn errors_panics_and_timeouts_become_retries(db: TestDb) {
         let want = want.clone();
         async move {
             let s = job_states(&store, &want).await;
-            s.get(&JobState::Running).is_none()
+            !s.contains_key(&JobState::Running)
                 && s.values().sum::<usize>() == 4
                 && s.get(&JobState::Queued).copied().unwrap_or(0)
                     + s.get(&JobState::Failed).copied().unwrap_or(0)
