@@ -62,6 +62,15 @@ pub enum Command {
     Retry(IdArg),
     /// Cancel a work item (its running job is stopped).
     Cancel(IdArg),
+    /// Run the whole pipeline on a sample service in a directory, in about a minute.
+    Demo(DemoArgs),
+    /// The demo's scripted agent (run by the demo's `command` backend, not by people).
+    #[command(hide = true)]
+    DemoAgent {
+        /// Arguments a Claude Code style preset passes (`-p --output-format json …`); ignored.
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        rest: Vec<String>,
+    },
     /// Benchmarks that print figures (never pass/fail).
     #[command(subcommand)]
     Bench(BenchCommand),
@@ -98,6 +107,13 @@ pub struct StatusArgs {
 pub struct IdArg {
     /// A work item id like APP-12.
     pub id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Where to build the demo (kept afterwards); default: a new temp dir.
+    #[arg(long)]
+    pub dir: Option<std::path::PathBuf>,
 }
 
 #[derive(Debug, Args)]

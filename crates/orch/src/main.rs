@@ -5,6 +5,7 @@ mod api_ops;
 mod cli;
 mod cmd;
 mod context;
+mod demo;
 mod output;
 mod runtime;
 mod signals;

@@ -4,7 +4,7 @@ mod bench;
 mod init;
 mod queue;
 mod tasks;
-mod worker;
+pub mod worker;
 
 use std::process::ExitCode;
 
@@ -15,8 +15,15 @@ use crate::cli::{BenchCommand, Cli, Command};
 use crate::context::Context;
 
 pub async fn run(cli: Cli) -> Result<ExitCode> {
+    let command = match cli.command {
+        // These two make their own context (the demo writes its config first).
+        Command::Demo(args) => return crate::demo::run(&cli.global, args).await,
+        Command::DemoAgent { .. } => return crate::demo::agent::run(),
+        other => other,
+    };
     let cx = Context::new(&cli.global)?;
-    match cli.command {
+    match command {
+        Command::Demo(_) | Command::DemoAgent { .. } => Ok(ExitCode::SUCCESS),
         Command::Init(args) => init::run(&cx, args).await,
         Command::Migrate => migrate(&cx).await,
         Command::Serve(args) => worker::serve(&cx, args).await,

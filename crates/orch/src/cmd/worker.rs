@@ -34,7 +34,7 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     tracing::info!(worker = %config.worker_id, database = %store.target(),
         concurrency = config.concurrency, kinds = ?registry.kinds(), "worker started");
     let worker = Worker::new(store.clone(), registry, config.clone());
-    run_workers(store.clone(), worker, &config, stop, hard).await;
+    run_workers(store.clone(), worker, config.lease, stop, hard).await;
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
@@ -63,7 +63,7 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     );
     tracing::info!(worker = %wconfig.worker_id, database = %store.target(), %addr, "serve started");
     eprintln!("orch: serving http://{addr}/ (API, dashboard, /metrics)");
-    run_workers(store.clone(), worker, &wconfig, stop, hard).await;
+    run_workers(store.clone(), worker, wconfig.lease, stop, hard).await;
     let _ = api.await;
     store.close().await;
     Ok(ExitCode::SUCCESS)
@@ -137,12 +137,12 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
 pub async fn run_workers(
     store: Store,
     worker: Worker,
-    config: &WorkerConfig,
+    lease: Duration,
     stop: CancellationToken,
     hard: CancellationToken,
 ) {
     let maint_stop = CancellationToken::new();
-    let passes = maintenance::default_passes(config.lease, RETENTION);
+    let passes = maintenance::default_passes(lease, RETENTION);
     let maint = tokio::spawn(maintenance::run(store, passes, maint_stop.clone()));
     worker.run(stop, hard).await;
     maint_stop.cancel();

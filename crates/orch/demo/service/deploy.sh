@@ -1,0 +1,22 @@
+#!/bin/sh
+# deploy.sh ENV PORT STATE_DIR: run this checkout's revision as the ENV instance on PORT.
+# Keeps each release in STATE_DIR/releases/<rev> and remembers the previous one for rollback.
+set -eu
+env="$1"; port="$2"; state="$3"
+rev="${ORCH_REVISION:-$(git rev-parse HEAD)}"
+mkdir -p "$state/releases/$rev" "$state/run"
+git archive "$rev" | tar -x -C "$state/releases/$rev"
+if [ -f "$state/run/$env.rev" ]; then cp "$state/run/$env.rev" "$state/run/$env.prev"; fi
+sh "$(dirname "$0")/stop.sh" "$env" "$state"
+cd "$state/releases/$rev"
+APP_REVISION="$rev" APP_ENV="$env" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
+echo $! > "$state/run/$env.pid"
+echo "$rev" > "$state/run/$env.rev"
+for _ in $(seq 1 50); do
+    if python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/revision', timeout=1)" 2>/dev/null; then
+        echo "deployed $rev to $env on port $port"; exit 0
+    fi
+    sleep 0.1
+done
+echo "the $env instance did not come up on port $port" >&2
+exit 1

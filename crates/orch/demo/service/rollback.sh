@@ -1,0 +1,18 @@
+#!/bin/sh
+# rollback.sh ENV PORT STATE_DIR: bring back the release that ran before the current one.
+set -eu
+env="$1"; port="$2"; state="$3"
+prev="$(cat "$state/run/$env.prev")"
+sh "$(dirname "$0")/stop.sh" "$env" "$state"
+cd "$state/releases/$prev"
+APP_REVISION="$prev" APP_ENV="$env" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
+echo $! > "$state/run/$env.pid"
+echo "$prev" > "$state/run/$env.rev"
+for _ in $(seq 1 50); do
+    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; then
+        echo "rolled $env back to $prev"; exit 0
+    fi
+    sleep 0.1
+done
+echo "the rolled-back $env instance is not healthy" >&2
+exit 1

@@ -1,0 +1,423 @@
+//! `orch demo`: the whole product on one machine in about a minute. In a directory (kept
+//! afterwards so people can look) it creates a sample service repository, an `orch.toml` that
+//! drives it with the scripted demo agent, the embedded database, and runs the workers and the
+//! HTTP dashboard in this process. Two work items go through every stage: one deploys healthy
+//! (after one review round trip), the other breaks production health and is rolled back by the
+//! post-deploy watch. Then it prints what happened and where to look.
+
+pub mod agent;
+
+use std::collections::HashMap;
+use std::io::IsTerminal as _;
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result};
+use orch_exec::git::{Git, Pathspec};
+use orch_runner::worker::{Worker, WorkerConfig};
+use orch_store::{ConnectOptions, Store, Task};
+use tokio_util::sync::CancellationToken;
+
+use crate::cli::{DemoArgs, Global};
+use crate::context::Context;
+use crate::output::{age, table};
+use crate::runtime::Runtime;
+
+const SERVICE_FILES: &[(&str, &str)] = &[
+    ("app.py", include_str!("../../demo/service/app.py")),
+    (
+        "test_app.py",
+        include_str!("../../demo/service/test_app.py"),
+    ),
+    ("deploy.sh", include_str!("../../demo/service/deploy.sh")),
+    (
+        "rollback.sh",
+        include_str!("../../demo/service/rollback.sh"),
+    ),
+    ("stop.sh", include_str!("../../demo/service/stop.sh")),
+    ("smoke.sh", include_str!("../../demo/service/smoke.sh")),
+    ("README.md", include_str!("../../demo/service/README.md")),
+    (".gitignore", include_str!("../../demo/service/.gitignore")),
+];
+
+const ITEMS: &[(&str, &str)] = &[
+    (
+        "Add a /version endpoint",
+        "Clients need to know which API version they talk to. Add `GET /version`.",
+    ),
+    (
+        "Make the greeting configurable",
+        "Add `GET /greeting`, configurable through the APP_GREETING environment variable.",
+    ),
+];
+
+pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
+    for tool in ["git", "python3", "setsid", "tar"] {
+        if which(tool).is_none() {
+            anyhow::bail!(
+                "the demo needs `{tool}` on PATH (the sample service is a Python script deployed by shell scripts)"
+            );
+        }
+    }
+    let dir = match args.dir {
+        Some(d) => {
+            std::fs::create_dir_all(&d)
+                .with_context(|| format!("cannot create {}", d.display()))?;
+            d.canonicalize()?
+        }
+        None => tempfile::Builder::new()
+            .prefix("orch-demo-")
+            .tempdir()
+            .context("cannot create a temp dir for the demo")?
+            .keep(),
+    };
+    anyhow::ensure!(
+        !dir.join("orch.toml").exists(),
+        "{} already holds a demo (orch.toml exists); pick another --dir",
+        dir.display()
+    );
+    let exe = std::env::current_exe().context("cannot find the orch executable")?;
+    let prod_port = free_port()?;
+    let staging_port = free_port()?;
+    let api_port = free_port()?;
+    let state = dir.join("service-state");
+    std::fs::create_dir_all(&state)?;
+    let git = Git::new();
+    let service = dir.join("service");
+    create_service_repo(&git, &service).await?;
+
+    let config_path = dir.join("orch.toml");
+    let toml = demo_config(&exe, &state, prod_port, staging_port, api_port);
+    std::fs::write(&config_path, &toml)
+        .with_context(|| format!("cannot write {}", config_path.display()))?;
+    let mut g = Global {
+        config: config_path.clone(),
+        database_url: None,
+        json: false,
+        verbose: global.verbose,
+        quiet: global.quiet,
+    };
+    g.database_url = None;
+    let cx = Context::new(&g)?;
+    let config = cx.require_config()?.clone();
+    let store = cx
+        .open_store_with(
+            ConnectOptions {
+                create_if_missing: true,
+                ..ConnectOptions::default()
+            },
+            false,
+        )
+        .await?;
+    store.migrate().await?;
+    let runtime = Arc::new(Runtime::new(&cx, &config, &store)?);
+
+    println!("orch demo in {}", dir.display());
+    println!("  sample service repo: {}", service.display());
+    println!("  dashboard while it runs: http://127.0.0.1:{api_port}/\n");
+
+    // Production runs the initial release before any work item ships.
+    let first = tokio::process::Command::new("sh")
+        .arg("deploy.sh")
+        .args(["production", &prod_port.to_string()])
+        .arg(&state)
+        .current_dir(&service)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .await
+        .context("cannot start the sample service")?;
+    anyhow::ensure!(first.success(), "the sample service's first deploy failed");
+
+    let stop = CancellationToken::new();
+    let mut wc = WorkerConfig::new("demo");
+    wc.concurrency = 4;
+    wc.claim_batch = 1;
+    wc.lease = Duration::from_secs(30);
+    wc.poll_interval = Duration::from_millis(200);
+    wc.node = Some(crate::runtime::node_name(&config));
+    let worker = Worker::new(store.clone(), runtime.registry(), wc.clone());
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", api_port)).await?;
+    let api = crate::cmd::worker::spawn_api(
+        listener,
+        &store,
+        &runtime,
+        worker.stats(),
+        &config,
+        stop.clone(),
+    );
+    let workers = tokio::spawn(crate::cmd::worker::run_workers(
+        store.clone(),
+        worker,
+        wc.lease,
+        stop.clone(),
+        CancellationToken::new(),
+    ));
+
+    let mut ids = Vec::new();
+    for (title, body) in ITEMS {
+        let t = runtime.ops.submit("service", title, body).await?;
+        println!("submitted {}: {title}", t.work_item_id);
+        ids.push(t.work_item_id);
+    }
+    println!();
+    let started = Instant::now();
+    let finished = watch_progress(&store, &ids, started, Duration::from_secs(300)).await;
+    stop.cancel();
+    let _ = workers.await;
+    let _ = api.await;
+    for env in ["production", "staging"] {
+        let _ = tokio::process::Command::new("sh")
+            .arg(service.join("stop.sh"))
+            .arg(env)
+            .arg(&state)
+            .status()
+            .await;
+    }
+    let tasks = finished?;
+    summary(&store, &tasks, &dir, &config_path, started).await?;
+    store.close().await;
+    let all_ended = tasks.iter().all(|t| t.is_terminal());
+    Ok(if all_ended {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+fn which(tool: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|p| p.join(tool))
+            .find(|p| p.is_file())
+    })
+}
+
+fn free_port() -> Result<u16> {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
+    Ok(l.local_addr()?.port())
+}
+
+async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir)?;
+    git.init_repo(dir, "main").await?;
+    for (name, content) in SERVICE_FILES {
+        std::fs::write(dir.join(name), content).with_context(|| format!("cannot write {name}"))?;
+    }
+    git.add_and_commit(
+        dir,
+        &Pathspec::All,
+        "Sample service: /health and /revision, tests, deploy scripts",
+    )
+    .await?;
+    Ok(())
+}
+
+fn demo_config(exe: &Path, state: &Path, prod: u16, staging: u16, api: u16) -> String {
+    let exe = toml_str(&exe.display().to_string());
+    let st = state.display().to_string();
+    let agent = |name: &str| {
+        format!(
+            "[agents.{name}]\nbackend = \"claude\"\ncommand = {exe}\nargs = [\"demo-agent\"]\nmodel = \"demo-scripted-1\"\ntimeout_s = 60\n\n"
+        )
+    };
+    let mut s = format!(
+        "# orch demo configuration (written by `orch demo`).\n\n\
+         [settings]\nrepos_dir = \".orch/repos\"\nbind = \"127.0.0.1:{api}\"\ntoken = \"demo-token\"\n\
+         workers = 4\nlease_s = 30\npoll_interval_ms = 200\nagent_concurrency = 4\nagent_timeout_s = 60\n\n\
+         [repos.service]\npath = \"service\"\nprefix = \"APP\"\ndefault_branch = \"main\"\n\
+         test = \"python3 -m unittest -q\"\ntest_timeout_s = 60\n\
+         deploy = {}\nrollback = {}\ndeploy_timeout_s = 30\n\
+         health_url = \"http://127.0.0.1:{prod}/health\"\nrevision_url = \"http://127.0.0.1:{prod}/revision\"\n\n\
+         [[repos.service.staging]]\nname = \"unit-tests\"\nrun = \"python3 -m unittest -q\"\ntimeout_s = 60\n\n\
+         [[repos.service.staging]]\nname = \"deploy-staging\"\nrun = {}\ntimeout_s = 30\n\n\
+         [[repos.service.staging_smoke]]\nname = \"health\"\nrun = \"sh smoke.sh {staging}\"\ntimeout_s = 10\n\n\
+         [repos.service.post_deploy]\nwindow_s = 8\ninterval_s = 1\ninitial_delay_s = 1\npoll_timeout_s = 2\n\n",
+        toml_str(&format!("sh deploy.sh production {prod} {st}")),
+        toml_str(&format!("sh rollback.sh production {prod} {st}")),
+        toml_str(&format!("sh deploy.sh staging {staging} {st}")),
+    );
+    for name in ["analyst", "architect", "developer", "reviewer"] {
+        s.push_str(&agent(name));
+    }
+    s
+}
+
+fn toml_str(s: &str) -> String {
+    format!("\"{}\"", s.replace('\\', "\\\\").replace('"', "\\\""))
+}
+
+/// Shows each work item's stage as it moves, until every item ends or `limit` passes.
+async fn watch_progress(
+    store: &Store,
+    ids: &[String],
+    started: Instant,
+    limit: Duration,
+) -> Result<Vec<Task>> {
+    let tty = std::io::stdout().is_terminal();
+    let mp = indicatif::MultiProgress::new();
+    let style = indicatif::ProgressStyle::with_template("{spinner} {prefix:6} [{bar:22}] {msg}")
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    let stages = [
+        "intake",
+        "analysis",
+        "architecture",
+        "implementation",
+        "review",
+        "verification",
+        "merge",
+        "staging",
+        "deploy",
+        "observe",
+        "lessons",
+        "done",
+    ];
+    let bars: HashMap<String, indicatif::ProgressBar> = ids
+        .iter()
+        .map(|id| {
+            let b = if tty {
+                mp.add(indicatif::ProgressBar::new(stages.len() as u64 - 1))
+            } else {
+                indicatif::ProgressBar::hidden()
+            };
+            b.set_style(style.clone());
+            b.set_prefix(id.clone());
+            b.enable_steady_tick(Duration::from_millis(120));
+            (id.clone(), b)
+        })
+        .collect();
+    let mut last: HashMap<String, (String, i64)> = HashMap::new();
+    loop {
+        let mut tasks = Vec::new();
+        for id in ids {
+            let Some(t) = store.get_task_by_work_item(id).await? else {
+                continue;
+            };
+            let seen = last.get(id).cloned();
+            if seen.as_ref().map(|(s, q)| (s.as_str(), *q)) != Some((t.stage.as_str(), t.stage_seq))
+            {
+                let why = store
+                    .task_events(t.id)
+                    .await?
+                    .into_iter()
+                    .rev()
+                    .find(|e| {
+                        e.kind.starts_with("stage.")
+                            && e.kind != "stage.started"
+                            && e.kind != "stage.requeued"
+                            || e.kind.starts_with("task.")
+                    })
+                    .map(|e| e.message)
+                    .unwrap_or_default();
+                let line = format!(
+                    "  +{:>5.1}s  {:6}  {:14}  {}",
+                    started.elapsed().as_secs_f64(),
+                    t.work_item_id,
+                    t.stage,
+                    why.chars().take(110).collect::<String>()
+                );
+                if tty {
+                    mp.println(&line).ok();
+                } else {
+                    println!("{line}");
+                }
+                if let Some(b) = bars.get(id) {
+                    let pos = stages
+                        .iter()
+                        .position(|s| *s == t.stage)
+                        .unwrap_or(stages.len() - 1);
+                    b.set_position(pos as u64);
+                    b.set_message(t.stage.clone());
+                    if t.is_terminal() {
+                        b.finish_with_message(t.stage.clone());
+                    }
+                }
+                last.insert(id.clone(), (t.stage.clone(), t.stage_seq));
+            }
+            tasks.push(t);
+        }
+        if tasks.len() == ids.len() && tasks.iter().all(|t| t.is_terminal()) {
+            return Ok(tasks);
+        }
+        if started.elapsed() > limit {
+            for b in bars.values() {
+                b.abandon();
+            }
+            anyhow::bail!(
+                "the demo did not finish within {}s; see `orch --config … logs <id>`",
+                limit.as_secs()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(150)).await;
+    }
+}
+
+async fn summary(
+    store: &Store,
+    tasks: &[Task],
+    dir: &Path,
+    config: &Path,
+    started: Instant,
+) -> Result<()> {
+    println!("\nfinished in {:.0}s\n", started.elapsed().as_secs_f64());
+    for t in tasks {
+        let events = store.task_events(t.id).await?;
+        let runs = store.task_agent_runs(t.id).await?;
+        let usage = store.task_usage(t.id).await?;
+        println!("{}  {}  → {}", t.work_item_id, t.title, t.stage);
+        let rows: Vec<Vec<String>> = events
+            .iter()
+            .filter(|e| {
+                matches!(
+                    e.kind.as_str(),
+                    "stage.advanced"
+                        | "stage.loop_back"
+                        | "task.done"
+                        | "task.failed"
+                        | "post_deploy.verdict"
+                        | "deploy.confirmed"
+                )
+            })
+            .map(|e| {
+                vec![
+                    format!("+{}", age(e.created_at - t.created_at)),
+                    e.kind.clone(),
+                    e.message
+                        .lines()
+                        .next()
+                        .unwrap_or_default()
+                        .chars()
+                        .take(90)
+                        .collect(),
+                ]
+            })
+            .collect();
+        for line in table(&["at", "event", "what"], &rows).lines() {
+            println!("    {line}");
+        }
+        println!(
+            "    agent runs: {}  tokens in/out: {}/{}  cost: ${:.4}",
+            runs.len(),
+            usage.input_tokens,
+            usage.output_tokens,
+            usage.cost_usd
+        );
+        println!();
+    }
+    let cfg = config.display();
+    println!("look around:");
+    println!("  orch --config {cfg} status APP-1        # stage timeline, usage");
+    println!("  orch --config {cfg} logs APP-2          # every event, agent runs");
+    println!(
+        "  git -C {} log --oneline --graph --all   # the artifact trail on orch/APP-* branches",
+        dir.join(".orch/repos/service").display()
+    );
+    println!(
+        "  ls {}/.orch/repos/service/docs/work-items  # artifacts merged into main",
+        dir.display()
+    );
+    println!("  orch --config {cfg} serve               # the dashboard again, on the same data");
+    Ok(())
+}
