@@ -62,6 +62,8 @@ pub enum Command {
     Retry(IdArg),
     /// Cancel a work item (its running job is stopped).
     Cancel(IdArg),
+    /// Check git, the database, agents and repo commands; say what is missing and how to fix it.
+    Doctor,
     /// Run the whole pipeline on a sample service in a directory, in about a minute.
     Demo(DemoArgs),
     /// The demo's scripted agent (run by the demo's `command` backend, not by people).
@@ -114,6 +116,9 @@ pub struct DemoArgs {
     /// Where to build the demo (kept afterwards); default: a new temp dir.
     #[arg(long)]
     pub dir: Option<std::path::PathBuf>,
+    /// Only create the directory, repo, config and database; run nothing (for tests).
+    #[arg(long, hide = true)]
+    pub setup_only: bool,
 }
 
 #[derive(Debug, Args)]

@@ -46,8 +46,14 @@ pub fn run() -> Result<ExitCode> {
     std::fs::create_dir_all(&e.artifact_dir)?;
     let request = std::fs::read_to_string(e.artifact_dir.join("01-request.md")).unwrap_or_default();
     let greeting = request.to_lowercase().contains("greeting");
-    // A little thinking time, so the demo's progress display has something to show.
-    std::thread::sleep(std::time::Duration::from_millis(300));
+    // A little thinking time, so the demo's progress display has something to show
+    // (tests make it longer to kill orch in the middle of a run).
+    let think_ms = std::env::var("ORCH_DEMO_AGENT_SLEEP_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(300)
+        .min(600_000);
+    std::thread::sleep(std::time::Duration::from_millis(think_ms));
     let written = match e.stage.as_str() {
         "analysis" => analysis(&e, &request)?,
         "architecture" => architecture(&e)?,

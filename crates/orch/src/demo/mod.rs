@@ -113,6 +113,11 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         .await?;
     store.migrate().await?;
     let runtime = Arc::new(Runtime::new(&cx, &config, &store)?);
+    if args.setup_only {
+        store.close().await;
+        println!("{}", dir.display());
+        return Ok(ExitCode::SUCCESS);
+    }
 
     println!("orch demo in {}", dir.display());
     println!("  sample service repo: {}", service.display());

@@ -406,6 +406,34 @@ impl Engine {
         Ok(Outcome::Done)
     }
 
+    /// Agent runs of earlier attempts of this job that never finished belong to a process that
+    /// died: record them as abandoned so no run stays "running" forever.
+    async fn close_abandoned_runs(&self, run: &StageRun) {
+        let runs = match self.store.task_agent_runs(run.task.id).await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list agent runs");
+                return;
+            }
+        };
+        for r in runs {
+            if r.job_id == Some(run.job.id) && r.finished_at.is_none() && r.attempt < run.lease.attempt {
+                let finish = orch_store::AgentRunFinish {
+                    outcome: "abandoned".into(),
+                    error: Some(format!(
+                        "the process running attempt {} died; the job runs again as attempt {}",
+                        r.attempt, run.lease.attempt
+                    )),
+                    data: "{}".into(),
+                    ..Default::default()
+                };
+                if let Err(e) = self.store.finish_agent_run(r.id, finish).await {
+                    tracing::warn!(error = %e, run = r.id, "could not close an abandoned agent run");
+                }
+            }
+        }
+    }
+
     /// Commits whatever the stage left in the worktree and pushes the branch when the repo
     /// has a remote (the hand-off to other machines, SPEC §10).
     async fn commit(&self, run: &StageRun, what: &str) -> Result<Option<String>> {

@@ -1,0 +1,242 @@
+//! End to end: the real `orch` binary drives a real git repository through every stage with
+//! the scripted demo agent (a CLI speaking Claude Code's JSON format), real deploy scripts and a
+//! real HTTP service; and `orch serve` killed during an agent run resumes and finishes.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use orch_store::{ConnectOptions, Store, Task};
+
+const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+
+fn python_available() -> bool {
+    std::process::Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success())
+}
+
+async fn open(dir: &Path) -> Store {
+    let url = format!("sqlite://{}", dir.join(".orch/orch.db").display());
+    Store::connect(&url, ConnectOptions::default()).await.expect("open the demo database")
+}
+
+async fn task(store: &Store, id: &str) -> Task {
+    store.get_task_by_work_item(id).await.unwrap().unwrap_or_else(|| panic!("{id} exists"))
+}
+
+fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
+    let out = std::process::Command::new("git").arg("-C").arg(repo).args(["show", rev_path]).output().ok()?;
+    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+fn stop_service(dir: &Path) {
+    for env in ["production", "staging"] {
+        let _ = std::process::Command::new("sh")
+            .arg(dir.join("service/stop.sh"))
+            .arg(env)
+            .arg(dir.join("service-state"))
+            .status();
+    }
+}
+
+/// Makes this test process the reaper of orphans it creates (PID 1 here does not reap).
+fn become_subreaper() {
+    // SAFETY: prctl with constant arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+}
+
+fn reap_orphans() {
+    loop {
+        // SAFETY: non-blocking wait for any child.
+        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
+        if pid <= 0 {
+            break;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back() {
+    if !python_available() {
+        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
+        return;
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let out = tokio::time::timeout(
+        Duration::from_secs(400),
+        tokio::process::Command::new(ORCH)
+            .args(["demo", "--dir"])
+            .arg(&dir)
+            .env("ORCH_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the demo finishes within 400 s")
+    .expect("run orch demo");
+    stop_service(&dir);
+    reap_orphans();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    let store = open(&dir).await;
+    let repo = dir.join(".orch/repos/service");
+
+    // APP-1: one review round trip, deployed, watched healthy, lessons, done.
+    let t1 = task(&store, "APP-1").await;
+    assert_eq!(t1.stage, "done", "{stdout}");
+    let e1 = store.task_events(t1.id).await.unwrap();
+    let kinds: Vec<&str> = e1.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(kinds.iter().filter(|k| **k == "stage.loop_back").count(), 1, "one review loop: {kinds:?}");
+    assert!(kinds.contains(&"deploy.confirmed"), "{kinds:?}");
+    let verdict1 = e1.iter().find(|e| e.kind == "post_deploy.verdict").expect("a verdict event");
+    assert!(verdict1.message.contains("HEALTHY") || verdict1.data.contains("HEALTHY"), "{verdict1:?}");
+    for name in [
+        "01-request.md", "02-requirements.md", "06-architecture.md", "07-adr-001-stdlib-only.md",
+        "08-data-requirements.md", "10-implementation.md", "11-review.md", "12-test-report.md",
+        "14-merge-log.md", "15-staging-log.md", "16-post-deploy-log.md", "17-lessons.md",
+    ] {
+        let content = git_show(&repo, &format!("orch/APP-1:docs/work-items/APP-1/{name}"))
+            .unwrap_or_else(|| panic!("{name} is committed on orch/APP-1"));
+        assert!(content.starts_with("---"), "{name} has frontmatter");
+        assert!(content.contains("work_item: APP-1"), "{name} names its work item");
+    }
+    let review = git_show(&repo, "orch/APP-1:docs/work-items/APP-1/11-review.md").unwrap();
+    assert!(review.contains("review_status: APPROVED"));
+    let app = git_show(&repo, "main:app.py").unwrap();
+    assert!(app.contains("\"/version\""), "APP-1's code is merged into main");
+    let runs = store.task_agent_runs(t1.id).await.unwrap();
+    assert!(runs.len() >= 5, "analysis, architecture, 2x implementation, 2x review: {runs:?}");
+    for r in &runs {
+        assert_eq!(r.backend, "claude");
+        assert!(r.input_tokens.unwrap_or(0) > 0 && r.output_tokens.unwrap_or(0) > 0, "{r:?}");
+        assert!(r.cost_usd.unwrap_or(0.0) > 0.0, "{r:?}");
+        assert!(r.finished_at.is_some(), "{r:?}");
+    }
+
+    // APP-2: breaks production health; the watch decides FAILED and rolls back.
+    let t2 = task(&store, "APP-2").await;
+    assert_eq!(t2.stage, "done", "{stdout}");
+    let e2 = store.task_events(t2.id).await.unwrap();
+    let verdict2 = e2.iter().find(|e| e.kind == "post_deploy.verdict").expect("a verdict event");
+    assert!(verdict2.message.contains("FAILED") || verdict2.data.contains("FAILED"), "{verdict2:?}");
+    let log2 = git_show(&repo, "orch/APP-2:docs/work-items/APP-2/16-post-deploy-log.md").expect("post-deploy log");
+    assert!(log2.contains("post_deploy_status: FAILED"), "{log2}");
+    assert!(log2.contains("action_taken: rollback"), "{log2}");
+    let lessons = git_show(&repo, "orch/APP-2:docs/work-items/APP-2/17-lessons.md").expect("lessons");
+    assert!(lessons.to_lowercase().contains("rollback") || lessons.to_lowercase().contains("rolled back"), "{lessons}");
+    assert!(stdout.contains("APP-1") && stdout.contains("look around"), "the summary is printed:\n{stdout}");
+    store.close().await;
+}
+
+struct Serve {
+    child: tokio::process::Child,
+}
+
+impl Serve {
+    fn start(dir: &Path, agent_sleep_ms: u64) -> Serve {
+        let child = tokio::process::Command::new(ORCH)
+            .arg("--config")
+            .arg(dir.join("orch.toml"))
+            .args(["serve", "--bind", "127.0.0.1:0", "--grace-s", "1"])
+            .env("ORCH_LOG", "warn")
+            .env("ORCH_LEASE_S", "2")
+            .env("ORCH_DEMO_AGENT_SLEEP_MS", agent_sleep_ms.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()
+            .expect("spawn orch serve");
+        Serve { child }
+    }
+
+    /// SIGKILL to the whole process group: orch and the agent it is running.
+    async fn kill_group(mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: signalling our own child's process group.
+            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+        }
+        let _ = self.child.wait().await;
+        reap_orphans();
+    }
+
+    async fn terminate(mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await;
+        reap_orphans();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishes() {
+    if !python_available() {
+        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
+        return;
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir: PathBuf = tmp.path().join("demo");
+    let setup = std::process::Command::new(ORCH)
+        .args(["demo", "--setup-only", "--dir"])
+        .arg(&dir)
+        .output()
+        .expect("run orch demo --setup-only");
+    assert!(setup.status.success(), "{}", String::from_utf8_lossy(&setup.stderr));
+    let submit = std::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args(["submit", "--repo", "service", "--title", "Add a /version endpoint", "--body", "Add GET /version."])
+        .output()
+        .expect("orch submit");
+    assert!(submit.status.success(), "{}", String::from_utf8_lossy(&submit.stderr));
+
+    let store = open(&dir).await;
+    let serve = Serve::start(&dir, 4_000);
+    // Wait until the analyst is in the middle of its run, then kill everything.
+    let t0 = Instant::now();
+    let t = loop {
+        let t = task(&store, "APP-1").await;
+        let runs = store.task_agent_runs(t.id).await.unwrap();
+        if runs.iter().any(|r| r.stage == "analysis" && r.finished_at.is_none()) {
+            break t;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(60), "the analysis run never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    serve.kill_group().await;
+    let worktree = dir.join(".orch/repos/service/worktrees/APP-1");
+    assert!(worktree.exists(), "the worktree survives the crash");
+
+    let serve = Serve::start(&dir, 50);
+    let t0 = Instant::now();
+    let done = loop {
+        let t = task(&store, "APP-1").await;
+        if t.is_terminal() {
+            break t;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(240), "APP-1 did not finish after the restart (at {})", t.stage);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    serve.terminate().await;
+    stop_service(&dir);
+    reap_orphans();
+    assert_eq!(done.stage, "done");
+    let jobs = store.task_jobs(t.id).await.unwrap();
+    let analysis = jobs.iter().find(|j| j.task_content.contains("\"analysis\"")).expect("the analysis job");
+    assert!(analysis.attempt >= 2, "the killed run was retried as a new attempt: {analysis:?}");
+    let runs = store.task_agent_runs(t.id).await.unwrap();
+    let analysis_runs: Vec<_> = runs.iter().filter(|r| r.stage == "analysis").collect();
+    assert!(analysis_runs.len() >= 2, "{analysis_runs:?}");
+    assert!(analysis_runs.iter().all(|r| r.finished_at.is_some()), "the killed run is closed, not left running: {analysis_runs:?}");
+    let events = store.task_events(t.id).await.unwrap();
+    let advances = events.iter().filter(|e| e.kind == "stage.advanced" && e.message.starts_with("analysis")).count();
+    assert_eq!(advances, 1, "analysis advanced exactly once");
+    store.close().await;
+}
