@@ -6,4 +6,5 @@ pub mod counters;
 pub mod engine;
 pub mod failpoint;
 pub mod maintenance;
+pub mod stages;
 pub mod worker;
