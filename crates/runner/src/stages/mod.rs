@@ -8,12 +8,14 @@
 //! does); restart-safe counts (staging defers, merge infra retries) are counted from the jobs
 //! queue, never kept in a column (seed ORCH-115 D-2); counters are in-process only (D-4).
 
+pub mod staging;
 pub mod tester;
 
 use std::path::Path;
 
 use anyhow::Context as _;
 
+pub use staging::StagingExecutor;
 pub use tester::TesterExecutor;
 
 /// Writes an artifact atomically: the text goes to a temporary file next to `path`, which is
