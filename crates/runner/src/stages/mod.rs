@@ -8,6 +8,7 @@
 //! does); restart-safe counts (staging defers, merge infra retries) are counted from the jobs
 //! queue, never kept in a column (seed ORCH-115 D-2); counters are in-process only (D-4).
 
+pub mod merge_gate;
 pub mod staging;
 pub mod tester;
 
@@ -15,6 +16,7 @@ use std::path::Path;
 
 use anyhow::Context as _;
 
+pub use merge_gate::MergeGateExecutor;
 pub use staging::StagingExecutor;
 pub use tester::TesterExecutor;
 
