@@ -9,5 +9,6 @@ pub mod fsutil;
 pub mod maintenance;
 pub mod ops;
 pub mod repos;
+pub mod stages;
 pub mod time;
 pub mod worker;
