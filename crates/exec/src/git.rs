@@ -683,7 +683,7 @@ impl Git {
     }
 
     /// True when commit `a` is an ancestor of (or equal to) commit `b`.
-    async fn is_ancestor(&self, dir: &Path, a: &str, b: &str) -> Result<bool, GitError> {
+    pub async fn is_ancestor(&self, dir: &Path, a: &str, b: &str) -> Result<bool, GitError> {
         let argv = args(["merge-base", "--is-ancestor", a, b]);
         let out = self.output(dir, argv.clone(), None).await?;
         match out.status {

@@ -9,8 +9,10 @@ use anyhow::{Context as _, Result};
 use orch_domain::config::Config;
 use orch_runner::builtin;
 use orch_runner::counters::Counters;
+use orch_runner::engine::dispatch::ByStage;
 use orch_runner::engine::{Engine, EngineConfig, INTAKE, intake::IntakeExecutor};
 use orch_runner::ops::Ops;
+use orch_runner::stages::{MergeGateExecutor, StagingExecutor, TesterExecutor};
 use orch_runner::worker::Registry;
 use orch_store::Store;
 
@@ -54,6 +56,15 @@ impl Runtime {
             counters.clone(),
         );
         engine.set_executor(INTAKE, Arc::new(IntakeExecutor));
+        engine.set_executor("tester", Arc::new(TesterExecutor::new(counters.clone())));
+        engine.set_executor(
+            "merge-gate",
+            Arc::new(MergeGateExecutor::new(counters.clone())),
+        );
+        // One job kind, two stages: the stage is the discriminator (ORCH-115 D1).
+        let deployer =
+            ByStage::new().with("staging", Arc::new(StagingExecutor::new(counters.clone())));
+        engine.set_executor("deployer", Arc::new(deployer));
         let engine = Arc::new(engine);
         let ops = Ops::new(store.clone(), engine.clone());
         Ok(Runtime {

@@ -11,21 +11,37 @@ use orch_store::{ConnectOptions, Store, Task};
 const ORCH: &str = env!("CARGO_BIN_EXE_orch");
 
 fn python_available() -> bool {
-    std::process::Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success())
+    std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
 }
 
 async fn open(dir: &Path) -> Store {
     let url = format!("sqlite://{}", dir.join(".orch/orch.db").display());
-    Store::connect(&url, ConnectOptions::default()).await.expect("open the demo database")
+    Store::connect(&url, ConnectOptions::default())
+        .await
+        .expect("open the demo database")
 }
 
 async fn task(store: &Store, id: &str) -> Task {
-    store.get_task_by_work_item(id).await.unwrap().unwrap_or_else(|| panic!("{id} exists"))
+    store
+        .get_task_by_work_item(id)
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("{id} exists"))
 }
 
 fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
-    let out = std::process::Command::new("git").arg("-C").arg(repo).args(["show", rev_path]).output().ok()?;
-    out.status.success().then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["show", rev_path])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 fn stop_service(dir: &Path) {
@@ -88,29 +104,60 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     assert_eq!(t1.stage, "done", "{stdout}");
     let e1 = store.task_events(t1.id).await.unwrap();
     let kinds: Vec<&str> = e1.iter().map(|e| e.kind.as_str()).collect();
-    assert_eq!(kinds.iter().filter(|k| **k == "stage.loop_back").count(), 1, "one review loop: {kinds:?}");
+    assert_eq!(
+        kinds.iter().filter(|k| **k == "stage.loop_back").count(),
+        1,
+        "one review loop: {kinds:?}"
+    );
     assert!(kinds.contains(&"deploy.confirmed"), "{kinds:?}");
-    let verdict1 = e1.iter().find(|e| e.kind == "post_deploy.verdict").expect("a verdict event");
-    assert!(verdict1.message.contains("HEALTHY") || verdict1.data.contains("HEALTHY"), "{verdict1:?}");
+    let verdict1 = e1
+        .iter()
+        .find(|e| e.kind == "post_deploy.verdict")
+        .expect("a verdict event");
+    assert!(
+        verdict1.message.contains("HEALTHY") || verdict1.data.contains("HEALTHY"),
+        "{verdict1:?}"
+    );
     for name in [
-        "01-request.md", "02-requirements.md", "06-architecture.md", "07-adr-001-stdlib-only.md",
-        "08-data-requirements.md", "10-implementation.md", "11-review.md", "12-test-report.md",
-        "14-merge-log.md", "15-staging-log.md", "16-post-deploy-log.md", "17-lessons.md",
+        "01-request.md",
+        "02-requirements.md",
+        "06-architecture.md",
+        "07-adr-001-stdlib-only.md",
+        "08-data-requirements.md",
+        "10-implementation.md",
+        "11-review.md",
+        "12-test-report.md",
+        "14-merge-log.md",
+        "15-staging-log.md",
+        "16-post-deploy-log.md",
+        "17-lessons.md",
     ] {
         let content = git_show(&repo, &format!("orch/APP-1:docs/work-items/APP-1/{name}"))
             .unwrap_or_else(|| panic!("{name} is committed on orch/APP-1"));
         assert!(content.starts_with("---"), "{name} has frontmatter");
-        assert!(content.contains("work_item: APP-1"), "{name} names its work item");
+        assert!(
+            content.contains("work_item: APP-1"),
+            "{name} names its work item"
+        );
     }
     let review = git_show(&repo, "orch/APP-1:docs/work-items/APP-1/11-review.md").unwrap();
     assert!(review.contains("review_status: APPROVED"));
     let app = git_show(&repo, "main:app.py").unwrap();
-    assert!(app.contains("\"/version\""), "APP-1's code is merged into main");
+    assert!(
+        app.contains("\"/version\""),
+        "APP-1's code is merged into main"
+    );
     let runs = store.task_agent_runs(t1.id).await.unwrap();
-    assert!(runs.len() >= 5, "analysis, architecture, 2x implementation, 2x review: {runs:?}");
+    assert!(
+        runs.len() >= 5,
+        "analysis, architecture, 2x implementation, 2x review: {runs:?}"
+    );
     for r in &runs {
         assert_eq!(r.backend, "claude");
-        assert!(r.input_tokens.unwrap_or(0) > 0 && r.output_tokens.unwrap_or(0) > 0, "{r:?}");
+        assert!(
+            r.input_tokens.unwrap_or(0) > 0 && r.output_tokens.unwrap_or(0) > 0,
+            "{r:?}"
+        );
         assert!(r.cost_usd.unwrap_or(0.0) > 0.0, "{r:?}");
         assert!(r.finished_at.is_some(), "{r:?}");
     }
@@ -119,14 +166,32 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     let t2 = task(&store, "APP-2").await;
     assert_eq!(t2.stage, "done", "{stdout}");
     let e2 = store.task_events(t2.id).await.unwrap();
-    let verdict2 = e2.iter().find(|e| e.kind == "post_deploy.verdict").expect("a verdict event");
-    assert!(verdict2.message.contains("FAILED") || verdict2.data.contains("FAILED"), "{verdict2:?}");
-    let log2 = git_show(&repo, "orch/APP-2:docs/work-items/APP-2/16-post-deploy-log.md").expect("post-deploy log");
+    let verdict2 = e2
+        .iter()
+        .find(|e| e.kind == "post_deploy.verdict")
+        .expect("a verdict event");
+    assert!(
+        verdict2.message.contains("FAILED") || verdict2.data.contains("FAILED"),
+        "{verdict2:?}"
+    );
+    let log2 = git_show(
+        &repo,
+        "orch/APP-2:docs/work-items/APP-2/16-post-deploy-log.md",
+    )
+    .expect("post-deploy log");
     assert!(log2.contains("post_deploy_status: FAILED"), "{log2}");
     assert!(log2.contains("action_taken: rollback"), "{log2}");
-    let lessons = git_show(&repo, "orch/APP-2:docs/work-items/APP-2/17-lessons.md").expect("lessons");
-    assert!(lessons.to_lowercase().contains("rollback") || lessons.to_lowercase().contains("rolled back"), "{lessons}");
-    assert!(stdout.contains("APP-1") && stdout.contains("look around"), "the summary is printed:\n{stdout}");
+    let lessons =
+        git_show(&repo, "orch/APP-2:docs/work-items/APP-2/17-lessons.md").expect("lessons");
+    assert!(
+        lessons.to_lowercase().contains("rollback")
+            || lessons.to_lowercase().contains("rolled back"),
+        "{lessons}"
+    );
+    assert!(
+        stdout.contains("APP-1") && stdout.contains("look around"),
+        "the summary is printed:\n{stdout}"
+    );
     store.close().await;
 }
 
@@ -187,14 +252,30 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
         .arg(&dir)
         .output()
         .expect("run orch demo --setup-only");
-    assert!(setup.status.success(), "{}", String::from_utf8_lossy(&setup.stderr));
+    assert!(
+        setup.status.success(),
+        "{}",
+        String::from_utf8_lossy(&setup.stderr)
+    );
     let submit = std::process::Command::new(ORCH)
         .arg("--config")
         .arg(dir.join("orch.toml"))
-        .args(["submit", "--repo", "service", "--title", "Add a /version endpoint", "--body", "Add GET /version."])
+        .args([
+            "submit",
+            "--repo",
+            "service",
+            "--title",
+            "Add a /version endpoint",
+            "--body",
+            "Add GET /version.",
+        ])
         .output()
         .expect("orch submit");
-    assert!(submit.status.success(), "{}", String::from_utf8_lossy(&submit.stderr));
+    assert!(
+        submit.status.success(),
+        "{}",
+        String::from_utf8_lossy(&submit.stderr)
+    );
 
     let store = open(&dir).await;
     let serve = Serve::start(&dir, 4_000);
@@ -203,10 +284,16 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
     let t = loop {
         let t = task(&store, "APP-1").await;
         let runs = store.task_agent_runs(t.id).await.unwrap();
-        if runs.iter().any(|r| r.stage == "analysis" && r.finished_at.is_none()) {
+        if runs
+            .iter()
+            .any(|r| r.stage == "analysis" && r.finished_at.is_none())
+        {
             break t;
         }
-        assert!(t0.elapsed() < Duration::from_secs(60), "the analysis run never started");
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the analysis run never started"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -221,7 +308,11 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
         if t.is_terminal() {
             break t;
         }
-        assert!(t0.elapsed() < Duration::from_secs(240), "APP-1 did not finish after the restart (at {})", t.stage);
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "APP-1 did not finish after the restart (at {})",
+            t.stage
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     serve.terminate().await;
@@ -229,14 +320,26 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
     reap_orphans();
     assert_eq!(done.stage, "done");
     let jobs = store.task_jobs(t.id).await.unwrap();
-    let analysis = jobs.iter().find(|j| j.task_content.contains("\"analysis\"")).expect("the analysis job");
-    assert!(analysis.attempt >= 2, "the killed run was retried as a new attempt: {analysis:?}");
+    let analysis = jobs
+        .iter()
+        .find(|j| j.task_content.contains("\"analysis\""))
+        .expect("the analysis job");
+    assert!(
+        analysis.attempt >= 2,
+        "the killed run was retried as a new attempt: {analysis:?}"
+    );
     let runs = store.task_agent_runs(t.id).await.unwrap();
     let analysis_runs: Vec<_> = runs.iter().filter(|r| r.stage == "analysis").collect();
     assert!(analysis_runs.len() >= 2, "{analysis_runs:?}");
-    assert!(analysis_runs.iter().all(|r| r.finished_at.is_some()), "the killed run is closed, not left running: {analysis_runs:?}");
+    assert!(
+        analysis_runs.iter().all(|r| r.finished_at.is_some()),
+        "the killed run is closed, not left running: {analysis_runs:?}"
+    );
     let events = store.task_events(t.id).await.unwrap();
-    let advances = events.iter().filter(|e| e.kind == "stage.advanced" && e.message.starts_with("analysis")).count();
+    let advances = events
+        .iter()
+        .filter(|e| e.kind == "stage.advanced" && e.message.starts_with("analysis"))
+        .count();
     assert_eq!(advances, 1, "analysis advanced exactly once");
     store.close().await;
 }

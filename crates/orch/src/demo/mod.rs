@@ -102,6 +102,8 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     g.database_url = None;
     let cx = Context::new(&g)?;
     let config = cx.require_config()?.clone();
+    std::fs::create_dir_all(cx.state_dir())
+        .with_context(|| format!("cannot create {}", cx.state_dir().display()))?;
     let store = cx
         .open_store_with(
             ConnectOptions {

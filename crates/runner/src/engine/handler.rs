@@ -263,6 +263,7 @@ impl Engine {
             None,
         )
         .await;
+        self.close_abandoned_runs(&run).await;
         let effect = executor.execute(&run).await?;
         match effect {
             StageEffect::Failed { reason } => self.fail_task(cx, &run.task, &reason).await,
@@ -417,7 +418,10 @@ impl Engine {
             }
         };
         for r in runs {
-            if r.job_id == Some(run.job.id) && r.finished_at.is_none() && r.attempt < run.lease.attempt {
+            if r.job_id == Some(run.job.id)
+                && r.finished_at.is_none()
+                && r.attempt < run.lease.attempt
+            {
                 let finish = orch_store::AgentRunFinish {
                     outcome: "abandoned".into(),
                     error: Some(format!(

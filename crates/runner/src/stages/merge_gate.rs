@@ -40,7 +40,7 @@ use anyhow::Context as _;
 use orch_domain::artifact::{Artifact, Value};
 use orch_domain::config::MergeStrategy as RepoMergeStrategy;
 use orch_domain::gate::{MergeStatus, TestStatus};
-use orch_exec::{Cmd, ExitKind, Git, MergeResult, MergeStrategy};
+use orch_exec::{Git, MergeResult, MergeStrategy};
 use orch_store::JobCount;
 
 use super::tester::{
@@ -215,7 +215,7 @@ impl StageExecutor for MergeGateExecutor {
         };
         let so_far = count_retries(run).await;
         let doc = render_merge_log(run, &report, &trail, so_far);
-        super::write_artifact(&run.artifact_path(MERGE_LOG), &doc)?;
+        crate::fsutil::write_atomic(&run.artifact_path(MERGE_LOG), &doc)?;
         let counter = match report.status {
             MergeStatus::Merged => "merged",
             MergeStatus::Conflict => "conflict",
@@ -407,9 +407,10 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
 
     // 2. Already merged (a crash after the merge): report it, never merge twice.
     let head = rev(git, &run.worktree, "HEAD").await?;
-    if is_ancestor(git, repo_dir, &head, default)
+    if git
+        .is_ancestor(repo_dir, &head, default)
         .await
-        .map_err(Interrupted::Infra)?
+        .map_err(|e| Interrupted::Infra(e.to_string()))?
     {
         let revision = rev(git, repo_dir, default).await?;
         if remote {
@@ -626,43 +627,6 @@ async fn rev(git: &Git, dir: &Path, name: &str) -> Result<String, Interrupted> {
             dir.display()
         ))),
         Err(e) => Err(infra(format!("resolving `{name}`"), e)),
-    }
-}
-
-/// `git merge-base --is-ancestor a b`: whether commit `a` is contained in `b`. Runs the
-/// configured git binary through `orch_exec` with the same hygiene as [`Git`] (no prompts,
-/// no inherited `GIT_DIR`-like variables); `orch_exec::Git` keeps its own `is_ancestor`
-/// private.
-async fn is_ancestor(git: &Git, dir: &Path, a: &str, b: &str) -> Result<bool, String> {
-    let mut cmd = Cmd::new(&git.bin)
-        .args(["merge-base", "--is-ancestor", a, b])
-        .cwd(dir)
-        .timeout(git.timeout)
-        .env("GIT_TERMINAL_PROMPT", "0");
-    for key in [
-        "GIT_DIR",
-        "GIT_WORK_TREE",
-        "GIT_INDEX_FILE",
-        "GIT_OBJECT_DIRECTORY",
-        "GIT_ALTERNATE_OBJECT_DIRECTORIES",
-        "GIT_COMMON_DIR",
-        "GIT_NAMESPACE",
-        "GIT_PREFIX",
-    ] {
-        cmd = cmd.env_remove(key);
-    }
-    let what = || format!("git merge-base --is-ancestor {a} {b} in {}", dir.display());
-    match orch_exec::run(&cmd).await {
-        Ok(out) => match out.status {
-            ExitKind::Exited(0) => Ok(true),
-            ExitKind::Exited(1) => Ok(false),
-            status => Err(format!(
-                "{} failed ({status}): {}",
-                what(),
-                out.tail_text(5)
-            )),
-        },
-        Err(e) => Err(format!("{}: {e}", what())),
     }
 }
 

@@ -208,7 +208,7 @@ impl StagingExecutor {
             classification: c,
             outcome: &outcome,
         });
-        super::write_artifact(&run.artifact_path(STAGING_LOG), &doc)?;
+        crate::fsutil::write_atomic(&run.artifact_path(STAGING_LOG), &doc)?;
         tracing::info!(
             work_item = %run.work_item,
             status = outcome.status.as_str(),

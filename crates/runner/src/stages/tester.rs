@@ -68,7 +68,7 @@ impl StageExecutor for TesterExecutor {
                 )
             })?;
         let report = render_test_report(run, command, &result);
-        super::write_artifact(&run.artifact_path(TEST_REPORT), &report)?;
+        crate::fsutil::write_atomic(&run.artifact_path(TEST_REPORT), &report)?;
         let counter = match result.status {
             TestStatus::Passed => "passed",
             TestStatus::Failed => "failed",
