@@ -72,7 +72,8 @@ impl Context {
 
     /// True for the embedded default database.
     pub fn is_sqlite(&self) -> bool {
-        !self.database_url.starts_with("postgres")
+        let u = &self.database_url;
+        u.starts_with("sqlite:") || !u.contains("://")
     }
 
     /// Opens the store without creating anything; checks the schema version.

@@ -16,7 +16,12 @@ use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = cli::Cli::parse();
-    init_tracing(cli.global.verbose, cli.global.quiet);
+    // The demo and the scripted agent talk to people through stdout; keep logs to warnings.
+    let quiet_default = matches!(
+        cli.command,
+        cli::Command::Demo(_) | cli::Command::DemoAgent { .. }
+    );
+    init_tracing(cli.global.verbose, cli.global.quiet, quiet_default);
     // reqwest is built without a default crypto provider (no cmake here): pick ring once.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -42,10 +47,11 @@ fn main() -> ExitCode {
     }
 }
 
-fn init_tracing(verbose: u8, quiet: bool) {
+fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
     use tracing_subscriber::EnvFilter;
     let default = match (quiet, verbose) {
         (true, _) => "error",
+        (false, 0) if quiet_default => "warn",
         (false, 0) => "warn,orch=info,orch_runner=info",
         (false, 1) => "info",
         (false, _) => "debug,sqlx=warn,hyper=info",

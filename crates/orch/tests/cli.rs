@@ -1,0 +1,214 @@
+//! The CLI against bad input and in normal use: every failure is a clear message on stderr and
+//! a non-zero exit, with nothing half-written; `orch serve` answers /healthz and /queue and
+//! stops cleanly on SIGTERM.
+
+use std::path::Path;
+use std::process::{Output, Stdio};
+use std::time::Duration;
+
+use orch_store::{ConnectOptions, NewEvent, Store};
+
+const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+
+fn orch(dir: &Path, args: &[&str]) -> Output {
+    std::process::Command::new(ORCH)
+        .current_dir(dir)
+        .args(args)
+        .env_remove("ORCH_DATABASE_URL")
+        .env_remove("ORCH_CONFIG")
+        .env("ORCH_LOG", "warn")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run orch")
+}
+
+#[track_caller]
+fn fails_with(out: &Output, needle: &str) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "expected a failure, got success; stderr: {stderr}"
+    );
+    assert!(
+        stderr.contains(needle),
+        "stderr should mention {needle:?}:\n{stderr}"
+    );
+    assert!(!stderr.contains("panicked"), "no panic: {stderr}");
+}
+
+#[track_caller]
+fn succeeds(out: &Output) -> String {
+    assert!(
+        out.status.success(),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn database_problems_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    fails_with(&orch(d, &["queue"]), "no orch database at");
+    fails_with(
+        &orch(d, &["--database-url", "mysql://x", "queue"]),
+        "invalid database URL",
+    );
+    fails_with(
+        &orch(
+            d,
+            &[
+                "--database-url",
+                "postgres://root@127.0.0.1:1/nope",
+                "queue",
+            ],
+        ),
+        "cannot open the database",
+    );
+    std::fs::create_dir_all(d.join(".orch")).unwrap();
+    std::fs::write(
+        d.join(".orch/orch.db"),
+        b"this is not a database, just some bytes padding it out",
+    )
+    .unwrap();
+    let out = orch(d, &["queue"]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr).to_lowercase();
+    assert!(
+        stderr.contains("not a database") || stderr.contains("corrupt"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_newer_schema_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    succeeds(&orch(d, &["init"]));
+    let url = format!("sqlite://{}", d.join(".orch/orch.db").display());
+    let store = Store::connect(&url, ConnectOptions::default())
+        .await
+        .unwrap();
+    store
+        .append_event(
+            NewEvent::new("schema.migrated", "from the future")
+                .data(r#"{"version": 99, "name": "9999_future"}"#),
+        )
+        .await
+        .unwrap();
+    store.close().await;
+    fails_with(&orch(d, &["queue"]), "newer than this orch binary supports");
+    fails_with(
+        &orch(d, &["worker"]),
+        "newer than this orch binary supports",
+    );
+}
+
+#[test]
+fn init_is_idempotent_and_config_errors_name_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let first = succeeds(&orch(d, &["init"]));
+    assert!(first.contains("wrote"));
+    let config = std::fs::read_to_string(d.join("orch.toml")).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    let mode = std::fs::metadata(d.join("orch.toml"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o077, 0, "orch.toml holds the token: owner-only");
+    let second = succeeds(&orch(d, &["init"]));
+    assert!(second.contains("kept existing"));
+    assert_eq!(
+        std::fs::read_to_string(d.join("orch.toml")).unwrap(),
+        config,
+        "not overwritten"
+    );
+    succeeds(&orch(d, &["migrate"]));
+    std::fs::write(
+        d.join("orch.toml"),
+        config.replace("\n[settings]\n", "\n[settings]\nworkerz = 3\n"),
+    )
+    .unwrap();
+    fails_with(&orch(d, &["queue"]), "workerz");
+}
+
+#[test]
+fn task_commands_refuse_hostile_ids_and_unknown_repos() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    succeeds(&orch(d, &["init"]));
+    fails_with(&orch(d, &["status", "../../etc/passwd"]), "work item");
+    fails_with(&orch(d, &["cancel", "APP-1/../x"]), "work item");
+    fails_with(&orch(d, &["status", "APP-404"]), "no work item APP-404");
+    fails_with(
+        &orch(d, &["submit", "--repo", "nope", "--title", "x"]),
+        "not declared",
+    );
+    let out = succeeds(&orch(d, &["status", "--json"]));
+    assert_eq!(out.trim(), "[]");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_answers_healthz_and_queue_and_stops_on_sigterm() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    succeeds(&orch(d, &["init"]));
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut child = tokio::process::Command::new(ORCH)
+        .current_dir(d)
+        .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
+        .env("ORCH_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let client = reqwest::Client::new();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut health = None;
+    for _ in 0..100 {
+        if let Ok(r) = client.get(format!("{base}/healthz")).send().await {
+            health = Some(r);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let health = health.expect("serve answers /healthz");
+    assert_eq!(health.status(), 200);
+    let queue: serde_json::Value = client
+        .get(format!("{base}/queue"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(queue.is_object(), "{queue}");
+    let text = serde_json::to_string(&queue).unwrap();
+    assert!(
+        text.contains("staging_runner") && text.contains("merge_gate"),
+        "runner counters are shown: {text}"
+    );
+    let refused = client
+        .post(format!("{base}/api/tasks"))
+        .json(&serde_json::json!({"repo": "x", "title": "y", "body": ""}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401, "mutating calls need the token");
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id().unwrap() as i32, libc::SIGTERM) };
+    let status = tokio::time::timeout(Duration::from_secs(20), child.wait())
+        .await
+        .expect("stops within 20 s")
+        .unwrap();
+    assert!(status.success(), "clean exit on SIGTERM: {status}");
+}
