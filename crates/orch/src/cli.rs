@@ -163,6 +163,12 @@ pub struct ServeArgs {
 pub enum BenchCommand {
     /// Queue throughput and pickup latency of the built-in no-op job.
     Queue(BenchQueueArgs),
+    /// Start-up time and idle resident memory of `orch serve` (embedded SQLite).
+    Serve {
+        /// Start-ups to measure.
+        #[arg(long, default_value_t = 5)]
+        runs: usize,
+    },
 }
 
 #[derive(Debug, Args)]

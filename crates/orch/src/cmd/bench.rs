@@ -239,3 +239,87 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
     let idx = ((v.len() as f64 - 1.0) * q).round() as usize;
     v[idx.min(v.len() - 1)]
 }
+
+/// Starts `orch serve` in a fresh project `runs` times: time until `/healthz` answers, and
+/// resident memory after 3 s idle.
+pub async fn serve(cx: &Context, runs: usize) -> Result<ExitCode> {
+    let exe = std::env::current_exe().context("cannot find the orch executable")?;
+    let dir = tempfile::tempdir().context("cannot create a temp dir")?;
+    let init = tokio::process::Command::new(&exe)
+        .arg("init")
+        .current_dir(dir.path())
+        .output()
+        .await?;
+    anyhow::ensure!(
+        init.status.success(),
+        "orch init failed: {}",
+        String::from_utf8_lossy(&init.stderr)
+    );
+    let mut startup_ms = Vec::new();
+    let mut rss_kib = Vec::new();
+    for _ in 0..runs.max(1) {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let t0 = Instant::now();
+        let mut child = tokio::process::Command::new(&exe)
+            .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
+            .current_dir(dir.path())
+            .env("ORCH_LOG", "error")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .spawn()?;
+        let mut up = false;
+        while t0.elapsed() < Duration::from_secs(30) {
+            if healthz(port).await {
+                up = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        anyhow::ensure!(up, "orch serve did not answer /healthz within 30 s");
+        startup_ms.push(t0.elapsed().as_secs_f64() * 1000.0);
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        if let Some(pid) = child.id() {
+            let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+            if let Some(kib) = status
+                .lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse::<f64>().ok())
+            {
+                rss_kib.push(kib);
+            }
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        let _ = child.wait().await;
+    }
+    let p50_start = percentile(&mut startup_ms, 0.5);
+    let p50_rss = percentile(&mut rss_kib, 0.5) / 1024.0;
+    eprintln!(
+        "orch serve: start-up to /healthz p50 {p50_start:.1} ms over {} runs; idle RSS p50 {p50_rss:.1} MiB",
+        startup_ms.len()
+    );
+    if cx.json {
+        crate::output::print_json(&serde_json::json!({
+            "runs": startup_ms.len(), "startup_ms_p50": round2(p50_start), "idle_rss_mib_p50": round2(p50_rss),
+        }));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn healthz(port: u16) -> bool {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
+        return false;
+    };
+    let req = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
+    if s.write_all(req).await.is_err() {
+        return false;
+    }
+    let mut buf = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await;
+    buf.starts_with(b"HTTP/1.1 200")
+}
