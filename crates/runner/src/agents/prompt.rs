@@ -412,7 +412,16 @@ fn render_task(p: &PromptInput<'_>) -> String {
     let optional: Vec<&ArtifactSpec> = p.stage.artifacts.iter().filter(|s| s.optional).collect();
     match p.delivery {
         Delivery::WriteFiles => {
-            out.push_str("Before you finish, write these files (orch checks that each exists, then a gate reads its frontmatter):\n\n");
+            let _ = write!(
+                out,
+                "Before you finish, write {} (orch checks that it exists, then a gate reads \
+                 its frontmatter):\n\n",
+                if required.len() == 1 {
+                    "this file"
+                } else {
+                    "these files; for each"
+                }
+            );
             for spec in &required {
                 let name = spec.name.to_string();
                 let _ = writeln!(
@@ -531,7 +540,9 @@ fn render_spec_instructions(out: &mut String, p: &PromptInput<'_>, spec: &Artifa
         ArtifactPattern::Exact(n) => n.to_string(),
         ArtifactPattern::Family(prefix) => format!("{prefix}short-name.md"),
     };
-    let title = heading_for(&name);
+    let heading = heading_for(&name);
+    let number = name.get(..2).unwrap_or("");
+    let title = one_line(&truncate_chars(p.title.trim(), 80));
     let _ = write!(
         out,
         "\nExample (complete; change only the values you must):\n\n````markdown\n---\n"
@@ -539,7 +550,11 @@ fn render_spec_instructions(out: &mut String, p: &PromptInput<'_>, spec: &Artifa
     for (k, v) in &example {
         let _ = writeln!(out, "{k}: {v}");
     }
-    let _ = write!(out, "---\n\n# {title}: {}\n\n…\n````\n\n", p.work_item);
+    let _ = write!(
+        out,
+        "---\n\n# {number} — {heading}: {} — {title}\n\n…\n````\n\n",
+        p.work_item
+    );
 }
 
 /// `Requirements` for `02-requirements.md`, `Adr Short Name` for `07-adr-short-name.md`.
@@ -951,7 +966,7 @@ mod tests {
                 "- `author_agent`: `analyst` (exactly this)",
                 "- `created_at`: the current time, RFC 3339 UTC, e.g. `2027-01-15T08:00:00Z`",
                 "---\nwork_item: ORCH-7\nstage: analysis\nauthor_agent: analyst\nstatus: final\n\
-                 created_at: 2027-01-15T08:00:00Z\nmodel_used: sonnet\n---\n\n# Requirements: ORCH-7",
+                 created_at: 2027-01-15T08:00:00Z\nmodel_used: sonnet\n---\n\n# 02 — Requirements: ORCH-7 — Dry run",
             ],
             &[
                 "loop back",
@@ -1003,7 +1018,7 @@ mod tests {
                 "- `docs/work-items/ORCH-7/08-data-requirements.md`",
                 "- optional: `docs/work-items/ORCH-7/07-adr-*.md` in the same folder, when you have one to write (e.g. `07-adr-short-name.md`)",
                 "## `08-data-requirements.md`: frontmatter",
-                "# Data Requirements: ORCH-7",
+                "# 08 — Data Requirements: ORCH-7 — Dry run",
             ],
             &[],
         );
