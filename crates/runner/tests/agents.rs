@@ -689,6 +689,38 @@ async fn a_cancelled_run_stops_the_agent_and_finishes_its_row() {
 }
 
 #[tokio::test]
+async fn dropping_the_attempt_kills_the_agent_and_closes_its_row_as_abandoned() {
+    let fx = Fx::new().await;
+    let hang = fx.script("hang", "echo $$ > \"$OUT/sh.pid\"\nsleep 1000");
+    let ex = executor(
+        vec![("analyst", agent(Backend::Command, Some(&hang)))],
+        &Settings::default(),
+    );
+    let run = fx.run("analysis");
+    let dropped = tokio::time::timeout(Duration::from_millis(1500), ex.execute(&run)).await;
+    assert!(dropped.is_err(), "the attempt was still running");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let rows = fx.rows().await;
+        if outcomes(&rows) == ["abandoned"] {
+            assert!(rows[0].finished_at.is_some());
+            break;
+        }
+        assert!(Instant::now() < deadline, "row not closed: {rows:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pid: i32 = fx.read_out("sh.pid").trim().parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while alive(pid) {
+        assert!(
+            Instant::now() < deadline,
+            "the agent {pid} outlived its attempt"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test]
 async fn megabytes_of_output_stay_bounded_in_errors_and_rows() {
     let fx = Fx::new().await;
     let loud = fx.script(

@@ -679,21 +679,27 @@ pub(crate) fn bound_text(text: &str, max: usize) -> String {
 }
 
 /// Whether an error text reads like a transient backend condition (rate limit, overload,
-/// HTTP 429/503/529).
+/// HTTP 429/503/529 as a number of its own, not inside a longer one).
 pub(crate) fn mentions_transient(text: &str) -> bool {
-    const MARKERS: [&str; 9] = [
+    const WORDS: [&str; 6] = [
         "rate limit",
         "rate_limit",
         "ratelimit",
         "too many requests",
         "overloaded",
-        "429",
-        "503",
-        "529",
         "service unavailable",
     ];
+    const CODES: [&str; 3] = ["429", "503", "529"];
     let lower = text.to_lowercase();
-    MARKERS.iter().any(|m| lower.contains(m))
+    let standalone = |code: &str| {
+        lower.match_indices(code).any(|(i, _)| {
+            let before = lower[..i].chars().next_back();
+            let after = lower[i + code.len()..].chars().next();
+            !before.is_some_and(|c| c.is_ascii_digit())
+                && !after.is_some_and(|c| c.is_ascii_digit())
+        })
+    };
+    WORDS.iter().any(|w| lower.contains(w)) || CODES.iter().any(|c| standalone(c))
 }
 
 /// An `agent_runs` row being written: finished exactly once, by [`RunRow::finish`] or, when
@@ -787,6 +793,9 @@ mod tests {
             ("HTTP 503 Service Unavailable", true),
             ("Too Many Requests", true),
             ("invalid api key", false),
+            ("HTTP/1.1 429", true),
+            ("took 15034 ms", false),
+            ("assertion failed at line 4290", false),
             ("syntax error near line 3", false),
         ];
         for (text, expect) in cases {
