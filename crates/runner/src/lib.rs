@@ -1,6 +1,7 @@
 //! orch's runtime: the worker loop, the pipeline engine and its stage executors (agents and
 //! deterministic runners), maintenance passes and the operator operations.
 
+pub mod agents;
 pub mod builtin;
 pub mod counters;
 pub mod engine;
