@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use orch_domain::config::Config;
+use orch_runner::agents::AgentExecutor;
 use orch_runner::builtin;
 use orch_runner::counters::Counters;
 use orch_runner::engine::dispatch::ByStage;
@@ -56,6 +57,19 @@ impl Runtime {
             counters.clone(),
         );
         engine.set_executor(INTAKE, Arc::new(IntakeExecutor));
+        // One executor (one global agent concurrency limit) for every LLM stage's agent.
+        let agents = Arc::new(AgentExecutor::new(config.agents.clone(), &config.settings));
+        let llm_agents: Vec<String> = engine
+            .config()
+            .pipeline
+            .stages
+            .iter()
+            .filter(|s| s.kind == orch_domain::pipeline::StageKind::Llm)
+            .filter_map(|s| s.agent.as_ref().map(|a| a.as_str().to_owned()))
+            .collect();
+        for agent in llm_agents {
+            engine.set_executor(&agent, agents.clone());
+        }
         engine.set_executor("tester", Arc::new(TesterExecutor::new(counters.clone())));
         engine.set_executor(
             "merge-gate",

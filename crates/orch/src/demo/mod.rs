@@ -89,7 +89,8 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     create_service_repo(&git, &service).await?;
 
     let config_path = dir.join("orch.toml");
-    let toml = demo_config(&exe, &state, prod_port, staging_port, api_port);
+    let agent = write_agent_script(&dir, &exe)?;
+    let toml = demo_config(&agent, &state, prod_port, staging_port, api_port);
     std::fs::write(&config_path, &toml)
         .with_context(|| format!("cannot write {}", config_path.display()))?;
     let mut g = Global {
@@ -221,12 +222,23 @@ async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
     Ok(())
 }
 
-fn demo_config(exe: &Path, state: &Path, prod: u16, staging: u16, api: u16) -> String {
-    let exe = toml_str(&exe.display().to_string());
+/// The scripted agent as a CLI: `agent.sh <preset flags…>` runs `orch demo-agent <flags…>`.
+fn write_agent_script(dir: &Path, exe: &Path) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let path = dir.join("demo-agent.sh");
+    let quoted = format!("'{}'", exe.display().to_string().replace('\'', "'\\''"));
+    std::fs::write(&path, format!("#!/bin/sh\n# The demo's scripted agent, run by orch's claude preset.\nexec {quoted} demo-agent \"$@\"\n"))
+        .with_context(|| format!("cannot write {}", path.display()))?;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))?;
+    Ok(path)
+}
+
+fn demo_config(agent: &Path, state: &Path, prod: u16, staging: u16, api: u16) -> String {
+    let exe = toml_str(&agent.display().to_string());
     let st = state.display().to_string();
     let agent = |name: &str| {
         format!(
-            "[agents.{name}]\nbackend = \"claude\"\ncommand = {exe}\nargs = [\"demo-agent\"]\nmodel = \"demo-scripted-1\"\ntimeout_s = 60\n\n"
+            "[agents.{name}]\nbackend = \"claude\"\ncommand = {exe}\nmodel = \"demo-scripted-1\"\ntimeout_s = 60\n\n"
         )
     };
     let mut s = format!(
