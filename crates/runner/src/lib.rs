@@ -3,6 +3,7 @@
 
 pub mod builtin;
 pub mod counters;
+pub mod deploy;
 pub mod engine;
 pub mod failpoint;
 pub mod maintenance;
