@@ -308,11 +308,25 @@ fn verdict_lesson(e: &Event) -> Option<&'static str> {
 /// time, plus the working-tree file when it differs from the last commit. Git trouble is
 /// logged and gives what could be read.
 async fn artifact_versions(run: &StageRun, rel: &str) -> Vec<(String, i64)> {
-    let cmd = Cmd::new(&run.git.bin)
+    // `orch_exec::git` has no history query; this is the one git command run directly, with
+    // the same hygiene: no variable may point git at another repository.
+    let mut cmd = Cmd::new(&run.git.bin)
         .args(["log", "--reverse", "--format=%H %ct", "--"])
         .arg(rel)
         .cwd(&run.worktree)
+        .env("GIT_TERMINAL_PROMPT", "0")
         .timeout(run.git.timeout);
+    for key in [
+        "GIT_DIR",
+        "GIT_WORK_TREE",
+        "GIT_INDEX_FILE",
+        "GIT_OBJECT_DIRECTORY",
+        "GIT_ALTERNATE_OBJECT_DIRECTORIES",
+        "GIT_COMMON_DIR",
+        "GIT_NAMESPACE",
+    ] {
+        cmd = cmd.env_remove(key);
+    }
     let commits: Vec<(String, i64)> = match run_process(&cmd).await {
         Ok(out) if out.success() => out
             .stdout_lossy()
