@@ -174,7 +174,7 @@ pub async fn gather(run: &StageRun) -> anyhow::Result<Vec<Lesson>> {
         lessons.push(Lesson {
             id: format!("{id}/{kind}/{source}#{n}"),
             kind,
-            summary,
+            summary: one_line(&summary),
             source,
             date,
         });
