@@ -67,6 +67,7 @@ struct Fx {
     revision: String,
     task: Task,
     git: Git,
+    counters: Arc<Counters>,
 }
 
 impl Fx {
@@ -125,6 +126,7 @@ impl Fx {
             revision,
             task,
             git,
+            counters: Arc::new(Counters::new()),
         }
     }
 
@@ -172,7 +174,7 @@ impl Fx {
             feedback: None,
             loops: 0,
             git: self.git.clone(),
-            counters: Arc::new(Counters::new()),
+            counters: self.counters.clone(),
             node: "node-a".into(),
         }
     }
@@ -465,6 +467,14 @@ async fn check(
         "{case}: the count is the queue"
     );
     assert!(!fx.deploy_state().has_marker(MARKER_INITIATED), "{case}");
+    let counter = |n: &str| fx.counters.get("deployer", n);
+    assert_eq!(
+        counter("deferred"),
+        u64::try_from(want_defers).unwrap(),
+        "{case}"
+    );
+    assert_eq!(counter("confirmed"), u64::from(want_pass), "{case}");
+    assert_eq!(counter("unconfirmed"), u64::from(!want_pass), "{case}");
     let armed = matches!(fx.watch().armed(), ArmedRead::Present(_));
     assert_eq!(armed, want_pass, "{case}: armed only when confirmed");
 }

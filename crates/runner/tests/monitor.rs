@@ -95,6 +95,7 @@ struct Fx {
     repo_dir: PathBuf,
     repo: RepoConfig,
     task: Task,
+    counters: Arc<Counters>,
 }
 
 impl Fx {
@@ -157,6 +158,7 @@ impl Fx {
             repo_dir,
             repo,
             task,
+            counters: Arc::new(Counters::new()),
         }
     }
 
@@ -214,7 +216,7 @@ impl Fx {
             feedback: None,
             loops: 0,
             git: Git::new(),
-            counters: Arc::new(Counters::new()),
+            counters: self.counters.clone(),
             node: "node-a".into(),
         }
     }
@@ -520,6 +522,9 @@ async fn check(s: Scenario) {
         fx.db.store.now_ms() <= armed.deadline_ms,
         "{name}: never past the deadline"
     );
+    let counter = |n: &str| fx.counters.get("post_deploy_monitor", n);
+    assert_eq!(counter("ticks"), u64::try_from(s.polls).unwrap(), "{name}");
+    assert_eq!(counter(&s.verdict.to_lowercase()), 1, "{name}");
 
     // A job arriving after the end changes nothing.
     let before = fx.db.store.task_events(fx.task.id).await.unwrap().len();

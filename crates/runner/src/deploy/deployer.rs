@@ -60,6 +60,7 @@ pub const CONFIRMED: &str = "CONFIRMED";
 impl StageExecutor for DeployerExecutor {
     async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
         let seq = super::visit_seq(run);
+        run.counters.incr("deployer", "runs");
         if let Some(effect) = replay(run, seq).await? {
             return Ok(effect);
         }
@@ -327,6 +328,7 @@ impl DeployerExecutor {
                 self.finalize_limit + 1,
                 self.finalize_delay_s
             );
+            run.counters.incr("deployer", "deferred");
             record(
                 run,
                 seq,
@@ -387,6 +389,7 @@ impl DeployerExecutor {
             data([("revision", json!(revision)), ("armed", json!(armed))]),
         )
         .await?;
+        run.counters.incr("deployer", "confirmed");
         if !state.clear_state() {
             tracing::warn!(work_item = %run.work_item, "deploy: confirmed, but the markers could not be cleared (the recorded event keeps re-runs from deploying)");
         }
@@ -446,6 +449,12 @@ async fn fail(
         data([("revision", json!(revision))]),
     )
     .await?;
+    let counter = if kind == events::DEPLOY_UNCONFIRMED {
+        "unconfirmed"
+    } else {
+        "failed"
+    };
+    run.counters.incr("deployer", counter);
     if !state.clear_state() {
         tracing::warn!(work_item = %run.work_item, "deploy: the markers could not be cleared");
     }

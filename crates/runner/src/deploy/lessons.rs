@@ -94,6 +94,7 @@ const WATCHED: [Watched; 5] = [
 impl StageExecutor for LessonsExecutor {
     async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
         let seq = super::visit_seq(run);
+        run.counters.incr("lessons", "runs");
         let lessons = gather(run).await?;
         let now = run.store.now_ms();
 
@@ -108,6 +109,8 @@ impl StageExecutor for LessonsExecutor {
             Some(rel) => {
                 let path = run.worktree.join(rel);
                 let n = append_to_lessons_file(&path, run, &lessons, now)?;
+                run.counters
+                    .add("lessons", "recorded", u64::try_from(n).unwrap_or(u64::MAX));
                 (
                     n,
                     format!(

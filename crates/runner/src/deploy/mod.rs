@@ -83,6 +83,35 @@ pub mod events {
     pub const LESSONS_RECORDED: &str = "lessons.recorded";
 }
 
+/// In-process counter groups of the deploy tail (read-only in `GET /queue`, never persisted,
+/// like the staging runner's, seed ORCH-115 D-4): `(group, names)`.
+pub const COUNTERS: [(&str, &[&str]); 3] = [
+    (
+        "deployer",
+        &["runs", "confirmed", "failed", "unconfirmed", "deferred"],
+    ),
+    (
+        "post_deploy_monitor",
+        &[
+            "ticks",
+            "healthy",
+            "degraded",
+            "failed",
+            "rollback",
+            "rollback_failed",
+            "alerts",
+        ],
+    ),
+    ("lessons", &["runs", "recorded"]),
+];
+
+/// Declares the deploy tail's counters at zero so they show before the first increment.
+pub fn declare_counters(counters: &crate::counters::Counters) {
+    for (group, names) in COUNTERS {
+        counters.declare(group, names);
+    }
+}
+
 /// The marker of a finalizer defer of stage visit `seq`, numbered `n` (1-based). Counting jobs
 /// whose content contains [`finalize_marker_prefix`] gives the defers so far.
 pub fn finalize_marker(seq: i64, n: u32) -> String {

@@ -118,6 +118,7 @@ impl MonitorExecutor {
         let slot_now = u32::try_from((now - first) / interval_ms).unwrap_or(u32::MAX);
         let tick = tick_jobs.max(slot_now);
         if tick < planned_polls(&params) {
+            run.counters.incr("post_deploy_monitor", "ticks");
             let poll = self.poll(run, &params, &armed.revision, tick, now).await;
             crate::failpoint::hit("monitor.before_append");
             if !ws.append_poll(&poll) {
@@ -447,6 +448,17 @@ async fn finish(
         ending.action.as_str(),
         ending.reason
     );
+    let verdict_counter = match ending.verdict {
+        Verdict::Healthy => "healthy",
+        Verdict::Degraded => "degraded",
+        Verdict::Failed => "failed",
+    };
+    run.counters.incr("post_deploy_monitor", verdict_counter);
+    match ending.action {
+        ActionTaken::Rollback => run.counters.incr("post_deploy_monitor", "rollback"),
+        ActionTaken::RollbackFailed => run.counters.incr("post_deploy_monitor", "rollback_failed"),
+        ActionTaken::Alert | ActionTaken::None => {}
+    }
     if !ws.mark_done(&summary) {
         tracing::warn!(work_item = %run.work_item, "post-deploy watch: `done` not written; a later job repeats the ending, not the reaction");
     }
@@ -475,6 +487,7 @@ async fn finish(
 /// Raises the alert: a `post_deploy.alert` event is the alert (SPEC §7).
 async fn alert(run: &StageRun, seq: i64, why: &str) -> anyhow::Result<()> {
     tracing::warn!(work_item = %run.work_item, "post-deploy alert: {why}");
+    run.counters.incr("post_deploy_monitor", "alerts");
     record(run, seq, events::POST_DEPLOY_ALERT, why, data([])).await
 }
 
