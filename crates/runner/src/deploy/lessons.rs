@@ -417,7 +417,7 @@ fn append_to_lessons_file(
         "\n## {} — {} ({})\n\n",
         run.work_item,
         one_line(&run.task.title),
-        &rfc3339_utc(now_ms)[..10]
+        day(&rfc3339_utc(now_ms))
     );
     for l in &new {
         text.push_str(&entry_line(run.work_item.as_str(), l));
@@ -438,10 +438,16 @@ fn entry_line(work_item: &str, l: &Lesson) -> String {
         "- <!-- {ENTRY_MARKER} {} --> **{work_item}** · {} · {} — {} (source: `{}`)",
         l.id,
         l.kind,
-        &l.date[..l.date.len().min(10)],
+        day(&l.date),
         l.summary,
         l.source
     )
+}
+
+/// The day part of an RFC 3339 date (the first 10 characters; `created_at` is input, so this
+/// counts characters, never bytes).
+fn day(date: &str) -> String {
+    date.chars().take(10).collect()
 }
 
 /// `17-lessons.md`: the common frontmatter keys plus `lessons_count`, and a table.
@@ -517,6 +523,13 @@ mod tests {
         ] {
             assert_eq!(lessons_file_path(rel).is_some(), ok, "{rel:?}");
         }
+    }
+
+    #[test]
+    fn a_non_ascii_created_at_does_not_break_the_entry() {
+        assert_eq!(day("2026-03-01T10:00:00Z"), "2026-03-01");
+        assert_eq!(day("двадцать шестой год"), "двадцать ш");
+        assert_eq!(day(""), "");
     }
 
     #[test]
