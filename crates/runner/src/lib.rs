@@ -4,6 +4,7 @@
 pub mod agents;
 pub mod builtin;
 pub mod counters;
+pub mod deploy;
 pub mod engine;
 pub mod failpoint;
 pub mod fsutil;

@@ -1,0 +1,474 @@
+//! The `deploy` stage (SPEC §6): run the repo's deploy command for the merged revision, then
+//! the **finalizer** confirms it (health reachable, revision live) with a bounded,
+//! restart-safe count of defers, and arms the post-deploy watch (SPEC §7).
+//!
+//! Restart safety (SPEC §6 self-deploy, §11): the `INITIATED` marker (holding the revision) is
+//! on disk before the command starts, and the command's `result` after it ends. A job that
+//! finds `INITIATED` — because orch restarted itself during a self-deploy, crashed, or this is
+//! a finalizer defer — never deploys again: it confirms. A confirmed or failed visit is
+//! recorded as an event (`deploy.confirmed` / `deploy.failed` / `deploy.unconfirmed` with the
+//! visit's `seq`) before the markers are cleared, so a re-run after that replays the outcome.
+//!
+//! Choices: without a deploy command there is nothing orch deploys. If `health_url` is set the
+//! revision is taken as deployed outside orch and confirmed and watched like any other; without
+//! it the stage passes with a `deploy.skipped` event and no watch is armed (nothing to poll).
+
+use std::path::PathBuf;
+
+use anyhow::{Context as _, anyhow, bail};
+use orch_deploystate::{
+    ArmOutcome, ArmedRecord, DeployResult, DeployState, MARKER_INITIATED, WatchState,
+};
+use orch_domain::gate::GateOutcome;
+use orch_exec::process::ExitKind;
+use orch_store::JobCount;
+use serde_json::json;
+
+use super::probe::{check_health, live_revision, revision_matches};
+use super::{OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command, watch_params};
+use crate::engine::{StageEffect, StageExecutor, StageRun};
+
+/// The default bound on finalizer defers per deploy visit.
+pub const DEFAULT_FINALIZE_LIMIT: u32 = 5;
+/// The default delay between finalizer checks, seconds.
+pub const DEFAULT_FINALIZE_DELAY_S: u64 = 5;
+
+/// The `deploy` stage's executor (agent `deployer`).
+#[derive(Debug, Clone)]
+pub struct DeployerExecutor {
+    /// Defers allowed before an unconfirmed deploy fails the task (default 5): the finalizer
+    /// checks at most `finalize_limit + 1` times per visit.
+    pub finalize_limit: u32,
+    /// Seconds between finalizer checks (default 5).
+    pub finalize_delay_s: u64,
+}
+
+impl Default for DeployerExecutor {
+    fn default() -> Self {
+        DeployerExecutor {
+            finalize_limit: DEFAULT_FINALIZE_LIMIT,
+            finalize_delay_s: DEFAULT_FINALIZE_DELAY_S,
+        }
+    }
+}
+
+/// The value a confirmed deploy passes to the pipeline (deploy has no artifact; any pass
+/// moves on to `observe`).
+pub const CONFIRMED: &str = "CONFIRMED";
+
+#[async_trait::async_trait]
+impl StageExecutor for DeployerExecutor {
+    async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
+        let seq = super::visit_seq(run);
+        run.counters.incr("deployer", "runs");
+        if let Some(effect) = replay(run, seq).await? {
+            return Ok(effect);
+        }
+        let state = DeployState::new(
+            &run.repos_dir,
+            run.repo_name.as_str(),
+            run.work_item.as_str(),
+        );
+        if state.has_marker(MARKER_INITIATED) {
+            tracing::info!(work_item = %run.work_item, "deploy: INITIATED found; finalizing instead of deploying again");
+            return self.finalize(run, &state, seq).await;
+        }
+        self.deploy(run, &state, seq).await
+    }
+}
+
+/// The outcome of a visit already recorded (a re-run after the markers were cleared).
+async fn replay(run: &StageRun, seq: i64) -> anyhow::Result<Option<StageEffect>> {
+    let events = run.store.task_events(run.task.id).await?;
+    let recorded = events
+        .iter()
+        .rev()
+        .filter(|e| event_seq(e) == Some(seq))
+        .find(|e| {
+            matches!(
+                e.kind.as_str(),
+                events::DEPLOY_CONFIRMED | events::DEPLOY_FAILED | events::DEPLOY_UNCONFIRMED
+            ) || (e.kind == events::DEPLOY_SKIPPED
+                && super::event_str(e, "outcome").as_deref() == Some("pass"))
+        });
+    let Some(e) = recorded else {
+        return Ok(None);
+    };
+    tracing::info!(work_item = %run.work_item, kind = %e.kind, "deploy: outcome already recorded for this visit; replaying it");
+    let outcome = match e.kind.as_str() {
+        events::DEPLOY_CONFIRMED | events::DEPLOY_SKIPPED => {
+            GateOutcome::pass(CONFIRMED.to_owned(), e.message.clone())
+        }
+        _ => GateOutcome::not_success(e.message.clone()),
+    };
+    Ok(Some(StageEffect::Produced {
+        outcome: Some(outcome),
+    }))
+}
+
+fn produced(outcome: GateOutcome) -> StageEffect {
+    StageEffect::Produced {
+        outcome: Some(outcome),
+    }
+}
+
+impl DeployerExecutor {
+    /// First run of the visit: mark `INITIATED`, run the deploy command, record its result,
+    /// then finalize in the same job.
+    async fn deploy(
+        &self,
+        run: &StageRun,
+        state: &DeployState,
+        seq: i64,
+    ) -> anyhow::Result<StageEffect> {
+        let branch = &run.repo.default_branch;
+        let revision = run
+            .git
+            .rev_parse(&run.repo_dir, branch)
+            .await
+            .with_context(|| {
+                format!(
+                    "deploy: cannot resolve the merged revision `{branch}` in {}",
+                    run.repo_dir.display()
+                )
+            })?
+            .ok_or_else(|| {
+                anyhow!(
+                    "deploy: branch `{branch}` has no commit in {}",
+                    run.repo_dir.display()
+                )
+            })?;
+
+        let Some(command) = run.repo.deploy.clone() else {
+            if run.repo.health_url.is_none() {
+                let msg = format!(
+                    "no deploy command and no health_url configured for repo `{}`: nothing to deploy, nothing to watch",
+                    run.repo_name
+                );
+                record(
+                    run,
+                    seq,
+                    events::DEPLOY_SKIPPED,
+                    &msg,
+                    data([("revision", json!(revision)), ("outcome", json!("pass"))]),
+                )
+                .await?;
+                return Ok(produced(GateOutcome::pass(CONFIRMED.to_owned(), msg)));
+            }
+            let msg = format!(
+                "no deploy command configured for repo `{}`: `{revision}` is taken as deployed outside orch; confirming and watching it at health_url",
+                run.repo_name
+            );
+            record(
+                run,
+                seq,
+                events::DEPLOY_SKIPPED,
+                &msg,
+                data([("revision", json!(revision)), ("outcome", json!("confirm"))]),
+            )
+            .await?;
+            if !state.write_marker(MARKER_INITIATED, &revision) {
+                bail!(
+                    "deploy: cannot write the {MARKER_INITIATED} marker for {}",
+                    run.work_item
+                );
+            }
+            state.write_result(&DeployResult {
+                success: true,
+                revision: Some(revision.clone()),
+                finished_at_ms: run.store.now_ms(),
+                detail: "no deploy command".to_owned(),
+            });
+            return self.finalize(run, state, seq).await;
+        };
+
+        // The marker goes first: without it a crash during the command would deploy twice.
+        if !state.write_marker(MARKER_INITIATED, &revision) {
+            bail!(
+                "deploy: cannot write the {MARKER_INITIATED} marker under {}: refusing to deploy without it (a crash would deploy twice)",
+                state
+                    .dir()
+                    .map_or_else(|| "(refused path)".to_owned(), |d| d.display().to_string())
+            );
+        }
+        record(
+            run,
+            seq,
+            events::DEPLOY_STARTED,
+            format!("deploying `{revision}` with `{command}`"),
+            data([("revision", json!(revision)), ("command", json!(command))]),
+        )
+        .await?;
+        crate::failpoint::hit("deploy.after_initiated");
+        let result = run_repo_command(run, &command, &revision).await;
+        crate::failpoint::hit("deploy.after_command");
+        let (success, detail) = match &result {
+            Ok(out) if out.status == ExitKind::Cancelled => {
+                // No result: the next run finds INITIATED and confirms what is live.
+                bail!(
+                    "deploy: cancelled while `{command}` ran (lease lost or shutdown); the finalizer will confirm it"
+                );
+            }
+            Ok(out) if out.success() => (true, out.tail_text(OUTPUT_TAIL_LINES)),
+            Ok(out) => (
+                false,
+                format!(
+                    "deploy command `{command}` ended with {} after {:.1}s:\n{}",
+                    out.status,
+                    out.duration.as_secs_f64(),
+                    out.tail_text(OUTPUT_TAIL_LINES)
+                ),
+            ),
+            Err(e) => (
+                false,
+                format!("deploy command `{command}` could not start: {e}"),
+            ),
+        };
+        if !state.write_result(&DeployResult {
+            success,
+            revision: Some(revision.clone()),
+            finished_at_ms: run.store.now_ms(),
+            detail: detail.clone(),
+        }) {
+            tracing::warn!(work_item = %run.work_item, "deploy: cannot write the result marker; continuing in this job");
+        }
+        if !success {
+            return fail(run, state, seq, events::DEPLOY_FAILED, detail, &revision).await;
+        }
+        self.finalize(run, state, seq).await
+    }
+
+    /// Confirms a deploy whose `INITIATED` marker is on disk.
+    async fn finalize(
+        &self,
+        run: &StageRun,
+        state: &DeployState,
+        seq: i64,
+    ) -> anyhow::Result<StageEffect> {
+        let result = state.read_result();
+        let revision = match initiated_revision(state)
+            .or_else(|| result.as_ref().and_then(|r| r.revision.clone()))
+        {
+            Some(rev) => rev,
+            None => run
+                .git
+                .rev_parse(&run.repo_dir, &run.repo.default_branch)
+                .await
+                .context("deploy finalizer: cannot resolve the merged revision")?
+                .ok_or_else(|| {
+                    anyhow!(
+                        "deploy finalizer: no revision in the markers and none on `{}`",
+                        run.repo.default_branch
+                    )
+                })?,
+        };
+        if let Some(r) = result.as_ref().filter(|r| !r.success) {
+            return fail(
+                run,
+                state,
+                seq,
+                events::DEPLOY_FAILED,
+                r.detail.clone(),
+                &revision,
+            )
+            .await;
+        }
+
+        let timeout = std::time::Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+        let mut problems = Vec::new();
+        let mut observed = Vec::new();
+        match &run.repo.health_url {
+            None if result.is_none() => problems.push(
+                "the deploy was interrupted before its result was recorded, and there is no health_url to confirm it by"
+                    .to_owned(),
+            ),
+            None => observed.push("no health_url: confirmed by the deploy command's exit".to_owned()),
+            Some(url) => {
+                let check = check_health(url, timeout).await;
+                if check.outcome == orch_domain::monitor::CheckOutcome::Pass {
+                    observed.push(format!("health {}", check.detail));
+                } else {
+                    problems.push(format!("health {}: {}", check.outcome.as_str(), check.detail));
+                }
+            }
+        }
+        if problems.is_empty()
+            && let Some(url) = &run.repo.revision_url
+        {
+            match live_revision(url, timeout).await {
+                Some(live) if revision_matches(&revision, &live) => {
+                    observed.push(format!("revision `{live}` live"));
+                }
+                Some(live) => problems.push(format!("live revision is `{live}`, not `{revision}`")),
+                None => problems.push(format!("the live revision cannot be read at {url}")),
+            }
+        }
+
+        if problems.is_empty() {
+            return self
+                .confirm(run, state, seq, &revision, &observed.join("; "))
+                .await;
+        }
+        let problem = problems.join("; ");
+        let prefix = super::finalize_marker_prefix(seq);
+        let defers = run
+            .store
+            .count_jobs(&JobCount {
+                task_id: run.task.id,
+                agent: run.job.agent.clone(),
+                content_contains: Some(prefix),
+            })
+            .await?;
+        let defers = u32::try_from(defers).unwrap_or(u32::MAX);
+        if defers < self.finalize_limit {
+            let n = defers + 1;
+            let reason = format!(
+                "deploy of `{revision}` not confirmed yet ({problem}); check {} of {} in {}s",
+                n + 1,
+                self.finalize_limit + 1,
+                self.finalize_delay_s
+            );
+            run.counters.incr("deployer", "deferred");
+            record(
+                run,
+                seq,
+                events::DEPLOY_DEFERRED,
+                &reason,
+                data([("revision", json!(revision)), ("defer", json!(n))]),
+            )
+            .await?;
+            return Ok(StageEffect::Requeue {
+                delay_s: self.finalize_delay_s,
+                marker: super::finalize_marker(seq, n),
+                reason,
+            });
+        }
+        let reason = format!(
+            "deploy of `{revision}` not confirmed after {} checks: {problem}",
+            defers.saturating_add(1)
+        );
+        fail(
+            run,
+            state,
+            seq,
+            events::DEPLOY_UNCONFIRMED,
+            reason,
+            &revision,
+        )
+        .await
+    }
+
+    /// The deploy is live: arm the watch, record the confirmation, clear the markers, pass.
+    async fn confirm(
+        &self,
+        run: &StageRun,
+        state: &DeployState,
+        seq: i64,
+        revision: &str,
+        observed: &str,
+    ) -> anyhow::Result<StageEffect> {
+        let armed = if run.repo.health_url.is_some() {
+            arm(run, revision)?;
+            true
+        } else {
+            false
+        };
+        let message = format!(
+            "deploy of `{revision}` confirmed ({observed}); {}",
+            if armed {
+                "post-deploy watch armed"
+            } else {
+                "no health_url: no watch armed"
+            }
+        );
+        record(
+            run,
+            seq,
+            events::DEPLOY_CONFIRMED,
+            &message,
+            data([("revision", json!(revision)), ("armed", json!(armed))]),
+        )
+        .await?;
+        run.counters.incr("deployer", "confirmed");
+        if !state.clear_state() {
+            tracing::warn!(work_item = %run.work_item, "deploy: confirmed, but the markers could not be cleared (the recorded event keeps re-runs from deploying)");
+        }
+        Ok(produced(GateOutcome::pass(CONFIRMED.to_owned(), message)))
+    }
+}
+
+/// Arms the watch for `revision` (idempotent). A finished watch, or one for another revision,
+/// is from an earlier deploy and is replaced.
+fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
+    let ws = WatchState::new(
+        &run.repos_dir,
+        run.repo_name.as_str(),
+        run.work_item.as_str(),
+    );
+    if ws.is_done() {
+        tracing::info!(work_item = %run.work_item, "deploy: replacing a finished watch from an earlier deploy");
+        ws.clear();
+    }
+    let record = ArmedRecord::new(
+        watch_params(&run.repo.post_deploy),
+        run.store.now_ms(),
+        revision,
+    );
+    match ws.arm(&record) {
+        ArmOutcome::Armed => Ok(()),
+        ArmOutcome::AlreadyArmed(existing) if revision_matches(revision, &existing.revision) => {
+            tracing::info!(work_item = %run.work_item, "deploy: watch already armed for this revision (a retried arm)");
+            Ok(())
+        }
+        ArmOutcome::AlreadyArmed(existing) => {
+            tracing::warn!(work_item = %run.work_item, old = %existing.revision, new = revision, "deploy: replacing a watch armed for another revision");
+            ws.clear();
+            match ws.arm(&record) {
+                ArmOutcome::Armed => Ok(()),
+                other => bail!("deploy: cannot re-arm the post-deploy watch: {other:?}"),
+            }
+        }
+        ArmOutcome::Failed(e) => bail!("deploy: cannot arm the post-deploy watch: {e}"),
+    }
+}
+
+/// Records a failed visit, clears the markers and fails the stage.
+async fn fail(
+    run: &StageRun,
+    state: &DeployState,
+    seq: i64,
+    kind: &str,
+    reason: String,
+    revision: &str,
+) -> anyhow::Result<StageEffect> {
+    record(
+        run,
+        seq,
+        kind,
+        &reason,
+        data([("revision", json!(revision))]),
+    )
+    .await?;
+    let counter = if kind == events::DEPLOY_UNCONFIRMED {
+        "unconfirmed"
+    } else {
+        "failed"
+    };
+    run.counters.incr("deployer", counter);
+    if !state.clear_state() {
+        tracing::warn!(work_item = %run.work_item, "deploy: the markers could not be cleared");
+    }
+    Ok(produced(GateOutcome::not_success(reason)))
+}
+
+/// The revision written into `INITIATED`, if readable.
+fn initiated_revision(state: &DeployState) -> Option<String> {
+    let path: PathBuf = state.dir()?.join(MARKER_INITIATED);
+    match std::fs::read_to_string(&path) {
+        Ok(text) => Some(text.trim().to_owned()).filter(|s| !s.is_empty()),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "deploy: cannot read the INITIATED marker");
+            None
+        }
+    }
+}

@@ -1,0 +1,226 @@
+//! The deploy tail's stage executors (SPEC §3 rows deploy → observe → lessons): the deployer
+//! with its finalizer (SPEC §6), the post-deploy monitor (SPEC §7, seed ORCH-021) and the
+//! lessons loop (SPEC §8). They plug into the engine through [`crate::engine::StageExecutor`];
+//! the engine commits what they write, gates it and changes the stage.
+//!
+//! Map:
+//! - [`probe`]: the HTTP checks (health, live revision) with FAIL/ERROR told apart.
+//! - [`deployer`]: `deploy` stage: the deploy command under self-deploy markers, the
+//!   finalizer's bounded restart-safe confirmation, arming the watch.
+//! - [`monitor`]: `observe` stage: one poll per job, the verdict, rollback or alert, the
+//!   `16-post-deploy-log.md` artifact, and the recovery sweep for stranded watches.
+//! - [`lessons`]: `lessons` stage: objective outcomes → `17-lessons.md` and the lessons file.
+//!
+//! Invariants:
+//! - **No new state but files and markers** (seed §1–§3, AC-12): counts (finalizer defers,
+//!   monitor ticks) are recovered from the jobs queue by marker substrings (seed §2,
+//!   "как `_deploy_finalize_defer_count` считает по task_content LIKE"); the watch lives in
+//!   the `orch-deploystate` sentinel files.
+//! - **Restart-safe side effects.** The deploy command runs at most once per stage visit
+//!   (`INITIATED` is on disk before it starts); a rollback runs at most once per visit (a
+//!   `post_deploy.rollback_started` event is recorded before it starts); an outcome once
+//!   recorded as an event is replayed, never redone.
+//! - **Local state pins jobs.** The sentinel files live in this machine's `repos_dir`: the
+//!   `observe` and `deploy` jobs must carry `NewJob.node = run.node` (the engine copies the
+//!   node onto requeued jobs; [`monitor::recover_watches`] sets it).
+//! - Every event carries the stage visit (`seq`) in its data, so replays and lessons can tell
+//!   visits apart.
+
+pub mod deployer;
+pub mod lessons;
+pub mod monitor;
+pub mod probe;
+
+use std::time::Duration;
+
+use orch_domain::config::PostDeployConfig;
+use orch_domain::monitor::WatchParams;
+use orch_exec::process::{Cmd, Output, SpawnError, run as run_process};
+use orch_store::{Event, NewEvent};
+
+use crate::engine::{StageJob, StageRun};
+
+pub use deployer::DeployerExecutor;
+pub use lessons::LessonsExecutor;
+pub use monitor::{
+    ActiveWatchInfo, MonitorExecutor, RecoveryAction, active_watches, recover_watches,
+};
+
+/// The job kind of the `deploy` stage (and of `staging`, handled elsewhere).
+pub const DEPLOYER_AGENT: &str = "deployer";
+/// The job kind of the `observe` stage (seed §2: a job kind of the existing queue).
+pub const MONITOR_AGENT: &str = "post-deploy-monitor";
+/// The job kind of the `lessons` stage.
+pub const LESSONS_AGENT: &str = "lessons";
+
+/// Event kinds written by the deploy tail. Each event's data is a JSON object with `seq`.
+pub mod events {
+    /// The deploy command is about to run.
+    pub const DEPLOY_STARTED: &str = "deploy.started";
+    /// No deploy command is configured.
+    pub const DEPLOY_SKIPPED: &str = "deploy.skipped";
+    /// The deploy command failed (non-zero exit, timeout, cannot start).
+    pub const DEPLOY_FAILED: &str = "deploy.failed";
+    /// The finalizer could not confirm yet and deferred.
+    pub const DEPLOY_DEFERRED: &str = "deploy.deferred";
+    /// The finalizer gave up: the deploy was not confirmed within its bound.
+    pub const DEPLOY_UNCONFIRMED: &str = "deploy.unconfirmed";
+    /// The deploy is confirmed (health reachable, revision live) and the watch armed.
+    pub const DEPLOY_CONFIRMED: &str = "deploy.confirmed";
+    /// The monitor found its sentinel state missing or broken, or could not store a poll.
+    pub const POST_DEPLOY_EVIDENCE_LOST: &str = "post_deploy.evidence_lost";
+    /// The alert: a DEGRADED watch, a FAILED one that may not roll back, a failed rollback.
+    pub const POST_DEPLOY_ALERT: &str = "post_deploy.alert";
+    /// The rollback command is about to run (recorded first: a re-run never rolls back twice).
+    pub const POST_DEPLOY_ROLLBACK_STARTED: &str = "post_deploy.rollback_started";
+    /// The rollback's result (ran, verified or not).
+    pub const POST_DEPLOY_ROLLBACK: &str = "post_deploy.rollback";
+    /// The watch's verdict and the action taken.
+    pub const POST_DEPLOY_VERDICT: &str = "post_deploy.verdict";
+    /// The recovery sweep re-enqueued a tick for a stranded watch.
+    pub const POST_DEPLOY_RECOVERED: &str = "post_deploy.recovered";
+    /// The lessons of a work item were recorded.
+    pub const LESSONS_RECORDED: &str = "lessons.recorded";
+}
+
+/// In-process counter groups of the deploy tail (read-only in `GET /queue`, never persisted,
+/// like the staging runner's, seed ORCH-115 D-4): `(group, names)`.
+pub const COUNTERS: [(&str, &[&str]); 3] = [
+    (
+        "deployer",
+        &["runs", "confirmed", "failed", "unconfirmed", "deferred"],
+    ),
+    (
+        "post_deploy_monitor",
+        &[
+            "ticks",
+            "healthy",
+            "degraded",
+            "failed",
+            "rollback",
+            "rollback_failed",
+            "alerts",
+        ],
+    ),
+    ("lessons", &["runs", "recorded"]),
+];
+
+/// Declares the deploy tail's counters at zero so they show before the first increment.
+pub fn declare_counters(counters: &crate::counters::Counters) {
+    for (group, names) in COUNTERS {
+        counters.declare(group, names);
+    }
+}
+
+/// The marker of a finalizer defer of stage visit `seq`, numbered `n` (1-based). Counting jobs
+/// whose content contains [`finalize_marker_prefix`] gives the defers so far.
+pub fn finalize_marker(seq: i64, n: u32) -> String {
+    format!("{} n={n}", finalize_marker_prefix(seq))
+}
+
+/// `[orch:deploy-finalize seq=<seq>]`: the substring counted for the finalizer's defers.
+pub fn finalize_marker_prefix(seq: i64) -> String {
+    format!("[orch:deploy-finalize seq={seq}]")
+}
+
+/// The marker of the monitor job for tick `tick` of stage visit `seq`.
+pub fn tick_marker(seq: i64, tick: u32) -> String {
+    format!("{} tick={tick}", tick_marker_prefix(seq))
+}
+
+/// `[orch:monitor-tick seq=<seq>]`: the substring counted for the monitor's ticks (seed §2).
+pub fn tick_marker_prefix(seq: i64) -> String {
+    format!("[orch:monitor-tick seq={seq}]")
+}
+
+/// The marker of the `n`-th (1-based) wait before the first poll slot; it consumes no tick.
+pub fn wait_marker(seq: i64, n: u32) -> String {
+    format!("{} n={n}", wait_marker_prefix(seq))
+}
+
+/// `[orch:monitor-wait seq=<seq>]`: jobs that only wait for the first slot.
+pub fn wait_marker_prefix(seq: i64) -> String {
+    format!("[orch:monitor-wait seq={seq}]")
+}
+
+/// The watch parameters configured for a repo (frozen into `armed` when the watch is armed).
+pub fn watch_params(pd: &PostDeployConfig) -> WatchParams {
+    WatchParams {
+        window_s: pd.window_s,
+        interval_s: pd.interval_s,
+        initial_delay_s: pd.initial_delay_s,
+        poll_timeout_s: pd.poll_timeout_s,
+    }
+}
+
+/// The stage visit this job belongs to: the `seq` of its payload, or the task's current one.
+pub(crate) fn visit_seq(run: &StageRun) -> i64 {
+    StageJob::from_content(&run.job.task_content)
+        .map(|j| j.seq)
+        .unwrap_or(run.task.stage_seq)
+}
+
+/// Appends an event for this run's task and job, with `seq` added to `data`.
+pub(crate) async fn record(
+    run: &StageRun,
+    seq: i64,
+    kind: &str,
+    message: impl Into<String>,
+    mut data: serde_json::Map<String, serde_json::Value>,
+) -> anyhow::Result<()> {
+    data.insert("seq".into(), seq.into());
+    let event = NewEvent::new(kind, message)
+        .task(run.task.id)
+        .job(run.job.id)
+        .stage(run.stage.name.as_str())
+        .data(serde_json::Value::Object(data).to_string());
+    run.store.append_event(event).await?;
+    Ok(())
+}
+
+/// A JSON object from pairs, for event data.
+pub(crate) fn data<const N: usize>(
+    pairs: [(&str, serde_json::Value); N],
+) -> serde_json::Map<String, serde_json::Value> {
+    pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+}
+
+/// The `seq` in an event's data, if any.
+pub(crate) fn event_seq(event: &Event) -> Option<i64> {
+    serde_json::from_str::<serde_json::Value>(&event.data)
+        .ok()?
+        .get("seq")?
+        .as_i64()
+}
+
+/// A string field of an event's data.
+pub(crate) fn event_str(event: &Event, key: &str) -> Option<String> {
+    serde_json::from_str::<serde_json::Value>(&event.data)
+        .ok()?
+        .get(key)?
+        .as_str()
+        .map(str::to_owned)
+}
+
+/// Runs a repo command (`deploy`, `rollback`) with `sh -c` in the default-branch checkout,
+/// with the deploy timeout, `ORCH_WORK_ITEM` and `ORCH_REVISION`, stopped when the run is
+/// cancelled.
+pub(crate) async fn run_repo_command(
+    run: &StageRun,
+    command: &str,
+    revision: &str,
+) -> Result<Output, SpawnError> {
+    let cmd = Cmd::new("sh")
+        .arg("-c")
+        .arg(command)
+        .cwd(&run.repo_dir)
+        .env("ORCH_WORK_ITEM", run.work_item.as_str())
+        .env("ORCH_REVISION", revision)
+        .env("ORCH_REPO", run.repo_name.as_str())
+        .timeout(Duration::from_secs(run.repo.deploy_timeout_s.max(1)))
+        .cancel_on(run.cancel.clone());
+    run_process(&cmd).await
+}
+
+/// The last lines of a command's output for events and reasons.
+pub(crate) const OUTPUT_TAIL_LINES: usize = 20;

@@ -1,0 +1,665 @@
+//! The `observe` stage: the post-deploy monitor (ORCH-021, seed `002_…`, SPEC §7). One job is
+//! one tick: it polls the service once, appends the poll to the watch's `series`, and either
+//! asks for the next tick (a requeue with `available_at_delay_s` = the time to the next slot)
+//! or ends the watch with a verdict and its reaction, writes `16-post-deploy-log.md` (seed §4)
+//! and marks the watch `done` (seed §3, §5).
+//!
+//! Restart safety (seed §2, §3): the tick a job polls for is recovered from the jobs queue —
+//! the number of this visit's jobs carrying the tick marker — and never lags behind the clock
+//! (a slot missed while no worker ran is skipped, not polled late); the series ignores a
+//! repeated tick; `done` makes any later job a no-op; a rollback is recorded as started before
+//! it runs, so a re-run never rolls back twice. Every sentinel read falls back conservatively
+//! (seed §3 "never-raise"): a missing or corrupt `armed` ends the watch DEGRADED with the loss
+//! said in the log and an event; lost evidence never ends HEALTHY.
+//!
+//! A stranded watch (`armed` without `done`, no live job — e.g. the job failed for good) is
+//! found by [`active_watches`] (`GET /queue`, seed §5 "активное наблюдение") and completed by a
+//! job that [`recover_watches`] enqueues.
+
+use std::path::Path;
+use std::time::Duration;
+
+use orch_deploystate::{ArmedRead, ArmedRecord, WatchState, list_active};
+use orch_domain::monitor::{
+    ActionTaken, CheckOutcome, Decision, Poll, PostDeployLog, Reaction, Verdict, WatchParams,
+    decide, planned_polls, reaction, render_post_deploy_log, tick_at_ms,
+};
+use orch_exec::process::ExitKind;
+use orch_store::{JobCount, NewEvent, NewJob, Store};
+use serde_json::json;
+
+use super::probe::{check_health, check_revision, live_revision, revision_matches};
+use super::{
+    MONITOR_AGENT, OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command,
+    tick_marker, tick_marker_prefix, wait_marker, wait_marker_prefix, watch_params,
+};
+use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
+
+/// The artifact the monitor writes (seed §4).
+pub const POST_DEPLOY_LOG: &str = "16-post-deploy-log.md";
+
+/// The `observe` stage's executor (agent `post-deploy-monitor`).
+#[derive(Debug, Clone)]
+pub struct MonitorExecutor {
+    /// Health polls after a rollback command before it counts as failed (default 3).
+    pub verify_polls: u32,
+    /// Time before each verification poll (default 5 s).
+    pub verify_interval: Duration,
+}
+
+impl Default for MonitorExecutor {
+    fn default() -> Self {
+        MonitorExecutor {
+            verify_polls: 3,
+            verify_interval: Duration::from_secs(5),
+        }
+    }
+}
+
+/// How a watch ended, for the log and the events.
+struct Ending {
+    verdict: Verdict,
+    reason: String,
+    action: ActionTaken,
+    action_detail: String,
+}
+
+#[async_trait::async_trait]
+impl StageExecutor for MonitorExecutor {
+    async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
+        let seq = super::visit_seq(run);
+        let ws = WatchState::new(
+            &run.repos_dir,
+            run.repo_name.as_str(),
+            run.work_item.as_str(),
+        );
+        if ws.is_done() {
+            tracing::info!(work_item = %run.work_item, "post-deploy watch already done; nothing to do");
+            return Ok(StageEffect::Produced { outcome: None });
+        }
+        let armed = match ws.armed() {
+            ArmedRead::Present(armed) => armed,
+            ArmedRead::Absent => return self.without_watch(run, &ws, seq, None).await,
+            ArmedRead::Corrupt(why) => return self.without_watch(run, &ws, seq, Some(why)).await,
+        };
+        self.tick(run, &ws, seq, &armed).await
+    }
+}
+
+impl MonitorExecutor {
+    /// One tick of an armed watch.
+    async fn tick(
+        &self,
+        run: &StageRun,
+        ws: &WatchState,
+        seq: i64,
+        armed: &ArmedRecord,
+    ) -> anyhow::Result<StageEffect> {
+        let params = armed.params;
+        let now = run.store.now_ms();
+        let first = tick_at_ms(&params, armed.armed_at_ms, 0);
+        if now < first {
+            let waits = count(run, &wait_marker_prefix(seq)).await?;
+            let delay_s = u64::try_from(first - now)
+                .unwrap_or(0)
+                .div_ceil(1_000)
+                .max(1);
+            return Ok(StageEffect::Requeue {
+                delay_s,
+                marker: wait_marker(seq, waits.saturating_add(1)),
+                reason: format!("post-deploy watch: first poll in {delay_s}s"),
+            });
+        }
+
+        // The slot to poll for: the queue's tick count, never behind the clock.
+        let tick_jobs = count(run, &tick_marker_prefix(seq)).await?;
+        let interval_ms =
+            i64::try_from(params.interval_s.max(1).saturating_mul(1_000)).unwrap_or(i64::MAX);
+        let slot_now = u32::try_from((now - first) / interval_ms).unwrap_or(u32::MAX);
+        let tick = tick_jobs.max(slot_now);
+        if tick < planned_polls(&params) {
+            run.counters.incr("post_deploy_monitor", "ticks");
+            let poll = self.poll(run, &params, &armed.revision, tick, now).await;
+            crate::failpoint::hit("monitor.before_append");
+            if !ws.append_poll(&poll) {
+                let why = format!("poll of tick {tick} could not be stored in the series");
+                ws.mark_lost(&why);
+                record(
+                    run,
+                    seq,
+                    events::POST_DEPLOY_EVIDENCE_LOST,
+                    &why,
+                    data([("tick", json!(tick))]),
+                )
+                .await?;
+            }
+        }
+
+        let series = ws.series();
+        match decide(&series.polls, &params, armed.armed_at_ms, now) {
+            Decision::Continue { next_delay_s } => Ok(StageEffect::Requeue {
+                delay_s: next_delay_s.max(1),
+                marker: tick_marker(seq, tick.saturating_add(1)),
+                reason: format!("post-deploy watch: tick {tick} polled; next in {next_delay_s}s"),
+            }),
+            Decision::Final(verdict, reason) => {
+                let (verdict, reason) = match (&series.lost, verdict) {
+                    (Some(lost), Verdict::Healthy) => (
+                        Verdict::Degraded,
+                        format!("{reason}; but evidence was lost ({lost}): not proof of health"),
+                    ),
+                    (_, v) => (v, reason),
+                };
+                let ending = self.react(run, seq, armed, verdict, reason).await?;
+                finish(
+                    run,
+                    ws,
+                    seq,
+                    &params,
+                    armed.armed_at_ms,
+                    &armed.revision,
+                    &series.polls,
+                    series.lost.as_deref(),
+                    ending,
+                )
+                .await
+            }
+        }
+    }
+
+    /// Polls the service once: the health check, and the revision check when configured.
+    async fn poll(
+        &self,
+        run: &StageRun,
+        params: &WatchParams,
+        watched: &str,
+        tick: u32,
+        now: i64,
+    ) -> Poll {
+        let timeout = Duration::from_secs(params.poll_timeout_s.max(1));
+        let mut checks = Vec::new();
+        if let Some(url) = &run.repo.health_url {
+            checks.push(check_health(url, timeout).await);
+        }
+        if let Some(url) = &run.repo.revision_url {
+            checks.push(check_revision(url, watched, timeout).await.check);
+        }
+        Poll {
+            tick,
+            at_ms: now,
+            checks,
+        }
+    }
+
+    /// The reaction to a final verdict (SPEC §7): FAILED → rollback only if the watched
+    /// revision is still live, else alert; DEGRADED → alert; HEALTHY → none.
+    async fn react(
+        &self,
+        run: &StageRun,
+        seq: i64,
+        armed: &ArmedRecord,
+        verdict: Verdict,
+        reason: String,
+    ) -> anyhow::Result<Ending> {
+        let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
+        let live = match (&run.repo.revision_url, verdict) {
+            (Some(url), Verdict::Failed) => live_revision(url, timeout).await,
+            _ => None,
+        };
+        let (action, action_detail) = match reaction(verdict, &armed.revision, live.as_deref()) {
+            Reaction::None => (ActionTaken::None, String::new()),
+            Reaction::AlertOnly { reason: why } => {
+                alert(run, seq, &format!("{}: {reason}; {why}", verdict.as_str())).await?;
+                (ActionTaken::Alert, why)
+            }
+            Reaction::Rollback => self.rollback(run, seq, armed, &reason).await?,
+        };
+        Ok(Ending {
+            verdict,
+            reason,
+            action,
+            action_detail,
+        })
+    }
+
+    /// Runs the repo's rollback command once per visit and verifies it by polls.
+    async fn rollback(
+        &self,
+        run: &StageRun,
+        seq: i64,
+        armed: &ArmedRecord,
+        reason: &str,
+    ) -> anyhow::Result<(ActionTaken, String)> {
+        let revision = &armed.revision;
+        let Some(command) = run.repo.rollback.clone() else {
+            let why = format!(
+                "FAILED ({reason}) and `{revision}` is live, but no rollback command is configured"
+            );
+            alert(run, seq, &why).await?;
+            return Ok((ActionTaken::Alert, why));
+        };
+        let events = run.store.task_events(run.task.id).await?;
+        let started_before = events
+            .iter()
+            .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq));
+        if started_before {
+            tracing::warn!(work_item = %run.work_item, "rollback already started in this visit (a re-run): verifying only");
+        } else {
+            record(
+                run,
+                seq,
+                events::POST_DEPLOY_ROLLBACK_STARTED,
+                format!("rolling back `{revision}` with `{command}`: {reason}"),
+                data([("revision", json!(revision)), ("command", json!(command))]),
+            )
+            .await?;
+            let out = run_repo_command(run, &command, revision).await;
+            crate::failpoint::hit("monitor.after_rollback");
+            let failed = match &out {
+                Ok(o) if o.success() => None,
+                Ok(o) if o.status == ExitKind::Cancelled => {
+                    anyhow::bail!(
+                        "rollback `{command}` cancelled (lease lost or shutdown); the re-run verifies it"
+                    )
+                }
+                Ok(o) => Some(format!(
+                    "rollback command `{command}` ended with {}:\n{}",
+                    o.status,
+                    o.tail_text(OUTPUT_TAIL_LINES)
+                )),
+                Err(e) => Some(format!("rollback command `{command}` could not start: {e}")),
+            };
+            if let Some(why) = failed {
+                record(
+                    run,
+                    seq,
+                    events::POST_DEPLOY_ROLLBACK,
+                    &why,
+                    data([("revision", json!(revision)), ("verified", json!(false))]),
+                )
+                .await?;
+                alert(run, seq, &why).await?;
+                return Ok((ActionTaken::RollbackFailed, why));
+            }
+        }
+        let (verified, detail) = self.verify(run, armed).await;
+        let message = if verified {
+            format!("rolled back `{revision}`; verified: {detail}")
+        } else {
+            format!("rollback of `{revision}` ran but is not verified: {detail}")
+        };
+        record(
+            run,
+            seq,
+            events::POST_DEPLOY_ROLLBACK,
+            &message,
+            data([("revision", json!(revision)), ("verified", json!(verified))]),
+        )
+        .await?;
+        if verified {
+            Ok((ActionTaken::Rollback, message))
+        } else {
+            alert(run, seq, &message).await?;
+            Ok((ActionTaken::RollbackFailed, message))
+        }
+    }
+
+    /// Verifies a rollback: up to `verify_polls` polls, each after `verify_interval`; verified
+    /// by the first one where health passes and the live revision is no longer the watched one
+    /// (when a revision endpoint is configured).
+    async fn verify(&self, run: &StageRun, armed: &ArmedRecord) -> (bool, String) {
+        let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
+        let mut last = "no verification poll ran".to_owned();
+        for i in 1..=self.verify_polls.max(1) {
+            tokio::select! {
+                () = tokio::time::sleep(self.verify_interval) => {}
+                () = run.cancel.cancelled() => return (false, format!("cancelled before verification poll {i}")),
+            }
+            let health = match &run.repo.health_url {
+                Some(url) => check_health(url, timeout).await,
+                None => return (false, "no health_url to verify by".to_owned()),
+            };
+            if health.outcome != CheckOutcome::Pass {
+                last = format!(
+                    "poll {i}: health {} ({})",
+                    health.outcome.as_str(),
+                    health.detail
+                );
+                continue;
+            }
+            match &run.repo.revision_url {
+                None => return (true, format!("poll {i}: health PASS")),
+                Some(url) => match live_revision(url, timeout).await {
+                    Some(live) if !revision_matches(&armed.revision, &live) => {
+                        return (
+                            true,
+                            format!("poll {i}: health PASS, live revision `{live}`"),
+                        );
+                    }
+                    Some(live) => {
+                        last = format!("poll {i}: health PASS but `{live}` is still live")
+                    }
+                    None => {
+                        last = format!("poll {i}: health PASS but the live revision cannot be read")
+                    }
+                },
+            }
+        }
+        (false, last)
+    }
+
+    /// Ends a watch whose `armed` is absent or unusable: DEGRADED (never HEALTHY without
+    /// evidence), with the loss said. A repo without `health_url` arms no watch by design:
+    /// that ends DEGRADED with no alert.
+    async fn without_watch(
+        &self,
+        run: &StageRun,
+        ws: &WatchState,
+        seq: i64,
+        corrupt: Option<String>,
+    ) -> anyhow::Result<StageEffect> {
+        let params = watch_params(&run.repo.post_deploy);
+        let now = run.store.now_ms();
+        let series = ws.series();
+        let (reason, lost, action, action_detail) = match (corrupt, &run.repo.health_url) {
+            (None, None) => (
+                "nothing was watched: the repo has no health_url, so the deploy armed no watch"
+                    .to_owned(),
+                None,
+                ActionTaken::None,
+                String::new(),
+            ),
+            (corrupt, _) => {
+                let lost = match corrupt {
+                    Some(why) => format!("the watch's `armed` file is unusable ({why})"),
+                    None => "no armed watch found: the watch's state is missing".to_owned(),
+                };
+                record(run, seq, events::POST_DEPLOY_EVIDENCE_LOST, &lost, data([])).await?;
+                let reason = format!("evidence lost: {lost}");
+                alert(run, seq, &format!("DEGRADED: {reason}")).await?;
+                (
+                    reason,
+                    Some(lost),
+                    ActionTaken::Alert,
+                    "alert raised: the watch cannot be trusted".to_owned(),
+                )
+            }
+        };
+        let lost = match (lost, series.lost) {
+            (Some(a), Some(b)) => Some(format!("{a}; {b}")),
+            (a, b) => a.or(b),
+        };
+        let ending = Ending {
+            verdict: Verdict::Degraded,
+            reason,
+            action,
+            action_detail,
+        };
+        finish(
+            run,
+            ws,
+            seq,
+            &params,
+            now,
+            "unknown",
+            &series.polls,
+            lost.as_deref(),
+            ending,
+        )
+        .await
+    }
+}
+
+/// Writes the log (best effort), marks the watch done and records the verdict.
+#[allow(clippy::too_many_arguments)]
+async fn finish(
+    run: &StageRun,
+    ws: &WatchState,
+    seq: i64,
+    params: &WatchParams,
+    armed_at_ms: i64,
+    revision: &str,
+    series: &[Poll],
+    evidence_lost: Option<&str>,
+    ending: Ending,
+) -> anyhow::Result<StageEffect> {
+    let doc = render_post_deploy_log(&PostDeployLog {
+        work_item: run.work_item.as_str(),
+        created_at_ms: run.store.now_ms(),
+        revision,
+        params,
+        armed_at_ms,
+        series,
+        verdict: ending.verdict,
+        reason: &ending.reason,
+        action: ending.action,
+        action_detail: &ending.action_detail,
+        evidence_lost,
+    });
+    let path = run.artifact_path(POST_DEPLOY_LOG);
+    let written =
+        std::fs::create_dir_all(&run.artifact_dir).and_then(|()| std::fs::write(&path, doc));
+    if let Err(e) = &written {
+        tracing::warn!(path = %path.display(), error = %e, "post-deploy log not written (best effort)");
+    }
+    let summary = format!(
+        "{} action={} revision={revision}: {}",
+        ending.verdict.as_str(),
+        ending.action.as_str(),
+        ending.reason
+    );
+    let verdict_counter = match ending.verdict {
+        Verdict::Healthy => "healthy",
+        Verdict::Degraded => "degraded",
+        Verdict::Failed => "failed",
+    };
+    run.counters.incr("post_deploy_monitor", verdict_counter);
+    match ending.action {
+        ActionTaken::Rollback => run.counters.incr("post_deploy_monitor", "rollback"),
+        ActionTaken::RollbackFailed => run.counters.incr("post_deploy_monitor", "rollback_failed"),
+        ActionTaken::Alert | ActionTaken::None => {}
+    }
+    if !ws.mark_done(&summary) {
+        tracing::warn!(work_item = %run.work_item, "post-deploy watch: `done` not written; a later job repeats the ending, not the reaction");
+    }
+    record(
+        run,
+        seq,
+        events::POST_DEPLOY_VERDICT,
+        format!(
+            "post-deploy watch {}: {} (action {})",
+            ending.verdict.as_str(),
+            ending.reason,
+            ending.action.as_str()
+        ),
+        data([
+            ("verdict", json!(ending.verdict.as_str())),
+            ("action", json!(ending.action.as_str())),
+            ("revision", json!(revision)),
+            ("log_written", json!(written.is_ok())),
+            ("evidence_lost", json!(evidence_lost)),
+        ]),
+    )
+    .await?;
+    Ok(StageEffect::Produced { outcome: None })
+}
+
+/// Raises the alert: a `post_deploy.alert` event is the alert (SPEC §7).
+async fn alert(run: &StageRun, seq: i64, why: &str) -> anyhow::Result<()> {
+    tracing::warn!(work_item = %run.work_item, "post-deploy alert: {why}");
+    run.counters.incr("post_deploy_monitor", "alerts");
+    record(run, seq, events::POST_DEPLOY_ALERT, why, data([])).await
+}
+
+/// This visit's jobs of this run's kind whose content contains `marker`.
+async fn count(run: &StageRun, marker: &str) -> anyhow::Result<u32> {
+    let n = run
+        .store
+        .count_jobs(&JobCount {
+            task_id: run.task.id,
+            agent: run.job.agent.clone(),
+            content_contains: Some(marker.to_owned()),
+        })
+        .await?;
+    Ok(u32::try_from(n).unwrap_or(u32::MAX))
+}
+
+/// One armed-but-not-done watch, for `GET /queue` ("active observations", seed §5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActiveWatchInfo {
+    /// The repo.
+    pub repo: String,
+    /// The work item.
+    pub work_item_id: String,
+    /// The watched revision, when `armed` is readable.
+    pub revision: Option<String>,
+    /// When the watch was armed (epoch ms), when readable.
+    pub armed_at_ms: Option<i64>,
+    /// Its deadline (epoch ms), when readable.
+    pub deadline_ms: Option<i64>,
+    /// Polls recorded so far.
+    pub polls: usize,
+    /// The polls the window plans, when readable.
+    pub planned_polls: Option<u32>,
+    /// What is wrong with its state, if anything (corrupt `armed`, lost evidence).
+    pub problem: Option<String>,
+}
+
+/// Every active watch in `repos_dir` (armed, not done), sorted by repo and work item.
+pub fn active_watches(repos_dir: &Path) -> Vec<ActiveWatchInfo> {
+    list_active(repos_dir)
+        .into_iter()
+        .map(|w| {
+            let series = WatchState::new(repos_dir, &w.repo, &w.work_item_id).series();
+            let (record, problem) = match w.armed {
+                ArmedRead::Present(r) => (Some(r), series.lost),
+                ArmedRead::Corrupt(why) => (None, Some(format!("armed unusable: {why}"))),
+                ArmedRead::Absent => (None, Some("armed vanished while listing".to_owned())),
+            };
+            ActiveWatchInfo {
+                repo: w.repo,
+                work_item_id: w.work_item_id,
+                revision: record.as_ref().map(|r| r.revision.clone()),
+                armed_at_ms: record.as_ref().map(|r| r.armed_at_ms),
+                deadline_ms: record.as_ref().map(|r| r.deadline_ms),
+                polls: series.polls.len(),
+                planned_polls: record.as_ref().map(|r| planned_polls(&r.params)),
+                problem,
+            }
+        })
+        .collect()
+}
+
+/// What the recovery sweep did about one active watch.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecoveryAction {
+    /// A tick job was enqueued (or an identical one already existed: `duplicate`).
+    Enqueued {
+        /// The job.
+        job_id: i64,
+        /// The dedupe key matched an existing job.
+        duplicate: bool,
+    },
+    /// A live monitor job of the current visit exists: nothing to do.
+    AlreadyQueued {
+        /// That job.
+        job_id: i64,
+    },
+    /// The task is not in `observe` (it moved on, or never got there): left alone.
+    NotObserving {
+        /// Where the task is.
+        stage: String,
+    },
+    /// No task of this repo has the work item id.
+    NoTask,
+    /// The store failed; the next sweep tries again.
+    Failed(String),
+}
+
+/// The recovery sweep (seed §5: a stale `armed` without `done` after a crash is completed by
+/// a restored job): for every active watch in this node's `repos_dir` whose task is at stage
+/// `observe` with no live `post-deploy-monitor` job of the current visit, enqueue one tick,
+/// pinned to `node` (the sentinel files are local), with dedupe key
+/// `monitor-recover:<task>:<seq>:<n>` so concurrent sweeps enqueue it once. Idempotent.
+pub async fn recover_watches(
+    store: &Store,
+    repos_dir: &Path,
+    node: &str,
+) -> Vec<(String, RecoveryAction)> {
+    let mut out = Vec::new();
+    for w in list_active(repos_dir) {
+        let action = match recover_one(store, &w.repo, &w.work_item_id, node).await {
+            Ok(action) => action,
+            Err(e) => {
+                tracing::warn!(work_item = %w.work_item_id, error = %e, "post-deploy recovery sweep failed for one watch");
+                RecoveryAction::Failed(format!("{e:#}"))
+            }
+        };
+        out.push((w.work_item_id, action));
+    }
+    out
+}
+
+async fn recover_one(
+    store: &Store,
+    repo: &str,
+    work_item_id: &str,
+    node: &str,
+) -> anyhow::Result<RecoveryAction> {
+    let Some(task) = store.get_task_by_work_item(work_item_id).await? else {
+        return Ok(RecoveryAction::NoTask);
+    };
+    if task.repo != repo {
+        return Ok(RecoveryAction::NoTask);
+    }
+    if task.stage != "observe" {
+        return Ok(RecoveryAction::NotObserving { stage: task.stage });
+    }
+    let seq = task.stage_seq;
+    let live = store.task_jobs(task.id).await?.into_iter().find(|j| {
+        j.agent == MONITOR_AGENT
+            && j.state.is_live()
+            && StageJob::from_content(&j.task_content).is_ok_and(|p| p.seq == seq)
+    });
+    if let Some(job) = live {
+        return Ok(RecoveryAction::AlreadyQueued { job_id: job.id });
+    }
+    let ticks = store
+        .count_jobs(&JobCount {
+            task_id: task.id,
+            agent: MONITOR_AGENT.to_owned(),
+            content_contains: Some(tick_marker_prefix(seq)),
+        })
+        .await?;
+    let n = u32::try_from(ticks).unwrap_or(u32::MAX).saturating_add(1);
+    let payload = StageJob {
+        stage: task.stage.clone(),
+        seq,
+    };
+    let enqueued = store
+        .enqueue(
+            NewJob::new(MONITOR_AGENT, payload.with_marker(&tick_marker(seq, n)))
+                .task(task.id)
+                .dedupe(format!("monitor-recover:{}:{seq}:{n}", task.id))
+                .node(node),
+        )
+        .await?;
+    if !enqueued.duplicate {
+        let event = NewEvent::new(
+            events::POST_DEPLOY_RECOVERED,
+            format!(
+                "stranded post-deploy watch: re-enqueued tick job {} on node {node}",
+                enqueued.job_id
+            ),
+        )
+        .task(task.id)
+        .job(enqueued.job_id)
+        .stage(task.stage.as_str())
+        .data(json!({"seq": seq, "tick": n, "node": node}).to_string());
+        store.append_event(event).await?;
+    }
+    Ok(RecoveryAction::Enqueued {
+        job_id: enqueued.job_id,
+        duplicate: enqueued.duplicate,
+    })
+}

@@ -1,0 +1,588 @@
+//! The `deploy` stage with real parts: a real git repo whose merged revision is deployed, a
+//! real SQLite store with a manual clock, real deploy scripts (they count their runs in a
+//! file) and a real loopback HTTP service whose health and live revision come from files the
+//! scripts and the tests write. Crash cases: a deploy killed between `INITIATED` and its result
+//! is finalized without deploying twice; the finalizer's defers are bounded and counted from
+//! the jobs queue; a recorded outcome is replayed after the markers are gone.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use orch_deploystate::{ArmedRead, DeployResult, DeployState, MARKER_INITIATED, WatchState};
+use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
+use orch_domain::gate::{GateOutcome, Verdict};
+use orch_domain::ids::{RepoName, StageName, WorkItemId};
+use orch_domain::pipeline::Pipeline;
+use orch_exec::{Git, Pathspec};
+use orch_runner::counters::Counters;
+use orch_runner::deploy::{DeployerExecutor, events, finalize_marker_prefix};
+use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
+use orch_store::testing::TestDb;
+use orch_store::{JobCount, Lease, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
+use tokio_util::sync::CancellationToken;
+
+const ITEM: &str = "ORCH-7";
+
+/// A loopback service: `GET /health` answers the status in `<ctl>/health` (200 when absent),
+/// `GET /revision` the content of `<ctl>/live_rev` (404 when absent).
+async fn serve(ctl: PathBuf) -> String {
+    async fn health(State(ctl): State<Arc<PathBuf>>) -> (StatusCode, String) {
+        let code = std::fs::read_to_string(ctl.join("health"))
+            .ok()
+            .and_then(|t| t.trim().parse::<u16>().ok())
+            .unwrap_or(200);
+        (
+            StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            format!("health {code}"),
+        )
+    }
+    async fn revision(State(ctl): State<Arc<PathBuf>>) -> (StatusCode, String) {
+        match std::fs::read_to_string(ctl.join("live_rev")) {
+            Ok(rev) => (StatusCode::OK, rev),
+            Err(_) => (StatusCode::NOT_FOUND, "no revision".into()),
+        }
+    }
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/revision", get(revision))
+        .with_state(Arc::new(ctl));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+struct Fx {
+    db: TestDb,
+    _tmp: tempfile::TempDir,
+    ctl: PathBuf,
+    repos_dir: PathBuf,
+    repo_dir: PathBuf,
+    repo: RepoConfig,
+    revision: String,
+    task: Task,
+    git: Git,
+    counters: Arc<Counters>,
+}
+
+impl Fx {
+    /// A repo `app` with one commit on `main`, a task at stage `deploy`, the service up and
+    /// the deploy script `deploy.sh` (counts runs, makes the revision live).
+    async fn new() -> Fx {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let db = TestDb::sqlite().await;
+        let tmp = tempfile::tempdir().unwrap();
+        let ctl = tmp.path().join("ctl");
+        std::fs::create_dir_all(&ctl).unwrap();
+        let repos_dir = tmp.path().join("repos");
+        let repo_dir = repos_dir.join("app");
+        let git = Git::new();
+        git.init_repo(&repo_dir, "main").await.unwrap();
+        std::fs::write(repo_dir.join("README.md"), "app\n").unwrap();
+        git.add_and_commit(&repo_dir, &Pathspec::All, "init")
+            .await
+            .unwrap();
+        let revision = git.rev_parse(&repo_dir, "main").await.unwrap().unwrap();
+        let base = serve(ctl.clone()).await;
+        let repo = repo_config(
+            &repo_dir,
+            Some(format!("sh {}/deploy.sh", ctl.display())),
+            &base,
+        );
+        std::fs::write(
+            ctl.join("deploy.sh"),
+            format!(
+                "echo run >> {c}/runs\npwd > {c}/cwd\necho \"$ORCH_WORK_ITEM\" > {c}/item\necho \"$ORCH_REVISION\" > {c}/live_rev\n",
+                c = ctl.display()
+            ),
+        )
+        .unwrap();
+        let task = db
+            .store
+            .create_task(NewTask {
+                work_item: WorkItemSpec::Exact(ITEM.into()),
+                repo: "app".into(),
+                title: "ship it".into(),
+                body: String::new(),
+                stage: "deploy".into(),
+                branch_prefix: "orch/".into(),
+                event: NewEvent::new("task.created", "test"),
+                first_job: None,
+            })
+            .await
+            .unwrap();
+        Fx {
+            db,
+            _tmp: tmp,
+            ctl,
+            repos_dir,
+            repo_dir,
+            repo,
+            revision,
+            task,
+            git,
+            counters: Arc::new(Counters::new()),
+        }
+    }
+
+    fn first_content(&self) -> String {
+        StageJob {
+            stage: "deploy".into(),
+            seq: self.task.stage_seq,
+        }
+        .to_content()
+    }
+
+    /// A run of a new `deployer` job carrying `content`, as the engine would build it.
+    async fn run(&self, content: String) -> StageRun {
+        let job_id = self
+            .db
+            .store
+            .enqueue(NewJob::new("deployer", content).task(self.task.id))
+            .await
+            .unwrap()
+            .job_id;
+        self.run_of(job_id).await
+    }
+
+    async fn run_of(&self, job_id: i64) -> StageRun {
+        let job = self.db.store.get_job(job_id).await.unwrap().unwrap();
+        let worktree = self.repo_dir.join("worktrees").join(ITEM);
+        StageRun {
+            store: self.db.store.clone(),
+            job,
+            lease: Lease { job_id, attempt: 1 },
+            cancel: CancellationToken::new(),
+            task: self.task.clone(),
+            work_item: ITEM.parse::<WorkItemId>().unwrap(),
+            stage: Pipeline::default_pipeline()
+                .stage(&"deploy".parse::<StageName>().unwrap())
+                .unwrap()
+                .clone(),
+            repo_name: "app".parse::<RepoName>().unwrap(),
+            repo: self.repo.clone(),
+            settings: Settings::default(),
+            repos_dir: self.repos_dir.clone(),
+            repo_dir: self.repo_dir.clone(),
+            artifact_dir: worktree.join("docs/work-items").join(ITEM),
+            worktree,
+            feedback: None,
+            loops: 0,
+            git: self.git.clone(),
+            counters: self.counters.clone(),
+            node: "node-a".into(),
+        }
+    }
+
+    fn runs(&self) -> usize {
+        read(&self.ctl.join("runs")).lines().count()
+    }
+
+    fn deploy_state(&self) -> DeployState {
+        DeployState::new(&self.repos_dir, "app", ITEM)
+    }
+
+    fn watch(&self) -> WatchState {
+        WatchState::new(&self.repos_dir, "app", ITEM)
+    }
+
+    async fn event_kinds(&self) -> Vec<String> {
+        let events = self.db.store.task_events(self.task.id).await.unwrap();
+        events.into_iter().map(|e| e.kind).collect()
+    }
+
+    /// Drives the stage as the engine would: every requeue becomes a new job with the marker,
+    /// after advancing the clock by its delay. Returns the final outcome and the requeues.
+    async fn drive(&self, exec: &DeployerExecutor) -> (GateOutcome, Vec<(u64, String)>) {
+        let mut content = self.first_content();
+        let mut requeues = Vec::new();
+        for _ in 0..20 {
+            let run = self.run(content.clone()).await;
+            match exec.execute(&run).await.unwrap() {
+                StageEffect::Produced { outcome: Some(o) } => return (o, requeues),
+                StageEffect::Requeue {
+                    delay_s, marker, ..
+                } => {
+                    self.db
+                        .clock
+                        .advance_ms(i64::try_from(delay_s).unwrap() * 1000);
+                    content = StageJob::from_content(&content)
+                        .unwrap()
+                        .with_marker(&marker);
+                    requeues.push((delay_s, marker));
+                }
+                other => panic!("unexpected effect {other:?}"),
+            }
+        }
+        panic!("the deployer did not finish within 20 jobs");
+    }
+}
+
+/// The repo's configuration as `orch.toml` would give it.
+fn repo_config(repo_dir: &Path, deploy: Option<String>, base: &str) -> RepoConfig {
+    RepoConfig {
+        path: Some(repo_dir.display().to_string()),
+        url: None,
+        default_branch: "main".into(),
+        prefix: "ORCH".parse().unwrap(),
+        test: None,
+        test_timeout_s: 60,
+        staging: Vec::new(),
+        staging_smoke: Vec::new(),
+        deploy,
+        deploy_timeout_s: 60,
+        rollback: None,
+        health_url: Some(format!("{base}/health")),
+        revision_url: Some(format!("{base}/revision")),
+        merge_strategy: MergeStrategy::default(),
+        post_deploy: PostDeployConfig::default(),
+        staging_defer_limit: 2,
+        lessons_file: "LESSONS.md".into(),
+    }
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+fn passed(o: &GateOutcome) -> bool {
+    matches!(o.verdict, Verdict::Pass(_))
+}
+
+#[tokio::test]
+async fn deploys_the_merged_revision_once_confirms_it_and_arms_the_watch() {
+    let fx = Fx::new().await;
+    let (outcome, requeues) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{outcome:?}");
+    assert!(requeues.is_empty(), "{requeues:?}");
+    assert!(outcome.reason.contains(&fx.revision), "{}", outcome.reason);
+    assert_eq!(fx.runs(), 1);
+    assert_eq!(read(&fx.ctl.join("item")).trim(), ITEM);
+    assert_eq!(read(&fx.ctl.join("live_rev")).trim(), fx.revision);
+    let cwd = PathBuf::from(read(&fx.ctl.join("cwd")).trim());
+    assert_eq!(
+        cwd.canonicalize().unwrap(),
+        fx.repo_dir.canonicalize().unwrap()
+    );
+
+    match fx.watch().armed() {
+        ArmedRead::Present(rec) => {
+            assert_eq!(rec.revision, fx.revision);
+            assert_eq!(rec.armed_at_ms, fx.db.store.now_ms());
+            assert_eq!(rec.params.window_s, 600);
+            assert_eq!(rec.deadline_ms, rec.armed_at_ms + 600_000);
+        }
+        other => panic!("watch not armed: {other:?}"),
+    }
+    assert!(
+        !fx.deploy_state().has_marker(MARKER_INITIATED),
+        "markers cleared"
+    );
+    let kinds = fx.event_kinds().await;
+    assert!(
+        kinds.contains(&events::DEPLOY_STARTED.to_owned()),
+        "{kinds:?}"
+    );
+    assert!(
+        kinds.contains(&events::DEPLOY_CONFIRMED.to_owned()),
+        "{kinds:?}"
+    );
+    let confirmed = &fx
+        .db
+        .store
+        .events_by_kind(events::DEPLOY_CONFIRMED, 0, 10)
+        .await
+        .unwrap()[0];
+    assert!(confirmed.data.contains(&fx.revision), "{}", confirmed.data);
+
+    // The job runs again after the markers were cleared (a crash before the engine advanced):
+    // the recorded outcome is replayed, nothing is deployed again.
+    let again = fx.run(fx.first_content()).await;
+    match DeployerExecutor::default().execute(&again).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => assert!(passed(&o), "{o:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fx.runs(), 1, "never deployed twice");
+}
+
+#[tokio::test]
+async fn a_failing_deploy_command_fails_the_stage_with_its_output_tail() {
+    let mut fx = Fx::new().await;
+    fx.repo.deploy = Some("echo preparing; echo 'disk full on web-3' >&2; exit 3".into());
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(!passed(&outcome));
+    assert!(
+        outcome.reason.contains("disk full on web-3"),
+        "{}",
+        outcome.reason
+    );
+    assert!(outcome.reason.contains("exit code 3"), "{}", outcome.reason);
+    assert_eq!(
+        fx.watch().armed(),
+        ArmedRead::Absent,
+        "no watch for a failed deploy"
+    );
+    assert!(!fx.deploy_state().has_marker(MARKER_INITIATED));
+    let failed = fx
+        .db
+        .store
+        .events_by_kind(events::DEPLOY_FAILED, 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    assert!(
+        failed[0].message.contains("disk full"),
+        "{}",
+        failed[0].message
+    );
+
+    // Replayed on a re-run, never re-deployed.
+    let again = fx.run(fx.first_content()).await;
+    match DeployerExecutor::default().execute(&again).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => assert!(!passed(&o)),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_deploy_killed_between_initiated_and_its_result_is_finalized_without_deploying_twice() {
+    let mut fx = Fx::new().await;
+    // The deploy makes the revision live, then hangs (like orch restarting itself).
+    fx.repo.deploy = Some(format!("sh {c}/deploy.sh; sleep 30", c = fx.ctl.display()));
+    let run = fx.run(fx.first_content()).await;
+    let job_id = run.job.id;
+    let handle = tokio::spawn(async move { DeployerExecutor::default().execute(&run).await });
+    let runs_file = fx.ctl.join("live_rev");
+    for _ in 0..200 {
+        if read(&runs_file).trim() == fx.revision {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(fx.runs(), 1, "the deploy script started");
+    handle.abort(); // the process dies: no result is written
+    let _ = handle.await;
+    assert!(fx.deploy_state().has_marker(MARKER_INITIATED));
+    assert_eq!(fx.deploy_state().read_result(), None);
+
+    // The job is rescued and runs again: it finds INITIATED and confirms instead.
+    let rerun = fx.run_of(job_id).await;
+    match DeployerExecutor::default().execute(&rerun).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => assert!(passed(&o), "{o:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fx.runs(), 1, "the deploy command ran exactly once");
+    assert!(matches!(fx.watch().armed(), ArmedRead::Present(r) if r.revision == fx.revision));
+    let started = fx
+        .db
+        .store
+        .events_by_kind(events::DEPLOY_STARTED, 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(started.len(), 1);
+}
+
+#[tokio::test]
+async fn a_result_recorded_by_the_restarted_process_is_honoured() {
+    let fx = Fx::new().await;
+    // Self-deploy: the old process wrote INITIATED, the restarted one recorded a failure.
+    let state = fx.deploy_state();
+    assert!(state.write_marker(MARKER_INITIATED, &fx.revision));
+    assert!(state.write_result(&DeployResult {
+        success: false,
+        revision: Some(fx.revision.clone()),
+        finished_at_ms: 1,
+        detail: "migration 42 failed".into(),
+    }));
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(!passed(&outcome));
+    assert!(
+        outcome.reason.contains("migration 42 failed"),
+        "{}",
+        outcome.reason
+    );
+    assert_eq!(fx.runs(), 0, "a job that finds INITIATED never deploys");
+    assert!(!state.has_marker(MARKER_INITIATED), "cleared");
+}
+
+/// The one place the finalizer's confirmation table calls the deployer: the service answers
+/// `health` (None = up) and `live` (None = no revision endpoint answer, Some("$REV") = the
+/// merged revision) after the deploy; `want_defers` requeues are expected, then `want_pass`.
+async fn check(
+    health: Option<u16>,
+    live: Option<&str>,
+    script_makes_live: bool,
+    want_defers: usize,
+    want_pass: bool,
+    reason_has: &str,
+) {
+    let mut fx = Fx::new().await;
+    if !script_makes_live {
+        fx.repo.deploy = Some(format!("echo run >> {}/runs", fx.ctl.display()));
+    }
+    if let Some(code) = health {
+        std::fs::write(fx.ctl.join("health"), code.to_string()).unwrap();
+    }
+    if let Some(rev) = live {
+        let rev = rev.replace("$REV", &fx.revision[..12]);
+        std::fs::write(fx.ctl.join("live_rev"), rev).unwrap();
+    }
+    let exec = DeployerExecutor::default();
+    let (outcome, requeues) = fx.drive(&exec).await;
+    let case = format!("health {health:?} live {live:?}");
+    assert_eq!(requeues.len(), want_defers, "{case}: {requeues:?}");
+    assert_eq!(passed(&outcome), want_pass, "{case}: {outcome:?}");
+    assert!(
+        outcome.reason.contains(reason_has),
+        "{case}: {}",
+        outcome.reason
+    );
+    assert_eq!(fx.runs(), 1, "{case}: deployed exactly once");
+    for (i, (delay, marker)) in requeues.iter().enumerate() {
+        assert_eq!(*delay, exec.finalize_delay_s);
+        assert!(
+            marker.starts_with(&finalize_marker_prefix(fx.task.stage_seq)),
+            "{marker}"
+        );
+        assert!(marker.ends_with(&format!("n={}", i + 1)), "{marker}");
+    }
+    let counted = fx
+        .db
+        .store
+        .count_jobs(&JobCount {
+            task_id: fx.task.id,
+            agent: "deployer".into(),
+            content_contains: Some(finalize_marker_prefix(fx.task.stage_seq)),
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        counted,
+        i64::try_from(want_defers).unwrap(),
+        "{case}: the count is the queue"
+    );
+    assert!(!fx.deploy_state().has_marker(MARKER_INITIATED), "{case}");
+    let counter = |n: &str| fx.counters.get("deployer", n);
+    assert_eq!(
+        counter("deferred"),
+        u64::try_from(want_defers).unwrap(),
+        "{case}"
+    );
+    assert_eq!(counter("confirmed"), u64::from(want_pass), "{case}");
+    assert_eq!(counter("unconfirmed"), u64::from(!want_pass), "{case}");
+    let armed = matches!(fx.watch().armed(), ArmedRead::Present(_));
+    assert_eq!(armed, want_pass, "{case}: armed only when confirmed");
+}
+
+#[tokio::test]
+async fn finalizer_confirmation_table() {
+    let limit = DeployerExecutor::default().finalize_limit as usize;
+    // healthy and the merged revision live (abbreviated): confirmed at once
+    check(None, Some("$REV"), false, 0, true, "confirmed").await;
+    // the service answers 503: deferred up to the limit, then the task fails
+    check(Some(503), None, true, limit, false, "HTTP 503").await;
+    // healthy but an old revision is live: deferred, then unconfirmed
+    check(
+        None,
+        Some("0ld0ld0ld0"),
+        false,
+        limit,
+        false,
+        "live revision is `0ld0ld0ld0`",
+    )
+    .await;
+    // healthy but the revision endpoint has nothing: unconfirmed, not guessed
+    check(None, None, false, limit, false, "cannot be read").await;
+}
+
+#[tokio::test]
+async fn the_finalizer_confirms_once_the_service_comes_up() {
+    let fx = Fx::new().await;
+    std::fs::write(fx.ctl.join("health"), "502").unwrap();
+    let exec = DeployerExecutor::default();
+    let first = fx.run(fx.first_content()).await;
+    let marker = match exec.execute(&first).await.unwrap() {
+        StageEffect::Requeue { marker, reason, .. } => {
+            assert!(reason.contains("HTTP 502"), "{reason}");
+            marker
+        }
+        other => panic!("{other:?}"),
+    };
+    std::fs::remove_file(fx.ctl.join("health")).unwrap();
+    fx.db.clock.advance_ms(5_000);
+    let second = fx
+        .run(
+            StageJob::from_content(&fx.first_content())
+                .unwrap()
+                .with_marker(&marker),
+        )
+        .await;
+    match exec.execute(&second).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => assert!(passed(&o), "{o:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fx.runs(), 1);
+    match fx.watch().armed() {
+        ArmedRead::Present(rec) => assert_eq!(
+            rec.armed_at_ms,
+            fx.db.store.now_ms(),
+            "armed at confirmation"
+        ),
+        other => panic!("{other:?}"),
+    }
+    let deferred = fx
+        .db
+        .store
+        .events_by_kind(events::DEPLOY_DEFERRED, 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(deferred.len(), 1);
+}
+
+#[tokio::test]
+async fn without_a_deploy_command_nothing_is_deployed_and_a_watch_needs_a_health_url() {
+    // No deploy command, no health_url: nothing to deploy, nothing to watch.
+    let mut fx = Fx::new().await;
+    fx.repo.deploy = None;
+    fx.repo.health_url = None;
+    fx.repo.revision_url = None;
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{outcome:?}");
+    assert!(
+        outcome.reason.contains("nothing to deploy"),
+        "{}",
+        outcome.reason
+    );
+    assert_eq!(fx.watch().armed(), ArmedRead::Absent);
+    assert_eq!(
+        fx.event_kinds().await.last().map(String::as_str),
+        Some(events::DEPLOY_SKIPPED)
+    );
+
+    // No deploy command but a health_url: deployed outside orch, confirmed and watched.
+    let mut fx = Fx::new().await;
+    fx.repo.deploy = None;
+    std::fs::write(fx.ctl.join("live_rev"), &fx.revision).unwrap();
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{outcome:?}");
+    assert_eq!(fx.runs(), 0);
+    assert!(matches!(fx.watch().armed(), ArmedRead::Present(r) if r.revision == fx.revision));
+}
+
+#[tokio::test]
+async fn a_finished_watch_of_an_earlier_deploy_is_replaced_by_the_new_one() {
+    let fx = Fx::new().await;
+    let ws = fx.watch();
+    let old = orch_deploystate::ArmedRecord::new(Default::default(), 5, "0123456789abcdef");
+    assert_eq!(ws.arm(&old), orch_deploystate::ArmOutcome::Armed);
+    assert!(ws.mark_done("HEALTHY"));
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{outcome:?}");
+    assert!(!ws.is_done(), "the new watch is not done");
+    assert!(matches!(ws.armed(), ArmedRead::Present(r) if r.revision == fx.revision));
+}

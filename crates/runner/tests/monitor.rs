@@ -1,0 +1,1081 @@
+//! The post-deploy monitor (`observe`, ORCH-021) with real parts: the sentinel files in a temp
+//! `repos_dir`, a real SQLite store whose manual clock walks through the watch window, real
+//! rollback scripts, and a real loopback HTTP service whose health and live revision come from
+//! files the tests and scripts write. The engine's requeues are simulated by enqueueing the
+//! marker jobs it would enqueue, so tick counts come from the real jobs table.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::routing::get;
+use orch_deploystate::{ArmOutcome, ArmedRecord, WatchState};
+use orch_domain::artifact::{Artifact, Frontmatter};
+use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
+use orch_domain::ids::{RepoName, StageName, WorkItemId};
+use orch_domain::monitor::{CheckOutcome, WatchParams};
+use orch_domain::pipeline::Pipeline;
+use orch_exec::Git;
+use orch_runner::counters::Counters;
+use orch_runner::deploy::probe::{check_health, check_revision, live_revision};
+use orch_runner::deploy::{
+    MonitorExecutor, RecoveryAction, active_watches, events, recover_watches, tick_marker_prefix,
+    wait_marker_prefix,
+};
+use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
+use orch_store::testing::TestDb;
+use orch_store::{
+    AdvanceStage, Fence, JobCount, Lease, NewEvent, NewJob, NewTask, Task, WorkItemSpec,
+};
+use tokio_util::sync::CancellationToken;
+
+const ITEM: &str = "ORCH-21";
+const REV: &str = "4f2a9c1e0b7d3a5f6e8c9b0a1d2e3f4a5b6c7d8e";
+const AGENT: &str = "post-deploy-monitor";
+
+/// 10 polls: slots at 30 s, 60 s, …, 300 s after arming.
+const PARAMS: WatchParams = WatchParams {
+    window_s: 300,
+    interval_s: 30,
+    initial_delay_s: 30,
+    poll_timeout_s: 2,
+};
+
+/// A loopback service: `/health` answers the status in `<ctl>/health` (200 when absent),
+/// `/revision` the content of `<ctl>/live_rev` (404 when absent), `/slow` answers after 3 s.
+async fn serve(ctl: PathBuf) -> String {
+    async fn health(State(ctl): State<Arc<PathBuf>>) -> (StatusCode, String) {
+        let code = std::fs::read_to_string(ctl.join("health"))
+            .ok()
+            .and_then(|t| t.trim().parse::<u16>().ok())
+            .unwrap_or(200);
+        (
+            StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+            format!("health {code}"),
+        )
+    }
+    async fn revision(State(ctl): State<Arc<PathBuf>>) -> (StatusCode, String) {
+        match std::fs::read_to_string(ctl.join("live_rev")) {
+            Ok(rev) => (StatusCode::OK, rev),
+            Err(_) => (StatusCode::NOT_FOUND, "no revision".into()),
+        }
+    }
+    async fn slow() -> &'static str {
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        "late"
+    }
+    let app = Router::new()
+        .route("/health", get(health))
+        .route("/revision", get(revision))
+        .route("/slow", get(slow))
+        .with_state(Arc::new(ctl));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
+
+/// A URL on a port nothing listens on.
+async fn closed_port_url(path: &str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    format!("http://{addr}{path}")
+}
+
+struct Fx {
+    db: TestDb,
+    _tmp: tempfile::TempDir,
+    ctl: PathBuf,
+    base: String,
+    repos_dir: PathBuf,
+    repo_dir: PathBuf,
+    repo: RepoConfig,
+    task: Task,
+    counters: Arc<Counters>,
+}
+
+impl Fx {
+    /// A task at stage `observe` of repo `app`, the service up and answering [`REV`].
+    async fn new() -> Fx {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let db = TestDb::sqlite().await;
+        let tmp = tempfile::tempdir().unwrap();
+        let ctl = tmp.path().join("ctl");
+        std::fs::create_dir_all(&ctl).unwrap();
+        std::fs::write(ctl.join("live_rev"), &REV[..12]).unwrap();
+        let repos_dir = tmp.path().join("repos");
+        let repo_dir = repos_dir.join("app");
+        std::fs::create_dir_all(&repo_dir).unwrap();
+        let base = serve(ctl.clone()).await;
+        let repo = RepoConfig {
+            path: Some(repo_dir.display().to_string()),
+            url: None,
+            default_branch: "main".into(),
+            prefix: "ORCH".parse().unwrap(),
+            test: None,
+            test_timeout_s: 60,
+            staging: Vec::new(),
+            staging_smoke: Vec::new(),
+            deploy: None,
+            deploy_timeout_s: 30,
+            rollback: None,
+            health_url: Some(format!("{base}/health")),
+            revision_url: Some(format!("{base}/revision")),
+            merge_strategy: MergeStrategy::default(),
+            post_deploy: PostDeployConfig {
+                window_s: PARAMS.window_s,
+                interval_s: PARAMS.interval_s,
+                initial_delay_s: PARAMS.initial_delay_s,
+                poll_timeout_s: PARAMS.poll_timeout_s,
+            },
+            staging_defer_limit: 2,
+            lessons_file: "LESSONS.md".into(),
+        };
+        let task = db
+            .store
+            .create_task(NewTask {
+                work_item: WorkItemSpec::Exact(ITEM.into()),
+                repo: "app".into(),
+                title: "watch it".into(),
+                body: String::new(),
+                stage: "observe".into(),
+                branch_prefix: "orch/".into(),
+                event: NewEvent::new("task.created", "test"),
+                first_job: None,
+            })
+            .await
+            .unwrap();
+        Fx {
+            db,
+            _tmp: tmp,
+            ctl,
+            base,
+            repos_dir,
+            repo_dir,
+            repo,
+            task,
+            counters: Arc::new(Counters::new()),
+        }
+    }
+
+    fn watch(&self) -> WatchState {
+        WatchState::new(&self.repos_dir, "app", ITEM)
+    }
+
+    /// Arms the watch now, as the deploy finalizer does.
+    fn arm(&self) -> ArmedRecord {
+        let rec = ArmedRecord::new(PARAMS, self.db.store.now_ms(), REV);
+        assert_eq!(self.watch().arm(&rec), ArmOutcome::Armed);
+        rec
+    }
+
+    fn first_content(&self) -> String {
+        StageJob {
+            stage: "observe".into(),
+            seq: self.task.stage_seq,
+        }
+        .to_content()
+    }
+
+    async fn run(&self, content: String) -> StageRun {
+        let job_id = self
+            .db
+            .store
+            .enqueue(NewJob::new(AGENT, content).task(self.task.id))
+            .await
+            .unwrap()
+            .job_id;
+        self.run_of(job_id).await
+    }
+
+    async fn run_of(&self, job_id: i64) -> StageRun {
+        let job = self.db.store.get_job(job_id).await.unwrap().unwrap();
+        let worktree = self.repo_dir.join("worktrees").join(ITEM);
+        StageRun {
+            store: self.db.store.clone(),
+            job,
+            lease: Lease { job_id, attempt: 1 },
+            cancel: CancellationToken::new(),
+            task: self.task.clone(),
+            work_item: ITEM.parse::<WorkItemId>().unwrap(),
+            stage: Pipeline::default_pipeline()
+                .stage(&"observe".parse::<StageName>().unwrap())
+                .unwrap()
+                .clone(),
+            repo_name: "app".parse::<RepoName>().unwrap(),
+            repo: self.repo.clone(),
+            settings: Settings::default(),
+            repos_dir: self.repos_dir.clone(),
+            repo_dir: self.repo_dir.clone(),
+            artifact_dir: worktree.join("docs/work-items").join(ITEM),
+            worktree,
+            feedback: None,
+            loops: 0,
+            git: Git::new(),
+            counters: self.counters.clone(),
+            node: "node-a".into(),
+        }
+    }
+
+    /// Runs jobs as the engine would until the watch ends: before each job `hook(polls so
+    /// far, ctl)` may change the service; each requeue advances the clock by its delay and
+    /// enqueues the marker job. Returns the requeues `(delay, marker)`.
+    async fn drive(&self, exec: &MonitorExecutor, hook: fn(usize, &Path)) -> Vec<(u64, String)> {
+        let mut content = self.first_content();
+        let mut requeues = Vec::new();
+        for _ in 0..100 {
+            hook(self.watch().series().polls.len(), &self.ctl);
+            let run = self.run(content.clone()).await;
+            match exec.execute(&run).await.unwrap() {
+                StageEffect::Produced { outcome: None } => return requeues,
+                StageEffect::Requeue {
+                    delay_s, marker, ..
+                } => {
+                    self.db
+                        .clock
+                        .advance_ms(i64::try_from(delay_s).unwrap() * 1000);
+                    content = StageJob::from_content(&content)
+                        .unwrap()
+                        .with_marker(&marker);
+                    requeues.push((delay_s, marker));
+                }
+                other => panic!("unexpected effect {other:?}"),
+            }
+        }
+        panic!("the watch did not end within 100 jobs");
+    }
+
+    fn log(&self) -> Option<Frontmatter> {
+        let path = self
+            .repo_dir
+            .join("worktrees")
+            .join(ITEM)
+            .join("docs/work-items")
+            .join(ITEM)
+            .join("16-post-deploy-log.md");
+        let text = std::fs::read_to_string(path).ok()?;
+        Some(Artifact::parse(&text).unwrap().frontmatter)
+    }
+
+    async fn events_of(&self, kind: &str) -> Vec<orch_store::Event> {
+        let all = self.db.store.task_events(self.task.id).await.unwrap();
+        all.into_iter().filter(|e| e.kind == kind).collect()
+    }
+
+    async fn count(&self, marker: &str) -> i64 {
+        self.db
+            .store
+            .count_jobs(&JobCount {
+                task_id: self.task.id,
+                agent: AGENT.into(),
+                content_contains: Some(marker.into()),
+            })
+            .await
+            .unwrap()
+    }
+
+    fn ticks(&self) -> Vec<u32> {
+        self.watch().series().polls.iter().map(|p| p.tick).collect()
+    }
+}
+
+fn exec() -> MonitorExecutor {
+    MonitorExecutor {
+        verify_polls: 3,
+        verify_interval: Duration::from_millis(20),
+    }
+}
+
+fn read(path: &Path) -> String {
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+// ---- the probes ---------------------------------------------------------------------------
+
+/// The one place the probe table calls `check_health`.
+async fn check_probe(
+    url: &str,
+    timeout_s: u64,
+    want: CheckOutcome,
+    status: Option<u16>,
+    detail_has: &str,
+) {
+    let c = check_health(url, Duration::from_secs(timeout_s)).await;
+    assert_eq!(c.outcome, want, "{url}: {c:?}");
+    assert_eq!(c.status_code, status, "{url}: {c:?}");
+    assert!(c.detail.contains(detail_has), "{url}: {c:?}");
+    if status.is_some() {
+        assert!(c.latency_ms.is_some(), "{url}: latency recorded");
+    }
+}
+
+#[tokio::test]
+async fn probes_tell_the_services_failure_from_the_monitors_error() {
+    let fx = Fx::new().await;
+    let b = &fx.base;
+    check_probe(
+        &format!("{b}/health"),
+        2,
+        CheckOutcome::Pass,
+        Some(200),
+        "HTTP 200",
+    )
+    .await;
+    std::fs::write(fx.ctl.join("health"), "503").unwrap();
+    check_probe(
+        &format!("{b}/health"),
+        2,
+        CheckOutcome::Fail,
+        Some(503),
+        "HTTP 503",
+    )
+    .await;
+    check_probe(
+        &format!("{b}/nope"),
+        2,
+        CheckOutcome::Fail,
+        Some(404),
+        "HTTP 404",
+    )
+    .await;
+    check_probe(
+        &closed_port_url("/health").await,
+        2,
+        CheckOutcome::Fail,
+        None,
+        "cannot connect",
+    )
+    .await;
+    check_probe(
+        &format!("{b}/slow"),
+        1,
+        CheckOutcome::Fail,
+        None,
+        "no answer within the timeout",
+    )
+    .await;
+    check_probe("http://[::1", 1, CheckOutcome::Error, None, "invalid URL").await;
+
+    let t = Duration::from_secs(2);
+    assert_eq!(
+        live_revision(&format!("{b}/revision"), t).await.as_deref(),
+        Some(&REV[..12])
+    );
+    std::fs::write(
+        fx.ctl.join("live_rev"),
+        format!("{{\"revision\":\"{REV}\"}}"),
+    )
+    .unwrap();
+    assert_eq!(
+        live_revision(&format!("{b}/revision"), t).await.as_deref(),
+        Some(REV)
+    );
+    std::fs::remove_file(fx.ctl.join("live_rev")).unwrap();
+    assert_eq!(
+        live_revision(&format!("{b}/revision"), t).await,
+        None,
+        "404 is unknown"
+    );
+    std::fs::write(fx.ctl.join("live_rev"), "0ld0ld0ld0").unwrap();
+    let probe = check_revision(&format!("{b}/revision"), REV, t).await;
+    assert_eq!(
+        probe.check.outcome,
+        CheckOutcome::Error,
+        "another revision live: {probe:?}"
+    );
+    assert_eq!(probe.live.as_deref(), Some("0ld0ld0ld0"));
+}
+
+// ---- whole watches --------------------------------------------------------------------------
+
+#[derive(Clone, Copy)]
+enum Service {
+    /// Health answers this status from the start (200 = up).
+    Status(u16),
+    /// Nothing listens on either URL.
+    Refused,
+}
+
+struct Scenario {
+    name: &'static str,
+    service: Service,
+    /// What `/revision` answers (`None`: no revision_url configured).
+    live: Option<&'static str>,
+    /// The rollback command (`$CTL` is replaced by the control directory).
+    rollback: Option<&'static str>,
+    hook: fn(usize, &Path),
+    verdict: &'static str,
+    action: &'static str,
+    polls: usize,
+    rollback_ran: bool,
+}
+
+const FIX: &str = "echo \"$ORCH_REVISION $ORCH_WORK_ITEM\" >> $CTL/rolled_back; echo 9999999999 > $CTL/live_rev; rm -f $CTL/health";
+const NO_FIX: &str = "echo \"$ORCH_REVISION $ORCH_WORK_ITEM\" >> $CTL/rolled_back";
+
+fn no_change(_: usize, _: &Path) {}
+
+/// The one place whole-watch scenarios call the monitor.
+async fn check(s: Scenario) {
+    let mut fx = Fx::new().await;
+    match s.service {
+        Service::Status(200) => {}
+        Service::Status(code) => std::fs::write(fx.ctl.join("health"), code.to_string()).unwrap(),
+        Service::Refused => {
+            fx.repo.health_url = Some(closed_port_url("/health").await);
+            fx.repo.revision_url = Some(closed_port_url("/revision").await);
+        }
+    }
+    match s.live {
+        None => fx.repo.revision_url = None,
+        Some(live) => std::fs::write(fx.ctl.join("live_rev"), live.replace("$REV", REV)).unwrap(),
+    }
+    fx.repo.rollback = s
+        .rollback
+        .map(|r| r.replace("$CTL", &fx.ctl.display().to_string()));
+    let armed = fx.arm();
+    let requeues = fx.drive(&exec(), s.hook).await;
+    let name = s.name;
+
+    // The schedule: one wait for the first slot, then one requeue per poll until the end.
+    assert!(
+        requeues[0]
+            .1
+            .starts_with(&wait_marker_prefix(fx.task.stage_seq)),
+        "{name}: {requeues:?}"
+    );
+    assert_eq!(
+        requeues[0].0, 30,
+        "{name}: first poll after the initial delay"
+    );
+    assert!(
+        requeues[1..]
+            .iter()
+            .all(|(d, m)| *d == 30 && m.starts_with(&tick_marker_prefix(fx.task.stage_seq))),
+        "{name}: {requeues:?}"
+    );
+    assert_eq!(
+        requeues.len(),
+        s.polls,
+        "{name}: a wait + (polls - 1) ticks requeued"
+    );
+    assert_eq!(
+        fx.ticks(),
+        (0..u32::try_from(s.polls).unwrap()).collect::<Vec<_>>(),
+        "{name}"
+    );
+    assert_eq!(
+        fx.count(&tick_marker_prefix(fx.task.stage_seq)).await,
+        i64::try_from(s.polls).unwrap() - 1,
+        "{name}: ticks counted in the queue"
+    );
+
+    let fm = fx
+        .log()
+        .unwrap_or_else(|| panic!("{name}: no 16-post-deploy-log.md"));
+    assert_eq!(fm.get_str("post_deploy_status"), Some(s.verdict), "{name}");
+    assert_eq!(fm.get_str("action_taken"), Some(s.action), "{name}");
+    assert_eq!(fm.get_str("revision"), Some(REV), "{name}");
+    assert_eq!(
+        fm.get("checks_total"),
+        Some(&orch_domain::artifact::Value::Int(
+            i64::try_from(s.polls).unwrap()
+        )),
+        "{name}"
+    );
+    assert_eq!(
+        fm.get("window_s"),
+        Some(&orch_domain::artifact::Value::Int(300)),
+        "{name}"
+    );
+    assert!(fx.watch().is_done(), "{name}: done");
+
+    let verdicts = fx.events_of(events::POST_DEPLOY_VERDICT).await;
+    assert_eq!(verdicts.len(), 1, "{name}");
+    assert!(
+        verdicts[0]
+            .data
+            .contains(&format!("\"verdict\":\"{}\"", s.verdict)),
+        "{name}: {}",
+        verdicts[0].data
+    );
+    let alerts = fx.events_of(events::POST_DEPLOY_ALERT).await;
+    assert_eq!(
+        !alerts.is_empty(),
+        matches!(s.action, "alert" | "rollback_failed"),
+        "{name}: alerts {alerts:?}"
+    );
+    let rolled = read(&fx.ctl.join("rolled_back"));
+    assert_eq!(!rolled.is_empty(), s.rollback_ran, "{name}: rollback ran?");
+    if s.rollback_ran {
+        assert_eq!(
+            rolled.trim(),
+            format!("{REV} {ITEM}"),
+            "{name}: ORCH_REVISION is the watched revision, once"
+        );
+    }
+    assert!(
+        fx.db.store.now_ms() <= armed.deadline_ms,
+        "{name}: never past the deadline"
+    );
+    let counter = |n: &str| fx.counters.get("post_deploy_monitor", n);
+    assert_eq!(counter("ticks"), u64::try_from(s.polls).unwrap(), "{name}");
+    assert_eq!(counter(&s.verdict.to_lowercase()), 1, "{name}");
+
+    // A job arriving after the end changes nothing.
+    let before = fx.db.store.task_events(fx.task.id).await.unwrap().len();
+    let late = fx.run(fx.first_content()).await;
+    assert!(matches!(
+        exec().execute(&late).await.unwrap(),
+        StageEffect::Produced { outcome: None }
+    ));
+    assert_eq!(
+        fx.db.store.task_events(fx.task.id).await.unwrap().len(),
+        before,
+        "{name}: done is a no-op"
+    );
+}
+
+fn fail_at_4_and_7(polls: usize, ctl: &Path) {
+    if polls == 4 || polls == 7 {
+        std::fs::write(ctl.join("health"), "500").unwrap();
+    } else {
+        let _ = std::fs::remove_file(ctl.join("health"));
+    }
+}
+
+fn another_revision_from_3(polls: usize, ctl: &Path) {
+    if polls == 3 {
+        std::fs::write(ctl.join("live_rev"), "0ld0ld0ld0").unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_healthy_service_ends_healthy_with_no_action() {
+    check(Scenario {
+        name: "healthy",
+        service: Service::Status(200),
+        live: Some("$REV"),
+        rollback: Some(FIX),
+        hook: no_change,
+        verdict: "HEALTHY",
+        action: "none",
+        polls: 10,
+        rollback_ran: false,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn five_hundreds_fail_early_and_roll_back_with_verification() {
+    check(Scenario {
+        name: "500s, rollback fixes it",
+        service: Service::Status(500),
+        live: Some("$REV"),
+        rollback: Some(FIX),
+        hook: no_change,
+        verdict: "FAILED",
+        action: "rollback",
+        polls: 3,
+        rollback_ran: true,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_rollback_that_does_not_help_or_fails_is_rollback_failed_and_alerts() {
+    check(Scenario {
+        name: "rollback does not help",
+        service: Service::Status(500),
+        live: Some("$REV"),
+        rollback: Some(NO_FIX),
+        hook: no_change,
+        verdict: "FAILED",
+        action: "rollback_failed",
+        polls: 3,
+        rollback_ran: true,
+    })
+    .await;
+    check(Scenario {
+        name: "rollback command fails",
+        service: Service::Status(503),
+        live: Some("$REV"),
+        rollback: Some("echo 'no previous release' >&2; exit 7"),
+        hook: no_change,
+        verdict: "FAILED",
+        action: "rollback_failed",
+        polls: 3,
+        rollback_ran: false,
+    })
+    .await;
+    check(Scenario {
+        name: "no rollback command",
+        service: Service::Status(503),
+        live: Some("$REV"),
+        rollback: None,
+        hook: no_change,
+        verdict: "FAILED",
+        action: "alert",
+        polls: 3,
+        rollback_ran: false,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn a_changed_or_unknown_live_revision_alerts_instead_of_rolling_back() {
+    check(Scenario {
+        name: "another revision live",
+        service: Service::Status(500),
+        live: Some("0ld0ld0ld0"),
+        rollback: Some(FIX),
+        hook: no_change,
+        verdict: "FAILED",
+        action: "alert",
+        polls: 3,
+        rollback_ran: false,
+    })
+    .await;
+    check(Scenario {
+        name: "no revision_url",
+        service: Service::Status(500),
+        live: None,
+        rollback: Some(FIX),
+        hook: no_change,
+        verdict: "FAILED",
+        action: "alert",
+        polls: 3,
+        rollback_ran: false,
+    })
+    .await;
+    check(Scenario {
+        name: "all connections refused",
+        service: Service::Refused,
+        live: Some("$REV"),
+        rollback: Some(FIX),
+        hook: no_change,
+        verdict: "FAILED",
+        action: "alert",
+        polls: 3,
+        rollback_ran: false,
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn mixed_or_lost_evidence_ends_degraded_with_an_alert() {
+    check(Scenario {
+        name: "2 FAIL polls",
+        service: Service::Status(200),
+        live: Some("$REV"),
+        rollback: Some(FIX),
+        hook: fail_at_4_and_7,
+        verdict: "DEGRADED",
+        action: "alert",
+        polls: 10,
+        rollback_ran: false,
+    })
+    .await;
+    check(Scenario {
+        name: "revision replaced mid-watch",
+        service: Service::Status(200),
+        live: Some("$REV"),
+        rollback: Some(FIX),
+        hook: another_revision_from_3,
+        verdict: "DEGRADED",
+        action: "alert",
+        polls: 10,
+        rollback_ran: false,
+    })
+    .await;
+}
+
+// ---- sentinel trouble and restarts ---------------------------------------------------------
+
+#[tokio::test]
+async fn a_corrupt_armed_file_ends_degraded_with_the_loss_said_never_healthy() {
+    let fx = Fx::new().await;
+    fx.arm();
+    let dir = fx.watch().dir().unwrap().to_path_buf();
+    std::fs::write(dir.join("armed"), b"{\"params\": trunc").unwrap();
+    let run = fx.run(fx.first_content()).await;
+    assert!(matches!(
+        exec().execute(&run).await.unwrap(),
+        StageEffect::Produced { outcome: None }
+    ));
+    let fm = fx.log().unwrap();
+    assert_eq!(fm.get_str("post_deploy_status"), Some("DEGRADED"));
+    assert_eq!(fm.get_str("action_taken"), Some("alert"));
+    assert!(
+        fm.get_str("reason").unwrap().contains("evidence lost"),
+        "{fm:?}"
+    );
+    assert_eq!(
+        fx.events_of(events::POST_DEPLOY_EVIDENCE_LOST).await.len(),
+        1
+    );
+    assert_eq!(fx.events_of(events::POST_DEPLOY_ALERT).await.len(), 1);
+    assert!(fx.watch().is_done());
+}
+
+fn corrupt_series_at_5(polls: usize, ctl: &Path) {
+    if polls == 5 {
+        let series = ctl
+            .parent()
+            .unwrap()
+            .join("repos/.post-deploy-state-app")
+            .join(ITEM)
+            .join("series");
+        std::fs::write(series, b"[{\"tick\":0,").unwrap();
+    }
+}
+
+#[tokio::test]
+async fn a_series_corrupted_mid_watch_is_never_healthy() {
+    // Polls 5..9 alone would satisfy HEALTHY (5 of 10 valid, last 2 PASS), but polls 0..4
+    // are lost: the verdict is DEGRADED with the loss said.
+    let fx = Fx::new().await;
+    fx.arm();
+    fx.drive(&exec(), corrupt_series_at_5).await;
+    let fm = fx.log().unwrap();
+    assert_eq!(fm.get_str("post_deploy_status"), Some("DEGRADED"), "{fm:?}");
+    assert!(
+        fm.get_str("reason").unwrap().contains("evidence was lost"),
+        "{fm:?}"
+    );
+    assert_eq!(fx.ticks(), vec![5, 6, 7, 8, 9]);
+    assert!(!fx.events_of(events::POST_DEPLOY_ALERT).await.is_empty());
+}
+
+#[tokio::test]
+async fn without_an_armed_watch_the_end_is_degraded_and_alerts_only_if_one_was_expected() {
+    // A health_url is configured, so a watch was expected: its state is lost.
+    let fx = Fx::new().await;
+    let run = fx.run(fx.first_content()).await;
+    exec().execute(&run).await.unwrap();
+    let fm = fx.log().unwrap();
+    assert_eq!(
+        (fm.get_str("post_deploy_status"), fm.get_str("action_taken")),
+        (Some("DEGRADED"), Some("alert"))
+    );
+    assert_eq!(
+        fx.events_of(events::POST_DEPLOY_EVIDENCE_LOST).await.len(),
+        1
+    );
+
+    // No health_url: the deploy armed nothing by design; DEGRADED (no evidence), no alert.
+    let mut fx = Fx::new().await;
+    fx.repo.health_url = None;
+    let run = fx.run(fx.first_content()).await;
+    exec().execute(&run).await.unwrap();
+    let fm = fx.log().unwrap();
+    assert_eq!(
+        (fm.get_str("post_deploy_status"), fm.get_str("action_taken")),
+        (Some("DEGRADED"), Some("none"))
+    );
+    assert!(fx.events_of(events::POST_DEPLOY_ALERT).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_done_watch_makes_any_job_a_no_op() {
+    let fx = Fx::new().await;
+    fx.arm();
+    assert!(fx.watch().mark_done("HEALTHY action=none"));
+    let before = fx.db.store.task_events(fx.task.id).await.unwrap().len();
+    let run = fx.run(fx.first_content()).await;
+    assert!(matches!(
+        exec().execute(&run).await.unwrap(),
+        StageEffect::Produced { outcome: None }
+    ));
+    assert_eq!(
+        fx.db.store.task_events(fx.task.id).await.unwrap().len(),
+        before
+    );
+    assert!(fx.log().is_none(), "nothing written");
+    assert!(fx.ticks().is_empty(), "nothing polled");
+}
+
+#[tokio::test]
+async fn the_first_poll_waits_for_its_slot_without_consuming_a_tick() {
+    let fx = Fx::new().await;
+    fx.arm();
+    fx.db.clock.advance_ms(10_000);
+    let seq = fx.task.stage_seq;
+    let run = fx.run(fx.first_content()).await;
+    let marker = match exec().execute(&run).await.unwrap() {
+        StageEffect::Requeue {
+            delay_s, marker, ..
+        } => {
+            assert_eq!(delay_s, 20, "the rest of the initial delay");
+            marker
+        }
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(marker, format!("{} n=1", wait_marker_prefix(seq)));
+    assert!(fx.ticks().is_empty());
+    // The wait job runs at the slot: tick 0, and no tick job was counted for it.
+    fx.db.clock.advance_ms(20_000);
+    let run = fx
+        .run(
+            StageJob::from_content(&fx.first_content())
+                .unwrap()
+                .with_marker(&marker),
+        )
+        .await;
+    match exec().execute(&run).await.unwrap() {
+        StageEffect::Requeue {
+            delay_s, marker, ..
+        } => {
+            assert_eq!(delay_s, 30);
+            assert_eq!(marker, format!("{} tick=1", tick_marker_prefix(seq)));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fx.ticks(), vec![0]);
+    assert_eq!(fx.count(&tick_marker_prefix(seq)).await, 0);
+}
+
+#[tokio::test]
+async fn ticks_are_recovered_from_the_queue_neither_lost_nor_repeated() {
+    let fx = Fx::new().await;
+    let armed = fx.arm();
+    let seq = fx.task.stage_seq;
+    let at = |s: i64| armed.armed_at_ms + s * 1000;
+    let with = |m: &str| {
+        StageJob::from_content(&fx.first_content())
+            .unwrap()
+            .with_marker(m)
+    };
+
+    // Slot 0 and 1 polled normally.
+    fx.db.clock.set(at(30));
+    let j0 = fx.run(fx.first_content()).await;
+    let StageEffect::Requeue { marker: m1, .. } = exec().execute(&j0).await.unwrap() else {
+        panic!()
+    };
+    fx.db.clock.set(at(60));
+    let j1 = fx.run(with(&m1)).await;
+    let j1_id = j1.job.id;
+    let StageEffect::Requeue { marker: m2, .. } = exec().execute(&j1).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(fx.ticks(), vec![0, 1]);
+
+    // The same job runs again (rescued after a crash) within its slot: not repeated.
+    fx.db.clock.set(at(70));
+    let again = fx.run_of(j1_id).await;
+    let StageEffect::Requeue {
+        marker: m2b,
+        delay_s,
+        ..
+    } = exec().execute(&again).await.unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        (m2b.as_str(), delay_s),
+        (m2.as_str(), 20),
+        "same next tick, at its slot"
+    );
+    assert_eq!(fx.ticks(), vec![0, 1], "tick 1 not polled twice");
+
+    // The worker was down for a while: the next job polls the slot of now, not a burst.
+    fx.db.clock.set(at(185));
+    let j2 = fx.run(with(&m2)).await;
+    let StageEffect::Requeue {
+        marker: m3,
+        delay_s,
+        ..
+    } = exec().execute(&j2).await.unwrap()
+    else {
+        panic!()
+    };
+    assert_eq!(
+        fx.ticks(),
+        vec![0, 1, 5],
+        "slots 2-4 skipped (missed), slot 5 = now"
+    );
+    assert_eq!(delay_s, 25, "next at slot 6 (210 s)");
+    assert_eq!(m3, format!("{} tick=6", tick_marker_prefix(seq)));
+
+    // Finish: slots 6..9 then the deadline.
+    let mut marker = m3;
+    let mut end = None;
+    for s in [210, 240, 270, 300] {
+        fx.db.clock.set(at(s));
+        let j = fx.run(with(&marker)).await;
+        match exec().execute(&j).await.unwrap() {
+            StageEffect::Requeue { marker: m, .. } => marker = m,
+            StageEffect::Produced { outcome: None } => end = Some(s),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(end, Some(300), "ends at the deadline, with the last slot");
+    assert_eq!(fx.ticks(), vec![0, 1, 5, 6, 7, 8, 9]);
+    // 7 of 10 valid, ≤1 FAIL, last 2 PASS: missed slots are not proof of failure.
+    assert_eq!(
+        fx.log().unwrap().get_str("post_deploy_status"),
+        Some("HEALTHY")
+    );
+}
+
+#[tokio::test]
+async fn a_rerun_after_the_rollback_started_never_rolls_back_twice() {
+    let mut fx = Fx::new().await;
+    std::fs::write(fx.ctl.join("health"), "500").unwrap();
+    fx.repo.rollback = Some(NO_FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fx.arm();
+    fx.drive(&exec(), no_change).await;
+    assert_eq!(read(&fx.ctl.join("rolled_back")).lines().count(), 1);
+    // Crash before `done` landed: the last job runs again.
+    let dir = fx.watch().dir().unwrap().to_path_buf();
+    std::fs::remove_file(dir.join("done")).unwrap();
+    let jobs = fx.db.store.task_jobs(fx.task.id).await.unwrap();
+    let last = jobs.iter().map(|j| j.id).max().unwrap();
+    let rerun = fx.run_of(last).await;
+    exec().execute(&rerun).await.unwrap();
+    assert_eq!(
+        read(&fx.ctl.join("rolled_back")).lines().count(),
+        1,
+        "the rollback ran once"
+    );
+    assert_eq!(
+        fx.events_of(events::POST_DEPLOY_ROLLBACK_STARTED)
+            .await
+            .len(),
+        1
+    );
+    assert_eq!(
+        fx.log().unwrap().get_str("action_taken"),
+        Some("rollback_failed")
+    );
+}
+
+// ---- GET /queue and the recovery sweep -----------------------------------------------------
+
+#[tokio::test]
+async fn the_recovery_sweep_reenqueues_a_stranded_watch_once_pinned_to_this_node() {
+    let fx = Fx::new().await;
+    fx.arm();
+    let seq = fx.task.stage_seq;
+    // Slot 0 was polled; its follow-up tick job was then lost: the watch is stranded.
+    let first = fx.run(fx.first_content()).await; // waits
+    let StageEffect::Requeue {
+        delay_s, marker, ..
+    } = exec().execute(&first).await.unwrap()
+    else {
+        panic!()
+    };
+    fx.db
+        .clock
+        .advance_ms(i64::try_from(delay_s).unwrap() * 1000);
+    let tick0 = fx
+        .run(
+            StageJob::from_content(&fx.first_content())
+                .unwrap()
+                .with_marker(&marker),
+        )
+        .await;
+    exec().execute(&tick0).await.unwrap();
+    fx.db
+        .store
+        .cancel_task_jobs(fx.task.id, None)
+        .await
+        .unwrap();
+
+    let active = active_watches(&fx.repos_dir);
+    assert_eq!(active.len(), 1);
+    assert_eq!(
+        (
+            active[0].work_item_id.as_str(),
+            active[0].revision.as_deref(),
+            active[0].polls,
+            active[0].planned_polls
+        ),
+        (ITEM, Some(REV), 1, Some(10))
+    );
+    assert_eq!(active[0].problem, None);
+
+    let swept = recover_watches(&fx.db.store, &fx.repos_dir, "node-a").await;
+    let job_id = match swept.as_slice() {
+        [
+            (
+                item,
+                RecoveryAction::Enqueued {
+                    job_id,
+                    duplicate: false,
+                },
+            ),
+        ] if item == ITEM => *job_id,
+        other => panic!("{other:?}"),
+    };
+    let job = fx.db.store.get_job(job_id).await.unwrap().unwrap();
+    assert_eq!(job.node.as_deref(), Some("node-a"));
+    assert_eq!(job.agent, AGENT);
+    assert_eq!(
+        job.dedupe_key.as_deref(),
+        Some(format!("monitor-recover:{}:{seq}:1", fx.task.id).as_str())
+    );
+    assert!(
+        job.task_content.contains(&tick_marker_prefix(seq)),
+        "{}",
+        job.task_content
+    );
+    assert_eq!(fx.events_of(events::POST_DEPLOY_RECOVERED).await.len(), 1);
+
+    // A second sweep finds the live job and does nothing.
+    let again = recover_watches(&fx.db.store, &fx.repos_dir, "node-a").await;
+    assert_eq!(
+        again,
+        vec![(ITEM.to_owned(), RecoveryAction::AlreadyQueued { job_id })]
+    );
+
+    // The restored job completes the watch.
+    fx.db.clock.advance_ms(30_000);
+    let restored = fx.run_of(job_id).await;
+    assert!(matches!(
+        exec().execute(&restored).await.unwrap(),
+        StageEffect::Requeue { .. }
+    ));
+    assert_eq!(fx.ticks(), vec![0, 1]);
+
+    // Once the task left observe, the sweep leaves the watch alone; once done, it is gone.
+    fx.db
+        .store
+        .cancel_task_jobs(fx.task.id, None)
+        .await
+        .unwrap();
+    fx.db
+        .store
+        .advance_stage(AdvanceStage {
+            task_id: fx.task.id,
+            expected_stage: "observe".into(),
+            new_stage: "lessons".into(),
+            fence: Fence::Seq(seq),
+            event: NewEvent::new("stage.changed", "test"),
+            next_job: None,
+        })
+        .await
+        .unwrap();
+    let moved = recover_watches(&fx.db.store, &fx.repos_dir, "node-a").await;
+    assert_eq!(
+        moved,
+        vec![(
+            ITEM.to_owned(),
+            RecoveryAction::NotObserving {
+                stage: "lessons".into()
+            }
+        )]
+    );
+    assert!(fx.watch().mark_done("x"));
+    assert!(active_watches(&fx.repos_dir).is_empty());
+    assert!(
+        recover_watches(&fx.db.store, &fx.repos_dir, "node-a")
+            .await
+            .is_empty()
+    );
+}
