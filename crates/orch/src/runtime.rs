@@ -10,7 +10,8 @@ use orch_domain::config::Config;
 use orch_runner::agents::AgentExecutor;
 use orch_runner::builtin;
 use orch_runner::counters::Counters;
-use orch_runner::engine::dispatch::ByStage;
+use orch_runner::deploy::{DeployerExecutor, LessonsExecutor, MonitorExecutor};
+use orch_runner::engine::dispatch::{ByStage, OneDeployAtATime};
 use orch_runner::engine::{Engine, EngineConfig, INTAKE, intake::IntakeExecutor};
 use orch_runner::ops::Ops;
 use orch_runner::stages::{MergeGateExecutor, StagingExecutor, TesterExecutor};
@@ -76,9 +77,18 @@ impl Runtime {
             Arc::new(MergeGateExecutor::new(counters.clone())),
         );
         // One job kind, two stages: the stage is the discriminator (ORCH-115 D1).
-        let deployer =
-            ByStage::new().with("staging", Arc::new(StagingExecutor::new(counters.clone())));
+        let deployer = ByStage::new()
+            .with("staging", Arc::new(StagingExecutor::new(counters.clone())))
+            .with(
+                "deploy",
+                Arc::new(OneDeployAtATime {
+                    inner: Arc::new(DeployerExecutor::default()),
+                }),
+            );
         engine.set_executor("deployer", Arc::new(deployer));
+        engine.set_executor("post-deploy-monitor", Arc::new(MonitorExecutor::default()));
+        engine.set_executor("lessons", Arc::new(LessonsExecutor));
+        orch_runner::deploy::declare_counters(&counters);
         let engine = Arc::new(engine);
         let ops = Ops::new(store.clone(), engine.clone());
         Ok(Runtime {
@@ -88,6 +98,22 @@ impl Runtime {
             config,
             repos_dir,
         })
+    }
+
+    /// Maintenance passes of a process that runs the pipeline: the queue's own, plus the
+    /// post-deploy watch recovery sweep for this node's state files.
+    pub fn passes(
+        &self,
+        lease: Duration,
+        retention: Duration,
+    ) -> Vec<Arc<dyn orch_runner::maintenance::Pass>> {
+        let mut passes = orch_runner::maintenance::default_passes(lease, retention);
+        passes.push(Arc::new(orch_runner::maintenance::WatchRecoveryPass {
+            every: Duration::from_secs(30),
+            repos_dir: self.repos_dir.clone(),
+            node: self.engine.config().node.clone(),
+        }));
+        passes
     }
 
     /// The job kinds this process runs: the built-in ones and every stage's.

@@ -81,6 +81,42 @@ impl Pass for CleanupPass {
     }
 }
 
+/// Re-enqueues a tick for every armed post-deploy watch on this node that has none queued
+/// (SPEC §7: a stale `armed` without `done` after a crash is completed by a restored job).
+pub struct WatchRecoveryPass {
+    pub every: Duration,
+    pub repos_dir: std::path::PathBuf,
+    pub node: String,
+}
+
+#[async_trait::async_trait]
+impl Pass for WatchRecoveryPass {
+    fn name(&self) -> &'static str {
+        "watch-recovery"
+    }
+
+    fn every(&self) -> Duration {
+        self.every
+    }
+
+    async fn run(&self, store: &Store) -> anyhow::Result<()> {
+        for (work_item, action) in
+            crate::deploy::monitor::recover_watches(store, &self.repos_dir, &self.node).await
+        {
+            if matches!(
+                action,
+                crate::deploy::monitor::RecoveryAction::Enqueued {
+                    duplicate: false,
+                    ..
+                }
+            ) {
+                tracing::warn!(%work_item, "re-armed a post-deploy watch that had no tick queued");
+            }
+        }
+        Ok(())
+    }
+}
+
 /// The default passes for a lease length and retention.
 pub fn default_passes(lease: Duration, retention: Duration) -> Vec<Arc<dyn Pass>> {
     vec![

@@ -16,25 +16,28 @@ use crate::context::Context;
 use crate::runtime::Runtime;
 
 /// Retention of finished jobs of finished tasks.
-const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
+pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 
 pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let (stop, hard) = crate::signals::shutdown_tokens()?;
     let (store, config) = open(cx, &args).await?;
-    let registry = match &cx.config {
-        Some(c) => Runtime::new(cx, c, &store)?.registry(),
+    let (registry, passes) = match &cx.config {
+        Some(c) => {
+            let rt = Runtime::new(cx, c, &store)?;
+            (rt.registry(), rt.passes(config.lease, RETENTION))
+        }
         None => {
             tracing::warn!(config = %cx.config_path.display(),
                 "no config: running only the built-in job kinds");
             let mut r = Registry::new();
             builtin::register(&mut r);
-            r
+            (r, maintenance::default_passes(config.lease, RETENTION))
         }
     };
     tracing::info!(worker = %config.worker_id, database = %store.target(),
         concurrency = config.concurrency, kinds = ?registry.kinds(), "worker started");
     let worker = Worker::new(store.clone(), registry, config.clone());
-    run_workers(store.clone(), worker, config.lease, stop, hard).await;
+    run_workers(store.clone(), worker, passes, stop, hard).await;
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
@@ -63,7 +66,14 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     );
     tracing::info!(worker = %wconfig.worker_id, database = %store.target(), %addr, "serve started");
     eprintln!("orch: serving http://{addr}/ (API, dashboard, /metrics)");
-    run_workers(store.clone(), worker, wconfig.lease, stop, hard).await;
+    run_workers(
+        store.clone(),
+        worker,
+        runtime.passes(wconfig.lease, RETENTION),
+        stop,
+        hard,
+    )
+    .await;
     let _ = api.await;
     store.close().await;
     Ok(ExitCode::SUCCESS)
@@ -137,12 +147,11 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
 pub async fn run_workers(
     store: Store,
     worker: Worker,
-    lease: Duration,
+    passes: Vec<Arc<dyn maintenance::Pass>>,
     stop: CancellationToken,
     hard: CancellationToken,
 ) {
     let maint_stop = CancellationToken::new();
-    let passes = maintenance::default_passes(lease, RETENTION);
     let maint = tokio::spawn(maintenance::run(store, passes, maint_stop.clone()));
     worker.run(stop, hard).await;
     maint_stop.cancel();

@@ -173,18 +173,23 @@ fn implementation(e: &Env, greeting: bool) -> Result<usize> {
     let review_asked_for_test = std::fs::read_to_string(e.artifact_dir.join("11-review.md"))
         .map(|r| r.contains("CHANGES_REQUESTED"))
         .unwrap_or(false);
+    // The two scenarios edit different places of the same files, so their merges do not
+    // conflict.
     let summary = if greeting {
         edit(
             &app,
             "def revision():",
-            "GREETING = os.environ.get(\"APP_GREETING\")\n\n\n\
+            "GREETING = os.environ.get(\"APP_GREETING\")\nSTARTED = time.time()\n\n\n\
              def greeting():\n    return 200, {\"greeting\": GREETING or \"hello\"}\n\n\n\
              def revision():",
         )?;
+        edit(&app, "import sys\n", "import sys\nimport time\n")?;
+        // The latent bug: in production, once the service has run a few seconds without a
+        // configured greeting, health fails. Tests and staging do not see it.
         edit(
             &app,
             "    return 200, {\"status\": \"ok\", \"env\": ENV}",
-            "    if ENV == \"production\" and GREETING is None:\n        \
+            "    if ENV == \"production\" and GREETING is None and time.time() - STARTED > 2:\n        \
              return 500, {\"status\": \"greeting not configured\"}\n    \
              return 200, {\"status\": \"ok\", \"env\": ENV}",
         )?;
@@ -195,22 +200,19 @@ fn implementation(e: &Env, greeting: bool) -> Result<usize> {
         )?;
         edit(
             &tests,
-            "\nif __name__",
+            "    def test_revision(self):",
             "    def test_greeting(self):\n        code, body = app.greeting()\n        \
-             self.assertEqual(code, 200)\n        self.assertIn(\"greeting\", body)\n\n\nif __name__",
+             self.assertEqual(code, 200)\n        self.assertIn(\"greeting\", body)\n\n    \
+             def test_revision(self):",
         )?;
         "Added `GET /greeting` (configurable with APP_GREETING) and a unit test. Health now \
          reports when the greeting is not configured."
     } else {
         edit(
             &app,
-            "def revision():",
-            "def version():\n    return 200, {\"version\": \"1.1.0\"}\n\n\ndef revision():",
-        )?;
-        edit(
-            &app,
-            "    \"/revision\": revision,\n",
-            "    \"/revision\": revision,\n    \"/version\": version,\n",
+            "class Handler(",
+            "def version():\n    return 200, {\"version\": \"1.1.0\"}\n\n\n\
+             ROUTES[\"/version\"] = version\n\n\nclass Handler(",
         )?;
         if review_asked_for_test {
             edit(

@@ -127,16 +127,21 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     println!("  dashboard while it runs: http://127.0.0.1:{api_port}/\n");
 
     // Production runs the initial release before any work item ships.
-    let first = tokio::process::Command::new("sh")
-        .arg("deploy.sh")
-        .args(["production", &prod_port.to_string()])
-        .arg(&state)
-        .current_dir(&service)
-        .stdout(std::process::Stdio::null())
-        .status()
-        .await
-        .context("cannot start the sample service")?;
-    anyhow::ensure!(first.success(), "the sample service's first deploy failed");
+    let first = orch_exec::run(
+        &orch_exec::Cmd::new("sh")
+            .arg("deploy.sh")
+            .args(["production".to_owned(), prod_port.to_string()])
+            .arg(state.as_os_str())
+            .cwd(&service)
+            .timeout(Duration::from_secs(30)),
+    )
+    .await
+    .context("cannot start the sample service")?;
+    anyhow::ensure!(
+        first.success(),
+        "the sample service's first deploy failed: {}",
+        first.tail_text(10)
+    );
 
     let stop = CancellationToken::new();
     let mut wc = WorkerConfig::new("demo");
@@ -158,30 +163,62 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     let workers = tokio::spawn(crate::cmd::worker::run_workers(
         store.clone(),
         worker,
-        wc.lease,
+        runtime.passes(wc.lease, crate::cmd::worker::RETENTION),
         stop.clone(),
         CancellationToken::new(),
     ));
 
-    let mut ids = Vec::new();
-    for (title, body) in ITEMS {
-        let t = runtime.ops.submit("service", title, body).await?;
-        println!("submitted {}: {title}", t.work_item_id);
-        ids.push(t.work_item_id);
-    }
+    // APP-1 first; APP-2 once APP-1 is deployed and watched, so each post-deploy watch sees
+    // only its own change (a deploy ships the default branch's head).
+    let first_item = runtime
+        .ops
+        .submit("service", ITEMS[0].0, ITEMS[0].1)
+        .await?;
+    println!("submitted {}: {}", first_item.work_item_id, ITEMS[0].0);
+    let ids = vec![first_item.work_item_id.clone(), "APP-2".to_owned()];
     println!();
     let started = Instant::now();
+    let second = {
+        let store = store.clone();
+        let runtime = runtime.clone();
+        let first_id = first_item.work_item_id.clone();
+        tokio::spawn(async move {
+            loop {
+                match store.get_task_by_work_item(&first_id).await {
+                    Ok(Some(t)) if t.stage == "observe" || t.is_terminal() => break,
+                    Ok(_) => {}
+                    Err(e) => return Err(anyhow::Error::from(e)),
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+            let t = runtime
+                .ops
+                .submit("service", ITEMS[1].0, ITEMS[1].1)
+                .await?;
+            Ok::<Task, anyhow::Error>(t)
+        })
+    };
     let finished = watch_progress(&store, &ids, started, Duration::from_secs(300)).await;
     stop.cancel();
+    match second.await {
+        Ok(Ok(t)) if t.work_item_id == "APP-2" => {}
+        Ok(Ok(t)) => {
+            tracing::warn!(id = %t.work_item_id, "the second demo item got an unexpected id")
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %format!("{e:#}"), "could not submit the second demo item")
+        }
+        Err(e) => tracing::warn!(error = %e, "the second demo submission task failed"),
+    }
     let _ = workers.await;
     let _ = api.await;
     for env in ["production", "staging"] {
-        let _ = tokio::process::Command::new("sh")
-            .arg(service.join("stop.sh"))
+        let stop_cmd = orch_exec::Cmd::new("sh")
+            .arg(service.join("stop.sh").as_os_str())
             .arg(env)
-            .arg(&state)
-            .status()
-            .await;
+            .arg(state.as_os_str())
+            .timeout(Duration::from_secs(10));
+        let _ = orch_exec::run(&stop_cmd).await;
     }
     let tasks = finished?;
     summary(&store, &tasks, &dir, &config_path, started).await?;
@@ -219,6 +256,16 @@ async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
         "Sample service: /health and /revision, tests, deploy scripts",
     )
     .await?;
+    // orch pushes merges back to this checkout: let a push to the checked-out branch update
+    // its files (they are clean), as a shared bare repo would.
+    let out = orch_exec::run(
+        &orch_exec::Cmd::new("git")
+            .args(["config", "receive.denyCurrentBranch", "updateInstead"])
+            .cwd(dir)
+            .timeout(Duration::from_secs(30)),
+    )
+    .await?;
+    anyhow::ensure!(out.success(), "git config failed: {}", out.tail_text(5));
     Ok(())
 }
 
