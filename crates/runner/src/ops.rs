@@ -160,14 +160,48 @@ impl Ops {
                 task.stage
             )));
         }
-        let jobs = self.store.task_jobs(task.id).await?;
-        let stage = jobs
+        // The stage it failed in: named by the failure event when the engine failed it,
+        // else the stage of its last job (a job that failed for good).
+        let events = self.store.task_events(task.id).await?;
+        let from_event = events
             .iter()
-            .filter_map(|j| StageJob::from_content(&j.task_content).ok())
-            .rfind(|sj| !matches!(sj.stage.as_str(), "done" | "failed" | "cancelled"))
-            .map(|sj| sj.stage)
-            .ok_or_else(|| OpsError::Conflict(format!("{id}: cannot tell which stage failed")))?;
-        let next_job = self.engine.stage_job(&stage, task.stage_seq + 1);
+            .rev()
+            .find(|e| e.kind == "task.failed")
+            .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
+            .and_then(|v| v["from"].as_str().map(str::to_owned))
+            .filter(|s| !matches!(s.as_str(), "done" | "failed" | "cancelled"));
+        let from_jobs = || async {
+            let jobs = self.store.task_jobs(task.id).await?;
+            Ok::<Option<String>, OpsError>(
+                jobs.iter()
+                    .filter_map(|j| StageJob::from_content(&j.task_content).ok())
+                    .rfind(|sj| !matches!(sj.stage.as_str(), "done" | "failed" | "cancelled"))
+                    .map(|sj| sj.stage),
+            )
+        };
+        let stage = match from_event {
+            Some(s) => s,
+            None => from_jobs().await?.ok_or_else(|| {
+                OpsError::Conflict(format!("{id}: cannot tell which stage failed"))
+            })?,
+        };
+        if self.engine.stage_job(&stage, 0).is_none() {
+            return Err(OpsError::Conflict(format!(
+                "{id} failed at stage {stage}, which the pipeline no longer has"
+            )));
+        }
+        let waits = self
+            .engine
+            .config()
+            .pipeline
+            .stages
+            .iter()
+            .any(|s| s.name.as_str() == stage && s.approval);
+        let next_job = if waits {
+            None
+        } else {
+            self.engine.stage_job(&stage, task.stage_seq + 1)
+        };
         let adv = self
             .store
             .advance_stage(AdvanceStage {

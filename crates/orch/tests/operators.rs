@@ -1,0 +1,225 @@
+//! Operator commands against a running `orch serve`: a stage marked `approval = true` waits for
+//! `orch approve`, `orch cancel` stops a task for good, `orch retry` puts a failed task back at
+//! the stage it failed in; wrong-state commands are refused with a clear message.
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use orch_store::{AdvanceStage, ConnectOptions, Fence, NewEvent, Store, Task};
+
+const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+
+fn orch(config: &Path, args: &[&str]) -> Output {
+    std::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env("ORCH_LOG", "warn")
+        .output()
+        .unwrap()
+}
+
+async fn wait_for(store: &Store, id: &str, what: &str, pred: impl Fn(&Task) -> bool) -> Task {
+    let t0 = Instant::now();
+    loop {
+        if let Some(t) = store.get_task_by_work_item(id).await.unwrap()
+            && pred(&t)
+        {
+            return t;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "{id}: timed out waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+fn reap_orphans() {
+    // SAFETY: non-blocking waits for our own children.
+    while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn approve_cancel_and_retry() {
+    // SAFETY: prctl with constant arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir: PathBuf = tmp.path().join("demo");
+    let setup = std::process::Command::new(ORCH)
+        .args(["demo", "--setup-only", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        setup.status.success(),
+        "{}",
+        String::from_utf8_lossy(&setup.stderr)
+    );
+    let config = dir.join("orch.toml");
+    let mut text = std::fs::read_to_string(&config).unwrap();
+    text.push_str("\n[pipeline.stages.architecture]\napproval = true\n");
+    std::fs::write(&config, text).unwrap();
+    for title in [
+        "Add a /version endpoint",
+        "Make the greeting configurable",
+        "Add a /version endpoint again",
+    ] {
+        let out = orch(&config, &["submit", "--repo", "service", "--title", title]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let mut serve = tokio::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(&config)
+        .args(["serve", "--bind", "127.0.0.1:0"])
+        .env("ORCH_LOG", "warn")
+        .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let store = Store::connect(
+        &format!("sqlite://{}", dir.join(".orch/orch.db").display()),
+        ConnectOptions::default(),
+    )
+    .await
+    .unwrap();
+    for id in ["APP-1", "APP-2", "APP-3"] {
+        wait_for(&store, id, "the approval stage", |t| {
+            t.stage == "architecture"
+        })
+        .await;
+    }
+    // Waiting means no job: nothing runs until an operator approves.
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let t1 = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
+    assert_eq!(t1.stage, "architecture", "still waiting without approval");
+    assert!(
+        store
+            .task_agent_runs(t1.id)
+            .await
+            .unwrap()
+            .iter()
+            .all(|r| r.stage != "architecture"),
+        "the architect did not run"
+    );
+
+    let out = orch(&config, &["approve", "APP-1"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    wait_for(&store, "APP-1", "leaving architecture", |t| {
+        t.stage != "architecture"
+    })
+    .await;
+    let again = orch(&config, &["approve", "APP-1"]);
+    assert!(!again.status.success());
+    assert!(
+        String::from_utf8_lossy(&again.stderr).contains("does not wait for approval"),
+        "{}",
+        String::from_utf8_lossy(&again.stderr)
+    );
+
+    let out = orch(&config, &["cancel", "APP-2"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let t2 = wait_for(&store, "APP-2", "cancelled", |t| t.stage == "cancelled").await;
+    let twice = orch(&config, &["cancel", "APP-2"]);
+    assert!(
+        String::from_utf8_lossy(&twice.stderr).contains("already ended"),
+        "{}",
+        String::from_utf8_lossy(&twice.stderr)
+    );
+    let not_failed = orch(&config, &["retry", "APP-2"]);
+    assert!(
+        String::from_utf8_lossy(&not_failed.stderr).contains("only a failed task"),
+        "{}",
+        String::from_utf8_lossy(&not_failed.stderr)
+    );
+    assert!(
+        store
+            .task_jobs(t2.id)
+            .await
+            .unwrap()
+            .iter()
+            .all(|j| !j.state.is_live()),
+        "a cancelled task has no live job"
+    );
+
+    // APP-3 fails while waiting (as an operator or a crash would leave it), then is retried.
+    let t3 = store.get_task_by_work_item("APP-3").await.unwrap().unwrap();
+    store
+        .advance_stage(AdvanceStage {
+            task_id: t3.id,
+            expected_stage: "architecture".into(),
+            new_stage: "failed".into(),
+            fence: Fence::Seq(t3.stage_seq),
+            event: NewEvent::new("task.failed", "failed by the test")
+                .data(r#"{"from": "architecture", "to": "failed"}"#),
+            next_job: None,
+        })
+        .await
+        .unwrap();
+    let out = orch(&config, &["retry", "APP-3"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let t3 = wait_for(&store, "APP-3", "back in the pipeline", |t| {
+        !t.is_terminal()
+    })
+    .await;
+    assert_eq!(
+        t3.stage, "architecture",
+        "retried at the stage it failed in"
+    );
+    let approve = orch(&config, &["approve", "APP-3"]);
+    assert!(
+        approve.status.success(),
+        "the retried approval stage waits again: {}",
+        String::from_utf8_lossy(&approve.stderr)
+    );
+    wait_for(
+        &store,
+        "APP-3",
+        "leaving architecture after approval",
+        |t| t.stage != "architecture",
+    )
+    .await;
+    let out = orch(&config, &["--json", "status", "APP-3"]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(
+        v["events"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|e| e["kind"] == "task.retried"),
+        "{v}"
+    );
+
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(serve.id().unwrap() as i32, libc::SIGTERM) };
+    let _ = tokio::time::timeout(Duration::from_secs(20), serve.wait()).await;
+    for env in ["production", "staging"] {
+        let _ = std::process::Command::new("sh")
+            .arg(dir.join("service/stop.sh"))
+            .arg(env)
+            .arg(dir.join("service-state"))
+            .status();
+    }
+    reap_orphans();
+    store.close().await;
+}
