@@ -239,6 +239,8 @@ fn repo_config(repo_dir: &Path, deploy: Option<String>, base: &str) -> RepoConfi
         rollback: None,
         health_url: Some(format!("{base}/health")),
         revision_url: Some(format!("{base}/revision")),
+        alert: None,
+        alert_webhook: None,
         merge_strategy: MergeStrategy::default(),
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,

@@ -74,6 +74,8 @@ impl Fx {
             rollback: None,
             health_url: None,
             revision_url: None,
+            alert: None,
+            alert_webhook: None,
             merge_strategy: MergeStrategy::default(),
             post_deploy: PostDeployConfig::default(),
             staging_defer_limit: 2,

@@ -125,6 +125,8 @@ impl Fx {
             rollback: None,
             health_url: Some(format!("{base}/health")),
             revision_url: Some(format!("{base}/revision")),
+            alert: None,
+            alert_webhook: None,
             merge_strategy: MergeStrategy::default(),
             post_deploy: PostDeployConfig {
                 window_s: PARAMS.window_s,

@@ -28,6 +28,7 @@ use orch_exec::process::ExitKind;
 use orch_store::{JobCount, NewEvent, NewJob, Store};
 use serde_json::json;
 
+use super::alert::Alert;
 use super::probe::{check_health, check_revision, live_revision, revision_matches};
 use super::{
     MONITOR_AGENT, OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command,
@@ -209,7 +210,8 @@ impl MonitorExecutor {
         let (action, action_detail) = match reaction(verdict, &armed.revision, live.as_deref()) {
             Reaction::None => (ActionTaken::None, String::new()),
             Reaction::AlertOnly { reason: why } => {
-                alert(run, seq, &format!("{}: {reason}; {why}", verdict.as_str())).await?;
+                let why_all = format!("{}: {reason}; {why}", verdict.as_str());
+                alert(run, seq, verdict, ActionTaken::Alert, &armed.revision, &why_all).await?;
                 (ActionTaken::Alert, why)
             }
             Reaction::Rollback => self.rollback(run, seq, armed, &reason).await?,
@@ -235,7 +237,7 @@ impl MonitorExecutor {
             let why = format!(
                 "FAILED ({reason}) and `{revision}` is live, but no rollback command is configured"
             );
-            alert(run, seq, &why).await?;
+            alert(run, seq, Verdict::Failed, ActionTaken::Alert, revision, &why).await?;
             return Ok((ActionTaken::Alert, why));
         };
         let events = run.store.task_events(run.task.id).await?;
@@ -278,7 +280,15 @@ impl MonitorExecutor {
                     data([("revision", json!(revision)), ("verified", json!(false))]),
                 )
                 .await?;
-                alert(run, seq, &why).await?;
+                alert(
+                    run,
+                    seq,
+                    Verdict::Failed,
+                    ActionTaken::RollbackFailed,
+                    revision,
+                    &why,
+                )
+                .await?;
                 return Ok((ActionTaken::RollbackFailed, why));
             }
         }
@@ -299,53 +309,30 @@ impl MonitorExecutor {
         if verified {
             Ok((ActionTaken::Rollback, message))
         } else {
-            alert(run, seq, &message).await?;
+            alert(
+                run,
+                seq,
+                Verdict::Failed,
+                ActionTaken::RollbackFailed,
+                revision,
+                &message,
+            )
+            .await?;
             Ok((ActionTaken::RollbackFailed, message))
         }
     }
 
-    /// Verifies a rollback: up to `verify_polls` polls, each after `verify_interval`; verified
-    /// by the first one where health passes and the live revision is no longer the watched one
-    /// (when a revision endpoint is configured).
+    /// Verifies a rollback by polls ([`verify_rollback`]).
     async fn verify(&self, run: &StageRun, armed: &ArmedRecord) -> (bool, String) {
         let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
-        let mut last = "no verification poll ran".to_owned();
-        for i in 1..=self.verify_polls.max(1) {
-            tokio::select! {
-                () = tokio::time::sleep(self.verify_interval) => {}
-                () = run.cancel.cancelled() => return (false, format!("cancelled before verification poll {i}")),
-            }
-            let health = match &run.repo.health_url {
-                Some(url) => check_health(url, timeout).await,
-                None => return (false, "no health_url to verify by".to_owned()),
-            };
-            if health.outcome != CheckOutcome::Pass {
-                last = format!(
-                    "poll {i}: health {} ({})",
-                    health.outcome.as_str(),
-                    health.detail
-                );
-                continue;
-            }
-            match &run.repo.revision_url {
-                None => return (true, format!("poll {i}: health PASS")),
-                Some(url) => match live_revision(url, timeout).await {
-                    Some(live) if !revision_matches(&armed.revision, &live) => {
-                        return (
-                            true,
-                            format!("poll {i}: health PASS, live revision `{live}`"),
-                        );
-                    }
-                    Some(live) => {
-                        last = format!("poll {i}: health PASS but `{live}` is still live")
-                    }
-                    None => {
-                        last = format!("poll {i}: health PASS but the live revision cannot be read")
-                    }
-                },
-            }
-        }
-        (false, last)
+        verify_rollback(
+            run,
+            &armed.revision,
+            self.verify_polls,
+            self.verify_interval,
+            timeout,
+        )
+        .await
     }
 
     /// Ends a watch whose `armed` is absent or unusable: DEGRADED (never HEALTHY without
@@ -376,7 +363,15 @@ impl MonitorExecutor {
                 };
                 record(run, seq, events::POST_DEPLOY_EVIDENCE_LOST, &lost, data([])).await?;
                 let reason = format!("evidence lost: {lost}");
-                alert(run, seq, &format!("DEGRADED: {reason}")).await?;
+                alert(
+                    run,
+                    seq,
+                    Verdict::Degraded,
+                    ActionTaken::Alert,
+                    "unknown",
+                    &format!("DEGRADED: {reason}"),
+                )
+                .await?;
                 (
                     reason,
                     Some(lost),
@@ -408,6 +403,53 @@ impl MonitorExecutor {
         )
         .await
     }
+}
+
+/// Verifies a rollback of `revision`: up to `polls` polls, each after `interval`; verified by
+/// the first one where health passes and the live revision is no longer `revision` (when a
+/// revision endpoint is configured).
+pub(crate) async fn verify_rollback(
+    run: &StageRun,
+    revision: &str,
+    polls: u32,
+    interval: Duration,
+    timeout: Duration,
+) -> (bool, String) {
+    let mut last = "no verification poll ran".to_owned();
+    for i in 1..=polls.max(1) {
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = run.cancel.cancelled() => return (false, format!("cancelled before verification poll {i}")),
+        }
+        let health = match &run.repo.health_url {
+            Some(url) => check_health(url, timeout).await,
+            None => return (false, "no health_url to verify by".to_owned()),
+        };
+        if health.outcome != CheckOutcome::Pass {
+            last = format!(
+                "poll {i}: health {} ({})",
+                health.outcome.as_str(),
+                health.detail
+            );
+            continue;
+        }
+        match &run.repo.revision_url {
+            None => return (true, format!("poll {i}: health PASS")),
+            Some(url) => match live_revision(url, timeout).await {
+                Some(live) if !revision_matches(revision, &live) => {
+                    return (
+                        true,
+                        format!("poll {i}: health PASS, live revision `{live}`"),
+                    );
+                }
+                Some(live) => last = format!("poll {i}: health PASS but `{live}` is still live"),
+                None => {
+                    last = format!("poll {i}: health PASS but the live revision cannot be read")
+                }
+            },
+        }
+    }
+    (false, last)
 }
 
 /// Writes the log (best effort), marks the watch done and records the verdict.
@@ -484,11 +526,29 @@ async fn finish(
     Ok(StageEffect::Produced { outcome: None })
 }
 
-/// Raises the alert: a `post_deploy.alert` event is the alert (SPEC §7).
-async fn alert(run: &StageRun, seq: i64, why: &str) -> anyhow::Result<()> {
-    tracing::warn!(work_item = %run.work_item, "post-deploy alert: {why}");
-    run.counters.incr("post_deploy_monitor", "alerts");
-    record(run, seq, events::POST_DEPLOY_ALERT, why, data([])).await
+/// Raises the alert (SPEC §7): the `post_deploy.alert` event, and the repo's `alert` command
+/// and `alert_webhook` when configured ([`super::alert`]).
+async fn alert(
+    run: &StageRun,
+    seq: i64,
+    verdict: Verdict,
+    action: ActionTaken,
+    revision: &str,
+    why: &str,
+) -> anyhow::Result<()> {
+    let occasion = format!("{}-{}", verdict.as_str(), action.as_str()).to_lowercase();
+    super::alert::raise(
+        run,
+        seq,
+        &Alert {
+            occasion: &occasion,
+            verdict: verdict.as_str(),
+            action: action.as_str(),
+            reason: why,
+            revision,
+        },
+    )
+    .await
 }
 
 /// This visit's jobs of this run's kind whose content contains `marker`.
