@@ -1100,7 +1100,10 @@ interval_s = 10
         assert_eq!(repo.post_deploy.window_s, 120);
         assert_eq!(repo.post_deploy.initial_delay_s, 30);
         assert_eq!(repo.alert.as_deref(), Some("./page-oncall.sh"));
-        assert_eq!(repo.alert_webhook.as_deref(), Some("http://127.0.0.1:9/hook"));
+        assert_eq!(
+            repo.alert_webhook.as_deref(),
+            Some("http://127.0.0.1:9/hook")
+        );
         assert!(c.repo_for(&"ORCH-1".parse().unwrap()).is_none());
     }
 

@@ -80,10 +80,7 @@ pub(crate) async fn raise(run: &StageRun, seq: i64, alert: &Alert<'_>) -> anyhow
     Ok(())
 }
 
-fn fields(
-    alert: &Alert<'_>,
-    channel: Option<&str>,
-) -> serde_json::Map<String, serde_json::Value> {
+fn fields(alert: &Alert<'_>, channel: Option<&str>) -> serde_json::Map<String, serde_json::Value> {
     let mut d = data([
         ("occasion", json!(alert.occasion)),
         ("verdict", json!(alert.verdict)),

@@ -442,7 +442,8 @@ impl DeployerExecutor {
                     data([("revision", json!(revision)), ("attempted", json!(true))]),
                 )
                 .await?;
-                self.alert(run, seq, "rollback_failed", revision, &why).await?;
+                self.alert(run, seq, "rollback_failed", revision, &why)
+                    .await?;
                 return Ok(why);
             }
         }
@@ -475,7 +476,8 @@ impl DeployerExecutor {
             data([("revision", json!(revision)), ("attempted", json!(true))]),
         )
         .await?;
-        self.alert(run, seq, "rollback_failed", revision, &why).await?;
+        self.alert(run, seq, "rollback_failed", revision, &why)
+            .await?;
         Ok(why)
     }
 

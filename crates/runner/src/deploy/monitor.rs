@@ -211,7 +211,15 @@ impl MonitorExecutor {
             Reaction::None => (ActionTaken::None, String::new()),
             Reaction::AlertOnly { reason: why } => {
                 let why_all = format!("{}: {reason}; {why}", verdict.as_str());
-                alert(run, seq, verdict, ActionTaken::Alert, &armed.revision, &why_all).await?;
+                alert(
+                    run,
+                    seq,
+                    verdict,
+                    ActionTaken::Alert,
+                    &armed.revision,
+                    &why_all,
+                )
+                .await?;
                 (ActionTaken::Alert, why)
             }
             Reaction::Rollback => self.rollback(run, seq, armed, &reason).await?,
@@ -237,7 +245,15 @@ impl MonitorExecutor {
             let why = format!(
                 "FAILED ({reason}) and `{revision}` is live, but no rollback command is configured"
             );
-            alert(run, seq, Verdict::Failed, ActionTaken::Alert, revision, &why).await?;
+            alert(
+                run,
+                seq,
+                Verdict::Failed,
+                ActionTaken::Alert,
+                revision,
+                &why,
+            )
+            .await?;
             return Ok((ActionTaken::Alert, why));
         };
         let events = run.store.task_events(run.task.id).await?;
