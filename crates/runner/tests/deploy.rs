@@ -838,3 +838,33 @@ async fn a_broken_alert_hook_is_recorded_and_never_fails_the_stage() {
     assert_eq!(channels, ["command", "webhook"], "{failed:?}");
     assert!(failed[1].message.contains("503"), "{}", failed[1].message);
 }
+
+#[tokio::test]
+async fn arming_a_watch_supersedes_the_older_active_watches_of_the_same_repo() {
+    let fx = Fx::new().await;
+    let arm = |repo: &str, item: &str| {
+        let ws = WatchState::new(&fx.repos_dir, repo, item);
+        let rec = orch_deploystate::ArmedRecord::new(Default::default(), 5, "0123456789abcdef");
+        assert_eq!(ws.arm(&rec), orch_deploystate::ArmOutcome::Armed);
+        ws
+    };
+    let older = arm("app", "ORCH-6");
+    let finished = arm("app", "ORCH-5");
+    assert!(finished.mark_done("HEALTHY"));
+    let other_repo = arm("billing", "ORCH-4");
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{outcome:?}");
+    let marker = |ws: &WatchState| read(&ws.dir().unwrap().join("superseded"));
+    assert_eq!(
+        marker(&older).trim(),
+        format!("{ITEM} {}", fx.revision),
+        "the older active watch of the repo is superseded by this deploy"
+    );
+    assert_eq!(marker(&finished), "", "a finished watch is left alone");
+    assert_eq!(
+        marker(&other_repo),
+        "",
+        "another repo's watch is left alone"
+    );
+    assert_eq!(marker(&fx.watch()), "", "the new watch is not superseded");
+}

@@ -543,7 +543,8 @@ impl DeployerExecutor {
 }
 
 /// Arms the watch for `revision` (idempotent). A finished watch, or one for another revision,
-/// is from an earlier deploy and is replaced.
+/// is from an earlier deploy and is replaced. Other work items' active watches of this repo
+/// are marked superseded: their revision is no longer live.
 fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
     let ws = WatchState::new(
         &run.repos_dir,
@@ -559,6 +560,15 @@ fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
         run.store.now_ms(),
         revision,
     );
+    let superseded = super::monitor::supersede_others(
+        &run.repos_dir,
+        run.repo_name.as_str(),
+        run.work_item.as_str(),
+        revision,
+    );
+    if !superseded.is_empty() {
+        tracing::info!(work_item = %run.work_item, ?superseded, "deploy: older watches of this repo superseded");
+    }
     match ws.arm(&record) {
         ArmOutcome::Armed => Ok(()),
         ArmOutcome::AlreadyArmed(existing) if revision_matches(revision, &existing.revision) => {

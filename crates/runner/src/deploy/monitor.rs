@@ -39,6 +39,51 @@ use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 /// The artifact the monitor writes (seed §4).
 pub const POST_DEPLOY_LOG: &str = "16-post-deploy-log.md";
 
+/// The sentinel file that says a newer deploy of the same repo superseded a watch; its
+/// content is `<work item> <revision>` of the newer deploy.
+pub const SUPERSEDED_FILE: &str = "superseded";
+
+/// Marks every other active watch of `repo` in `repos_dir` as superseded by `work_item`'s
+/// deploy of `revision` (called by the deployer when it arms a watch): their next tick ends
+/// them from the evidence so far, without a rollback (their revision is no longer live).
+/// Never raises: a marker that cannot be written is logged. Returns the superseded work items.
+pub fn supersede_others(
+    repos_dir: &Path,
+    repo: &str,
+    work_item: &str,
+    revision: &str,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for w in list_active(repos_dir) {
+        if w.repo != repo || w.work_item_id == work_item {
+            continue;
+        }
+        let ws = WatchState::new(repos_dir, &w.repo, &w.work_item_id);
+        let Some(dir) = ws.dir() else { continue };
+        let path = dir.join(SUPERSEDED_FILE);
+        let tmp = dir.join(format!(".{SUPERSEDED_FILE}.tmp"));
+        let written = std::fs::write(&tmp, format!("{work_item} {revision}\n"))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        match written {
+            Ok(()) => out.push(w.work_item_id),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot mark an older watch superseded; it runs to its deadline");
+            }
+        }
+    }
+    out
+}
+
+/// `(work item, revision)` of the deploy that superseded this watch, if any.
+fn superseded_by(ws: &WatchState) -> Option<(String, String)> {
+    let path = ws.dir()?.join(SUPERSEDED_FILE);
+    let text = std::fs::read_to_string(&path).ok()?;
+    let mut parts = text.split_whitespace();
+    let item = parts.next()?.to_owned();
+    let rev = parts.next().unwrap_or("unknown").to_owned();
+    Some((item, rev))
+}
+
 /// The `observe` stage's executor (agent `post-deploy-monitor`).
 #[derive(Debug, Clone)]
 pub struct MonitorExecutor {
@@ -97,6 +142,11 @@ impl MonitorExecutor {
         armed: &ArmedRecord,
     ) -> anyhow::Result<StageEffect> {
         let params = armed.params;
+        if let Some((by, by_revision)) = superseded_by(ws) {
+            return self
+                .superseded(run, ws, seq, armed, &by, &by_revision)
+                .await;
+        }
         let now = run.store.now_ms();
         let first = tick_at_ms(&params, armed.armed_at_ms, 0);
         if now < first {
@@ -166,6 +216,100 @@ impl MonitorExecutor {
                 .await
             }
         }
+    }
+
+    /// Ends a watch a newer deploy superseded: the verdict from the evidence so far (judged
+    /// as at the deadline), no rollback (the watched revision is no longer live), an alert
+    /// only when the evidence holds FAIL polls (a watch merely cut short is DEGRADED for lack
+    /// of evidence, with nothing live to act on).
+    async fn superseded(
+        &self,
+        run: &StageRun,
+        ws: &WatchState,
+        seq: i64,
+        armed: &ArmedRecord,
+        by: &str,
+        by_revision: &str,
+    ) -> anyhow::Result<StageEffect> {
+        let series = ws.series();
+        let (verdict, why) = match decide(
+            &series.polls,
+            &armed.params,
+            armed.armed_at_ms,
+            armed.deadline_ms,
+        ) {
+            Decision::Final(v, why) => (v, why),
+            Decision::Continue { .. } => (Verdict::Degraded, "the window is not over".to_owned()),
+        };
+        let (verdict, why) = match (&series.lost, verdict) {
+            (Some(lost), Verdict::Healthy) => (
+                Verdict::Degraded,
+                format!("{why}; but evidence was lost ({lost})"),
+            ),
+            (_, v) => (v, why),
+        };
+        let reason = format!(
+            "superseded by {by} (deploy of `{by_revision}`) after {} polls; judged on the evidence so far: {why}",
+            series.polls.len()
+        );
+        record(
+            run,
+            seq,
+            events::POST_DEPLOY_SUPERSEDED,
+            &reason,
+            data([
+                ("by", json!(by)),
+                ("by_revision", json!(by_revision)),
+                ("revision", json!(armed.revision)),
+            ]),
+        )
+        .await?;
+        let failed_polls = series
+            .polls
+            .iter()
+            .filter(|p| p.status() == CheckOutcome::Fail)
+            .count();
+        let no_rollback = format!(
+            "no rollback: `{}` is no longer live ({by} deployed `{by_revision}`)",
+            armed.revision
+        );
+        let (action, action_detail) = match verdict {
+            Verdict::Healthy => (ActionTaken::None, String::new()),
+            // Cut short with nothing wrong seen: not enough evidence, nothing live to act on.
+            Verdict::Degraded if failed_polls == 0 => (ActionTaken::None, no_rollback),
+            Verdict::Degraded | Verdict::Failed => {
+                let detail = format!("{no_rollback}; {failed_polls} FAIL polls seen before");
+                let why_all = format!("{}: {reason}; {detail}", verdict.as_str());
+                alert(
+                    run,
+                    seq,
+                    verdict,
+                    ActionTaken::Alert,
+                    &armed.revision,
+                    &why_all,
+                )
+                .await?;
+                (ActionTaken::Alert, detail)
+            }
+        };
+        let ending = Ending {
+            verdict,
+            reason,
+            action,
+            action_detail,
+        };
+        finish(
+            run,
+            ws,
+            seq,
+            &armed.params,
+            armed.armed_at_ms,
+            &armed.revision,
+            &series.polls,
+            series.lost.as_deref(),
+            ending,
+        )
+        .await
     }
 
     /// Polls the service once: the health check, and the revision check when configured.
