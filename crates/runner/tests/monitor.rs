@@ -261,6 +261,15 @@ impl Fx {
         panic!("the watch did not end within 100 jobs");
     }
 
+    fn artifact_log_path(&self) -> PathBuf {
+        self.repo_dir
+            .join("worktrees")
+            .join(ITEM)
+            .join("docs/work-items")
+            .join(ITEM)
+            .join("16-post-deploy-log.md")
+    }
+
     fn log(&self) -> Option<Frontmatter> {
         let path = self
             .repo_dir
@@ -1013,6 +1022,33 @@ async fn a_rerun_after_the_rollback_started_never_rolls_back_twice() {
         fx.log().unwrap().get_str("action_taken"),
         Some("rollback_failed")
     );
+}
+
+#[tokio::test]
+async fn a_rerun_after_a_rollback_that_worked_verifies_it_instead_of_seeing_another_revision() {
+    let mut fx = Fx::new().await;
+    std::fs::write(fx.ctl.join("health"), "500").unwrap();
+    fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fx.arm();
+    fx.drive(&exec(), no_change).await;
+    assert_eq!(fx.log().unwrap().get_str("action_taken"), Some("rollback"));
+    // Crash after the rollback ran, before `done` landed: the previous release is live now,
+    // so a fresh compare-and-swap would see "another revision" and only alert.
+    let dir = fx.watch().dir().unwrap().to_path_buf();
+    std::fs::remove_file(dir.join("done")).unwrap();
+    std::fs::remove_file(fx.artifact_log_path()).unwrap();
+    let jobs = fx.db.store.task_jobs(fx.task.id).await.unwrap();
+    let last = jobs.iter().map(|j| j.id).max().unwrap();
+    exec().execute(&fx.run_of(last).await).await.unwrap();
+    assert_eq!(read(&fx.ctl.join("rolled_back")).lines().count(), 1);
+    let fm = fx.log().unwrap();
+    assert_eq!(fm.get_str("post_deploy_status"), Some("FAILED"));
+    assert_eq!(
+        fm.get_str("action_taken"),
+        Some("rollback"),
+        "the started rollback is verified, not replaced by an alert"
+    );
+    assert!(fx.events_of(events::POST_DEPLOY_ALERT).await.is_empty());
 }
 
 // ---- GET /queue and the recovery sweep -----------------------------------------------------

@@ -347,6 +347,17 @@ impl MonitorExecutor {
         reason: String,
     ) -> anyhow::Result<Ending> {
         let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
+        // A rollback already started in this visit (a crash after it began) changed what is
+        // live: the compare-and-swap was decided then; now it is only verified.
+        if verdict == Verdict::Failed && rollback_started(run, seq).await? {
+            let (action, action_detail) = self.rollback(run, seq, armed, &reason).await?;
+            return Ok(Ending {
+                verdict,
+                reason,
+                action,
+                action_detail,
+            });
+        }
         let live = match (&run.repo.revision_url, verdict) {
             (Some(url), Verdict::Failed) => live_revision(url, timeout).await,
             _ => None,
@@ -400,11 +411,7 @@ impl MonitorExecutor {
             .await?;
             return Ok((ActionTaken::Alert, why));
         };
-        let events = run.store.task_events(run.task.id).await?;
-        let started_before = events
-            .iter()
-            .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq));
-        if started_before {
+        if rollback_started(run, seq).await? {
             tracing::warn!(work_item = %run.work_item, "rollback already started in this visit (a re-run): verifying only");
         } else {
             record(
@@ -709,6 +716,14 @@ async fn alert(
         },
     )
     .await
+}
+
+/// Whether this visit's rollback already started (its event is recorded before the command).
+async fn rollback_started(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    let recorded = run.store.task_events(run.task.id).await?;
+    Ok(recorded
+        .iter()
+        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq)))
 }
 
 /// This visit's jobs of this run's kind whose content contains `marker`.
