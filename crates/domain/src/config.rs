@@ -1242,6 +1242,14 @@ interval_s = 10
                 Err("[repos.app] health_url"),
             ),
             (
+                &format!("{REPO}alert_webhook = \"ftp://hooks.example\"\n"),
+                Err("[repos.app] alert_webhook"),
+            ),
+            (
+                &format!("{REPO}alert = \" \"\n"),
+                Err("[repos.app] alert: must not be blank"),
+            ),
+            (
                 &format!("{REPO}lessons_file = \"../LESSONS.md\"\n"),
                 Err("[repos.app] lessons_file"),
             ),
