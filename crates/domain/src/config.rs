@@ -143,6 +143,17 @@ pub struct RepoConfig {
     pub health_url: Option<String>,
     /// Endpoint answering the live revision.
     pub revision_url: Option<String>,
+    /// Alert command (`sh -c`, in the repo checkout), run best-effort with a timeout when a
+    /// post-deploy watch ends DEGRADED, a rollback fails or a deploy stays unconfirmed. It gets
+    /// `ORCH_WORK_ITEM`, `ORCH_REPO`, `ORCH_VERDICT`, `ORCH_ACTION`, `ORCH_REASON` and
+    /// `ORCH_REVISION` in its environment. Default none.
+    #[serde(default)]
+    pub alert: Option<String>,
+    /// Alert webhook URL: on the same occasions as `alert`, a JSON object `{work_item, repo,
+    /// verdict, action, reason, revision}` is POSTed to it, best-effort with a timeout.
+    /// Default none.
+    #[serde(default)]
+    pub alert_webhook: Option<String>,
     /// How the merge gate merges. Default `ff`.
     #[serde(default)]
     pub merge_strategy: MergeStrategy,
@@ -671,6 +682,7 @@ fn validate_repo(name: &RepoName, repo: &RepoConfig) -> Result<(), ConfigError> 
         ("test", &repo.test),
         ("deploy", &repo.deploy),
         ("rollback", &repo.rollback),
+        ("alert", &repo.alert),
     ] {
         if blank(value) {
             return Err(err(key, "must not be blank; remove the key instead"));
@@ -682,6 +694,7 @@ fn validate_repo(name: &RepoName, repo: &RepoConfig) -> Result<(), ConfigError> 
     for (key, value) in [
         ("health_url", &repo.health_url),
         ("revision_url", &repo.revision_url),
+        ("alert_webhook", &repo.alert_webhook),
     ] {
         if let Some(url) = value
             && !is_http_url(url)
@@ -904,6 +917,8 @@ agent_timeout_s = 1800
 # rollback = "./deploy.sh rollback"
 # health_url = "http://127.0.0.1:8080/healthz"
 # revision_url = "http://127.0.0.1:8080/version"
+# alert = "./notify.sh"                 # run on DEGRADED / failed rollback / unconfirmed deploy
+# alert_webhook = "http://127.0.0.1:9000/hooks/orch"   # POSTed JSON on the same occasions
 # staging_defer_limit = 2
 # lessons_file = "LESSONS.md"
 #
@@ -1052,6 +1067,8 @@ deploy = "./deploy.sh"
 rollback = "./rollback.sh"
 health_url = "http://127.0.0.1:9/healthz"
 revision_url = "https://127.0.0.1:9/version"
+alert = "./page-oncall.sh"
+alert_webhook = "http://127.0.0.1:9/hook"
 staging_defer_limit = 5
 lessons_file = "docs/LESSONS.md"
 
@@ -1082,6 +1099,11 @@ interval_s = 10
         assert_eq!(repo.staging_smoke[0].name, "health");
         assert_eq!(repo.post_deploy.window_s, 120);
         assert_eq!(repo.post_deploy.initial_delay_s, 30);
+        assert_eq!(repo.alert.as_deref(), Some("./page-oncall.sh"));
+        assert_eq!(
+            repo.alert_webhook.as_deref(),
+            Some("http://127.0.0.1:9/hook")
+        );
         assert!(c.repo_for(&"ORCH-1".parse().unwrap()).is_none());
     }
 
@@ -1218,6 +1240,14 @@ interval_s = 10
             (
                 &format!("{REPO}health_url = \"127.0.0.1:80\"\n"),
                 Err("[repos.app] health_url"),
+            ),
+            (
+                &format!("{REPO}alert_webhook = \"ftp://hooks.example\"\n"),
+                Err("[repos.app] alert_webhook"),
+            ),
+            (
+                &format!("{REPO}alert = \" \"\n"),
+                Err("[repos.app] alert: must not be blank"),
             ),
             (
                 &format!("{REPO}lessons_file = \"../LESSONS.md\"\n"),

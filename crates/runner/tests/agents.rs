@@ -177,6 +177,8 @@ fn repo_config(path: &Path) -> RepoConfig {
         rollback: None,
         health_url: None,
         revision_url: None,
+        alert: None,
+        alert_webhook: None,
         merge_strategy: MergeStrategy::Ff,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,

@@ -29,7 +29,9 @@ use tokio_util::sync::CancellationToken;
 const ITEM: &str = "ORCH-7";
 
 /// A loopback service: `GET /health` answers the status in `<ctl>/health` (200 when absent),
-/// `GET /revision` the content of `<ctl>/live_rev` (404 when absent).
+/// `GET /revision` the content of `<ctl>/live_rev` (404 when absent); `POST /hook` (the alert
+/// webhook) appends the body as one line to `<ctl>/hooks` (503 while `<ctl>/hook_refuses`
+/// exists).
 async fn serve(ctl: PathBuf) -> String {
     async fn health(State(ctl): State<Arc<PathBuf>>) -> (StatusCode, String) {
         let code = std::fs::read_to_string(ctl.join("health"))
@@ -47,9 +49,20 @@ async fn serve(ctl: PathBuf) -> String {
             Err(_) => (StatusCode::NOT_FOUND, "no revision".into()),
         }
     }
+    async fn hook(State(ctl): State<Arc<PathBuf>>, body: String) -> StatusCode {
+        if ctl.join("hook_refuses").exists() {
+            return StatusCode::SERVICE_UNAVAILABLE;
+        }
+        let mut all = std::fs::read_to_string(ctl.join("hooks")).unwrap_or_default();
+        all.push_str(&body);
+        all.push('\n');
+        std::fs::write(ctl.join("hooks"), all).unwrap();
+        StatusCode::NO_CONTENT
+    }
     let app = Router::new()
         .route("/health", get(health))
         .route("/revision", get(revision))
+        .route("/hook", axum::routing::post(hook))
         .with_state(Arc::new(ctl));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -239,6 +252,8 @@ fn repo_config(repo_dir: &Path, deploy: Option<String>, base: &str) -> RepoConfi
         rollback: None,
         health_url: Some(format!("{base}/health")),
         revision_url: Some(format!("{base}/revision")),
+        alert: None,
+        alert_webhook: None,
         merge_strategy: MergeStrategy::default(),
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,
@@ -585,4 +600,271 @@ async fn a_finished_watch_of_an_earlier_deploy_is_replaced_by_the_new_one() {
     assert!(passed(&outcome), "{outcome:?}");
     assert!(!ws.is_done(), "the new watch is not done");
     assert!(matches!(ws.armed(), ArmedRead::Present(r) if r.revision == fx.revision));
+}
+
+/// How the unconfirmed-deploy case ends.
+struct Unconfirmed {
+    name: &'static str,
+    /// The rollback command (`None`: none configured). `$C` is the control dir.
+    rollback: Option<&'static str>,
+    /// A revision made live by someone else before the finalizer gives up.
+    other_live: Option<&'static str>,
+    want_rollbacks: usize,
+    want_event: Option<&'static str>,
+    want_alert: bool,
+    reason_has: &'static str,
+}
+
+/// A healthy rollback: the old revision is live again and the service answers 200.
+const GOOD_ROLLBACK: &str =
+    "echo rb >> $C/rollbacks; echo 0ld0ld0ld0ld > $C/live_rev; rm -f $C/health";
+
+/// The one place the unconfirmed-deploy table runs: the deploy makes its revision live but the
+/// service answers 503 through every finalizer check.
+async fn check_unconfirmed(case: Unconfirmed) {
+    let mut fx = Fx::new().await;
+    let c = fx.ctl.display().to_string();
+    std::fs::write(fx.ctl.join("health"), "503").unwrap();
+    fx.repo.rollback = case.rollback.map(|r| r.replace("$C", &c));
+    fx.repo.alert = Some(format!(
+        "echo \"$ORCH_WORK_ITEM|$ORCH_VERDICT|$ORCH_ACTION|$ORCH_REVISION|$ORCH_REASON\" >> {c}/alerts"
+    ));
+    let base = fx.repo.health_url.clone().unwrap().replace("/health", "");
+    fx.repo.alert_webhook = Some(format!("{base}/hook"));
+    let exec = DeployerExecutor {
+        finalize_limit: 1,
+        verify_polls: 2,
+        verify_interval: Duration::from_millis(20),
+        ..DeployerExecutor::default()
+    };
+    // First job deploys and defers once (limit 1).
+    let first = fx.run(fx.first_content()).await;
+    let marker = match exec.execute(&first).await.unwrap() {
+        StageEffect::Requeue { marker, .. } => marker,
+        other => panic!("{}: {other:?}", case.name),
+    };
+    if let Some(rev) = case.other_live {
+        std::fs::write(fx.ctl.join("live_rev"), rev).unwrap();
+    }
+    let content = StageJob::from_content(&fx.first_content())
+        .unwrap()
+        .with_marker(&marker);
+    let second = fx.run(content.clone()).await;
+    let outcome = match exec.execute(&second).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => o,
+        other => panic!("{}: {other:?}", case.name),
+    };
+    assert!(!passed(&outcome), "{}: {outcome:?}", case.name);
+    assert!(
+        outcome.reason.contains(case.reason_has),
+        "{}: {}",
+        case.name,
+        outcome.reason
+    );
+    assert_eq!(fx.runs(), 1, "{}: deployed once", case.name);
+    let rollbacks = read(&fx.ctl.join("rollbacks")).lines().count();
+    assert_eq!(rollbacks, case.want_rollbacks, "{}", case.name);
+    let kinds = fx.event_kinds().await;
+    assert!(
+        kinds.contains(&events::DEPLOY_UNCONFIRMED.to_owned()),
+        "{}: {kinds:?}",
+        case.name
+    );
+    for kind in [events::DEPLOY_ROLLED_BACK, events::DEPLOY_ROLLBACK_FAILED] {
+        assert_eq!(
+            kinds.iter().any(|k| k == kind),
+            case.want_event == Some(kind),
+            "{}: {kind} in {kinds:?}",
+            case.name
+        );
+    }
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| *k == events::DEPLOY_ROLLBACK_STARTED)
+            .count(),
+        case.want_rollbacks,
+        "{}: rollback_started once per run",
+        case.name
+    );
+    assert!(
+        !matches!(fx.watch().armed(), ArmedRead::Present(_)),
+        "{}: no watch",
+        case.name
+    );
+
+    // The alert: the command saw the env, the webhook got the JSON, one `sent` each.
+    let alerts = read(&fx.ctl.join("alerts"));
+    let hooks = read(&fx.ctl.join("hooks"));
+    if case.want_alert {
+        let line = alerts.lines().next().unwrap_or_default();
+        let fields: Vec<&str> = line.splitn(5, '|').collect();
+        assert_eq!(fields.len(), 5, "{}: {alerts:?}", case.name);
+        assert_eq!(fields[0], ITEM, "{}", case.name);
+        assert_eq!(fields[1], "UNCONFIRMED", "{}", case.name);
+        assert_eq!(fields[3], fx.revision, "{}", case.name);
+        assert!(fields[4].contains("not confirmed"), "{}: {line}", case.name);
+        let body: serde_json::Value =
+            serde_json::from_str(hooks.lines().next().unwrap_or("null")).unwrap();
+        assert_eq!(body["work_item"], ITEM, "{}: {hooks}", case.name);
+        assert_eq!(body["repo"], "app", "{}", case.name);
+        assert_eq!(body["verdict"], "UNCONFIRMED", "{}", case.name);
+        assert_eq!(body["revision"], fx.revision.as_str(), "{}", case.name);
+        assert_eq!(body["action"], fields[2], "{}", case.name);
+        let sent = kinds
+            .iter()
+            .filter(|k| *k == events::POST_DEPLOY_ALERT_SENT)
+            .count();
+        assert_eq!(sent, 2, "{}: {kinds:?}", case.name);
+    } else {
+        assert!(
+            alerts.is_empty() && hooks.is_empty(),
+            "{}: {alerts} {hooks}",
+            case.name
+        );
+        assert!(
+            !kinds.iter().any(|k| k == events::POST_DEPLOY_ALERT),
+            "{}",
+            case.name
+        );
+    }
+
+    // A re-run of the last job replays the outcome: nothing rolls back or pages again.
+    let again = fx.run(content).await;
+    match exec.execute(&again).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => assert!(!passed(&o), "{o:?}"),
+        other => panic!("{}: {other:?}", case.name),
+    }
+    assert_eq!(
+        read(&fx.ctl.join("rollbacks")).lines().count(),
+        case.want_rollbacks
+    );
+    assert_eq!(
+        read(&fx.ctl.join("alerts")),
+        alerts,
+        "{}: paged once",
+        case.name
+    );
+}
+
+#[tokio::test]
+async fn an_unconfirmed_deploy_is_rolled_back_only_while_its_revision_is_live() {
+    let table = [
+        Unconfirmed {
+            name: "rollback restores health and the old revision",
+            rollback: Some(GOOD_ROLLBACK),
+            other_live: None,
+            want_rollbacks: 1,
+            want_event: Some(events::DEPLOY_ROLLED_BACK),
+            want_alert: false,
+            reason_has: "rolled back",
+        },
+        Unconfirmed {
+            name: "the rollback command fails",
+            rollback: Some("echo rb >> $C/rollbacks; echo 'no previous release' >&2; exit 4"),
+            other_live: None,
+            want_rollbacks: 1,
+            want_event: Some(events::DEPLOY_ROLLBACK_FAILED),
+            want_alert: true,
+            reason_has: "no previous release",
+        },
+        Unconfirmed {
+            name: "the rollback runs but the service stays down",
+            rollback: Some("echo rb >> $C/rollbacks; echo 0ld0ld0ld0ld > $C/live_rev"),
+            other_live: None,
+            want_rollbacks: 1,
+            want_event: Some(events::DEPLOY_ROLLBACK_FAILED),
+            want_alert: true,
+            reason_has: "not verified",
+        },
+        Unconfirmed {
+            name: "another revision went live meanwhile: no rollback",
+            rollback: Some(GOOD_ROLLBACK),
+            other_live: Some("fe11a5fe11a5"),
+            want_rollbacks: 0,
+            want_event: Some(events::DEPLOY_ROLLBACK_FAILED),
+            want_alert: true,
+            reason_has: "no longer live",
+        },
+        Unconfirmed {
+            name: "no rollback command",
+            rollback: None,
+            other_live: None,
+            want_rollbacks: 0,
+            want_event: None,
+            want_alert: true,
+            reason_has: "no rollback command",
+        },
+    ];
+    for case in table {
+        check_unconfirmed(case).await;
+    }
+}
+
+#[tokio::test]
+async fn a_broken_alert_hook_is_recorded_and_never_fails_the_stage() {
+    let mut fx = Fx::new().await;
+    std::fs::write(fx.ctl.join("health"), "503").unwrap();
+    std::fs::write(fx.ctl.join("hook_refuses"), "").unwrap();
+    fx.repo.alert = Some("sleep 30".into());
+    let base = fx.repo.health_url.clone().unwrap().replace("/health", "");
+    fx.repo.alert_webhook = Some(format!("{base}/hook"));
+    let exec = DeployerExecutor {
+        finalize_limit: 0,
+        ..DeployerExecutor::default()
+    };
+    let started = std::time::Instant::now();
+    let (outcome, _) = fx.drive(&exec).await;
+    assert!(!passed(&outcome), "{outcome:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(25),
+        "the alert command timed out"
+    );
+    let failed = fx
+        .db
+        .store
+        .events_by_kind(events::POST_DEPLOY_ALERT_FAILED, 0, 10)
+        .await
+        .unwrap();
+    let channels: Vec<String> = failed
+        .iter()
+        .map(|e| {
+            serde_json::from_str::<serde_json::Value>(&e.data).unwrap()["channel"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(channels, ["command", "webhook"], "{failed:?}");
+    assert!(failed[1].message.contains("503"), "{}", failed[1].message);
+}
+
+#[tokio::test]
+async fn arming_a_watch_supersedes_the_older_active_watches_of_the_same_repo() {
+    let fx = Fx::new().await;
+    let arm = |repo: &str, item: &str| {
+        let ws = WatchState::new(&fx.repos_dir, repo, item);
+        let rec = orch_deploystate::ArmedRecord::new(Default::default(), 5, "0123456789abcdef");
+        assert_eq!(ws.arm(&rec), orch_deploystate::ArmOutcome::Armed);
+        ws
+    };
+    let older = arm("app", "ORCH-6");
+    let finished = arm("app", "ORCH-5");
+    assert!(finished.mark_done("HEALTHY"));
+    let other_repo = arm("billing", "ORCH-4");
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{outcome:?}");
+    let marker = |ws: &WatchState| read(&ws.dir().unwrap().join("superseded"));
+    assert_eq!(
+        marker(&older).trim(),
+        format!("{ITEM} {}", fx.revision),
+        "the older active watch of the repo is superseded by this deploy"
+    );
+    assert_eq!(marker(&finished), "", "a finished watch is left alone");
+    assert_eq!(
+        marker(&other_repo),
+        "",
+        "another repo's watch is left alone"
+    );
+    assert_eq!(marker(&fx.watch()), "", "the new watch is not superseded");
 }

@@ -74,6 +74,8 @@ impl Fx {
             rollback: None,
             health_url: None,
             revision_url: None,
+            alert: None,
+            alert_webhook: None,
             merge_strategy: MergeStrategy::default(),
             post_deploy: PostDeployConfig::default(),
             staging_defer_limit: 2,
@@ -670,5 +672,100 @@ async fn the_whole_tail_deploy_watch_rollback_lessons() {
         verdict[0].data.contains("\"action\":\"rollback\""),
         "{}",
         verdict[0].data
+    );
+}
+
+/// `git -C dir args…`, its trimmed stdout (panics on failure: test plumbing).
+fn git_out(dir: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "git {args:?}: {out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_owned()
+}
+
+#[tokio::test]
+async fn lessons_reach_the_default_branch_once_under_the_merge_lock() {
+    let fx = Fx::new("lessons").await;
+    let remote = fx.repos_dir.join("remote.git");
+    git_out(
+        &fx.repos_dir,
+        &[
+            "clone",
+            "--quiet",
+            "--bare",
+            fx.repo_dir.to_str().unwrap(),
+            remote.to_str().unwrap(),
+        ],
+    );
+    git_out(
+        &fx.repo_dir,
+        &["remote", "add", "origin", remote.to_str().unwrap()],
+    );
+    fx.commit_artifact(
+        "15-staging-log.md",
+        &[
+            ("staging_status", "FAILED"),
+            ("reason", "smoke check `GET /pay` answered 502"),
+            ("created_at", "2026-03-03T10:00:00Z"),
+        ],
+        "",
+    )
+    .await;
+    let main_before = git_out(&fx.repo_dir, &["rev-parse", "main"]);
+
+    // A merge holds the lock for a second: the lessons commit waits for it.
+    let lock = fx.repo_dir.join(".git/orch-merge.lock");
+    std::fs::write(&lock, "pid=1 merge in progress\n").unwrap();
+    let held = lock.clone();
+    let release = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1_000));
+        std::fs::remove_file(held).unwrap();
+    });
+    let started = std::time::Instant::now();
+    let doc = fx.lessons().await;
+    release.join().unwrap();
+    assert!(
+        started.elapsed() >= Duration::from_millis(900),
+        "published while the merge lock was held"
+    );
+    assert!(!lock.exists(), "the lock is released");
+    assert!(doc.body.contains("committed on `main`"), "{}", doc.body);
+
+    let on_main = git_out(&fx.repo_dir, &["show", "main:LESSONS.md"]);
+    assert_eq!(on_main.matches(ENTRY_MARKER).count(), 1, "{on_main}");
+    assert!(
+        on_main.contains(&format!("{ITEM}/staging_failed/")),
+        "{on_main}"
+    );
+    assert_eq!(
+        git_out(&fx.repo_dir, &["rev-parse", "main^"]),
+        main_before,
+        "one small commit on main"
+    );
+    assert_eq!(
+        git_out(&fx.repo_dir, &["show", "--name-only", "--format=", "main"]),
+        "LESSONS.md",
+        "the commit touches only the lessons file"
+    );
+    let main_after = git_out(&fx.repo_dir, &["rev-parse", "main"]);
+    assert_eq!(
+        git_out(&remote, &["rev-parse", "main"]),
+        main_after,
+        "pushed to the remote"
+    );
+
+    // A re-run publishes nothing new.
+    let again = fx.lessons().await;
+    assert!(again.body.contains("already on `main`"), "{}", again.body);
+    assert_eq!(git_out(&fx.repo_dir, &["rev-parse", "main"]), main_after);
+    assert_eq!(
+        git_out(&fx.repo_dir, &["show", "main:LESSONS.md"])
+            .matches(ENTRY_MARKER)
+            .count(),
+        1
     );
 }

@@ -20,6 +20,7 @@ use orch_domain::monitor::{CheckOutcome, WatchParams};
 use orch_domain::pipeline::Pipeline;
 use orch_exec::Git;
 use orch_runner::counters::Counters;
+use orch_runner::deploy::monitor::supersede_others;
 use orch_runner::deploy::probe::{check_health, check_revision, live_revision};
 use orch_runner::deploy::{
     MonitorExecutor, RecoveryAction, active_watches, events, recover_watches, tick_marker_prefix,
@@ -45,7 +46,8 @@ const PARAMS: WatchParams = WatchParams {
 };
 
 /// A loopback service: `/health` answers the status in `<ctl>/health` (200 when absent),
-/// `/revision` the content of `<ctl>/live_rev` (404 when absent), `/slow` answers after 3 s.
+/// `/revision` the content of `<ctl>/live_rev` (404 when absent), `/slow` answers after 3 s;
+/// `POST /hook` (the alert webhook) appends its body as one line to `<ctl>/hooks`.
 async fn serve(ctl: PathBuf) -> String {
     async fn health(State(ctl): State<Arc<PathBuf>>) -> (StatusCode, String) {
         let code = std::fs::read_to_string(ctl.join("health"))
@@ -67,10 +69,18 @@ async fn serve(ctl: PathBuf) -> String {
         tokio::time::sleep(Duration::from_secs(3)).await;
         "late"
     }
+    async fn hook(State(ctl): State<Arc<PathBuf>>, body: String) -> StatusCode {
+        let mut all = std::fs::read_to_string(ctl.join("hooks")).unwrap_or_default();
+        all.push_str(&body);
+        all.push('\n');
+        std::fs::write(ctl.join("hooks"), all).unwrap();
+        StatusCode::OK
+    }
     let app = Router::new()
         .route("/health", get(health))
         .route("/revision", get(revision))
         .route("/slow", get(slow))
+        .route("/hook", axum::routing::post(hook))
         .with_state(Arc::new(ctl));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -125,6 +135,8 @@ impl Fx {
             rollback: None,
             health_url: Some(format!("{base}/health")),
             revision_url: Some(format!("{base}/revision")),
+            alert: None,
+            alert_webhook: None,
             merge_strategy: MergeStrategy::default(),
             post_deploy: PostDeployConfig {
                 window_s: PARAMS.window_s,
@@ -249,6 +261,15 @@ impl Fx {
         panic!("the watch did not end within 100 jobs");
     }
 
+    fn artifact_log_path(&self) -> PathBuf {
+        self.repo_dir
+            .join("worktrees")
+            .join(ITEM)
+            .join("docs/work-items")
+            .join(ITEM)
+            .join("16-post-deploy-log.md")
+    }
+
     fn log(&self) -> Option<Frontmatter> {
         let path = self
             .repo_dir
@@ -276,6 +297,31 @@ impl Fx {
             })
             .await
             .unwrap()
+    }
+
+    /// Configures the repo's `alert` command (one `|`-separated line per alert into
+    /// `<ctl>/alerts`) and `alert_webhook` (the loopback `/hook`).
+    fn with_alert_hooks(&mut self) {
+        self.repo.alert = Some(format!(
+            "printf '%s|%s|%s|%s|%s\\n' \"$ORCH_WORK_ITEM\" \"$ORCH_VERDICT\" \"$ORCH_ACTION\" \"$ORCH_REVISION\" \"$ORCH_REASON\" >> {}/alerts",
+            self.ctl.display()
+        ));
+        self.repo.alert_webhook = Some(format!("{}/hook", self.base));
+    }
+
+    /// What the alert hooks received: the command's lines (split on `|`, reason last) and
+    /// the webhook's JSON bodies.
+    fn delivered(&self) -> (Vec<Vec<String>>, Vec<serde_json::Value>) {
+        let lines = read(&self.ctl.join("alerts"))
+            .lines()
+            .filter(|l| l.starts_with(&format!("{ITEM}|")))
+            .map(|l| l.splitn(5, '|').map(str::to_owned).collect())
+            .collect();
+        let hooks = read(&self.ctl.join("hooks"))
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        (lines, hooks)
     }
 
     fn ticks(&self) -> Vec<u32> {
@@ -437,6 +483,7 @@ async fn check(s: Scenario) {
     fx.repo.rollback = s
         .rollback
         .map(|r| r.replace("$CTL", &fx.ctl.display().to_string()));
+    fx.with_alert_hooks();
     let armed = fx.arm();
     let requeues = fx.drive(&exec(), s.hook).await;
     let name = s.name;
@@ -509,6 +556,28 @@ async fn check(s: Scenario) {
         matches!(s.action, "alert" | "rollback_failed"),
         "{name}: alerts {alerts:?}"
     );
+    // The alert hooks: the command and the webhook got the alert once each, or nothing.
+    let alerted = matches!(s.action, "alert" | "rollback_failed");
+    let (lines, hooks) = fx.delivered();
+    assert_eq!(lines.len(), usize::from(alerted), "{name}: {lines:?}");
+    assert_eq!(hooks.len(), usize::from(alerted), "{name}: {hooks:?}");
+    if alerted {
+        assert_eq!(lines[0][1], s.verdict, "{name}: ORCH_VERDICT");
+        assert_eq!(lines[0][2], s.action, "{name}: ORCH_ACTION");
+        assert_eq!(lines[0][3], REV, "{name}: ORCH_REVISION");
+        assert!(!lines[0][4].is_empty(), "{name}: ORCH_REASON");
+        assert_eq!(hooks[0]["work_item"], ITEM, "{name}");
+        assert_eq!(hooks[0]["repo"], "app", "{name}");
+        assert_eq!(hooks[0]["verdict"], s.verdict, "{name}");
+        assert_eq!(hooks[0]["action"], s.action, "{name}");
+        assert_eq!(hooks[0]["revision"], REV, "{name}");
+        assert!(hooks[0]["reason"].as_str().is_some_and(|r| !r.is_empty()));
+        assert_eq!(
+            fx.events_of(events::POST_DEPLOY_ALERT_SENT).await.len(),
+            2,
+            "{name}: one alert_sent per channel"
+        );
+    }
     let rolled = read(&fx.ctl.join("rolled_back"));
     assert_eq!(!rolled.is_empty(), s.rollback_ran, "{name}: rollback ran?");
     if s.rollback_ran {
@@ -955,6 +1024,33 @@ async fn a_rerun_after_the_rollback_started_never_rolls_back_twice() {
     );
 }
 
+#[tokio::test]
+async fn a_rerun_after_a_rollback_that_worked_verifies_it_instead_of_seeing_another_revision() {
+    let mut fx = Fx::new().await;
+    std::fs::write(fx.ctl.join("health"), "500").unwrap();
+    fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fx.arm();
+    fx.drive(&exec(), no_change).await;
+    assert_eq!(fx.log().unwrap().get_str("action_taken"), Some("rollback"));
+    // Crash after the rollback ran, before `done` landed: the previous release is live now,
+    // so a fresh compare-and-swap would see "another revision" and only alert.
+    let dir = fx.watch().dir().unwrap().to_path_buf();
+    std::fs::remove_file(dir.join("done")).unwrap();
+    std::fs::remove_file(fx.artifact_log_path()).unwrap();
+    let jobs = fx.db.store.task_jobs(fx.task.id).await.unwrap();
+    let last = jobs.iter().map(|j| j.id).max().unwrap();
+    exec().execute(&fx.run_of(last).await).await.unwrap();
+    assert_eq!(read(&fx.ctl.join("rolled_back")).lines().count(), 1);
+    let fm = fx.log().unwrap();
+    assert_eq!(fm.get_str("post_deploy_status"), Some("FAILED"));
+    assert_eq!(
+        fm.get_str("action_taken"),
+        Some("rollback"),
+        "the started rollback is verified, not replaced by an alert"
+    );
+    assert!(fx.events_of(events::POST_DEPLOY_ALERT).await.is_empty());
+}
+
 // ---- GET /queue and the recovery sweep -----------------------------------------------------
 
 #[tokio::test]
@@ -1078,4 +1174,81 @@ async fn the_recovery_sweep_reenqueues_a_stranded_watch_once_pinned_to_this_node
             .await
             .is_empty()
     );
+}
+
+/// The hook of the supersede table: a newer deploy (ORCH-99) arms its watch once three polls
+/// are in, as its deployer would.
+fn superseded_at_3(polls: usize, ctl: &Path) {
+    if polls == 3 {
+        let repos = ctl.parent().unwrap().join("repos");
+        let marked = supersede_others(&repos, "app", "ORCH-99", "b0b0b0b0b0b0");
+        assert_eq!(marked, [ITEM]);
+    }
+}
+
+/// As [`superseded_at_3`], with the second poll failing.
+fn fail_at_1_superseded_at_3(polls: usize, ctl: &Path) {
+    if polls == 1 {
+        std::fs::write(ctl.join("health"), "500").unwrap();
+    } else {
+        let _ = std::fs::remove_file(ctl.join("health"));
+    }
+    superseded_at_3(polls, ctl);
+}
+
+/// The one place the supersede table runs a watch: `hook` supersedes it after 3 polls.
+async fn check_superseded(name: &str, hook: fn(usize, &Path), action: &str) {
+    let mut fx = Fx::new().await;
+    fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fx.with_alert_hooks();
+    fx.arm();
+    // Another repo's watch is not superseded by a deploy of `app`.
+    let other = WatchState::new(&fx.repos_dir, "billing", "ORCH-98");
+    assert_eq!(
+        other.arm(&ArmedRecord::new(PARAMS, 0, "cafecafecafe")),
+        ArmOutcome::Armed
+    );
+    let requeues = fx.drive(&exec(), hook).await;
+    assert_eq!(
+        requeues.len(),
+        4,
+        "{name}: a wait and 3 ticks: {requeues:?}"
+    );
+    assert_eq!(fx.ticks(), [0, 1, 2], "{name}: no poll after the supersede");
+    let fm = fx.log().unwrap_or_else(|| panic!("{name}: no log"));
+    assert_eq!(fm.get_str("post_deploy_status"), Some("DEGRADED"), "{name}");
+    assert_eq!(fm.get_str("action_taken"), Some(action), "{name}");
+    let reason = fm.get_str("reason").unwrap_or_default().to_owned();
+    assert!(reason.contains("superseded by ORCH-99"), "{name}: {reason}");
+    assert!(fx.watch().is_done(), "{name}");
+    assert!(!other.is_done(), "{name}: the other repo's watch runs on");
+    assert!(
+        read(&fx.ctl.join("rolled_back")).is_empty(),
+        "{name}: never rolled back"
+    );
+    assert_eq!(
+        fx.events_of(events::POST_DEPLOY_SUPERSEDED).await.len(),
+        1,
+        "{name}"
+    );
+    let (lines, hooks) = fx.delivered();
+    let alerted = action == "alert";
+    assert_eq!(lines.len(), usize::from(alerted), "{name}: {lines:?}");
+    assert_eq!(hooks.len(), usize::from(alerted), "{name}: {hooks:?}");
+}
+
+#[tokio::test]
+async fn a_newer_deploy_of_the_repo_supersedes_the_watch_without_a_rollback() {
+    check_superseded(
+        "healthy so far: cut short, no alert",
+        superseded_at_3,
+        "none",
+    )
+    .await;
+    check_superseded(
+        "a FAIL poll seen: alert, no rollback",
+        fail_at_1_superseded_at_3,
+        "alert",
+    )
+    .await;
 }

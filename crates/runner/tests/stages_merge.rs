@@ -48,6 +48,8 @@ fn repo_config(test: Option<&str>, merge_strategy: MergeStrategy) -> RepoConfig 
         rollback: None,
         health_url: None,
         revision_url: None,
+        alert: None,
+        alert_webhook: None,
         merge_strategy,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,

@@ -50,6 +50,8 @@ fn repo_config(staging: &[Step], smoke: &[Step], defer_limit: u32) -> RepoConfig
         rollback: None,
         health_url: None,
         revision_url: None,
+        alert: None,
+        alert_webhook: None,
         merge_strategy: MergeStrategy::Ff,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: defer_limit,

@@ -36,6 +36,8 @@ fn repo_config(test: Option<&str>, test_timeout_s: u64) -> RepoConfig {
         rollback: None,
         health_url: None,
         revision_url: None,
+        alert: None,
+        alert_webhook: None,
         merge_strategy: MergeStrategy::Ff,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,

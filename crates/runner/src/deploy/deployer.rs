@@ -14,12 +14,14 @@
 //! it the stage passes with a `deploy.skipped` event and no watch is armed (nothing to poll).
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use anyhow::{Context as _, anyhow, bail};
 use orch_deploystate::{
     ArmOutcome, ArmedRecord, DeployResult, DeployState, MARKER_INITIATED, WatchState,
 };
 use orch_domain::gate::GateOutcome;
+use orch_domain::monitor::{Reaction, Verdict as MonitorVerdict, reaction};
 use orch_exec::process::ExitKind;
 use orch_store::JobCount;
 use serde_json::json;
@@ -41,6 +43,10 @@ pub struct DeployerExecutor {
     pub finalize_limit: u32,
     /// Seconds between finalizer checks (default 5).
     pub finalize_delay_s: u64,
+    /// Health polls verifying the rollback of an unconfirmed deploy (default 3).
+    pub verify_polls: u32,
+    /// Time before each verification poll (default 5 s).
+    pub verify_interval: Duration,
 }
 
 impl Default for DeployerExecutor {
@@ -48,6 +54,8 @@ impl Default for DeployerExecutor {
         DeployerExecutor {
             finalize_limit: DEFAULT_FINALIZE_LIMIT,
             finalize_delay_s: DEFAULT_FINALIZE_DELAY_S,
+            verify_polls: 3,
+            verify_interval: Duration::from_secs(5),
         }
     }
 }
@@ -347,6 +355,7 @@ impl DeployerExecutor {
             "deploy of `{revision}` not confirmed after {} checks: {problem}",
             defers.saturating_add(1)
         );
+        let reason = self.unconfirmed(run, seq, &revision, reason).await?;
         fail(
             run,
             state,
@@ -354,6 +363,142 @@ impl DeployerExecutor {
             events::DEPLOY_UNCONFIRMED,
             reason,
             &revision,
+        )
+        .await
+    }
+
+    /// The reaction to an unconfirmed deploy: roll it back when the repo has a rollback
+    /// command and `revision` is still the live one (compare-and-swap, like the monitor's),
+    /// verify by polls, and alert unless the rollback is verified. Returns the stage's reason:
+    /// `reason` plus what was done. Runs the rollback at most once per visit (the
+    /// `deploy.rollback_started` event is recorded before it starts).
+    async fn unconfirmed(
+        &self,
+        run: &StageRun,
+        seq: i64,
+        revision: &str,
+        reason: String,
+    ) -> anyhow::Result<String> {
+        let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+        let Some(command) = run.repo.rollback.clone() else {
+            let why = format!("{reason}; no rollback command configured: `{revision}` stays");
+            self.alert(run, seq, "alert", revision, &why).await?;
+            return Ok(why);
+        };
+        let recorded = run.store.task_events(run.task.id).await?;
+        let started_before = recorded
+            .iter()
+            .any(|e| e.kind == events::DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq));
+        if started_before {
+            tracing::warn!(work_item = %run.work_item, "deploy: rollback of the unconfirmed deploy already started in this visit (a re-run): verifying only");
+        } else {
+            let live = match &run.repo.revision_url {
+                Some(url) => live_revision(url, timeout).await,
+                None => None,
+            };
+            if let Reaction::AlertOnly { reason: why } =
+                reaction(MonitorVerdict::Failed, revision, live.as_deref())
+            {
+                let why = format!("{reason}; not rolled back: {why}");
+                record(
+                    run,
+                    seq,
+                    events::DEPLOY_ROLLBACK_FAILED,
+                    &why,
+                    data([("revision", json!(revision)), ("attempted", json!(false))]),
+                )
+                .await?;
+                self.alert(run, seq, "alert", revision, &why).await?;
+                return Ok(why);
+            }
+            record(
+                run,
+                seq,
+                events::DEPLOY_ROLLBACK_STARTED,
+                format!("rolling back the unconfirmed `{revision}` with `{command}`"),
+                data([("revision", json!(revision)), ("command", json!(command))]),
+            )
+            .await?;
+            let out = run_repo_command(run, &command, revision).await;
+            let failed = match &out {
+                Ok(o) if o.success() => None,
+                Ok(o) if o.status == ExitKind::Cancelled => bail!(
+                    "deploy: rollback `{command}` cancelled (lease lost or shutdown); the re-run verifies it"
+                ),
+                Ok(o) => Some(format!(
+                    "rollback command `{command}` ended with {}:\n{}",
+                    o.status,
+                    o.tail_text(OUTPUT_TAIL_LINES)
+                )),
+                Err(e) => Some(format!("rollback command `{command}` could not start: {e}")),
+            };
+            if let Some(detail) = failed {
+                let why = format!("{reason}; the rollback failed: {detail}");
+                record(
+                    run,
+                    seq,
+                    events::DEPLOY_ROLLBACK_FAILED,
+                    &why,
+                    data([("revision", json!(revision)), ("attempted", json!(true))]),
+                )
+                .await?;
+                self.alert(run, seq, "rollback_failed", revision, &why)
+                    .await?;
+                return Ok(why);
+            }
+        }
+        let (verified, detail) = super::monitor::verify_rollback(
+            run,
+            revision,
+            self.verify_polls,
+            self.verify_interval,
+            timeout,
+        )
+        .await;
+        if verified {
+            let why = format!("{reason}; rolled back `{revision}`, verified: {detail}");
+            record(
+                run,
+                seq,
+                events::DEPLOY_ROLLED_BACK,
+                &why,
+                data([("revision", json!(revision)), ("verified", json!(true))]),
+            )
+            .await?;
+            return Ok(why);
+        }
+        let why = format!("{reason}; the rollback ran but is not verified: {detail}");
+        record(
+            run,
+            seq,
+            events::DEPLOY_ROLLBACK_FAILED,
+            &why,
+            data([("revision", json!(revision)), ("attempted", json!(true))]),
+        )
+        .await?;
+        self.alert(run, seq, "rollback_failed", revision, &why)
+            .await?;
+        Ok(why)
+    }
+
+    async fn alert(
+        &self,
+        run: &StageRun,
+        seq: i64,
+        action: &str,
+        revision: &str,
+        why: &str,
+    ) -> anyhow::Result<()> {
+        super::alert::raise(
+            run,
+            seq,
+            &super::alert::Alert {
+                occasion: &format!("unconfirmed-{action}"),
+                verdict: "UNCONFIRMED",
+                action,
+                reason: why,
+                revision,
+            },
         )
         .await
     }
@@ -398,7 +543,8 @@ impl DeployerExecutor {
 }
 
 /// Arms the watch for `revision` (idempotent). A finished watch, or one for another revision,
-/// is from an earlier deploy and is replaced.
+/// is from an earlier deploy and is replaced. Other work items' active watches of this repo
+/// are marked superseded: their revision is no longer live.
 fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
     let ws = WatchState::new(
         &run.repos_dir,
@@ -414,6 +560,15 @@ fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
         run.store.now_ms(),
         revision,
     );
+    let superseded = super::monitor::supersede_others(
+        &run.repos_dir,
+        run.repo_name.as_str(),
+        run.work_item.as_str(),
+        revision,
+    );
+    if !superseded.is_empty() {
+        tracing::info!(work_item = %run.work_item, ?superseded, "deploy: older watches of this repo superseded");
+    }
     match ws.arm(&record) {
         ArmOutcome::Armed => Ok(()),
         ArmOutcome::AlreadyArmed(existing) if revision_matches(revision, &existing.revision) => {

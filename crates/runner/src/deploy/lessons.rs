@@ -16,17 +16,20 @@
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
-use std::path::{Component, Path};
+use std::path::{Component, Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use orch_deploystate::WatchState;
 use orch_domain::artifact::{Artifact, Frontmatter, MODEL_NOT_APPLICABLE};
 use orch_domain::staging::rfc3339_utc;
+use orch_exec::Pathspec;
 use orch_exec::process::{Cmd, run as run_process};
 use orch_store::{Event, JobState};
 use serde_json::json;
 
 use super::{data, event_str, events, record};
 use crate::engine::{StageEffect, StageExecutor, StageRun};
+use crate::stages::merge_gate::{MERGE_LOCK_FILE, STALE_LOCK_AFTER};
 
 /// The artifact the lessons stage writes.
 pub const LESSONS_ARTIFACT: &str = "17-lessons.md";
@@ -111,10 +114,11 @@ impl StageExecutor for LessonsExecutor {
                 let n = append_to_lessons_file(&path, run, &lessons, now)?;
                 run.counters
                     .add("lessons", "recorded", u64::try_from(n).unwrap_or(u64::MAX));
+                let published = publish_to_default_branch(run, rel, &lessons, now).await;
                 (
                     n,
                     format!(
-                        "{n} new entr{} appended to `{}`",
+                        "{n} new entr{} appended to `{}`; {published}",
                         if n == 1 { "y" } else { "ies" },
                         run.repo.lessons_file
                     ),
@@ -367,6 +371,155 @@ async fn artifact_versions(run: &StageRun, rel: &str) -> Vec<(String, i64)> {
         versions.push((text, run.store.now_ms()));
     }
     versions
+}
+
+/// How long the lessons stage waits for the merge lock before giving up publishing.
+const MERGE_LOCK_WAIT: Duration = Duration::from_secs(30);
+
+/// Publishes the lessons on the default branch: the work item's branch is already merged
+/// when this stage runs, so its lessons would never reach later worktrees (which start from
+/// the default branch, and whose prompts read the lessons file from the worktree). In the main
+/// checkout `run.repo_dir`, under the merge gate's per-repo lock file, the entries not yet in
+/// the default branch's lessons file are appended and committed (a small commit touching only
+/// that file), then pushed when the repo has a remote. Idempotent by entry id. Never raises:
+/// returns a note saying what happened (also logged).
+async fn publish_to_default_branch(
+    run: &StageRun,
+    rel: &Path,
+    lessons: &[Lesson],
+    now_ms: i64,
+) -> String {
+    if lessons.is_empty() {
+        return "nothing to publish on the default branch".to_owned();
+    }
+    let branch = &run.repo.default_branch;
+    match publish(run, rel, lessons, now_ms).await {
+        Ok(note) => note,
+        Err(e) => {
+            tracing::warn!(work_item = %run.work_item, repo_dir = %run.repo_dir.display(), error = %e, "lessons: not published on the default branch");
+            format!("not published on `{branch}`: {e}")
+        }
+    }
+}
+
+async fn publish(
+    run: &StageRun,
+    rel: &Path,
+    lessons: &[Lesson],
+    now_ms: i64,
+) -> anyhow::Result<String> {
+    let branch = &run.repo.default_branch;
+    let current = run.git.current_branch(&run.repo_dir).await?;
+    if current.as_deref() != Some(branch.as_str()) {
+        anyhow::bail!(
+            "the main checkout {} is on {current:?}, not `{branch}`",
+            run.repo_dir.display()
+        );
+    }
+    let holder = format!(
+        "pid={} node={} work_item={} job={} (lessons)",
+        std::process::id(),
+        run.node,
+        run.work_item,
+        run.job.id
+    );
+    let _lock = MergeLock::acquire(&run.repo_dir, &holder, &run.cancel).await?;
+    let n = append_to_lessons_file(&run.repo_dir.join(rel), run, lessons, now_ms)?;
+    let message = format!(
+        "Lessons of {}: {n} entr{} in {}\n\nRecorded by orch's lessons stage after the merge, so later work items see them.",
+        run.work_item,
+        if n == 1 { "y" } else { "ies" },
+        rel.display()
+    );
+    let commit = run
+        .git
+        .add_and_commit(
+            &run.repo_dir,
+            &Pathspec::Only(vec![rel.to_path_buf()]),
+            &message,
+        )
+        .await?;
+    let pushed = if run.git.has_remote(&run.repo_dir, "origin").await? {
+        if run.git.push(&run.repo_dir, "origin", branch).await? {
+            ", pushed"
+        } else {
+            tracing::warn!(work_item = %run.work_item, "lessons: the push of the default branch was rejected; the next merge carries the commit");
+            ", push rejected"
+        }
+    } else {
+        ""
+    };
+    Ok(match commit {
+        Some(sha) => format!(
+            "committed on `{branch}` as {}{pushed}",
+            &sha[..sha.len().min(12)]
+        ),
+        None => format!("already on `{branch}`"),
+    })
+}
+
+/// The merge gate's cross-process lock file (`<repo_dir>/.git/orch-merge.lock`, created with
+/// `O_EXCL`, removed on drop, broken when older than [`STALE_LOCK_AFTER`]): the lessons
+/// commit on the default branch never interleaves with a merge.
+struct MergeLock {
+    path: PathBuf,
+}
+
+impl MergeLock {
+    async fn acquire(
+        repo_dir: &Path,
+        holder: &str,
+        cancel: &tokio_util::sync::CancellationToken,
+    ) -> anyhow::Result<MergeLock> {
+        let path = repo_dir.join(".git").join(MERGE_LOCK_FILE);
+        let started = std::time::Instant::now();
+        loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .open(&path)
+            {
+                Ok(mut file) => {
+                    use std::io::Write as _;
+                    if let Err(e) = writeln!(file, "{holder}") {
+                        tracing::warn!(path = %path.display(), error = %e, "lessons: cannot write the holder into the merge lock; it still locks");
+                    }
+                    return Ok(MergeLock { path });
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    let age = std::fs::metadata(&path)
+                        .and_then(|m| m.modified())
+                        .ok()
+                        .and_then(|m| SystemTime::now().duration_since(m).ok());
+                    if age.is_some_and(|a| a >= STALE_LOCK_AFTER) {
+                        tracing::warn!(path = %path.display(), "lessons: breaking a stale merge lock (its process is presumed dead)");
+                        let _ = std::fs::remove_file(&path);
+                        continue;
+                    }
+                    if started.elapsed() >= MERGE_LOCK_WAIT {
+                        anyhow::bail!(
+                            "the merge lock {} stayed held for {} s",
+                            path.display(),
+                            MERGE_LOCK_WAIT.as_secs()
+                        );
+                    }
+                }
+                Err(e) => anyhow::bail!("cannot create the merge lock {}: {e}", path.display()),
+            }
+            tokio::select! {
+                () = tokio::time::sleep(Duration::from_millis(200)) => {}
+                () = cancel.cancelled() => anyhow::bail!("cancelled while waiting for the merge lock"),
+            }
+        }
+    }
+}
+
+impl Drop for MergeLock {
+    fn drop(&mut self) {
+        if let Err(e) = std::fs::remove_file(&self.path) {
+            tracing::warn!(path = %self.path.display(), error = %e, "lessons: cannot remove the merge lock");
+        }
+    }
 }
 
 /// `lessons_file` as a path inside the repo, or `None` when it could leave it.

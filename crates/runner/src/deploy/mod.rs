@@ -9,6 +9,7 @@
 //!   finalizer's bounded restart-safe confirmation, arming the watch.
 //! - [`monitor`]: `observe` stage: one poll per job, the verdict, rollback or alert, the
 //!   `16-post-deploy-log.md` artifact, and the recovery sweep for stranded watches.
+//! - [`alert`]: the alert hook (event, `alert` command, `alert_webhook` POST).
 //! - [`lessons`]: `lessons` stage: objective outcomes → `17-lessons.md` and the lessons file.
 //!
 //! Invariants:
@@ -26,6 +27,7 @@
 //! - Every event carries the stage visit (`seq`) in its data, so replays and lessons can tell
 //!   visits apart.
 
+pub mod alert;
 pub mod deployer;
 pub mod lessons;
 pub mod monitor;
@@ -71,6 +73,20 @@ pub mod events {
     pub const POST_DEPLOY_EVIDENCE_LOST: &str = "post_deploy.evidence_lost";
     /// The alert: a DEGRADED watch, a FAILED one that may not roll back, a failed rollback.
     pub const POST_DEPLOY_ALERT: &str = "post_deploy.alert";
+    /// An alert was delivered to one channel (`command` or `webhook`, in `data.channel`).
+    pub const POST_DEPLOY_ALERT_SENT: &str = "post_deploy.alert_sent";
+    /// An alert could not be delivered to one channel (failed, timed out, refused).
+    pub const POST_DEPLOY_ALERT_FAILED: &str = "post_deploy.alert_failed";
+    /// A watch ended early because a newer deploy of the same repo armed its own watch.
+    pub const POST_DEPLOY_SUPERSEDED: &str = "post_deploy.superseded";
+    /// An unconfirmed deploy is being rolled back (recorded first: a re-run never rolls
+    /// back twice).
+    pub const DEPLOY_ROLLBACK_STARTED: &str = "deploy.rollback_started";
+    /// An unconfirmed deploy was rolled back and the rollback verified.
+    pub const DEPLOY_ROLLED_BACK: &str = "deploy.rolled_back";
+    /// An unconfirmed deploy's rollback failed, was not verified, or was not attempted
+    /// because another revision is live.
+    pub const DEPLOY_ROLLBACK_FAILED: &str = "deploy.rollback_failed";
     /// The rollback command is about to run (recorded first: a re-run never rolls back twice).
     pub const POST_DEPLOY_ROLLBACK_STARTED: &str = "post_deploy.rollback_started";
     /// The rollback's result (ran, verified or not).

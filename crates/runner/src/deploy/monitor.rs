@@ -28,6 +28,7 @@ use orch_exec::process::ExitKind;
 use orch_store::{JobCount, NewEvent, NewJob, Store};
 use serde_json::json;
 
+use super::alert::Alert;
 use super::probe::{check_health, check_revision, live_revision, revision_matches};
 use super::{
     MONITOR_AGENT, OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command,
@@ -37,6 +38,51 @@ use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 
 /// The artifact the monitor writes (seed §4).
 pub const POST_DEPLOY_LOG: &str = "16-post-deploy-log.md";
+
+/// The sentinel file that says a newer deploy of the same repo superseded a watch; its
+/// content is `<work item> <revision>` of the newer deploy.
+pub const SUPERSEDED_FILE: &str = "superseded";
+
+/// Marks every other active watch of `repo` in `repos_dir` as superseded by `work_item`'s
+/// deploy of `revision` (called by the deployer when it arms a watch): their next tick ends
+/// them from the evidence so far, without a rollback (their revision is no longer live).
+/// Never raises: a marker that cannot be written is logged. Returns the superseded work items.
+pub fn supersede_others(
+    repos_dir: &Path,
+    repo: &str,
+    work_item: &str,
+    revision: &str,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for w in list_active(repos_dir) {
+        if w.repo != repo || w.work_item_id == work_item {
+            continue;
+        }
+        let ws = WatchState::new(repos_dir, &w.repo, &w.work_item_id);
+        let Some(dir) = ws.dir() else { continue };
+        let path = dir.join(SUPERSEDED_FILE);
+        let tmp = dir.join(format!(".{SUPERSEDED_FILE}.tmp"));
+        let written = std::fs::write(&tmp, format!("{work_item} {revision}\n"))
+            .and_then(|()| std::fs::rename(&tmp, &path));
+        match written {
+            Ok(()) => out.push(w.work_item_id),
+            Err(e) => {
+                tracing::warn!(path = %path.display(), error = %e, "cannot mark an older watch superseded; it runs to its deadline");
+            }
+        }
+    }
+    out
+}
+
+/// `(work item, revision)` of the deploy that superseded this watch, if any.
+fn superseded_by(ws: &WatchState) -> Option<(String, String)> {
+    let path = ws.dir()?.join(SUPERSEDED_FILE);
+    let text = std::fs::read_to_string(&path).ok()?;
+    let mut parts = text.split_whitespace();
+    let item = parts.next()?.to_owned();
+    let rev = parts.next().unwrap_or("unknown").to_owned();
+    Some((item, rev))
+}
 
 /// The `observe` stage's executor (agent `post-deploy-monitor`).
 #[derive(Debug, Clone)]
@@ -96,6 +142,11 @@ impl MonitorExecutor {
         armed: &ArmedRecord,
     ) -> anyhow::Result<StageEffect> {
         let params = armed.params;
+        if let Some((by, by_revision)) = superseded_by(ws) {
+            return self
+                .superseded(run, ws, seq, armed, &by, &by_revision)
+                .await;
+        }
         let now = run.store.now_ms();
         let first = tick_at_ms(&params, armed.armed_at_ms, 0);
         if now < first {
@@ -167,6 +218,100 @@ impl MonitorExecutor {
         }
     }
 
+    /// Ends a watch a newer deploy superseded: the verdict from the evidence so far (judged
+    /// as at the deadline), no rollback (the watched revision is no longer live), an alert
+    /// only when the evidence holds FAIL polls (a watch merely cut short is DEGRADED for lack
+    /// of evidence, with nothing live to act on).
+    async fn superseded(
+        &self,
+        run: &StageRun,
+        ws: &WatchState,
+        seq: i64,
+        armed: &ArmedRecord,
+        by: &str,
+        by_revision: &str,
+    ) -> anyhow::Result<StageEffect> {
+        let series = ws.series();
+        let (verdict, why) = match decide(
+            &series.polls,
+            &armed.params,
+            armed.armed_at_ms,
+            armed.deadline_ms,
+        ) {
+            Decision::Final(v, why) => (v, why),
+            Decision::Continue { .. } => (Verdict::Degraded, "the window is not over".to_owned()),
+        };
+        let (verdict, why) = match (&series.lost, verdict) {
+            (Some(lost), Verdict::Healthy) => (
+                Verdict::Degraded,
+                format!("{why}; but evidence was lost ({lost})"),
+            ),
+            (_, v) => (v, why),
+        };
+        let reason = format!(
+            "superseded by {by} (deploy of `{by_revision}`) after {} polls; judged on the evidence so far: {why}",
+            series.polls.len()
+        );
+        record(
+            run,
+            seq,
+            events::POST_DEPLOY_SUPERSEDED,
+            &reason,
+            data([
+                ("by", json!(by)),
+                ("by_revision", json!(by_revision)),
+                ("revision", json!(armed.revision)),
+            ]),
+        )
+        .await?;
+        let failed_polls = series
+            .polls
+            .iter()
+            .filter(|p| p.status() == CheckOutcome::Fail)
+            .count();
+        let no_rollback = format!(
+            "no rollback: `{}` is no longer live ({by} deployed `{by_revision}`)",
+            armed.revision
+        );
+        let (action, action_detail) = match verdict {
+            Verdict::Healthy => (ActionTaken::None, String::new()),
+            // Cut short with nothing wrong seen: not enough evidence, nothing live to act on.
+            Verdict::Degraded if failed_polls == 0 => (ActionTaken::None, no_rollback),
+            Verdict::Degraded | Verdict::Failed => {
+                let detail = format!("{no_rollback}; {failed_polls} FAIL polls seen before");
+                let why_all = format!("{}: {reason}; {detail}", verdict.as_str());
+                alert(
+                    run,
+                    seq,
+                    verdict,
+                    ActionTaken::Alert,
+                    &armed.revision,
+                    &why_all,
+                )
+                .await?;
+                (ActionTaken::Alert, detail)
+            }
+        };
+        let ending = Ending {
+            verdict,
+            reason,
+            action,
+            action_detail,
+        };
+        finish(
+            run,
+            ws,
+            seq,
+            &armed.params,
+            armed.armed_at_ms,
+            &armed.revision,
+            &series.polls,
+            series.lost.as_deref(),
+            ending,
+        )
+        .await
+    }
+
     /// Polls the service once: the health check, and the revision check when configured.
     async fn poll(
         &self,
@@ -202,6 +347,17 @@ impl MonitorExecutor {
         reason: String,
     ) -> anyhow::Result<Ending> {
         let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
+        // A rollback already started in this visit (a crash after it began) changed what is
+        // live: the compare-and-swap was decided then; now it is only verified.
+        if verdict == Verdict::Failed && rollback_started(run, seq).await? {
+            let (action, action_detail) = self.rollback(run, seq, armed, &reason).await?;
+            return Ok(Ending {
+                verdict,
+                reason,
+                action,
+                action_detail,
+            });
+        }
         let live = match (&run.repo.revision_url, verdict) {
             (Some(url), Verdict::Failed) => live_revision(url, timeout).await,
             _ => None,
@@ -209,7 +365,16 @@ impl MonitorExecutor {
         let (action, action_detail) = match reaction(verdict, &armed.revision, live.as_deref()) {
             Reaction::None => (ActionTaken::None, String::new()),
             Reaction::AlertOnly { reason: why } => {
-                alert(run, seq, &format!("{}: {reason}; {why}", verdict.as_str())).await?;
+                let why_all = format!("{}: {reason}; {why}", verdict.as_str());
+                alert(
+                    run,
+                    seq,
+                    verdict,
+                    ActionTaken::Alert,
+                    &armed.revision,
+                    &why_all,
+                )
+                .await?;
                 (ActionTaken::Alert, why)
             }
             Reaction::Rollback => self.rollback(run, seq, armed, &reason).await?,
@@ -235,14 +400,18 @@ impl MonitorExecutor {
             let why = format!(
                 "FAILED ({reason}) and `{revision}` is live, but no rollback command is configured"
             );
-            alert(run, seq, &why).await?;
+            alert(
+                run,
+                seq,
+                Verdict::Failed,
+                ActionTaken::Alert,
+                revision,
+                &why,
+            )
+            .await?;
             return Ok((ActionTaken::Alert, why));
         };
-        let events = run.store.task_events(run.task.id).await?;
-        let started_before = events
-            .iter()
-            .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq));
-        if started_before {
+        if rollback_started(run, seq).await? {
             tracing::warn!(work_item = %run.work_item, "rollback already started in this visit (a re-run): verifying only");
         } else {
             record(
@@ -278,7 +447,15 @@ impl MonitorExecutor {
                     data([("revision", json!(revision)), ("verified", json!(false))]),
                 )
                 .await?;
-                alert(run, seq, &why).await?;
+                alert(
+                    run,
+                    seq,
+                    Verdict::Failed,
+                    ActionTaken::RollbackFailed,
+                    revision,
+                    &why,
+                )
+                .await?;
                 return Ok((ActionTaken::RollbackFailed, why));
             }
         }
@@ -299,53 +476,30 @@ impl MonitorExecutor {
         if verified {
             Ok((ActionTaken::Rollback, message))
         } else {
-            alert(run, seq, &message).await?;
+            alert(
+                run,
+                seq,
+                Verdict::Failed,
+                ActionTaken::RollbackFailed,
+                revision,
+                &message,
+            )
+            .await?;
             Ok((ActionTaken::RollbackFailed, message))
         }
     }
 
-    /// Verifies a rollback: up to `verify_polls` polls, each after `verify_interval`; verified
-    /// by the first one where health passes and the live revision is no longer the watched one
-    /// (when a revision endpoint is configured).
+    /// Verifies a rollback by polls ([`verify_rollback`]).
     async fn verify(&self, run: &StageRun, armed: &ArmedRecord) -> (bool, String) {
         let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
-        let mut last = "no verification poll ran".to_owned();
-        for i in 1..=self.verify_polls.max(1) {
-            tokio::select! {
-                () = tokio::time::sleep(self.verify_interval) => {}
-                () = run.cancel.cancelled() => return (false, format!("cancelled before verification poll {i}")),
-            }
-            let health = match &run.repo.health_url {
-                Some(url) => check_health(url, timeout).await,
-                None => return (false, "no health_url to verify by".to_owned()),
-            };
-            if health.outcome != CheckOutcome::Pass {
-                last = format!(
-                    "poll {i}: health {} ({})",
-                    health.outcome.as_str(),
-                    health.detail
-                );
-                continue;
-            }
-            match &run.repo.revision_url {
-                None => return (true, format!("poll {i}: health PASS")),
-                Some(url) => match live_revision(url, timeout).await {
-                    Some(live) if !revision_matches(&armed.revision, &live) => {
-                        return (
-                            true,
-                            format!("poll {i}: health PASS, live revision `{live}`"),
-                        );
-                    }
-                    Some(live) => {
-                        last = format!("poll {i}: health PASS but `{live}` is still live")
-                    }
-                    None => {
-                        last = format!("poll {i}: health PASS but the live revision cannot be read")
-                    }
-                },
-            }
-        }
-        (false, last)
+        verify_rollback(
+            run,
+            &armed.revision,
+            self.verify_polls,
+            self.verify_interval,
+            timeout,
+        )
+        .await
     }
 
     /// Ends a watch whose `armed` is absent or unusable: DEGRADED (never HEALTHY without
@@ -376,7 +530,15 @@ impl MonitorExecutor {
                 };
                 record(run, seq, events::POST_DEPLOY_EVIDENCE_LOST, &lost, data([])).await?;
                 let reason = format!("evidence lost: {lost}");
-                alert(run, seq, &format!("DEGRADED: {reason}")).await?;
+                alert(
+                    run,
+                    seq,
+                    Verdict::Degraded,
+                    ActionTaken::Alert,
+                    "unknown",
+                    &format!("DEGRADED: {reason}"),
+                )
+                .await?;
                 (
                     reason,
                     Some(lost),
@@ -408,6 +570,53 @@ impl MonitorExecutor {
         )
         .await
     }
+}
+
+/// Verifies a rollback of `revision`: up to `polls` polls, each after `interval`; verified by
+/// the first one where health passes and the live revision is no longer `revision` (when a
+/// revision endpoint is configured).
+pub(crate) async fn verify_rollback(
+    run: &StageRun,
+    revision: &str,
+    polls: u32,
+    interval: Duration,
+    timeout: Duration,
+) -> (bool, String) {
+    let mut last = "no verification poll ran".to_owned();
+    for i in 1..=polls.max(1) {
+        tokio::select! {
+            () = tokio::time::sleep(interval) => {}
+            () = run.cancel.cancelled() => return (false, format!("cancelled before verification poll {i}")),
+        }
+        let health = match &run.repo.health_url {
+            Some(url) => check_health(url, timeout).await,
+            None => return (false, "no health_url to verify by".to_owned()),
+        };
+        if health.outcome != CheckOutcome::Pass {
+            last = format!(
+                "poll {i}: health {} ({})",
+                health.outcome.as_str(),
+                health.detail
+            );
+            continue;
+        }
+        match &run.repo.revision_url {
+            None => return (true, format!("poll {i}: health PASS")),
+            Some(url) => match live_revision(url, timeout).await {
+                Some(live) if !revision_matches(revision, &live) => {
+                    return (
+                        true,
+                        format!("poll {i}: health PASS, live revision `{live}`"),
+                    );
+                }
+                Some(live) => last = format!("poll {i}: health PASS but `{live}` is still live"),
+                None => {
+                    last = format!("poll {i}: health PASS but the live revision cannot be read")
+                }
+            },
+        }
+    }
+    (false, last)
 }
 
 /// Writes the log (best effort), marks the watch done and records the verdict.
@@ -484,11 +693,37 @@ async fn finish(
     Ok(StageEffect::Produced { outcome: None })
 }
 
-/// Raises the alert: a `post_deploy.alert` event is the alert (SPEC §7).
-async fn alert(run: &StageRun, seq: i64, why: &str) -> anyhow::Result<()> {
-    tracing::warn!(work_item = %run.work_item, "post-deploy alert: {why}");
-    run.counters.incr("post_deploy_monitor", "alerts");
-    record(run, seq, events::POST_DEPLOY_ALERT, why, data([])).await
+/// Raises the alert (SPEC §7): the `post_deploy.alert` event, and the repo's `alert` command
+/// and `alert_webhook` when configured ([`super::alert`]).
+async fn alert(
+    run: &StageRun,
+    seq: i64,
+    verdict: Verdict,
+    action: ActionTaken,
+    revision: &str,
+    why: &str,
+) -> anyhow::Result<()> {
+    let occasion = format!("{}-{}", verdict.as_str(), action.as_str()).to_lowercase();
+    super::alert::raise(
+        run,
+        seq,
+        &Alert {
+            occasion: &occasion,
+            verdict: verdict.as_str(),
+            action: action.as_str(),
+            reason: why,
+            revision,
+        },
+    )
+    .await
+}
+
+/// Whether this visit's rollback already started (its event is recorded before the command).
+async fn rollback_started(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    let recorded = run.store.task_events(run.task.id).await?;
+    Ok(recorded
+        .iter()
+        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq)))
 }
 
 /// This visit's jobs of this run's kind whose content contains `marker`.

@@ -107,7 +107,7 @@ async fn fetch(url: &str, timeout: Duration) -> Fetched {
 /// An HTTP client with `timeout` for the whole exchange. reqwest is built without a default
 /// TLS crypto provider and panics when none is installed (the `orch` binary installs one at
 /// start); that panic is caught here and becomes an ERROR check instead of a dead worker.
-fn client(timeout: Duration) -> Result<reqwest::Client, String> {
+pub(crate) fn client(timeout: Duration) -> Result<reqwest::Client, String> {
     let build = || {
         reqwest::Client::builder()
             .timeout(timeout)
