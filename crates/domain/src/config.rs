@@ -152,6 +152,11 @@ pub struct RepoConfig {
     /// Tool-error defers of the staging runner before the result is FAILED. Default 2.
     #[serde(default = "default_staging_defer_limit")]
     pub staging_defer_limit: u32,
+    /// Delay before the first staging defer, in seconds; it doubles with each further defer
+    /// (capped at ten times this value when set). Default none: the policy's 60 s base and
+    /// 600 s cap. Tests and fast local tools set it low.
+    #[serde(default)]
+    pub staging_defer_delay_s: Option<u64>,
     /// The repo's lessons file, relative to its root. Default `LESSONS.md`.
     #[serde(default = "default_lessons_file")]
     pub lessons_file: String,
@@ -905,6 +910,7 @@ agent_timeout_s = 1800
 # health_url = "http://127.0.0.1:8080/healthz"
 # revision_url = "http://127.0.0.1:8080/version"
 # staging_defer_limit = 2
+# staging_defer_delay_s = 60            # first defer's delay; doubles per defer
 # lessons_file = "LESSONS.md"
 #
 # [[repos.app.staging]]
@@ -1035,6 +1041,7 @@ mod tests {
             (30, 10)
         );
         assert_eq!(repo.staging_defer_limit, 2);
+        assert_eq!(repo.staging_defer_delay_s, None);
         assert_eq!(repo.lessons_file, "LESSONS.md");
         assert_eq!(c.pipeline().unwrap(), Pipeline::default_pipeline());
     }
@@ -1053,6 +1060,7 @@ rollback = "./rollback.sh"
 health_url = "http://127.0.0.1:9/healthz"
 revision_url = "https://127.0.0.1:9/version"
 staging_defer_limit = 5
+staging_defer_delay_s = 7
 lessons_file = "docs/LESSONS.md"
 
 [[repos.app.staging]]
@@ -1082,6 +1090,7 @@ interval_s = 10
         assert_eq!(repo.staging_smoke[0].name, "health");
         assert_eq!(repo.post_deploy.window_s, 120);
         assert_eq!(repo.post_deploy.initial_delay_s, 30);
+        assert_eq!(repo.staging_defer_delay_s, Some(7));
         assert!(c.repo_for(&"ORCH-1".parse().unwrap()).is_none());
     }
 
