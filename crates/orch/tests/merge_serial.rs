@@ -154,6 +154,7 @@ async fn two_worker_processes_merge_four_items_without_losing_one() {
         spawn_worker(&dir, &url, "merge-serial-b"),
     ];
     let before_merge = [
+        "intake",
         "analysis",
         "architecture",
         "implementation",
