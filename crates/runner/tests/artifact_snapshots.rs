@@ -67,9 +67,43 @@ fn check(name: &str, actual: &str) {
     }
 }
 
-/// Masks what a real run cannot fix: commit ids (7 to 40 hex digits standing alone) and
-/// durations (`duration_ms: N`, `- duration: …`).
+/// Masks what a real run cannot fix: commit ids (7 to 40 lowercase hex digits standing alone;
+/// no word of these artifacts' fixed text is one) and
+/// durations (`duration_ms: N`, `- duration: …`, `(12 ms)`, `(1.250 s)`).
 fn mask(text: &str) -> String {
+    // YAML quotes an id that happens to read as a number (`"1234e56"`); the mask has no quotes.
+    mask_durations(&mask_ids(text)).replace(": \"<sha>\"\n", ": <sha>\n")
+}
+
+/// `(12 ms)` and `(1.250 s)` → `(<duration>)`.
+fn mask_durations(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(open) = rest.find('(') {
+        out.push_str(&rest[..open]);
+        let after = &rest[open + 1..];
+        let digits = after
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .unwrap_or(after.len());
+        let unit = [" ms)", " s)"]
+            .into_iter()
+            .find(|u| digits > 0 && after[digits..].starts_with(u));
+        match unit {
+            Some(u) => {
+                out.push_str("(<duration>)");
+                rest = &after[digits + u.len()..];
+            }
+            None => {
+                out.push('(');
+                rest = after;
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+fn mask_ids(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for line in text.split_inclusive('\n') {
         let trimmed = line.trim_start();
@@ -100,7 +134,7 @@ fn mask_word(w: &str) -> String {
     let hex = w
         .chars()
         .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase());
-    if hex && (7..=40).contains(&w.len()) && w.chars().any(|c| c.is_ascii_digit()) {
+    if hex && (7..=40).contains(&w.len()) {
         "<sha>".to_owned()
     } else {
         w.to_owned()
@@ -401,9 +435,14 @@ fn mask_hides_commit_ids_and_durations_only() {
     let cases = [
         ("merged `0123abc` into main\n", "merged `<sha>` into main\n"),
         ("duration_ms: 17\n", "duration_ms: <ms>\n"),
+        ("merged_revision: \"1234e56\"\n", "merged_revision: <sha>\n"),
         ("- duration: 1.250 s\n", "- duration: <duration>\n"),
         ("added feedbac 1234567\n", "added feedbac <sha>\n"),
-        ("defaced abcdefa\n", "defaced abcdefa\n"),
+        ("as abcdefa, not abcdef\n", "as <sha>, not abcdef\n"),
+        (
+            "passed (1 ms), (2.500 s); (x) (3 days)\n",
+            "passed (<duration>), (<duration>); (x) (3 days)\n",
+        ),
     ];
     for (input, want) in cases {
         assert_eq!(mask(input), want, "{input:?}");
