@@ -437,7 +437,7 @@ fn mask_hides_commit_ids_and_durations_only() {
         ("duration_ms: 17\n", "duration_ms: <ms>\n"),
         ("merged_revision: \"1234e56\"\n", "merged_revision: <sha>\n"),
         ("- duration: 1.250 s\n", "- duration: <duration>\n"),
-        ("added feedbac 1234567\n", "added feedbac <sha>\n"),
+        ("added feedbac 1234567\n", "added <sha> <sha>\n"),
         ("as abcdefa, not abcdef\n", "as <sha>, not abcdef\n"),
         (
             "passed (1 ms), (2.500 s); (x) (3 days)\n",
