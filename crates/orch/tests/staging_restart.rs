@@ -229,10 +229,10 @@ async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
     let mut samples: Vec<BTreeMap<String, u64>> = Vec::new();
     let t0 = Instant::now();
     let end = loop {
-        if let Some(c) = staging_counters(port) {
-            if samples.last() != Some(&c) {
-                samples.push(c);
-            }
+        if let Some(c) = staging_counters(port)
+            && samples.last() != Some(&c)
+        {
+            samples.push(c);
         }
         let t = task(&store, "APP-1").await;
         if t.stage != "staging" {
@@ -244,10 +244,10 @@ async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    if let Some(c) = staging_counters(port) {
-        if samples.last() != Some(&c) {
-            samples.push(c);
-        }
+    if let Some(c) = staging_counters(port)
+        && samples.last() != Some(&c)
+    {
+        samples.push(c);
     }
     if let Some(pid) = second.id() {
         // SAFETY: signalling our own child.
