@@ -163,6 +163,11 @@ pub struct RepoConfig {
     /// Tool-error defers of the staging runner before the result is FAILED. Default 2.
     #[serde(default = "default_staging_defer_limit")]
     pub staging_defer_limit: u32,
+    /// Delay before the first staging defer, in seconds; it doubles with each further defer
+    /// (capped at ten times this value when set). Default none: the policy's 60 s base and
+    /// 600 s cap. Tests and fast local tools set it low.
+    #[serde(default)]
+    pub staging_defer_delay_s: Option<u64>,
     /// The repo's lessons file, relative to its root. Default `LESSONS.md`.
     #[serde(default = "default_lessons_file")]
     pub lessons_file: String,
@@ -920,6 +925,7 @@ agent_timeout_s = 1800
 # alert = "./notify.sh"                 # run on DEGRADED / failed rollback / unconfirmed deploy
 # alert_webhook = "http://127.0.0.1:9000/hooks/orch"   # POSTed JSON on the same occasions
 # staging_defer_limit = 2
+# staging_defer_delay_s = 60            # first defer's delay; doubles per defer
 # lessons_file = "LESSONS.md"
 #
 # [[repos.app.staging]]
@@ -1050,6 +1056,7 @@ mod tests {
             (30, 10)
         );
         assert_eq!(repo.staging_defer_limit, 2);
+        assert_eq!(repo.staging_defer_delay_s, None);
         assert_eq!(repo.lessons_file, "LESSONS.md");
         assert_eq!(c.pipeline().unwrap(), Pipeline::default_pipeline());
     }
@@ -1070,6 +1077,7 @@ revision_url = "https://127.0.0.1:9/version"
 alert = "./page-oncall.sh"
 alert_webhook = "http://127.0.0.1:9/hook"
 staging_defer_limit = 5
+staging_defer_delay_s = 7
 lessons_file = "docs/LESSONS.md"
 
 [[repos.app.staging]]
@@ -1104,6 +1112,7 @@ interval_s = 10
             repo.alert_webhook.as_deref(),
             Some("http://127.0.0.1:9/hook")
         );
+        assert_eq!(repo.staging_defer_delay_s, Some(7));
         assert!(c.repo_for(&"ORCH-1".parse().unwrap()).is_none());
     }
 

@@ -257,6 +257,7 @@ fn repo_config(repo_dir: &Path, deploy: Option<String>, base: &str) -> RepoConfi
         merge_strategy: MergeStrategy::default(),
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,
+        staging_defer_delay_s: None,
         lessons_file: "LESSONS.md".into(),
     }
 }

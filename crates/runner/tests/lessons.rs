@@ -79,6 +79,7 @@ impl Fx {
             merge_strategy: MergeStrategy::default(),
             post_deploy: PostDeployConfig::default(),
             staging_defer_limit: 2,
+            staging_defer_delay_s: None,
             lessons_file: "LESSONS.md".into(),
         };
         let task = db

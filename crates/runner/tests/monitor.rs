@@ -145,6 +145,7 @@ impl Fx {
                 poll_timeout_s: PARAMS.poll_timeout_s,
             },
             staging_defer_limit: 2,
+            staging_defer_delay_s: None,
             lessons_file: "LESSONS.md".into(),
         };
         let task = db

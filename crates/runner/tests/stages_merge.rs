@@ -53,6 +53,7 @@ fn repo_config(test: Option<&str>, merge_strategy: MergeStrategy) -> RepoConfig 
         merge_strategy,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,
+        staging_defer_delay_s: None,
         lessons_file: "LESSONS.md".into(),
     }
 }

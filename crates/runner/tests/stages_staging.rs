@@ -55,6 +55,7 @@ fn repo_config(staging: &[Step], smoke: &[Step], defer_limit: u32) -> RepoConfig
         merge_strategy: MergeStrategy::Ff,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: defer_limit,
+        staging_defer_delay_s: None,
         lessons_file: "LESSONS.md".into(),
     }
 }

@@ -41,6 +41,7 @@ fn repo_config(test: Option<&str>, test_timeout_s: u64) -> RepoConfig {
         merge_strategy: MergeStrategy::Ff,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,
+        staging_defer_delay_s: None,
         lessons_file: "LESSONS.md".into(),
     }
 }

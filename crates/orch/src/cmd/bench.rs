@@ -199,9 +199,10 @@ async fn latency(target: &Target, samples: usize) -> Result<Latency> {
     config.concurrency = 1;
     config.claim_batch = 1;
     let stop = CancellationToken::new();
+    // One store for the enqueuer and the worker, as in `orch serve` (the API and the workers
+    // share it): on SQLite the wake-up is in-process; on PostgreSQL it is LISTEN/NOTIFY anyway.
     let worker = tokio::spawn(
-        Worker::new(open(target, 4).await?, registry, config)
-            .run(stop.clone(), CancellationToken::new()),
+        Worker::new(store.clone(), registry, config).run(stop.clone(), CancellationToken::new()),
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     let mut rng = rand::rngs::StdRng::seed_from_u64(42);

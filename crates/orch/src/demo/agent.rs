@@ -3,9 +3,11 @@
 //! variables), edits the sample service's code and writes each stage's artifact in the real
 //! formats, then prints a Claude Code style JSON result (with usage and cost) on stdout.
 //!
-//! Two scenarios, chosen by the request's title: "version" adds a `/version` endpoint (the
+//! Three scenarios, chosen by the request's title: "version" adds a `/version` endpoint (the
 //! first review asks for a test, the second approves), "greeting" adds a greeting but breaks
-//! `/health` in production only, which the post-deploy watch catches and rolls back.
+//! `/health` in production only, which the post-deploy watch catches and rolls back, and
+//! "note" writes only `notes/<work item>.txt` (approved at once), so any number of such items
+//! merge without conflicts (the cross-process merge serialization test).
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -45,7 +47,7 @@ pub fn run() -> Result<ExitCode> {
     };
     std::fs::create_dir_all(&e.artifact_dir)?;
     let request = std::fs::read_to_string(e.artifact_dir.join("01-request.md")).unwrap_or_default();
-    let greeting = request.to_lowercase().contains("greeting");
+    let scenario = Scenario::of(&request);
     // A little thinking time, so the demo's progress display has something to show
     // (tests make it longer to kill orch in the middle of a run).
     let think_ms = std::env::var("ORCH_DEMO_AGENT_SLEEP_MS")
@@ -57,8 +59,8 @@ pub fn run() -> Result<ExitCode> {
     let written = match e.stage.as_str() {
         "analysis" => analysis(&e, &request)?,
         "architecture" => architecture(&e)?,
-        "implementation" => implementation(&e, greeting)?,
-        "review" => review(&e, greeting)?,
+        "implementation" => implementation(&e, scenario)?,
+        "review" => review(&e, scenario)?,
         other => anyhow::bail!("the demo agent has no script for stage {other}"),
     };
     let input_tokens = (prompt.len() / 4) as u64 + 120;
@@ -77,6 +79,27 @@ pub fn run() -> Result<ExitCode> {
         })
     );
     Ok(ExitCode::SUCCESS)
+}
+
+/// What the scripted developer does, chosen by the request's title.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Scenario {
+    Version,
+    Greeting,
+    Note,
+}
+
+impl Scenario {
+    fn of(request: &str) -> Scenario {
+        let title = title_of(request).to_lowercase();
+        if title.contains("greeting") {
+            Scenario::Greeting
+        } else if title.contains("note") {
+            Scenario::Note
+        } else {
+            Scenario::Version
+        }
+    }
 }
 
 fn now() -> String {
@@ -167,7 +190,24 @@ fn edit(path: &Path, from: &str, to: &str) -> Result<()> {
         .with_context(|| format!("cannot write {}", path.display()))
 }
 
-fn implementation(e: &Env, greeting: bool) -> Result<usize> {
+fn implementation(e: &Env, scenario: Scenario) -> Result<usize> {
+    if scenario == Scenario::Note {
+        let dir = e.worktree.join("notes");
+        std::fs::create_dir_all(&dir)
+            .with_context(|| format!("cannot create {}", dir.display()))?;
+        let path = dir.join(format!("{}.txt", e.work_item));
+        std::fs::write(&path, format!("A note for {}.\n", e.work_item))
+            .with_context(|| format!("cannot write {}", path.display()))?;
+        return write(
+            e,
+            "10-implementation.md",
+            front(e, "developer", &[]),
+            format!(
+                "# Implementation\n\nAdded a note.\n\nFiles: `notes/{}.txt`.\n",
+                e.work_item
+            ),
+        );
+    }
     let app = e.worktree.join("app.py");
     let tests = e.worktree.join("test_app.py");
     let review_asked_for_test = std::fs::read_to_string(e.artifact_dir.join("11-review.md"))
@@ -175,7 +215,7 @@ fn implementation(e: &Env, greeting: bool) -> Result<usize> {
         .unwrap_or(false);
     // The two scenarios edit different places of the same files, so their merges do not
     // conflict.
-    let summary = if greeting {
+    let summary = if scenario == Scenario::Greeting {
         edit(
             &app,
             "def revision():",
@@ -234,9 +274,9 @@ fn implementation(e: &Env, greeting: bool) -> Result<usize> {
     )
 }
 
-fn review(e: &Env, greeting: bool) -> Result<usize> {
+fn review(e: &Env, scenario: Scenario) -> Result<usize> {
     let tests = std::fs::read_to_string(e.worktree.join("test_app.py")).unwrap_or_default();
-    let (status, notes) = if greeting || tests.contains("test_version") {
+    let (status, notes) = if scenario != Scenario::Version || tests.contains("test_version") {
         (
             "APPROVED",
             "The change is small, tested, and follows ADR-001.",

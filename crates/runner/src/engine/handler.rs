@@ -291,6 +291,7 @@ impl Engine {
                     })),
                 )
                 .await;
+                crate::failpoint::hit("engine.after_requeue");
                 Ok(Outcome::Done)
             }
             StageEffect::Produced { outcome } => self.finish_stage(cx, run, outcome).await,

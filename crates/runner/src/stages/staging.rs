@@ -143,11 +143,16 @@ impl StageExecutor for StagingExecutor {
             .await
             .with_context(|| format!("counting the staging defers of {}", run.work_item))?;
         let defers = u32::try_from(defers.max(0)).unwrap_or(u32::MAX);
-        // D5: the limit comes from the repo (default 2); delays from the domain policy.
-        let policy = DeferPolicy {
+        // D5: the limit comes from the repo (default 2); delays from the domain policy unless
+        // the repo sets its own base delay (`staging_defer_delay_s`, cap ten times the base).
+        let mut policy = DeferPolicy {
             limit: run.repo.staging_defer_limit,
             ..DeferPolicy::default()
         };
+        if let Some(base) = run.repo.staging_defer_delay_s {
+            policy.base_delay_s = base;
+            policy.max_delay_s = base.saturating_mul(10);
+        }
         let decision = decide_after(&c, defers, &policy);
         if c.verdict == StagingVerdict::ToolError {
             self.counters.incr(COUNTER_GROUP, "tool_error");

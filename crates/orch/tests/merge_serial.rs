@@ -1,0 +1,256 @@
+//! Merges are serialized across processes (PostgreSQL): two `orch worker` processes on one
+//! machine share the demo's `repos_dir`, and four work items (the demo agent's "note" scenario:
+//! each writes only `notes/<id>.txt`) reach the merge gate at about the same time. The merge
+//! gate's per-repo lock file (`stages/merge_gate.rs`, beside its in-process mutex) is what
+//! serializes them across the two processes; without it two merges would race on the default
+//! branch and one would be lost or fail. The default branch must end with every item's merge,
+//! and the service's unit tests must pass on its head.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use orch_store::{ConnectOptions, Store};
+
+const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+const ITEMS: usize = 4;
+
+fn python_available() -> bool {
+    std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Makes this test process the reaper of orphans it creates (PID 1 here does not reap).
+fn become_subreaper() {
+    // SAFETY: prctl with constant arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+}
+
+fn reap_orphans() {
+    loop {
+        // SAFETY: non-blocking wait for any child.
+        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
+        if pid <= 0 {
+            break;
+        }
+    }
+}
+
+fn orch(dir: &Path, url: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args(["--database-url", url])
+        .args(args)
+        .env("ORCH_LOG", "warn")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "orch {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "git {args:?} in {}: {}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
+    tokio::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args(["--database-url", url])
+        .args(["worker", "--worker-id", id, "--grace-s", "1"])
+        .env("ORCH_LOG", "warn")
+        .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
+        .env_remove("ORCH_FAILPOINTS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap()
+}
+
+async fn terminate(mut child: tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(20), child.wait()).await;
+    reap_orphans();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_worker_processes_merge_four_items_without_losing_one() {
+    if !python_available() {
+        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
+        return;
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir: PathBuf = tmp.path().join("demo");
+    let out = std::process::Command::new(ORCH)
+        .args(["demo", "--setup-only", "--dir"])
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // Stop every item right after the merge: staging waits for an approval.
+    let config = dir.join("orch.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        format!("{text}\n[pipeline.stages.staging]\napproval = true\n"),
+    )
+    .unwrap();
+
+    let url = orch_store::testing::fresh_pg_schema().await;
+    orch(&dir, &url, &["migrate"]);
+    let ids: Vec<String> = (1..=ITEMS).map(|n| format!("APP-{n}")).collect();
+    for n in 1..=ITEMS {
+        let title = format!("Write note {n}");
+        orch(
+            &dir,
+            &url,
+            &[
+                "submit",
+                "--repo",
+                "service",
+                "--title",
+                &title,
+                "--body",
+                "Add a note.",
+            ],
+        );
+    }
+    let store = Store::connect(&url, ConnectOptions::default())
+        .await
+        .unwrap();
+
+    let workers = [
+        spawn_worker(&dir, &url, "merge-serial-a"),
+        spawn_worker(&dir, &url, "merge-serial-b"),
+    ];
+    let before_merge = [
+        "intake",
+        "analysis",
+        "architecture",
+        "implementation",
+        "review",
+        "verification",
+        "merge",
+    ];
+    let t0 = Instant::now();
+    let stages = loop {
+        let mut stages = Vec::new();
+        for id in &ids {
+            let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+            stages.push((id.clone(), t.stage));
+        }
+        if stages
+            .iter()
+            .all(|(_, s)| !before_merge.contains(&s.as_str()))
+        {
+            break stages;
+        }
+        if t0.elapsed() > Duration::from_secs(400) {
+            for w in workers {
+                terminate(w).await;
+            }
+            panic!("not every item passed the merge within 400 s: {stages:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    for w in workers {
+        terminate(w).await;
+    }
+    for (id, stage) in &stages {
+        assert_eq!(stage, "staging", "{id} merged and waits at staging");
+    }
+
+    // Every merge is on the default branch of the shared clone; none was lost.
+    let repo = dir.join(".orch/repos/service");
+    let files = git(&repo, &["ls-tree", "--name-only", "main", "notes/"]);
+    let log = git(&repo, &["log", "--format=%H %s", "main"]);
+    for id in &ids {
+        assert!(
+            files.lines().any(|f| f == format!("notes/{id}.txt")),
+            "notes/{id}.txt is on main: {files}\n{log}"
+        );
+        // The engine commits the merge log on the branch after the merge, so the branch head is
+        // not on main; the commit that added the note is.
+        let added = git(
+            &repo,
+            &[
+                "log",
+                "--format=%H",
+                "main",
+                "--",
+                &format!("notes/{id}.txt"),
+            ],
+        );
+        assert_eq!(
+            added.lines().count(),
+            1,
+            "one commit on main adds notes/{id}.txt:\n{log}"
+        );
+        let merge_log = git(
+            &repo,
+            &[
+                "show",
+                &format!("orch/{id}:docs/work-items/{id}/14-merge-log.md"),
+            ],
+        );
+        assert!(
+            merge_log.contains(&format!("work_item: {id}")),
+            "{merge_log}"
+        );
+    }
+
+    // The head of main passes the service's unit tests.
+    let check = tmp.path().join("check");
+    let out = std::process::Command::new("git")
+        .args(["clone", "--quiet", "--branch", "main"])
+        .arg(&repo)
+        .arg(&check)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let tests = std::process::Command::new("python3")
+        .args(["-m", "unittest", "-q"])
+        .current_dir(&check)
+        .output()
+        .unwrap();
+    assert!(
+        tests.status.success(),
+        "python3 -m unittest on main's head: {}",
+        String::from_utf8_lossy(&tests.stderr)
+    );
+    store.close().await;
+}

@@ -1,0 +1,120 @@
+//! Schema snapshot (NFR-1, AC-5, AC-12): features add no table, column or migration. The migrated
+//! schema of each backend is compared with a committed copy (`tests/schema/{sqlite,postgres}.sql`);
+//! any change to the schema has to show up in review as a change to those files.
+//!
+//! To accept an intended change: `ORCH_UPDATE_SCHEMA=1 cargo test -p orch-store --test schema`.
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+
+use orch_store::testing::TestDb;
+
+/// The only tables orch may have (ARCHITECTURE.md: "exactly four tables").
+const TABLES: [&str; 4] = ["agent_runs", "events", "jobs", "tasks"];
+
+fn snapshot_path(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests")
+        .join("schema")
+        .join(name)
+}
+
+/// A line diff small enough to read in a test failure: `-` expected, `+` actual.
+fn diff(expected: &str, actual: &str) -> String {
+    let exp: Vec<&str> = expected.lines().collect();
+    let act: Vec<&str> = actual.lines().collect();
+    // Longest common subsequence over lines; schemas are short.
+    let (n, m) = (exp.len(), act.len());
+    let mut lcs = vec![vec![0usize; m + 1]; n + 1];
+    for i in (0..n).rev() {
+        for j in (0..m).rev() {
+            lcs[i][j] = if exp[i] == act[j] {
+                lcs[i + 1][j + 1] + 1
+            } else {
+                lcs[i + 1][j].max(lcs[i][j + 1])
+            };
+        }
+    }
+    let (mut i, mut j, mut out) = (0, 0, String::new());
+    while i < n || j < m {
+        if i < n && j < m && exp[i] == act[j] {
+            i += 1;
+            j += 1;
+        } else if j < m && (i == n || lcs[i][j + 1] >= lcs[i + 1][j]) {
+            out.push_str(&format!("+ {}\n", act[j]));
+            j += 1;
+        } else {
+            out.push_str(&format!("- {}\n", exp[i]));
+            i += 1;
+        }
+    }
+    out
+}
+
+/// Compares `actual` with the committed snapshot `name`, or rewrites it under ORCH_UPDATE_SCHEMA=1.
+fn check(name: &str, actual: &str, tables: BTreeSet<String>) {
+    let expected_tables: BTreeSet<String> = TABLES.iter().map(|t| (*t).to_owned()).collect();
+    assert_eq!(
+        tables, expected_tables,
+        "{name}: the schema must have exactly the four tables {TABLES:?}"
+    );
+    let path = snapshot_path(name);
+    if std::env::var("ORCH_UPDATE_SCHEMA").is_ok_and(|v| v == "1") {
+        std::fs::write(&path, actual).unwrap();
+        return;
+    }
+    let expected = std::fs::read_to_string(&path).unwrap_or_default();
+    if expected != actual {
+        panic!(
+            "the {name} schema differs from the committed snapshot {} \
+             (- committed, + migrated):\n{}\nIf the change is intended (a new migration, \
+             reviewed against NFR-1: no new table or column for a feature), update the snapshot \
+             with `ORCH_UPDATE_SCHEMA=1 cargo test -p orch-store --test schema` and commit it.",
+            path.display(),
+            diff(&expected, actual)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_schema_matches_the_committed_snapshot() {
+    let db = TestDb::sqlite().await;
+    let dump = db.store.schema_dump().await.unwrap();
+    let tables = dump
+        .lines()
+        .filter_map(|l| l.strip_prefix("CREATE TABLE "))
+        .map(|rest| {
+            rest.split(|c: char| c == '(' || c.is_whitespace())
+                .next()
+                .unwrap_or_default()
+                .trim_matches('"')
+                .to_owned()
+        })
+        .collect();
+    check("sqlite.sql", &dump, tables);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_schema_matches_the_committed_snapshot() {
+    let db = TestDb::postgres().await;
+    let dump = db.store.schema_dump().await.unwrap();
+    let tables = dump
+        .lines()
+        .filter_map(|l| l.strip_prefix("column "))
+        .filter_map(|rest| rest.split_once('.').map(|(t, _)| t.to_owned()))
+        .collect();
+    check("postgres.sql", &dump, tables);
+}
+
+#[test]
+fn diff_shows_added_and_removed_lines() {
+    let cases = [
+        ("a\nb\nc\n", "a\nb\nc\n", ""),
+        ("a\nb\n", "a\nx\nb\n", "+ x\n"),
+        ("a\nb\nc\n", "a\nc\n", "- b\n"),
+        ("a\n", "b\n", "+ b\n- a\n"),
+    ];
+    for (expected, actual, want) in cases {
+        assert_eq!(diff(expected, actual), want, "{expected:?} vs {actual:?}");
+    }
+}
