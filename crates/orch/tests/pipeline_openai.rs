@@ -285,10 +285,10 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
             "no key in rows"
         );
     }
-    let seen = seen.lock().unwrap();
-    assert_eq!(seen.requests.len(), 4);
+    let requests = seen.lock().unwrap().requests.clone();
+    assert_eq!(requests.len(), 4);
     assert!(
-        seen.requests
+        requests
             .iter()
             .all(|(_, auth)| auth == "Bearer sk-test-secret-123"),
         "the key from api_key_env is sent"
