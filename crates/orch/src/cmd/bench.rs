@@ -134,6 +134,7 @@ async fn throughput(
     }
     let enqueue_per_s = n as f64 / t0.elapsed().as_secs_f64();
     let mut workers = Vec::new();
+    let mut counters = Vec::new();
     let stop = CancellationToken::new();
     let start = Instant::now();
     for p in 0..procs {
@@ -144,24 +145,40 @@ async fn throughput(
         config.concurrency = conc;
         config.claim_batch = batch;
         config.poll_interval = Duration::from_millis(200);
+        let worker = Worker::new(s, registry, config);
+        counters.push(worker.stats());
         workers.push(tokio::spawn(
-            Worker::new(s, registry, config).run(stop.clone(), CancellationToken::new()),
+            worker.run(stop.clone(), CancellationToken::new()),
         ));
     }
-    loop {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let stats = store.queue_stats().await?;
-        let unfinished: i64 = stats
-            .counts
-            .iter()
-            .filter(|c| matches!(c.state, JobState::Queued | JobState::Running))
-            .map(|c| c.count)
-            .sum();
-        if unfinished == 0 {
-            break;
-        }
+    // The clock stops when the workers have marked every job done (their own counters, read
+    // every 10 ms: a database poll would load the database being measured); the queue is then
+    // checked once to be empty.
+    let n_u64 = n as u64;
+    while counters
+        .iter()
+        .map(|c| c.done.load(std::sync::atomic::Ordering::Relaxed))
+        .sum::<u64>()
+        < n_u64
+    {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        anyhow::ensure!(
+            start.elapsed() < Duration::from_secs(900),
+            "the drain took over 15 minutes"
+        );
     }
     let elapsed = start.elapsed().as_secs_f64();
+    let stats = store.queue_stats().await?;
+    let unfinished: i64 = stats
+        .counts
+        .iter()
+        .filter(|c| matches!(c.state, JobState::Queued | JobState::Running))
+        .map(|c| c.count)
+        .sum();
+    anyhow::ensure!(
+        unfinished == 0,
+        "{unfinished} jobs left unfinished after the drain"
+    );
     stop.cancel();
     for w in workers {
         let _ = w.await;
