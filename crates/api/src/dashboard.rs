@@ -50,10 +50,13 @@ struct ObservationRow {
     remaining: String,
     revision: String,
     polls: u64,
+    bars: Vec<Bar>,
+    chart_w: u32,
 }
 
 impl ObservationRow {
-    fn new(o: &Observation, now: i64) -> Self {
+    fn new(o: &Observation, now: i64, series: &[crate::ops::SeriesPoint]) -> Self {
+        let bars = chart_bars(series);
         ObservationRow {
             work_item_id: o.work_item_id.clone(),
             repo: o.repo.clone(),
@@ -62,8 +65,152 @@ impl ObservationRow {
             remaining: fmt_relative(o.deadline_ms.saturating_sub(now)),
             revision: o.revision.clone(),
             polls: o.polls,
+            chart_w: (bars.len() as u32 * BAR_STEP).max(BAR_STEP),
+            bars,
         }
     }
+}
+
+/// One box of a task's pipeline row.
+struct PipeBox {
+    name: String,
+    /// CSS class: `past`, `current`, `future`, `stopped` (where a failed/cancelled task was).
+    class: &'static str,
+    /// How many times the task entered this stage; shown when above 1.
+    visits: usize,
+}
+
+/// A task's pipeline as a row of stage boxes, the current one highlighted.
+struct PipelineView {
+    boxes: Vec<PipeBox>,
+    /// Loops back taken (`stage.loop_back` events).
+    loops: usize,
+}
+
+/// Event kinds that mean "the task entered the event's stage".
+const STAGE_ENTRY_KINDS: &[&str] = &["task.submitted", "stage.advanced", "stage.loop_back"];
+
+impl PipelineView {
+    /// Lays out the built-in pipeline for a task at `stage`, with visit and loop counts read
+    /// from its events. A stage the built-in pipeline does not know is appended, so the current
+    /// stage is always visible.
+    fn new(stage: &str, events: &[orch_store::Event]) -> Self {
+        let mut names: Vec<String> = orch_domain::pipeline::Pipeline::default_pipeline()
+            .stages
+            .iter()
+            .map(|s| s.name.as_str().to_owned())
+            .collect();
+        let terminal = orch_store::is_terminal_stage(stage);
+        let visits = |name: &str| {
+            events
+                .iter()
+                .filter(|e| {
+                    STAGE_ENTRY_KINDS.contains(&e.kind.as_str()) && e.stage.as_deref() == Some(name)
+                })
+                .count()
+        };
+        let loops = events
+            .iter()
+            .filter(|e| e.kind == "stage.loop_back")
+            .count();
+        // Where a failed or cancelled task stopped: the last non-terminal stage it entered.
+        let stopped_at = events
+            .iter()
+            .rev()
+            .filter_map(|e| e.stage.as_deref())
+            .find(|s| !orch_store::is_terminal_stage(s))
+            .map(str::to_owned);
+        if !names.iter().any(|n| n == stage) {
+            names.push(stage.to_owned());
+        }
+        let current = names.iter().position(|n| n == stage);
+        let stop = if terminal && stage != "done" {
+            stopped_at
+                .as_ref()
+                .and_then(|s| names.iter().position(|n| n == s))
+        } else {
+            None
+        };
+        let boxes = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let class = if Some(i) == current {
+                    "current"
+                } else if Some(i) == stop {
+                    "stopped"
+                } else if terminal && stage != "done" {
+                    if stop.is_some_and(|s| i < s) {
+                        "past"
+                    } else {
+                        "future"
+                    }
+                } else if current.is_some_and(|c| i < c) {
+                    "past"
+                } else {
+                    "future"
+                };
+                PipeBox {
+                    name: name.clone(),
+                    class,
+                    visits: visits(name),
+                }
+            })
+            .collect();
+        PipelineView { boxes, loops }
+    }
+}
+
+/// One bar of a watch's inline SVG chart.
+struct Bar {
+    x: u32,
+    y: u32,
+    h: u32,
+    color: &'static str,
+    title: String,
+}
+
+/// Width of one bar (and its gap) in the inline chart, in SVG units.
+const BAR_STEP: u32 = 6;
+/// Height of the inline chart.
+const CHART_H: u32 = 32;
+/// Most polls drawn (the newest).
+const CHART_MAX_BARS: usize = 60;
+
+/// The bars of a series: height from the value (scaled to the largest), or full height when
+/// the poll has no value; colour from the status.
+fn chart_bars(series: &[crate::ops::SeriesPoint]) -> Vec<Bar> {
+    let shown = &series[series.len().saturating_sub(CHART_MAX_BARS)..];
+    let max = shown
+        .iter()
+        .filter_map(|p| p.value)
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold(0.0_f64, f64::max);
+    shown
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let frac = match p.value {
+                Some(v) if max > 0.0 && v.is_finite() => (v / max).clamp(0.05, 1.0),
+                _ => 1.0,
+            };
+            let h = ((CHART_H as f64) * frac).round().max(1.0) as u32;
+            let color = match p.status.as_str() {
+                "PASS" => "#3a9d5d",
+                "FAIL" => "#c0392b",
+                "ERROR" => "#e67e22",
+                _ => "#99a",
+            };
+            let value = p.value.map(|v| format!(" {v}")).unwrap_or_default();
+            Bar {
+                x: i as u32 * BAR_STEP,
+                y: CHART_H - h,
+                h,
+                color,
+                title: format!("{} {}{value}", fmt_time(p.at_ms), p.status),
+            }
+        })
+        .collect()
 }
 
 struct StageRow {
@@ -85,7 +232,11 @@ struct QueueView {
 }
 
 impl QueueView {
-    fn new(s: &QueueSnapshot, work_items: &std::collections::HashMap<i64, String>) -> Self {
+    fn new(
+        s: &QueueSnapshot,
+        work_items: &std::collections::HashMap<i64, String>,
+        series: &std::collections::HashMap<String, Vec<crate::ops::SeriesPoint>>,
+    ) -> Self {
         let now = s.stats.now;
         let all = orch_store::JobState::ALL;
         let mut agents: Vec<AgentRow> = Vec::new();
@@ -153,7 +304,10 @@ impl QueueView {
             observations: s
                 .observations
                 .iter()
-                .map(|o| ObservationRow::new(o, now))
+                .map(|o| {
+                    let points = series.get(&o.work_item_id).map(Vec::as_slice);
+                    ObservationRow::new(o, now, points.unwrap_or_default())
+                })
                 .collect(),
         }
     }
@@ -166,6 +320,7 @@ struct TaskRow {
     stage: String,
     terminal: bool,
     updated: String,
+    pipeline: PipelineView,
 }
 
 #[derive(Template)]
@@ -236,6 +391,7 @@ struct TaskPage {
     artifacts: Vec<ArtifactView>,
     artifacts_error: String,
     observations: Vec<ObservationRow>,
+    pipeline: PipelineView,
 }
 
 #[derive(Template)]
@@ -351,21 +507,33 @@ pub(crate) async fn index(
             }
         }
     }
+    let mut series = std::collections::HashMap::new();
+    for o in &snap.observations {
+        let points = state.ops.observation_series(&o.work_item_id).await;
+        series.insert(o.work_item_id.clone(), points);
+    }
+    let mut rows = Vec::with_capacity(tasks.len());
+    for t in &tasks {
+        // Only for the visit/loop counts: a failed read draws the row without them.
+        let events = state.store.task_events(t.id).await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, task_id = t.id, "dashboard: cannot read a task's events");
+            Vec::new()
+        });
+        rows.push(TaskRow {
+            work_item_id: t.work_item_id.clone(),
+            repo: t.repo.clone(),
+            title: t.title.clone(),
+            stage: t.stage.clone(),
+            terminal: t.is_terminal(),
+            updated: fmt_time(t.updated_at),
+            pipeline: PipelineView::new(&t.stage, &events),
+        });
+    }
     let page = IndexPage {
         version: state.version.clone(),
         now: fmt_time(snap.stats.now),
-        queue: QueueView::new(&snap, &work_items),
-        tasks: tasks
-            .iter()
-            .map(|t| TaskRow {
-                work_item_id: t.work_item_id.clone(),
-                repo: t.repo.clone(),
-                title: t.title.clone(),
-                stage: t.stage.clone(),
-                terminal: t.is_terminal(),
-                updated: fmt_time(t.updated_at),
-            })
-            .collect(),
+        queue: QueueView::new(&snap, &work_items, &series),
+        tasks: rows,
         stage_filter,
     };
     Ok(render(&page))
@@ -390,7 +558,7 @@ impl FromRequestParts<ApiState> for PageId {
     }
 }
 
-/// `GET /tasks/{id}`: one task with its timeline, runs, jobs and artifacts.
+/// `GET /ui/tasks/{id}`: one task with its timeline, runs, jobs and artifacts.
 pub(crate) async fn task_page(
     State(state): State<ApiState>,
     PageId(id): PageId,
@@ -424,14 +592,14 @@ pub(crate) async fn task_page(
         Err(e) => (Vec::new(), e.to_string()),
     };
     let now = state.store.now_ms();
-    let observations = state
-        .ops
-        .active_observations()
-        .await
-        .iter()
-        .filter(|o| o.work_item_id == task.work_item_id)
-        .map(|o| ObservationRow::new(o, now))
-        .collect();
+    let mut observations = Vec::new();
+    for o in state.ops.active_observations().await {
+        if o.work_item_id == task.work_item_id {
+            let series = state.ops.observation_series(&o.work_item_id).await;
+            observations.push(ObservationRow::new(&o, now, &series));
+        }
+    }
+    let pipeline = PipelineView::new(&task.stage, &events);
     let page = TaskPage {
         version: state.version.clone(),
         now: fmt_time(now),
@@ -471,6 +639,7 @@ pub(crate) async fn task_page(
         artifacts,
         artifacts_error,
         observations,
+        pipeline,
         task,
     };
     Ok(render(&page))
