@@ -485,6 +485,17 @@ async fn metrics_text_parses_and_carries_the_queue() {
             7.0,
         ),
         ("orch_active_observations", vec![], 1.0),
+        ("orch_live_leases_by_agent", vec![("agent", "analyst")], 1.0),
+        (
+            "orch_observation_polls",
+            vec![("work_item_id", "ORCH-7"), ("repo", "svc")],
+            2.0,
+        ),
+        (
+            "orch_observation_remaining_seconds",
+            vec![("work_item_id", "ORCH-7"), ("repo", "svc")],
+            535.0,
+        ),
     ] {
         assert_eq!(
             get(name, &labels),
