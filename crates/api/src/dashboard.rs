@@ -1,7 +1,10 @@
 //! The web dashboard: server-rendered HTML (askama, templates in `crates/api/templates/`) with
-//! the queue at a glance, the task list, and one page per task with its timeline, agent runs and
-//! artifacts. No scripts and no external assets; the page refreshes itself every 5 s. Every value
-//! from the store or from disk is HTML-escaped by the templates.
+//! the queue at a glance, the task list with each task's pipeline drawn as a row of stage boxes
+//! (current one highlighted, repeated visits and loops back counted), armed post-deploy watches
+//! with their poll series as an inline SVG chart, and one page per task (`/ui/tasks/{id}`) with
+//! its timeline, agent runs (tokens, cost) and artifacts. No scripts and no external assets; the
+//! page refreshes itself every 5 s. Every value from the store or from disk is HTML-escaped by
+//! the templates.
 
 use askama::Template;
 use axum::extract::{FromRequestParts, Path, State};
@@ -802,6 +805,118 @@ mod tests {
         ] {
             assert_eq!(percent_encode(input), want, "{input}");
         }
+    }
+
+    fn event(kind: &str, stage: &str) -> orch_store::Event {
+        orch_store::Event {
+            id: 0,
+            task_id: Some(1),
+            job_id: None,
+            kind: kind.into(),
+            stage: Some(stage.into()),
+            message: String::new(),
+            data: "{}".into(),
+            created_at: 0,
+        }
+    }
+
+    /// Lays out `stage` after `moves` (kind, stage) and compares `name:class[xN]` of the boxes
+    /// that are not `future`, and the loop count.
+    fn check(stage: &str, moves: &[(&str, &str)], want: &[&str], want_loops: usize) {
+        let events: Vec<_> = moves.iter().map(|(k, s)| event(k, s)).collect();
+        let view = PipelineView::new(stage, &events);
+        let got: Vec<String> = view
+            .boxes
+            .iter()
+            .filter(|b| b.class != "future")
+            .map(|b| match b.visits {
+                0 | 1 => format!("{}:{}", b.name, b.class),
+                n => format!("{}:{}x{n}", b.name, b.class),
+            })
+            .collect();
+        assert_eq!(got, want, "{stage} after {moves:?}");
+        assert_eq!(view.loops, want_loops, "{stage} after {moves:?}");
+    }
+
+    #[test]
+    fn pipelines() {
+        let sub = ("task.submitted", "intake");
+        let adv = |s| ("stage.advanced", s);
+        check("intake", &[sub], &["intake:current"], 0);
+        check(
+            "architecture",
+            &[sub, adv("analysis"), adv("architecture")],
+            &["intake:past", "analysis:past", "architecture:current"],
+            0,
+        );
+        // A loop back from review to implementation: two visits each way, one loop.
+        check(
+            "review",
+            &[
+                sub,
+                adv("analysis"),
+                adv("architecture"),
+                adv("implementation"),
+                adv("review"),
+                ("stage.loop_back", "implementation"),
+                adv("review"),
+            ],
+            &[
+                "intake:past",
+                "analysis:past",
+                "architecture:past",
+                "implementation:pastx2",
+                "review:currentx2",
+            ],
+            1,
+        );
+        // Cancelled while in analysis: analysis is where it stopped, the terminal box is current.
+        check(
+            "cancelled",
+            &[sub, adv("analysis"), ("task.cancelled", "cancelled")],
+            &["intake:past", "analysis:stopped", "cancelled:current"],
+            0,
+        );
+        // A stage the built-in pipeline does not know is still drawn, as current.
+        let view = PipelineView::new("custom-gate", &[]);
+        let last = view.boxes.last().unwrap();
+        assert_eq!((last.name.as_str(), last.class), ("custom-gate", "current"));
+        assert!(
+            view.boxes[..view.boxes.len() - 1]
+                .iter()
+                .all(|b| b.class == "past")
+        );
+    }
+
+    #[test]
+    fn chart_bars_scale_to_the_largest_value_and_keep_the_newest() {
+        let point = |status: &str, value: Option<f64>| crate::ops::SeriesPoint {
+            at_ms: 0,
+            status: status.into(),
+            value,
+        };
+        let bars = chart_bars(&[
+            point("PASS", Some(50.0)),
+            point("FAIL", Some(200.0)),
+            point("NODATA", None),
+            point("ERROR", Some(f64::NAN)),
+        ]);
+        let got: Vec<(u32, u32, u32, &str)> =
+            bars.iter().map(|b| (b.x, b.y, b.h, b.color)).collect();
+        assert_eq!(
+            got,
+            [
+                (0, 24, 8, "#3a9d5d"),
+                (6, 0, 32, "#c0392b"),
+                (12, 0, 32, "#99a"),
+                (18, 0, 32, "#e67e22"),
+            ]
+        );
+        let many: Vec<_> = (0..100).map(|i| point("PASS", Some(i as f64))).collect();
+        let bars = chart_bars(&many);
+        assert_eq!(bars.len(), CHART_MAX_BARS);
+        assert_eq!(bars.last().map(|b| b.h), Some(CHART_H));
+        assert!(chart_bars(&[]).is_empty());
     }
 
     #[test]
