@@ -119,6 +119,8 @@ pub struct TaskQuery {
 pub struct TaskDetail {
     pub task: TaskDto,
     pub usage: UsageDto,
+    /// The event timeline, oldest first.
+    pub events: Vec<EventDto>,
     pub agent_runs: Vec<AgentRunDto>,
     pub jobs: Vec<JobDto>,
 }

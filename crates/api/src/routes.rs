@@ -136,7 +136,7 @@ pub(crate) async fn find_task(state: &ApiState, id: &str) -> ApiResult<orch_stor
         .ok_or_else(|| AppError::not_found(format!("no task for work item {id}")))
 }
 
-/// `GET /tasks/{id}`: the task, its usage, agent runs and jobs.
+/// `GET /tasks/{id}`: the task (its stage), usage, event timeline, agent runs and jobs.
 pub(crate) async fn get_task(
     State(state): State<ApiState>,
     WorkItemPath(id): WorkItemPath,
@@ -150,9 +150,11 @@ pub(crate) async fn get_task(
         .await
         .map_err(store_err)?;
     let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
+    let events = state.store.task_events(task.id).await.map_err(store_err)?;
     Ok(Json(dto::TaskDetail {
         task: dto::TaskDto::from(&task),
         usage: usage.into(),
+        events: events.iter().map(dto::EventDto::from).collect(),
         agent_runs: runs.iter().map(dto::AgentRunDto::from).collect(),
         jobs: jobs.iter().map(dto::JobDto::from).collect(),
     }))

@@ -605,6 +605,10 @@ async fn task_detail_has_usage_agent_runs_and_jobs() {
     assert_eq!(jobs.len(), 1);
     assert_eq!(jobs[0]["agent"], "analyst");
     assert_eq!(jobs[0]["state"], "queued");
+    let events = v["events"].as_array().unwrap();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["kind"], "task.submitted");
+    assert_eq!(events[0]["stage"], "intake");
 
     let a = h.get("/tasks/ORCH-6", StatusCode::NOT_FOUND).await;
     assert_eq!(a.error_code(), "not_found");
