@@ -65,6 +65,8 @@ else
     URL_FLAG=--base-url
 fi
 status=0
+# Run from the temp dir: schemathesis keeps a .schemathesis/ cache in its working directory.
+cd "$WORK"
 "$VENV/bin/schemathesis" run "$ROOT/docs/openapi.yaml" \
     "$URL_FLAG" "http://127.0.0.1:$PORT" \
     --checks not_a_server_error \
