@@ -1,7 +1,10 @@
 //! The web dashboard: server-rendered HTML (askama, templates in `crates/api/templates/`) with
-//! the queue at a glance, the task list, and one page per task with its timeline, agent runs and
-//! artifacts. No scripts and no external assets; the page refreshes itself every 5 s. Every value
-//! from the store or from disk is HTML-escaped by the templates.
+//! the queue at a glance, the task list with each task's pipeline drawn as a row of stage boxes
+//! (current one highlighted, repeated visits and loops back counted), armed post-deploy watches
+//! with their poll series as an inline SVG chart, and one page per task (`/ui/tasks/{id}`) with
+//! its timeline, agent runs (tokens, cost) and artifacts. No scripts and no external assets; the
+//! page refreshes itself every 5 s. Every value from the store or from disk is HTML-escaped by
+//! the templates.
 
 use askama::Template;
 use axum::extract::{FromRequestParts, Path, State};
@@ -50,10 +53,13 @@ struct ObservationRow {
     remaining: String,
     revision: String,
     polls: u64,
+    bars: Vec<Bar>,
+    chart_w: u32,
 }
 
 impl ObservationRow {
-    fn new(o: &Observation, now: i64) -> Self {
+    fn new(o: &Observation, now: i64, series: &[crate::ops::SeriesPoint]) -> Self {
+        let bars = chart_bars(series);
         ObservationRow {
             work_item_id: o.work_item_id.clone(),
             repo: o.repo.clone(),
@@ -62,8 +68,152 @@ impl ObservationRow {
             remaining: fmt_relative(o.deadline_ms.saturating_sub(now)),
             revision: o.revision.clone(),
             polls: o.polls,
+            chart_w: (bars.len() as u32 * BAR_STEP).max(BAR_STEP),
+            bars,
         }
     }
+}
+
+/// One box of a task's pipeline row.
+struct PipeBox {
+    name: String,
+    /// CSS class: `past`, `current`, `future`, `stopped` (where a failed/cancelled task was).
+    class: &'static str,
+    /// How many times the task entered this stage; shown when above 1.
+    visits: usize,
+}
+
+/// A task's pipeline as a row of stage boxes, the current one highlighted.
+struct PipelineView {
+    boxes: Vec<PipeBox>,
+    /// Loops back taken (`stage.loop_back` events).
+    loops: usize,
+}
+
+/// Event kinds that mean "the task entered the event's stage".
+const STAGE_ENTRY_KINDS: &[&str] = &["task.submitted", "stage.advanced", "stage.loop_back"];
+
+impl PipelineView {
+    /// Lays out the built-in pipeline for a task at `stage`, with visit and loop counts read
+    /// from its events. A stage the built-in pipeline does not know is appended, so the current
+    /// stage is always visible.
+    fn new(stage: &str, events: &[orch_store::Event]) -> Self {
+        let mut names: Vec<String> = orch_domain::pipeline::Pipeline::default_pipeline()
+            .stages
+            .iter()
+            .map(|s| s.name.as_str().to_owned())
+            .collect();
+        let terminal = orch_store::is_terminal_stage(stage);
+        let visits = |name: &str| {
+            events
+                .iter()
+                .filter(|e| {
+                    STAGE_ENTRY_KINDS.contains(&e.kind.as_str()) && e.stage.as_deref() == Some(name)
+                })
+                .count()
+        };
+        let loops = events
+            .iter()
+            .filter(|e| e.kind == "stage.loop_back")
+            .count();
+        // Where a failed or cancelled task stopped: the last non-terminal stage it entered.
+        let stopped_at = events
+            .iter()
+            .rev()
+            .filter_map(|e| e.stage.as_deref())
+            .find(|s| !orch_store::is_terminal_stage(s))
+            .map(str::to_owned);
+        if !names.iter().any(|n| n == stage) {
+            names.push(stage.to_owned());
+        }
+        let current = names.iter().position(|n| n == stage);
+        let stop = if terminal && stage != "done" {
+            stopped_at
+                .as_ref()
+                .and_then(|s| names.iter().position(|n| n == s))
+        } else {
+            None
+        };
+        let boxes = names
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let class = if Some(i) == current {
+                    "current"
+                } else if Some(i) == stop {
+                    "stopped"
+                } else if terminal && stage != "done" {
+                    if stop.is_some_and(|s| i < s) {
+                        "past"
+                    } else {
+                        "future"
+                    }
+                } else if current.is_some_and(|c| i < c) {
+                    "past"
+                } else {
+                    "future"
+                };
+                PipeBox {
+                    name: name.clone(),
+                    class,
+                    visits: visits(name),
+                }
+            })
+            .collect();
+        PipelineView { boxes, loops }
+    }
+}
+
+/// One bar of a watch's inline SVG chart.
+struct Bar {
+    x: u32,
+    y: u32,
+    h: u32,
+    color: &'static str,
+    title: String,
+}
+
+/// Width of one bar (and its gap) in the inline chart, in SVG units.
+const BAR_STEP: u32 = 6;
+/// Height of the inline chart.
+const CHART_H: u32 = 32;
+/// Most polls drawn (the newest).
+const CHART_MAX_BARS: usize = 60;
+
+/// The bars of a series: height from the value (scaled to the largest), or full height when
+/// the poll has no value; colour from the status.
+fn chart_bars(series: &[crate::ops::SeriesPoint]) -> Vec<Bar> {
+    let shown = &series[series.len().saturating_sub(CHART_MAX_BARS)..];
+    let max = shown
+        .iter()
+        .filter_map(|p| p.value)
+        .filter(|v| v.is_finite() && *v > 0.0)
+        .fold(0.0_f64, f64::max);
+    shown
+        .iter()
+        .enumerate()
+        .map(|(i, p)| {
+            let frac = match p.value {
+                Some(v) if max > 0.0 && v.is_finite() => (v / max).clamp(0.05, 1.0),
+                _ => 1.0,
+            };
+            let h = ((CHART_H as f64) * frac).round().max(1.0) as u32;
+            let color = match p.status.as_str() {
+                "PASS" => "#3a9d5d",
+                "FAIL" => "#c0392b",
+                "ERROR" => "#e67e22",
+                _ => "#99a",
+            };
+            let value = p.value.map(|v| format!(" {v}")).unwrap_or_default();
+            Bar {
+                x: i as u32 * BAR_STEP,
+                y: CHART_H - h,
+                h,
+                color,
+                title: format!("{} {}{value}", fmt_time(p.at_ms), p.status),
+            }
+        })
+        .collect()
 }
 
 struct StageRow {
@@ -85,7 +235,11 @@ struct QueueView {
 }
 
 impl QueueView {
-    fn new(s: &QueueSnapshot, work_items: &std::collections::HashMap<i64, String>) -> Self {
+    fn new(
+        s: &QueueSnapshot,
+        work_items: &std::collections::HashMap<i64, String>,
+        series: &std::collections::HashMap<String, Vec<crate::ops::SeriesPoint>>,
+    ) -> Self {
         let now = s.stats.now;
         let all = orch_store::JobState::ALL;
         let mut agents: Vec<AgentRow> = Vec::new();
@@ -153,7 +307,10 @@ impl QueueView {
             observations: s
                 .observations
                 .iter()
-                .map(|o| ObservationRow::new(o, now))
+                .map(|o| {
+                    let points = series.get(&o.work_item_id).map(Vec::as_slice);
+                    ObservationRow::new(o, now, points.unwrap_or_default())
+                })
                 .collect(),
         }
     }
@@ -166,6 +323,7 @@ struct TaskRow {
     stage: String,
     terminal: bool,
     updated: String,
+    pipeline: PipelineView,
 }
 
 #[derive(Template)]
@@ -236,6 +394,7 @@ struct TaskPage {
     artifacts: Vec<ArtifactView>,
     artifacts_error: String,
     observations: Vec<ObservationRow>,
+    pipeline: PipelineView,
 }
 
 #[derive(Template)]
@@ -351,21 +510,33 @@ pub(crate) async fn index(
             }
         }
     }
+    let mut series = std::collections::HashMap::new();
+    for o in &snap.observations {
+        let points = state.ops.observation_series(&o.work_item_id).await;
+        series.insert(o.work_item_id.clone(), points);
+    }
+    let mut rows = Vec::with_capacity(tasks.len());
+    for t in &tasks {
+        // Only for the visit/loop counts: a failed read draws the row without them.
+        let events = state.store.task_events(t.id).await.unwrap_or_else(|e| {
+            tracing::warn!(error = %e, task_id = t.id, "dashboard: cannot read a task's events");
+            Vec::new()
+        });
+        rows.push(TaskRow {
+            work_item_id: t.work_item_id.clone(),
+            repo: t.repo.clone(),
+            title: t.title.clone(),
+            stage: t.stage.clone(),
+            terminal: t.is_terminal(),
+            updated: fmt_time(t.updated_at),
+            pipeline: PipelineView::new(&t.stage, &events),
+        });
+    }
     let page = IndexPage {
         version: state.version.clone(),
         now: fmt_time(snap.stats.now),
-        queue: QueueView::new(&snap, &work_items),
-        tasks: tasks
-            .iter()
-            .map(|t| TaskRow {
-                work_item_id: t.work_item_id.clone(),
-                repo: t.repo.clone(),
-                title: t.title.clone(),
-                stage: t.stage.clone(),
-                terminal: t.is_terminal(),
-                updated: fmt_time(t.updated_at),
-            })
-            .collect(),
+        queue: QueueView::new(&snap, &work_items, &series),
+        tasks: rows,
         stage_filter,
     };
     Ok(render(&page))
@@ -390,7 +561,7 @@ impl FromRequestParts<ApiState> for PageId {
     }
 }
 
-/// `GET /tasks/{id}`: one task with its timeline, runs, jobs and artifacts.
+/// `GET /ui/tasks/{id}`: one task with its timeline, runs, jobs and artifacts.
 pub(crate) async fn task_page(
     State(state): State<ApiState>,
     PageId(id): PageId,
@@ -424,14 +595,14 @@ pub(crate) async fn task_page(
         Err(e) => (Vec::new(), e.to_string()),
     };
     let now = state.store.now_ms();
-    let observations = state
-        .ops
-        .active_observations()
-        .await
-        .iter()
-        .filter(|o| o.work_item_id == task.work_item_id)
-        .map(|o| ObservationRow::new(o, now))
-        .collect();
+    let mut observations = Vec::new();
+    for o in state.ops.active_observations().await {
+        if o.work_item_id == task.work_item_id {
+            let series = state.ops.observation_series(&o.work_item_id).await;
+            observations.push(ObservationRow::new(&o, now, &series));
+        }
+    }
+    let pipeline = PipelineView::new(&task.stage, &events);
     let page = TaskPage {
         version: state.version.clone(),
         now: fmt_time(now),
@@ -471,6 +642,7 @@ pub(crate) async fn task_page(
         artifacts,
         artifacts_error,
         observations,
+        pipeline,
         task,
     };
     Ok(render(&page))
@@ -633,6 +805,118 @@ mod tests {
         ] {
             assert_eq!(percent_encode(input), want, "{input}");
         }
+    }
+
+    fn event(kind: &str, stage: &str) -> orch_store::Event {
+        orch_store::Event {
+            id: 0,
+            task_id: Some(1),
+            job_id: None,
+            kind: kind.into(),
+            stage: Some(stage.into()),
+            message: String::new(),
+            data: "{}".into(),
+            created_at: 0,
+        }
+    }
+
+    /// Lays out `stage` after `moves` (kind, stage) and compares `name:class[xN]` of the boxes
+    /// that are not `future`, and the loop count.
+    fn check(stage: &str, moves: &[(&str, &str)], want: &[&str], want_loops: usize) {
+        let events: Vec<_> = moves.iter().map(|(k, s)| event(k, s)).collect();
+        let view = PipelineView::new(stage, &events);
+        let got: Vec<String> = view
+            .boxes
+            .iter()
+            .filter(|b| b.class != "future")
+            .map(|b| match b.visits {
+                0 | 1 => format!("{}:{}", b.name, b.class),
+                n => format!("{}:{}x{n}", b.name, b.class),
+            })
+            .collect();
+        assert_eq!(got, want, "{stage} after {moves:?}");
+        assert_eq!(view.loops, want_loops, "{stage} after {moves:?}");
+    }
+
+    #[test]
+    fn pipelines() {
+        let sub = ("task.submitted", "intake");
+        let adv = |s| ("stage.advanced", s);
+        check("intake", &[sub], &["intake:current"], 0);
+        check(
+            "architecture",
+            &[sub, adv("analysis"), adv("architecture")],
+            &["intake:past", "analysis:past", "architecture:current"],
+            0,
+        );
+        // A loop back from review to implementation: two visits each way, one loop.
+        check(
+            "review",
+            &[
+                sub,
+                adv("analysis"),
+                adv("architecture"),
+                adv("implementation"),
+                adv("review"),
+                ("stage.loop_back", "implementation"),
+                adv("review"),
+            ],
+            &[
+                "intake:past",
+                "analysis:past",
+                "architecture:past",
+                "implementation:pastx2",
+                "review:currentx2",
+            ],
+            1,
+        );
+        // Cancelled while in analysis: analysis is where it stopped, the terminal box is current.
+        check(
+            "cancelled",
+            &[sub, adv("analysis"), ("task.cancelled", "cancelled")],
+            &["intake:past", "analysis:stopped", "cancelled:current"],
+            0,
+        );
+        // A stage the built-in pipeline does not know is still drawn, as current.
+        let view = PipelineView::new("custom-gate", &[]);
+        let last = view.boxes.last().unwrap();
+        assert_eq!((last.name.as_str(), last.class), ("custom-gate", "current"));
+        assert!(
+            view.boxes[..view.boxes.len() - 1]
+                .iter()
+                .all(|b| b.class == "past")
+        );
+    }
+
+    #[test]
+    fn chart_bars_scale_to_the_largest_value_and_keep_the_newest() {
+        let point = |status: &str, value: Option<f64>| crate::ops::SeriesPoint {
+            at_ms: 0,
+            status: status.into(),
+            value,
+        };
+        let bars = chart_bars(&[
+            point("PASS", Some(50.0)),
+            point("FAIL", Some(200.0)),
+            point("NODATA", None),
+            point("ERROR", Some(f64::NAN)),
+        ]);
+        let got: Vec<(u32, u32, u32, &str)> =
+            bars.iter().map(|b| (b.x, b.y, b.h, b.color)).collect();
+        assert_eq!(
+            got,
+            [
+                (0, 24, 8, "#3a9d5d"),
+                (6, 0, 32, "#c0392b"),
+                (12, 0, 32, "#99a"),
+                (18, 0, 32, "#e67e22"),
+            ]
+        );
+        let many: Vec<_> = (0..100).map(|i| point("PASS", Some(i as f64))).collect();
+        let bars = chart_bars(&many);
+        assert_eq!(bars.len(), CHART_MAX_BARS);
+        assert_eq!(bars.last().map(|b| b.h), Some(CHART_H));
+        assert!(chart_bars(&[]).is_empty());
     }
 
     #[test]

@@ -34,7 +34,7 @@ pub struct Health {
     pub uptime_s: i64,
 }
 
-/// Body of `POST /api/tasks`.
+/// Body of `POST /tasks`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct SubmitBody {
@@ -44,7 +44,7 @@ pub struct SubmitBody {
     pub body: String,
 }
 
-/// Answer of `POST /api/tasks`.
+/// Answer of `POST /tasks`.
 #[derive(Debug, Serialize)]
 pub struct Submitted {
     pub work_item_id: String,
@@ -53,7 +53,7 @@ pub struct Submitted {
     pub task: Option<TaskDto>,
 }
 
-/// Answer of `POST /api/tasks/{id}/approve|retry|cancel`.
+/// Answer of `POST /tasks/{id}/approve|retry|cancel`.
 #[derive(Debug, Serialize)]
 pub struct ActionDone {
     pub work_item_id: String,
@@ -97,14 +97,14 @@ impl From<&orch_store::Task> for TaskDto {
     }
 }
 
-/// `GET /api/tasks`.
+/// `GET /tasks`.
 #[derive(Debug, Serialize)]
 pub struct TaskList {
     pub count: usize,
     pub tasks: Vec<TaskDto>,
 }
 
-/// Query of `GET /api/tasks`.
+/// Query of `GET /tasks`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TaskQuery {
@@ -114,11 +114,13 @@ pub struct TaskQuery {
     pub offset: Option<u32>,
 }
 
-/// `GET /api/tasks/{id}`.
+/// `GET /tasks/{id}`.
 #[derive(Debug, Serialize)]
 pub struct TaskDetail {
     pub task: TaskDto,
     pub usage: UsageDto,
+    /// The event timeline, oldest first.
+    pub events: Vec<EventDto>,
     pub agent_runs: Vec<AgentRunDto>,
     pub jobs: Vec<JobDto>,
 }
@@ -225,7 +227,7 @@ impl From<&orch_store::Job> for JobDto {
     }
 }
 
-/// `GET /api/tasks/{id}/events`.
+/// `GET /tasks/{id}/events`.
 #[derive(Debug, Serialize)]
 pub struct EventList {
     pub work_item_id: String,
@@ -259,7 +261,7 @@ impl From<&orch_store::Event> for EventDto {
     }
 }
 
-/// `GET /api/tasks/{id}/artifacts`.
+/// `GET /tasks/{id}/artifacts`.
 #[derive(Debug, Serialize)]
 pub struct ArtifactList {
     pub work_item_id: String,

@@ -62,6 +62,18 @@ pub(crate) fn render(snap: &QueueSnapshot, up: bool) -> String {
         x.sample("orch_oldest_queued_age_seconds", &[], age as f64 / 1000.0);
         x.family("orch_live_leases", "Running jobs holding a lease.", "gauge");
         x.sample("orch_live_leases", &[], snap.stats.leases.len() as f64);
+        x.family(
+            "orch_live_leases_by_agent",
+            "Running jobs holding a lease, by agent (job kind).",
+            "gauge",
+        );
+        let mut by_agent: std::collections::BTreeMap<&str, u64> = Default::default();
+        for l in &snap.stats.leases {
+            *by_agent.entry(l.agent.as_str()).or_default() += 1;
+        }
+        for (agent, n) in by_agent {
+            x.sample("orch_live_leases_by_agent", &[("agent", agent)], n as f64);
+        }
         x.family("orch_tasks", "Tasks by stage.", "gauge");
         for (stage, n) in &snap.tasks_by_stage {
             x.sample("orch_tasks", &[("stage", stage)], *n as f64);
@@ -92,6 +104,34 @@ pub(crate) fn render(snap: &QueueSnapshot, up: bool) -> String {
         &[],
         snap.observations.len() as f64,
     );
+    x.family(
+        "orch_observation_polls",
+        "Polls recorded so far by each armed post-deploy watch.",
+        "gauge",
+    );
+    for o in &snap.observations {
+        x.sample(
+            "orch_observation_polls",
+            &[("work_item_id", &o.work_item_id), ("repo", &o.repo)],
+            o.polls as f64,
+        );
+    }
+    // The store's clock is in the snapshot only when the store answered.
+    if up {
+        x.family(
+            "orch_observation_remaining_seconds",
+            "Seconds until each armed watch's deadline; negative when it is overdue.",
+            "gauge",
+        );
+        let now = snap.stats.now;
+        for o in &snap.observations {
+            x.sample(
+                "orch_observation_remaining_seconds",
+                &[("work_item_id", &o.work_item_id), ("repo", &o.repo)],
+                o.deadline_ms.saturating_sub(now) as f64 / 1000.0,
+            );
+        }
+    }
     x.out
 }
 

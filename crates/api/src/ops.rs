@@ -7,7 +7,7 @@
 
 use async_trait::async_trait;
 
-/// A new work item to submit (`POST /api/tasks`).
+/// A new work item to submit (`POST /tasks`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubmitRequest {
     /// A repo declared in `orch.toml`.
@@ -48,6 +48,17 @@ pub struct Observation {
     pub revision: String,
     /// Polls recorded in the series so far.
     pub polls: u64,
+}
+
+/// One poll of a post-deploy watch's series, for the dashboard's inline chart.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SeriesPoint {
+    /// When the poll ran (epoch ms).
+    pub at_ms: i64,
+    /// The poll's status: `PASS`, `FAIL`, `ERROR` or `NODATA`.
+    pub status: String,
+    /// A measured value to plot (e.g. a latency in ms); `None` draws a status-only bar.
+    pub value: Option<f64>,
 }
 
 /// One artifact file of a work item (`docs/work-items/<id>/NN-name.md`).
@@ -116,4 +127,10 @@ pub trait Operations: Send + Sync {
     async fn active_observations(&self) -> Vec<Observation>;
     /// The work item's artifact files, in name order.
     async fn artifacts(&self, work_item_id: &str) -> Result<Vec<ArtifactFile>, OpError>;
+    /// The polls recorded so far by the armed watch of a work item, oldest first. Never fails;
+    /// the default (no series available) is empty and the dashboard then shows only counts.
+    async fn observation_series(&self, work_item_id: &str) -> Vec<SeriesPoint> {
+        let _ = work_item_id;
+        Vec::new()
+    }
 }

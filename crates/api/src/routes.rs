@@ -3,15 +3,16 @@
 //! [`crate::Operations`]; they convert rows to [`crate::dto`] shapes and nothing else.
 
 use axum::Json;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::http::{StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
+use orch_domain::ids::ArtifactName;
 
 use crate::ApiState;
 use crate::dto;
 use crate::error::AppError;
 use crate::extract::{ApiJson, ApiQuery};
-use crate::id::WorkItemPath;
+use crate::id::{WorkItemPath, validate_work_item_id};
 use crate::metrics;
 use crate::ops::SubmitRequest;
 use crate::snapshot::QueueSnapshot;
@@ -97,7 +98,7 @@ pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
         .into_response()
 }
 
-/// `GET /api/tasks?stage=&repo=&limit=&offset=`: newest first.
+/// `GET /tasks?stage=&repo=&limit=&offset=`: newest first.
 pub(crate) async fn list_tasks(
     State(state): State<ApiState>,
     ApiQuery(q): ApiQuery<dto::TaskQuery>,
@@ -135,7 +136,7 @@ pub(crate) async fn find_task(state: &ApiState, id: &str) -> ApiResult<orch_stor
         .ok_or_else(|| AppError::not_found(format!("no task for work item {id}")))
 }
 
-/// `GET /api/tasks/{id}`: the task, its usage, agent runs and jobs.
+/// `GET /tasks/{id}`: the task (its stage), usage, event timeline, agent runs and jobs.
 pub(crate) async fn get_task(
     State(state): State<ApiState>,
     WorkItemPath(id): WorkItemPath,
@@ -149,15 +150,17 @@ pub(crate) async fn get_task(
         .await
         .map_err(store_err)?;
     let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
+    let events = state.store.task_events(task.id).await.map_err(store_err)?;
     Ok(Json(dto::TaskDetail {
         task: dto::TaskDto::from(&task),
         usage: usage.into(),
+        events: events.iter().map(dto::EventDto::from).collect(),
         agent_runs: runs.iter().map(dto::AgentRunDto::from).collect(),
         jobs: jobs.iter().map(dto::JobDto::from).collect(),
     }))
 }
 
-/// `GET /api/tasks/{id}/events`: oldest first.
+/// `GET /tasks/{id}/events`: oldest first.
 pub(crate) async fn task_events(
     State(state): State<ApiState>,
     WorkItemPath(id): WorkItemPath,
@@ -174,7 +177,7 @@ pub(crate) async fn task_events(
     }))
 }
 
-/// `GET /api/tasks/{id}/artifacts`.
+/// `GET /tasks/{id}/artifacts`.
 pub(crate) async fn task_artifacts(
     State(state): State<ApiState>,
     WorkItemPath(id): WorkItemPath,
@@ -187,7 +190,31 @@ pub(crate) async fn task_artifacts(
     }))
 }
 
-/// `POST /api/tasks` with `{repo, title, body}`: 201 and the new work item's id.
+/// `GET /tasks/{id}/artifacts/{name}`: one artifact file. The name must be `NN-name.md`
+/// (checked by the domain's `ArtifactName`), so `..`, separators and NUL are 400 before any
+/// lookup.
+pub(crate) async fn task_artifact(
+    State(state): State<ApiState>,
+    path: Result<Path<(String, String)>, axum::extract::rejection::PathRejection>,
+) -> ApiResult<Json<dto::ArtifactDto>> {
+    let Path((id, name)) = path?;
+    validate_work_item_id(&id)
+        .map_err(|m| AppError::new(StatusCode::BAD_REQUEST, "invalid_id", m))?;
+    let name: ArtifactName = name
+        .parse()
+        .map_err(|e| AppError::new(StatusCode::BAD_REQUEST, "invalid_name", format!("{e}")))?;
+    let task = find_task(&state, &id).await?;
+    let files = state.ops.artifacts(&task.work_item_id).await?;
+    files
+        .into_iter()
+        .find(|f| f.name == name.as_str())
+        .map(|f| Json(dto::ArtifactDto::from(f)))
+        .ok_or_else(|| {
+            AppError::not_found(format!("work item {id} has no artifact {}", name.as_str()))
+        })
+}
+
+/// `POST /tasks` with `{repo, title, body}`: 201 and the new work item's id.
 pub(crate) async fn submit(
     State(state): State<ApiState>,
     ApiJson(body): ApiJson<dto::SubmitBody>,
@@ -205,7 +232,7 @@ pub(crate) async fn submit(
             None
         }
     };
-    let location = format!("/api/tasks/{}", created.work_item_id);
+    let location = format!("/tasks/{}", created.work_item_id);
     Ok((
         StatusCode::CREATED,
         [(header::LOCATION, location)],
@@ -298,7 +325,7 @@ async fn act(state: ApiState, id: String, action: Action) -> ApiResult<Json<dto:
     }))
 }
 
-/// `POST /api/tasks/{id}/approve`.
+/// `POST /tasks/{id}/approve`.
 pub(crate) async fn approve(
     State(state): State<ApiState>,
     WorkItemPath(id): WorkItemPath,
@@ -306,7 +333,7 @@ pub(crate) async fn approve(
     act(state, id, Action::Approve).await
 }
 
-/// `POST /api/tasks/{id}/retry`.
+/// `POST /tasks/{id}/retry`.
 pub(crate) async fn retry(
     State(state): State<ApiState>,
     WorkItemPath(id): WorkItemPath,
@@ -314,7 +341,7 @@ pub(crate) async fn retry(
     act(state, id, Action::Retry).await
 }
 
-/// `POST /api/tasks/{id}/cancel`.
+/// `POST /tasks/{id}/cancel`.
 pub(crate) async fn cancel(
     State(state): State<ApiState>,
     WorkItemPath(id): WorkItemPath,

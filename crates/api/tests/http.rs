@@ -30,6 +30,7 @@ struct Recorder {
     counters: Vec<RunnerCounters>,
     observations: Vec<Observation>,
     artifacts: HashMap<String, Vec<ArtifactFile>>,
+    series: HashMap<String, Vec<SeriesPoint>>,
 }
 
 impl Recorder {
@@ -93,6 +94,10 @@ impl Operations for Recorder {
 
     async fn artifacts(&self, id: &str) -> Result<Vec<ArtifactFile>, OpError> {
         Ok(self.artifacts.get(id).cloned().unwrap_or_default())
+    }
+
+    async fn observation_series(&self, id: &str) -> Vec<SeriesPoint> {
+        self.series.get(id).cloned().unwrap_or_default()
     }
 }
 
@@ -480,6 +485,17 @@ async fn metrics_text_parses_and_carries_the_queue() {
             7.0,
         ),
         ("orch_active_observations", vec![], 1.0),
+        ("orch_live_leases_by_agent", vec![("agent", "analyst")], 1.0),
+        (
+            "orch_observation_polls",
+            vec![("work_item_id", "ORCH-7"), ("repo", "svc")],
+            2.0,
+        ),
+        (
+            "orch_observation_remaining_seconds",
+            vec![("work_item_id", "ORCH-7"), ("repo", "svc")],
+            535.0,
+        ),
     ] {
         assert_eq!(
             get(name, &labels),
@@ -508,17 +524,17 @@ async fn task_list_filters_by_stage_repo_and_limit() {
             .collect()
     };
     for (uri, want) in [
-        ("/api/tasks", vec!["ORCH-3", "ORCH-2", "ORCH-1"]),
-        ("/api/tasks?repo=svc", vec!["ORCH-3", "ORCH-1"]),
-        ("/api/tasks?stage=intake&limit=2", vec!["ORCH-3", "ORCH-2"]),
-        ("/api/tasks?stage=done", vec![]),
-        ("/api/tasks?limit=1&offset=2", vec!["ORCH-1"]),
+        ("/tasks", vec!["ORCH-3", "ORCH-2", "ORCH-1"]),
+        ("/tasks?repo=svc", vec!["ORCH-3", "ORCH-1"]),
+        ("/tasks?stage=intake&limit=2", vec!["ORCH-3", "ORCH-2"]),
+        ("/tasks?stage=done", vec![]),
+        ("/tasks?limit=1&offset=2", vec!["ORCH-1"]),
     ] {
         let v = h.get(uri, StatusCode::OK).await.json();
         assert_eq!(v["count"], json!(want.len()), "{uri}");
         assert_eq!(ids(v), want, "{uri}");
     }
-    let v = h.get("/api/tasks?repo=web", StatusCode::OK).await.json();
+    let v = h.get("/tasks?repo=web", StatusCode::OK).await.json();
     let t = &v["tasks"][0];
     assert_eq!(t["title"], "title of ORCH-2");
     assert_eq!(t["stage"], "intake");
@@ -527,10 +543,10 @@ async fn task_list_filters_by_stage_repo_and_limit() {
     assert_eq!(t["created_at_ms"], json!(T0 + 1_000));
 
     for uri in [
-        "/api/tasks?limit=0",
-        "/api/tasks?limit=5000",
-        "/api/tasks?limit=abc",
-        "/api/tasks?bogus=1",
+        "/tasks?limit=0",
+        "/tasks?limit=5000",
+        "/tasks?limit=abc",
+        "/tasks?bogus=1",
     ] {
         let a = h.get(uri, StatusCode::BAD_REQUEST).await;
         assert_eq!(a.error_code(), "bad_request", "{uri}");
@@ -572,7 +588,7 @@ async fn task_detail_has_usage_agent_runs_and_jobs() {
             .await
             .unwrap();
     }
-    let v = h.get("/api/tasks/ORCH-5", StatusCode::OK).await.json();
+    let v = h.get("/tasks/ORCH-5", StatusCode::OK).await.json();
     assert_eq!(v["task"]["work_item_id"], "ORCH-5");
     assert_eq!(v["task"]["body"], "the body");
     assert_eq!(v["usage"]["runs"], 2);
@@ -589,8 +605,12 @@ async fn task_detail_has_usage_agent_runs_and_jobs() {
     assert_eq!(jobs.len(), 1);
     assert_eq!(jobs[0]["agent"], "analyst");
     assert_eq!(jobs[0]["state"], "queued");
+    let events = v["events"].as_array().unwrap();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0]["kind"], "task.submitted");
+    assert_eq!(events[0]["stage"], "intake");
 
-    let a = h.get("/api/tasks/ORCH-6", StatusCode::NOT_FOUND).await;
+    let a = h.get("/tasks/ORCH-6", StatusCode::NOT_FOUND).await;
     assert_eq!(a.error_code(), "not_found");
 }
 
@@ -608,10 +628,7 @@ async fn task_events_are_oldest_first_with_their_data() {
         )
         .await
         .unwrap();
-    let v = h
-        .get("/api/tasks/ORCH-9/events", StatusCode::OK)
-        .await
-        .json();
+    let v = h.get("/tasks/ORCH-9/events", StatusCode::OK).await.json();
     assert_eq!(v["work_item_id"], "ORCH-9");
     let ev = v["events"].as_array().unwrap();
     assert_eq!(ev.len(), 2);
@@ -621,8 +638,7 @@ async fn task_events_are_oldest_first_with_their_data() {
     assert_eq!(ev[1]["message"], "requirements are valid");
     assert_eq!(ev[1]["data"]["artifact"], "02-requirements.md");
     assert_eq!(ev[1]["created_at_ms"], json!(T0 + 1_000));
-    h.get("/api/tasks/ORCH-10/events", StatusCode::NOT_FOUND)
-        .await;
+    h.get("/tasks/ORCH-10/events", StatusCode::NOT_FOUND).await;
 }
 
 #[tokio::test]
@@ -639,7 +655,7 @@ async fn task_artifacts_come_from_operations() {
     .await;
     h.task("ORCH-3", "arts", "svc", None).await;
     let v = h
-        .get("/api/tasks/ORCH-3/artifacts", StatusCode::OK)
+        .get("/tasks/ORCH-3/artifacts", StatusCode::OK)
         .await
         .json();
     assert_eq!(v["work_item_id"], "ORCH-3");
@@ -649,8 +665,70 @@ async fn task_artifacts_come_from_operations() {
         "---\nwork_item: ORCH-3\n---\nhello"
     );
     assert_eq!(v["artifacts"][0]["bytes"], 31);
-    h.get("/api/tasks/ORCH-4/artifacts", StatusCode::NOT_FOUND)
+    h.get("/tasks/ORCH-4/artifacts", StatusCode::NOT_FOUND)
         .await;
+}
+
+#[tokio::test]
+async fn one_artifact_by_name_and_hostile_names_are_400() {
+    let h = Harness::with(None, |r| {
+        r.artifacts.insert(
+            "ORCH-3".into(),
+            vec![ArtifactFile {
+                name: "02-requirements.md".into(),
+                content: "---\nwork_item: ORCH-3\n---\nreqs".into(),
+            }],
+        );
+    })
+    .await;
+    h.task("ORCH-3", "arts", "svc", None).await;
+    let v = h
+        .get("/tasks/ORCH-3/artifacts/02-requirements.md", StatusCode::OK)
+        .await
+        .json();
+    assert_eq!(v["name"], "02-requirements.md");
+    assert_eq!(v["content"], "---\nwork_item: ORCH-3\n---\nreqs");
+    let a = h
+        .get(
+            "/tasks/ORCH-3/artifacts/03-design.md",
+            StatusCode::NOT_FOUND,
+        )
+        .await;
+    assert_eq!(a.error_code(), "not_found");
+    let a = h
+        .get(
+            "/tasks/ORCH-9/artifacts/02-requirements.md",
+            StatusCode::NOT_FOUND,
+        )
+        .await;
+    assert_eq!(a.error_code(), "not_found");
+    for name in [
+        "..%2F..%2Fetc%2Fpasswd",
+        "%2E%2E",
+        "02-requirements.md%00",
+        "requirements.md",
+        "02-Requirements.md",
+        "02-req.txt",
+        "02-.md",
+        "2-x.md",
+        "02-a%2Fb.md",
+        "02-a%5Cb.md",
+    ] {
+        let a = h
+            .get(
+                &format!("/tasks/ORCH-3/artifacts/{name}"),
+                StatusCode::BAD_REQUEST,
+            )
+            .await;
+        assert_eq!(a.error_code(), "invalid_name", "{name}");
+    }
+    let a = h
+        .get(
+            "/tasks/orch-3/artifacts/02-requirements.md",
+            StatusCode::BAD_REQUEST,
+        )
+        .await;
+    assert_eq!(a.error_code(), "invalid_id");
 }
 
 // ----- submit, auth, limits -----------------------------------------------------------------------
@@ -668,7 +746,7 @@ async fn submit_creates_a_task_with_the_right_token_only() {
             "unauthorized",
         ),
     ] {
-        let a = h.post("/api/tasks", token, Some(body), want).await;
+        let a = h.post("/tasks", token, Some(body), want).await;
         assert_eq!(a.error_code(), code);
         assert_eq!(a.headers.get(header::WWW_AUTHENTICATE).unwrap(), "Bearer");
     }
@@ -678,14 +756,11 @@ async fn submit_creates_a_task_with_the_right_token_only() {
     );
 
     let a = h
-        .post("/api/tasks", Some(TOKEN), Some(body), StatusCode::CREATED)
+        .post("/tasks", Some(TOKEN), Some(body), StatusCode::CREATED)
         .await;
     let v = a.json();
     assert_eq!(v["work_item_id"], "ORCH-1");
-    assert_eq!(
-        a.headers.get(header::LOCATION).unwrap(),
-        "/api/tasks/ORCH-1"
-    );
+    assert_eq!(a.headers.get(header::LOCATION).unwrap(), "/tasks/ORCH-1");
     assert_eq!(v["task"]["title"], "add a login page");
     assert_eq!(v["task"]["stage"], "intake");
     assert_eq!(h.ops.calls(), vec!["submit svc add a login page"]);
@@ -704,11 +779,7 @@ async fn without_a_configured_token_mutating_calls_are_refused() {
     for configured in [None, Some("")] {
         let h = Harness::new(configured).await;
         h.task("ORCH-1", "t", "svc", None).await;
-        for uri in [
-            "/api/tasks",
-            "/api/tasks/ORCH-1/approve",
-            "/api/tasks/ORCH-1/cancel",
-        ] {
+        for uri in ["/tasks", "/tasks/ORCH-1/approve", "/tasks/ORCH-1/cancel"] {
             let a = h
                 .post(
                     uri,
@@ -727,7 +798,7 @@ async fn without_a_configured_token_mutating_calls_are_refused() {
         }
         assert!(h.ops.calls().is_empty());
         // Reads stay open.
-        h.get("/api/tasks", StatusCode::OK).await;
+        h.get("/tasks", StatusCode::OK).await;
     }
 }
 
@@ -788,11 +859,11 @@ async fn bad_bodies_get_the_json_error_shape() {
             "invalid",
         ),
     ] {
-        let a = h.post("/api/tasks", Some(TOKEN), Some(body), want).await;
+        let a = h.post("/tasks", Some(TOKEN), Some(body), want).await;
         assert_eq!(a.error_code(), code, "{}", &body[..body.len().min(60)]);
     }
     // No content type.
-    let req = Request::post("/api/tasks")
+    let req = Request::post("/tasks")
         .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
         .body(Body::from(r#"{"repo":"svc","title":"a"}"#))
         .unwrap();
@@ -800,7 +871,7 @@ async fn bad_bodies_get_the_json_error_shape() {
     assert_eq!(a.error_code(), "unsupported_media_type");
     // A body streamed without a length is limited too.
     let chunks = unsized_body(BODY_LIMIT * 2);
-    let req = Request::post("/api/tasks")
+    let req = Request::post("/tasks")
         .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
         .header(header::CONTENT_TYPE, "application/json")
         .body(chunks)
@@ -837,7 +908,7 @@ async fn hostile_work_item_ids_are_refused_before_any_handler() {
     ] {
         for suffix in ["", "/events", "/artifacts"] {
             let a = h
-                .get(&format!("/api/tasks/{id}{suffix}"), StatusCode::BAD_REQUEST)
+                .get(&format!("/tasks/{id}{suffix}"), StatusCode::BAD_REQUEST)
                 .await;
             assert_eq!(a.error_code(), "invalid_id", "{id}{suffix}");
             assert!(
@@ -853,7 +924,7 @@ async fn hostile_work_item_ids_are_refused_before_any_handler() {
         for action in ["approve", "retry", "cancel"] {
             let a = h
                 .post(
-                    &format!("/api/tasks/{id}/{action}"),
+                    &format!("/tasks/{id}/{action}"),
                     Some(TOKEN),
                     None,
                     StatusCode::BAD_REQUEST,
@@ -862,14 +933,14 @@ async fn hostile_work_item_ids_are_refused_before_any_handler() {
             assert_eq!(a.error_code(), "invalid_id");
         }
         let page = h
-            .get(&format!("/tasks/{id}"), StatusCode::BAD_REQUEST)
+            .get(&format!("/ui/tasks/{id}"), StatusCode::BAD_REQUEST)
             .await;
         assert!(page.content_type().starts_with("text/html"));
         assert!(!page.text.contains("<script"), "{}", page.text);
     }
     // Unencoded traversal never reaches a handler: no route matches.
     let a = h
-        .get("/api/tasks/../../etc/passwd", StatusCode::NOT_FOUND)
+        .get("/tasks/../../etc/passwd", StatusCode::NOT_FOUND)
         .await;
     assert_eq!(a.error_code(), "not_found");
     assert!(h.ops.calls().is_empty());
@@ -882,7 +953,7 @@ async fn actions_reach_operations_and_map_their_errors() {
     for action in ["approve", "retry", "cancel"] {
         let v = h
             .post(
-                &format!("/api/tasks/ORCH-4/{action}"),
+                &format!("/tasks/ORCH-4/{action}"),
                 Some(TOKEN),
                 None,
                 StatusCode::OK,
@@ -922,7 +993,7 @@ async fn actions_reach_operations_and_map_their_errors() {
     ] {
         *h.ops.refuse_next.lock().unwrap() = Some(err.clone());
         let a = h
-            .post("/api/tasks/ORCH-4/approve", Some(TOKEN), None, want)
+            .post("/tasks/ORCH-4/approve", Some(TOKEN), None, want)
             .await;
         assert_eq!(a.error_code(), code);
         let msg = a.json()["error"]["message"].as_str().unwrap().to_owned();
@@ -939,7 +1010,7 @@ async fn actions_reach_operations_and_map_their_errors() {
     let before = h.ops.calls().len();
     let a = h
         .post(
-            "/api/tasks/ORCH-99/approve",
+            "/tasks/ORCH-99/approve",
             Some(TOKEN),
             None,
             StatusCode::NOT_FOUND,
@@ -955,7 +1026,7 @@ async fn unknown_routes_and_methods_get_json_errors() {
     let a = h.get("/api/nope", StatusCode::NOT_FOUND).await;
     assert_eq!(a.error_code(), "not_found");
     let a = h
-        .get("/api/tasks/ORCH-1/approve", StatusCode::METHOD_NOT_ALLOWED)
+        .get("/tasks/ORCH-1/approve", StatusCode::METHOD_NOT_ALLOWED)
         .await;
     assert_eq!(a.error_code(), "method_not_allowed");
     assert!(a.headers.contains_key(header::ALLOW));
@@ -1044,8 +1115,8 @@ async fn dashboard_shows_real_data_and_escapes_it() {
     let html = &page.text;
     for want in [
         "http-equiv=\"refresh\" content=\"5\"",
-        "href=\"/tasks/ORCH-1\"",
-        "href=\"/tasks/ORCH-2\"",
+        "href=\"/ui/tasks/ORCH-1\"",
+        "href=\"/ui/tasks/ORCH-2\"",
         "plain task",
         "staging_runner",
         "tool_error",
@@ -1063,7 +1134,7 @@ async fn dashboard_shows_real_data_and_escapes_it() {
         "external assets"
     );
 
-    let page = h.get("/tasks/ORCH-2", StatusCode::OK).await;
+    let page = h.get("/ui/tasks/ORCH-2", StatusCode::OK).await;
     let html = &page.text;
     for want in [
         "ORCH-2",
@@ -1092,7 +1163,7 @@ async fn dashboard_shows_real_data_and_escapes_it() {
 
     let page = h.get("/?stage=intake", StatusCode::OK).await;
     assert!(page.text.contains("at stage"));
-    let page = h.get("/tasks/ORCH-3", StatusCode::NOT_FOUND).await;
+    let page = h.get("/ui/tasks/ORCH-3", StatusCode::NOT_FOUND).await;
     assert!(page.text.contains("no task for work item ORCH-3"));
 }
 
@@ -1137,14 +1208,14 @@ async fn serve_answers_on_a_real_socket_and_shuts_down_gracefully() {
         out
     };
     let resp = request(format!(
-        "GET /api/tasks/ORCH-1 HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET /tasks/ORCH-1 HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     ))
     .await;
     assert!(resp.starts_with("HTTP/1.1 200 OK\r\n"), "{resp}");
     assert!(resp.contains("\"title\":\"over the wire\""), "{resp}");
     let body = r#"{"repo":"svc","title":"via socket"}"#;
     let resp = request(format!(
-        "POST /api/tasks HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "POST /tasks HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nAuthorization: Bearer {TOKEN}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     ))
     .await;
@@ -1169,4 +1240,90 @@ async fn serve_answers_on_a_real_socket_and_shuts_down_gracefully() {
         tokio::net::TcpStream::connect(addr).await.is_err(),
         "the listener is closed"
     );
+}
+
+#[tokio::test]
+async fn dashboard_draws_pipelines_loops_and_watch_charts() {
+    let h = Harness::with(None, |r| {
+        r.series.insert(
+            "ORCH-7".into(),
+            vec![
+                SeriesPoint {
+                    at_ms: T0 - 30_000,
+                    status: "PASS".into(),
+                    value: Some(120.0),
+                },
+                SeriesPoint {
+                    at_ms: T0 - 15_000,
+                    status: "FAIL".into(),
+                    value: Some(480.0),
+                },
+                SeriesPoint {
+                    at_ms: T0,
+                    status: "NODATA".into(),
+                    value: None,
+                },
+            ],
+        );
+    })
+    .await;
+    let t1 = h.task("ORCH-1", "loops", "svc", None).await;
+    // Move ORCH-1 to implementation, loop back to analysis once, then on again.
+    for (kind, stage) in [
+        ("stage.advanced", "analysis"),
+        ("stage.advanced", "implementation"),
+        ("stage.loop_back", "analysis"),
+        ("stage.advanced", "implementation"),
+    ] {
+        h.db.store
+            .append_event(NewEvent::new(kind, "moved").task(t1.id).stage(stage))
+            .await
+            .unwrap();
+    }
+    let t7 = h.task("ORCH-7", "watched", "svc", None).await;
+    h.db.store
+        .append_event(
+            NewEvent::new("task.cancelled", "cancelled")
+                .task(t7.id)
+                .stage("cancelled"),
+        )
+        .await
+        .unwrap();
+
+    let html = h.get("/", StatusCode::OK).await.text;
+    // ORCH-1 is at intake in the store (the events above are only the timeline).
+    let row = section(&html, "id=\"task-ORCH-1\"", "</tr>");
+    assert!(
+        row.contains("class=\"box current\" title=\"intake\""),
+        "{row}"
+    );
+    assert!(row.contains("↺ 1 loop<"), "{row}");
+    assert!(row.contains("implementation<sup>×2</sup>"), "{row}");
+    assert!(row.contains("analysis<sup>×2</sup>"), "{row}");
+    // The chart: one bar per poll, coloured by status, height scaled to the largest value.
+    assert!(html.contains("<svg class=\"chart\""), "{html}");
+    assert!(html.contains("fill=\"#3a9d5d\""), "{html}");
+    assert!(html.contains("fill=\"#c0392b\""), "{html}");
+    assert!(html.contains("y=\"24\" width=\"5\" height=\"8\""), "{html}");
+    assert!(html.contains("y=\"0\" width=\"5\" height=\"32\""), "{html}");
+    assert!(!html.contains("<script"), "{html}");
+
+    let page = h.get("/ui/tasks/ORCH-7", StatusCode::OK).await.text;
+    assert!(page.contains("<svg class=\"chart\""), "{page}");
+    assert!(
+        page.contains("class=\"box current\" title=\"intake\""),
+        "{page}"
+    );
+    // The JSON route of the same path is JSON, not the page.
+    let v = h.get("/tasks/ORCH-7", StatusCode::OK).await.json();
+    assert_eq!(v["task"]["work_item_id"], "ORCH-7");
+}
+
+/// The part of `html` from `start` to the next `end`.
+fn section<'a>(html: &'a str, start: &str, end: &str) -> &'a str {
+    let from = html
+        .find(start)
+        .unwrap_or_else(|| panic!("no {start:?} in:\n{html}"));
+    let rest = &html[from..];
+    &rest[..rest.find(end).unwrap_or(rest.len())]
 }

@@ -163,6 +163,8 @@ pub struct ServeArgs {
 pub enum BenchCommand {
     /// Queue throughput and pickup latency of the built-in no-op job.
     Queue(BenchQueueArgs),
+    /// Median latency of `GET /queue` over a large store (100,000 jobs, 10,000 tasks).
+    QueueApi(BenchQueueApiArgs),
     /// Start-up time and idle resident memory of `orch serve` (embedded SQLite).
     Serve {
         /// Start-ups to measure.
@@ -189,6 +191,29 @@ pub struct BenchQueueArgs {
     /// Jobs for the latency run (enqueued one at a time into an idle queue).
     #[arg(long, default_value_t = 300)]
     pub latency_jobs: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchQueueApiArgs {
+    /// Which backends to measure.
+    #[arg(long, value_enum, default_value = "all")]
+    pub backend: BenchBackend,
+    /// PostgreSQL server for the run; a fresh schema in its `orch_test` database is used.
+    #[arg(
+        long,
+        env = "ORCH_TEST_PG_URL",
+        default_value = "postgres://root@127.0.0.1:5432/test"
+    )]
+    pub pg_url: String,
+    /// Jobs in the store.
+    #[arg(long, default_value_t = 100_000)]
+    pub jobs: usize,
+    /// Tasks in the store.
+    #[arg(long, default_value_t = 10_000)]
+    pub tasks: usize,
+    /// `GET /queue` requests measured.
+    #[arg(long, default_value_t = 50)]
+    pub requests: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

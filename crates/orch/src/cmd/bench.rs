@@ -15,7 +15,7 @@ use orch_store::{ConnectOptions, JobState, NewJob, Store};
 use rand::{Rng as _, SeedableRng as _};
 use tokio_util::sync::CancellationToken;
 
-use crate::cli::{BenchBackend, BenchQueueArgs};
+use crate::cli::{BenchBackend, BenchQueueApiArgs, BenchQueueArgs};
 use crate::context::Context;
 
 struct Target {
@@ -78,6 +78,10 @@ fn round2(x: f64) -> f64 {
 }
 
 async fn fresh_target(backend: &'static str, args: &BenchQueueArgs) -> Result<Target> {
+    fresh_target_at(backend, &args.pg_url).await
+}
+
+async fn fresh_target_at(backend: &'static str, pg_url: &str) -> Result<Target> {
     if backend == "sqlite" {
         let dir = tempfile::tempdir().context("cannot create a temp dir for the bench database")?;
         let url = format!("sqlite://{}", dir.path().join("bench.db").display());
@@ -88,7 +92,7 @@ async fn fresh_target(backend: &'static str, args: &BenchQueueArgs) -> Result<Ta
         });
     }
     // SAFETY of the env var: read only by the testing helper, set before any worker starts.
-    unsafe { std::env::set_var("ORCH_TEST_PG_URL", &args.pg_url) };
+    unsafe { std::env::set_var("ORCH_TEST_PG_URL", pg_url) };
     let url = orch_store::testing::fresh_pg_schema().await;
     Ok(Target {
         name: "postgres",
@@ -340,4 +344,184 @@ async fn healthz(port: u16) -> bool {
     let mut buf = Vec::new();
     let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await;
     buf.starts_with(b"HTTP/1.1 200")
+}
+
+/// `orch bench queue-api`: fills a fresh store per backend with `tasks` tasks and `jobs` jobs
+/// (spread over the tasks and eight agents, a tenth of them finished), serves `orch_api::app`
+/// on a real loopback listener, and times `requests` sequential `GET /queue` calls (connect,
+/// request, whole answer). Operations are inert: the figure is the store's share.
+pub async fn queue_api(cx: &Context, args: BenchQueueApiArgs) -> Result<ExitCode> {
+    let mut results = Vec::new();
+    for backend in ["sqlite", "postgres"] {
+        let wanted = matches!(
+            (args.backend, backend),
+            (BenchBackend::All, _)
+                | (BenchBackend::Sqlite, "sqlite")
+                | (BenchBackend::Postgres, "postgres")
+        );
+        if !wanted {
+            continue;
+        }
+        let target = fresh_target_at(backend, &args.pg_url).await?;
+        let store = open(&target, 8).await?;
+        let t0 = Instant::now();
+        let task_ids = fill_tasks(&store, args.tasks).await?;
+        let tasks_s = t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        fill_jobs(&store, &task_ids, args.jobs).await?;
+        let jobs_s = t1.elapsed().as_secs_f64();
+        eprintln!(
+            "{backend:<8} filled {} tasks in {tasks_s:.1} s, {} jobs in {jobs_s:.1} s",
+            task_ids.len(),
+            args.jobs
+        );
+        let mut ms = time_queue_route(&store, args.requests).await?;
+        store.close().await;
+        let (p50, p95, max) = (
+            percentile(&mut ms, 0.50),
+            percentile(&mut ms, 0.95),
+            percentile(&mut ms, 1.0),
+        );
+        eprintln!(
+            "{backend:<8} GET /queue over {} requests: p50 {p50:.2} ms  p95 {p95:.2} ms  max {max:.2} ms",
+            ms.len()
+        );
+        results.push(serde_json::json!({
+            "backend": target.name, "tasks": task_ids.len(), "jobs": args.jobs,
+            "requests": ms.len(), "queue_p50_ms": round2(p50), "queue_p95_ms": round2(p95),
+            "queue_max_ms": round2(max),
+        }));
+    }
+    if cx.json {
+        crate::output::print_json(&serde_json::json!({ "queue_api": results }));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn fill_tasks(store: &Store, n: usize) -> Result<Vec<i64>> {
+    const STAGES: [&str; 5] = ["intake", "analysis", "implementation", "review", "done"];
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let task = store
+            .create_task(orch_store::NewTask {
+                work_item: orch_store::WorkItemSpec::Next {
+                    prefix: "BENCH".into(),
+                },
+                repo: format!("repo{}", i % 10),
+                title: format!("bench task {i}"),
+                body: String::new(),
+                stage: STAGES[i % STAGES.len()].into(),
+                branch_prefix: "orch/".into(),
+                event: orch_store::NewEvent::new("task.submitted", "bench"),
+                first_job: None,
+            })
+            .await
+            .with_context(|| format!("cannot create bench task {i}"))?;
+        ids.push(task.id);
+    }
+    Ok(ids)
+}
+
+async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<()> {
+    const AGENTS: [&str; 8] = [
+        "analyst",
+        "architect",
+        "developer",
+        "reviewer",
+        "tester",
+        "merge",
+        "staging",
+        "deployer",
+    ];
+    let mut done = 0;
+    while done < n {
+        let chunk: Vec<NewJob> = (done..n.min(done + 5_000))
+            .map(|i| {
+                let mut job = NewJob::new(AGENTS[i % AGENTS.len()], format!("{i}"));
+                if let Some(t) = task_ids.get(i % task_ids.len().max(1)) {
+                    job = job.task(*t);
+                }
+                // Most wait in the future, so the queue is large but idle.
+                job.delay_s(3_600 + (i % 600) as i64)
+            })
+            .collect();
+        done += chunk.len();
+        store.enqueue_many(chunk).await?;
+    }
+    Ok(())
+}
+
+/// Operations that do nothing: the route's cost is the store's.
+struct InertOps;
+
+#[async_trait::async_trait]
+impl orch_api::Operations for InertOps {
+    async fn submit(
+        &self,
+        _: orch_api::SubmitRequest,
+    ) -> Result<orch_api::SubmitResult, orch_api::OpError> {
+        Err(orch_api::OpError::Invalid("bench".into()))
+    }
+    async fn approve(&self, _: &str) -> Result<(), orch_api::OpError> {
+        Err(orch_api::OpError::Invalid("bench".into()))
+    }
+    async fn retry(&self, _: &str) -> Result<(), orch_api::OpError> {
+        Err(orch_api::OpError::Invalid("bench".into()))
+    }
+    async fn cancel(&self, _: &str) -> Result<(), orch_api::OpError> {
+        Err(orch_api::OpError::Invalid("bench".into()))
+    }
+    async fn runner_counters(&self) -> Vec<orch_api::RunnerCounters> {
+        Vec::new()
+    }
+    async fn active_observations(&self) -> Vec<orch_api::Observation> {
+        Vec::new()
+    }
+    async fn artifacts(&self, _: &str) -> Result<Vec<orch_api::ArtifactFile>, orch_api::OpError> {
+        Ok(Vec::new())
+    }
+}
+
+async fn time_queue_route(store: &Store, requests: usize) -> Result<Vec<f64>> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .context("cannot bind a loopback port for the bench")?;
+    let port = listener
+        .local_addr()
+        .context("bench listener address")?
+        .port();
+    let state = orch_api::ApiState::new(store.clone(), std::sync::Arc::new(InertOps), None);
+    let stop = CancellationToken::new();
+    let stopped = stop.clone();
+    let server = tokio::spawn(orch_api::serve(listener, state, async move {
+        stopped.cancelled().await
+    }));
+    let mut ms = Vec::with_capacity(requests);
+    // One warm-up request, not counted.
+    for i in 0..=requests {
+        let t0 = Instant::now();
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .context("cannot connect to the bench server")?;
+        s.write_all(b"GET /queue HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            .await
+            .context("cannot send the bench request")?;
+        let mut buf = Vec::new();
+        tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut buf))
+            .await
+            .context("GET /queue took over 60 s")?
+            .context("cannot read the bench answer")?;
+        anyhow::ensure!(
+            buf.starts_with(b"HTTP/1.1 200"),
+            "GET /queue answered {}",
+            String::from_utf8_lossy(&buf[..buf.len().min(300)])
+        );
+        if i > 0 {
+            ms.push(t0.elapsed().as_secs_f64() * 1000.0);
+        }
+    }
+    stop.cancel();
+    let _ = server.await;
+    Ok(ms)
 }

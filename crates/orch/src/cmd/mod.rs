@@ -38,6 +38,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Retry(args) => tasks::operate(&cx, tasks::Op::Retry, &args.id).await,
         Command::Cancel(args) => tasks::operate(&cx, tasks::Op::Cancel, &args.id).await,
         Command::Bench(BenchCommand::Queue(args)) => bench::queue(&cx, args).await,
+        Command::Bench(BenchCommand::QueueApi(args)) => bench::queue_api(&cx, args).await,
         Command::Bench(BenchCommand::Serve { runs }) => bench::serve(&cx, runs).await,
     }
 }
