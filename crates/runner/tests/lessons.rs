@@ -510,10 +510,7 @@ async fn serve(ctl: PathBuf) -> String {
         .route("/health", get(health))
         .route("/revision", get(revision))
         .with_state(Arc::new(ctl));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}")
+    common::listen(app).await
 }
 
 /// Runs `exec` for the task's current stage as the engine would until it produces.

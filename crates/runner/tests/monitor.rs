@@ -80,10 +80,7 @@ async fn serve(ctl: PathBuf) -> String {
         .route("/slow", get(slow))
         .route("/hook", axum::routing::post(hook))
         .with_state(Arc::new(ctl));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}")
+    common::listen(app).await
 }
 
 /// A URL on a port nothing listens on.

@@ -199,3 +199,11 @@ impl Fixture {
         }
     }
 }
+
+/// Serves `app` on a free loopback port in the background; returns its `http://127.0.0.1:<port>`.
+pub async fn listen(app: axum::Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    format!("http://{addr}")
+}
