@@ -212,3 +212,46 @@ async fn serve_answers_healthz_and_queue_and_stops_on_sigterm() {
         .unwrap();
     assert!(status.success(), "clean exit on SIGTERM: {status}");
 }
+
+#[test]
+fn doctor_names_what_is_missing_and_how_to_fix_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    succeeds(&orch(d, &["init"]));
+    let mut config = std::fs::read_to_string(d.join("orch.toml")).unwrap();
+    for agent in ["analyst", "architect", "developer", "reviewer"] {
+        config = config.replace(
+            &format!("[agents.{agent}]\nbackend = \"claude\""),
+            &format!(
+                "[agents.{agent}]\nbackend = \"command\"\ncommand = \"no-such-agent-cli-xyz\""
+            ),
+        );
+    }
+    config.push_str("\n[repos.app]\npath = \"missing-checkout\"\nprefix = \"APP\"\ndeploy = \"nope-deploy-tool ./go\"\n");
+    std::fs::write(d.join("orch.toml"), config).unwrap();
+    let out = orch(d, &["doctor"]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success(),
+        "problems make doctor exit non-zero:\n{stdout}"
+    );
+    assert!(stdout.contains("ok    git is installed"), "{stdout}");
+    assert!(
+        stdout.contains("FAIL  agent analyst: program `no-such-agent-cli-xyz`"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("FAIL  repo app: source"), "{stdout}");
+    assert!(
+        stdout.contains("FAIL  repo app: no `test` command"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("runs `nope-deploy-tool`"), "{stdout}");
+    assert!(
+        stdout.contains("FAIL  repo app: deploy without health_url"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("fix: "),
+        "every problem says how to fix it: {stdout}"
+    );
+}

@@ -281,7 +281,7 @@ async fn postgres_survivors_finish_the_killed_workers_jobs() {
     for i in 0..240 {
         ids.push(
             store
-                .enqueue(NewJob::new("bench.effect", format!("job {i} sleep_ms=25")))
+                .enqueue(NewJob::new("bench.effect", format!("job {i} sleep_ms=150")))
                 .await
                 .unwrap()
                 .job_id,
@@ -300,7 +300,7 @@ async fn postgres_survivors_finish_the_killed_workers_jobs() {
     let c = Proc::worker(&db.url, "w-c", &args, None);
     // Kill the victim while it holds leases.
     let t0 = Instant::now();
-    let held = loop {
+    loop {
         let stats = store.queue_stats().await.unwrap();
         let held: Vec<i64> = stats
             .leases
@@ -309,15 +309,29 @@ async fn postgres_survivors_finish_the_killed_workers_jobs() {
             .map(|l| l.job_id)
             .collect();
         if !held.is_empty() && effects(&store).await.len() >= 20 {
-            break held;
+            break;
         }
         assert!(
             t0.elapsed() < Duration::from_secs(60),
             "victim never held a lease"
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
-    };
+    }
     victim.kill9().await;
+    // What the victim held when it died: its leases still on the books right after the kill.
+    let held: Vec<i64> = store
+        .queue_stats()
+        .await
+        .unwrap()
+        .leases
+        .iter()
+        .filter(|l| l.worker.as_deref() == Some("w-victim"))
+        .map(|l| l.job_id)
+        .collect();
+    assert!(
+        !held.is_empty(),
+        "the victim died holding leases (jobs take 150 ms; it runs 2 at once)"
+    );
     wait_drained(&store, Duration::from_secs(120)).await;
     a.terminate().await;
     c.terminate().await;

@@ -144,6 +144,21 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
         stdout.contains("APP-1") && stdout.contains("look around"),
         "the summary is printed:\n{stdout}"
     );
+    // The loop closes: a later request's prompt carried APP-2's rollback lesson.
+    let t3 = task(&store, "APP-3").await;
+    assert_eq!(t3.stage, "cancelled");
+    let req3 = git_show(&repo, "orch/APP-3:docs/work-items/APP-3/02-requirements.md")
+        .expect("APP-3 requirements");
+    assert!(
+        req3.contains("Lessons considered") && req3.contains("APP-2") && req3.contains("rollback"),
+        "{req3}"
+    );
+    let lessons_main =
+        git_show(&repo, "main:LESSONS.md").expect("lessons reach the default branch");
+    assert!(
+        lessons_main.contains("APP-2") && lessons_main.contains("rollback"),
+        "{lessons_main}"
+    );
     store.close().await;
 }
 

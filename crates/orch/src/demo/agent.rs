@@ -57,7 +57,7 @@ pub fn run() -> Result<ExitCode> {
         .min(600_000);
     std::thread::sleep(std::time::Duration::from_millis(think_ms));
     let written = match e.stage.as_str() {
-        "analysis" => analysis(&e, &request)?,
+        "analysis" => analysis(&e, &request, &prompt)?,
         "architecture" => architecture(&e)?,
         "implementation" => implementation(&e, scenario)?,
         "review" => review(&e, scenario)?,
@@ -138,9 +138,9 @@ fn title_of(request: &str) -> String {
         .to_owned()
 }
 
-fn analysis(e: &Env, request: &str) -> Result<usize> {
+fn analysis(e: &Env, request: &str, prompt: &str) -> Result<usize> {
     let title = title_of(request);
-    let body = format!(
+    let mut body = format!(
         "# Requirements: {title}\n\n\
          - BR-1: {title}.\n\
          - NFR-1: the service keeps answering `GET /health` with 200 in every environment.\n\
@@ -148,6 +148,21 @@ fn analysis(e: &Env, request: &str) -> Result<usize> {
          - AC-1: the new behaviour is covered by a unit test.\n\
          - AC-2: `python3 -m unittest` passes.\n"
     );
+    // A real analyst reads the repo's lessons in its prompt; this one quotes those that
+    // record an objective failure, so the demo can show the loop closing.
+    let lessons: Vec<&str> = prompt
+        .lines()
+        .filter(|l| l.contains("orch-lesson") && (l.contains("rollback") || l.contains("FAILED")))
+        .take(5)
+        .collect();
+    if !lessons.is_empty() {
+        body.push_str("\n## Lessons considered\n\n");
+        for l in lessons {
+            let text = l.split("-->").nth(1).unwrap_or(l).trim();
+            body.push_str(&format!("- {text}\n"));
+        }
+        body.push_str("- NFR-3: production health must not depend on configuration that staging sets (see the rollback above).\n");
+    }
     write(e, "02-requirements.md", front(e, "analyst", &[]), body)
 }
 

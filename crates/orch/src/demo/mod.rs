@@ -198,7 +198,21 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
             Ok::<Task, anyhow::Error>(t)
         })
     };
-    let finished = watch_progress(&store, &ids, started, Duration::from_secs(300)).await;
+    let mut finished = watch_progress(&store, &ids, started, Duration::from_secs(300)).await;
+    // The loop closes: a third request's analyst gets the rollback lesson in its prompt. It is
+    // cancelled after analysis (an operator command), the demo has shown what it needed.
+    let mut lesson_seen = None;
+    if finished.is_ok() {
+        match third_item(&store, &runtime).await {
+            Ok((task, seen)) => {
+                lesson_seen = seen;
+                if let Ok(tasks) = finished.as_mut() {
+                    tasks.push(task);
+                }
+            }
+            Err(e) => tracing::warn!(error = %format!("{e:#}"), "the third demo item failed"),
+        }
+    }
     stop.cancel();
     match second.await {
         Ok(Ok(t)) if t.work_item_id == "APP-2" => {}
@@ -221,7 +235,15 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         let _ = orch_exec::run(&stop_cmd).await;
     }
     let tasks = finished?;
-    summary(&store, &tasks, &dir, &config_path, started).await?;
+    summary(
+        &store,
+        &tasks,
+        &dir,
+        &config_path,
+        started,
+        lesson_seen.as_deref(),
+    )
+    .await?;
     store.close().await;
     let all_ended = tasks.iter().all(|t| t.is_terminal());
     Ok(if all_ended {
@@ -229,6 +251,56 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     } else {
         ExitCode::from(1)
     })
+}
+
+/// Submits APP-3, lets its analysis run, cancels it, and returns the lessons section its
+/// requirements quote (read from its branch).
+async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<String>)> {
+    let t = runtime
+        .ops
+        .submit(
+            "service",
+            "Add a /healthz alias",
+            "Some load balancers probe `/healthz`; answer it like `/health`.",
+        )
+        .await?;
+    println!(
+        "  +  ---   {:6}  submitted after APP-2's rollback, to show the lesson reach a prompt",
+        t.work_item_id
+    );
+    let t0 = Instant::now();
+    loop {
+        let cur = store
+            .get_task_by_work_item(&t.work_item_id)
+            .await?
+            .context("APP-3 vanished")?;
+        if !matches!(cur.stage.as_str(), "intake" | "analysis") {
+            break;
+        }
+        anyhow::ensure!(
+            t0.elapsed() < Duration::from_secs(60),
+            "APP-3 did not finish analysis"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let cancelled = runtime.ops.cancel(&t.work_item_id).await?;
+    println!(
+        "  +  ---   {:6}  cancelled by an operator after analysis",
+        t.work_item_id
+    );
+    let repo_dir = runtime.repos_dir.join("service");
+    let path = format!("docs/work-items/{0}/02-requirements.md", t.work_item_id);
+    let text = runtime
+        .engine
+        .git()
+        .show_file(&repo_dir, &cancelled.branch, &path)
+        .await?;
+    let section = text.and_then(|t| {
+        t.split("## Lessons considered")
+            .nth(1)
+            .map(|s| format!("## Lessons considered{}", s.trim_end()))
+    });
+    Ok((cancelled, section))
 }
 
 fn which(tool: &str) -> Option<PathBuf> {
@@ -426,6 +498,7 @@ async fn summary(
     dir: &Path,
     config: &Path,
     started: Instant,
+    lesson_seen: Option<&str>,
 ) -> Result<()> {
     println!("\nfinished in {:.0}s\n", started.elapsed().as_secs_f64());
     for t in tasks {
@@ -470,6 +543,27 @@ async fn summary(
             usage.output_tokens,
             usage.cost_usd
         );
+        if let Some(v) = events
+            .iter()
+            .rev()
+            .find(|e| e.kind == "post_deploy.verdict")
+        {
+            let data: serde_json::Value = serde_json::from_str(&v.data).unwrap_or_default();
+            println!(
+                "    post-deploy watch: {} → action: {}",
+                data["verdict"].as_str().unwrap_or("?"),
+                data["action"].as_str().unwrap_or("?")
+            );
+        }
+        println!();
+    }
+    if let Some(lines) = lesson_seen {
+        println!(
+            "the lesson reaches a later prompt: APP-3's analyst was given the repo's lessons and wrote"
+        );
+        for l in lines.lines() {
+            println!("    {l}");
+        }
         println!();
     }
     let cfg = config.display();
