@@ -3,13 +3,13 @@
 //! each fail their attempts with a clear reason in the events, the task ends `failed` at that
 //! stage (never past it), and the orchestrator keeps running the other tasks.
 
+mod common;
+
 use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use orch_store::{ConnectOptions, Store};
-
-const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+use common::{ORCH, demo_setup, open};
 
 fn script(dir: &Path, name: &str, body: &str) -> String {
     use std::os::unix::fs::PermissionsExt as _;
@@ -23,16 +23,7 @@ fn script(dir: &Path, name: &str, body: &str) -> String {
 async fn bad_artifacts_fail_the_attempt_and_never_advance_the_task() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let setup = std::process::Command::new(ORCH)
-        .args(["demo", "--setup-only", "--dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        setup.status.success(),
-        "{}",
-        String::from_utf8_lossy(&setup.stderr)
-    );
+    demo_setup(&dir);
     // One analyst script that misbehaves in the way the work item's title asks for.
     let analyst = script(
         &dir,
@@ -84,12 +75,7 @@ exit 0"#,
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let store = Store::connect(
-        &format!("sqlite://{}", dir.join(".orch/orch.db").display()),
-        ConnectOptions::default(),
-    )
-    .await
-    .unwrap();
+    let store = open(&dir).await;
     let t0 = Instant::now();
     let mut ended = Vec::new();
     while ended.len() < 3 {

@@ -6,37 +6,16 @@
 //! branch and one would be lost or fail. The default branch must end with every item's merge,
 //! and the service's unit tests must pass on its head.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::{ORCH, become_subreaper, demo_setup, python_available, terminate};
 use orch_store::{ConnectOptions, Store};
 
-const ORCH: &str = env!("CARGO_BIN_EXE_orch");
 const ITEMS: usize = 4;
-
-fn python_available() -> bool {
-    std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Makes this test process the reaper of orphans it creates (PID 1 here does not reap).
-fn become_subreaper() {
-    // SAFETY: prctl with constant arguments.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-}
-
-fn reap_orphans() {
-    loop {
-        // SAFETY: non-blocking wait for any child.
-        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
-        if pid <= 0 {
-            break;
-        }
-    }
-}
 
 fn orch(dir: &Path, url: &str, args: &[&str]) -> String {
     let out = std::process::Command::new(ORCH)
@@ -89,15 +68,6 @@ fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
         .unwrap()
 }
 
-async fn terminate(mut child: tokio::process::Child) {
-    if let Some(pid) = child.id() {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    }
-    let _ = tokio::time::timeout(Duration::from_secs(20), child.wait()).await;
-    reap_orphans();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_worker_processes_merge_four_items_without_losing_one() {
     if !python_available() {
@@ -107,16 +77,7 @@ async fn two_worker_processes_merge_four_items_without_losing_one() {
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
     let dir: PathBuf = tmp.path().join("demo");
-    let out = std::process::Command::new(ORCH)
-        .args(["demo", "--setup-only", "--dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    demo_setup(&dir);
     // Stop every item right after the merge: staging waits for an approval.
     let config = dir.join("orch.toml");
     let text = std::fs::read_to_string(&config).unwrap();

@@ -2,13 +2,14 @@
 //! `orch approve`, `orch cancel` stops a task for good, `orch retry` puts a failed task back at
 //! the stage it failed in; wrong-state commands are refused with a clear message.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use orch_store::{AdvanceStage, ConnectOptions, Fence, NewEvent, Store, Task};
-
-const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+use common::{ORCH, become_subreaper, demo_setup, open, reap_orphans, stop_service, terminate};
+use orch_store::{AdvanceStage, Fence, NewEvent, Store, Task};
 
 fn orch(config: &Path, args: &[&str]) -> Output {
     std::process::Command::new(ORCH)
@@ -36,27 +37,12 @@ async fn wait_for(store: &Store, id: &str, what: &str, pred: impl Fn(&Task) -> b
     }
 }
 
-fn reap_orphans() {
-    // SAFETY: non-blocking waits for our own children.
-    while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn approve_cancel_and_retry() {
-    // SAFETY: prctl with constant arguments.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+    become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
     let dir: PathBuf = tmp.path().join("demo");
-    let setup = std::process::Command::new(ORCH)
-        .args(["demo", "--setup-only", "--dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        setup.status.success(),
-        "{}",
-        String::from_utf8_lossy(&setup.stderr)
-    );
+    demo_setup(&dir);
     let config = dir.join("orch.toml");
     let mut text = std::fs::read_to_string(&config).unwrap();
     text.push_str("\n[pipeline.stages.architecture]\napproval = true\n");
@@ -73,7 +59,7 @@ async fn approve_cancel_and_retry() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let mut serve = tokio::process::Command::new(ORCH)
+    let serve = tokio::process::Command::new(ORCH)
         .arg("--config")
         .arg(&config)
         .args(["serve", "--bind", "127.0.0.1:0"])
@@ -85,12 +71,7 @@ async fn approve_cancel_and_retry() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let store = Store::connect(
-        &format!("sqlite://{}", dir.join(".orch/orch.db").display()),
-        ConnectOptions::default(),
-    )
-    .await
-    .unwrap();
+    let store = open(&dir).await;
     for id in ["APP-1", "APP-2", "APP-3"] {
         wait_for(&store, id, "the approval stage", |t| {
             t.stage == "architecture"
@@ -210,16 +191,8 @@ async fn approve_cancel_and_retry() {
         "{v}"
     );
 
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(serve.id().unwrap() as i32, libc::SIGTERM) };
-    let _ = tokio::time::timeout(Duration::from_secs(20), serve.wait()).await;
-    for env in ["production", "staging"] {
-        let _ = std::process::Command::new("sh")
-            .arg(dir.join("service/stop.sh"))
-            .arg(env)
-            .arg(dir.join("service-state"))
-            .status();
-    }
+    terminate(serve).await;
+    stop_service(&dir);
     reap_orphans();
     store.close().await;
 }

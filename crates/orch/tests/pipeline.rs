@@ -2,27 +2,17 @@
 //! the scripted demo agent (a CLI speaking Claude Code's JSON format), real deploy scripts and a
 //! real HTTP service; and `orch serve` killed during an agent run resumes and finishes.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use std::path::PathBuf;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use orch_store::{ConnectOptions, Store, Task};
-
-const ORCH: &str = env!("CARGO_BIN_EXE_orch");
-
-fn python_available() -> bool {
-    std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-async fn open(dir: &Path) -> Store {
-    let url = format!("sqlite://{}", dir.join(".orch/orch.db").display());
-    Store::connect(&url, ConnectOptions::default())
-        .await
-        .expect("open the demo database")
-}
+use common::{
+    ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
+    stop_service,
+};
+use orch_store::{Store, Task};
 
 async fn task(store: &Store, id: &str) -> Task {
     store
@@ -30,44 +20,6 @@ async fn task(store: &Store, id: &str) -> Task {
         .await
         .unwrap()
         .unwrap_or_else(|| panic!("{id} exists"))
-}
-
-fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
-    let out = std::process::Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(["show", rev_path])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn stop_service(dir: &Path) {
-    for env in ["production", "staging"] {
-        let _ = std::process::Command::new("sh")
-            .arg(dir.join("service/stop.sh"))
-            .arg(env)
-            .arg(dir.join("service-state"))
-            .status();
-    }
-}
-
-/// Makes this test process the reaper of orphans it creates (PID 1 here does not reap).
-fn become_subreaper() {
-    // SAFETY: prctl with constant arguments.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-}
-
-fn reap_orphans() {
-    loop {
-        // SAFETY: non-blocking wait for any child.
-        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
-        if pid <= 0 {
-            break;
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -210,49 +162,6 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     store.close().await;
 }
 
-struct Serve {
-    child: tokio::process::Child,
-}
-
-impl Serve {
-    fn start(dir: &Path, agent_sleep_ms: u64) -> Serve {
-        let child = tokio::process::Command::new(ORCH)
-            .arg("--config")
-            .arg(dir.join("orch.toml"))
-            .args(["serve", "--bind", "127.0.0.1:0", "--grace-s", "1"])
-            .env("ORCH_LOG", "warn")
-            .env("ORCH_LEASE_S", "2")
-            .env("ORCH_DEMO_AGENT_SLEEP_MS", agent_sleep_ms.to_string())
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn orch serve");
-        Serve { child }
-    }
-
-    /// SIGKILL to the whole process group: orch and the agent it is running.
-    async fn kill_group(mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: signalling our own child's process group.
-            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-        }
-        let _ = self.child.wait().await;
-        reap_orphans();
-    }
-
-    async fn terminate(mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await;
-        reap_orphans();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishes() {
     if !python_available() {
@@ -262,16 +171,7 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
     let dir: PathBuf = tmp.path().join("demo");
-    let setup = std::process::Command::new(ORCH)
-        .args(["demo", "--setup-only", "--dir"])
-        .arg(&dir)
-        .output()
-        .expect("run orch demo --setup-only");
-    assert!(
-        setup.status.success(),
-        "{}",
-        String::from_utf8_lossy(&setup.stderr)
-    );
+    demo_setup(&dir);
     let submit = std::process::Command::new(ORCH)
         .arg("--config")
         .arg(dir.join("orch.toml"))

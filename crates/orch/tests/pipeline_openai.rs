@@ -2,16 +2,18 @@
 //! speaking the OpenAI chat completions format (the only fake: a hosted model is outside this
 //! machine). The real `orch serve` drives the sample repo through every stage to `done`.
 
-use std::path::Path;
+mod common;
+
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use axum::Json;
 use axum::extract::State;
-use orch_store::{ConnectOptions, Store};
-
-const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+use common::{
+    ORCH, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
+    stop_service, terminate,
+};
 
 #[derive(Default)]
 struct Seen {
@@ -106,35 +108,9 @@ async fn chat(
     }))
 }
 
-fn become_subreaper() {
-    // SAFETY: prctl with constant arguments.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-}
-
-fn reap_orphans() {
-    // SAFETY: non-blocking waits for our own children.
-    while unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) } > 0 {}
-}
-
-fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
-    let out = std::process::Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(["show", rev_path])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_llm_stage_through_an_openai_compatible_endpoint() {
-    if std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
+    if !python_available() {
         eprintln!("python3 is not installed: the sample service cannot run; skipping");
         return;
     }
@@ -149,16 +125,7 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
 
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let setup = std::process::Command::new(ORCH)
-        .args(["demo", "--setup-only", "--dir"])
-        .arg(&dir)
-        .output()
-        .unwrap();
-    assert!(
-        setup.status.success(),
-        "{}",
-        String::from_utf8_lossy(&setup.stderr)
-    );
+    demo_setup(&dir);
     let config_path = dir.join("orch.toml");
     let config = std::fs::read_to_string(&config_path).unwrap();
     let cut = config
@@ -196,7 +163,7 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         "{}",
         String::from_utf8_lossy(&submit.stderr)
     );
-    let mut serve = tokio::process::Command::new(ORCH)
+    let serve = tokio::process::Command::new(ORCH)
         .arg("--config")
         .arg(&config_path)
         .args(["serve", "--bind", "127.0.0.1:0"])
@@ -208,12 +175,7 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         .kill_on_drop(true)
         .spawn()
         .unwrap();
-    let store = Store::connect(
-        &format!("sqlite://{}", dir.join(".orch/orch.db").display()),
-        ConnectOptions::default(),
-    )
-    .await
-    .unwrap();
+    let store = open(&dir).await;
     let t0 = Instant::now();
     let task = loop {
         let t = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
@@ -227,19 +189,8 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    // SAFETY: signalling our own child.
-    unsafe { libc::kill(serve.id().unwrap() as i32, libc::SIGTERM) };
-    let _ = tokio::time::timeout(Duration::from_secs(20), serve.wait()).await;
-    let _ = std::process::Command::new("sh")
-        .arg(dir.join("service/stop.sh"))
-        .arg("production")
-        .arg(dir.join("service-state"))
-        .status();
-    let _ = std::process::Command::new("sh")
-        .arg(dir.join("service/stop.sh"))
-        .arg("staging")
-        .arg(dir.join("service-state"))
-        .status();
+    terminate(serve).await;
+    stop_service(&dir);
     reap_orphans();
 
     let events = store.task_events(task.id).await.unwrap();

@@ -5,42 +5,21 @@
 //! of defers (no extra, none lost) and then fails `tool_error_exhausted`. While the restarted
 //! process works, `GET /queue` shows the `staging_runner` counters moving (D-4).
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::io::{Read as _, Write as _};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use common::{
+    ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
+};
 use orch_domain::staging::{DEFER_MARKER_PREFIX, defer_marker};
-use orch_store::{ConnectOptions, Store, Task};
-
-const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+use orch_store::{Store, Task};
 
 /// The repo's `staging_defer_limit` (the default).
 const DEFER_LIMIT: usize = 2;
-
-fn python_available() -> bool {
-    std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-/// Makes this test process the reaper of orphans it creates (PID 1 here does not reap).
-fn become_subreaper() {
-    // SAFETY: prctl with constant arguments.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-}
-
-fn reap_orphans() {
-    loop {
-        // SAFETY: non-blocking wait for any child.
-        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
-        if pid <= 0 {
-            break;
-        }
-    }
-}
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -69,16 +48,7 @@ fn orch(dir: &Path, args: &[&str]) -> String {
 /// `orch demo --setup-only`, then the first staging step runs a tool that does not exist, the
 /// defers wait one second instead of a minute, and a failed stage does not loop back.
 fn setup(dir: &Path) {
-    let out = std::process::Command::new(ORCH)
-        .args(["demo", "--setup-only", "--dir"])
-        .arg(dir)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    demo_setup(dir);
     let path = dir.join("orch.toml");
     let text = std::fs::read_to_string(&path).unwrap();
     let step = "name = \"unit-tests\"\nrun = \"python3 -m unittest -q\"";
@@ -101,41 +71,16 @@ fn setup(dir: &Path) {
     std::fs::write(&path, text).unwrap();
 }
 
-async fn open(dir: &Path) -> Store {
-    let url = format!("sqlite://{}", dir.join(".orch/orch.db").display());
-    Store::connect(&url, ConnectOptions::default())
-        .await
-        .unwrap()
-}
-
 async fn task(store: &Store, id: &str) -> Task {
     store.get_task_by_work_item(id).await.unwrap().unwrap()
 }
 
-fn spawn_serve(dir: &Path, port: u16, failpoints: Option<&str>) -> tokio::process::Child {
-    let mut cmd = tokio::process::Command::new(ORCH);
-    cmd.arg("--config")
-        .arg(dir.join("orch.toml"))
-        .args([
-            "serve",
-            "--bind",
-            &format!("127.0.0.1:{port}"),
-            "--grace-s",
-            "1",
-        ])
-        .env("ORCH_LOG", "warn")
-        .env("ORCH_LEASE_S", "2")
-        .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
-        .env_remove("ORCH_FAILPOINTS")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .kill_on_drop(true);
+fn spawn_serve(dir: &Path, port: u16, failpoints: Option<&str>) -> Serve {
+    let mut cmd = Serve::command(dir, &format!("127.0.0.1:{port}"));
     if let Some(fp) = failpoints {
         cmd.env("ORCH_FAILPOINTS", fp);
     }
-    cmd.spawn().unwrap()
+    Serve::spawn(cmd)
 }
 
 /// `GET /queue` → the `staging_runner` counters (None while the server is not answering).
@@ -157,18 +102,6 @@ fn staging_counters(port: u16) -> Option<BTreeMap<String, u64>> {
             .map(|(k, v)| (k.clone(), v.as_u64().unwrap_or(0)))
             .collect(),
     )
-}
-
-fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
-    let out = std::process::Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(["show", rev_path])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -198,7 +131,7 @@ async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
     // First run: aborts at the first defer, after the deferred job is in the queue.
     let port = free_port();
     let mut first = spawn_serve(&dir, port, Some("engine.after_requeue"));
-    let status = tokio::time::timeout(Duration::from_secs(240), first.wait())
+    let status = tokio::time::timeout(Duration::from_secs(240), first.child.wait())
         .await
         .expect("orch serve reaches the first staging defer within 240 s")
         .unwrap();
@@ -225,7 +158,7 @@ async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
 
     // Second run: rescues the interrupted job, finishes the visit; /queue shows it.
     let port = free_port();
-    let mut second = spawn_serve(&dir, port, None);
+    let second = spawn_serve(&dir, port, None);
     let mut samples: Vec<BTreeMap<String, u64>> = Vec::new();
     let t0 = Instant::now();
     let end = loop {
@@ -249,12 +182,7 @@ async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
     {
         samples.push(c);
     }
-    if let Some(pid) = second.id() {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-    }
-    let _ = tokio::time::timeout(Duration::from_secs(20), second.wait()).await;
-    reap_orphans();
+    second.terminate().await;
 
     assert!(
         end.stage == "failed" || end.stage == "implementation",

@@ -5,72 +5,24 @@
 //! seeded random instants and restarted each time. The watch must still count each poll tick
 //! once, decide FAILED, and roll back exactly once.
 
+mod common;
+
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use orch_store::{ConnectOptions, Store, Task};
+use common::{
+    ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
+    stop_service,
+};
+use orch_store::{Store, Task};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const ORCH: &str = env!("CARGO_BIN_EXE_orch");
 /// The seed of the kill schedule; `ORCH_CRASH_SEED` overrides it to replay another schedule.
 const DEFAULT_SEED: u64 = 0x5eed_0021;
 
-fn python_available() -> bool {
-    std::process::Command::new("python3")
-        .arg("--version")
-        .output()
-        .is_ok_and(|o| o.status.success())
-}
-
-async fn open(dir: &Path) -> Store {
-    let url = format!("sqlite://{}", dir.join(".orch/orch.db").display());
-    Store::connect(&url, ConnectOptions::default())
-        .await
-        .expect("open the demo database")
-}
-
 async fn task(store: &Store, id: &str) -> Option<Task> {
     store.get_task_by_work_item(id).await.unwrap()
-}
-
-fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
-    let out = std::process::Command::new("git")
-        .arg("-C")
-        .arg(repo)
-        .args(["show", rev_path])
-        .output()
-        .ok()?;
-    out.status
-        .success()
-        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn stop_service(dir: &Path) {
-    for env in ["production", "staging"] {
-        let _ = std::process::Command::new("sh")
-            .arg(dir.join("service/stop.sh"))
-            .arg(env)
-            .arg(dir.join("service-state"))
-            .status();
-    }
-}
-
-/// Makes this test process the reaper of orphans it creates (PID 1 here does not reap).
-fn become_subreaper() {
-    // SAFETY: prctl with constant arguments.
-    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
-}
-
-fn reap_orphans() {
-    loop {
-        // SAFETY: non-blocking wait for any child.
-        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
-        if pid <= 0 {
-            break;
-        }
-    }
 }
 
 fn orch(dir: &Path, args: &[&str]) {
@@ -85,49 +37,6 @@ fn orch(dir: &Path, args: &[&str]) {
         "orch {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-struct Serve {
-    child: tokio::process::Child,
-}
-
-impl Serve {
-    fn start(dir: &Path) -> Serve {
-        let child = tokio::process::Command::new(ORCH)
-            .arg("--config")
-            .arg(dir.join("orch.toml"))
-            .args(["serve", "--bind", "127.0.0.1:0", "--grace-s", "1"])
-            .env("ORCH_LOG", "warn")
-            .env("ORCH_LEASE_S", "2")
-            .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .process_group(0)
-            .kill_on_drop(true)
-            .spawn()
-            .expect("spawn orch serve");
-        Serve { child }
-    }
-
-    /// SIGKILL to the whole process group: orch and whatever it runs in that group.
-    async fn kill_group(mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: signalling our own child's process group.
-            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
-        }
-        let _ = self.child.wait().await;
-        reap_orphans();
-    }
-
-    async fn terminate(mut self) {
-        if let Some(pid) = self.child.id() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
-        }
-        let _ = tokio::time::timeout(Duration::from_secs(20), self.child.wait()).await;
-        reap_orphans();
-    }
 }
 
 /// Waits until `id` satisfies `done`, failing after `limit`.
@@ -173,16 +82,7 @@ async fn a_watch_killed_at_random_instants_counts_each_tick_once_and_rolls_back_
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let setup = std::process::Command::new(ORCH)
-        .args(["demo", "--setup-only", "--dir"])
-        .arg(&dir)
-        .output()
-        .expect("run orch demo --setup-only");
-    assert!(
-        setup.status.success(),
-        "{}",
-        String::from_utf8_lossy(&setup.stderr)
-    );
+    demo_setup(&dir);
     // Each crash costs a lease (2 s) plus a restart, and a slot missed while no worker runs is
     // skipped, not polled late: give the watch a window the crashes cannot run out, so the
     // verdict comes from the service failing, not from the deadline.
@@ -196,7 +96,7 @@ async fn a_watch_killed_at_random_instants_counts_each_tick_once_and_rolls_back_
     .unwrap();
 
     let store = open(&dir).await;
-    let mut serve = Serve::start(&dir);
+    let mut serve = Serve::start(&dir, 50);
     // The first item deploys the initial production release (the one to roll back to).
     orch(
         &dir,
@@ -245,7 +145,7 @@ async fn a_watch_killed_at_random_instants_counts_each_tick_once_and_rolls_back_
         }
         serve.kill_group().await;
         kills.push(after.as_millis());
-        serve = Serve::start(&dir);
+        serve = Serve::start(&dir, 50);
     }
     let end = wait_for(&store, "APP-2", Duration::from_secs(240), Task::is_terminal).await;
     serve.terminate().await;

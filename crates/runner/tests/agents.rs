@@ -3,6 +3,8 @@
 //! fake `codex` printing JSONL events, agents that hang, print megabytes, exit without
 //! writing) and a loopback HTTP server speaking the OpenAI chat format.
 
+mod common;
+
 use std::collections::{BTreeMap, VecDeque};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -11,15 +13,12 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use orch_domain::config::{
-    AgentConfig, Backend, MergeStrategy, PostDeployConfig, PromptVia, RepoConfig, Settings,
-};
+use orch_domain::config::{AgentConfig, Backend, PromptVia, RepoConfig, Settings};
 use orch_domain::gate::Verdict;
-use orch_domain::ids::{AgentName, ArtifactName, WorkItemId};
+use orch_domain::ids::{AgentName, ArtifactName};
 use orch_domain::pipeline::Pipeline;
 use orch_exec::git::{Git, Pathspec};
 use orch_runner::agents::{AgentExecutor, RetryPolicy};
-use orch_runner::counters::Counters;
 use orch_runner::engine::{StageEffect, StageExecutor, StageRun};
 use orch_store::testing::TestDb;
 use orch_store::{
@@ -27,7 +26,6 @@ use orch_store::{
     WorkItemSpec,
 };
 use serde_json::{Value, json};
-use tokio_util::sync::CancellationToken;
 
 // --- fixture ---------------------------------------------------------------------------------
 
@@ -56,11 +54,7 @@ impl Fx {
         std::fs::create_dir_all(root.join("out")).unwrap();
         let repo_dir = root.join("repos/svc");
         let git = Git::new();
-        git.init_repo(&repo_dir, "main").await.unwrap();
-        std::fs::write(repo_dir.join("README.md"), "svc\n").unwrap();
-        git.add_and_commit(&repo_dir, &Pathspec::All, "init")
-            .await
-            .unwrap();
+        common::init_repo(&git, &repo_dir, "svc\n").await;
         let worktree = repo_dir.join("worktrees").join(ID);
         git.worktree_add(&repo_dir, &worktree, "orch/ORCH-1", "main")
             .await
@@ -121,26 +115,12 @@ impl Fx {
     fn run(&self, stage: &str) -> StageRun {
         let pipeline = Pipeline::default_pipeline();
         let stage = pipeline.stage(&stage.parse().unwrap()).unwrap().clone();
+        let (job, lease) = (self.job.clone(), self.lease);
+        let repo = repo_config(&self.repo_dir);
         StageRun {
-            store: self.db.store.clone(),
-            job: self.job.clone(),
-            lease: self.lease,
-            cancel: CancellationToken::new(),
-            task: self.task.clone(),
-            work_item: ID.parse::<WorkItemId>().unwrap(),
             stage,
-            repo_name: "svc".parse().unwrap(),
-            repo: repo_config(&self.repo_dir),
-            settings: Settings::default(),
-            repos_dir: self.root.join("repos"),
-            repo_dir: self.repo_dir.clone(),
-            worktree: self.worktree.clone(),
-            artifact_dir: self.artifact_dir(),
-            feedback: None,
-            loops: 0,
             git: self.git.clone(),
-            counters: Arc::new(Counters::new()),
-            node: "test-node".into(),
+            ..common::stage_run(&self.db, &self.task, job, lease, &self.repo_dir, repo)
         }
     }
 
@@ -165,25 +145,8 @@ impl Fx {
 fn repo_config(path: &Path) -> RepoConfig {
     RepoConfig {
         path: Some(path.display().to_string()),
-        url: None,
-        default_branch: "main".into(),
-        prefix: "ORCH".parse().unwrap(),
-        test: None,
         test_timeout_s: 1800,
-        staging: Vec::new(),
-        staging_smoke: Vec::new(),
-        deploy: None,
-        deploy_timeout_s: 900,
-        rollback: None,
-        health_url: None,
-        revision_url: None,
-        alert: None,
-        alert_webhook: None,
-        merge_strategy: MergeStrategy::Ff,
-        post_deploy: PostDeployConfig::default(),
-        staging_defer_limit: 2,
-        staging_defer_delay_s: None,
-        lessons_file: "LESSONS.md".into(),
+        ..common::repo_config("ORCH")
     }
 }
 

@@ -9,25 +9,21 @@
 //! To accept an intended change: `ORCH_UPDATE_SNAPSHOTS=1 cargo test -p orch-runner --test
 //! artifact_snapshots`.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
+mod common;
 
-use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
-use orch_domain::ids::WorkItemId;
-use orch_domain::pipeline::Pipeline;
+use std::path::{Path, PathBuf};
+
+use orch_domain::config::RepoConfig;
 use orch_domain::staging::{
     DeferPolicy, StagingEnvironment, StagingLog, StagingPlan, StepExit, StepResult, classify,
     decide_after, render_staging_log,
 };
-use orch_exec::{Git, Pathspec};
-use orch_runner::counters::Counters;
-use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
+use orch_exec::Pathspec;
+use orch_runner::engine::{StageEffect, StageExecutor};
 use orch_runner::stages::{MergeGateExecutor, TesterExecutor};
-use orch_store::testing::{T0, TestDb};
-use orch_store::{Claim, NewEvent, NewJob, NewTask, WorkItemSpec};
-use tokio_util::sync::CancellationToken;
+use orch_store::testing::T0;
 
-const ID: &str = "DEMO-1";
+use common::{Fixture, ID};
 
 /// Compares `actual` with `tests/snapshots/<name>`, or rewrites it under ORCH_UPDATE_SNAPSHOTS=1.
 fn check(name: &str, actual: &str) {
@@ -239,116 +235,9 @@ fn staging_log_failed_smoke() {
 
 fn repo_config(test: Option<&str>) -> RepoConfig {
     RepoConfig {
-        path: None,
-        url: None,
-        default_branch: "main".into(),
-        prefix: "DEMO".parse().unwrap(),
         test: test.map(str::to_owned),
         test_timeout_s: 30,
-        staging: vec![],
-        staging_smoke: vec![],
-        deploy: None,
-        deploy_timeout_s: 900,
-        rollback: None,
-        health_url: None,
-        revision_url: None,
-        merge_strategy: MergeStrategy::Ff,
-        post_deploy: PostDeployConfig::default(),
-        staging_defer_limit: 2,
-        staging_defer_delay_s: None,
-        alert: None,
-        alert_webhook: None,
-        lessons_file: "LESSONS.md".into(),
-    }
-}
-
-/// A store with a manual clock, a repo `demo` with one commit on `main`, a task `DEMO-1` at
-/// `stage` with a claimed job of `agent`, and its worktree on `orch/DEMO-1`.
-struct Fixture {
-    _db: TestDb,
-    _tmp: tempfile::TempDir,
-    run: StageRun,
-    counters: Arc<Counters>,
-}
-
-async fn fixture(stage: &str, agent: &str, repo: RepoConfig) -> Fixture {
-    let tmp = tempfile::tempdir().unwrap();
-    let repos_dir = tmp.path().join("repos");
-    let repo_dir = repos_dir.join("demo");
-    let git = Git::new();
-    git.init_repo(&repo_dir, "main").await.unwrap();
-    std::fs::write(repo_dir.join("README.md"), "demo\n").unwrap();
-    git.add_and_commit(&repo_dir, &Pathspec::All, "init")
-        .await
-        .unwrap();
-    let db = TestDb::sqlite().await;
-    let store = db.store.clone();
-    let content = StageJob {
-        stage: stage.into(),
-        seq: 0,
-    }
-    .to_content();
-    let task = store
-        .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(ID.into()),
-            repo: "demo".into(),
-            title: "a change".into(),
-            body: "body".into(),
-            stage: stage.into(),
-            branch_prefix: "orch/".into(),
-            event: NewEvent::new("task.created", "created"),
-            first_job: Some(NewJob::new(agent, content)),
-        })
-        .await
-        .unwrap();
-    let claimed = store
-        .claim(&Claim {
-            worker_id: "test".into(),
-            limit: 1,
-            lease_ms: 60_000,
-            kinds: vec![agent.into()],
-            node: None,
-        })
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
-    let worktree = repo_dir.join("worktrees").join(ID);
-    git.worktree_add(&repo_dir, &worktree, &task.branch, "main")
-        .await
-        .unwrap();
-    let work_item: WorkItemId = ID.parse().unwrap();
-    let stage_def = Pipeline::default_pipeline()
-        .stage(&stage.parse().unwrap())
-        .unwrap()
-        .clone();
-    let counters = Arc::new(Counters::new());
-    let run = StageRun {
-        store,
-        job: claimed.job,
-        lease: claimed.lease,
-        cancel: CancellationToken::new(),
-        task,
-        work_item: work_item.clone(),
-        stage: stage_def,
-        repo_name: "demo".parse().unwrap(),
-        repo,
-        settings: Settings::default(),
-        repos_dir,
-        repo_dir,
-        artifact_dir: worktree.join(work_item.artifact_dir()),
-        worktree,
-        feedback: None,
-        loops: 0,
-        git,
-        counters: counters.clone(),
-        node: "test-node".into(),
-    };
-    Fixture {
-        _db: db,
-        _tmp: tmp,
-        run,
-        counters,
+        ..common::repo_config("DEMO")
     }
 }
 
@@ -358,7 +247,7 @@ fn read(path: &Path) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_report_passed() {
-    let f = fixture(
+    let f = Fixture::new(
         "verification",
         "tester",
         repo_config(Some("printf 'Ran 3 tests\\n\\nOK\\n'")),
@@ -375,7 +264,7 @@ async fn test_report_passed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn test_report_failed() {
-    let f = fixture(
+    let f = Fixture::new(
         "verification",
         "tester",
         repo_config(Some("echo 'FAIL: test_health' >&2; exit 3")),
@@ -392,7 +281,7 @@ async fn test_report_failed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merge_log_merged() {
-    let f = fixture("merge", "merge-gate", repo_config(Some("echo verified"))).await;
+    let f = Fixture::new("merge", "merge-gate", repo_config(Some("echo verified"))).await;
     std::fs::write(f.run.worktree.join("feature.txt"), "a feature\n").unwrap();
     f.run
         .git
@@ -410,7 +299,7 @@ async fn merge_log_merged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merge_log_conflict() {
-    let f = fixture("merge", "merge-gate", repo_config(Some("echo verified"))).await;
+    let f = Fixture::new("merge", "merge-gate", repo_config(Some("echo verified"))).await;
     std::fs::write(f.run.worktree.join("README.md"), "the branch's readme\n").unwrap();
     f.run
         .git

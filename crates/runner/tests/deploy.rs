@@ -5,6 +5,8 @@
 //! is finalized without deploying twice; the finalizer's defers are bounded and counted from
 //! the jobs queue; a recorded outcome is replayed after the markers are gone.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,17 +16,14 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use orch_deploystate::{ArmedRead, DeployResult, DeployState, MARKER_INITIATED, WatchState};
-use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
+use orch_domain::config::RepoConfig;
 use orch_domain::gate::{GateOutcome, Verdict};
-use orch_domain::ids::{RepoName, StageName, WorkItemId};
-use orch_domain::pipeline::Pipeline;
-use orch_exec::{Git, Pathspec};
+use orch_exec::Git;
 use orch_runner::counters::Counters;
 use orch_runner::deploy::{DeployerExecutor, events, finalize_marker_prefix};
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
 use orch_store::{JobCount, Lease, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
-use tokio_util::sync::CancellationToken;
 
 const ITEM: &str = "ORCH-7";
 
@@ -64,10 +63,7 @@ async fn serve(ctl: PathBuf) -> String {
         .route("/revision", get(revision))
         .route("/hook", axum::routing::post(hook))
         .with_state(Arc::new(ctl));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}")
+    common::listen(app).await
 }
 
 struct Fx {
@@ -95,11 +91,7 @@ impl Fx {
         let repos_dir = tmp.path().join("repos");
         let repo_dir = repos_dir.join("app");
         let git = Git::new();
-        git.init_repo(&repo_dir, "main").await.unwrap();
-        std::fs::write(repo_dir.join("README.md"), "app\n").unwrap();
-        git.add_and_commit(&repo_dir, &Pathspec::All, "init")
-            .await
-            .unwrap();
+        common::init_repo(&git, &repo_dir, "app\n").await;
         let revision = git.rev_parse(&repo_dir, "main").await.unwrap().unwrap();
         let base = serve(ctl.clone()).await;
         let repo = repo_config(
@@ -165,30 +157,19 @@ impl Fx {
 
     async fn run_of(&self, job_id: i64) -> StageRun {
         let job = self.db.store.get_job(job_id).await.unwrap().unwrap();
-        let worktree = self.repo_dir.join("worktrees").join(ITEM);
+        let lease = Lease { job_id, attempt: 1 };
         StageRun {
-            store: self.db.store.clone(),
-            job,
-            lease: Lease { job_id, attempt: 1 },
-            cancel: CancellationToken::new(),
-            task: self.task.clone(),
-            work_item: ITEM.parse::<WorkItemId>().unwrap(),
-            stage: Pipeline::default_pipeline()
-                .stage(&"deploy".parse::<StageName>().unwrap())
-                .unwrap()
-                .clone(),
-            repo_name: "app".parse::<RepoName>().unwrap(),
-            repo: self.repo.clone(),
-            settings: Settings::default(),
-            repos_dir: self.repos_dir.clone(),
-            repo_dir: self.repo_dir.clone(),
-            artifact_dir: worktree.join("docs/work-items").join(ITEM),
-            worktree,
-            feedback: None,
-            loops: 0,
             git: self.git.clone(),
             counters: self.counters.clone(),
             node: "node-a".into(),
+            ..common::stage_run(
+                &self.db,
+                &self.task,
+                job,
+                lease,
+                &self.repo_dir,
+                self.repo.clone(),
+            )
         }
     }
 
@@ -240,25 +221,11 @@ impl Fx {
 fn repo_config(repo_dir: &Path, deploy: Option<String>, base: &str) -> RepoConfig {
     RepoConfig {
         path: Some(repo_dir.display().to_string()),
-        url: None,
-        default_branch: "main".into(),
-        prefix: "ORCH".parse().unwrap(),
-        test: None,
-        test_timeout_s: 60,
-        staging: Vec::new(),
-        staging_smoke: Vec::new(),
         deploy,
         deploy_timeout_s: 60,
-        rollback: None,
         health_url: Some(format!("{base}/health")),
         revision_url: Some(format!("{base}/revision")),
-        alert: None,
-        alert_webhook: None,
-        merge_strategy: MergeStrategy::default(),
-        post_deploy: PostDeployConfig::default(),
-        staging_defer_limit: 2,
-        staging_defer_delay_s: None,
-        lessons_file: "LESSONS.md".into(),
+        ..common::repo_config("ORCH")
     }
 }
 

@@ -4,6 +4,8 @@
 //! loopback service, deploy and rollback scripts. Lessons carry their provenance and are
 //! appended to the lessons file once, however often the stage runs.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,19 +16,15 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use orch_deploystate::{ArmOutcome, ArmedRecord, WatchState};
 use orch_domain::artifact::{Artifact, Frontmatter, Value};
-use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
-use orch_domain::ids::{RepoName, StageName, WorkItemId};
-use orch_domain::pipeline::Pipeline;
+use orch_domain::config::RepoConfig;
 use orch_exec::{Git, Pathspec};
-use orch_runner::counters::Counters;
 use orch_runner::deploy::lessons::{ENTRY_MARKER, LESSONS_ARTIFACT};
 use orch_runner::deploy::{DeployerExecutor, LessonsExecutor, MonitorExecutor, events};
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
 use orch_store::{
-    AdvanceStage, Claim, Fence, JobOutcome, Lease, NewEvent, NewJob, NewTask, Task, WorkItemSpec,
+    AdvanceStage, Claim, Fence, JobOutcome, NewEvent, NewJob, NewTask, Task, WorkItemSpec,
 };
-use tokio_util::sync::CancellationToken;
 
 const ITEM: &str = "ORCH-3";
 
@@ -51,37 +49,17 @@ impl Fx {
         let repos_dir = tmp.path().join("repos");
         let repo_dir = repos_dir.join("app");
         let git = Git::new();
-        git.init_repo(&repo_dir, "main").await.unwrap();
-        std::fs::write(repo_dir.join("README.md"), "app\n").unwrap();
-        git.add_and_commit(&repo_dir, &Pathspec::All, "init")
-            .await
-            .unwrap();
+        common::init_repo(&git, &repo_dir, "app\n").await;
         let worktree = repo_dir.join("worktrees").join(ITEM);
         git.worktree_add(&repo_dir, &worktree, &format!("orch/{ITEM}"), "main")
             .await
             .unwrap();
         let repo = RepoConfig {
             path: Some(repo_dir.display().to_string()),
-            url: None,
-            default_branch: "main".into(),
-            prefix: "ORCH".parse().unwrap(),
-            test: None,
-            test_timeout_s: 60,
-            staging: Vec::new(),
-            staging_smoke: Vec::new(),
-            deploy: None,
             deploy_timeout_s: 30,
-            rollback: None,
-            health_url: None,
-            revision_url: None,
-            alert: None,
-            alert_webhook: None,
-            merge_strategy: MergeStrategy::default(),
-            post_deploy: PostDeployConfig::default(),
-            staging_defer_limit: 2,
-            staging_defer_delay_s: None,
-            lessons_file: "LESSONS.md".into(),
+            ..common::repo_config("ORCH")
         };
+
         let task = db
             .store
             .create_task(NewTask {
@@ -167,37 +145,21 @@ impl Fx {
     }
 
     async fn run(&self, agent: &str, content: String) -> StageRun {
-        let job_id = self
-            .db
-            .store
-            .enqueue(NewJob::new(agent, content).task(self.task.id))
-            .await
-            .unwrap()
-            .job_id;
-        let job = self.db.store.get_job(job_id).await.unwrap().unwrap();
+        let (job, lease) = common::enqueue(&self.db, &self.task, agent, content).await;
         StageRun {
-            store: self.db.store.clone(),
-            job,
-            lease: Lease { job_id, attempt: 1 },
-            cancel: CancellationToken::new(),
-            task: self.task.clone(),
-            work_item: ITEM.parse::<WorkItemId>().unwrap(),
-            stage: Pipeline::default_pipeline()
-                .stage(&self.task.stage.parse::<StageName>().unwrap())
-                .unwrap()
-                .clone(),
-            repo_name: "app".parse::<RepoName>().unwrap(),
-            repo: self.repo.clone(),
-            settings: Settings::default(),
-            repos_dir: self.repos_dir.clone(),
-            repo_dir: self.repo_dir.clone(),
             worktree: self.worktree.clone(),
             artifact_dir: self.artifact_dir(),
-            feedback: None,
             loops: self.loops,
             git: self.git.clone(),
-            counters: Arc::new(Counters::new()),
             node: "node-a".into(),
+            ..common::stage_run(
+                &self.db,
+                &self.task,
+                job,
+                lease,
+                &self.repo_dir,
+                self.repo.clone(),
+            )
         }
     }
 
@@ -548,10 +510,7 @@ async fn serve(ctl: PathBuf) -> String {
         .route("/health", get(health))
         .route("/revision", get(revision))
         .with_state(Arc::new(ctl));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}")
+    common::listen(app).await
 }
 
 /// Runs `exec` for the task's current stage as the engine would until it produces.

@@ -4,6 +4,8 @@
 //! files the tests and scripts write. The engine's requeues are simulated by enqueueing the
 //! marker jobs it would enqueue, so tick counts come from the real jobs table.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,11 +16,8 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use orch_deploystate::{ArmOutcome, ArmedRecord, WatchState};
 use orch_domain::artifact::{Artifact, Frontmatter};
-use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
-use orch_domain::ids::{RepoName, StageName, WorkItemId};
+use orch_domain::config::{PostDeployConfig, RepoConfig};
 use orch_domain::monitor::{CheckOutcome, WatchParams};
-use orch_domain::pipeline::Pipeline;
-use orch_exec::Git;
 use orch_runner::counters::Counters;
 use orch_runner::deploy::monitor::supersede_others;
 use orch_runner::deploy::probe::{check_health, check_revision, live_revision};
@@ -31,7 +30,6 @@ use orch_store::testing::TestDb;
 use orch_store::{
     AdvanceStage, Fence, JobCount, Lease, NewEvent, NewJob, NewTask, Task, WorkItemSpec,
 };
-use tokio_util::sync::CancellationToken;
 
 const ITEM: &str = "ORCH-21";
 const REV: &str = "4f2a9c1e0b7d3a5f6e8c9b0a1d2e3f4a5b6c7d8e";
@@ -82,10 +80,7 @@ async fn serve(ctl: PathBuf) -> String {
         .route("/slow", get(slow))
         .route("/hook", axum::routing::post(hook))
         .with_state(Arc::new(ctl));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
-    format!("http://{addr}")
+    common::listen(app).await
 }
 
 /// A URL on a port nothing listens on.
@@ -123,31 +118,18 @@ impl Fx {
         let base = serve(ctl.clone()).await;
         let repo = RepoConfig {
             path: Some(repo_dir.display().to_string()),
-            url: None,
-            default_branch: "main".into(),
-            prefix: "ORCH".parse().unwrap(),
-            test: None,
-            test_timeout_s: 60,
-            staging: Vec::new(),
-            staging_smoke: Vec::new(),
-            deploy: None,
             deploy_timeout_s: 30,
-            rollback: None,
             health_url: Some(format!("{base}/health")),
             revision_url: Some(format!("{base}/revision")),
-            alert: None,
-            alert_webhook: None,
-            merge_strategy: MergeStrategy::default(),
             post_deploy: PostDeployConfig {
                 window_s: PARAMS.window_s,
                 interval_s: PARAMS.interval_s,
                 initial_delay_s: PARAMS.initial_delay_s,
                 poll_timeout_s: PARAMS.poll_timeout_s,
             },
-            staging_defer_limit: 2,
-            staging_defer_delay_s: None,
-            lessons_file: "LESSONS.md".into(),
+            ..common::repo_config("ORCH")
         };
+
         let task = db
             .store
             .create_task(NewTask {
@@ -207,30 +189,18 @@ impl Fx {
 
     async fn run_of(&self, job_id: i64) -> StageRun {
         let job = self.db.store.get_job(job_id).await.unwrap().unwrap();
-        let worktree = self.repo_dir.join("worktrees").join(ITEM);
+        let lease = Lease { job_id, attempt: 1 };
         StageRun {
-            store: self.db.store.clone(),
-            job,
-            lease: Lease { job_id, attempt: 1 },
-            cancel: CancellationToken::new(),
-            task: self.task.clone(),
-            work_item: ITEM.parse::<WorkItemId>().unwrap(),
-            stage: Pipeline::default_pipeline()
-                .stage(&"observe".parse::<StageName>().unwrap())
-                .unwrap()
-                .clone(),
-            repo_name: "app".parse::<RepoName>().unwrap(),
-            repo: self.repo.clone(),
-            settings: Settings::default(),
-            repos_dir: self.repos_dir.clone(),
-            repo_dir: self.repo_dir.clone(),
-            artifact_dir: worktree.join("docs/work-items").join(ITEM),
-            worktree,
-            feedback: None,
-            loops: 0,
-            git: Git::new(),
             counters: self.counters.clone(),
             node: "node-a".into(),
+            ..common::stage_run(
+                &self.db,
+                &self.task,
+                job,
+                lease,
+                &self.repo_dir,
+                self.repo.clone(),
+            )
         }
     }
 

@@ -3,26 +3,25 @@
 //! infrastructure retries, real verification commands, and every `14-merge-log.md` read back
 //! through the unchanged `parse_merge_status` gate.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use orch_domain::artifact::{Artifact, Frontmatter, Value};
-use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
+use orch_domain::config::{MergeStrategy, RepoConfig};
 use orch_domain::gate::{MergeStatus, parse_merge_status};
-use orch_domain::ids::WorkItemId;
-use orch_domain::pipeline::Pipeline;
 use orch_domain::staging::rfc3339_utc;
 use orch_exec::{Cmd, Git, Pathspec};
 use orch_runner::counters::Counters;
-use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
+use orch_runner::engine::{StageEffect, StageExecutor, StageJob};
 use orch_runner::stages::MergeGateExecutor;
 use orch_runner::stages::merge_gate::{MERGE_LOCK_FILE, infra_retry_marker};
-use orch_store::testing::{T0, TestDb};
-use orch_store::{Claim, NewEvent, NewJob, NewTask, WorkItemSpec};
-use tokio_util::sync::CancellationToken;
+use orch_store::testing::T0;
+use orch_store::{NewEvent, NewJob, NewTask, WorkItemSpec};
 
-const ID: &str = "DEMO-1";
+use common::{Fixture, ID};
 
 /// Runs git directly (test setup that `Git` has no operation for).
 async fn sh_git(dir: &Path, args: &[&str]) -> String {
@@ -35,69 +34,29 @@ async fn sh_git(dir: &Path, args: &[&str]) -> String {
 
 fn repo_config(test: Option<&str>, merge_strategy: MergeStrategy) -> RepoConfig {
     RepoConfig {
-        path: None,
-        url: None,
-        default_branch: "main".into(),
-        prefix: "DEMO".parse().unwrap(),
         test: test.map(str::to_owned),
-        test_timeout_s: 60,
-        staging: vec![],
-        staging_smoke: vec![],
-        deploy: None,
-        deploy_timeout_s: 900,
-        rollback: None,
-        health_url: None,
-        revision_url: None,
-        alert: None,
-        alert_webhook: None,
         merge_strategy,
-        post_deploy: PostDeployConfig::default(),
-        staging_defer_limit: 2,
-        staging_defer_delay_s: None,
-        lessons_file: "LESSONS.md".into(),
+        ..common::repo_config("DEMO")
     }
 }
 
-/// A store, a repo `demo` with one commit on `main`, a task `DEMO-1` at `stage` with a claimed
-/// job of `agent`, and its worktree on `orch/DEMO-1`.
-struct Fixture {
-    _db: TestDb,
-    _tmp: tempfile::TempDir,
-    run: StageRun,
-    counters: Arc<Counters>,
-}
-
-async fn fixture(stage: &str, agent: &str, repo: RepoConfig) -> Fixture {
-    fixture_with(stage, agent, repo, Origin::None).await
-}
-
-/// Where the main checkout comes from.
+/// Where the main checkout comes from (`Fixture::new` makes a local repo without a remote).
 #[derive(Clone, Copy, PartialEq)]
 enum Origin {
-    /// A local repo without a remote.
-    None,
     /// A clone of a bare repo (pushes succeed).
     Bare,
     /// A clone of a non-bare repo with `main` checked out (git refuses pushes to it).
     Refusing,
 }
 
+/// The shared fixture over a main checkout that comes from `origin`.
 async fn fixture_with(stage: &str, agent: &str, repo: RepoConfig, origin: Origin) -> Fixture {
     let tmp = tempfile::tempdir().unwrap();
-    let repos_dir = tmp.path().join("repos");
-    let repo_dir = repos_dir.join("demo");
+    let repo_dir = Fixture::repo_dir_in(&tmp);
     let git = Git::new();
-    let seed = match origin {
-        Origin::None => repo_dir.clone(),
-        Origin::Bare | Origin::Refusing => tmp.path().join("upstream"),
-    };
-    git.init_repo(&seed, "main").await.unwrap();
-    std::fs::write(seed.join("README.md"), "demo\n").unwrap();
-    git.add_and_commit(&seed, &Pathspec::All, "init")
-        .await
-        .unwrap();
+    let seed = tmp.path().join("upstream");
+    common::init_repo(&git, &seed, "demo\n").await;
     match origin {
-        Origin::None => {}
         Origin::Refusing => git
             .clone_repo(seed.to_str().unwrap(), &repo_dir)
             .await
@@ -121,75 +80,7 @@ async fn fixture_with(stage: &str, agent: &str, repo: RepoConfig, origin: Origin
         }
     }
 
-    let db = TestDb::sqlite().await;
-    let store = db.store.clone();
-    let content = StageJob {
-        stage: stage.into(),
-        seq: 0,
-    }
-    .to_content();
-    let task = store
-        .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(ID.into()),
-            repo: "demo".into(),
-            title: "a change".into(),
-            body: "body".into(),
-            stage: stage.into(),
-            branch_prefix: "orch/".into(),
-            event: NewEvent::new("task.created", "created"),
-            first_job: Some(NewJob::new(agent, content)),
-        })
-        .await
-        .unwrap();
-    let claimed = store
-        .claim(&Claim {
-            worker_id: "test".into(),
-            limit: 1,
-            lease_ms: 60_000,
-            kinds: vec![agent.into()],
-            node: None,
-        })
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
-    let worktree = repo_dir.join("worktrees").join(ID);
-    git.worktree_add(&repo_dir, &worktree, &task.branch, "main")
-        .await
-        .unwrap();
-    let work_item: WorkItemId = ID.parse().unwrap();
-    let stage_def = Pipeline::default_pipeline()
-        .stage(&stage.parse().unwrap())
-        .unwrap()
-        .clone();
-    let counters = Arc::new(Counters::new());
-    let run = StageRun {
-        store,
-        job: claimed.job,
-        lease: claimed.lease,
-        cancel: CancellationToken::new(),
-        task,
-        work_item: work_item.clone(),
-        stage: stage_def,
-        repo_name: "demo".parse().unwrap(),
-        repo,
-        settings: Settings::default(),
-        repos_dir,
-        repo_dir,
-        artifact_dir: worktree.join(work_item.artifact_dir()),
-        worktree,
-        feedback: None,
-        loops: 0,
-        git,
-        counters: counters.clone(),
-        node: "test-node".into(),
-    };
-    Fixture {
-        _db: db,
-        _tmp: tmp,
-        run,
-        counters,
-    }
+    Fixture::in_repo(tmp, stage, agent, repo).await
 }
 
 fn read(path: &Path) -> Option<String> {
@@ -273,7 +164,7 @@ async fn dirty_outside_artifacts(f: &Fixture) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fast_forward_when_main_did_not_move() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(Some("test -f feature.txt"), MergeStrategy::Ff),
@@ -298,7 +189,7 @@ async fn fast_forward_when_main_did_not_move() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fast_forward_after_bringing_the_branch_up_to_date() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(
@@ -325,7 +216,7 @@ async fn fast_forward_after_bringing_the_branch_up_to_date() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merge_commit_strategy_records_a_merge() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(Some("true"), MergeStrategy::Merge),
@@ -354,7 +245,7 @@ async fn merge_commit_strategy_records_a_merge() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_conflict_lists_its_files_and_leaves_main_and_the_worktree_clean() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(Some("true"), MergeStrategy::Ff),
@@ -398,7 +289,7 @@ async fn a_conflict_lists_its_files_and_leaves_main_and_the_worktree_clean() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn verification_failing_on_the_updated_branch_is_failed() {
     let test = "if [ -f a.txt ] && [ -f b.txt ]; then echo 'a and b clash' >&2; exit 1; fi";
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(Some(test), MergeStrategy::Ff),
@@ -423,7 +314,7 @@ async fn verification_failing_on_the_updated_branch_is_failed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rerun_after_the_merge_reports_merged_without_merging_again() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(
@@ -500,7 +391,7 @@ async fn lock_contention_is_retried_a_bounded_number_of_times_counted_from_the_q
         (3, None),
         (7, None),
     ] {
-        let f = fixture(
+        let f = Fixture::new(
             "merge",
             "merge-gate",
             repo_config(Some("true"), MergeStrategy::Ff),
@@ -559,7 +450,7 @@ async fn lock_contention_is_retried_a_bounded_number_of_times_counted_from_the_q
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_lock_is_broken() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(Some("true"), MergeStrategy::Ff),
@@ -650,7 +541,7 @@ async fn a_refused_push_is_retried_and_undone_then_exhausted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merges_into_one_repo_are_serialized() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(Some("sleep 0.3"), MergeStrategy::Ff),
@@ -711,7 +602,7 @@ async fn merges_into_one_repo_are_serialized() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_main_checkout_off_the_default_branch_is_an_infrastructure_error() {
-    let f = fixture(
+    let f = Fixture::new(
         "merge",
         "merge-gate",
         repo_config(Some("true"), MergeStrategy::Ff),

@@ -3,24 +3,22 @@
 //! steps, and every `15-staging-log.md` read back through the unchanged `parse_staging_status`
 //! gate (D-3, AC-2/AC-5, TC-04).
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
 use orch_domain::artifact::{Artifact, Value};
-use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings, StepConfig};
+use orch_domain::config::{RepoConfig, StepConfig};
 use orch_domain::gate::{StagingStatus, parse_staging_status};
-use orch_domain::ids::WorkItemId;
-use orch_domain::pipeline::Pipeline;
 use orch_domain::staging::{defer_marker, rfc3339_utc};
-use orch_exec::{Git, Pathspec};
 use orch_runner::counters::Counters;
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_runner::stages::StagingExecutor;
-use orch_store::testing::{T0, TestDb};
-use orch_store::{Claim, JobCount, NewEvent, NewJob, NewTask, WorkItemSpec};
-use tokio_util::sync::CancellationToken;
+use orch_store::testing::T0;
+use orch_store::{JobCount, NewJob};
 
-const ID: &str = "DEMO-1";
+use common::{Fixture, ID};
 
 /// A step: name, shell command, timeout in seconds.
 type Step = (&'static str, &'static str, u64);
@@ -37,117 +35,11 @@ fn steps(list: &[Step]) -> Vec<StepConfig> {
 
 fn repo_config(staging: &[Step], smoke: &[Step], defer_limit: u32) -> RepoConfig {
     RepoConfig {
-        path: None,
-        url: None,
-        default_branch: "main".into(),
-        prefix: "DEMO".parse().unwrap(),
-        test: None,
         test_timeout_s: 1800,
         staging: steps(staging),
         staging_smoke: steps(smoke),
-        deploy: None,
-        deploy_timeout_s: 900,
-        rollback: None,
-        health_url: None,
-        revision_url: None,
-        alert: None,
-        alert_webhook: None,
-        merge_strategy: MergeStrategy::Ff,
-        post_deploy: PostDeployConfig::default(),
         staging_defer_limit: defer_limit,
-        staging_defer_delay_s: None,
-        lessons_file: "LESSONS.md".into(),
-    }
-}
-
-/// A store, a repo `demo` with one commit on `main`, a task `DEMO-1` at `stage` with a claimed
-/// job of `agent`, and its worktree on `orch/DEMO-1`.
-struct Fixture {
-    _db: TestDb,
-    _tmp: tempfile::TempDir,
-    run: StageRun,
-    counters: Arc<Counters>,
-}
-
-async fn fixture(stage: &str, agent: &str, repo: RepoConfig) -> Fixture {
-    let tmp = tempfile::tempdir().unwrap();
-    let repos_dir = tmp.path().join("repos");
-    let repo_dir = repos_dir.join("demo");
-    let git = Git::new();
-    git.init_repo(&repo_dir, "main").await.unwrap();
-    std::fs::write(repo_dir.join("README.md"), "demo\n").unwrap();
-    git.add_and_commit(&repo_dir, &Pathspec::All, "init")
-        .await
-        .unwrap();
-
-    let db = TestDb::sqlite().await;
-    let store = db.store.clone();
-    let content = StageJob {
-        stage: stage.into(),
-        seq: 0,
-    }
-    .to_content();
-    let task = store
-        .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(ID.into()),
-            repo: "demo".into(),
-            title: "a change".into(),
-            body: "body".into(),
-            stage: stage.into(),
-            branch_prefix: "orch/".into(),
-            event: NewEvent::new("task.created", "created"),
-            first_job: Some(NewJob::new(agent, content)),
-        })
-        .await
-        .unwrap();
-    let claimed = store
-        .claim(&Claim {
-            worker_id: "test".into(),
-            limit: 1,
-            lease_ms: 60_000,
-            kinds: vec![agent.into()],
-            node: None,
-        })
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
-    let worktree = repo_dir.join("worktrees").join(ID);
-    git.worktree_add(&repo_dir, &worktree, &task.branch, "main")
-        .await
-        .unwrap();
-    let work_item: WorkItemId = ID.parse().unwrap();
-    let stage_def = Pipeline::default_pipeline()
-        .stage(&stage.parse().unwrap())
-        .unwrap()
-        .clone();
-    let counters = Arc::new(Counters::new());
-    let run = StageRun {
-        store,
-        job: claimed.job,
-        lease: claimed.lease,
-        cancel: CancellationToken::new(),
-        task,
-        work_item: work_item.clone(),
-        stage: stage_def,
-        repo_name: "demo".parse().unwrap(),
-        repo,
-        settings: Settings::default(),
-        repos_dir,
-        repo_dir,
-        artifact_dir: worktree.join(work_item.artifact_dir()),
-        worktree,
-        feedback: None,
-        loops: 0,
-        git,
-        counters: counters.clone(),
-        node: "test-node".into(),
-    };
-    Fixture {
-        _db: db,
-        _tmp: tmp,
-        run,
-        counters,
+        ..common::repo_config("DEMO")
     }
 }
 
@@ -199,7 +91,7 @@ async fn check(
     want: Expect,
     counters: (u64, u64, u64, u64),
 ) -> Fixture {
-    let f = fixture("staging", "deployer", repo_config(staging, smoke, limit)).await;
+    let f = Fixture::new("staging", "deployer", repo_config(staging, smoke, limit)).await;
     earlier_defers(&f.run, defers, f.run.task.stage_seq).await;
     let runner = StagingExecutor::new(f.counters.clone());
     let effect = runner.execute(&f.run).await.unwrap();
@@ -420,7 +312,7 @@ async fn a_limit_of_zero_never_defers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn defers_of_another_stage_visit_do_not_count() {
-    let f = fixture(
+    let f = Fixture::new(
         "staging",
         "deployer",
         repo_config(&[("deploy", "no-such-tool-xyz", 30)], &[], 2),
@@ -506,7 +398,7 @@ async fn no_staging_steps_is_success_by_configuration() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_deployer_job_of_another_stage_is_refused_d1() {
-    let f = fixture("deploy", "deployer", repo_config(&[BUILD], &[], 2)).await;
+    let f = Fixture::new("deploy", "deployer", repo_config(&[BUILD], &[], 2)).await;
     let runner = StagingExecutor::new(f.counters.clone());
     match runner.execute(&f.run).await.unwrap() {
         StageEffect::Failed { reason } => assert!(reason.contains("(D1)"), "{reason}"),

@@ -2,138 +2,27 @@
 //! store, real `sh -c` test commands (passing, failing, hanging, missing), and every report
 //! read back through the unchanged `parse_test_status` gate.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 
 use orch_domain::artifact::{Artifact, Value};
-use orch_domain::config::{MergeStrategy, PostDeployConfig, RepoConfig, Settings};
+use orch_domain::config::RepoConfig;
 use orch_domain::gate::{TestStatus, parse_test_status};
-use orch_domain::ids::WorkItemId;
-use orch_domain::pipeline::Pipeline;
 use orch_domain::staging::rfc3339_utc;
-use orch_exec::{Git, Pathspec};
 use orch_runner::counters::Counters;
-use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
+use orch_runner::engine::{StageEffect, StageExecutor};
 use orch_runner::stages::TesterExecutor;
-use orch_store::testing::{T0, TestDb};
-use orch_store::{Claim, NewEvent, NewJob, NewTask, WorkItemSpec};
-use tokio_util::sync::CancellationToken;
+use orch_store::testing::T0;
 
-const ID: &str = "DEMO-1";
+use common::{Fixture, ID};
 
 fn repo_config(test: Option<&str>, test_timeout_s: u64) -> RepoConfig {
     RepoConfig {
-        path: None,
-        url: None,
-        default_branch: "main".into(),
-        prefix: "DEMO".parse().unwrap(),
         test: test.map(str::to_owned),
         test_timeout_s,
-        staging: vec![],
-        staging_smoke: vec![],
-        deploy: None,
-        deploy_timeout_s: 900,
-        rollback: None,
-        health_url: None,
-        revision_url: None,
-        alert: None,
-        alert_webhook: None,
-        merge_strategy: MergeStrategy::Ff,
-        post_deploy: PostDeployConfig::default(),
-        staging_defer_limit: 2,
-        staging_defer_delay_s: None,
-        lessons_file: "LESSONS.md".into(),
-    }
-}
-
-/// A store, a repo `demo` with one commit on `main`, a task `DEMO-1` at `stage` with a claimed
-/// job of `agent`, and its worktree on `orch/DEMO-1`.
-struct Fixture {
-    _db: TestDb,
-    _tmp: tempfile::TempDir,
-    run: StageRun,
-    counters: Arc<Counters>,
-}
-
-async fn fixture(stage: &str, agent: &str, repo: RepoConfig) -> Fixture {
-    let tmp = tempfile::tempdir().unwrap();
-    let repos_dir = tmp.path().join("repos");
-    let repo_dir = repos_dir.join("demo");
-    let git = Git::new();
-    git.init_repo(&repo_dir, "main").await.unwrap();
-    std::fs::write(repo_dir.join("README.md"), "demo\n").unwrap();
-    git.add_and_commit(&repo_dir, &Pathspec::All, "init")
-        .await
-        .unwrap();
-
-    let db = TestDb::sqlite().await;
-    let store = db.store.clone();
-    let content = StageJob {
-        stage: stage.into(),
-        seq: 0,
-    }
-    .to_content();
-    let task = store
-        .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(ID.into()),
-            repo: "demo".into(),
-            title: "a change".into(),
-            body: "body".into(),
-            stage: stage.into(),
-            branch_prefix: "orch/".into(),
-            event: NewEvent::new("task.created", "created"),
-            first_job: Some(NewJob::new(agent, content)),
-        })
-        .await
-        .unwrap();
-    let claimed = store
-        .claim(&Claim {
-            worker_id: "test".into(),
-            limit: 1,
-            lease_ms: 60_000,
-            kinds: vec![agent.into()],
-            node: None,
-        })
-        .await
-        .unwrap()
-        .pop()
-        .unwrap();
-    let worktree = repo_dir.join("worktrees").join(ID);
-    git.worktree_add(&repo_dir, &worktree, &task.branch, "main")
-        .await
-        .unwrap();
-    let work_item: WorkItemId = ID.parse().unwrap();
-    let stage_def = Pipeline::default_pipeline()
-        .stage(&stage.parse().unwrap())
-        .unwrap()
-        .clone();
-    let counters = Arc::new(Counters::new());
-    let run = StageRun {
-        store,
-        job: claimed.job,
-        lease: claimed.lease,
-        cancel: CancellationToken::new(),
-        task,
-        work_item: work_item.clone(),
-        stage: stage_def,
-        repo_name: "demo".parse().unwrap(),
-        repo,
-        settings: Settings::default(),
-        repos_dir,
-        repo_dir,
-        artifact_dir: worktree.join(work_item.artifact_dir()),
-        worktree,
-        feedback: None,
-        loops: 0,
-        git,
-        counters: counters.clone(),
-        node: "test-node".into(),
-    };
-    Fixture {
-        _db: db,
-        _tmp: tmp,
-        run,
-        counters,
+        ..common::repo_config("DEMO")
     }
 }
 
@@ -152,7 +41,7 @@ struct Expect {
 /// Runs the tester with `test` under `timeout_s` and checks the effect, the report (through
 /// the gate and key by key) and the counters.
 async fn check(test: &str, timeout_s: u64, want: Expect) {
-    let f = fixture("verification", "tester", repo_config(Some(test), timeout_s)).await;
+    let f = Fixture::new("verification", "tester", repo_config(Some(test), timeout_s)).await;
     let tester = TesterExecutor::new(f.counters.clone());
     let effect = tester.execute(&f.run).await.unwrap();
     assert!(
@@ -280,7 +169,7 @@ async fn output_with_backticks_cannot_close_the_fence() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_test_command_fails_the_stage_without_a_report() {
     for test in [None, Some("   ")] {
-        let f = fixture("verification", "tester", repo_config(test, 30)).await;
+        let f = Fixture::new("verification", "tester", repo_config(test, 30)).await;
         let tester = TesterExecutor::new(f.counters.clone());
         match tester.execute(&f.run).await.unwrap() {
             StageEffect::Failed { reason } => {
@@ -295,7 +184,7 @@ async fn no_test_command_fails_the_stage_without_a_report() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_worktree_is_a_transient_error() {
-    let mut f = fixture("verification", "tester", repo_config(Some("true"), 30)).await;
+    let mut f = Fixture::new("verification", "tester", repo_config(Some("true"), 30)).await;
     f.run.worktree = f.run.repos_dir.join("gone");
     let tester = TesterExecutor::new(f.counters.clone());
     let err = tester.execute(&f.run).await.unwrap_err();

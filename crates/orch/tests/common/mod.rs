@@ -1,0 +1,151 @@
+//! The process helpers the end-to-end tests of the `orch` binary share: reaping the orphans the
+//! demo leaves, stopping the demo's sample service, reading a committed file, opening the demo's
+//! database, `orch demo --setup-only`, and an `orch serve` child that can be killed as a group
+//! or stopped with SIGTERM.
+
+#![allow(dead_code)]
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use orch_store::{ConnectOptions, Store};
+
+/// The `orch` binary under test.
+pub const ORCH: &str = env!("CARGO_BIN_EXE_orch");
+
+/// Whether `python3` runs here (the demo's sample service needs it).
+pub fn python_available() -> bool {
+    std::process::Command::new("python3")
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Makes this test process the reaper of orphans it creates (PID 1 here does not reap).
+pub fn become_subreaper() {
+    // SAFETY: prctl with constant arguments.
+    unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+}
+
+/// Reaps every child that has exited, without blocking.
+pub fn reap_orphans() {
+    loop {
+        // SAFETY: non-blocking wait for any child.
+        let pid = unsafe { libc::waitpid(-1, std::ptr::null_mut(), libc::WNOHANG) };
+        if pid <= 0 {
+            break;
+        }
+    }
+}
+
+/// Stops the demo's sample service in both environments.
+pub fn stop_service(dir: &Path) {
+    for env in ["production", "staging"] {
+        let _ = std::process::Command::new("sh")
+            .arg(dir.join("service/stop.sh"))
+            .arg(env)
+            .arg(dir.join("service-state"))
+            .status();
+    }
+}
+
+/// `git show <rev:path>` in `repo`; None when git fails.
+pub fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["show", rev_path])
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The demo's database in `dir`.
+pub async fn open(dir: &Path) -> Store {
+    let url = format!("sqlite://{}", dir.join(".orch/orch.db").display());
+    Store::connect(&url, ConnectOptions::default())
+        .await
+        .expect("open the demo database")
+}
+
+/// `orch demo --setup-only --dir <dir>`, which must succeed.
+pub fn demo_setup(dir: &Path) {
+    let out = std::process::Command::new(ORCH)
+        .args(["demo", "--setup-only", "--dir"])
+        .arg(dir)
+        .output()
+        .expect("run orch demo --setup-only");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// SIGTERM to `child`, up to 20 s for it to exit, then reaps the orphans.
+pub async fn terminate(mut child: tokio::process::Child) {
+    if let Some(pid) = child.id() {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+    }
+    let _ = tokio::time::timeout(Duration::from_secs(20), child.wait()).await;
+    reap_orphans();
+}
+
+/// A running `orch serve` of the demo in `dir`.
+pub struct Serve {
+    pub child: tokio::process::Child,
+}
+
+impl Serve {
+    /// The crash tests' `orch serve` on `bind`: its own process group, a 1 s grace, 2 s leases,
+    /// 50 ms demo agents, no failpoints, silent.
+    pub fn command(dir: &Path, bind: &str) -> tokio::process::Command {
+        let mut cmd = tokio::process::Command::new(ORCH);
+        cmd.arg("--config")
+            .arg(dir.join("orch.toml"))
+            .args(["serve", "--bind", bind, "--grace-s", "1"])
+            .env("ORCH_LOG", "warn")
+            .env("ORCH_LEASE_S", "2")
+            .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
+            .env_remove("ORCH_FAILPOINTS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .kill_on_drop(true);
+        cmd
+    }
+
+    /// Spawns `cmd`.
+    pub fn spawn(mut cmd: tokio::process::Command) -> Serve {
+        Serve {
+            child: cmd.spawn().expect("spawn orch serve"),
+        }
+    }
+
+    /// [`Serve::command`] on a free port, with demo agents that take `agent_sleep_ms`.
+    pub fn start(dir: &Path, agent_sleep_ms: u64) -> Serve {
+        let mut cmd = Serve::command(dir, "127.0.0.1:0");
+        cmd.env("ORCH_DEMO_AGENT_SLEEP_MS", agent_sleep_ms.to_string());
+        Serve::spawn(cmd)
+    }
+
+    /// SIGKILL to the whole process group: orch and whatever it runs in that group.
+    pub async fn kill_group(mut self) {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: signalling our own child's process group.
+            unsafe { libc::kill(-(pid as i32), libc::SIGKILL) };
+        }
+        let _ = self.child.wait().await;
+        reap_orphans();
+    }
+
+    /// SIGTERM, up to 20 s to exit, then reaps the orphans.
+    pub async fn terminate(self) {
+        terminate(self.child).await;
+    }
+}
