@@ -48,6 +48,10 @@ pub struct Engine {
     git: Git,
     executors: HashMap<String, Arc<dyn StageExecutor>>,
     counters: Arc<Counters>,
+    /// One stage job per task at a time in this process: two jobs of one stage visit (a
+    /// rescued attempt and its own follow-up, after a crash between the two) must not share the
+    /// worktree at once.
+    task_locks: std::sync::Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// The job kind of a stage: its agent, or `intake`.
@@ -66,6 +70,20 @@ impl Engine {
             git: Git::new(),
             executors: HashMap::new(),
             counters,
+            task_locks: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn task_lock(&self, task_id: i64) -> Arc<tokio::sync::Mutex<()>> {
+        match self.task_locks.lock() {
+            Ok(mut m) => {
+                // Forget locks nobody holds or waits for, so the map stays small.
+                if m.len() > 1024 {
+                    m.retain(|_, l| Arc::strong_count(l) > 1);
+                }
+                m.entry(task_id).or_default().clone()
+            }
+            Err(_) => Arc::new(tokio::sync::Mutex::new(())),
         }
     }
 
@@ -150,6 +168,12 @@ impl Engine {
                 error: "a stage job without a task".into(),
             });
         };
+        let lock = self.task_lock(task_id);
+        let _held = tokio::select! {
+            g = lock.lock() => g,
+            _ = cx.cancel.cancelled() => anyhow::bail!("cancelled while waiting for another job of task {task_id}"),
+        };
+        // Read the task under the lock: the job that held it may have moved the stage on.
         let Some(task) = self.store.get_task(task_id).await? else {
             return Ok(Outcome::Fail {
                 error: format!("task {task_id} does not exist"),
