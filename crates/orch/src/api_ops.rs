@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use orch_api::{
-    ArtifactFile, Observation, OpError, Operations, RunnerCounters, SubmitRequest, SubmitResult,
+    ArtifactFile, Observation, OpError, Operations, RunnerCounters, SeriesPoint, SubmitRequest,
+    SubmitResult,
 };
 use orch_deploystate::{ArmedRead, WatchState};
 use orch_runner::ops::{Ops, OpsError};
@@ -111,6 +112,33 @@ impl Operations for ApiOps {
                         revision: "unknown (state unreadable)".into(),
                         polls: 0,
                     },
+                })
+                .collect()
+        })
+        .await
+        .unwrap_or_default()
+    }
+
+    async fn observation_series(&self, work_item_id: &str) -> Vec<SeriesPoint> {
+        let repos_dir = self.runtime.repos_dir.clone();
+        let id = work_item_id.to_owned();
+        let Ok(task) = self.ops().task(&id).await else {
+            return Vec::new();
+        };
+        tokio::task::spawn_blocking(move || {
+            WatchState::new(&repos_dir, &task.repo, &id)
+                .series()
+                .polls
+                .iter()
+                .map(|p| SeriesPoint {
+                    at_ms: p.at_ms,
+                    status: p.status().as_str().to_owned(),
+                    value: p
+                        .checks
+                        .iter()
+                        .filter_map(|c| c.latency_ms)
+                        .max()
+                        .map(|ms| ms as f64),
                 })
                 .collect()
         })
