@@ -26,6 +26,11 @@ use crate::counters::Counters;
 use crate::engine::{StageEffect, StageExecutor, StageRun};
 
 /// The artifact the staging runner writes (D-3: name and place unchanged).
+/// A step exiting with this code (EX_TEMPFAIL) reports the staging endpoint unreachable.
+pub const UNREACHABLE_EXIT: i32 = 75;
+/// curl's exit code for "could not connect", read as unreachable in smoke checks.
+pub const CURL_COULD_NOT_CONNECT: i32 = 7;
+
 pub const STAGING_LOG: &str = "15-staging-log.md";
 
 /// The stage this runner handles (D1: the `deployer` job of a task in this stage).
@@ -258,6 +263,11 @@ async fn run_step(
     match orch_exec::run(&cmd).await {
         Ok(out) => {
             let exit = match out.status {
+                // The staging endpoint could not be reached: infrastructure, not the change
+                // (seed ORCH-115: TOOL_ERROR). A step says so with EX_TEMPFAIL (75); a smoke
+                // check also with curl's "could not connect" (7).
+                ExitKind::Exited(UNREACHABLE_EXIT) => StepExit::Unreachable,
+                ExitKind::Exited(CURL_COULD_NOT_CONNECT) if step.is_smoke => StepExit::Unreachable,
                 ExitKind::Exited(code) => StepExit::Exited(code),
                 ExitKind::Signaled(sig) => StepExit::Signaled(sig),
                 ExitKind::TimedOut => StepExit::TimedOut,
