@@ -272,6 +272,7 @@ impl PgStore {
     }
 
     pub async fn enqueue_many(&self, jobs: Vec<NewJob>) -> Result<u64> {
+        const BULK_ANALYZE_ROWS: u64 = 1_000;
         let now = self.now();
         let mut tx = self.pool.begin().await?;
         let mut inserted = 0;
@@ -319,6 +320,15 @@ impl PgStore {
             notify(&mut tx).await?;
         }
         tx.commit().await?;
+        if inserted >= BULK_ANALYZE_ROWS {
+            // A bulk insert makes the planner's row estimates stale until autovacuum gets to
+            // it; with stale estimates the claim walks the (state, agent) index and sorts every
+            // queued row instead of reading the head of `jobs_ready` (measured: 8–19 ms instead
+            // of ~0.1 ms per claim at 10,000 queued jobs). Refresh them now; best effort.
+            if let Err(e) = sqlx::query("ANALYZE jobs").execute(&self.pool).await {
+                tracing::warn!(error = %e, "could not refresh the jobs table's statistics after a bulk enqueue");
+            }
+        }
         Ok(inserted)
     }
 

@@ -252,6 +252,13 @@ impl SqliteStore {
             }
         }
         tx.commit().await?;
+        if inserted >= 1_000 {
+            // As on PostgreSQL: fresh statistics keep the claim on the ready index after a
+            // bulk insert. Best effort.
+            if let Err(e) = sqlx::query("ANALYZE jobs").execute(&self.write).await {
+                tracing::warn!(error = %e, "could not refresh the jobs table's statistics after a bulk enqueue");
+            }
+        }
         if inserted > 0 {
             self.notify();
         }
