@@ -1,25 +1,26 @@
 //! Small file helpers shared by the runner.
 
+use std::io::Write as _;
 use std::path::Path;
 
 use anyhow::{Context as _, Result};
 
-/// Writes `content` to `path` via a temp file, fsync and rename: a crash leaves the old file
-/// or the new one, never half of one.
-pub fn write_atomic(path: &Path, content: &str) -> Result<()> {
-    use std::io::Write as _;
+/// Writes `content` to `path` via a unique temp file in the same directory, fsync and rename:
+/// a crash leaves the old file or the new one, never half of one; concurrent writers never
+/// share a temp file.
+pub fn write_atomic_io(path: &Path, content: &str) -> std::io::Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
-    let file_name = path
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_default();
-    let tmp = dir.join(format!(".{file_name}.tmp-{}", std::process::id()));
-    let mut f =
-        std::fs::File::create(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-    f.write_all(content.as_bytes())
-        .and_then(|()| f.sync_all())
-        .with_context(|| format!("cannot write {}", tmp.display()))?;
-    std::fs::rename(&tmp, path)
-        .with_context(|| format!("cannot move {} into place", path.display()))
+    std::fs::create_dir_all(dir)?;
+    let mut tmp = tempfile::Builder::new()
+        .prefix(".orch-write-")
+        .tempfile_in(dir)?;
+    tmp.write_all(content.as_bytes())?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// [`write_atomic_io`] with the path in the error.
+pub fn write_atomic(path: &Path, content: &str) -> Result<()> {
+    write_atomic_io(path, content).with_context(|| format!("cannot write {}", path.display()))
 }

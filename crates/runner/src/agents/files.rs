@@ -3,7 +3,7 @@
 //! not write, and writing a file atomically for backends whose reply orch writes itself.
 
 use std::hash::{DefaultHasher, Hasher};
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::path::Path;
 use std::time::SystemTime;
 
@@ -72,19 +72,7 @@ pub(crate) fn unwritten(dir: &Path, before: &Snapshot) -> Unwritten {
     out
 }
 
-/// Writes `content` to `path` through a temporary file in the same directory and a rename,
-/// so a reader never sees half a file.
-pub(crate) fn write_atomic(path: &Path, content: &str) -> std::io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let mut tmp = tempfile::Builder::new()
-        .prefix(".orch-write-")
-        .tempfile_in(dir)?;
-    tmp.write_all(content.as_bytes())?;
-    tmp.as_file().sync_all()?;
-    tmp.persist(path).map_err(|e| e.error)?;
-    Ok(())
-}
+pub(crate) use crate::fsutil::write_atomic_io as write_atomic;
 
 #[cfg(test)]
 mod tests {

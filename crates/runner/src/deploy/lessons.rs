@@ -16,8 +16,8 @@
 
 use std::collections::HashSet;
 use std::fmt::Write as _;
-use std::path::{Component, Path, PathBuf};
-use std::time::{Duration, SystemTime};
+use std::path::{Component, Path};
+use std::time::Duration;
 
 use orch_deploystate::WatchState;
 use orch_domain::artifact::{Artifact, Frontmatter, MODEL_NOT_APPLICABLE};
@@ -29,7 +29,7 @@ use serde_json::json;
 
 use super::{data, event_str, events, record};
 use crate::engine::{StageEffect, StageExecutor, StageRun};
-use crate::stages::merge_gate::{MERGE_LOCK_FILE, STALE_LOCK_AFTER};
+use crate::stages::merge_gate::LockFile;
 
 /// The artifact the lessons stage writes.
 pub const LESSONS_ARTIFACT: &str = "17-lessons.md";
@@ -423,7 +423,7 @@ async fn publish(
         run.work_item,
         run.job.id
     );
-    let _lock = MergeLock::acquire(&run.repo_dir, &holder, &run.cancel).await?;
+    let _lock = wait_for_merge_lock(&run.repo_dir, &holder, &run.cancel).await?;
     let n = append_to_lessons_file(&run.repo_dir.join(rel), run, lessons, now_ms)?;
     let message = format!(
         "Lessons of {}: {n} entr{} in {}\n\nRecorded by orch's lessons stage after the merge, so later work items see them.",
@@ -458,66 +458,28 @@ async fn publish(
     })
 }
 
-/// The merge gate's cross-process lock file (`<repo_dir>/.git/orch-merge.lock`, created with
-/// `O_EXCL`, removed on drop, broken when older than [`STALE_LOCK_AFTER`]): the lessons
-/// commit on the default branch never interleaves with a merge.
-struct MergeLock {
-    path: PathBuf,
-}
-
-impl MergeLock {
-    async fn acquire(
-        repo_dir: &Path,
-        holder: &str,
-        cancel: &tokio_util::sync::CancellationToken,
-    ) -> anyhow::Result<MergeLock> {
-        let path = repo_dir.join(".git").join(MERGE_LOCK_FILE);
-        let started = std::time::Instant::now();
-        loop {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&path)
-            {
-                Ok(mut file) => {
-                    use std::io::Write as _;
-                    if let Err(e) = writeln!(file, "{holder}") {
-                        tracing::warn!(path = %path.display(), error = %e, "lessons: cannot write the holder into the merge lock; it still locks");
-                    }
-                    return Ok(MergeLock { path });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let age = std::fs::metadata(&path)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|m| SystemTime::now().duration_since(m).ok());
-                    if age.is_some_and(|a| a >= STALE_LOCK_AFTER) {
-                        tracing::warn!(path = %path.display(), "lessons: breaking a stale merge lock (its process is presumed dead)");
-                        let _ = std::fs::remove_file(&path);
-                        continue;
-                    }
-                    if started.elapsed() >= MERGE_LOCK_WAIT {
-                        anyhow::bail!(
-                            "the merge lock {} stayed held for {} s",
-                            path.display(),
-                            MERGE_LOCK_WAIT.as_secs()
-                        );
-                    }
-                }
-                Err(e) => anyhow::bail!("cannot create the merge lock {}: {e}", path.display()),
+/// Waits (up to [`MERGE_LOCK_WAIT`], respecting `cancel`) for the merge gate's cross-process
+/// lock file, so the lessons commit on the default branch never interleaves with a merge.
+async fn wait_for_merge_lock(
+    repo_dir: &Path,
+    holder: &str,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> anyhow::Result<LockFile> {
+    let started = std::time::Instant::now();
+    loop {
+        match LockFile::acquire(repo_dir, holder) {
+            Ok(lock) => return Ok(lock),
+            Err(why) if started.elapsed() >= MERGE_LOCK_WAIT => {
+                anyhow::bail!(
+                    "gave up on the merge lock after {} s: {why}",
+                    MERGE_LOCK_WAIT.as_secs()
+                )
             }
-            tokio::select! {
-                () = tokio::time::sleep(Duration::from_millis(200)) => {}
-                () = cancel.cancelled() => anyhow::bail!("cancelled while waiting for the merge lock"),
-            }
+            Err(_) => {}
         }
-    }
-}
-
-impl Drop for MergeLock {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_file(&self.path) {
-            tracing::warn!(path = %self.path.display(), error = %e, "lessons: cannot remove the merge lock");
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(200)) => {}
+            () = cancel.cancelled() => anyhow::bail!("cancelled while waiting for the merge lock"),
         }
     }
 }

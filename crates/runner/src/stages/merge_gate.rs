@@ -283,13 +283,15 @@ fn repo_mutex(repo_dir: &Path) -> Arc<tokio::sync::Mutex<()>> {
     map.entry(key).or_default().clone()
 }
 
-/// The cross-process merge lock: a file created with `O_EXCL`, removed on drop.
-struct LockFile {
+/// The cross-process merge lock: a file created with `O_EXCL`, removed on drop, broken when
+/// older than [`STALE_LOCK_AFTER`]. Also taken by the lessons stage for its default-branch commit.
+pub(crate) struct LockFile {
     path: PathBuf,
 }
 
 impl LockFile {
-    fn acquire(repo_dir: &Path, holder: &str) -> Result<LockFile, String> {
+    /// Takes the lock, or says who holds it (never waits).
+    pub(crate) fn acquire(repo_dir: &Path, holder: &str) -> Result<LockFile, String> {
         let path = repo_dir.join(".git").join(MERGE_LOCK_FILE);
         // Two tries: the second follows breaking a stale lock.
         for _ in 0..2 {
