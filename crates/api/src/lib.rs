@@ -36,8 +36,8 @@ use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
 use error::AppError;
 pub use id::validate_work_item_id;
 pub use ops::{
-    ArtifactFile, Observation, OpError, Operations, RunnerCounters, SeriesPoint, SubmitRequest,
-    SubmitResult,
+    ArtifactFile, Histogram, Observation, OpError, Operations, RunnerCounters, SeriesPoint,
+    SubmitRequest, SubmitResult, WorkerTimings,
 };
 
 /// Largest request body accepted (64 KiB); larger bodies get 413.

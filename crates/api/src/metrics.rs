@@ -4,14 +4,23 @@
 
 use std::fmt::Write as _;
 
+use crate::ops::{Histogram, WorkerTimings};
 use crate::snapshot::QueueSnapshot;
 
 /// The content type of the text exposition format.
 pub(crate) const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// What `/metrics` shows beyond the queue snapshot.
+pub(crate) struct Extra<'a> {
+    /// Agent-run totals by agent from the store; `None` when the store did not answer.
+    pub usage: Option<&'a [(String, orch_store::Usage)]>,
+    /// This process's worker timings.
+    pub timings: &'a WorkerTimings,
+}
+
 /// Renders the exposition. `up` is false when the store did not answer; the snapshot's store
 /// fields are then empty and their families are left out.
-pub(crate) fn render(snap: &QueueSnapshot, up: bool) -> String {
+pub(crate) fn render(snap: &QueueSnapshot, up: bool, extra: &Extra<'_>) -> String {
     let mut x = Exposition::default();
     x.family(
         "orch_up",
@@ -116,6 +125,63 @@ pub(crate) fn render(snap: &QueueSnapshot, up: bool) -> String {
             o.polls as f64,
         );
     }
+    if let Some(usage) = extra.usage {
+        x.family(
+            "orch_agent_runs_total",
+            "Agent runs started, by agent (all processes, from the store).",
+            "counter",
+        );
+        for (agent, u) in usage {
+            x.sample("orch_agent_runs_total", &[("agent", agent)], u.runs as f64);
+        }
+        x.family(
+            "orch_agent_tokens_total",
+            "Tokens reported by agent runs, by agent and direction (input, output).",
+            "counter",
+        );
+        for (agent, u) in usage {
+            x.sample(
+                "orch_agent_tokens_total",
+                &[("agent", agent), ("direction", "input")],
+                u.input_tokens as f64,
+            );
+            x.sample(
+                "orch_agent_tokens_total",
+                &[("agent", agent), ("direction", "output")],
+                u.output_tokens as f64,
+            );
+        }
+        x.family(
+            "orch_agent_cost_usd_total",
+            "Cost reported by agent runs in US dollars, by agent.",
+            "counter",
+        );
+        for (agent, u) in usage {
+            x.sample("orch_agent_cost_usd_total", &[("agent", agent)], u.cost_usd);
+        }
+    }
+    let t = extra.timings;
+    x.family(
+        "orch_job_duration_seconds",
+        "Handler run time of jobs run by this process, by agent (job kind).",
+        "histogram",
+    );
+    for (agent, h) in &t.job_seconds {
+        x.histogram("orch_job_duration_seconds", &[("agent", agent)], h);
+    }
+    x.family(
+        "orch_job_claim_wait_seconds",
+        "How long jobs claimed by this process had been ready before their claim.",
+        "histogram",
+    );
+    x.histogram("orch_job_claim_wait_seconds", &[], &t.claim_wait);
+    x.family(
+        "orch_claim_query_seconds",
+        "Round trip of one claim statement of this process (with the completions it carries).",
+        "histogram",
+    );
+    x.histogram("orch_claim_query_seconds", &[], &t.claim_query);
+
     // The store's clock is in the snapshot only when the store answered.
     if up {
         x.family(
@@ -163,6 +229,27 @@ impl Exposition {
     }
 }
 
+impl Exposition {
+    /// One histogram series: `_bucket` per bound plus +Inf, `_sum`, `_count`.
+    fn histogram(&mut self, name: &str, labels: &[(&str, &str)], h: &Histogram) {
+        let bucket = format!("{name}_bucket");
+        let bounds: Vec<String> = h.buckets.iter().map(|(b, _)| format_value(*b)).collect();
+        let rows = h
+            .buckets
+            .iter()
+            .zip(&bounds)
+            .map(|((_, n), le)| (le.as_str(), *n))
+            .chain(std::iter::once(("+Inf", h.count)));
+        for (le, n) in rows {
+            let mut with_le: Vec<(&str, &str)> = labels.to_vec();
+            with_le.push(("le", le));
+            self.sample(&bucket, &with_le, n as f64);
+        }
+        self.sample(&format!("{name}_sum"), labels, h.sum_seconds);
+        self.sample(&format!("{name}_count"), labels, h.count as f64);
+    }
+}
+
 /// Escapes a label value: backslash, double quote and line feed.
 fn escape_label(v: &str) -> String {
     let mut out = String::with_capacity(v.len());
@@ -205,6 +292,25 @@ mod tests {
         ] {
             assert_eq!(escape_label(input), want, "{input:?}");
         }
+    }
+
+    #[test]
+    fn histograms_have_buckets_inf_sum_and_count() {
+        let mut x = Exposition::default();
+        let h = Histogram {
+            buckets: vec![(0.005, 1), (0.1, 3)],
+            sum_seconds: 0.25,
+            count: 4,
+        };
+        x.histogram("d", &[("agent", "dev")], &h);
+        assert_eq!(
+            x.out,
+            "d_bucket{agent=\"dev\",le=\"0.005\"} 1\n\
+             d_bucket{agent=\"dev\",le=\"0.1\"} 3\n\
+             d_bucket{agent=\"dev\",le=\"+Inf\"} 4\n\
+             d_sum{agent=\"dev\"} 0.25\n\
+             d_count{agent=\"dev\"} 4\n"
+        );
     }
 
     #[test]

@@ -108,6 +108,26 @@ impl From<orch_store::StoreError> for OpError {
     }
 }
 
+/// A latency histogram read at one moment: cumulative bucket counts, as Prometheus wants them.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Histogram {
+    /// `(upper bound in seconds, observations ≤ bound)`, ascending; +Inf is `count`.
+    pub buckets: Vec<(f64, u64)>,
+    pub sum_seconds: f64,
+    pub count: u64,
+}
+
+/// The worker's timings in this process (reset on restart), for `/metrics`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct WorkerTimings {
+    /// Handler run time, by job kind (agent), sorted by kind.
+    pub job_seconds: Vec<(String, Histogram)>,
+    /// From a job becoming ready to its claim.
+    pub claim_wait: Histogram,
+    /// Round trip of one claim statement.
+    pub claim_query: Histogram,
+}
+
 /// The orchestrator as seen from the HTTP edge. Implemented by the `orch` binary; tests use a
 /// small recording implementation. Work item ids passed in are already validated.
 #[async_trait]
@@ -132,5 +152,9 @@ pub trait Operations: Send + Sync {
     async fn observation_series(&self, work_item_id: &str) -> Vec<SeriesPoint> {
         let _ = work_item_id;
         Vec::new()
+    }
+    /// The in-process worker's timings. Never fails; the default (no worker here) is empty.
+    async fn worker_timings(&self) -> WorkerTimings {
+        WorkerTimings::default()
     }
 }

@@ -91,9 +91,25 @@ pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
             (snap, false)
         }
     };
+    let usage = if up {
+        match state.store.usage_by_agent().await {
+            Ok(u) => Some(u),
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: could not read agent usage totals");
+                None
+            }
+        }
+    } else {
+        None
+    };
+    let timings = state.ops.worker_timings().await;
+    let extra = metrics::Extra {
+        usage: usage.as_deref(),
+        timings: &timings,
+    };
     (
         [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
-        metrics::render(&snap, up),
+        metrics::render(&snap, up, &extra),
     )
         .into_response()
 }

@@ -20,8 +20,11 @@ pub(crate) struct QueueSnapshot {
 impl QueueSnapshot {
     /// Reads the store and the orchestrator's in-process state.
     pub async fn read(state: &ApiState) -> Result<QueueSnapshot, StoreError> {
-        let stats = state.store.queue_stats().await?;
-        let tasks_by_stage = state.store.count_tasks_by_stage().await?;
+        // Two independent reads on two connections: the view costs the slower, not the sum.
+        let (stats, tasks_by_stage) = tokio::try_join!(
+            state.store.queue_stats(),
+            state.store.count_tasks_by_stage()
+        )?;
         let runners = state.ops.runner_counters().await;
         let observations = state.ops.active_observations().await;
         Ok(QueueSnapshot {

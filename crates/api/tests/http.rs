@@ -31,6 +31,7 @@ struct Recorder {
     observations: Vec<Observation>,
     artifacts: HashMap<String, Vec<ArtifactFile>>,
     series: HashMap<String, Vec<SeriesPoint>>,
+    timings: WorkerTimings,
 }
 
 impl Recorder {
@@ -98,6 +99,10 @@ impl Operations for Recorder {
 
     async fn observation_series(&self, id: &str) -> Vec<SeriesPoint> {
         self.series.get(id).cloned().unwrap_or_default()
+    }
+
+    async fn worker_timings(&self) -> WorkerTimings {
+        self.timings.clone()
     }
 }
 
@@ -181,6 +186,22 @@ impl Harness {
                 revision: "abc123".into(),
                 polls: 2,
             }],
+            timings: WorkerTimings {
+                job_seconds: vec![(
+                    "analyst".into(),
+                    Histogram {
+                        buckets: vec![(0.1, 2), (1.0, 5)],
+                        sum_seconds: 3.5,
+                        count: 6,
+                    },
+                )],
+                claim_wait: Histogram {
+                    buckets: vec![(0.005, 9), (0.01, 10)],
+                    sum_seconds: 0.04,
+                    count: 10,
+                },
+                claim_query: Histogram::default(),
+            },
             ..Recorder::default()
         };
         *rec.store.lock().unwrap() = Some(db.store.clone());
@@ -422,7 +443,41 @@ fn parse_sample(line: &str) -> Option<Sample> {
 
 #[tokio::test]
 async fn metrics_text_parses_and_carries_the_queue() {
-    let (h, _) = busy_queue().await;
+    let (h, t1) = busy_queue().await;
+    for (agent, tokens, cost) in [
+        ("analyst", 1_000, 0.5),
+        ("analyst", 10, 0.25),
+        ("dev", 7, 1.0),
+    ] {
+        let run =
+            h.db.store
+                .start_agent_run(NewAgentRun {
+                    task_id: t1.id,
+                    job_id: None,
+                    stage: "analysis".into(),
+                    agent: agent.into(),
+                    backend: "command".into(),
+                    model: None,
+                    attempt: 1,
+                })
+                .await
+                .unwrap();
+        h.db.store
+            .finish_agent_run(
+                run,
+                AgentRunFinish {
+                    outcome: "success".into(),
+                    exit_code: Some(0),
+                    input_tokens: Some(tokens),
+                    output_tokens: Some(tokens * 2),
+                    cost_usd: Some(cost),
+                    error: None,
+                    data: String::new(),
+                },
+            )
+            .await
+            .unwrap();
+    }
     let a = h.get("/metrics", StatusCode::OK).await;
     assert!(a.content_type().starts_with("text/plain; version=0.0.4"));
     let mut samples = Vec::new();
@@ -436,8 +491,14 @@ async fn metrics_text_parses_and_carries_the_queue() {
             continue;
         }
         let parsed = parse_sample(line).unwrap_or_else(|| panic!("bad exposition line {line:?}"));
+        // A histogram's samples carry the family name plus _bucket, _sum or _count.
+        let family = ["_bucket", "_sum", "_count"]
+            .iter()
+            .find_map(|sfx| parsed.0.strip_suffix(sfx))
+            .filter(|f| typed.contains(*f))
+            .unwrap_or(&parsed.0);
         assert!(
-            typed.contains(&parsed.0),
+            typed.contains(family),
             "{} has no TYPE line before it",
             parsed.0
         );
@@ -496,6 +557,51 @@ async fn metrics_text_parses_and_carries_the_queue() {
             vec![("work_item_id", "ORCH-7"), ("repo", "svc")],
             535.0,
         ),
+        ("orch_agent_runs_total", vec![("agent", "analyst")], 2.0),
+        ("orch_agent_runs_total", vec![("agent", "dev")], 1.0),
+        (
+            "orch_agent_tokens_total",
+            vec![("agent", "analyst"), ("direction", "input")],
+            1_010.0,
+        ),
+        (
+            "orch_agent_tokens_total",
+            vec![("agent", "analyst"), ("direction", "output")],
+            2_020.0,
+        ),
+        (
+            "orch_agent_cost_usd_total",
+            vec![("agent", "analyst")],
+            0.75,
+        ),
+        ("orch_agent_cost_usd_total", vec![("agent", "dev")], 1.0),
+        (
+            "orch_job_duration_seconds_bucket",
+            vec![("agent", "analyst"), ("le", "0.1")],
+            2.0,
+        ),
+        (
+            "orch_job_duration_seconds_bucket",
+            vec![("agent", "analyst"), ("le", "+Inf")],
+            6.0,
+        ),
+        (
+            "orch_job_duration_seconds_sum",
+            vec![("agent", "analyst")],
+            3.5,
+        ),
+        (
+            "orch_job_duration_seconds_count",
+            vec![("agent", "analyst")],
+            6.0,
+        ),
+        (
+            "orch_job_claim_wait_seconds_bucket",
+            vec![("le", "0.005")],
+            9.0,
+        ),
+        ("orch_job_claim_wait_seconds_count", vec![], 10.0),
+        ("orch_claim_query_seconds_count", vec![], 0.0),
     ] {
         assert_eq!(
             get(name, &labels),

@@ -4,16 +4,25 @@
 use std::sync::Arc;
 
 use orch_api::{
-    ArtifactFile, Observation, OpError, Operations, RunnerCounters, SeriesPoint, SubmitRequest,
-    SubmitResult,
+    ArtifactFile, Histogram, Observation, OpError, Operations, RunnerCounters, SeriesPoint,
+    SubmitRequest, SubmitResult, WorkerTimings,
 };
 use orch_deploystate::{ArmedRead, WatchState};
+use orch_runner::histogram::HistogramSnapshot;
 use orch_runner::ops::{Ops, OpsError};
 use orch_runner::worker::WorkerStats;
 
 pub struct ApiOps {
     pub runtime: Arc<crate::runtime::Runtime>,
     pub worker_stats: Arc<WorkerStats>,
+}
+
+fn histogram(h: HistogramSnapshot) -> Histogram {
+    Histogram {
+        buckets: h.buckets,
+        sum_seconds: h.sum_seconds,
+        count: h.count,
+    }
 }
 
 fn op_err(e: OpsError) -> OpError {
@@ -81,6 +90,20 @@ impl Operations for ApiOps {
                 .map(|(runner, counters)| RunnerCounters { runner, counters }),
         );
         out
+    }
+
+    async fn worker_timings(&self) -> WorkerTimings {
+        let s = &self.worker_stats;
+        WorkerTimings {
+            job_seconds: s
+                .job_seconds
+                .snapshot()
+                .into_iter()
+                .map(|(agent, h)| (agent, histogram(h)))
+                .collect(),
+            claim_wait: histogram(s.claim_wait.snapshot()),
+            claim_query: histogram(s.claim_query.snapshot()),
+        }
     }
 
     async fn active_observations(&self) -> Vec<Observation> {

@@ -163,10 +163,14 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         "{}",
         String::from_utf8_lossy(&submit.stderr)
     );
+    let metrics_port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
     let serve = tokio::process::Command::new(ORCH)
         .arg("--config")
         .arg(&config_path)
-        .args(["serve", "--bind", "127.0.0.1:0"])
+        .args(["serve", "--bind", &format!("127.0.0.1:{metrics_port}")])
         .env("ORCH_LOG", "warn")
         .env("ORCH_TEST_FAKE_KEY", "sk-test-secret-123")
         .stdin(Stdio::null())
@@ -189,6 +193,7 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    let metrics = http_get(metrics_port, "/metrics").await;
     terminate(serve).await;
     stop_service(&dir);
     reap_orphans();
@@ -236,6 +241,47 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
             "no key in rows"
         );
     }
+    // /metrics of the live serve: token and cost totals match the rows; every agent kind that
+    // ran has a duration histogram; the key never shows.
+    assert!(!metrics.contains("sk-test-secret"), "no key in /metrics");
+    let value = |name: &str, labels: &str| -> f64 {
+        let head = if labels.is_empty() {
+            format!("{name} ")
+        } else {
+            format!("{name}{{{labels}}} ")
+        };
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(&head))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| panic!("no {head} in /metrics:\n{metrics}"))
+    };
+    let mut by_agent: std::collections::BTreeMap<&str, (i64, i64)> = Default::default();
+    for r in &runs {
+        let e = by_agent.entry(r.agent.as_str()).or_default();
+        e.0 += r.input_tokens.unwrap_or(0);
+        e.1 += r.output_tokens.unwrap_or(0);
+    }
+    for (agent, (input, output)) in &by_agent {
+        let l = format!("agent=\"{agent}\",direction=\"input\"");
+        assert_eq!(value("orch_agent_tokens_total", &l), *input as f64);
+        let l = format!("agent=\"{agent}\",direction=\"output\"");
+        assert_eq!(value("orch_agent_tokens_total", &l), *output as f64);
+        assert!(value("orch_agent_runs_total", &format!("agent=\"{agent}\"")) >= 1.0);
+    }
+    let jobs = store.task_jobs(task.id).await.unwrap();
+    for job in jobs
+        .iter()
+        .filter(|j| j.state == orch_store::JobState::Done)
+    {
+        let l = format!("agent=\"{}\",le=\"+Inf\"", job.agent);
+        assert!(
+            value("orch_job_duration_seconds_bucket", &l) >= 1.0,
+            "{} ran: its duration is counted",
+            job.agent
+        );
+    }
+    assert!(value("orch_claim_query_seconds_count", "") >= 1.0);
     let requests = seen.lock().unwrap().requests.clone();
     assert_eq!(requests.len(), 4);
     assert!(
@@ -251,4 +297,17 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         );
     }
     store.close().await;
+}
+
+/// `GET path` on the loopback port; the whole answer (head and body) as text.
+async fn http_get(port: u16, path: &str) -> String {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to orch serve");
+    let req = format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.unwrap();
+    String::from_utf8_lossy(&buf).into_owned()
 }

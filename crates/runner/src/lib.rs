@@ -8,6 +8,7 @@ pub mod deploy;
 pub mod engine;
 pub mod failpoint;
 pub mod fsutil;
+pub mod histogram;
 pub mod maintenance;
 pub mod ops;
 pub mod repos;

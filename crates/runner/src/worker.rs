@@ -21,6 +21,8 @@ use orch_store::{Claim, ClaimedJob, Job, JobOutcome, Lease, Store, StoreError};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+use crate::histogram::{self, Histogram, LabeledHistograms};
+
 /// What a handler tells the runtime about its job.
 #[derive(Debug)]
 pub enum Outcome {
@@ -150,7 +152,7 @@ pub fn default_worker_id() -> String {
 }
 
 /// Live counters of one worker process (read by `/metrics` and the benchmark).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct WorkerStats {
     pub claimed: AtomicU64,
     pub done: AtomicU64,
@@ -160,10 +162,31 @@ pub struct WorkerStats {
     pub fenced: AtomicU64,
     pub leases_lost: AtomicU64,
     pub released: AtomicU64,
-    /// Sum and count of enqueue-to-start delays (ms), for the mean pickup latency.
-    pub pickup_ms_sum: AtomicU64,
-    pub pickup_count: AtomicU64,
     pub store_errors: AtomicU64,
+    /// Handler run time, by job kind.
+    pub job_seconds: LabeledHistograms,
+    /// How long a claimed job had been ready (`available_at` → claimed): the queue's wait.
+    pub claim_wait: Histogram,
+    /// Round trip of one complete-and-claim statement that claimed something.
+    pub claim_query: Histogram,
+}
+
+impl Default for WorkerStats {
+    fn default() -> Self {
+        WorkerStats {
+            claimed: AtomicU64::new(0),
+            done: AtomicU64::new(0),
+            retried: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
+            fenced: AtomicU64::new(0),
+            leases_lost: AtomicU64::new(0),
+            released: AtomicU64::new(0),
+            store_errors: AtomicU64::new(0),
+            job_seconds: LabeledHistograms::new(histogram::JOB_BOUNDS),
+            claim_wait: Histogram::new(histogram::FAST_BOUNDS),
+            claim_query: Histogram::new(histogram::FAST_BOUNDS),
+        }
+    }
 }
 
 /// Leases this process holds, with the token that stops their handler.
@@ -360,12 +383,16 @@ impl Fetcher {
                     kinds: kinds.clone(),
                     node: self.config.node.clone(),
                 });
+                let started = Instant::now();
                 match self
                     .store
                     .complete_and_claim(&pending_done, claim.as_ref())
                     .await
                 {
                     Ok(out) => {
+                        if want > 0 {
+                            self.stats.claim_query.observe(started.elapsed());
+                        }
                         error_backoff = Duration::from_millis(50);
                         self.settle_done(&pending_done, &out.fenced);
                         pending_done.clear();
@@ -440,11 +467,10 @@ impl Fetcher {
         let now = self.store.now_ms();
         for c in claimed {
             self.stats.claimed.fetch_add(1, Ordering::Relaxed);
-            let pickup = now.saturating_sub(c.job.available_at).max(0);
+            let waited = now.saturating_sub(c.job.available_at).max(0);
             self.stats
-                .pickup_ms_sum
-                .fetch_add(u64::try_from(pickup).unwrap_or(0), Ordering::Relaxed);
-            self.stats.pickup_count.fetch_add(1, Ordering::Relaxed);
+                .claim_wait
+                .observe(Duration::from_millis(u64::try_from(waited).unwrap_or(0)));
             held_insert(&self.held, c.lease, CancellationToken::new());
             buffer.push_back(c);
         }
@@ -473,7 +499,7 @@ impl Fetcher {
                 worker_id: self.config.worker_id.clone(),
                 cancel: token,
             };
-            running.spawn(execute(entry, cx));
+            running.spawn(execute(entry, cx, self.stats.clone()));
         }
     }
 
@@ -626,7 +652,8 @@ impl Fetcher {
 
 /// Runs one job: the handler races its timeout and its cancellation; a panic is caught and
 /// becomes a retryable error.
-async fn execute(entry: Entry, cx: JobContext) -> Finished {
+async fn execute(entry: Entry, cx: JobContext, stats: Arc<WorkerStats>) -> Finished {
+    let started = Instant::now();
     let lease = cx.lease;
     let cancel = cx.cancel.clone();
     let kind = cx.job.agent.clone();
@@ -645,6 +672,7 @@ async fn execute(entry: Entry, cx: JobContext) -> Finished {
         }
         _ = cancel.cancelled() => Err("cancelled: lease lost or shutting down".to_owned()),
     };
+    stats.job_seconds.observe(&kind, started.elapsed());
     (lease, result)
 }
 

@@ -60,6 +60,12 @@ pub(crate) fn json_or_empty(data: &str) -> &str {
     if data.trim().is_empty() { "{}" } else { data }
 }
 
+/// Queue counts in display order: by agent, then state name.
+pub(crate) fn by_agent(mut counts: Vec<KindCount>) -> Vec<KindCount> {
+    counts.sort_by(|a, b| (&a.agent, a.state.as_str()).cmp(&(&b.agent, b.state.as_str())));
+    counts
+}
+
 pub(crate) fn kind_count<R: Row>(row: R) -> Result<KindCount>
 where
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,

@@ -408,6 +408,11 @@ impl Store {
     pub async fn task_usage(&self, task_id: i64) -> Result<Usage> {
         dispatch!(self, task_usage(task_id))
     }
+
+    /// Tokens and cost of every agent run so far, by agent, sorted by agent.
+    pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
+        dispatch!(self, usage_by_agent())
+    }
 }
 
 /// Largest `task_content` accepted (1 MiB): payloads are references, not documents.

@@ -630,6 +630,7 @@ impl PgStore {
             .into_iter()
             .map(kind_count)
             .collect::<Result<Vec<_>>>()?;
+        let counts = by_agent(counts);
         let oldest_ready_at: Option<i64> = sqlx::query_scalar(sql::OLDEST_READY)
             .bind(now)
             .fetch_one(&mut *conn)
@@ -855,6 +856,25 @@ impl PgStore {
             output_tokens: row.try_get::<Option<i64>, _>(2)?.unwrap_or(0),
             cost_usd: row.try_get::<Option<f64>, _>(3)?.unwrap_or(0.0),
         })
+    }
+
+    pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
+        sqlx::query(sql::USAGE_BY_AGENT)
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .map(|row| {
+                Ok((
+                    row.try_get(0)?,
+                    Usage {
+                        runs: row.try_get(1)?,
+                        input_tokens: row.try_get(2)?,
+                        output_tokens: row.try_get(3)?,
+                        cost_usd: row.try_get(4)?,
+                    },
+                ))
+            })
+            .collect()
     }
 }
 

@@ -566,6 +566,7 @@ impl SqliteStore {
             .into_iter()
             .map(kind_count)
             .collect::<Result<Vec<_>>>()?;
+        let counts = by_agent(counts);
         let oldest_ready_at: Option<i64> = sqlx::query_scalar(sql::OLDEST_READY)
             .bind(now)
             .fetch_one(&mut *conn)
@@ -793,6 +794,25 @@ impl SqliteStore {
             output_tokens: row.try_get(2)?,
             cost_usd: row.try_get(3)?,
         })
+    }
+
+    pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
+        sqlx::query(sql::USAGE_BY_AGENT)
+            .fetch_all(&self.read)
+            .await?
+            .into_iter()
+            .map(|row| {
+                Ok((
+                    row.try_get(0)?,
+                    Usage {
+                        runs: row.try_get(1)?,
+                        input_tokens: row.try_get(2)?,
+                        output_tokens: row.try_get(3)?,
+                        cost_usd: row.try_get(4)?,
+                    },
+                ))
+            })
+            .collect()
     }
 }
 

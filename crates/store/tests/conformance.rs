@@ -875,6 +875,36 @@ async fn agent_runs_and_usage(db: TestDb) {
     assert!((usage.cost_usd - 0.75).abs() < 1e-9);
     let none = s.task_usage(task.id + 1000).await.unwrap();
     assert_eq!(none, Usage::default());
+
+    // Totals by agent, over every task; a run that reported nothing counts as a run.
+    let other = new_task(s, false).await;
+    let id = s
+        .start_agent_run(NewAgentRun {
+            task_id: other.id,
+            job_id: None,
+            stage: "review".into(),
+            agent: "reviewer".into(),
+            backend: "command".into(),
+            model: None,
+            attempt: 1,
+        })
+        .await
+        .unwrap();
+    let totals = s.usage_by_agent().await.unwrap();
+    assert_eq!(
+        totals,
+        vec![
+            ("analyst".to_owned(), usage),
+            (
+                "reviewer".to_owned(),
+                Usage {
+                    runs: 1,
+                    ..Usage::default()
+                }
+            ),
+        ],
+        "run {id} still running counts, with no tokens"
+    );
 }
 
 async fn bulk_enqueue_skips_duplicates(db: TestDb) {

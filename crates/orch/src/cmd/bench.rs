@@ -368,12 +368,18 @@ pub async fn queue_api(cx: &Context, args: BenchQueueApiArgs) -> Result<ExitCode
         let task_ids = fill_tasks(&store, args.tasks).await?;
         let tasks_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        fill_jobs(&store, &task_ids, args.jobs).await?;
+        let mix = fill_jobs(&store, &task_ids, args.jobs).await?;
         let jobs_s = t1.elapsed().as_secs_f64();
         eprintln!(
-            "{backend:<8} filled {} tasks in {tasks_s:.1} s, {} jobs in {jobs_s:.1} s",
+            "{backend:<8} filled {} tasks in {tasks_s:.1} s, {} jobs in {jobs_s:.1} s \
+             ({} done, {} failed, {} running, {} ready, {} delayed)",
             task_ids.len(),
-            args.jobs
+            args.jobs,
+            mix.done,
+            mix.failed,
+            mix.running,
+            mix.ready,
+            mix.delayed
         );
         let mut ms = time_queue_route(&store, args.requests).await?;
         store.close().await;
@@ -404,9 +410,7 @@ async fn fill_tasks(store: &Store, n: usize) -> Result<Vec<i64>> {
     for i in 0..n {
         let task = store
             .create_task(orch_store::NewTask {
-                work_item: orch_store::WorkItemSpec::Next {
-                    prefix: "BENCH".into(),
-                },
+                work_item: orch_store::WorkItemSpec::Exact(format!("BENCH-{}", i + 1)),
                 repo: format!("repo{}", i % 10),
                 title: format!("bench task {i}"),
                 body: String::new(),
@@ -422,7 +426,10 @@ async fn fill_tasks(store: &Store, n: usize) -> Result<Vec<i64>> {
     Ok(ids)
 }
 
-async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<()> {
+/// Fills the store with `n` jobs in the mix a busy installation has: most finished (done, some
+/// failed), a few hundred running under live leases, a backlog ready to run and more waiting for
+/// a later time. Finished and running jobs get there through the real claim/complete path.
+async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<JobMix> {
     const AGENTS: [&str; 8] = [
         "analyst",
         "architect",
@@ -433,22 +440,106 @@ async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<()> {
         "staging",
         "deployer",
     ];
-    let mut done = 0;
-    while done < n {
-        let chunk: Vec<NewJob> = (done..n.min(done + 5_000))
-            .map(|i| {
-                let mut job = NewJob::new(AGENTS[i % AGENTS.len()], format!("{i}"));
-                if let Some(t) = task_ids.get(i % task_ids.len().max(1)) {
-                    job = job.task(*t);
-                }
-                // Most wait in the future, so the queue is large but idle.
-                job.delay_s(3_600 + (i % 600) as i64)
-            })
-            .collect();
-        done += chunk.len();
-        store.enqueue_many(chunk).await?;
+    let mix = JobMix::of(n);
+    let job = |i: usize, delay_s: i64| {
+        let mut job = NewJob::new(AGENTS[i % AGENTS.len()], format!("{i}"));
+        if let Some(t) = task_ids.get(i % task_ids.len().max(1)) {
+            job = job.task(*t);
+        }
+        job.delay_s(delay_s)
+    };
+    // 1. Jobs that will be claimed now: finished ones and the running ones.
+    let to_claim = mix.done + mix.running;
+    enqueue_chunked(store, (0..to_claim).map(|i| job(i, 0)).collect()).await?;
+    let claim = orch_store::Claim {
+        worker_id: "bench-fill".into(),
+        limit: 5_000,
+        lease_ms: 3_600_000,
+        kinds: AGENTS.iter().map(|a| (*a).to_owned()).collect(),
+        node: None,
+    };
+    let mut claimed = Vec::with_capacity(to_claim);
+    while claimed.len() < to_claim {
+        let mut c = claim.clone();
+        c.limit = u32::try_from((to_claim - claimed.len()).min(5_000)).unwrap_or(5_000);
+        let got = store.claim(&c).await?;
+        anyhow::ensure!(
+            !got.is_empty(),
+            "bench fill: the queue ran dry while claiming"
+        );
+        claimed.extend(got.into_iter().map(|c| c.lease));
+    }
+    for chunk in claimed[..mix.done].chunks(5_000) {
+        let out = store.complete_and_claim(chunk, None).await?;
+        anyhow::ensure!(out.fenced.is_empty(), "bench fill: completions were fenced");
+    }
+    // 2. Failed jobs (no task: a failed job would fail its task too).
+    let failed: Vec<NewJob> = (0..mix.failed)
+        .map(|i| NewJob::new(AGENTS[i % AGENTS.len()], format!("f{i}")).max_attempts(1))
+        .collect();
+    enqueue_chunked(store, failed).await?;
+    let mut c = claim.clone();
+    c.limit = u32::try_from(mix.failed.max(1)).unwrap_or(1);
+    for got in store.claim(&c).await? {
+        store
+            .mark_job(
+                got.lease,
+                orch_store::JobOutcome::Failed {
+                    error: "bench: failed on purpose".into(),
+                },
+                None,
+            )
+            .await?;
+    }
+    // 3. A backlog that is ready now, and jobs waiting for a later time.
+    let base = to_claim;
+    enqueue_chunked(store, (0..mix.ready).map(|i| job(base + i, 0)).collect()).await?;
+    let base = base + mix.ready;
+    enqueue_chunked(
+        store,
+        (0..mix.delayed)
+            .map(|i| job(base + i, 3_600 + (i % 600) as i64))
+            .collect(),
+    )
+    .await?;
+    Ok(mix)
+}
+
+async fn enqueue_chunked(store: &Store, jobs: Vec<NewJob>) -> Result<()> {
+    let mut rest = jobs;
+    while !rest.is_empty() {
+        let tail = rest.split_off(rest.len().min(5_000));
+        store.enqueue_many(rest).await?;
+        rest = tail;
     }
     Ok(())
+}
+
+/// How `fill_jobs` divides its jobs among states.
+#[derive(Debug, Clone, Copy)]
+struct JobMix {
+    done: usize,
+    failed: usize,
+    running: usize,
+    ready: usize,
+    delayed: usize,
+}
+
+impl JobMix {
+    fn of(n: usize) -> JobMix {
+        let running = (n / 250).min(400);
+        let failed = n / 500;
+        let ready = n / 50;
+        let delayed = n / 10;
+        let done = n.saturating_sub(running + failed + ready + delayed);
+        JobMix {
+            done,
+            failed,
+            running,
+            ready,
+            delayed,
+        }
+    }
 }
 
 /// Operations that do nothing: the route's cost is the store's.
