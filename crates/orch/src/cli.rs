@@ -191,6 +191,12 @@ pub struct BenchQueueArgs {
     /// Jobs for the latency run (enqueued one at a time into an idle queue).
     #[arg(long, default_value_t = 300)]
     pub latency_jobs: usize,
+    /// Jobs claimed per statement in the batched runs (the peers' local queues hold 100).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub claim_batch: u32,
+    /// Seconds of each pgbench baseline run on PostgreSQL (0: skip the baseline).
+    #[arg(long, default_value_t = 10)]
+    pub baseline_s: u32,
 }
 
 #[derive(Debug, Args)]

@@ -18,6 +18,8 @@ use tokio_util::sync::CancellationToken;
 use crate::cli::{BenchBackend, BenchQueueApiArgs, BenchQueueArgs};
 use crate::context::Context;
 
+mod pgbench;
+
 struct Target {
     name: &'static str,
     url: String,
@@ -36,15 +38,36 @@ pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
         if !wanted {
             continue;
         }
+        let baseline = if backend == "postgres" && args.baseline_s > 0 {
+            let target = fresh_target(backend, &args).await?;
+            let b = pgbench::baseline(&target.url, args.baseline_s).await?;
+            if let Some(b) = b {
+                eprintln!(
+                    "{backend:<8} pgbench baseline, 8 clients: claim+done {:>8.0} jobs/s   \
+                     claim 10 + done 10 {:>8.0} jobs/s",
+                    b.per_job, b.batch10
+                );
+                results.push(serde_json::json!({
+                    "backend": "postgres", "workload": "pgbench baseline",
+                    "per_job_per_s": b.per_job.round(), "batch10_per_s": b.batch10.round(),
+                }));
+            }
+            b
+        } else {
+            None
+        };
         for (procs, conc) in [(1usize, 8usize), (2, 4)] {
-            for batch in [1u32, 16] {
+            for batch in [1u32, args.claim_batch] {
                 let target = fresh_target(backend, &args).await?;
                 let r = throughput(&target, args.jobs, procs, conc, batch).await?;
+                let versus =
+                    baseline.map(|b| r.jobs_per_s / if batch == 1 { b.per_job } else { b.batch10 });
                 eprintln!(
-                    "{backend:<8} {procs}x{conc} {:<8} enqueue {:>9.0}/s  drain {:>8.0} jobs/s",
+                    "{backend:<8} {procs}x{conc} {:<8} enqueue {:>9.0}/s  drain {:>8.0} jobs/s{}",
                     if batch == 1 { "per-job" } else { "batched" },
                     r.enqueue_per_s,
-                    r.jobs_per_s
+                    r.jobs_per_s,
+                    versus.map_or(String::new(), |v| format!("  ({v:.2}x pgbench)"))
                 );
                 results.push(serde_json::json!({
                     "backend": target.name, "processes": procs, "concurrency": conc,
@@ -52,6 +75,7 @@ pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
                     "claim_batch": batch, "jobs": args.jobs,
                     "bulk_enqueue_per_s": r.enqueue_per_s.round(),
                     "jobs_per_s": r.jobs_per_s.round(),
+                    "versus_pgbench": versus.map(round2),
                 }));
             }
         }
