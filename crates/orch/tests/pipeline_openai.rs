@@ -193,6 +193,21 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
+    // The last job commits its completion after the task reaches `done`; its duration is
+    // recorded before that commit, so once no job of the task is live, /metrics has them all.
+    let settle = Instant::now();
+    while store.task_jobs(task.id).await.unwrap().iter().any(|j| {
+        matches!(
+            j.state,
+            orch_store::JobState::Queued | orch_store::JobState::Running
+        )
+    }) {
+        assert!(
+            settle.elapsed() < Duration::from_secs(30),
+            "jobs still live"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let metrics = http_get(metrics_port, "/metrics").await;
     terminate(serve).await;
     stop_service(&dir);

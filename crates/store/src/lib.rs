@@ -458,6 +458,14 @@ fn validate_new_job(job: &NewJob) -> Result<()> {
     {
         return bad("dedupe key must be 1-512 bytes".into());
     }
+    // PostgreSQL's text cannot hold NUL; refuse it on both backends with one clear message.
+    let has_nul = |s: &str| s.contains('\0');
+    if has_nul(&job.task_content)
+        || job.dedupe_key.as_deref().is_some_and(has_nul)
+        || job.node.as_deref().is_some_and(has_nul)
+    {
+        return bad("task_content, dedupe key and node must not contain NUL characters".into());
+    }
     Ok(())
 }
 

@@ -405,10 +405,11 @@ impl PgStore {
         let ids: Vec<i64> = leases.iter().map(|l| l.job_id).collect();
         let attempts: Vec<i64> = leases.iter().map(|l| l.attempt).collect();
         let kept: Vec<i64> = sqlx::query_scalar(
+            // Rows by primary key whatever the generic plan thinks of the arrays' sizes.
             "UPDATE jobs j SET lease_expires_at = $1 \
-             FROM UNNEST($2::bigint[], $3::bigint[]) AS c(id, attempt) \
-             WHERE j.id = c.id AND j.attempt = c.attempt AND j.state = 'running' \
-               AND j.locked_by = $4 \
+             WHERE j.id = ANY($2::bigint[]) AND j.state = 'running' AND j.locked_by = $4 \
+               AND (j.id, j.attempt) IN ( \
+                 SELECT c.id, c.attempt FROM UNNEST($2::bigint[], $3::bigint[]) AS c(id, attempt)) \
              RETURNING j.id",
         )
         .bind(self.now() + lease_ms)
@@ -513,7 +514,8 @@ impl PgStore {
         let mut tx = self.pool.begin().await?;
         let expired = sqlx::query(
             "SELECT id, attempt, max_attempts, task_id, locked_by FROM jobs \
-             WHERE state = 'running' AND lease_expires_at < $1 ORDER BY id LIMIT $2 \
+             WHERE state = 'running' AND lease_expires_at < $1 \
+             ORDER BY lease_expires_at, id LIMIT $2 \
              FOR UPDATE SKIP LOCKED",
         )
         .bind(now)

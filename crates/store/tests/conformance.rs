@@ -921,4 +921,62 @@ async fn bulk_enqueue_skips_duplicates(db: TestDb) {
     assert_eq!(s.enqueue_many(jobs).await.unwrap(), 3);
     assert_eq!(s.claim(&claim("w", 10)).await.unwrap().len(), 3);
     assert_eq!(s.enqueue_many(Vec::new()).await.unwrap(), 0);
+
+    // Every field survives the bulk path exactly, whatever the text holds.
+    let task = new_task(s, false).await;
+    let tricky =
+        "quote\" back\\slash\nnew line, ünïcødé 🎉 {\"json\": [1]} 123 '; DROP TABLE jobs; --";
+    let jobs = vec![
+        NewJob::new("kind.a", tricky)
+            .task(task.id)
+            .priority(7)
+            .max_attempts(5)
+            .dedupe(tricky)
+            .node("node-1"),
+        NewJob::new("kind.b", "").delay_s(60),
+        NewJob::new("kind.c", "42"),
+    ];
+    assert_eq!(s.enqueue_many(jobs).await.unwrap(), 3);
+    let got = s
+        .claim(&Claim {
+            node: Some("node-1".into()),
+            ..claim("w", 10)
+        })
+        .await
+        .unwrap();
+    assert_eq!(got.len(), 2, "the delayed job waits");
+    let a = &got[0].job;
+    assert_eq!(
+        (
+            a.agent.as_str(),
+            a.task_content.as_str(),
+            a.task_id,
+            a.priority
+        ),
+        ("kind.a", tricky, Some(task.id), 7)
+    );
+    assert_eq!(a.max_attempts, 5);
+    assert_eq!(a.dedupe_key.as_deref(), Some(tricky));
+    assert_eq!(a.node.as_deref(), Some("node-1"));
+    assert_eq!(a.available_at, T0);
+    assert_eq!(
+        got[1].job.task_content, "42",
+        "numeric-looking text stays text"
+    );
+    assert!(got[1].job.task_id.is_none());
+    // NUL cannot be stored by PostgreSQL: refused on both backends, nothing inserted.
+    let err = s
+        .enqueue_many(vec![
+            NewJob::new("kind.d", "ok"),
+            NewJob::new("kind.d", "a\0b"),
+        ])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("NUL"), "{err}");
+    let stats = s.queue_stats().await.unwrap();
+    assert!(
+        stats.counts.iter().all(|c| c.agent != "kind.d"),
+        "{:?}",
+        stats.counts
+    );
 }
