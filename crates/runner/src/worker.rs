@@ -6,8 +6,9 @@
 //! Two shapes, chosen by [`WorkerConfig::claim_batch`]:
 //! - per-job (`claim_batch = 1`): one fetch loop per slot; each loop marks its finished job done
 //!   and claims the next one in the same statement: one commit per job;
-//! - batched (`claim_batch > 1`): one fetch loop claims up to `claim_batch` jobs at a time into
-//!   a local buffer and marks finished jobs done in batches.
+//! - batched (`claim_batch > 1`): one fetch loop per two slots (at most four) claims up to
+//!   `claim_batch` jobs at a time into its local buffer and marks finished jobs done in batches,
+//!   in the same statement as its next claim.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -253,8 +254,14 @@ impl Worker {
         let (loops, slots, batch, prefetch) = if self.config.claim_batch <= 1 {
             (self.config.concurrency.max(1), 1, 1, 0)
         } else {
+            // One loop per two slots (at most four): a loop waits for its own round trip, so
+            // several loops keep several database connections busy where one would leave the
+            // database idle between its statements (PostgreSQL, 20,000 no-op jobs at
+            // concurrency 8: one loop 19.5k jobs/s, four loops 25.5–26.5k).
+            let concurrency = self.config.concurrency.max(1);
+            let loops = concurrency.div_ceil(2).clamp(1, 4);
             let batch = self.config.claim_batch as usize;
-            (1, self.config.concurrency.max(1), batch, batch)
+            (loops, concurrency.div_ceil(loops), batch, batch)
         };
         let mut fetchers = JoinSet::new();
         for i in 0..loops {

@@ -263,9 +263,12 @@ impl SqliteStore {
     // ----- jobs ---------------------------------------------------------------------------
 
     pub async fn enqueue(&self, job: NewJob) -> Result<Enqueued> {
-        let mut tx = self.begin().await?;
-        let out = insert_job(&mut tx, &job, self.now()).await?;
-        tx.commit().await?;
+        // One autocommit INSERT: a single trip to the connection's thread (an explicit
+        // transaction costs three more). After a dedupe conflict the id is looked up in a second
+        // statement; should cleanup delete that long-finished row in between, the lookup fails
+        // with an error, never a wrong id.
+        let mut conn = self.write.acquire().await?;
+        let out = insert_job(&mut conn, &job, self.now()).await?;
         if !out.duplicate {
             self.notify();
         }
@@ -274,8 +277,8 @@ impl SqliteStore {
 
     pub async fn enqueue_many(&self, jobs: Vec<NewJob>) -> Result<u64> {
         // One INSERT … SELECT per chunk of rows passed as one JSON array: one trip to the
-        // connection's thread per chunk instead of one per row (20,000 jobs: 11k → see
-        // docs/benchmarks.md). Chunks are cut at 5,000 rows or ~4 MiB of JSON.
+        // connection's thread per chunk instead of one per row (20,000 jobs: 11k → 230k
+        // jobs/s). Chunks are cut at 5,000 rows or ~4 MiB of JSON.
         const CHUNK_ROWS: usize = 5_000;
         const CHUNK_BYTES: usize = 4 << 20;
         let now = self.now();
