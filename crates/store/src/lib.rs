@@ -409,6 +409,11 @@ impl Store {
         dispatch!(self, task_usage(task_id))
     }
 
+    /// Whether any job is queued or running (a drained queue answers false).
+    pub async fn has_live_jobs(&self) -> Result<bool> {
+        dispatch!(self, has_live_jobs())
+    }
+
     /// Tokens and cost of every agent run so far, by agent, sorted by agent.
     pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
         dispatch!(self, usage_by_agent())

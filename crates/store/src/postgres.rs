@@ -876,6 +876,12 @@ impl PgStore {
         })
     }
 
+    pub async fn has_live_jobs(&self) -> Result<bool> {
+        Ok(sqlx::query_scalar(sql::HAS_LIVE_JOBS)
+            .fetch_one(&self.pool)
+            .await?)
+    }
+
     pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
         sqlx::query(sql::USAGE_BY_AGENT)
             .fetch_all(&self.pool)

@@ -75,6 +75,10 @@ pub const FAIL_TASK: &str = "UPDATE tasks SET stage = 'failed', stage_seq = stag
 pub const QUEUE_COUNTS: &str = "SELECT agent, state, count(*) AS count FROM jobs \
      GROUP BY state, agent ORDER BY state, agent";
 
+/// Whether any job is queued or running.
+pub const HAS_LIVE_JOBS: &str =
+    "SELECT EXISTS (SELECT 1 FROM jobs WHERE state IN ('queued', 'running'))";
+
 /// `$1 now`.
 pub const OLDEST_READY: &str =
     "SELECT min(available_at) FROM jobs WHERE state = 'queued' AND available_at <= $1";

@@ -854,6 +854,12 @@ impl SqliteStore {
         })
     }
 
+    pub async fn has_live_jobs(&self) -> Result<bool> {
+        Ok(sqlx::query_scalar(sql::HAS_LIVE_JOBS)
+            .fetch_one(&self.read)
+            .await?)
+    }
+
     pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
         sqlx::query(sql::USAGE_BY_AGENT)
             .fetch_all(&self.read)

@@ -909,6 +909,10 @@ async fn agent_runs_and_usage(db: TestDb) {
 
 async fn bulk_enqueue_skips_duplicates(db: TestDb) {
     let s = &db.store;
+    assert!(
+        !s.has_live_jobs().await.unwrap(),
+        "an empty queue has no live job"
+    );
     s.enqueue(NewJob::new("noop", "pre").dedupe("d1"))
         .await
         .unwrap();
@@ -919,7 +923,16 @@ async fn bulk_enqueue_skips_duplicates(db: TestDb) {
         NewJob::new("noop", "d").delay_s(5),
     ];
     assert_eq!(s.enqueue_many(jobs).await.unwrap(), 3);
-    assert_eq!(s.claim(&claim("w", 10)).await.unwrap().len(), 3);
+    assert!(s.has_live_jobs().await.unwrap());
+    let claimed = s.claim(&claim("w", 10)).await.unwrap();
+    assert_eq!(claimed.len(), 3);
+    assert!(s.has_live_jobs().await.unwrap(), "running jobs are live");
+    let leases: Vec<Lease> = claimed.iter().map(|c| c.lease).collect();
+    s.complete_and_claim(&leases, None).await.unwrap();
+    assert!(
+        s.has_live_jobs().await.unwrap(),
+        "the delayed job is still queued"
+    );
     assert_eq!(s.enqueue_many(Vec::new()).await.unwrap(), 0);
 
     // Every field survives the bulk path exactly, whatever the text holds.
