@@ -36,7 +36,10 @@ pub struct SqliteStore {
 /// the claim and COMMIT (each a trip). Every SET expression reads the row as it was, so a row
 /// that was `running` (a lease being completed: fenced by its attempt) becomes `done` and a row
 /// that was `queued` (picked in `jobs_ready` order, at most `$6`) becomes `running` under a new
-/// attempt; RETURNING's `state` tells the two apart.
+/// attempt; RETURNING's `state` tells the two apart. The rows to change come from one
+/// materialized `FROM` list (completions, then the pick) joined to `jobs` by rowid: with the
+/// completions in a subquery of the WHERE instead, the planner re-read the JSON once per
+/// running row (5,000 completions with 80,000 rows running: seconds per statement).
 ///
 /// `$1 now, $2 lease_ms, $3 worker_id, $4 kinds (JSON array), $5 node, $6 limit (0: no claim),
 /// $7 completions (JSON array of [id, attempt])`.
@@ -49,15 +52,16 @@ static COMPLETE_AND_CLAIM: LazyLock<String> = LazyLock::new(|| {
             attempt = CASE WHEN state = 'running' THEN attempt ELSE attempt + 1 END, \
             locked_by = CASE WHEN state = 'running' THEN locked_by ELSE $3 END, \
             started_at = CASE WHEN state = 'running' THEN started_at ELSE $1 END \
-         WHERE id IN ( \
-            SELECT r.id FROM json_each($7) d \
-            JOIN jobs r ON r.id = json_extract(d.value, '$[0]') \
-            WHERE r.attempt = json_extract(d.value, '$[1]') AND r.state = 'running' \
+         FROM ( \
+            SELECT json_extract(value, '$[0]') AS jid, json_extract(value, '$[1]') AS jattempt, \
+                'running' AS was FROM json_each($7) \
           UNION ALL \
-            SELECT id FROM (SELECT id FROM jobs WHERE state = 'queued' AND available_at <= $1 \
+            SELECT id, attempt, 'queued' FROM (SELECT id, attempt FROM jobs \
+                WHERE state = 'queued' AND available_at <= $1 \
                 AND ($4 = '[]' OR agent IN (SELECT value FROM json_each($4))) \
                 AND (node IS NULL OR node = $5) \
-                ORDER BY priority DESC, available_at, id LIMIT $6)) \
+                ORDER BY priority DESC, available_at, id LIMIT $6)) AS t \
+         WHERE jobs.id = t.jid AND jobs.attempt = t.jattempt AND jobs.state = t.was \
          RETURNING {JOB_COLUMNS}"
     )
 });
