@@ -72,7 +72,8 @@ pub(crate) async fn queue(State(state): State<ApiState>) -> ApiResult<Json<dto::
 
 /// `GET /metrics`: always 200; `orch_up 0` when the store did not answer.
 pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
-    let (snap, up) = match QueueSnapshot::read(&state).await {
+    let (snap, usage) = tokio::join!(QueueSnapshot::read(&state), state.store.usage_by_agent());
+    let (snap, up) = match snap {
         Ok(s) => (s, true),
         Err(e) => {
             tracing::warn!(error = %e, "metrics: the store did not answer");
@@ -91,16 +92,13 @@ pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
             (snap, false)
         }
     };
-    let usage = if up {
-        match state.store.usage_by_agent().await {
-            Ok(u) => Some(u),
-            Err(e) => {
-                tracing::warn!(error = %e, "metrics: could not read agent usage totals");
-                None
-            }
+    let usage = match usage {
+        Ok(u) if up => Some(u),
+        Ok(_) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics: could not read agent usage totals");
+            None
         }
-    } else {
-        None
     };
     let timings = state.ops.worker_timings().await;
     let extra = metrics::Extra {

@@ -24,7 +24,6 @@ pub struct Histogram {
     /// `bounds.len() + 1` buckets; the last one is +Inf.
     buckets: Box<[AtomicU64]>,
     sum_micros: AtomicU64,
-    count: AtomicU64,
 }
 
 /// A histogram read at one moment, with cumulative bucket counts as Prometheus wants them.
@@ -42,7 +41,6 @@ impl Histogram {
             bounds,
             buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
             sum_micros: AtomicU64::new(0),
-            count: AtomicU64::new(0),
         }
     }
 
@@ -54,12 +52,10 @@ impl Histogram {
         }
         let micros = u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
         self.sum_micros.fetch_add(micros, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Cumulative counts. Read without a lock, so under load `count` may run one observation
-    /// ahead of the buckets; the snapshot makes the +Inf total the bucket total, which keeps it
-    /// a valid histogram.
+    /// Cumulative counts, read without a lock; the count is the bucket total, so the +Inf
+    /// bucket always equals `count` and the snapshot is a valid histogram.
     pub fn snapshot(&self) -> HistogramSnapshot {
         let mut cumulative = 0;
         let mut buckets = Vec::with_capacity(self.bounds.len());

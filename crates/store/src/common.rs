@@ -82,6 +82,25 @@ where
     })
 }
 
+/// A row of `sql::USAGE_BY_AGENT`: agent, runs, input tokens, output tokens, cost.
+pub(crate) fn agent_usage<R: Row>(row: R) -> Result<(String, Usage)>
+where
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> f64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    usize: sqlx::ColumnIndex<R>,
+{
+    Ok((
+        row.try_get(0)?,
+        Usage {
+            runs: row.try_get(1)?,
+            input_tokens: row.try_get(2)?,
+            output_tokens: row.try_get(3)?,
+            cost_usd: row.try_get(4)?,
+        },
+    ))
+}
+
 pub(crate) fn live_lease<R: Row>(row: R) -> Result<LiveLease>
 where
     for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,

@@ -891,17 +891,7 @@ impl PgStore {
             .fetch_all(&self.pool)
             .await?
             .into_iter()
-            .map(|row| {
-                Ok((
-                    row.try_get(0)?,
-                    Usage {
-                        runs: row.try_get(1)?,
-                        input_tokens: row.try_get(2)?,
-                        output_tokens: row.try_get(3)?,
-                        cost_usd: row.try_get(4)?,
-                    },
-                ))
-            })
+            .map(agent_usage)
             .collect()
     }
 }

@@ -28,16 +28,7 @@ struct Target {
 
 pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
     let mut results = Vec::new();
-    for backend in ["sqlite", "postgres"] {
-        let wanted = matches!(
-            (args.backend, backend),
-            (BenchBackend::All, _)
-                | (BenchBackend::Sqlite, "sqlite")
-                | (BenchBackend::Postgres, "postgres")
-        );
-        if !wanted {
-            continue;
-        }
+    for backend in selected(args.backend) {
         let baseline = if backend == "postgres" && args.baseline_s > 0 {
             let target = fresh_target(backend, &args).await?;
             let b = pgbench::baseline(&target.url, args.baseline_s).await?;
@@ -95,6 +86,18 @@ pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
         crate::output::print_json(&serde_json::Value::Array(results));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The backends a `--backend` choice names, SQLite first.
+fn selected(choice: BenchBackend) -> impl Iterator<Item = &'static str> {
+    ["sqlite", "postgres"].into_iter().filter(move |b| {
+        matches!(
+            (choice, *b),
+            (BenchBackend::All, _)
+                | (BenchBackend::Sqlite, "sqlite")
+                | (BenchBackend::Postgres, "postgres")
+        )
+    })
 }
 
 fn round2(x: f64) -> f64 {
@@ -379,21 +382,12 @@ async fn healthz(port: u16) -> bool {
 }
 
 /// `orch bench queue-api`: fills a fresh store per backend with `tasks` tasks and `jobs` jobs
-/// (spread over the tasks and eight agents, a tenth of them finished), serves `orch_api::app`
+/// (spread over the tasks and eight agents, in the mix of [`JobMix`]), serves `orch_api::app`
 /// on a real loopback listener, and times `requests` sequential `GET /queue` calls (connect,
 /// request, whole answer). Operations are inert: the figure is the store's share.
 pub async fn queue_api(cx: &Context, args: BenchQueueApiArgs) -> Result<ExitCode> {
     let mut results = Vec::new();
-    for backend in ["sqlite", "postgres"] {
-        let wanted = matches!(
-            (args.backend, backend),
-            (BenchBackend::All, _)
-                | (BenchBackend::Sqlite, "sqlite")
-                | (BenchBackend::Postgres, "postgres")
-        );
-        if !wanted {
-            continue;
-        }
+    for backend in selected(args.backend) {
         let target = fresh_target_at(backend, &args.pg_url).await?;
         let store = open(&target, 8).await?;
         let t0 = Instant::now();
