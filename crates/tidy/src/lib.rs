@@ -181,14 +181,10 @@ pub fn check_file(path: &str, text: &str) -> Vec<Violation> {
         if shipped && !in_crate("exec") && SPAWN_PATTERNS.iter().any(|p| line.contains(p)) {
             push("spawn", n, line);
         }
-        if shipped && !in_crate("api") {
-            if line.contains(concat!("axum", "::")) {
-                push("wire-json", n, line);
-            } else if in_crate("orch")
-                && (line.contains(concat!("json", "!(")) || names_serialize(line))
-            {
-                push("wire-json", n, line);
-            }
+        let names_axum = line.contains(concat!("axum", "::"));
+        let shapes_json = line.contains(concat!("json", "!(")) || names_serialize(line);
+        if shipped && !in_crate("api") && (names_axum || (in_crate("orch") && shapes_json)) {
+            push("wire-json", n, line);
         }
     }
     out
