@@ -155,4 +155,3 @@ pub struct ServeArgs {
     #[arg(long, env = "ORCH_BIND")]
     pub bind: Option<String>,
 }
-
