@@ -18,11 +18,13 @@
 
 pub mod artifact;
 pub mod config;
+pub mod control;
 pub mod gate;
 pub mod ids;
 pub mod monitor;
 pub mod pipeline;
 pub mod staging;
+pub mod text;
 
 /// Property tests run from a fixed seed so that every run checks the same cases and a failure
 /// replays exactly; nothing is written next to the sources.

@@ -498,7 +498,8 @@ fn validate_claim(claim: &Claim) -> Result<()> {
     Ok(())
 }
 
-/// The dedupe key `advance_stage` gives a next job that has none.
+/// The dedupe key `advance_stage` gives a next job that has none
+/// (`orch_domain::control::dedupe::stage_job`).
 pub fn stage_job_key(task_id: i64, stage_seq: i64) -> String {
-    format!("stage:{task_id}:{stage_seq}")
+    orch_domain::control::dedupe::stage_job(task_id, stage_seq)
 }
