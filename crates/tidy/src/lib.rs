@@ -18,14 +18,16 @@
 //!   `axum` (so nothing else can answer HTTP), and the binary crate `crates/orch/src`, the other
 //!   place that faces users, builds no JSON itself (no `json!`, no `Serialize` derive or impl):
 //!   it prints the API's DTOs. JSON that other crates build is not wire and is allowed: the
-//!   runner's event `data`, job payloads and the store's migration records are *storage* (read
-//!   back by orch, never served in that shape — the API maps them to DTOs), sentinel files in
-//!   `crates/deploystate` are storage, and request bodies for another service's API (OpenAI,
-//!   alert webhooks) are that service's wire.
-//! - **`shared-seeds`**: no file points at `../shared`: the repository explains itself
-//!   (docs/design.md holds the seed contracts).
-//! - **`machine-path`**: no file carries an absolute path of a machine (`/work/…`, `/home/…`,
-//!   `/root/…`, `/Users/…`); examples use `/tmp`, `~` or relative paths.
+//!   runner's event `data`, job payloads and the store's migration records are *storage*: a
+//!   record kept in a column, read back by orch; the API passes an event's `data` through only
+//!   as one opaque field of its own `EventDto`, whose envelope and names are the API's. Sentinel
+//!   files in `crates/deploystate` are storage too, and request bodies for another service's API
+//!   (OpenAI, alert webhooks) are that service's wire.
+//! - **`shared-seeds`**: no file points at the `shared` folder beside the checkout (the
+//!   `SHARED` pattern): the repository explains itself (docs/design.md holds the seed
+//!   contracts).
+//! - **`machine-path`**: no file carries an absolute path of a machine (under the work, home or
+//!   root directories, `MACHINE_ROOTS`); examples use `/tmp`, `~` or relative paths.
 //!
 //! An exception that no longer matches anything is itself a failure, so the list only shrinks.
 
