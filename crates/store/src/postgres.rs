@@ -756,7 +756,11 @@ impl PgStore {
             .await?)
     }
 
-    pub async fn advance_stage(&self, adv: AdvanceStage) -> Result<Advanced> {
+    pub async fn advance_stage(
+        &self,
+        adv: AdvanceStage,
+        exclusive: Option<&Exclusive>,
+    ) -> Result<Advanced> {
         let now = self.now();
         let mut tx = self.pool.begin().await?;
         let Some(current) = sqlx::query_as::<_, Task>(TASK_BY_ID_FOR_UPDATE.as_str())
@@ -774,6 +778,14 @@ impl PgStore {
                 actual: current.stage,
                 actual_seq: current.stage_seq,
             });
+        }
+        if let Some(exclusive) = exclusive {
+            // Serializes every exclusive change of this repo until commit.
+            sqlx::query(sql::PG_TRACK_LOCK)
+                .bind(&current.repo)
+                .execute(&mut *tx)
+                .await?;
+            check_exclusive(&mut tx, &current, exclusive).await?;
         }
         let task: Task = sqlx::query_as(ADVANCE_TASK.as_str())
             .bind(adv.task_id)
@@ -1043,6 +1055,29 @@ async fn insert_event(conn: &mut PgConnection, e: &NewEvent, now: Millis) -> Res
         .bind(now)
         .fetch_one(&mut *conn)
         .await?)
+}
+
+/// The exclusive guard of `advance_stage_exclusive`: another task of the repo at one of the
+/// stages holds the track.
+async fn check_exclusive(
+    conn: &mut PgConnection,
+    current: &Task,
+    exclusive: &Exclusive,
+) -> Result<()> {
+    let holder: Option<(String, String)> = sqlx::query_as(sql::PG_TRACK_HOLDER)
+        .bind(&current.repo)
+        .bind(current.id)
+        .bind(&exclusive.stages)
+        .fetch_optional(&mut *conn)
+        .await?;
+    match holder {
+        Some((holder, stage)) => Err(StoreError::TrackBusy {
+            repo: current.repo.clone(),
+            holder,
+            stage,
+        }),
+        None => Ok(()),
+    }
 }
 
 async fn check_fence(conn: &mut PgConnection, adv: &AdvanceStage, current: &Task) -> Result<()> {

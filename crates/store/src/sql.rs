@@ -120,3 +120,15 @@ pub fn select_jobs(where_clause: &str) -> String {
 pub fn select_tasks(where_clause: &str) -> String {
     format!("SELECT {TASK_COLUMNS} FROM tasks {where_clause}")
 }
+
+/// The task of a repo (other than the one moving) at one of the exclusive stages (a JSON array).
+pub const SQLITE_TRACK_HOLDER: &str = "SELECT work_item_id, stage FROM tasks \
+     WHERE repo = ?1 AND id <> ?2 AND stage IN (SELECT value FROM json_each(?3)) \
+     ORDER BY id LIMIT 1";
+
+/// The same on PostgreSQL (the stages as a text array).
+pub const PG_TRACK_HOLDER: &str = "SELECT work_item_id, stage FROM tasks \
+     WHERE repo = $1 AND id <> $2 AND stage = ANY($3) ORDER BY id LIMIT 1";
+
+/// Serializes exclusive stage changes of one repo until the transaction ends (class id 'orct').
+pub const PG_TRACK_LOCK: &str = "SELECT pg_advisory_xact_lock(1869771636, hashtext($1))";

@@ -732,7 +732,11 @@ impl SqliteStore {
             .await?)
     }
 
-    pub async fn advance_stage(&self, adv: AdvanceStage) -> Result<Advanced> {
+    pub async fn advance_stage(
+        &self,
+        adv: AdvanceStage,
+        exclusive: Option<&Exclusive>,
+    ) -> Result<Advanced> {
         let now = self.now();
         let mut tx = self.begin().await?;
         let Some(current) = sqlx::query_as::<_, Task>(TASK_BY_ID.as_str())
@@ -750,6 +754,10 @@ impl SqliteStore {
                 actual: current.stage,
                 actual_seq: current.stage_seq,
             });
+        }
+        if let Some(exclusive) = exclusive {
+            // The transaction holds SQLite's single write lock: exclusive changes are serialized.
+            check_exclusive(&mut tx, &current, exclusive).await?;
         }
         let task: Task = sqlx::query_as(ADVANCE_TASK.as_str())
             .bind(adv.task_id)
@@ -948,6 +956,32 @@ async fn insert_event(conn: &mut SqliteConnection, e: &NewEvent, now: Millis) ->
         .bind(now)
         .fetch_one(&mut *conn)
         .await?)
+}
+
+/// The exclusive guard of `advance_stage_exclusive`: another task of the repo at one of the
+/// stages holds the track.
+async fn check_exclusive(
+    conn: &mut SqliteConnection,
+    current: &Task,
+    exclusive: &Exclusive,
+) -> Result<()> {
+    let holder: Option<(String, String)> = sqlx::query_as(sql::SQLITE_TRACK_HOLDER)
+        .bind(&current.repo)
+        .bind(current.id)
+        .bind(
+            serde_json::to_string(&exclusive.stages)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?,
+        )
+        .fetch_optional(&mut *conn)
+        .await?;
+    match holder {
+        Some((holder, stage)) => Err(StoreError::TrackBusy {
+            repo: current.repo.clone(),
+            holder,
+            stage,
+        }),
+        None => Ok(()),
+    }
 }
 
 /// The fence of `advance_stage`: the caller's job lease, or the operator's `stage_seq`.
