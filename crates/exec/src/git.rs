@@ -376,6 +376,47 @@ impl Git {
         })
     }
 
+    /// Makes `path` a worktree of `repo` with a detached `HEAD` at exactly `rev`, its files as
+    /// committed there (a re-used one is forced to `rev` and cleaned). For running a release's
+    /// commands on the exact revision that was staged.
+    pub async fn worktree_detached(
+        &self,
+        repo: &Path,
+        path: &Path,
+        rev: &str,
+    ) -> Result<(), GitError> {
+        let path = &absolute(path);
+        let lock = repo_lock(repo);
+        let _held = lock.lock().await;
+        let target = normalize(path);
+        let registered = self
+            .worktrees(repo)
+            .await?
+            .into_iter()
+            .any(|w| normalize(&w.path) == target && !w.prunable);
+        if registered && path.join(".git").is_file() && self.is_toplevel(path).await {
+            self.run(
+                path,
+                args(["checkout", "--quiet", "--force", "--detach", rev]),
+            )
+            .await?;
+            self.run(path, args(["clean", "--quiet", "-f", "-d"]))
+                .await?;
+            return Ok(());
+        }
+        self.run(repo, args(["worktree", "prune"])).await?;
+        if path.symlink_metadata().is_ok() {
+            remove_stray(repo, path)?;
+        }
+        create_dir_all(&parent_dir(path))?;
+        let mut argv = args(["worktree", "add", "--quiet", "--force", "--detach"]);
+        argv.push(path.into());
+        argv.push(rev.into());
+        self.run(repo, argv).await?;
+        self.exclude_nested(repo, path).await;
+        Ok(())
+    }
+
     /// Removes the worktree at `path` (uncommitted changes included), prunes git's records of
     /// it and deletes what is left of the directory. Removing a missing worktree succeeds.
     pub async fn worktree_remove(&self, repo: &Path, path: &Path) -> Result<(), GitError> {
@@ -536,6 +577,23 @@ impl Git {
         self.run(dir, args(["push", "--quiet", remote, &refspec]))
             .await?;
         Ok(true)
+    }
+
+    /// Pushes `new` to `branch` on `remote` only if the remote's branch is at `old` now (a
+    /// compare-and-swap on the remote; never a blind force).
+    pub async fn push_lease(
+        &self,
+        dir: &Path,
+        remote: &str,
+        branch: &str,
+        old: &str,
+        new: &str,
+    ) -> Result<(), GitError> {
+        let lease = format!("--force-with-lease=refs/heads/{branch}:{old}");
+        let refspec = format!("{new}:refs/heads/{branch}");
+        self.run(dir, args(["push", "--quiet", &lease, remote, &refspec]))
+            .await?;
+        Ok(())
     }
 
     /// Fetches `remote` (pruning deleted branches). Returns false (and does nothing) when there
