@@ -259,8 +259,14 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
         ));
     }
 
-    // 3. The candidate: the branch brought up to date with the default branch.
-    match git.rebase_or_merge_default(&run.worktree, &main).await {
+    // 3. The candidate: the branch brought up to date with the default branch, or, with the
+    //    `merge` strategy, a merge commit of the branch on top of the default branch (so the
+    //    default branch's first-parent history gets one merge commit per item).
+    let updated = match run.repo.merge_strategy {
+        RepoMergeStrategy::Ff => git.rebase_or_merge_default(&run.worktree, &main).await,
+        RepoMergeStrategy::Merge => merge_commit_candidate(git, &run.worktree, &main, &head).await,
+    };
+    match updated {
         Ok(MergeResult::Merged { sha }) if sha == head => {
             trail.push(format!("`{branch}` is up to date with `{default}`"));
         }
@@ -342,6 +348,29 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
     );
     report.verification = verification;
     Ok(report)
+}
+
+/// Rebuilds the worktree's branch as a merge commit of `head` on top of `main` (first parent
+/// `main`). On a conflict the branch is put back at `head`.
+async fn merge_commit_candidate(
+    git: &Git,
+    worktree: &Path,
+    main: &str,
+    head: &str,
+) -> Result<MergeResult, orch_exec::GitError> {
+    if git.is_ancestor(worktree, head, main).await? {
+        return Ok(MergeResult::Merged {
+            sha: head.to_owned(),
+        });
+    }
+    git.reset_hard(worktree, main).await?;
+    let merged = git
+        .merge(worktree, head, orch_exec::MergeStrategy::MergeCommit)
+        .await;
+    if !matches!(merged, Ok(MergeResult::Merged { .. })) {
+        git.reset_hard(worktree, head).await?;
+    }
+    merged
 }
 
 /// The object id `name` resolves to; a missing one is an infrastructure error.
