@@ -803,6 +803,46 @@ impl Git {
         Ok(RevertResult::Reverted { sha })
     }
 
+    /// A merge commit of `theirs` on top of `base` (first parent `base`), built without any
+    /// working tree; no branch moves. A conflict is reported with its files.
+    pub async fn merge_commit_onto(
+        &self,
+        dir: &Path,
+        base: &str,
+        theirs: &str,
+        message: &str,
+    ) -> Result<MergeResult, GitError> {
+        let argv = args([
+            "merge-tree",
+            "--write-tree",
+            "--name-only",
+            "-z",
+            base,
+            theirs,
+        ]);
+        let out = self.output(dir, argv.clone(), None).await?;
+        let text = out.stdout_lossy();
+        let mut parts = text.split('\0');
+        let tree = parts.next().unwrap_or_default().trim().to_owned();
+        match out.status {
+            ExitKind::Exited(0) => {}
+            ExitKind::Exited(1) => {
+                let mut files: Vec<String> = parts
+                    .take_while(|p| !p.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+                files.sort();
+                files.dedup();
+                return Ok(MergeResult::Conflict { files });
+            }
+            _ => return Err(failed(dir, &argv, &out)),
+        }
+        let sha = self
+            .commit_tree(dir, &tree, &[base, theirs], message)
+            .await?;
+        Ok(MergeResult::Merged { sha })
+    }
+
     /// `(id, full message)` of every commit in `range` (e.g. `a..b`), newest first.
     pub async fn commit_messages(
         &self,

@@ -1,5 +1,6 @@
 //! Where repos and worktrees live on this machine: `<repos_dir>/<repo>` is orch's own clone of
-//! each declared repo (on its default branch; merges land here and are pushed to `origin`),
+//! each declared repo (with a detached `HEAD`: its default branch moves only by
+//! compare-and-swap when the release train promotes or reverts, then is published to `origin`),
 //! and `<repos_dir>/<repo>/worktrees/<id>` is one work item's worktree on branch `orch/<id>`.
 
 use std::collections::HashMap;

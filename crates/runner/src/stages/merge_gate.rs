@@ -64,7 +64,7 @@ pub fn infra_retry_delay_s(attempt: u32) -> u64 {
     30_u64.saturating_mul(1_u64 << exp).min(300)
 }
 
-/// Merges work item branches into their repo's default branch for stage `merge`.
+/// Builds and verifies the release candidate of stage `merge` (the default branch does not move).
 pub struct MergeGateExecutor {
     counters: Arc<Counters>,
 }
@@ -264,7 +264,13 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
     //    default branch's first-parent history gets one merge commit per item).
     let updated = match run.repo.merge_strategy {
         RepoMergeStrategy::Ff => git.rebase_or_merge_default(&run.worktree, &main).await,
-        RepoMergeStrategy::Merge => merge_commit_candidate(git, &run.worktree, &main, &head).await,
+        RepoMergeStrategy::Merge => {
+            let message = format!(
+                "Merge {} onto `{default}`\n\nWork-Item: {}\nStage: merge\n",
+                run.work_item, run.work_item
+            );
+            merge_commit_candidate(git, &run.worktree, &main, &head, &message).await
+        }
     };
     match updated {
         Ok(MergeResult::Merged { sha }) if sha == head => {
@@ -350,27 +356,29 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
     Ok(report)
 }
 
-/// Rebuilds the worktree's branch as a merge commit of `head` on top of `main` (first parent
-/// `main`). On a conflict the branch is put back at `head`.
+/// The `merge` strategy's candidate: a merge commit of the branch's `head` on top of `main`
+/// (first parent `main`), built without a working tree; the branch then moves to it in one
+/// step. A branch that already is such a merge on `main` is its own candidate.
 async fn merge_commit_candidate(
     git: &Git,
     worktree: &Path,
     main: &str,
     head: &str,
+    message: &str,
 ) -> Result<MergeResult, orch_exec::GitError> {
-    if git.is_ancestor(worktree, head, main).await? {
+    let first_parent = git.rev_parse(worktree, &format!("{head}^1")).await?;
+    let second_parent = git.rev_parse(worktree, &format!("{head}^2")).await?;
+    if second_parent.is_some() && first_parent.as_deref() == Some(main) {
+        // Already the candidate (a rebuild after a crash or a retry): no merge on a merge.
         return Ok(MergeResult::Merged {
             sha: head.to_owned(),
         });
     }
-    git.reset_hard(worktree, main).await?;
-    let merged = git
-        .merge(worktree, head, orch_exec::MergeStrategy::MergeCommit)
-        .await;
-    if !matches!(merged, Ok(MergeResult::Merged { .. })) {
-        git.reset_hard(worktree, head).await?;
+    let merged = git.merge_commit_onto(worktree, main, head, message).await?;
+    if let MergeResult::Merged { sha } = &merged {
+        git.reset_hard(worktree, sha).await?;
     }
-    merged
+    Ok(merged)
 }
 
 /// The object id `name` resolves to; a missing one is an infrastructure error.
