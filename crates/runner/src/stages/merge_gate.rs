@@ -246,6 +246,26 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
         .await
         .map_err(|e| Interrupted::Infra(e.to_string()))?
     {
+        // Contained because it was released and then reverted: merging "nothing" would
+        // stage and ship the old commit again, without the revert.
+        let reverted = git
+            .commit_messages(repo_dir, &format!("{head}..{main}"))
+            .await
+            .map_err(|e| infra("reading the default branch's history", e))?
+            .iter()
+            .any(|(_, m)| m.contains(&format!("Orch-Revert: {}", run.work_item)));
+        if reverted {
+            trail.push(format!(
+                "`{branch}` was released and then reverted on `{default}`"
+            ));
+            return Ok(MergeReport::failed(
+                "reverted",
+                format!(
+                    "{}'s change was reverted on `{default}`; it is not merged again (revert the revert by hand, or submit a new item)",
+                    run.work_item
+                ),
+            ));
+        }
         trail.push(format!(
             "`{branch}` ({}) is already contained in `{default}`: nothing to merge",
             short(&head)
