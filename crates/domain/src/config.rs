@@ -171,6 +171,29 @@ pub struct RepoConfig {
     /// The repo's lessons file, relative to its root. Default `LESSONS.md`.
     #[serde(default = "default_lessons_file")]
     pub lessons_file: String,
+    /// What the release train does with a change whose post-deploy watch rolled it back:
+    /// `revert` (default) removes it from the default branch with a revert commit; `hold`
+    /// keeps it and holds the repo's releases until an operator acts.
+    #[serde(default)]
+    pub on_failure: OnFailure,
+    /// A control endpoint the post-deploy monitor checks with every poll: something that must
+    /// answer whenever the monitor can see at all (e.g. a stable status page on the same
+    /// network). When it does not answer, the poll's failures are the monitor's blindness
+    /// (ERROR), never the service's (FAIL). Default none.
+    #[serde(default)]
+    pub control_url: Option<String>,
+}
+
+/// `on_failure`: what happens to a change that was rolled back in production.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// Revert it on the default branch (through the release track) so no later deploy
+    /// ships it again.
+    #[default]
+    Revert,
+    /// Keep it and hold the repo's releases until an operator approves or cancels the item.
+    Hold,
 }
 
 fn default_branch() -> String {

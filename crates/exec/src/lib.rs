@@ -16,6 +16,7 @@ pub mod git;
 pub mod process;
 
 pub use git::{
-    Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, StatusEntry, WorktreeAdd,
+    Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult, StatusEntry,
+    WorktreeAdd,
 };
 pub use process::{Cmd, ExitKind, Output, SpawnError, run};

@@ -412,7 +412,11 @@ where
             .await?)
     }
 
-    pub async fn advance_stage(&self, adv: AdvanceStage) -> Result<Advanced> {
+    pub async fn advance_stage(
+        &self,
+        adv: AdvanceStage,
+        exclusive: Option<&Exclusive>,
+    ) -> Result<Advanced> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
         let Some(current) = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
@@ -430,6 +434,24 @@ where
                 actual: current.stage,
                 actual_seq: current.stage_seq,
             });
+        }
+        if let Some(exclusive) = exclusive {
+            D::lock_repo_track(&mut tx, &current.repo).await?;
+            let stages = serde_json::to_string(&exclusive.stages)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let holder: Option<(String, String)> = sqlx::query_as(D::TRACK_HOLDER)
+                .bind(&current.repo)
+                .bind(current.id)
+                .bind(stages)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if let Some((holder, stage)) = holder {
+                return Err(StoreError::TrackBusy {
+                    repo: current.repo.clone(),
+                    holder,
+                    stage,
+                });
+            }
         }
         let task: Task = sqlx::query_as(sql::ADVANCE_TASK.as_str())
             .bind(adv.task_id)

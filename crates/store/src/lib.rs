@@ -366,7 +366,26 @@ impl Store {
         if let Some(job) = &adv.next_job {
             validate_new_job(job)?;
         }
-        dispatch!(self, advance_stage(adv))
+        dispatch!(self, advance_stage(adv, None))
+    }
+
+    /// [`Store::advance_stage`] that also refuses, with [`StoreError::TrackBusy`], to move the
+    /// task while another task of its repo is at one of `exclusive.stages` (see [`Exclusive`]).
+    pub async fn advance_stage_exclusive(
+        &self,
+        adv: AdvanceStage,
+        exclusive: &Exclusive,
+    ) -> Result<Advanced> {
+        if adv.expected_stage == adv.new_stage {
+            return Err(StoreError::Invalid(format!(
+                "advance_stage from '{}' to itself",
+                adv.expected_stage
+            )));
+        }
+        if let Some(job) = &adv.next_job {
+            validate_new_job(job)?;
+        }
+        dispatch!(self, advance_stage(adv, Some(exclusive)))
     }
 
     /// Cancels every live job of a task except `keep` (used with operator stage changes).

@@ -3,7 +3,12 @@
 # Keeps each release in STATE_DIR/releases/<rev> and remembers the previous one for rollback.
 set -eu
 env="$1"; port="$2"; state="$3"
+# Every run is logged with its start and end (ns since the epoch), so overlaps can be checked.
+mkdir -p "$state"
+log_run() { echo "$1 deploy $env ${rev:-?} $(date +%s%N) ${2:-}" >> "$state/deploys.log"; }
+trap 'log_run end $?' EXIT
 rev="${ORCH_REVISION:-$(git rev-parse HEAD)}"
+log_run start
 mkdir -p "$state/releases/$rev" "$state/run"
 git archive "$rev" | tar -x -C "$state/releases/$rev"
 if [ -f "$state/run/$env.rev" ]; then cp "$state/run/$env.rev" "$state/run/$env.prev"; fi

@@ -87,6 +87,8 @@ enum Scenario {
     Version,
     Greeting,
     Note,
+    /// A banner that breaks `/health` in staging: staging fails it every time.
+    Banner,
 }
 
 impl Scenario {
@@ -96,6 +98,8 @@ impl Scenario {
             Scenario::Greeting
         } else if title.contains("note") {
             Scenario::Note
+        } else if title.contains("banner") {
+            Scenario::Banner
         } else {
             Scenario::Version
         }
@@ -230,7 +234,16 @@ fn implementation(e: &Env, scenario: Scenario) -> Result<usize> {
         .unwrap_or(false);
     // The two scenarios edit different places of the same files, so their merges do not
     // conflict.
-    let summary = if scenario == Scenario::Greeting {
+    let summary = if scenario == Scenario::Banner {
+        // Staging's smoke check sees it; the unit tests do not.
+        edit(
+            &app,
+            "    return 200, {\"status\": \"ok\", \"env\": ENV}",
+            "    if ENV == \"staging\":\n        return 503, {\"status\": \"BANNER missing in staging\"}\n    \
+             return 200, {\"status\": \"ok\", \"env\": ENV}",
+        )?;
+        "Added a banner (health reports it in staging)."
+    } else if scenario == Scenario::Greeting {
         edit(
             &app,
             "def revision():",
