@@ -271,7 +271,23 @@ async fn check_release(dir: &Path, store: &Store, ids: &[String], killed: bool) 
             })
             .cloned()
             .collect();
-        let new: BTreeSet<String> = holds.difference(&seen).cloned().collect();
+        let mut new: BTreeSet<String> = holds.difference(&seen).cloned().collect();
+        // An item reverted before this revision is not shipped by it.
+        let reverted: BTreeSet<String> = v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|i| i["change"] == "reverted")
+            .map(|i| i["work_item"].as_str().unwrap().to_owned())
+            .collect();
+        for id in &reverted {
+            let app = app_at(rev);
+            assert!(
+                !app.contains("greeting not configured"),
+                "{id} is listed as reverted but {rev:.12} holds its change"
+            );
+            new.remove(id);
+        }
         assert_eq!(listed, new, "items of the deploy of {rev:.12}");
         seen.extend(holds);
         assert!(
@@ -685,6 +701,35 @@ async fn hold_keeps_the_repo_until_an_operator_approves() {
         main_app.contains("greeting not configured"),
         "hold keeps the change on main"
     );
+    // The operator fixes the default branch by hand (in the repo orch publishes to), then
+    // releases the hold.
+    let service = dir.join("service");
+    let app = std::fs::read_to_string(service.join("app.py")).unwrap();
+    assert!(
+        app.contains("greeting not configured"),
+        "the origin has the held change"
+    );
+    let fixed: String = app
+        .lines()
+        .filter(|l| {
+            !l.contains("time.time() - STARTED > 2") && !l.contains("greeting not configured")
+        })
+        .map(|l| format!("{l}\n"))
+        .collect();
+    std::fs::write(service.join("app.py"), fixed).unwrap();
+    git(
+        &service,
+        &[
+            "-c",
+            "user.name=op",
+            "-c",
+            "user.email=op@example.com",
+            "commit",
+            "-qam",
+            "Fix production health by hand",
+        ],
+    )
+    .expect("the operator's fix");
     orch(&dir, &url, &["approve", &bad]);
     wait_for(&store, "both items done", async |s| {
         all_terminal(s, &[bad.clone(), next.clone()]).await

@@ -255,7 +255,8 @@ pub async fn live_revision(store: &Store, repo: &str) -> Result<Option<String>> 
 pub struct ShippedChange {
     pub work_item: String,
     pub commit: String,
-    /// `merge` (the item's change) or `revert` (its revert).
+    /// `merge` (the item's change), `revert` (the revert of a change shipped before) or
+    /// `reverted` (merged and reverted within the range: not in the deployed revision).
     pub change: &'static str,
 }
 
@@ -308,6 +309,23 @@ pub async fn shipped_changes(
             });
         }
     }
+    // An item merged and reverted inside the range is not in the deployed revision: one entry
+    // says so (`reverted`), so a list never shows it as shipped.
+    let both: Vec<String> = out
+        .iter()
+        .filter(|c| c.change == "revert")
+        .filter(|r| {
+            out.iter()
+                .any(|m| m.change == "merge" && m.work_item == r.work_item)
+        })
+        .map(|r| r.work_item.clone())
+        .collect();
+    out.retain(|c| !(both.contains(&c.work_item) && c.change == "merge"));
+    for c in &mut out {
+        if c.change == "revert" && both.contains(&c.work_item) {
+            c.change = "reverted";
+        }
+    }
     Ok(out)
 }
 
@@ -329,12 +347,9 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
     };
     let names: Vec<String> = items
         .iter()
-        .map(|c| {
-            if c.change == "revert" {
-                format!("{} (revert)", c.work_item)
-            } else {
-                c.work_item.clone()
-            }
+        .map(|c| match c.change {
+            "merge" => c.work_item.clone(),
+            other => format!("{} ({other})", c.work_item),
         })
         .collect();
     let items_json: Vec<serde_json::Value> = items

@@ -554,10 +554,9 @@ async fn summary(
                 a.iter()
                     .map(|i| {
                         let id = i["work_item"].as_str().unwrap_or("?");
-                        if i["change"] == "revert" {
-                            format!("{id} (revert)")
-                        } else {
-                            id.to_owned()
+                        match i["change"].as_str() {
+                            Some("merge") => id.to_owned(),
+                            other => format!("{id} ({})", other.unwrap_or("?")),
                         }
                     })
                     .collect()

@@ -738,7 +738,14 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) {
         return;
     }
     if !rolled_back_recorded {
-        let live = release::previous_of_deploy(run).await;
+        let mut live = release::previous_of_deploy(run).await;
+        if live.is_none()
+            && let Some(url) = &run.repo.revision_url
+        {
+            // A release orch did not deploy: the service says which one runs now.
+            let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+            live = live_revision(url, timeout).await;
+        }
         release::record_rolled_back(run, revision, live.as_deref()).await;
     }
     match run.repo.on_failure {
