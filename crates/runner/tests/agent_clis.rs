@@ -567,7 +567,8 @@ async fn tool_call(p: P) {
 /// an event, and fail the stage for good (not `ok`, not retried). Aider never runs the
 /// commands a model suggests.
 async fn permission_denial(p: P) {
-    let outside_dir = tempfile::tempdir().unwrap();
+    // Outside the worktree and outside /tmp (which Codex's workspace-write sandbox allows).
+    let outside_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let outside = outside_dir.path().join("outside.txt");
     let before = match p {
         P::Claude => Action::Bash("python3 -m unittest -q".into()),
@@ -719,7 +720,11 @@ async fn api_error(p: P, status: u16) {
     }
     let e = result.unwrap_err().to_string();
     assert!(e.contains("still failing after 3 tries"), "{e}");
-    assert!(e.contains("500"), "{e}");
+    // Codex 0.171 words a 500 as "high demand … temporary errors" without the status.
+    assert!(
+        e.contains("500") || (p == P::Codex && e.contains("temporary")),
+        "{e}"
+    );
     assert_eq!(outcomes(&rows), ["transient_error"; 3]);
     if p == P::Claude {
         let d = data(&rows[0]);

@@ -621,7 +621,9 @@ pub(crate) fn class_of_text(text: &str) -> Class {
         "notfounderror",
         "model_not_found",
     ];
-    const TRANSIENT: [&str; 10] = [
+    const TRANSIENT: [&str; 12] = [
+        "temporary",
+        "high demand",
         "internalservererror",
         "internal server error",
         "server_error",
