@@ -826,6 +826,24 @@ async fn a_missing_program_is_a_clear_error_and_fails_the_stage_without_a_retry(
 /// Pre-spends (tokens in, tokens out, cost) on the task, runs analysis under `settings`, and
 /// expects `Ok(())` for a run that went ahead or `Err(fragments)` of the Failed reason.
 async fn check_budget(spent: (i64, i64, f64), settings: Settings, expect: Result<(), &[&str]>) {
+    let finish = AgentRunFinish {
+        outcome: "ok".into(),
+        input_tokens: Some(spent.0),
+        output_tokens: Some(spent.1),
+        cost_usd: Some(spent.2),
+        data: "{}".into(),
+        ..AgentRunFinish::default()
+    };
+    check_budget_after(finish, settings, expect).await;
+}
+
+/// Records an earlier agent run finished as `finish`, then runs analysis under `settings`
+/// and expects `Ok(())` for a run that went ahead or `Err(fragments)` of the Failed reason.
+async fn check_budget_after(
+    finish: AgentRunFinish,
+    settings: Settings,
+    expect: Result<(), &[&str]>,
+) {
     let fx = Fx::new().await;
     let id = fx
         .db
@@ -841,21 +859,7 @@ async fn check_budget(spent: (i64, i64, f64), settings: Settings, expect: Result
         })
         .await
         .unwrap();
-    fx.db
-        .store
-        .finish_agent_run(
-            id,
-            AgentRunFinish {
-                outcome: "ok".into(),
-                input_tokens: Some(spent.0),
-                output_tokens: Some(spent.1),
-                cost_usd: Some(spent.2),
-                data: "{}".into(),
-                ..AgentRunFinish::default()
-            },
-        )
-        .await
-        .unwrap();
+    fx.db.store.finish_agent_run(id, finish).await.unwrap();
     let ran = fx.script(
         "agent",
         "touch \"$OUT/ran\"\nwrite_artifact \"$ORCH_ARTIFACT\"",
@@ -916,6 +920,112 @@ async fn budgets_stop_a_run_before_it_starts() {
     .await;
     check_budget((10, 10, 0.01), tokens(500_000), Ok(())).await;
     check_budget((10, 10, 0.01), cost(2.5), Ok(())).await;
+}
+
+/// Regression (issue 12): a run whose cost was unknown counted as $0, so cost budgets never
+/// tripped for tools that report no cost. Unknown cost now counts as `unknown_run_cost_usd`,
+/// or as the whole budget when that is unset; unknown tokens likewise.
+#[tokio::test]
+async fn unknown_usage_counts_toward_budgets_not_as_zero() {
+    let unknown_cost = || AgentRunFinish {
+        outcome: "ok".into(),
+        input_tokens: Some(1000),
+        output_tokens: Some(100),
+        cost_usd: None,
+        data: r#"{"cost_unknown":true}"#.into(),
+        ..AgentRunFinish::default()
+    };
+    let unknown_usage = || AgentRunFinish {
+        outcome: "usage_unknown".into(),
+        data: r#"{"usage_unknown":true}"#.into(),
+        ..AgentRunFinish::default()
+    };
+    let cost = |max, assumed| Settings {
+        max_cost_usd_per_item: Some(max),
+        unknown_run_cost_usd: assumed,
+        ..Settings::default()
+    };
+    check_budget_after(
+        unknown_cost(),
+        cost(5.0, None),
+        Err(&[
+            "has used its cost budget",
+            "1 run(s) of unknown cost counted as $5 each",
+            "unset: the whole budget",
+            "[prices]",
+        ]),
+    )
+    .await;
+    check_budget_after(unknown_cost(), cost(5.0, Some(1.0)), Ok(())).await;
+    check_budget_after(
+        unknown_cost(),
+        cost(0.5, Some(1.0)),
+        Err(&["1 run(s) of unknown cost counted as $1 each"]),
+    )
+    .await;
+    check_budget_after(
+        unknown_usage(),
+        Settings {
+            max_tokens_per_item: Some(100_000),
+            ..Settings::default()
+        },
+        Err(&["has used its token budget", "1 run(s) of unknown usage"]),
+    )
+    .await;
+    check_budget_after(
+        unknown_usage(),
+        Settings {
+            max_tokens_per_item: Some(100_000),
+            unknown_run_tokens: Some(10_000),
+            ..Settings::default()
+        },
+        Ok(()),
+    )
+    .await;
+    // A run that failed before anything ran (no usage, not marked unknown) costs nothing.
+    check_budget_after(
+        AgentRunFinish {
+            outcome: "error".into(),
+            data: "{}".into(),
+            ..AgentRunFinish::default()
+        },
+        cost(0.01, None),
+        Ok(()),
+    )
+    .await;
+}
+
+/// Regression (issue 12): Codex reports tokens but no cost; the price table turns them into
+/// cost, so the cost budget trips.
+#[tokio::test]
+async fn tokens_priced_by_the_table_trip_the_cost_budget() {
+    let fx = Fx::new().await;
+    let codex = fx.script(
+        "codex",
+        r#"write_artifact "$ORCH_ARTIFACT"
+echo '{"type":"turn.completed","usage":{"input_tokens":1000000,"cached_input_tokens":0,"output_tokens":100000}}'"#,
+    );
+    let mut config = agent(Backend::Codex, Some(&codex));
+    config.model = Some("gpt-5-codex".into());
+    config.price = Some(orch_domain::config::Price {
+        input_per_mtok: 1.25,
+        output_per_mtok: 10.0,
+    });
+    let settings = Settings {
+        max_cost_usd_per_item: Some(2.0),
+        ..Settings::default()
+    };
+    let ex = executor(vec![("analyst", config)], &settings);
+    assert!(produced(&ex.execute(&fx.run("analysis")).await.unwrap()));
+    let rows = fx.rows().await;
+    assert_eq!(rows[0].cost_usd, Some(2.25));
+    let data: Value = serde_json::from_str(&rows[0].data).unwrap();
+    assert_eq!(data["cost_source"], "price_table");
+    let effect = ex.execute(&fx.run("analysis")).await.unwrap();
+    let StageEffect::Failed { reason } = effect else {
+        panic!("expected the budget to stop the run, got {effect:?}");
+    };
+    assert!(reason.contains("cost budget: $2.2500"), "{reason}");
 }
 
 #[tokio::test]
