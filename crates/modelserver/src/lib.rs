@@ -48,6 +48,8 @@ pub enum Action {
     Write { path: String, content: String },
     /// Run a shell command in the CLI's working directory.
     Bash(String),
+    /// Read a file (Claude Code's `Write` refuses to replace a file it has not read).
+    Read(String),
 }
 
 /// The model's answer to one turn.
@@ -444,6 +446,7 @@ async fn anthropic(
                         "Bash",
                         json!({"command": cmd, "description": "Run a command"}),
                     ),
+                    Action::Read(path) => ("Read", json!({"file_path": path})),
                 };
                 blocks.push(json!({"type": "tool_use", "id": format!("toolu_t{}_{i}", turn_index), "name": name, "input": input}));
             }
@@ -590,6 +593,7 @@ async fn responses(
                 let cmd = match a {
                     Action::Write { path, content } => write_command(path, content),
                     Action::Bash(cmd) => cmd.clone(),
+                    Action::Read(path) => format!("cat '{}'", path.replace('\'', "'\\''")),
                 };
                 json!({"type": "function_call", "id": format!("fc_t{turn_index}_{i}"), "call_id": format!("call_t{turn_index}_{i}"),
                        "name": "exec_command", "arguments": json!({"cmd": cmd}).to_string(), "status": "completed"})
@@ -672,6 +676,7 @@ async fn chat(
                         }
                     }
                     Action::Bash(cmd) => t.push_str(&format!("```bash\n{cmd}\n```\n\n")),
+                    Action::Read(_) => {}
                 }
             }
             t

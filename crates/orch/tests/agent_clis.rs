@@ -188,3 +188,56 @@ async fn codex_runs_the_analysis_stage_through_the_engine() {
 async fn aider_runs_the_analysis_stage_through_the_engine() {
     drive("aider", "gpt-4.1", &["intake", "analysis"]).await;
 }
+
+/// `orch demo --agent claude`: the whole demo with its LLM stages run by the real Claude
+/// Code, the demo's scripted agent deciding the files through the demo's model server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_with_the_real_claude_code() {
+    let Some(program) = cli("claude") else { return };
+    if !python_available() {
+        println!("SKIPPED: python3 is not installed (the demo's sample service needs it)");
+        return;
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let out = tokio::process::Command::new(ORCH)
+        .args(["demo", "--agent", "claude", "--dir"])
+        .arg(&dir)
+        .env("ORCH_DEMO_CLAUDE", &program)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    common::reap_orphans();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("the real Claude Code"), "{text}");
+    assert!(
+        text.contains("APP-1  Add a /version endpoint  → done"),
+        "{text}"
+    );
+    assert!(
+        text.contains("loop 1 of 3 back to implementation"),
+        "{text}"
+    );
+    let store = open(&dir).await;
+    let task = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
+    let runs = store.task_agent_runs(task.id).await.unwrap();
+    assert_eq!(runs.len(), 6, "{runs:?}");
+    for r in &runs {
+        assert_eq!(
+            (r.backend.as_str(), r.outcome.as_str()),
+            ("claude", "ok"),
+            "{r:?}"
+        );
+        let data: serde_json::Value = serde_json::from_str(&r.data).unwrap();
+        assert_eq!(data["claude_subtype"], "success");
+    }
+    common::stop_service(&dir);
+}
