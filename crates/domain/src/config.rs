@@ -1127,6 +1127,12 @@ backend = "claude"
 [agents.developer]
 backend = "claude"
 # timeout_s = 3600
+# Presets: endpoint (the API's base URL), api_key_env, model, max_turns (Claude Code, default
+# 50), cli_retries (default 2), allowed_tools / disallowed_tools (Claude Code; the default
+# gives document stages Read/Write/Edit and the developer also Bash), config_home ("run": a
+# fresh HOME per run, the default; "user"; or a directory), price = { input_per_mtok = 3.0,
+# output_per_mtok = 15.0 }.
+# allowed_tools = ["Read", "Write", "Edit", "Bash(python3 -m unittest:*)"]
 
 [agents.reviewer]
 backend = "claude"

@@ -13,7 +13,9 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use orch_domain::config::{AgentConfig, Backend, Price, PromptVia, RepoConfig, Settings};
+use orch_domain::config::{
+    AgentConfig, Backend, PromptVia, RepoConfig, Settings, default_prices, price_in,
+};
 use orch_domain::ids::AgentName;
 use orch_domain::pipeline::Pipeline;
 use orch_exec::git::Git;
@@ -308,7 +310,9 @@ async fn case(p: P, stage: &'static str, brain: impl orch_modelserver::Brain) ->
     };
     let fx = Fx::new(stage, agent).await;
     let server = ModelServer::start(brain).await.unwrap();
-    let config = config(p.backend(), &program, p.endpoint(&server), p.model());
+    let mut config = config(p.backend(), &program, p.endpoint(&server), p.model());
+    // The price loading orch.toml resolves (the built-in table).
+    config.price = price_in(&default_prices(), p.model());
     Some(Case {
         fx,
         server,
@@ -320,26 +324,7 @@ async fn case(p: P, stage: &'static str, brain: impl orch_modelserver::Brain) ->
 
 impl Case {
     async fn execute(&self) -> anyhow::Result<StageEffect> {
-        let mut settings = Settings::default();
-        settings.max_cost_usd_per_item = None;
-        let ex = executor(self.agent, self.config.clone(), &settings);
-        let mut config = orch_domain::config::Config {
-            settings: Settings::default(),
-            repos: Default::default(),
-            agents: [(self.agent.parse().unwrap(), self.config.clone())]
-                .into_iter()
-                .collect(),
-            pipeline: Default::default(),
-            prices: Default::default(),
-        };
-        // Prices resolved as `orch.toml` loading does.
-        config.resolve_prices();
-        let resolved = config.agents.into_values().next().unwrap();
-        let ex = if resolved.price != self.config.price {
-            executor(self.agent, resolved, &settings)
-        } else {
-            ex
-        };
+        let ex = executor(self.agent, self.config.clone(), &Settings::default());
         ex.execute(&self.fx.run(self.stage)).await
     }
 
@@ -503,33 +488,6 @@ async fn tool_call(p: P) {
         return;
     };
     let effect = c.execute().await.unwrap();
-    if std::env::var("DEBUG_TURNS").is_ok() {
-        for r in c.server.requests().iter().take(5) {
-            let roles: Vec<String> = r.body["messages"]
-                .as_array()
-                .map(|m| {
-                    m.iter()
-                        .map(|x| {
-                            format!(
-                                "{}:{}",
-                                x["role"],
-                                serde_json::to_string(&x["content"])
-                                    .unwrap_or_default()
-                                    .chars()
-                                    .rev()
-                                    .take(300)
-                                    .collect::<String>()
-                                    .chars()
-                                    .rev()
-                                    .collect::<String>()
-                            )
-                        })
-                        .collect()
-                })
-                .unwrap_or_default();
-            eprintln!("TURN {:?} {:?}", r.turn, &roles[1.min(roles.len())..]);
-        }
-    }
     assert!(
         matches!(effect, StageEffect::Produced { outcome: None }),
         "{effect:?} {:?}",

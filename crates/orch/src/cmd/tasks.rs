@@ -322,7 +322,10 @@ mod cost_tests {
         let unknown = run(None, r#"{"cost_unknown":true}"#);
         let known = run(Some(0.25), "{}");
         let failed_early = run(None, "{}");
-        assert_eq!(cost_text(&[unknown.clone()], 0.0), "cost unknown");
+        assert_eq!(
+            cost_text(std::slice::from_ref(&unknown), 0.0),
+            "cost unknown"
+        );
         assert_eq!(
             cost_text(&[known.clone(), unknown], 0.25),
             "cost $0.2500 + unknown (1 runs)"
