@@ -475,7 +475,8 @@ async fn tool_call(p: P) {
         }),
         _ => {
             let w = artifact_writer(vec![Action::Bash(
-                "git status --short >/dev/null && echo ran > bash-ran.txt".into(),
+                "git status --short >/dev/null && echo ran > bash-ran.txt && echo \"$HOME\" > home.txt"
+                    .into(),
             )]);
             Box::new(move |t: &orch_modelserver::Turn| orch_modelserver::Brain::reply(&w, t))
         }
@@ -507,6 +508,10 @@ async fn tool_call(p: P) {
         _ => {
             let ran = std::fs::read_to_string(c.fx.worktree.join("bash-ran.txt")).unwrap();
             assert_eq!(ran.trim(), "ran");
+            // The CLI ran with a configuration home of its own, not the orch user's.
+            let home = std::fs::read_to_string(c.fx.worktree.join("home.txt")).unwrap();
+            let own = std::env::var("HOME").unwrap_or_default();
+            assert!(home.contains("orch-agent-") && home.trim() != own, "{home}");
         }
     }
     if p == P::Claude {

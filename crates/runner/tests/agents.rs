@@ -1028,6 +1028,40 @@ echo '{"type":"turn.completed","usage":{"input_tokens":1000000,"cached_input_tok
     assert!(reason.contains("cost budget: $2.2500"), "{reason}");
 }
 
+/// Regression (issue 12): a preset agent that exits 0 but prints no readable report was
+/// recorded `ok` with no usage, which budgets read as zero. It is `usage_unknown` now, and the
+/// budget counts it.
+#[tokio::test]
+async fn an_agent_exiting_0_with_unparsable_output_has_unknown_usage_that_budgets_count() {
+    let fx = Fx::new().await;
+    let claude = fx.script(
+        "claude",
+        "write_artifact \"$ORCH_ARTIFACT\"\necho 'Done! (not JSON)'",
+    );
+    let settings = Settings {
+        max_cost_usd_per_item: Some(10.0),
+        ..Settings::default()
+    };
+    let ex = executor(
+        vec![("analyst", agent(Backend::Claude, Some(&claude)))],
+        &settings,
+    );
+    assert!(produced(&ex.execute(&fx.run("analysis")).await.unwrap()));
+    let rows = fx.rows().await;
+    assert_eq!(outcomes(&rows), ["usage_unknown"]);
+    let data: Value = serde_json::from_str(&rows[0].data).unwrap();
+    assert_eq!(
+        (data["usage_unknown"].clone(), data["cost_unknown"].clone()),
+        (json!(true), json!(true))
+    );
+    assert_eq!((rows[0].input_tokens, rows[0].cost_usd), (None, None));
+    let effect = ex.execute(&fx.run("analysis")).await.unwrap();
+    let StageEffect::Failed { reason } = effect else {
+        panic!("the unknown run counts as the whole budget: {effect:?}");
+    };
+    assert!(reason.contains("1 run(s) of unknown cost"), "{reason}");
+}
+
 #[tokio::test]
 async fn a_stage_without_its_agent_section_fails_for_good() {
     let fx = Fx::new().await;
