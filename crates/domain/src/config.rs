@@ -1127,12 +1127,13 @@ backend = "claude"
 [agents.developer]
 backend = "claude"
 # timeout_s = 3600
-# Presets: endpoint (the API's base URL), api_key_env, model, max_turns (Claude Code, default
-# 50), cli_retries (default 2), allowed_tools / disallowed_tools (Claude Code; the default
-# gives document stages Read/Write/Edit and the developer also Bash), config_home ("run": a
-# fresh HOME per run, the default; "user"; or a directory), price = { input_per_mtok = 3.0,
-# output_per_mtok = 15.0 }.
+# Presets also take: endpoint (the API's base URL), api_key_env, model, max_turns (Claude
+# Code, default 50), cli_retries (default 2), allowed_tools and disallowed_tools (Claude Code;
+# by default document stages get Read, Write and Edit, the developer also Bash), config_home
+# ("run", the default: a fresh HOME per run; "user"; or a directory) and price (USD per
+# million tokens, as in [prices] below).
 # allowed_tools = ["Read", "Write", "Edit", "Bash(python3 -m unittest:*)"]
+# max_turns = 50
 
 [agents.reviewer]
 backend = "claude"
@@ -1768,6 +1769,32 @@ interval_s = 10
         let p = c.pipeline().unwrap();
         assert!(p.stage(&"deploy".parse().unwrap()).unwrap().approval);
         assert_eq!(c.settings.node.as_deref(), Some("build-1"));
+    }
+
+    #[test]
+    fn prices_come_from_the_table_by_model_and_can_be_overridden() {
+        let text = "[agents.analyst]\nbackend = \"codex\"\nmodel = \"openai/gpt-5-codex\"\n\
+                    [agents.architect]\nbackend = \"claude\"\nmodel = \"claude-sonnet-4-5-20250929\"\n\
+                    [agents.developer]\nbackend = \"aider\"\nmodel = \"my-model\"\n\
+                    [agents.reviewer]\nbackend = \"codex\"\nmodel = \"gpt-5\"\nprice = { input_per_mtok = 9.0, output_per_mtok = 9.0 }\n\
+                    [prices.\"my-model\"]\ninput_per_mtok = 1.0\noutput_per_mtok = 4.0\n";
+        let c = Config::from_toml_str(text, &no_env).unwrap();
+        let price = |a: &str| c.agents[&a.parse::<AgentName>().unwrap()].price;
+        let p = |i, o| {
+            Some(Price {
+                input_per_mtok: i,
+                output_per_mtok: o,
+            })
+        };
+        assert_eq!(price("analyst"), p(1.25, 10.0));
+        assert_eq!(price("architect"), p(3.0, 15.0));
+        assert_eq!(price("developer"), p(1.0, 4.0));
+        assert_eq!(price("reviewer"), p(9.0, 9.0));
+        assert_eq!(p(1.0, 4.0).unwrap().cost(1_000_000, 500_000), 3.0);
+        assert_eq!(price_in(&default_prices(), "unknown-model"), None);
+        let bad = "[prices.m]\ninput_per_mtok = -1.0\noutput_per_mtok = 1.0\n";
+        let e = Config::from_toml_str(&format!("{AGENTS}{bad}"), &no_env).unwrap_err();
+        assert!(e.to_string().contains("input_per_mtok"), "{e}");
     }
 
     #[test]
