@@ -131,13 +131,13 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     }
 
     println!("orch demo in {}", dir.display());
-    println!("  sample service repo: {}", service.display());
     if let Some(c) = &claude {
         println!(
             "  LLM stages: the real Claude Code ({}) against the demo's model server",
             c.program.display()
         );
     }
+    println!("  sample service repo: {}", service.display());
     println!("  dashboard while it runs: http://127.0.0.1:{api_port}/\n");
 
     // Production runs the initial release before any work item ships.
