@@ -1300,15 +1300,14 @@ async fn openai_5xx_forever_fails_after_the_tries_without_leaking_the_key() {
 #[tokio::test]
 async fn openai_client_errors_and_refused_connections() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    // 401: not transient, one try.
+    // 401: permanent, one try, the stage fails at once.
     let fx = Fx::new().await;
     let (url, _fake) = serve(Vec::new(), (401, r#"{"error":"bad key"}"#.into())).await;
     let ex = executor(vec![("writer", openai_agent(&url))], &Settings::default());
-    let e = ex
-        .execute(&with_writer("analysis", &fx))
-        .await
-        .unwrap_err()
-        .to_string();
+    let effect = ex.execute(&with_writer("analysis", &fx)).await.unwrap();
+    let StageEffect::Failed { reason: e } = effect else {
+        panic!("a 401 is permanent: {effect:?}");
+    };
     assert!(e.contains("HTTP 401 Unauthorized"), "{e}");
     assert_eq!(outcomes(&fx.rows().await), ["error"]);
 
@@ -1342,11 +1341,10 @@ async fn openai_client_errors_and_refused_connections() {
     let mut config = openai_agent(&url);
     config.api_key_env = Some("ORCH_TEST_SURELY_UNSET_KEY".into());
     let ex = executor(vec![("writer", config)], &Settings::default());
-    let e = ex
-        .execute(&with_writer("analysis", &fx))
-        .await
-        .unwrap_err()
-        .to_string();
+    let effect = ex.execute(&with_writer("analysis", &fx)).await.unwrap();
+    let StageEffect::Failed { reason: e } = effect else {
+        panic!("a missing key variable is permanent: {effect:?}");
+    };
     assert!(
         e.contains("`ORCH_TEST_SURELY_UNSET_KEY` (api_key_env) is not set"),
         "{e}"

@@ -1001,6 +1001,16 @@ mod tests {
     }
 
     #[test]
+    fn jitter_stays_within_the_upper_half() {
+        for ms in [0u64, 1, 2, 3, 100, 60_000] {
+            for _ in 0..50 {
+                let j = jittered(Duration::from_millis(ms)).as_millis() as u64;
+                assert!(j <= ms && j >= ms / 2, "{ms} -> {j}");
+            }
+        }
+    }
+
+    #[test]
     fn transient_texts() {
         let cases = [
             ("Error: rate limit exceeded", true),
