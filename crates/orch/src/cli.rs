@@ -116,6 +116,19 @@ pub struct DemoArgs {
     /// Only create the directory, repo, config and database; run nothing (for tests).
     #[arg(long, hide = true)]
     pub setup_only: bool,
+    /// Who runs the LLM stages: the scripted stand-in, or the real Claude Code (the `claude`
+    /// preset) against the demo's scripted model server on 127.0.0.1.
+    #[arg(long, value_enum, default_value_t = DemoAgent::Scripted)]
+    pub agent: DemoAgent,
+}
+
+/// `orch demo --agent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoAgent {
+    /// The demo's scripted stand-in (`orch demo-agent`).
+    Scripted,
+    /// The real Claude Code, driven by the demo's scripted model server.
+    Claude,
 }
 
 #[derive(Debug, Args)]

@@ -71,6 +71,31 @@ pub async fn operate(cx: &Context, op: Op, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Agent runs whose cost is not known (the tool reported none and no price applied, or its
+/// output could not be read).
+fn unknown_cost_runs(runs: &[AgentRun]) -> usize {
+    runs.iter()
+        .filter(|r| {
+            r.cost_usd.is_none()
+                && serde_json::from_str::<serde_json::Value>(&r.data).is_ok_and(|d| {
+                    d.get("cost_unknown") == Some(&serde_json::Value::Bool(true))
+                        || d.get("usage_unknown") == Some(&serde_json::Value::Bool(true))
+                })
+        })
+        .count()
+}
+
+/// `cost $X`, `cost $X + unknown (N runs)`, or `cost unknown` when no run's cost is known.
+fn cost_text(runs: &[AgentRun], total: f64) -> String {
+    let unknown = unknown_cost_runs(runs);
+    let known = runs.iter().filter(|r| r.cost_usd.is_some()).count();
+    match (known, unknown) {
+        (0, n) if n > 0 => "cost unknown".to_owned(),
+        (_, 0) => format!("cost ${total:.4}"),
+        (_, n) => format!("cost ${total:.4} + unknown ({n} runs)"),
+    }
+}
+
 pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
     let store = cx.open_store().await?;
     if let Some(id) = &args.id {
@@ -82,7 +107,7 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
             let mut v = task_json(&task);
             v["events"] = events.iter().map(event_json).collect();
             v["agent_runs"] = runs.iter().map(run_json).collect();
-            v["usage"] = serde_json::json!({"runs": usage.runs, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens, "cost_usd": usage.cost_usd});
+            v["usage"] = serde_json::json!({"runs": usage.runs, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens, "cost_usd": usage.cost_usd, "unknown_cost_runs": unknown_cost_runs(&runs)});
             print_json(&v);
         } else {
             println!("{}  {}", task.work_item_id, task.title);
@@ -91,8 +116,11 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                 task.repo, task.branch, task.stage
             );
             println!(
-                "agent runs {}  tokens in {} out {}  cost ${:.4}",
-                usage.runs, usage.input_tokens, usage.output_tokens, usage.cost_usd
+                "agent runs {}  tokens in {} out {}  {}",
+                usage.runs,
+                usage.input_tokens,
+                usage.output_tokens,
+                cost_text(&runs, usage.cost_usd)
             );
             let stage_events: Vec<&Event> = events
                 .iter()
@@ -260,4 +288,49 @@ fn run_json(r: &AgentRun) -> serde_json::Value {
         "outcome": r.outcome, "exit_code": r.exit_code, "input_tokens": r.input_tokens,
         "output_tokens": r.output_tokens, "cost_usd": r.cost_usd, "error": r.error,
     })
+}
+
+#[cfg(test)]
+mod cost_tests {
+    use super::*;
+
+    fn run(cost: Option<f64>, data: &str) -> AgentRun {
+        AgentRun {
+            id: 1,
+            task_id: 1,
+            job_id: None,
+            stage: "analysis".into(),
+            agent: "analyst".into(),
+            backend: "codex".into(),
+            model: None,
+            attempt: 1,
+            started_at: 0,
+            finished_at: Some(1),
+            outcome: "ok".into(),
+            exit_code: Some(0),
+            input_tokens: Some(10),
+            output_tokens: Some(1),
+            cost_usd: cost,
+            error: None,
+            data: data.into(),
+        }
+    }
+
+    /// Regression (issue 12): `status` printed `cost $0.0000` when no cost was known.
+    #[test]
+    fn status_says_cost_unknown_instead_of_zero() {
+        let unknown = run(None, r#"{"cost_unknown":true}"#);
+        let known = run(Some(0.25), "{}");
+        let failed_early = run(None, "{}");
+        assert_eq!(
+            cost_text(std::slice::from_ref(&unknown), 0.0),
+            "cost unknown"
+        );
+        assert_eq!(
+            cost_text(&[known.clone(), unknown], 0.25),
+            "cost $0.2500 + unknown (1 runs)"
+        );
+        assert_eq!(cost_text(&[known, failed_early], 0.25), "cost $0.2500");
+        assert_eq!(cost_text(&[], 0.0), "cost $0.0000");
+    }
 }

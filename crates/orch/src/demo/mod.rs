@@ -6,6 +6,7 @@
 //! post-deploy watch. Then it prints what happened and where to look.
 
 pub mod agent;
+mod claude;
 
 use std::collections::HashMap;
 use std::io::IsTerminal as _;
@@ -91,6 +92,13 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     let config_path = dir.join("orch.toml");
     let agent = write_agent_script(&dir, &exe)?;
     let toml = demo_config(&agent, &state, prod_port, staging_port, api_port);
+    // `--agent claude`: the real Claude Code against the demo's model server (kept running
+    // until the demo ends).
+    let claude = match args.agent {
+        crate::cli::DemoAgent::Scripted => None,
+        crate::cli::DemoAgent::Claude => Some(claude::ClaudeDemo::start(&dir).await?),
+    };
+    let toml = claude.as_ref().map_or(toml.clone(), |c| c.configure(&toml));
     std::fs::write(&config_path, &toml)
         .with_context(|| format!("cannot write {}", config_path.display()))?;
     let mut g = Global {
@@ -123,6 +131,12 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     }
 
     println!("orch demo in {}", dir.display());
+    if let Some(c) = &claude {
+        println!(
+            "  LLM stages: the real Claude Code ({}) against the demo's model server",
+            c.program.display()
+        );
+    }
     println!("  sample service repo: {}", service.display());
     println!("  dashboard while it runs: http://127.0.0.1:{api_port}/\n");
 
