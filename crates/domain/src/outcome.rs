@@ -300,7 +300,12 @@ mod tests {
         );
         check(
             "cancelled",
-            &[("task.cancelled", "cancelled", "cancelled by an operator", NONE)],
+            &[(
+                "task.cancelled",
+                "cancelled",
+                "cancelled by an operator",
+                NONE,
+            )],
             Some("cancelled::cancelled by an operator"),
         );
     }

@@ -894,6 +894,12 @@ impl PgStore {
             .map(agent_usage)
             .collect()
     }
+
+    pub async fn runs_by_agent_outcome(&self) -> Result<Vec<(String, String, i64)>> {
+        Ok(sqlx::query_as(sql::RUNS_BY_AGENT_OUTCOME)
+            .fetch_all(&self.pool)
+            .await?)
+    }
 }
 
 fn describe_connect_error(e: &sqlx::Error) -> String {

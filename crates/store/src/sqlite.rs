@@ -872,6 +872,12 @@ impl SqliteStore {
             .map(agent_usage)
             .collect()
     }
+
+    pub async fn runs_by_agent_outcome(&self) -> Result<Vec<(String, String, i64)>> {
+        Ok(sqlx::query_as(sql::RUNS_BY_AGENT_OUTCOME)
+            .fetch_all(&self.read)
+            .await?)
+    }
 }
 
 fn describe_open_error(e: &sqlx::Error) -> String {
