@@ -166,13 +166,20 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             reverts: Vec::new(),
         });
     }
-    let with_release: std::collections::HashSet<Option<i64>> =
-        released.iter().map(|e| e.task_id).collect();
+    // A deploy the release train recorded is not listed twice: its task's `deploy.confirmed`
+    // of the same revision is skipped.
+    let released_revs: std::collections::HashSet<(Option<i64>, Option<String>)> = released
+        .iter()
+        .map(|e| {
+            let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+            (e.task_id, str_of(&d, "revision"))
+        })
+        .collect();
     for e in take(&mut events, "deploy.confirmed") {
-        if with_release.contains(&e.task_id) {
+        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+        if released_revs.contains(&(e.task_id, str_of(&d, "revision"))) {
             continue;
         }
-        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
         let wi = work_item(&e);
         deploys.push(Deploy {
             event_id: e.id,

@@ -85,7 +85,7 @@ pub(crate) fn series_from_log(text: &str) -> Vec<SeriesPoint> {
         return Vec::new();
     };
     let mut out: Vec<(String, SeriesPoint)> = Vec::new();
-    for line in text[at..].lines().skip(1) {
+    for line in text[at + 1..].lines().skip(1) {
         let line = line.trim();
         if line.starts_with("## ") {
             break;
