@@ -222,6 +222,7 @@ fn chart_bars(series: &[crate::ops::SeriesPoint]) -> Vec<Bar> {
 /// A bigger chart of a watch's series for the task page, with its caption.
 struct Chart {
     w: u32,
+    bar_w: u32,
     h: u32,
     bars: Vec<Bar>,
     polls: usize,
@@ -238,20 +239,24 @@ struct Chart {
 
 /// Height of the task page's chart.
 const BIG_CHART_H: u32 = 80;
-/// Width of one bar (and its gap) of the task page's chart.
+/// Width of one bar (and its gap) of the task page's chart, at least.
 const BIG_STEP: u32 = 12;
+/// Width the task page's chart aims at.
+const BIG_CHART_W: u32 = 360;
 
 impl Chart {
     fn new(series: &[crate::ops::SeriesPoint], source: String, verdict: String) -> Chart {
         let small = chart_bars(series);
         let scale = |v: u32| v * BIG_CHART_H / CHART_H;
+        // Short series get wider bars, so a four-poll watch is still a readable chart.
+        let step = (BIG_CHART_W / small.len().max(1) as u32).clamp(BIG_STEP, 48);
         let bars: Vec<Bar> = small
             .into_iter()
             .enumerate()
             .map(|(i, b)| {
                 let h = scale(b.h).max(2);
                 Bar {
-                    x: i as u32 * BIG_STEP,
+                    x: i as u32 * step,
                     y: BIG_CHART_H - h,
                     h,
                     color: b.color,
@@ -261,7 +266,8 @@ impl Chart {
             .collect();
         let count = |s: &str| series.iter().filter(|p| p.status == s).count();
         Chart {
-            w: (bars.len() as u32 * BIG_STEP).max(BIG_STEP),
+            w: (bars.len() as u32 * step).max(step),
+            bar_w: step * 4 / 5,
             h: BIG_CHART_H,
             polls: series.len(),
             pass: count("PASS"),
@@ -1012,7 +1018,7 @@ fn run_row(r: &orch_store::AgentRun, now: i64) -> RunRow {
             ),
         },
         outcome: r.outcome.clone(),
-        failed: !matches!(r.outcome.as_str(), "success" | "running"),
+        failed: !matches!(r.outcome.as_str(), "ok" | "success" | "running"),
         exit_code: opt(r.exit_code),
         input_tokens: tokens(r.input_tokens),
         output_tokens: tokens(r.output_tokens),

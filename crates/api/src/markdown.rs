@@ -53,12 +53,51 @@ fn safe_url(url: &str) -> bool {
     }
 }
 
+/// The text without one-line HTML comments (`<!-- … -->`) outside fenced code: markers for
+/// tools, hidden as a browser would hide them.
+fn without_comments(markdown: &str) -> String {
+    let mut out = String::with_capacity(markdown.len());
+    let mut fenced = false;
+    for line in markdown.split_inclusive('\n') {
+        let t = line.trim_start();
+        if t.starts_with("```") || t.starts_with("~~~") {
+            fenced = !fenced;
+        }
+        if fenced || !line.contains("<!--") {
+            out.push_str(line);
+            continue;
+        }
+        let mut rest = line;
+        while let Some(start) = rest.find("<!--") {
+            match rest[start + 4..].find("-->") {
+                Some(len) => {
+                    out.push_str(&rest[..start]);
+                    rest = rest[start + 4 + len + 3..].trim_start_matches(' ');
+                }
+                None => break,
+            }
+        }
+        out.push_str(rest);
+    }
+    out
+}
+
+/// Whether raw HTML is nothing but one comment.
+fn is_comment(h: &str) -> bool {
+    let t = h.trim();
+    t.starts_with("<!--") && t.ends_with("-->") && !t[4..t.len() - 3].contains("-->")
+}
+
 /// Markdown to HTML that cannot run script: raw HTML is turned into text, unsafe link
 /// targets are dropped, images become links.
 pub(crate) fn to_safe_html(markdown: &str) -> String {
+    let markdown = &without_comments(markdown);
     let opts = Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH | Options::ENABLE_TASKLISTS;
     let mut in_image = false;
     let events = Parser::new_ext(markdown, opts).filter_map(|ev| match ev {
+        // HTML comments are markers for tools (the lessons file has one per entry): hidden, as
+        // a browser would hide them; any other raw HTML is shown as text.
+        Event::Html(h) | Event::InlineHtml(h) if is_comment(&h) => None,
         Event::Html(h) | Event::InlineHtml(h) => Some(Event::Text(h)),
         Event::Start(Tag::Link {
             link_type,
@@ -141,6 +180,12 @@ mod tests {
             ),
             ("| a | b |\n|---|---|\n| 1 | 2 |\n", "<table>", "<script"),
             ("# Title\n\n**bold**", "<strong>bold</strong>", "<script"),
+            (
+                "- <!-- marker --> **A-1** lesson",
+                "<strong>A-1</strong> lesson",
+                "marker",
+            ),
+            ("<!-- a --> <script>x</script>", "&lt;script&gt;", "<script"),
         ] {
             let html = to_safe_html(md);
             assert!(html.contains(must), "{md:?} -> {html}");
