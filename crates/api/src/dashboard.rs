@@ -254,7 +254,13 @@ impl Chart {
             .into_iter()
             .enumerate()
             .map(|(i, b)| {
-                let h = scale(b.h).max(2);
+                // A failed poll is often fast (connection refused): never a sliver.
+                let floor = if b.color == "#3a9d5d" {
+                    2
+                } else {
+                    BIG_CHART_H / 2
+                };
+                let h = scale(b.h).max(floor);
                 Bar {
                     x: i as u32 * step,
                     y: BIG_CHART_H - h,

@@ -168,6 +168,18 @@ fn without_rust_types(message: &str) -> String {
     )
 }
 
+impl From<QueryRejection> for AppError {
+    fn from(rej: QueryRejection) -> Self {
+        AppError::bad_request(rej.body_text())
+    }
+}
+
+impl From<PathRejection> for AppError {
+    fn from(rej: PathRejection) -> Self {
+        AppError::new(StatusCode::BAD_REQUEST, "invalid_id", rej.body_text())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -182,17 +194,5 @@ mod tests {
         ] {
             assert_eq!(super::without_rust_types(input), want);
         }
-    }
-}
-
-impl From<QueryRejection> for AppError {
-    fn from(rej: QueryRejection) -> Self {
-        AppError::bad_request(rej.body_text())
-    }
-}
-
-impl From<PathRejection> for AppError {
-    fn from(rej: PathRejection) -> Self {
-        AppError::new(StatusCode::BAD_REQUEST, "invalid_id", rej.body_text())
     }
 }

@@ -11,7 +11,9 @@
 //!
 //! With `ORCH_UPDATE_SCREENSHOT=1` it also writes `docs/dashboard.png` (queue),
 //! `docs/dashboard-task.png` (APP-2) and `docs/dashboard-repo.png` (the repo page).
-//! Skips (with a note) when `/usr/bin/chromium` or `python3` is missing; CI installs chromium.
+//! Also checks `orch status` (outcome column) and `orch deploys` (the API's document) on the
+//! same data. Skips (with a note) without `python3`, and skips the browser part without
+//! `/usr/bin/chromium`; CI installs chromium.
 
 mod common;
 
@@ -289,10 +291,13 @@ impl Page {
 
     /// A PNG of the whole page at the current width.
     fn screenshot(&self, b: &mut Browser, path: &Path) {
+        let m = b.call(Some(&self.session), "Page.getLayoutMetrics", json!({}));
+        let size = &m["cssContentSize"];
+        let clip = json!({"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1});
         let shot = b.call(
             Some(&self.session),
             "Page.captureScreenshot",
-            json!({"format": "png", "captureBeyondViewport": true}),
+            json!({"format": "png", "captureBeyondViewport": true, "clip": clip}),
         );
         let png = base64_decode(shot["data"].as_str().unwrap());
         assert!(png.starts_with(b"\x89PNG"), "not a PNG");
@@ -327,10 +332,6 @@ fn base64_decode(s: &str) -> Vec<u8> {
 
 #[test]
 fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
-    if !Path::new(CHROMIUM).exists() {
-        eprintln!("{CHROMIUM} is missing: skipping the browser test (apt-get install -y chromium)");
-        return;
-    }
     if !python_available() {
         eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
         return;
@@ -393,6 +394,35 @@ fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
             .map(|_| ())
     });
     let base = format!("http://{bind}");
+
+    // The CLI tells the same story: `orch status` has the outcome column, and `orch deploys
+    // --json` prints the API's document.
+    let status = String::from_utf8_lossy(&orch(&config, &["status"]).stdout).into_owned();
+    let app2 = status
+        .lines()
+        .find(|l| l.starts_with("APP-2 "))
+        .unwrap_or_else(|| panic!("no APP-2 in\n{status}"));
+    assert!(app2.contains("rolled_back"), "{status}");
+    let cli: Value =
+        serde_json::from_slice(&orch(&config, &["--json", "deploys", "service"]).stdout).unwrap();
+    let api = http_get(port, "/repos/service/deploys").unwrap();
+    let api: Value = serde_json::from_str(api.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(cli["deploys"], api["deploys"]);
+    let deploys = cli["deploys"].as_array().unwrap();
+    assert!(
+        deploys.iter().any(|d| d["deployed_by"] == "APP-2"
+            && d["rolled_back"] == true
+            && d["verdict"] == "FAILED"),
+        "{cli}"
+    );
+    let human =
+        String::from_utf8_lossy(&orch(&config, &["deploys", "service"]).stdout).into_owned();
+    assert!(human.contains("rolled back"), "{human}");
+
+    if !Path::new(CHROMIUM).exists() {
+        eprintln!("{CHROMIUM} is missing: skipping the browser part (apt-get install -y chromium)");
+        return;
+    }
     let mut b = Browser::start();
 
     // 1. APP-4's page follows the worker without reloading.
@@ -561,6 +591,10 @@ fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
     if std::env::var("ORCH_UPDATE_SCREENSHOT").as_deref() == Ok("1") {
         let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
         queue.screenshot(&mut b, &docs.join("dashboard.png"));
+        task.eval(
+            &mut b,
+            "document.getElementById('art-16-post-deploy-log').open = true",
+        );
         task.screenshot(&mut b, &docs.join("dashboard-task.png"));
         repo.screenshot(&mut b, &docs.join("dashboard-repo.png"));
         phone.screenshot(&mut b, &docs.join("dashboard-phone.png"));
