@@ -1076,6 +1076,13 @@ async fn bad_bodies_get_the_json_error_shape() {
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid_json",
         ),
+        // serde would say "expected struct SubmitBody".
+        (
+            "\"a string\"",
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_json",
+        ),
+        ("[1, 2]", StatusCode::UNPROCESSABLE_ENTITY, "invalid_json"),
         (
             r#"{"repo":"svc","title":"   "}"#,
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -1099,6 +1106,11 @@ async fn bad_bodies_get_the_json_error_shape() {
     ] {
         let a = h.post("/tasks", Some(TOKEN), Some(body), want).await;
         assert_eq!(a.error_code(), code, "{}", &body[..body.len().min(60)]);
+        let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(
+            !message.contains("struct") && !message.contains("SubmitBody"),
+            "a Rust type in {message:?}"
+        );
     }
     // No content type.
     let req = Request::post("/tasks")

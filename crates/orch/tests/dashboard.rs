@@ -293,7 +293,8 @@ impl Page {
     fn screenshot(&self, b: &mut Browser, path: &Path) {
         let m = b.call(Some(&self.session), "Page.getLayoutMetrics", json!({}));
         let size = &m["cssContentSize"];
-        let clip = json!({"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1});
+        let clip =
+            json!({"x": 0, "y": 0, "width": size["width"], "height": size["height"], "scale": 1});
         let shot = b.call(
             Some(&self.session),
             "Page.captureScreenshot",
