@@ -404,6 +404,11 @@ fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
         .find(|l| l.starts_with("APP-2 "))
         .unwrap_or_else(|| panic!("no APP-2 in\n{status}"));
     assert!(app2.contains("rolled_back"), "{status}");
+    let one = String::from_utf8_lossy(&orch(&config, &["status", "APP-2"]).stdout).into_owned();
+    assert!(
+        one.contains("outcome rolled_back at observe: 3 consecutive FAIL"),
+        "{one}"
+    );
     let cli: Value =
         serde_json::from_slice(&orch(&config, &["--json", "deploys", "service"]).stdout).unwrap();
     let api = http_get(port, "/repos/service/deploys").unwrap();
