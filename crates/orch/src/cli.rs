@@ -62,6 +62,9 @@ pub enum Command {
     Retry(IdArg),
     /// Cancel a work item (its running job is stopped).
     Cancel(IdArg),
+    /// A repo's deploy history (what each deploy shipped, verdicts, rollbacks, reverts), items
+    /// in flight and lessons.
+    Deploys(RepoArg),
     /// Check git, the database, agents and repo commands; say what is missing and how to fix it.
     Doctor,
     /// Run the whole pipeline on a sample service in a directory, in about a minute.
@@ -106,6 +109,12 @@ pub struct StatusArgs {
 pub struct IdArg {
     /// A work item id like APP-12.
     pub id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct RepoArg {
+    /// A repo name (a `[repos.<name>]` of orch.toml).
+    pub repo: String,
 }
 
 #[derive(Debug, Args)]

@@ -561,6 +561,13 @@ where
             .collect()
     }
 
+    /// How many agent runs each agent had, by outcome, sorted.
+    pub async fn runs_by_agent_outcome(&self) -> Result<Vec<(String, String, i64)>> {
+        Ok(sqlx::query_as(sql::RUNS_BY_AGENT_OUTCOME)
+            .fetch_all(self.d.reader())
+            .await?)
+    }
+
     // ----- steps shared by the operations above (and by the drivers' own) -----------------
 
     /// After a bulk insert of many jobs: the planner's row estimates stay stale until

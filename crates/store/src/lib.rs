@@ -442,6 +442,11 @@ impl Store {
     pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
         dispatch!(self, usage_by_agent())
     }
+
+    /// How many agent runs each agent had, by outcome (`running`, `success`, …), sorted.
+    pub async fn runs_by_agent_outcome(&self) -> Result<Vec<(String, String, i64)>> {
+        dispatch!(self, runs_by_agent_outcome())
+    }
 }
 
 /// Largest `task_content` accepted (1 MiB): payloads are references, not documents.

@@ -911,6 +911,14 @@ async fn agent_runs_and_usage(db: TestDb) {
         ],
         "run {id} still running counts, with no tokens"
     );
+    // The same runs by agent and outcome.
+    assert_eq!(
+        s.runs_by_agent_outcome().await.unwrap(),
+        vec![
+            ("analyst".to_owned(), "success".to_owned(), 2),
+            ("reviewer".to_owned(), "running".to_owned(), 1),
+        ]
+    );
 }
 
 async fn bulk_enqueue_skips_duplicates(db: TestDb) {

@@ -103,8 +103,12 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
         let events = store.task_events(task.id).await?;
         let runs = store.task_agent_runs(task.id).await?;
         let usage = store.task_usage(task.id).await?;
+        let outcome = orch_api::task_outcome(&task, &events);
         if cx.json {
             let mut v = task_json(&task);
+            v["outcome"] = outcome.as_ref().map_or(serde_json::Value::Null, |o| {
+                serde_json::json!({"outcome": o.outcome.as_str(), "stage": o.stage, "reason": o.reason})
+            });
             v["events"] = events.iter().map(event_json).collect();
             v["agent_runs"] = runs.iter().map(run_json).collect();
             v["usage"] = serde_json::json!({"runs": usage.runs, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens, "cost_usd": usage.cost_usd, "unknown_cost_runs": unknown_cost_runs(&runs)});
@@ -115,6 +119,19 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                 "repo {}  branch {}  stage {}",
                 task.repo, task.branch, task.stage
             );
+            if let Some(o) = &outcome {
+                let at = o
+                    .stage
+                    .as_deref()
+                    .map(|s| format!(" at {s}"))
+                    .unwrap_or_default();
+                let why = o
+                    .reason
+                    .as_deref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default();
+                println!("outcome {}{at}{why}", o.outcome);
+            }
             println!(
                 "agent runs {}  tokens in {} out {}  {}",
                 usage.runs,
@@ -150,21 +167,23 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
         } else if tasks.is_empty() {
             println!("no tasks yet: `orch submit --repo R --title ...`");
         } else {
-            let rows: Vec<Vec<String>> = tasks
-                .iter()
-                .map(|t| {
-                    vec![
-                        t.work_item_id.clone(),
-                        t.stage.clone(),
-                        t.repo.clone(),
-                        age(now - t.updated_at),
-                        t.title.chars().take(60).collect(),
-                    ]
-                })
-                .collect();
+            let mut rows: Vec<Vec<String>> = Vec::with_capacity(tasks.len());
+            for t in &tasks {
+                rows.push(vec![
+                    t.work_item_id.clone(),
+                    t.stage.clone(),
+                    outcome_label(&store, t).await?,
+                    t.repo.clone(),
+                    age(now - t.updated_at),
+                    t.title.chars().take(60).collect(),
+                ]);
+            }
             print!(
                 "{}",
-                table(&["id", "stage", "repo", "updated", "title"], &rows)
+                table(
+                    &["id", "stage", "outcome", "repo", "updated", "title"],
+                    &rows
+                )
             );
         }
     }
@@ -234,6 +253,17 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The task's outcome for the status table (`-` in flight), from the one outcome rule.
+async fn outcome_label(store: &Store, t: &Task) -> Result<String> {
+    if !t.is_terminal() {
+        return Ok("-".to_owned());
+    }
+    let events = store.task_events(t.id).await?;
+    Ok(orch_api::task_outcome(t, &events)
+        .map(|o| o.outcome.as_str().to_owned())
+        .unwrap_or_else(|| "-".to_owned()))
 }
 
 async fn find(store: &Store, id: &str) -> Result<Task> {
