@@ -45,7 +45,8 @@ fn repo_config(test: Option<&str>, merge_strategy: MergeStrategy) -> RepoConfig 
 enum Origin {
     /// A clone of a bare repo (pushes succeed).
     Bare,
-    /// A clone of a non-bare repo with `main` checked out (git refuses pushes to it).
+    /// A clone of a bare repo whose `pre-receive` hook refuses every push. (A non-bare
+    /// checkout no longer refuses: orch fast-forwards it instead of pushing into it.)
     Refusing,
 }
 
@@ -57,11 +58,7 @@ async fn fixture_with(stage: &str, agent: &str, repo: RepoConfig, origin: Origin
     let seed = tmp.path().join("upstream");
     common::init_repo(&git, &seed, "demo\n").await;
     match origin {
-        Origin::Refusing => git
-            .clone_repo(seed.to_str().unwrap(), &repo_dir)
-            .await
-            .unwrap(),
-        Origin::Bare => {
+        Origin::Bare | Origin::Refusing => {
             let bare = tmp.path().join("origin.git");
             sh_git(
                 tmp.path(),
@@ -77,6 +74,12 @@ async fn fixture_with(stage: &str, agent: &str, repo: RepoConfig, origin: Origin
             git.clone_repo(bare.to_str().unwrap(), &repo_dir)
                 .await
                 .unwrap();
+            if origin == Origin::Refusing {
+                let hook = bare.join("hooks").join("pre-receive");
+                std::fs::write(&hook, "#!/bin/sh\necho refused by the test >&2\nexit 1\n").unwrap();
+                use std::os::unix::fs::PermissionsExt as _;
+                std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+            }
         }
     }
 
@@ -515,7 +518,7 @@ async fn a_refused_push_is_retried_and_undone_then_exhausted() {
                 } => {
                     assert_eq!(delay_s, 30);
                     assert_eq!(marker, infra_retry_marker(f.run.task.stage_seq));
-                    assert!(reason.contains("pushing `main` to `origin`"), "{reason}");
+                    assert!(reason.contains("publishing `main` to `origin`"), "{reason}");
                 }
                 other => panic!("{other:?}"),
             }
@@ -527,7 +530,7 @@ async fn a_refused_push_is_retried_and_undone_then_exhausted() {
                 MergeStatus::Failed,
                 "infra_exhausted",
                 &[],
-                "pushing `main`",
+                "publishing `main`",
             );
             assert_eq!(counters(&f), (0, 0, 1, 0));
         }

@@ -328,16 +328,8 @@ async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
         "Sample service: /health and /revision, tests, deploy scripts",
     )
     .await?;
-    // orch pushes merges back to this checkout: let a push to the checked-out branch update
-    // its files (they are clean), as a shared bare repo would.
-    let out = orch_exec::run(
-        &orch_exec::Cmd::new("git")
-            .args(["config", "receive.denyCurrentBranch", "updateInstead"])
-            .cwd(dir)
-            .timeout(Duration::from_secs(30)),
-    )
-    .await?;
-    anyhow::ensure!(out.success(), "git config failed: {}", out.tail_text(5));
+    // An ordinary checkout, as a user has it: orch fast-forwards it when it is clean
+    // (orch_runner::repos::publish_default_branch), no git configuration needed.
     Ok(())
 }
 

@@ -439,15 +439,33 @@ async fn publish(
             &message,
         )
         .await?;
-    let pushed = if run.git.has_remote(&run.repo_dir, "origin").await? {
-        if run.git.push(&run.repo_dir, "origin", branch).await? {
-            ", pushed"
-        } else {
-            tracing::warn!(work_item = %run.work_item, "lessons: the push of the default branch was rejected; the next merge carries the commit");
-            ", push rejected"
+    let pushed = match (&commit, run.git.has_remote(&run.repo_dir, "origin").await?) {
+        (Some(sha), true) => {
+            let old = run
+                .git
+                .rev_parse(&run.repo_dir, &format!("refs/remotes/origin/{branch}"))
+                .await?
+                .unwrap_or_default();
+            match crate::repos::publish_default_branch(
+                &run.git,
+                &run.repo_dir,
+                &run.repo,
+                &old,
+                sha,
+            )
+            .await
+            {
+                Ok(p) if p.warning().is_some() => {
+                    ", in orch's clone only (your checkout has local changes)"
+                }
+                Ok(_) => ", published",
+                Err(e) => {
+                    tracing::warn!(work_item = %run.work_item, error = %format!("{e:#}"), "lessons: the default branch was not published; the next merge carries the commit");
+                    ", not published"
+                }
+            }
         }
-    } else {
-        ""
+        _ => "",
     };
     Ok(match commit {
         Some(sha) => format!(

@@ -476,11 +476,7 @@ impl Engine {
             .await
             .context("cannot commit the stage's changes")?;
         if commit.is_some()
-            && self
-                .git
-                .has_remote(&run.worktree, "origin")
-                .await
-                .unwrap_or(false)
+            && repos::shares_work_branches(&self.git, &run.repo_dir, &run.repo).await
             && let Err(e) = self
                 .git
                 .push(&run.worktree, "origin", &run.work_item.branch_name())

@@ -39,6 +39,7 @@ use std::time::{Duration, SystemTime};
 use anyhow::Context as _;
 use orch_domain::artifact::{Artifact, Value};
 use orch_domain::config::MergeStrategy as RepoMergeStrategy;
+use orch_domain::config::RepoConfig;
 use orch_domain::gate::{MergeStatus, TestStatus};
 use orch_exec::{Git, MergeResult, MergeStrategy};
 use orch_store::JobCount;
@@ -49,6 +50,7 @@ use super::tester::{
 };
 use crate::counters::Counters;
 use crate::engine::{StageEffect, StageExecutor, StageRun};
+use crate::repos;
 
 /// The artifact the merge gate writes.
 pub const MERGE_LOG: &str = "14-merge-log.md";
@@ -416,7 +418,7 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
     {
         let revision = rev(git, repo_dir, default).await?;
         if remote {
-            push(git, repo_dir, default, None, trail).await?;
+            push(git, repo_dir, &run.repo, &revision, None, trail).await?;
         }
         trail.push(format!(
             "`{branch}` ({}) is already contained in `{default}`: not merged again",
@@ -536,7 +538,7 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
 
     // 6. Publish.
     if remote {
-        push(git, repo_dir, default, Some(&before), trail).await?;
+        push(git, repo_dir, &run.repo, &merged, Some(&before), trail).await?;
     }
     let mut report = MergeReport::merged(
         merged.clone(),
@@ -594,28 +596,42 @@ async fn sync_default_with_remote(
     }
 }
 
-/// Pushes the default branch. When the push fails after this attempt merged (`undo` is the
-/// revision before the merge), the local branch is put back so it never holds a merge the
-/// remote refused; the retry merges again.
+/// Publishes the default branch at `new` with [`repos::publish_default_branch`], from where
+/// `origin` had it at the last fetch (a compare-and-swap). When it fails after this attempt
+/// merged (`undo` is the revision before the merge), the local branch is put back so it never
+/// holds a merge the remote refused; the retry merges again.
 async fn push(
     git: &Git,
     repo_dir: &Path,
-    default: &str,
+    repo: &RepoConfig,
+    new: &str,
     undo: Option<&str>,
     trail: &mut Trail,
 ) -> Result<(), Interrupted> {
-    match git.push(repo_dir, REMOTE, default).await {
-        Ok(_) => {
-            trail.push(format!("pushed `{default}` to `{REMOTE}`"));
+    let default = repo.default_branch.as_str();
+    let old = git
+        .rev_parse(repo_dir, &format!("refs/remotes/{REMOTE}/{default}"))
+        .await
+        .map_err(|e| infra(format!("reading `{REMOTE}/{default}`"), e))?
+        .unwrap_or_default();
+    match repos::publish_default_branch(git, repo_dir, repo, &old, new).await {
+        Ok(published) => {
+            if let Some(warning) = published.warning() {
+                tracing::warn!(repo = %repo_dir.display(), "{warning}");
+            }
+            trail.push(published.message);
             Ok(())
         }
         Err(e) => {
             if let Some(before) = undo
                 && let Err(reset) = git.reset_hard(repo_dir, before).await
             {
-                tracing::warn!(repo = %repo_dir.display(), error = %reset, "cannot undo the unpushed merge; the next attempt resets to the remote");
+                tracing::warn!(repo = %repo_dir.display(), error = %reset, "cannot undo the unpublished merge; the next attempt resets to the remote");
             }
-            Err(infra(format!("pushing `{default}` to `{REMOTE}`"), e))
+            Err(infra(
+                format!("publishing `{default}` to `{REMOTE}`"),
+                format!("{e:#}"),
+            ))
         }
     }
 }
