@@ -9,7 +9,8 @@ use orch_store::{AgentRun, Event, Store, Task, TaskFilter};
 
 use crate::cli::{StatusArgs, SubmitArgs};
 use crate::context::Context;
-use crate::output::{age, print_json, table};
+use crate::exit::{Kind, fail};
+use crate::output::{age, print_json, table_fit, width};
 use crate::runtime::Runtime;
 
 async fn runtime(cx: &Context) -> Result<(Store, Runtime)> {
@@ -120,8 +121,10 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                 tasks.iter().map(task_json).collect(),
             ));
         } else if tasks.is_empty() {
+            stale_config_notes(cx);
             println!("no tasks yet: `orch submit --repo R --title ...`");
         } else {
+            stale_config_notes(cx);
             let rows: Vec<Vec<String>> = tasks
                 .iter()
                 .map(|t| {
@@ -130,13 +133,13 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                         t.stage.clone(),
                         t.repo.clone(),
                         age(now - t.updated_at),
-                        t.title.chars().take(60).collect(),
+                        t.title.clone(),
                     ]
                 })
                 .collect();
             print!(
                 "{}",
-                table(&["id", "stage", "repo", "updated", "title"], &rows)
+                table_fit(&["id", "stage", "repo", "updated", "title"], &rows, width())
             );
         }
     }
@@ -169,17 +172,15 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
                 format!("+{}", age(e.created_at - task.created_at)),
                 e.kind.clone(),
                 e.stage.clone().unwrap_or_default(),
-                e.message
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .chars()
-                    .take(120)
-                    .collect(),
+                e.message.lines().next().unwrap_or_default().to_owned(),
             ]
         })
         .collect();
-    print!("{}", table(&["at", "event", "stage", "message"], &rows));
+    let width = width();
+    print!(
+        "{}",
+        table_fit(&["at", "event", "stage", "message"], &rows, width)
+    );
     if !runs.is_empty() {
         let rows: Vec<Vec<String>> = runs
             .iter()
@@ -192,20 +193,33 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
                     r.input_tokens.map(|t| t.to_string()).unwrap_or_default(),
                     r.output_tokens.map(|t| t.to_string()).unwrap_or_default(),
                     r.cost_usd.map(|c| format!("{c:.4}")).unwrap_or_default(),
+                    r.error
+                        .as_deref()
+                        .and_then(|e| e.lines().next())
+                        .unwrap_or_default()
+                        .to_owned(),
                 ]
             })
             .collect();
         print!(
             "\n{}",
-            table(
+            table_fit(
                 &[
-                    "stage", "agent", "backend", "outcome", "in", "out", "cost $"
+                    "stage", "agent", "backend", "outcome", "in", "out", "cost $", "error"
                 ],
-                &rows
+                &rows,
+                width
             )
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Says when a running `orch serve`/`orch worker` of this project runs an older config.
+fn stale_config_notes(cx: &Context) {
+    for note in crate::reload::stale_processes(&cx.state_dir()) {
+        println!("note: {note}");
+    }
 }
 
 async fn find(store: &Store, id: &str) -> Result<Task> {
@@ -213,7 +227,7 @@ async fn find(store: &Store, id: &str) -> Result<Task> {
     store
         .get_task_by_work_item(id.as_str())
         .await?
-        .with_context(|| format!("no work item {id}"))
+        .ok_or_else(|| fail(Kind::NotFound, format!("no work item {id}")))
 }
 
 /// The stage timeline: when each stage change happened, relative to submission.
@@ -224,17 +238,11 @@ pub fn timeline(events: &[&Event], t0: i64) -> String {
             vec![
                 format!("+{}", age(e.created_at - t0)),
                 e.stage.clone().unwrap_or_default(),
-                e.message
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .chars()
-                    .take(100)
-                    .collect(),
+                e.message.lines().next().unwrap_or_default().to_owned(),
             ]
         })
         .collect();
-    table(&["at", "stage", "why"], &rows)
+    table_fit(&["at", "stage", "why"], &rows, width())
 }
 
 fn task_json(t: &Task) -> serde_json::Value {
