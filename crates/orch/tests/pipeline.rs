@@ -14,6 +14,21 @@ use common::{
 };
 use orch_store::{Store, Task};
 
+/// Processes whose working directory is inside `dir`.
+fn orch_processes_in(dir: &std::path::Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
+}
+
 async fn task(store: &Store, id: &str) -> Task {
     store
         .get_task_by_work_item(id)
@@ -43,7 +58,10 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     .await
     .expect("the demo finishes within 400 s")
     .expect("run orch demo");
+    // The demo stops its sample service itself (it used to leave both instances running).
+    let left = orch_processes_in(&dir.join("service-state/releases"));
     stop_service(&dir);
+    assert!(left.is_empty(), "the demo left service processes: {left:?}");
     reap_orphans();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
