@@ -73,6 +73,7 @@ pub async fn operate(cx: &Context, op: Op, id: &str) -> Result<ExitCode> {
 }
 
 pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
+    stale_config_notes(cx);
     let store = cx.open_store().await?;
     if let Some(id) = &args.id {
         let task = find(&store, id).await?;
@@ -121,10 +122,8 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                 tasks.iter().map(task_json).collect(),
             ));
         } else if tasks.is_empty() {
-            stale_config_notes(cx);
             println!("no tasks yet: `orch submit --repo R --title ...`");
         } else {
-            stale_config_notes(cx);
             let rows: Vec<Vec<String>> = tasks
                 .iter()
                 .map(|t| {
@@ -215,10 +214,11 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Says when a running `orch serve`/`orch worker` of this project runs an older config.
+/// Says (on stderr) when a running `orch serve`/`orch worker` of this project runs an older
+/// config than the file.
 fn stale_config_notes(cx: &Context) {
     for note in crate::reload::stale_processes(&cx.state_dir()) {
-        println!("note: {note}");
+        eprintln!("orch: note: {note}");
     }
 }
 
