@@ -48,12 +48,12 @@ pub fn table_fit(headers: &[&str], rows: &[Vec<String>], width: Option<usize>) -
     };
     let last = headers.len().saturating_sub(1);
     let mut used = 0;
-    for i in 0..last {
+    for (i, header) in headers.iter().enumerate().take(last) {
         let w = rows
             .iter()
             .filter_map(|r| r.get(i))
             .map(|c| c.chars().count())
-            .chain(std::iter::once(headers[i].chars().count()))
+            .chain(std::iter::once(header.chars().count()))
             .max()
             .unwrap_or(0);
         used += w + 2;

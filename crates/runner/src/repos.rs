@@ -20,6 +20,7 @@
 //!   - checked out with local changes: the checkout is left exactly as it is and the merge
 //!     stays in orch's clone only ([`Outcome::CloneOnly`], a warning with the command to run);
 //!     a later publish moves it once the checkout is clean.
+//!
 //!   `orch/<id>` branches stay in orch's clone (they are not pushed into the checkout).
 //!
 //! In every setup a branch that is not at `old` is an error naming both revisions: orch never
