@@ -284,6 +284,16 @@ pub async fn publish_default_branch(
         .await?
         .with_context(|| format!("orch's clone {} has no `{ORIGIN}`", repo_dir.display()))?;
     let old_opt = (!old.is_empty()).then_some(old);
+    // Only ever forward: a lease alone would let a push drop commits that `new` lacks.
+    if let Some(old) = old_opt
+        && !git.is_ancestor(repo_dir, old, new).await?
+    {
+        anyhow::bail!(
+            "{} does not contain {}, where `{branch}` was: publishing it would drop commits; refused",
+            short(new),
+            short(old)
+        );
+    }
     let published = if repo.url.is_some() {
         push_with_lease(git, repo_dir, &url, branch, old_opt, new).await?
     } else {

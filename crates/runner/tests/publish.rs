@@ -251,6 +251,22 @@ async fn bare_and_file_url_remotes_get_a_lease_push_that_never_forces() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_that_would_drop_commits_is_refused() {
+    let s = setup(Kind::Bare).await;
+    let old = rev(&s.clone, "main").await;
+    let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+    repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+        .await
+        .unwrap();
+    // Publishing `old` again from `new` would rewind the branch: refused, not forced.
+    let err = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &new, &old)
+        .await
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("would drop commits"), "{err:#}");
+    assert_eq!(rev(&s.user, "refs/heads/main").await, new);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn work_branches_go_to_remotes_and_bare_repos_but_not_into_a_checkout() {
     let checkout = setup(Kind::Checkout).await;
     assert!(!repos::shares_work_branches(&checkout.git, &checkout.clone, &checkout.repo).await);

@@ -441,6 +441,8 @@ async fn publish(
         .await?;
     let pushed = match (&commit, run.git.has_remote(&run.repo_dir, "origin").await?) {
         (Some(sha), true) => {
+            // Where the remote is now (a compare-and-swap from there, forward only).
+            run.git.fetch(&run.repo_dir, "origin").await?;
             let old = run
                 .git
                 .rev_parse(&run.repo_dir, &format!("refs/remotes/origin/{branch}"))
