@@ -74,7 +74,9 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
                 p.display()
             );
         }
-        println!("next: declare a repo in orch.toml, then `orch serve` and `orch submit`");
+        println!(
+            "next: declare your repository in orch.toml ([repos.<name>] path = \"../your-checkout\", prefix, test), then `orch doctor`, `orch serve` and `orch submit`"
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
