@@ -66,6 +66,31 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    // Every "look around" command runs as printed (it used to call `orch`, not on PATH after
+    // `cargo run`). `serve` is left out: it would not return.
+    let look: Vec<&str> = stdout
+        .split("look around:")
+        .nth(1)
+        .expect("a look-around section")
+        .lines()
+        .filter_map(|l| l.split('#').next())
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('(') && !l.ends_with(" serve"))
+        .collect();
+    assert!(look.len() >= 4, "{stdout}");
+    for line in look {
+        let ran = std::process::Command::new("sh")
+            .args(["-c", line])
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            ran.status.success(),
+            "`{line}` failed: {}",
+            String::from_utf8_lossy(&ran.stderr)
+        );
+    }
     let store = open(&dir).await;
     let repo = dir.join(".orch/repos/service");
 
