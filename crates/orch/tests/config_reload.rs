@@ -158,6 +158,34 @@ async fn a_running_serve_uses_the_fixed_agent_command_after_a_config_change() {
             .any(|r| r["stage"] == "analysis" && r["outcome"] == "ok"),
         "the fixed command ran: {runs:#}"
     );
+    // Stop here: the item would go on to staging and deploy the sample service.
+    let out = orch(d, &["cancel", "APP-1"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     serve.terminate().await;
     common::stop_service(d);
+    let releases = d.join("service-state/releases");
+    for pid in processes_in(&releases) {
+        // SAFETY: a process of this test's sample service, found by its working directory.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    common::reap_orphans();
+}
+
+/// Processes whose working directory is inside `dir`.
+fn processes_in(dir: &Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
 }
