@@ -32,6 +32,41 @@ pub struct Health {
     pub version: String,
     pub schema_version: Option<i64>,
     pub uptime_s: i64,
+    /// The configuration this process runs (absent when the process does not say).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config: Option<ConfigHealth>,
+}
+
+/// `config` of `GET /healthz`: `status` is `current`, `stale` (the file on disk is invalid;
+/// `error` says where) or `restart_needed` (changed `keys` apply only after a restart).
+#[derive(Debug, Serialize)]
+pub struct ConfigHealth {
+    pub status: &'static str,
+    pub generation: u64,
+    pub loaded_at_ms: i64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub keys: Vec<String>,
+}
+
+impl From<crate::ops::ConfigReport> for ConfigHealth {
+    fn from(r: crate::ops::ConfigReport) -> Self {
+        let status = if r.stale.is_some() {
+            "stale"
+        } else if !r.restart_needed.is_empty() {
+            "restart_needed"
+        } else {
+            "current"
+        };
+        ConfigHealth {
+            status,
+            generation: r.generation,
+            loaded_at_ms: r.loaded_at_ms,
+            error: r.stale,
+            keys: r.restart_needed,
+        }
+    }
 }
 
 /// Body of `POST /tasks`.

@@ -37,11 +37,12 @@ use axum::routing::{MethodRouter, get, post};
 use orch_store::Store;
 use tower_http::timeout::{RequestBodyTimeoutLayer, TimeoutLayer};
 
+pub use dto::{ErrorBody, ErrorDetail};
 use error::AppError;
 pub use id::validate_work_item_id;
 pub use ops::{
-    ArtifactFile, Histogram, Observation, OpError, Operations, RunnerCounters, SeriesPoint,
-    SubmitRequest, SubmitResult, WorkerTimings,
+    ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, RunnerCounters,
+    SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
 };
 
 /// How a finished task ended, from its events (oldest first): the domain's one rule

@@ -164,4 +164,21 @@ pub trait Operations: Send + Sync {
     async fn worker_timings(&self) -> WorkerTimings {
         WorkerTimings::default()
     }
+
+    /// The configuration this process runs (`/healthz` shows it); `None` when unknown.
+    fn config_state(&self) -> Option<ConfigReport> {
+        None
+    }
+}
+
+/// What configuration a running process uses: its reload generation, and whether the file on
+/// disk differs from it (invalid, or changed settings that need a restart).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ConfigReport {
+    pub generation: u64,
+    pub loaded_at_ms: i64,
+    /// Why the file on disk is not in use (it is invalid).
+    pub stale: Option<String>,
+    /// Changed keys that only a restart applies.
+    pub restart_needed: Vec<String>,
 }

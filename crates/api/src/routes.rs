@@ -43,6 +43,7 @@ pub(crate) async fn healthz(State(state): State<ApiState>) -> Response {
             version: state.version.clone(),
             schema_version: Some(v),
             uptime_s,
+            config: state.ops.config_state().map(Into::into),
         })
         .into_response(),
         Err(e) => {
@@ -55,6 +56,7 @@ pub(crate) async fn healthz(State(state): State<ApiState>) -> Response {
                     version: state.version.clone(),
                     schema_version: None,
                     uptime_s,
+                    config: state.ops.config_state().map(Into::into),
                 }),
             )
                 .into_response()

@@ -1098,8 +1098,11 @@ agent_timeout_s = 1800
 
 # One section per managed repo. Work item ids are <prefix>-<n>, e.g. APP-1.
 # [repos.app]
-# path = "/srv/src/app"                 # a local checkout, or:
-# url = "git@git.example.com:team/app.git"
+# path = "../app"                       # your checkout (relative to this file), or a bare repo.
+#                                       # orch works in its own clone; a merge fast-forwards your
+#                                       # default branch when it is checked out and clean, else
+#                                       # only orch's clone has it (`orch doctor` explains). Or:
+# url = "git@git.example.com:team/app.git"   # a remote: pushed with a lease, never forced
 # default_branch = "main"
 # prefix = "APP"
 # test = "cargo test"

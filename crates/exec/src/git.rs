@@ -1116,6 +1116,135 @@ impl Git {
     }
 }
 
+/// Operations orch needs on a repository it does not own (the user's checkout, a bare repo, a
+/// remote): compare-and-swap ref moves and fetches that never touch a working tree.
+impl Git {
+    /// True when `dir` is a bare repository (false for a working tree).
+    pub async fn is_bare(&self, dir: &Path) -> Result<bool, GitError> {
+        let out = self
+            .text(dir, args(["rev-parse", "--is-bare-repository"]))
+            .await?;
+        Ok(out.trim() == "true")
+    }
+
+    /// The URL of `remote` in `dir`, or `None` when there is no such remote.
+    pub async fn remote_url(&self, dir: &Path, remote: &str) -> Result<Option<String>, GitError> {
+        if !self.has_remote(dir, remote).await? {
+            return Ok(None);
+        }
+        let out = self
+            .text(dir, args(["remote", "get-url", "--", remote]))
+            .await?;
+        Ok(Some(out.trim().to_owned()))
+    }
+
+    /// Where `branch` is on `remote` (a remote name or a URL), asked over the wire;
+    /// `None` when the remote has no such branch.
+    pub async fn ls_remote_branch(
+        &self,
+        dir: &Path,
+        remote: &str,
+        branch: &str,
+    ) -> Result<Option<String>, GitError> {
+        let refname = format!("refs/heads/{branch}");
+        let out = self
+            .text(dir, args(["ls-remote", "--", remote, &refname]))
+            .await?;
+        Ok(out.lines().find_map(|line| {
+            let (sha, name) = line.split_once('\t')?;
+            (name.trim() == refname).then(|| sha.trim().to_owned())
+        }))
+    }
+
+    /// Pushes commit `new` to `refs/heads/<branch>` on `remote` only if the remote has it at
+    /// `old` (`None`: only if it does not exist): `--force-with-lease=<ref>:<old>`, never a
+    /// plain force. A remote that moved makes git refuse the push (an error).
+    pub async fn push_with_lease(
+        &self,
+        dir: &Path,
+        remote: &str,
+        branch: &str,
+        old: Option<&str>,
+        new: &str,
+    ) -> Result<(), GitError> {
+        let refname = format!("refs/heads/{branch}");
+        let lease = format!("--force-with-lease={refname}:{}", old.unwrap_or(""));
+        let refspec = format!("{new}:{refname}");
+        self.run(
+            dir,
+            args(["push", "--quiet", &lease, "--", remote, &refspec]),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Fetches `refname` of `source` (a path or URL) into `dir`'s object store without
+    /// changing any of `dir`'s refs, its index or its working tree.
+    pub async fn fetch_objects(
+        &self,
+        dir: &Path,
+        source: &str,
+        refname: &str,
+    ) -> Result<(), GitError> {
+        self.run(
+            dir,
+            args([
+                "fetch",
+                "--quiet",
+                "--no-tags",
+                "--no-write-fetch-head",
+                "--",
+                source,
+                refname,
+            ]),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Sets `refname` to `new` only if it is at `old` now (`None`: whatever it is), atomically
+    /// (git's own compare-and-swap); no working tree is touched.
+    pub async fn update_ref(
+        &self,
+        dir: &Path,
+        refname: &str,
+        new: &str,
+        old: Option<&str>,
+    ) -> Result<(), GitError> {
+        let mut argv = args(["update-ref", "-m", "orch: publish", "--", refname, new]);
+        if let Some(old) = old {
+            argv.push(old.into());
+        }
+        self.run(dir, argv).await?;
+        Ok(())
+    }
+
+    /// Deletes `refname` (a missing one is fine).
+    pub async fn delete_ref(&self, dir: &Path, refname: &str) -> Result<(), GitError> {
+        if self.rev_parse(dir, refname).await?.is_none() {
+            return Ok(());
+        }
+        self.run(dir, args(["update-ref", "-d", "--", refname]))
+            .await?;
+        Ok(())
+    }
+
+    /// The working tree of `repo` (its main one or a linked worktree) that has `branch`
+    /// checked out, if any.
+    pub async fn checked_out_at(
+        &self,
+        repo: &Path,
+        branch: &str,
+    ) -> Result<Option<PathBuf>, GitError> {
+        Ok(self
+            .worktrees(repo)
+            .await?
+            .into_iter()
+            .find(|w| !w.prunable && w.branch.as_deref() == Some(branch))
+            .map(|w| w.path))
+    }
+}
+
 /// One entry of `git worktree list --porcelain`.
 #[derive(Debug, PartialEq, Eq)]
 struct WorktreeEntry {

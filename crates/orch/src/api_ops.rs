@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use orch_api::{
-    ArtifactFile, Histogram, Observation, OpError, Operations, RunnerCounters, SeriesPoint,
-    SubmitRequest, SubmitResult, WorkerTimings,
+    ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, RunnerCounters,
+    SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
 };
 use orch_deploystate::{ArmedRead, WatchState};
 use orch_runner::histogram::HistogramSnapshot;
@@ -104,6 +104,16 @@ impl Operations for ApiOps {
             claim_wait: histogram(s.claim_wait.snapshot()),
             claim_query: histogram(s.claim_query.snapshot()),
         }
+    }
+
+    fn config_state(&self) -> Option<ConfigReport> {
+        let st = self.runtime.live.state();
+        Some(ConfigReport {
+            generation: st.generation,
+            loaded_at_ms: st.loaded_at_ms,
+            stale: st.stale,
+            restart_needed: st.restart_needed,
+        })
     }
 
     async fn active_observations(&self) -> Vec<Observation> {

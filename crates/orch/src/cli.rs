@@ -9,7 +9,8 @@ use clap::{Args, Parser, Subcommand};
 #[command(
     name = "orch",
     version,
-    about = "A restart-safe orchestrator for AI-agent delivery pipelines"
+    about = "A restart-safe orchestrator for AI-agent delivery pipelines",
+    after_help = crate::exit::HELP
 )]
 pub struct Cli {
     #[command(flatten)]

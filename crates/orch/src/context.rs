@@ -4,10 +4,11 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
-use orch_domain::config::Config;
+use orch_domain::config::{Config, ConfigError};
 use orch_store::{ConnectOptions, Store};
 
 use crate::cli::Global;
+use crate::exit::{Kind, fail};
 
 /// What every command needs to find the project.
 #[derive(Debug, Clone)]
@@ -16,8 +17,11 @@ pub struct Context {
     pub root: PathBuf,
     pub config_path: PathBuf,
     pub database_url: String,
-    /// `orch.toml`, when it exists.
+    /// `orch.toml`, when it exists and is valid.
     pub config: Option<Config>,
+    /// Why `orch.toml` cannot be used (`file:line: [section] key: reason`), when it exists but
+    /// is invalid. Commands that need the config or the database fail with it (exit 78).
+    pub config_error: Option<String>,
     pub json: bool,
 }
 
@@ -28,7 +32,10 @@ impl Context {
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from("."));
-        let config = load_config(&config_path)?;
+        let (config, config_error) = match load_config(&config_path) {
+            Ok(c) => (c, None),
+            Err(e) => (None, Some(e)),
+        };
         let from_config = config
             .as_ref()
             .and_then(|c| c.settings.database_url.clone());
@@ -42,16 +49,23 @@ impl Context {
             config_path,
             database_url,
             config,
+            config_error,
             json: global.json,
         })
     }
 
-    /// The configuration, or an error telling how to create it.
+    /// The configuration, or an error (exit 78) telling what is wrong or how to create it.
     pub fn require_config(&self) -> Result<&Config> {
-        self.config.as_ref().with_context(|| {
-            format!(
-                "no config at {}; run `orch init` there (or pass --config)",
-                self.config_path.display()
+        if let Some(e) = &self.config_error {
+            return Err(fail(Kind::Config, e.clone()));
+        }
+        self.config.as_ref().ok_or_else(|| {
+            fail(
+                Kind::Config,
+                format!(
+                    "no config at {}; run `orch init` there (or pass --config)",
+                    self.config_path.display()
+                ),
             )
         })
     }
@@ -82,13 +96,20 @@ impl Context {
     }
 
     pub async fn open_store_with(&self, opts: ConnectOptions, check_schema: bool) -> Result<Store> {
+        // The database URL may come from the broken config: do not guess another one.
+        if let Some(e) = &self.config_error {
+            return Err(fail(Kind::Config, e.clone()));
+        }
         if self.is_sqlite() && !opts.create_if_missing {
             let path = sqlite_path(&self.database_url);
             if !Path::new(&path).exists() {
-                anyhow::bail!(
-                    "no orch database at {path}; run `orch init` in {} first (or pass --database-url)",
-                    self.root.display()
-                );
+                return Err(fail(
+                    Kind::Unavailable,
+                    format!(
+                        "no orch database at {path}; run `orch init` in {} first (or pass --database-url)",
+                        self.root.display()
+                    ),
+                ));
             }
         }
         let store = Store::connect(&self.database_url, opts).await?;
@@ -100,15 +121,72 @@ impl Context {
 }
 
 /// Reads and validates `orch.toml` with `ORCH_*` overrides; `None` when the file is absent.
-fn load_config(path: &Path) -> Result<Option<Config>> {
+/// The error names the file, the line (when the key can be found) and the section and key.
+pub fn load_config(path: &Path) -> std::result::Result<Option<Config>, String> {
     let text = match std::fs::read_to_string(path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
     };
-    let config = Config::from_toml_str(&text, &|k: &str| std::env::var(k).ok())
-        .with_context(|| format!("invalid config {}", path.display()))?;
-    Ok(Some(config))
+    parse_config(path, &text).map(Some)
+}
+
+/// Parses config `text` read from `path`; the error is `file:line: what` (see [`load_config`]).
+pub fn parse_config(path: &Path, text: &str) -> std::result::Result<Config, String> {
+    Config::from_toml_str(text, &|k: &str| std::env::var(k).ok())
+        .map_err(|e| describe_config_error(path, text, &e))
+}
+
+/// `file:line: error`, with the line found for errors that do not carry one (a value that
+/// parses but cannot be used is looked up by its section and key).
+pub fn describe_config_error(path: &Path, text: &str, e: &ConfigError) -> String {
+    let file = path.display();
+    match e {
+        ConfigError::Parse {
+            section,
+            line: Some(l),
+            message,
+        } => {
+            let section = section
+                .as_ref()
+                .map_or_else(|| "top level".to_owned(), |s| format!("[{s}]"));
+            format!("invalid config {file}:{l}: {section}: {message}")
+        }
+        ConfigError::Invalid { section, key, .. } => match find_key(text, section, key) {
+            Some(l) => format!("invalid config {file}:{l}: {e}"),
+            None => format!("invalid config {file}: {e}"),
+        },
+        _ => format!("invalid config {file}: {e}"),
+    }
+}
+
+/// The line of `key` inside `[section]` (or of the section header when the key is absent).
+fn find_key(text: &str, section: &str, key: &str) -> Option<usize> {
+    let mut in_section = false;
+    let mut header = None;
+    for (i, raw) in text.lines().enumerate() {
+        let line = raw.trim();
+        if line.starts_with('[') {
+            let name = line
+                .trim_start_matches('[')
+                .split(']')
+                .next()
+                .unwrap_or("")
+                .trim();
+            in_section = name == section;
+            if in_section && header.is_none() {
+                header = Some(i + 1);
+            }
+            continue;
+        }
+        if in_section
+            && let Some((k, _)) = line.split_once('=')
+            && k.trim().trim_matches('"') == key
+        {
+            return Some(i + 1);
+        }
+    }
+    header
 }
 
 fn sqlite_path(url: &str) -> String {

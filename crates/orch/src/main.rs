@@ -6,7 +6,9 @@ mod cli;
 mod cmd;
 mod context;
 mod demo;
+mod exit;
 mod output;
+mod reload;
 mod runtime;
 mod signals;
 
@@ -15,7 +17,11 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
-    let cli = cli::Cli::parse();
+    let cli = match cli::Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return usage_error(&e),
+    };
+    let json = cli.global.json;
     // The demo and the scripted agent talk to people through stdout; keep logs to warnings.
     let quiet_default = matches!(
         cli.command,
@@ -31,8 +37,11 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("orch: cannot start the async runtime: {e}");
-            return ExitCode::from(1);
+            return exit::report_kind(
+                exit::Kind::Failed,
+                &format!("cannot start the async runtime: {e}"),
+                json,
+            );
         }
     };
     let result = runtime.block_on(cmd::run(cli));
@@ -40,11 +49,33 @@ fn main() -> ExitCode {
     runtime.shutdown_timeout(std::time::Duration::from_secs(2));
     match result {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("orch: error: {e:#}");
-            ExitCode::from(1)
-        }
+        Err(e) => exit::report(&e, json),
     }
+}
+
+/// A command line clap refused: help and version are printed as asked (exit 0); anything else
+/// is a usage error (exit 2), in the JSON error shape when `--json` is among the arguments.
+fn usage_error(e: &clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    match e.kind() {
+        ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+            let _ = e.print();
+            return ExitCode::SUCCESS;
+        }
+        _ => {}
+    }
+    if std::env::args_os().any(|a| a == "--json") {
+        let text = e.to_string();
+        let message = text
+            .lines()
+            .find(|l| !l.trim().is_empty())
+            .unwrap_or("invalid arguments")
+            .trim_start_matches("error: ")
+            .to_owned();
+        return exit::report_kind(exit::Kind::Usage, &message, true);
+    }
+    let _ = e.print();
+    ExitCode::from(exit::Kind::Usage.exit_code())
 }
 
 fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
@@ -59,6 +90,7 @@ fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
     let filter = EnvFilter::try_from_env("ORCH_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(output::colour(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();

@@ -13,6 +13,7 @@ use orch_runner::counters::Counters;
 use orch_runner::deploy::{DeployerExecutor, LessonsExecutor, MonitorExecutor};
 use orch_runner::engine::dispatch::{ByStage, Promote};
 use orch_runner::engine::{Engine, EngineConfig, INTAKE, intake::IntakeExecutor};
+use orch_runner::live_config::{LiveConfig, Reloading};
 use orch_runner::ops::Ops;
 use orch_runner::stages::{MergeGateExecutor, StagingExecutor, TesterExecutor};
 use orch_runner::worker::Registry;
@@ -26,6 +27,8 @@ pub struct Runtime {
     pub ops: Ops,
     pub counters: Arc<Counters>,
     pub config: Arc<Config>,
+    /// The config in use, swapped by a reload (`crate::reload`).
+    pub live: LiveConfig,
     pub repos_dir: std::path::PathBuf,
 }
 
@@ -46,10 +49,12 @@ impl Runtime {
         let repos_dir = cx.repos_dir(config);
         let counters = Arc::new(Counters::new());
         let config = Arc::new(config.clone());
+        let live = LiveConfig::new(config.clone(), store.now_ms());
         let mut engine = Engine::new(
             store.clone(),
             EngineConfig {
                 config: config.clone(),
+                live: live.clone(),
                 pipeline: Arc::new(pipeline),
                 root: cx.root.clone(),
                 repos_dir: repos_dir.clone(),
@@ -59,7 +64,10 @@ impl Runtime {
         );
         engine.set_executor(INTAKE, Arc::new(IntakeExecutor));
         // One executor (one global agent concurrency limit) for every LLM stage's agent.
-        let agents = Arc::new(AgentExecutor::new(config.agents.clone(), &config.settings));
+        // Rebuilt from the config in use when it was reloaded (agents' commands, models, …).
+        let agents = Arc::new(Reloading::new(live.clone(), |c: &Config| {
+            AgentExecutor::new(c.agents.clone(), &c.settings)
+        }));
         let llm_agents: Vec<String> = engine
             .config()
             .pipeline
@@ -96,6 +104,7 @@ impl Runtime {
             ops,
             counters,
             config,
+            live,
             repos_dir,
         })
     }

@@ -237,10 +237,13 @@ fn doctor_names_what_is_missing_and_how_to_fix_it() {
     );
     assert!(stdout.contains("ok    git is installed"), "{stdout}");
     assert!(
-        stdout.contains("FAIL  agent analyst: program `no-such-agent-cli-xyz`"),
+        stdout.contains("FAIL  agent analyst: `no-such-agent-cli-xyz` is not on PATH"),
         "{stdout}"
     );
-    assert!(stdout.contains("FAIL  repo app: source"), "{stdout}");
+    assert!(
+        stdout.contains("FAIL  repo app: ") && stdout.contains("missing-checkout does not exist"),
+        "{stdout}"
+    );
     assert!(
         stdout.contains("FAIL  repo app: no `test` command"),
         "{stdout}"

@@ -12,6 +12,20 @@ use common::{
     ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
     skip, stop_service, task, wait_terminal,
 };
+/// Processes whose working directory is inside `dir`.
+fn orch_processes_in(dir: &std::path::Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
+}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back() {
@@ -33,11 +47,39 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     .await
     .expect("the demo finishes within 400 s")
     .expect("run orch demo");
+    // The demo stops its sample service itself (it used to leave both instances running).
+    let left = orch_processes_in(&dir.join("service-state/releases"));
     stop_service(&dir);
+    assert!(left.is_empty(), "the demo left service processes: {left:?}");
     reap_orphans();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    // Every "look around" command runs as printed (it used to call `orch`, not on PATH after
+    // `cargo run`). `serve` is left out: it would not return.
+    let look: Vec<&str> = stdout
+        .split("look around:")
+        .nth(1)
+        .expect("a look-around section")
+        .lines()
+        .filter_map(|l| l.split('#').next())
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('(') && !l.ends_with(" serve"))
+        .collect();
+    assert!(look.len() >= 4, "{stdout}");
+    for line in look {
+        let ran = std::process::Command::new("sh")
+            .args(["-c", line])
+            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(
+            ran.status.success(),
+            "`{line}` failed: {}",
+            String::from_utf8_lossy(&ran.stderr)
+        );
+    }
     let store = open(&dir).await;
     let repo = dir.join(".orch/repos/service");
 

@@ -9,6 +9,7 @@ pub mod engine;
 pub mod failpoint;
 pub mod fsutil;
 pub mod histogram;
+pub mod live_config;
 pub mod maintenance;
 pub mod ops;
 pub mod release;

@@ -56,7 +56,7 @@ impl Ops {
         let repo_name: RepoName = repo
             .parse()
             .map_err(|e| OpsError::Invalid(format!("{e}")))?;
-        let config = &self.engine.config().config;
+        let config = self.engine.config().live.current();
         let Some(repo_cfg) = config.repos.get(&repo_name) else {
             let known: Vec<&str> = config.repos.keys().map(|r| r.as_str()).collect();
             return Err(OpsError::Invalid(format!(

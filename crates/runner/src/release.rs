@@ -56,6 +56,9 @@ pub mod events {
     /// The item's change was reverted on the default branch: `{repo, work_item, revert_commit,
     /// reverted_from, reverted_to}`.
     pub const REVERTED: &str = "release.reverted";
+    /// A release reached orch's clone but not the user's checkout (local changes there):
+    /// `{repo, target}`.
+    pub const UNPUBLISHED: &str = "release.unpublished";
     /// The repo's releases are held by this item until an operator acts: `{repo, reason}`.
     pub const HELD: &str = "release.held";
     /// An operator released the hold: `{repo}`.
@@ -149,7 +152,7 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     };
     let staged = field(&staged, "revision").context("the release.staged event has no revision")?;
     let branch = run.repo.default_branch.as_str();
-    let main = repos::sync_default_branch(&run.git, &run.repo_dir, branch).await?;
+    let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
     let done = latest(run, events::PROMOTED)
         .await?
         .filter(|e| seq_of(e) == Some(seq) && field(e, "new").as_deref() == Some(&staged));
@@ -188,13 +191,30 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
         json!({"repo": run.repo_name.as_str(), "old": main, "new": staged, "seq": seq}),
     )
     .await;
-    repos::publish_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &staged).await?;
+    let published =
+        repos::move_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &staged).await?;
+    note_unpublished(run, &published).await;
     crate::failpoint::hit("release.after_promote");
     finish_promotion(run, seq, &main, &staged).await;
     Ok(Promotion::Promoted {
         old: main,
         new: staged,
     })
+}
+
+/// A release that reached orch's clone but not the user's checkout (it has local changes) is
+/// said in an event: the user must take it in by hand (or clean the checkout; the next release
+/// publishes it).
+pub async fn note_unpublished(run: &StageRun, published: &repos::Published) {
+    if let Some(warning) = published.warning() {
+        record(
+            run,
+            events::UNPUBLISHED,
+            warning.to_owned(),
+            json!({"repo": run.repo_name.as_str(), "target": published.target}),
+        )
+        .await;
+    }
 }
 
 async fn finish_promotion(run: &StageRun, seq: i64, old: &str, new: &str) {
@@ -427,7 +447,7 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
     let branch = run.repo.default_branch.as_str();
     let trailer = format!("Orch-Revert: {}", run.work_item);
     for attempt in 0..3 {
-        let main = repos::sync_default_branch(&run.git, &run.repo_dir, branch).await?;
+        let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
         let since = run
             .git
             .commit_messages(&run.repo_dir, &format!("{new}..{main}"))
@@ -463,8 +483,9 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
             }
             RevertResult::Reverted { sha } => sha,
         };
-        match repos::publish_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &sha).await {
-            Ok(()) => {
+        match repos::move_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &sha).await {
+            Ok(published) => {
+                note_unpublished(run, &published).await;
                 write_revert_log(run, &old, &new, &sha, why)?;
                 record(
                     run,

@@ -1,67 +1,120 @@
-//! `orch doctor`: checks what orch needs on this machine and says plainly what is missing and
-//! how to fix it. Exit 1 when anything required is missing.
+//! `orch doctor`: checks what orch needs on this machine and says plainly what is missing, how
+//! to fix it, and what orch will do to each declared repository. Exit 0 when nothing required is
+//! missing, 1 when something is (the report is printed either way; `--json` prints it as JSON).
 
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::Result;
 use orch_domain::config::{Backend, Config};
+use orch_exec::Git;
+use orch_runner::repos::{self, Setup};
 
 use crate::context::Context;
 
+/// How a check ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Status {
+    Ok,
+    /// Works, but the user should know (not a failure).
+    Note,
+    Fail,
+}
+
+struct Check {
+    status: Status,
+    what: String,
+    fix: String,
+}
+
+#[derive(Default)]
 struct Report {
-    lines: Vec<(bool, String, String)>,
+    checks: Vec<Check>,
 }
 
 impl Report {
     fn check(&mut self, ok: bool, what: impl Into<String>, fix: impl Into<String>) {
-        self.lines.push((ok, what.into(), fix.into()));
+        if ok {
+            self.push(Status::Ok, what, "");
+        } else {
+            self.push(Status::Fail, what, fix);
+        }
+    }
+
+    fn push(&mut self, status: Status, what: impl Into<String>, fix: impl Into<String>) {
+        self.checks.push(Check {
+            status,
+            what: what.into(),
+            fix: fix.into(),
+        });
     }
 }
 
-fn on_path(program: &str) -> Option<PathBuf> {
+/// A program given as a path must be an executable file; a bare name must be one in `PATH`.
+fn executable(program: &str) -> Result<PathBuf, String> {
+    let is_exec = |p: &Path| {
+        p.metadata()
+            .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+            .unwrap_or(false)
+    };
     if program.contains('/') {
         let p = PathBuf::from(program);
-        return p.is_file().then_some(p);
+        if !p.exists() {
+            return Err(format!("{program} does not exist"));
+        }
+        if !is_exec(&p) {
+            return Err(format!("{program} is not executable (chmod +x {program})"));
+        }
+        return Ok(p);
     }
-    std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join(program))
-            .find(|p| p.is_file())
-    })
+    std::env::var_os("PATH")
+        .and_then(|paths| {
+            std::env::split_paths(&paths)
+                .map(|d| d.join(program))
+                .find(|p| is_exec(p))
+        })
+        .ok_or_else(|| format!("`{program}` is not on PATH"))
 }
 
 pub async fn run(cx: &Context) -> Result<ExitCode> {
-    let mut r = Report { lines: Vec::new() };
+    let mut r = Report::default();
     r.check(
-        on_path("git").is_some(),
+        executable("git").is_ok(),
         "git is installed",
         "install git (e.g. `apt-get install git`)",
     );
     r.check(
-        on_path("sh").is_some(),
+        executable("sh").is_ok(),
         "sh is installed",
         "repo commands run with `sh -c`",
     );
-    match &cx.config {
-        Some(_) => r.check(true, format!("config {}", cx.config_path.display()), ""),
-        None => r.check(
+    match (&cx.config, &cx.config_error) {
+        (_, Some(e)) => r.check(false, e.clone(), "fix the line named above"),
+        (Some(_), None) => r.check(true, format!("config {}", cx.config_path.display()), ""),
+        (None, None) => r.check(
             false,
-            format!("config {}", cx.config_path.display()),
+            format!("config {} does not exist", cx.config_path.display()),
             "run `orch init`",
         ),
     }
-    match cx.open_store().await {
-        Ok(store) => {
-            r.check(true, format!("database {}", store.target()), "");
-            store.close().await;
+    if cx.config_error.is_none() {
+        match cx.open_store().await {
+            Ok(store) => {
+                r.check(
+                    true,
+                    format!("database {}", orch_store::redact_url(&store.target())),
+                    "",
+                );
+                store.close().await;
+            }
+            Err(e) => r.check(
+                false,
+                format!("database: {e:#}"),
+                "fix the URL, start the server, or run `orch init` / `orch migrate`",
+            ),
         }
-        Err(e) => r.check(
-            false,
-            format!("database: {e:#}"),
-            "fix the URL, start the server, or run `orch init` / `orch migrate`",
-        ),
     }
     if orch_runner::failpoint::any_active() {
         r.check(
@@ -72,38 +125,73 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
     }
     if let Some(config) = &cx.config {
         agents(&mut r, config).await;
-        repos(&mut r, cx, config);
+        repos(&mut r, cx, config).await;
     }
-    let mut failed = 0;
-    for (ok, what, fix) in &r.lines {
-        if *ok {
-            println!("ok    {what}");
-        } else {
-            failed += 1;
-            println!("FAIL  {what}");
-            if !fix.is_empty() {
-                println!("      fix: {fix}");
+    let failed = r.checks.iter().filter(|c| c.status == Status::Fail).count();
+    if cx.json {
+        crate::output::print_json(&serde_json::json!({
+            "ok": failed == 0,
+            "problems": failed,
+            "checks": r.checks.iter().map(|c| serde_json::json!({
+                "status": match c.status { Status::Ok => "ok", Status::Note => "note", Status::Fail => "fail" },
+                "what": c.what,
+                "fix": (!c.fix.is_empty()).then_some(&c.fix),
+            })).collect::<Vec<_>>(),
+        }));
+    } else {
+        for c in &r.checks {
+            let label = match c.status {
+                Status::Ok => "ok  ",
+                Status::Note => "note",
+                Status::Fail => "FAIL",
+            };
+            println!("{label}  {}", c.what);
+            if !c.fix.is_empty() {
+                if c.status == Status::Fail {
+                    println!("      fix: {}", c.fix);
+                } else {
+                    println!("      {}", c.fix);
+                }
             }
         }
+        if failed == 0 {
+            println!("\neverything orch needs is here");
+        } else {
+            println!("\n{failed} problem(s) found");
+        }
     }
-    if failed == 0 {
-        println!("\neverything orch needs is here");
-        Ok(ExitCode::SUCCESS)
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
     } else {
-        println!("\n{failed} problem(s) found");
-        Ok(ExitCode::from(1))
-    }
+        ExitCode::from(crate::exit::Kind::Failed.exit_code())
+    })
 }
 
 async fn agents(r: &mut Report, config: &Config) {
+    // Stages whose agent must change the repository's code, not only write documents.
+    let code_stages: Vec<(String, String)> = config
+        .pipeline()
+        .map(|p| {
+            p.stages
+                .iter()
+                .filter(|s| s.name.as_str() == "implementation")
+                .filter_map(|s| Some((s.name.to_string(), s.agent.as_ref()?.to_string())))
+                .collect()
+        })
+        .unwrap_or_default();
     for (name, a) in &config.agents {
-        let preset = match a.backend {
-            Backend::Claude => Some("claude"),
-            Backend::Codex => Some("codex"),
-            Backend::Aider => Some("aider"),
-            Backend::Command | Backend::Openai => None,
-        };
         if a.backend == Backend::Openai {
+            if let Some((stage, _)) = code_stages.iter().find(|(_, agent)| agent == name.as_str()) {
+                r.check(
+                    false,
+                    format!(
+                        "agent {name}: the `openai` backend only writes documents, but stage `{stage}` must change code"
+                    ),
+                    format!(
+                        "give stage `{stage}` a coding agent (backend = \"claude\", \"codex\", \"aider\" or \"command\")"
+                    ),
+                );
+            }
             let Some(endpoint) = &a.endpoint else {
                 r.check(
                     false,
@@ -134,13 +222,25 @@ async fn agents(r: &mut Report, config: &Config) {
             }
             continue;
         }
-        let program = a.command.clone().or(preset.map(str::to_owned));
-        match program {
-            Some(p) => r.check(
-                on_path(&p).is_some(),
-                format!("agent {name}: program `{p}`"),
-                format!("install `{p}` or set [agents.{name}] command"),
-            ),
+        let preset = match a.backend {
+            Backend::Claude => Some("claude"),
+            Backend::Codex => Some("codex"),
+            Backend::Aider => Some("aider"),
+            Backend::Command | Backend::Openai => None,
+        };
+        match a.command.clone().or(preset.map(str::to_owned)) {
+            Some(p) => match executable(&p) {
+                Ok(found) => r.check(
+                    true,
+                    format!("agent {name}: program {}", found.display()),
+                    "",
+                ),
+                Err(why) => r.check(
+                    false,
+                    format!("agent {name}: {why}"),
+                    format!("install `{p}`, make it executable, or set [agents.{name}] command"),
+                ),
+            },
             None => r.check(
                 false,
                 format!("agent {name}: no command"),
@@ -150,27 +250,23 @@ async fn agents(r: &mut Report, config: &Config) {
     }
 }
 
-fn repos(r: &mut Report, cx: &Context, config: &Config) {
-    let repos_dir = cx.repos_dir(config);
+async fn repos(r: &mut Report, cx: &Context, config: &Config) {
+    let git = Git {
+        timeout: Duration::from_secs(20),
+        ..Git::new()
+    };
     for (name, repo) in &config.repos {
-        let clone = repos_dir.join(name.as_str());
-        let source_ok = match (&repo.url, &repo.path) {
-            (Some(_), _) => true,
-            (None, Some(p)) => {
-                let p = if Path::new(p).is_absolute() {
-                    PathBuf::from(p)
-                } else {
-                    cx.root.join(p)
-                };
-                p.join(".git").exists()
-            }
-            (None, None) => false,
-        };
-        r.check(
-            source_ok || clone.join(".git").exists(),
-            format!("repo {name}: source"),
-            format!("set [repos.{name}] path to a git checkout or url to a clone URL"),
-        );
+        let branch = repo.default_branch.as_str();
+        match repos::inspect(&git, &cx.root, repo).await {
+            Err(e) => r.check(
+                false,
+                format!("repo {name}: {e:#}"),
+                format!(
+                    "set [repos.{name}] path to a git checkout or a bare repository, or url to a remote"
+                ),
+            ),
+            Ok(setup) => repo_setup(r, &git, name.as_str(), branch, repo, setup).await,
+        }
         let mut commands: Vec<(&str, &str)> = Vec::new();
         if let Some(t) = &repo.test {
             commands.push(("test", t));
@@ -192,8 +288,12 @@ fn repos(r: &mut Report, cx: &Context, config: &Config) {
         }
         for (what, cmd) in commands {
             let program = cmd.split_whitespace().next().unwrap_or_default();
+            // A relative path runs inside the repo's checkout, which doctor does not look into.
+            if program.starts_with("./") {
+                continue;
+            }
             r.check(
-                on_path(program).is_some(),
+                executable(program).is_ok(),
                 format!("repo {name}: {what} runs `{program}`"),
                 format!("install `{program}` on this machine"),
             );
@@ -206,4 +306,79 @@ fn repos(r: &mut Report, cx: &Context, config: &Config) {
             );
         }
     }
+}
+
+async fn repo_setup(
+    r: &mut Report,
+    git: &Git,
+    name: &str,
+    branch: &str,
+    repo: &orch_domain::config::RepoConfig,
+    setup: Setup,
+) {
+    let explain = setup.explain(branch);
+    match &setup {
+        Setup::Remote { url } => {
+            // Reachable with this machine's credentials (ssh agent, credential helper)?
+            let raw = repo.url.as_deref().unwrap_or_default();
+            match git
+                .ls_remote_branch(&std::env::temp_dir(), raw, branch)
+                .await
+            {
+                Ok(Some(_)) => r.check(true, format!("repo {name}: {explain}"), ""),
+                Ok(None) => r.push(
+                    Status::Note,
+                    format!("repo {name}: {explain}"),
+                    format!("{url} has no branch `{branch}` yet; the first merge creates it"),
+                ),
+                Err(e) => r.check(
+                    false,
+                    format!(
+                        "repo {name}: cannot reach {url}: {}",
+                        redact(&e.to_string(), raw, url)
+                    ),
+                    "check the URL and this machine's credentials for git (ssh agent, credential helper)",
+                ),
+            }
+        }
+        Setup::Bare { path } => match git.rev_parse(path, &format!("refs/heads/{branch}")).await {
+            Ok(Some(_)) => r.check(true, format!("repo {name}: {explain}"), ""),
+            _ => r.check(
+                false,
+                format!("repo {name}: {} has no branch `{branch}`", path.display()),
+                format!("push `{branch}` there first, or set default_branch"),
+            ),
+        },
+        Setup::Checkout { path } => {
+            match git.rev_parse(path, &format!("refs/heads/{branch}")).await {
+                Ok(Some(_)) => {}
+                _ => {
+                    r.check(
+                        false,
+                        format!("repo {name}: {} has no branch `{branch}`", path.display()),
+                        format!("commit on `{branch}` first, or set default_branch"),
+                    );
+                    return;
+                }
+            }
+            let note = match git.checked_out_at(path, branch).await {
+                Ok(Some(wt)) => match git.status_porcelain(&wt).await {
+                    Ok(entries) if entries.iter().any(|e| e.code != "??") => format!(
+                        "`{branch}` is checked out in {} and has local changes now: until they are committed or stashed, merges stay in orch's clone",
+                        wt.display()
+                    ),
+                    _ => format!(
+                        "`{branch}` is checked out in {} and clean: merges fast-forward it",
+                        wt.display()
+                    ),
+                },
+                _ => format!("`{branch}` is not checked out: merges move the branch ref only"),
+            };
+            r.push(Status::Ok, format!("repo {name}: {explain}"), note);
+        }
+    }
+}
+
+fn redact(text: &str, raw: &str, redacted: &str) -> String {
+    text.replace(raw, redacted)
 }

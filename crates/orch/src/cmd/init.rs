@@ -31,6 +31,11 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
     if !gitignore.exists() {
         orch_runner::fsutil::write_atomic(&gitignore, "*\n")?;
     }
+    // Inside a git repository the config (it holds the API token) must not be committed.
+    let ignored = match inside_git_repo(&cx.root) {
+        Some(_) => Some(protect_from_git(&cx.root, &cx.config_path)?),
+        None => None,
+    };
     let opts = ConnectOptions {
         create_if_missing: true,
         ..ConnectOptions::default()
@@ -44,6 +49,7 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
             "config_written": config_written,
             "database": cx.database_url,
             "schema_version": report.to,
+            "gitignore": ignored.as_ref().map(|p| p.display().to_string()),
         }));
     } else {
         let verb = if config_written {
@@ -62,7 +68,15 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
                 "  it holds a fresh API token (mode 0600): keep it out of git, or set ORCH_TOKEN instead"
             );
         }
-        println!("next: declare a repo in orch.toml, then `orch serve` and `orch submit`");
+        if let Some(p) = &ignored {
+            println!(
+                "  this directory is inside a git repository: {} lists the config and .orch/ so the token is never committed",
+                p.display()
+            );
+        }
+        println!(
+            "next: declare your repository in orch.toml ([repos.<name>] path = \"../your-checkout\", prefix, test), then `orch doctor`, `orch serve` and `orch submit`"
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -92,4 +106,54 @@ fn write_private(path: &Path, content: &str) -> Result<()> {
     f.write_all(content.as_bytes())
         .and_then(|()| f.sync_all())
         .with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The top of the git repository `dir` is in (a `.git` directory or file in it or above).
+fn inside_git_repo(dir: &Path) -> Option<std::path::PathBuf> {
+    dir.ancestors()
+        .find(|d| d.join(".git").exists())
+        .map(Path::to_path_buf)
+}
+
+/// Makes `<root>/.gitignore` list the config file and `.orch/` (anchored to that directory),
+/// adding only the lines that are missing. Returns the `.gitignore`'s path.
+fn protect_from_git(root: &Path, config: &Path) -> Result<std::path::PathBuf> {
+    let path = root.join(".gitignore");
+    let existing = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
+        Err(e) => return Err(e).with_context(|| format!("cannot read {}", path.display())),
+    };
+    let name = config
+        .strip_prefix(root)
+        .unwrap_or(config)
+        .display()
+        .to_string();
+    let wanted = [format!("/{name}"), "/.orch/".to_owned()];
+    let have: Vec<&str> = existing.lines().map(str::trim).collect();
+    let missing: Vec<&String> = wanted
+        .iter()
+        .filter(|w| {
+            let bare = w.trim_start_matches('/');
+            !have.iter().any(|h| {
+                *h == w.as_str()
+                    || *h == bare
+                    || h.trim_end_matches('/') == bare.trim_end_matches('/')
+            })
+        })
+        .collect();
+    if missing.is_empty() {
+        return Ok(path);
+    }
+    let mut text = existing.clone();
+    if !text.is_empty() && !text.ends_with('\n') {
+        text.push('\n');
+    }
+    text.push_str("# orch: the config holds the API token; .orch/ holds the database and clones\n");
+    for m in missing {
+        text.push_str(m);
+        text.push('\n');
+    }
+    orch_runner::fsutil::write_atomic(&path, &text)?;
+    Ok(path)
 }

@@ -9,7 +9,8 @@ use orch_store::{AgentRun, Event, Store, Task, TaskFilter};
 
 use crate::cli::{StatusArgs, SubmitArgs};
 use crate::context::Context;
-use crate::output::{age, print_json, table};
+use crate::exit::{Kind, fail};
+use crate::output::{age, print_json, table_fit, width};
 use crate::runtime::Runtime;
 
 async fn runtime(cx: &Context) -> Result<(Store, Runtime)> {
@@ -97,6 +98,7 @@ fn cost_text(runs: &[AgentRun], total: f64) -> String {
 }
 
 pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
+    stale_config_notes(cx);
     let store = cx.open_store().await?;
     if let Some(id) = &args.id {
         let task = find(&store, id).await?;
@@ -175,14 +177,15 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                     outcome_label(&store, t).await?,
                     t.repo.clone(),
                     age(now - t.updated_at),
-                    t.title.chars().take(60).collect(),
+                    t.title.clone(),
                 ]);
             }
             print!(
                 "{}",
-                table(
+                table_fit(
                     &["id", "stage", "outcome", "repo", "updated", "title"],
-                    &rows
+                    &rows,
+                    width()
                 )
             );
         }
@@ -216,17 +219,15 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
                 format!("+{}", age(e.created_at - task.created_at)),
                 e.kind.clone(),
                 e.stage.clone().unwrap_or_default(),
-                e.message
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .chars()
-                    .take(120)
-                    .collect(),
+                e.message.lines().next().unwrap_or_default().to_owned(),
             ]
         })
         .collect();
-    print!("{}", table(&["at", "event", "stage", "message"], &rows));
+    let width = width();
+    print!(
+        "{}",
+        table_fit(&["at", "event", "stage", "message"], &rows, width)
+    );
     if !runs.is_empty() {
         let rows: Vec<Vec<String>> = runs
             .iter()
@@ -239,16 +240,22 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
                     r.input_tokens.map(|t| t.to_string()).unwrap_or_default(),
                     r.output_tokens.map(|t| t.to_string()).unwrap_or_default(),
                     r.cost_usd.map(|c| format!("{c:.4}")).unwrap_or_default(),
+                    r.error
+                        .as_deref()
+                        .and_then(|e| e.lines().next())
+                        .unwrap_or_default()
+                        .to_owned(),
                 ]
             })
             .collect();
         print!(
             "\n{}",
-            table(
+            table_fit(
                 &[
-                    "stage", "agent", "backend", "outcome", "in", "out", "cost $"
+                    "stage", "agent", "backend", "outcome", "in", "out", "cost $", "error"
                 ],
-                &rows
+                &rows,
+                width
             )
         );
     }
@@ -266,12 +273,20 @@ async fn outcome_label(store: &Store, t: &Task) -> Result<String> {
         .unwrap_or_else(|| "-".to_owned()))
 }
 
+/// Says (on stderr) when a running `orch serve`/`orch worker` of this project runs an older
+/// config than the file.
+fn stale_config_notes(cx: &Context) {
+    for note in crate::reload::stale_processes(&cx.state_dir()) {
+        eprintln!("orch: note: {note}");
+    }
+}
+
 async fn find(store: &Store, id: &str) -> Result<Task> {
     let id: orch_domain::ids::WorkItemId = id.parse()?;
     store
         .get_task_by_work_item(id.as_str())
         .await?
-        .with_context(|| format!("no work item {id}"))
+        .ok_or_else(|| fail(Kind::NotFound, format!("no work item {id}")))
 }
 
 /// The stage timeline: when each stage change happened, relative to submission.
@@ -282,17 +297,11 @@ pub fn timeline(events: &[&Event], t0: i64) -> String {
             vec![
                 format!("+{}", age(e.created_at - t0)),
                 e.stage.clone().unwrap_or_default(),
-                e.message
-                    .lines()
-                    .next()
-                    .unwrap_or_default()
-                    .chars()
-                    .take(100)
-                    .collect(),
+                e.message.lines().next().unwrap_or_default().to_owned(),
             ]
         })
         .collect();
-    table(&["at", "stage", "why"], &rows)
+    table_fit(&["at", "stage", "why"], &rows, width())
 }
 
 fn task_json(t: &Task) -> serde_json::Value {

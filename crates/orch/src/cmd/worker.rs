@@ -21,9 +21,16 @@ pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
 pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let (stop, hard) = crate::signals::shutdown_tokens()?;
     let (store, config) = open(cx, &args).await?;
+    let mut reloader = None;
     let (registry, passes) = match &cx.config {
         Some(c) => {
             let rt = Runtime::new(cx, c, &store)?;
+            reloader = Some(crate::reload::spawn(
+                cx.config_path.clone(),
+                cx.state_dir(),
+                rt.live.clone(),
+                stop.clone(),
+            ));
             (rt.registry(), rt.passes(config.lease, RETENTION))
         }
         None => {
@@ -37,7 +44,11 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     tracing::info!(worker = %config.worker_id, database = %store.target(),
         concurrency = config.concurrency, kinds = ?registry.kinds(), "worker started");
     let worker = Worker::new(store.clone(), registry, config.clone());
-    run_workers(store.clone(), worker, passes, stop, hard).await;
+    run_workers(store.clone(), worker, passes, stop.clone(), hard).await;
+    stop.cancel();
+    if let Some(r) = reloader {
+        let _ = r.await;
+    }
     store.close().await;
     Ok(ExitCode::SUCCESS)
 }
@@ -48,6 +59,12 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     let (store, wconfig) = open(cx, &args.worker).await?;
     let runtime = Arc::new(Runtime::new(cx, &config, &store)?);
     let worker = Worker::new(store.clone(), runtime.registry(), wconfig.clone());
+    let reloader = crate::reload::spawn(
+        cx.config_path.clone(),
+        cx.state_dir(),
+        runtime.live.clone(),
+        stop.clone(),
+    );
     let bind = args
         .bind
         .clone()
@@ -70,10 +87,12 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
         store.clone(),
         worker,
         runtime.passes(wconfig.lease, RETENTION),
-        stop,
+        stop.clone(),
         hard,
     )
     .await;
+    stop.cancel();
+    let _ = reloader.await;
     let _ = api.await;
     store.close().await;
     Ok(ExitCode::SUCCESS)

@@ -138,7 +138,12 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         );
     }
     println!("  sample service repo: {}", service.display());
-    println!("  dashboard while it runs: http://127.0.0.1:{api_port}/\n");
+    println!("  dashboard while it runs: http://127.0.0.1:{api_port}/");
+    println!(
+        "  the sample service while it runs: production http://127.0.0.1:{prod_port}/health, staging http://127.0.0.1:{staging_port}/health (stopped when the demo exits)\n"
+    );
+    // Stops the service's instances on every way out: return, error, Ctrl-C, SIGTERM.
+    let _services = ServiceGuard::new(state.clone());
 
     // Production runs the initial release before any work item ships.
     let first = orch_exec::run(
@@ -312,16 +317,8 @@ async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
         "Sample service: /health and /revision, tests, deploy scripts",
     )
     .await?;
-    // orch pushes merges back to this checkout: let a push to the checked-out branch update
-    // its files (they are clean), as a shared bare repo would.
-    let out = orch_exec::run(
-        &orch_exec::Cmd::new("git")
-            .args(["config", "receive.denyCurrentBranch", "updateInstead"])
-            .cwd(dir)
-            .timeout(Duration::from_secs(30)),
-    )
-    .await?;
-    anyhow::ensure!(out.success(), "git config failed: {}", out.tail_text(5));
+    // An ordinary checkout, as a user has it: orch fast-forwards it when it is clean
+    // (orch_runner::repos::publish_default_branch), no git configuration needed.
     Ok(())
 }
 
@@ -607,22 +604,124 @@ async fn summary(
         }
         println!();
     }
-    let cfg = config.display();
+    // The commands as printed must run: `orch` is this very binary (after `cargo run` it is
+    // not on PATH), named by its full path unless PATH finds the same file.
+    let exe = std::env::current_exe().context("cannot find the orch executable")?;
+    let on_path = which("orch").and_then(|p| p.canonicalize().ok()) == exe.canonicalize().ok();
+    let orch = if on_path {
+        "orch".to_owned()
+    } else {
+        shell_quote(&exe.display().to_string())
+    };
+    let cfg = shell_quote(&config.display().to_string());
     println!("look around:");
-    println!("  orch --config {cfg} status APP-1        # stage timeline, usage");
-    println!("  orch --config {cfg} logs APP-2          # every event, agent runs");
+    println!("  {orch} --config {cfg} status APP-1        # stage timeline, usage");
+    println!("  {orch} --config {cfg} logs APP-2          # every event, agent runs");
     println!(
         "  git -C {} log --oneline --graph --all   # the artifact trail on orch/APP-* branches",
-        dir.join(".orch/repos/service").display()
-    );
-    println!(
-        "  git -C {} ls-tree -r --name-only main docs/work-items  # every item's whole trail on main",
-        dir.join(".orch/repos/service").display()
+        shell_quote(&dir.join(".orch/repos/service").display().to_string())
     );
     println!(
         "  git -C {} log --format='%h %s' main  # main: the releases, APP-2's revert, the audit commits",
-        dir.join(".orch/repos/service").display()
+        shell_quote(&dir.join(".orch/repos/service").display().to_string())
     );
-    println!("  orch --config {cfg} serve               # the dashboard again, on the same data");
+    println!(
+        "  ls {}  # every item's whole trail, in the sample service's own checkout",
+        shell_quote(&dir.join("service/docs/work-items").display().to_string())
+    );
+    println!("  {orch} --config {cfg} serve               # the dashboard again, on the same data");
+    if !on_path {
+        println!(
+            "(to have `orch` on PATH: `cargo install --path crates/orch --locked` in orch's source tree)"
+        );
+    }
     Ok(())
+}
+
+/// `s` quoted for a POSIX shell when it needs it.
+fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-+:=@,".contains(c))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// Stops the sample service's staging and production instances when dropped, and on Ctrl-C or
+/// SIGTERM (then the process exits 130). An instance is any process whose working directory is
+/// inside the demo's release store (`<state>/releases/…`): found through `/proc`, so an
+/// instance a pid file lost track of is stopped too. SIGTERM, up to 3 s, then SIGKILL.
+struct ServiceGuard {
+    state: PathBuf,
+    signals: tokio::task::JoinHandle<()>,
+}
+
+impl ServiceGuard {
+    fn new(state: PathBuf) -> ServiceGuard {
+        let releases = state.join("releases");
+        let signals = tokio::spawn(async move {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot watch SIGTERM");
+                        return;
+                    }
+                };
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            eprintln!("\norch demo: interrupted; stopping the sample service");
+            stop_instances(&releases);
+            std::process::exit(130);
+        });
+        ServiceGuard { state, signals }
+    }
+}
+
+impl Drop for ServiceGuard {
+    fn drop(&mut self) {
+        self.signals.abort();
+        stop_instances(&self.state.join("releases"));
+    }
+}
+
+/// The pids of processes whose working directory is inside `dir`.
+pub fn processes_in(dir: &Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
+}
+
+fn stop_instances(releases: &Path) {
+    let pids = processes_in(releases);
+    if pids.is_empty() {
+        return;
+    }
+    for pid in &pids {
+        // SAFETY: kill(2) with a pid read from /proc; a vanished pid is ESRCH, ignored.
+        unsafe { libc::kill(*pid, libc::SIGTERM) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline && !processes_in(releases).is_empty() {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    for pid in processes_in(releases) {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
 }

@@ -429,7 +429,7 @@ async fn publish(
     let rel_str = rel.to_string_lossy().into_owned();
     let dir_rel = run.work_item.artifact_dir();
     for attempt in 0..3 {
-        let main = crate::repos::sync_default_branch(&run.git, &run.repo_dir, branch).await?;
+        let main = crate::repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
         let mut files: Vec<(String, Vec<u8>)> = Vec::new();
         let existing = run
             .git
@@ -469,16 +469,11 @@ async fn publish(
             .git
             .commit_files_onto(&run.repo_dir, &main, &files, &message)
             .await?;
-        match crate::repos::publish_default_branch(
-            &run.git,
-            &run.repo_dir,
-            &run.repo,
-            &main,
-            &commit,
-        )
-        .await
+        match crate::repos::move_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &commit)
+            .await
         {
-            Ok(()) => {
+            Ok(published) => {
+                crate::release::note_unpublished(run, &published).await;
                 return Ok(format!(
                     "{} file(s) committed on `{branch}` as {}",
                     files.len(),

@@ -33,7 +33,11 @@ const PINNED_STAGES: &[&str] = &["deploy", "observe"];
 /// Where the engine finds things.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
+    /// The config the process started with (its pipeline and job kinds).
     pub config: Arc<Config>,
+    /// The config in use: read once at the start of each job (repos, settings), so a reloaded
+    /// `orch.toml` applies from the next job on.
+    pub live: crate::live_config::LiveConfig,
     pub pipeline: Arc<Pipeline>,
     /// The project root: relative repo paths are resolved against it.
     pub root: PathBuf,
@@ -215,13 +219,11 @@ impl Engine {
             .repo
             .parse()
             .map_err(|e| Prep::Fatal(format!("invalid repo name: {e}")))?;
-        let repo = self
-            .cfg
-            .config
-            .repos
-            .get(&repo_name)
-            .cloned()
-            .ok_or_else(|| Prep::Fatal(format!("repo {repo_name} is not declared in orch.toml")))?;
+        let config = self.cfg.live.current();
+        let repo =
+            config.repos.get(&repo_name).cloned().ok_or_else(|| {
+                Prep::Fatal(format!("repo {repo_name} is not declared in orch.toml"))
+            })?;
         let paths = RepoPaths::new(&self.cfg.repos_dir, &repo_name);
         repos::ensure_clone(&self.git, &self.cfg.root, &paths, &repo_name, &repo)
             .await
@@ -246,7 +248,7 @@ impl Engine {
             stage,
             repo_name,
             repo,
-            settings: self.cfg.config.settings.clone(),
+            settings: config.settings.clone(),
             repos_dir: self.cfg.repos_dir.clone(),
             repo_dir: paths.repo_dir.clone(),
             worktree,
@@ -512,11 +514,7 @@ impl Engine {
             .await
             .context("cannot commit the stage's changes")?;
         if commit.is_some()
-            && self
-                .git
-                .has_remote(&run.worktree, "origin")
-                .await
-                .unwrap_or(false)
+            && repos::shares_work_branches(&self.git, &run.repo_dir, &run.repo).await
             && let Err(e) = self
                 .git
                 .push(&run.worktree, "origin", &run.work_item.branch_name())

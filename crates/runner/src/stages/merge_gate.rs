@@ -234,7 +234,7 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
     let branch = run.task.branch.as_str();
 
     // 1. The default branch as the remote has it (the remote is the truth).
-    let main = crate::repos::sync_default_branch(git, repo_dir, default)
+    let main = crate::repos::sync_default_branch(git, repo_dir, &run.repo)
         .await
         .map_err(|e| infra(format!("reading `{default}`"), format!("{e:#}")))?;
     trail.push(format!("`{default}` is at {}", short(&main)));

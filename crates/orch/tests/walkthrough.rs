@@ -1,0 +1,393 @@
+//! The README's walkthrough "Run orch on your repository with Claude Code", step by step, with
+//! the real `orch` binary: `orch init` in a fresh directory, the user's repository declared in
+//! `orch.toml`, `orch doctor`, `orch serve`, `orch submit`, and the change merged, deployed and
+//! watched, ending in the user's own checkout. Run for the three repository setups (an ordinary
+//! checkout, a bare repository, a `file://` remote) on both backends (SQLite, PostgreSQL).
+//!
+//! The agents: [`agent_command`] is the one place that picks them. Today it is the demo's
+//! scripted stand-in (`orch demo-agent`, which speaks Claude Code's JSON output) because the real
+//! `claude` CLI and a scripted model server are not installed here yet; with them, it returns
+//! `None` and the walkthrough runs the real `claude` preset unchanged.
+
+mod common;
+
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{ORCH, become_subreaper, python_available, reap_orphans};
+
+/// The command the four LLM agents run, or `None` for the `claude` preset's own `claude`.
+/// Here: a script that runs the demo's scripted stand-in (it speaks Claude Code's JSON).
+fn agent_command(home: &Path) -> Option<String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let script = home.join("stand-in-claude.sh");
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\nexec '{ORCH}' demo-agent \"$@\"\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    Some(script.display().to_string())
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum RepoSetup {
+    Checkout,
+    Bare,
+    FileUrl,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+fn run(dir: &Path, program: &str, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = std::process::Command::new(program);
+    cmd.current_dir(dir)
+        .args(args)
+        .env_remove("ORCH_CONFIG")
+        .env_remove("ORCH_DATABASE_URL")
+        .env("ORCH_LOG", "warn")
+        .stdin(Stdio::null());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output()
+        .unwrap_or_else(|e| panic!("{program} {args:?}: {e}"))
+}
+
+#[track_caller]
+fn ok(out: Output) -> String {
+    assert!(
+        out.status.success(),
+        "exit {:?}\nstdout: {}\nstderr: {}",
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn git(dir: &Path, args: &[&str]) -> String {
+    ok(run(dir, "git", args, &[])).trim().to_owned()
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn http_get(port: u16, path: &str) -> Option<String> {
+    let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).ok()?;
+    s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+    write!(s, "GET {path} HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n").ok()?;
+    let mut out = String::new();
+    s.read_to_string(&mut out).ok()?;
+    Some(out)
+}
+
+/// Step 0: the user's repository. A small sample service (the demo's) committed on `main` in an
+/// ordinary checkout `app/`; for the bare and remote setups the checkout is a clone of a bare
+/// `shared.git`. Returns (the checkout, what orch.toml names).
+fn sample_repo(root: &Path, setup: RepoSetup) -> (PathBuf, String) {
+    let service = Path::new(env!("CARGO_MANIFEST_DIR")).join("demo/service");
+    let seed = root.join("seed");
+    std::fs::create_dir_all(&seed).unwrap();
+    for entry in std::fs::read_dir(&service).unwrap().flatten() {
+        std::fs::copy(entry.path(), seed.join(entry.file_name())).unwrap();
+    }
+    git(&seed, &["init", "-q", "-b", "main"]);
+    git(
+        &seed,
+        &[
+            "-c",
+            "user.name=you",
+            "-c",
+            "user.email=you@example.com",
+            "add",
+            "-A",
+        ],
+    );
+    git(
+        &seed,
+        &[
+            "-c",
+            "user.name=you",
+            "-c",
+            "user.email=you@example.com",
+            "commit",
+            "-q",
+            "-m",
+            "sample service",
+        ],
+    );
+    let app = root.join("app");
+    match setup {
+        RepoSetup::Checkout => {
+            std::fs::rename(&seed, &app).unwrap();
+            (app, "path = \"../app\"".to_owned())
+        }
+        RepoSetup::Bare | RepoSetup::FileUrl => {
+            let bare = root.join("shared.git");
+            git(root, &["clone", "-q", "--bare", "seed", "shared.git"]);
+            git(root, &["clone", "-q", "shared.git", "app"]);
+            let line = if setup == RepoSetup::Bare {
+                "path = \"../shared.git\"".to_owned()
+            } else {
+                format!("url = \"file://{}\"", bare.display())
+            };
+            (app, line)
+        }
+    }
+}
+
+/// The `[repos.app]` section the README shows (ports and state dir of this run filled in).
+fn repo_section(source: &str, prod: u16, staging: u16, state: &Path) -> String {
+    let st = state.display();
+    format!(
+        "\n[repos.app]\n{source}\nprefix = \"APP\"\ndefault_branch = \"main\"\n\
+         test = \"python3 -m unittest -q\"\n\
+         deploy = \"sh deploy.sh production {prod} {st}\"\n\
+         rollback = \"sh rollback.sh production {prod} {st}\"\n\
+         health_url = \"http://127.0.0.1:{prod}/health\"\n\
+         revision_url = \"http://127.0.0.1:{prod}/revision\"\n\n\
+         [[repos.app.staging]]\nname = \"deploy-staging\"\nrun = \"sh deploy.sh staging {staging} {st}\"\n\n\
+         [[repos.app.staging_smoke]]\nname = \"health\"\nrun = \"sh smoke.sh {staging}\"\n\n\
+         [repos.app.post_deploy]\nwindow_s = 3\ninterval_s = 1\ninitial_delay_s = 1\npoll_timeout_s = 2\n"
+    )
+}
+
+fn processes_in(dir: &Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
+}
+
+async fn walkthrough(setup: RepoSetup, backend: Backend) {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path();
+    let (app, source) = sample_repo(root, setup);
+
+    // Step 1: `orch init` in a fresh directory beside the repository.
+    let home = root.join("orch-home");
+    std::fs::create_dir(&home).unwrap();
+    let db_url = match backend {
+        Backend::Sqlite => None,
+        Backend::Postgres => Some(orch_store::testing::fresh_pg_schema().await),
+    };
+    let mut env: Vec<(&str, &str)> = vec![("ORCH_DEMO_AGENT_SLEEP_MS", "10")];
+    if let Some(url) = &db_url {
+        env.push(("ORCH_DATABASE_URL", url));
+    }
+    let init = ok(run(&home, ORCH, &["init"], &env));
+    assert!(init.contains("wrote"), "{init}");
+
+    // Step 2: declare the repository and point the agents at Claude Code.
+    let (prod, staging, api) = (free_port(), free_port(), free_port());
+    let state = home.join("service-state");
+    let mut config = std::fs::read_to_string(home.join("orch.toml")).unwrap();
+    config = config.replace(
+        "bind = \"127.0.0.1:7878\"",
+        &format!("bind = \"127.0.0.1:{api}\""),
+    );
+    config = config.replace("poll_interval_ms = 1000", "poll_interval_ms = 200");
+    if let Some(command) = agent_command(&home) {
+        for agent in ["analyst", "architect", "developer", "reviewer"] {
+            config = config.replace(
+                &format!("[agents.{agent}]\nbackend = \"claude\"\n"),
+                &format!("[agents.{agent}]\nbackend = \"claude\"\ncommand = \"{command}\"\n"),
+            );
+        }
+    }
+    config.push_str(&repo_section(&source, prod, staging, &state));
+    std::fs::write(home.join("orch.toml"), config).unwrap();
+
+    // Step 3: `orch doctor` passes and says what orch will do to the repository.
+    let doctor = ok(run(&home, ORCH, &["doctor"], &env));
+    let expect = match setup {
+        RepoSetup::Checkout => "orch never pushes into it",
+        RepoSetup::Bare => "bare repository",
+        RepoSetup::FileUrl => "remote file://",
+    };
+    assert!(doctor.contains(expect), "{doctor}");
+
+    // Step 4: `orch serve` (workers, maintenance, API and dashboard in one process).
+    let mut serve = tokio::process::Command::new(ORCH);
+    serve
+        .current_dir(&home)
+        .arg("serve")
+        .env_remove("ORCH_CONFIG")
+        .env("ORCH_LOG", "warn")
+        .env("ORCH_LEASE_S", "10")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true);
+    for (k, v) in &env {
+        serve.env(k, v);
+    }
+    let serve = serve.spawn().unwrap();
+
+    // Step 5: submit a work item.
+    let submitted = ok(run(
+        &home,
+        ORCH,
+        &[
+            "submit",
+            "--repo",
+            "app",
+            "--title",
+            "Add a /version endpoint",
+            "--body",
+            "Clients need to know which API version they talk to. Add `GET /version`.",
+        ],
+        &env,
+    ));
+    assert!(submitted.contains("APP-1 submitted"), "{submitted}");
+
+    // Step 6: `orch status APP-1` until it is done.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    let stage = loop {
+        let out = run(&home, ORCH, &["--json", "status", "APP-1"], &env);
+        let v: serde_json::Value =
+            serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
+        let stage = v["stage"].as_str().unwrap_or("").to_owned();
+        if matches!(stage.as_str(), "done" | "failed" | "cancelled") {
+            break stage;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "APP-1 did not finish (at {stage:?}): {}",
+            ok(run(&home, ORCH, &["logs", "APP-1"], &env))
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let version = http_get(prod, "/version");
+    common::terminate(serve).await;
+    for env_name in ["production", "staging"] {
+        let _ = std::process::Command::new("sh")
+            .arg(app.join("stop.sh"))
+            .arg(env_name)
+            .arg(&state)
+            .status();
+    }
+    let _ = std::process::Command::new("sh")
+        .arg(home.join(".orch/repos/app/stop.sh"))
+        .args(["production"])
+        .arg(&state)
+        .status();
+    reap_orphans();
+    let logs = ok(run(&home, ORCH, &["logs", "APP-1"], &env));
+    assert_eq!(stage, "done", "{logs}");
+    assert!(
+        logs.contains("post_deploy.verdict") && logs.contains("HEALTHY"),
+        "deployed and watched: {logs}"
+    );
+    assert!(
+        version.as_deref().is_some_and(|v| v.contains(" 200 ")),
+        "production serves /version: {version:?}"
+    );
+
+    // Step 7: the change is in the user's repository.
+    match setup {
+        RepoSetup::Checkout => {
+            // The checkout itself was fast-forwarded (it was clean, on `main`).
+            let merged = git(&home.join(".orch/repos/app"), &["rev-parse", "main"]);
+            let head = git(&app, &["rev-parse", "HEAD"]);
+            let app_main = git(&app, &["rev-parse", "main"]);
+            assert_eq!(app_main, head);
+            assert!(
+                git(&app, &["merge-base", "--is-ancestor", &merged, "HEAD"]).is_empty(),
+                "the merge is in the checkout"
+            );
+            let branches = git(&app, &["branch", "--format=%(refname:short)"]);
+            assert_eq!(
+                branches, "main",
+                "no orch/* branches in the user's checkout"
+            );
+            assert_eq!(
+                git(&app, &["status", "--porcelain", "--untracked-files=no"]),
+                ""
+            );
+        }
+        RepoSetup::Bare | RepoSetup::FileUrl => {
+            git(&app, &["pull", "-q", "--ff-only"]);
+        }
+    }
+    let code = std::fs::read_to_string(app.join("app.py")).unwrap();
+    assert!(code.contains("/version"), "the change reached the checkout");
+    assert!(
+        app.join("docs/work-items/APP-1/10-implementation.md")
+            .exists(),
+        "the artifact trail came with it"
+    );
+    let left = processes_in(&state.join("releases"));
+    assert!(left.is_empty(), "service processes left: {left:?}");
+}
+
+fn skip() -> bool {
+    if python_available() {
+        become_subreaper();
+        false
+    } else {
+        eprintln!("python3 is not installed: the sample service cannot run; skipping");
+        true
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walkthrough_ordinary_checkout_sqlite() {
+    if !skip() {
+        walkthrough(RepoSetup::Checkout, Backend::Sqlite).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walkthrough_bare_repository_sqlite() {
+    if !skip() {
+        walkthrough(RepoSetup::Bare, Backend::Sqlite).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walkthrough_file_url_remote_sqlite() {
+    if !skip() {
+        walkthrough(RepoSetup::FileUrl, Backend::Sqlite).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walkthrough_ordinary_checkout_postgres() {
+    if !skip() {
+        walkthrough(RepoSetup::Checkout, Backend::Postgres).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walkthrough_bare_repository_postgres() {
+    if !skip() {
+        walkthrough(RepoSetup::Bare, Backend::Postgres).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn walkthrough_file_url_remote_postgres() {
+    if !skip() {
+        walkthrough(RepoSetup::FileUrl, Backend::Postgres).await;
+    }
+}

@@ -1,0 +1,364 @@
+//! Publishing the default branch to the repository a user declared
+//! (`repos::publish_default_branch`), against real git repositories: an ordinary checkout
+//! (clean, dirty, branch not checked out), a bare repository and a `file://` remote. Each case
+//! checks the compare-and-swap (a branch that moved is never overwritten) and what happened to
+//! the user's working tree.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+
+use orch_domain::config::{MergeStrategy, RepoConfig};
+use orch_domain::gate::{MergeStatus, parse_merge_status};
+use orch_exec::{Cmd, Git, Pathspec};
+use orch_runner::engine::{StageEffect, StageExecutor};
+use orch_runner::repos::{self, Outcome, Setup};
+use orch_runner::stages::MergeGateExecutor;
+
+use common::Fixture;
+
+async fn sh_git(dir: &Path, args: &[&str]) -> String {
+    let out = orch_exec::run(&Cmd::new("git").args(args).cwd(dir))
+        .await
+        .unwrap();
+    assert!(out.success(), "git {args:?}: {}", out.tail_text(20));
+    out.stdout_lossy().trim().to_owned()
+}
+
+async fn commit(git: &Git, dir: &Path, file: &str, content: &str) -> String {
+    std::fs::write(dir.join(file), content).unwrap();
+    git.add_and_commit(dir, &Pathspec::All, &format!("change {file}"))
+        .await
+        .unwrap()
+        .unwrap()
+}
+
+/// The user's side and orch's clone of it.
+struct Setup2 {
+    _tmp: tempfile::TempDir,
+    user: PathBuf,
+    clone: PathBuf,
+    git: Git,
+    repo: RepoConfig,
+}
+
+enum Kind {
+    Checkout,
+    Bare,
+    FileUrl,
+}
+
+/// A user repository of `kind` with one commit on `main`, and orch's clone of it (as
+/// `repos::ensure_clone` makes it).
+async fn setup(kind: Kind) -> Setup2 {
+    let tmp = tempfile::tempdir().unwrap();
+    let git = Git::new();
+    let checkout = tmp.path().join("checkout");
+    common::init_repo(&git, &checkout, "hello\n").await;
+    let (user, path, url) = match kind {
+        Kind::Checkout => (checkout.clone(), Some(checkout.display().to_string()), None),
+        Kind::Bare | Kind::FileUrl => {
+            let bare = tmp.path().join("shared.git");
+            sh_git(
+                tmp.path(),
+                &[
+                    "clone",
+                    "--quiet",
+                    "--bare",
+                    checkout.to_str().unwrap(),
+                    bare.to_str().unwrap(),
+                ],
+            )
+            .await;
+            match kind {
+                Kind::Bare => (bare.clone(), Some(bare.display().to_string()), None),
+                _ => (
+                    bare.clone(),
+                    None,
+                    Some(format!("file://{}", bare.display())),
+                ),
+            }
+        }
+    };
+    let repo = RepoConfig {
+        path: path.clone(),
+        url: url.clone(),
+        ..common::repo_config("DEMO")
+    };
+    let clone = tmp.path().join("repos").join("demo");
+    let paths = repos::RepoPaths::new(&tmp.path().join("repos"), &"demo".parse().unwrap());
+    repos::ensure_clone(&git, tmp.path(), &paths, &"demo".parse().unwrap(), &repo)
+        .await
+        .unwrap();
+    Setup2 {
+        _tmp: tmp,
+        user,
+        clone,
+        git,
+        repo,
+    }
+}
+
+async fn rev(dir: &Path, name: &str) -> String {
+    sh_git(dir, &["rev-parse", name]).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_checkout_with_the_branch_checked_out_is_fast_forwarded() {
+    let s = setup(Kind::Checkout).await;
+    let old = rev(&s.clone, "main").await;
+    let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+    // An untracked file of the user's is kept.
+    std::fs::write(s.user.join("notes.txt"), "mine\n").unwrap();
+    let p = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+        .await
+        .unwrap();
+    assert_eq!(p.outcome, Outcome::CheckoutFastForwarded, "{p:?}");
+    assert!(p.warning().is_none());
+    assert_eq!(rev(&s.user, "HEAD").await, new);
+    assert_eq!(
+        std::fs::read_to_string(s.user.join("feature.txt")).unwrap(),
+        "new\n"
+    );
+    assert_eq!(
+        std::fs::read_to_string(s.user.join("notes.txt")).unwrap(),
+        "mine\n"
+    );
+    assert_eq!(
+        sh_git(&s.user, &["status", "--porcelain", "--untracked-files=no"]).await,
+        ""
+    );
+    // orch's clone knows where origin is now, and publishing again is a no-op.
+    assert_eq!(rev(&s.clone, "refs/remotes/origin/main").await, new);
+    let again = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+        .await
+        .unwrap();
+    assert_eq!(again.outcome, Outcome::AlreadyThere);
+    // No ref of orch's was left in the user's repository.
+    let refs = sh_git(&s.user, &["for-each-ref", "--format=%(refname)"]).await;
+    assert_eq!(refs, "refs/heads/main", "{refs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkout_with_local_changes_is_left_alone_with_a_warning() {
+    let s = setup(Kind::Checkout).await;
+    let old = rev(&s.clone, "main").await;
+    let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+    std::fs::write(s.user.join("README.md"), "edited by the user\n").unwrap();
+    let p = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+        .await
+        .unwrap();
+    assert_eq!(p.outcome, Outcome::CloneOnly, "{p:?}");
+    let warning = p.warning().unwrap();
+    assert!(
+        warning.contains("published to orch's clone only")
+            && warning.contains("local changes")
+            && warning.contains("merge --ff-only"),
+        "{warning}"
+    );
+    assert_eq!(rev(&s.user, "HEAD").await, old, "HEAD untouched");
+    assert_eq!(
+        std::fs::read_to_string(s.user.join("README.md")).unwrap(),
+        "edited by the user\n"
+    );
+    assert!(!s.user.join("feature.txt").exists());
+    // origin/main in orch's clone still says where the user's branch really is, so the next
+    // publish (once the checkout is clean) starts from there.
+    assert_eq!(rev(&s.clone, "refs/remotes/origin/main").await, old);
+    std::fs::write(s.user.join("README.md"), "hello\n").unwrap();
+    let newer = commit(&s.git, &s.clone, "more.txt", "more\n").await;
+    let p = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &newer)
+        .await
+        .unwrap();
+    assert_eq!(p.outcome, Outcome::CheckoutFastForwarded, "{p:?}");
+    assert_eq!(rev(&s.user, "HEAD").await, newer);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_branch_not_checked_out_is_moved_by_its_ref_only() {
+    let s = setup(Kind::Checkout).await;
+    sh_git(&s.user, &["checkout", "--quiet", "-b", "topic"]).await;
+    std::fs::write(s.user.join("wip.txt"), "wip\n").unwrap();
+    let old = rev(&s.clone, "main").await;
+    let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+    let p = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+        .await
+        .unwrap();
+    assert_eq!(p.outcome, Outcome::RefUpdated, "{p:?}");
+    assert_eq!(rev(&s.user, "refs/heads/main").await, new);
+    assert_eq!(
+        sh_git(&s.user, &["symbolic-ref", "--short", "HEAD"]).await,
+        "topic"
+    );
+    assert!(
+        !s.user.join("feature.txt").exists(),
+        "working tree untouched"
+    );
+    assert!(s.user.join("wip.txt").exists());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkout_that_moved_is_not_overwritten() {
+    let s = setup(Kind::Checkout).await;
+    let old = rev(&s.clone, "main").await;
+    let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+    let theirs = commit(&s.git, &s.user, "user.txt", "user's commit\n").await;
+    let err = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+        .await
+        .unwrap_err();
+    let msg = format!("{err:#}");
+    assert!(
+        msg.contains("not at") && msg.contains("someone else moved it"),
+        "{msg}"
+    );
+    assert_eq!(rev(&s.user, "HEAD").await, theirs);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bare_and_file_url_remotes_get_a_lease_push_that_never_forces() {
+    for kind in [Kind::Bare, Kind::FileUrl] {
+        let s = setup(kind).await;
+        let old = rev(&s.clone, "main").await;
+        let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+        let p = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+            .await
+            .unwrap();
+        assert_eq!(p.outcome, Outcome::Pushed, "{p:?}");
+        assert_eq!(rev(&s.user, "refs/heads/main").await, new);
+
+        // Someone else pushes; orch's next publish from the stale `new` is refused.
+        let other = s.user.parent().unwrap().join("other");
+        sh_git(
+            s.user.parent().unwrap(),
+            &[
+                "clone",
+                "--quiet",
+                s.user.to_str().unwrap(),
+                other.to_str().unwrap(),
+            ],
+        )
+        .await;
+        let theirs = commit(&s.git, &other, "theirs.txt", "x\n").await;
+        sh_git(&other, &["push", "--quiet", "origin", "main"]).await;
+        let mine = commit(&s.git, &s.clone, "mine.txt", "y\n").await;
+        let err = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &new, &mine)
+            .await
+            .unwrap_err();
+        let msg = format!("{err:#}");
+        assert!(msg.contains("someone else moved it"), "{msg}");
+        assert_eq!(rev(&s.user, "refs/heads/main").await, theirs, "not forced");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_that_would_drop_commits_is_refused() {
+    let s = setup(Kind::Bare).await;
+    let old = rev(&s.clone, "main").await;
+    let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+    repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+        .await
+        .unwrap();
+    // Publishing `old` again from `new` would rewind the branch: refused, not forced.
+    let err = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &new, &old)
+        .await
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("would drop commits"), "{err:#}");
+    assert_eq!(rev(&s.user, "refs/heads/main").await, new);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn work_branches_go_to_remotes_and_bare_repos_but_not_into_a_checkout() {
+    let checkout = setup(Kind::Checkout).await;
+    assert!(!repos::shares_work_branches(&checkout.git, &checkout.clone, &checkout.repo).await);
+    let bare = setup(Kind::Bare).await;
+    assert!(repos::shares_work_branches(&bare.git, &bare.clone, &bare.repo).await);
+    let url = setup(Kind::FileUrl).await;
+    assert!(repos::shares_work_branches(&url.git, &url.clone, &url.repo).await);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inspect_tells_every_setup_apart() {
+    let git = Git::new();
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = |path: &str| RepoConfig {
+        path: Some(path.to_owned()),
+        ..common::repo_config("DEMO")
+    };
+    let missing = repos::inspect(&git, tmp.path(), &cfg("nope"))
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{missing:#}").contains("does not exist"),
+        "{missing:#}"
+    );
+    std::fs::create_dir(tmp.path().join("plain")).unwrap();
+    let plain = repos::inspect(&git, tmp.path(), &cfg("plain"))
+        .await
+        .unwrap_err();
+    assert!(
+        format!("{plain:#}").contains("is not a git repository"),
+        "{plain:#}"
+    );
+    common::init_repo(&git, &tmp.path().join("co"), "x\n").await;
+    assert!(matches!(
+        repos::inspect(&git, tmp.path(), &cfg("co")).await.unwrap(),
+        Setup::Checkout { .. }
+    ));
+    sh_git(tmp.path(), &["init", "--quiet", "--bare", "b.git"]).await;
+    assert!(matches!(
+        repos::inspect(&git, tmp.path(), &cfg("b.git"))
+            .await
+            .unwrap(),
+        Setup::Bare { .. }
+    ));
+    let remote = RepoConfig {
+        url: Some("https://bob:hunter22@example.com/r.git".into()),
+        ..common::repo_config("DEMO")
+    };
+    match repos::inspect(&git, tmp.path(), &remote).await.unwrap() {
+        Setup::Remote { url } => assert_eq!(url, "https://***@example.com/r.git"),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The defect: the merge gate pushed `main` into the user's checkout, where it is checked out;
+/// git refused (`receive.denyCurrentBranch`), the gate retried for minutes, then failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn merging_into_an_ordinary_checkout_is_not_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let git = Git::new();
+    let user = tmp.path().join("checkout");
+    common::init_repo(&git, &user, "demo\n").await;
+    let repo_dir = Fixture::repo_dir_in(&tmp);
+    git.clone_repo(user.to_str().unwrap(), &repo_dir)
+        .await
+        .unwrap();
+    let repo = RepoConfig {
+        path: Some(user.display().to_string()),
+        test: Some("true".into()),
+        merge_strategy: MergeStrategy::Ff,
+        ..common::repo_config("DEMO")
+    };
+    let f = Fixture::in_repo(tmp, "merge", "merge-gate", repo).await;
+    commit(&f.run.git, &f.run.worktree, "feature.txt", "x\n").await;
+    let effect = MergeGateExecutor::new(f.counters.clone())
+        .execute(&f.run)
+        .await
+        .unwrap();
+    assert!(matches!(effect, StageEffect::Produced { .. }), "{effect:?}");
+    let log = std::fs::read_to_string(f.run.artifact_path("14-merge-log.md")).unwrap();
+    let gate = parse_merge_status(Some(&log), &f.run.work_item);
+    assert!(gate.is(MergeStatus::Merged), "{gate:?}\n{log}");
+    assert!(
+        log.contains("fast-forwarded `main` in your checkout"),
+        "{log}"
+    );
+    let merged = rev(&f.run.repo_dir, "main").await;
+    assert_eq!(rev(&user, "HEAD").await, merged);
+    assert_eq!(
+        std::fs::read_to_string(user.join("feature.txt")).unwrap(),
+        "x\n"
+    );
+    let branches = sh_git(&user, &["branch", "--format=%(refname:short)"]).await;
+    assert_eq!(branches, "main", "no orch/* branch in the user's checkout");
+}
