@@ -373,6 +373,18 @@ pub struct Queue {
     /// Counters of every deterministic runner, by runner then counter name.
     pub runners: BTreeMap<String, BTreeMap<String, u64>>,
     pub active_observations: Vec<ObservationDto>,
+    /// One release at a time per repo: the holder of each busy track and who waits for it.
+    pub release_tracks: Vec<ReleaseTrackDto>,
+}
+
+/// A repo's release track in `GET /queue`.
+#[derive(Debug, Serialize)]
+pub struct ReleaseTrackDto {
+    pub repo: String,
+    pub holder: Option<String>,
+    pub holder_stage: Option<String>,
+    pub held: Option<String>,
+    pub waiting: Vec<String>,
 }
 
 /// Job counts of `GET /queue`.
@@ -468,6 +480,17 @@ impl Queue {
                 .observations
                 .iter()
                 .map(|o| ObservationDto::new(o, now))
+                .collect(),
+            release_tracks: s
+                .tracks
+                .iter()
+                .map(|t| ReleaseTrackDto {
+                    repo: t.repo.clone(),
+                    holder: t.holder.as_ref().map(|h| h.0.clone()),
+                    holder_stage: t.holder.as_ref().map(|h| h.1.clone()),
+                    held: t.held.clone(),
+                    waiting: t.waiting.clone(),
+                })
                 .collect(),
         }
     }

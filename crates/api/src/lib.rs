@@ -41,8 +41,8 @@ pub use dto::{ErrorBody, ErrorDetail};
 use error::AppError;
 pub use id::validate_work_item_id;
 pub use ops::{
-    ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, RunnerCounters,
-    SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
+    ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, ReleaseTrack,
+    RunnerCounters, SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
 };
 
 /// How a finished task ended, from its events (oldest first): the domain's one rule

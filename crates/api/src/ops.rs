@@ -50,6 +50,18 @@ pub struct Observation {
     pub polls: u64,
 }
 
+/// A repo's release track (one release at a time): who holds it and who waits for it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReleaseTrack {
+    pub repo: String,
+    /// The work item on the track and its stage, if any.
+    pub holder: Option<(String, String)>,
+    /// Why the holder keeps the repo held (`on_failure = "hold"`, a failed revert), if it does.
+    pub held: Option<String>,
+    /// Work items whose stage is done and that wait to enter the track, oldest first.
+    pub waiting: Vec<String>,
+}
+
 /// One poll of a post-deploy watch's series, for the dashboard's inline chart.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SeriesPoint {
@@ -145,6 +157,11 @@ pub trait Operations: Send + Sync {
     /// Armed post-deploy watches on this machine. Never fails (a corrupt sentinel is skipped
     /// and logged by the implementation).
     async fn active_observations(&self) -> Vec<Observation>;
+    /// The release tracks of the repos with a holder or waiters. Never fails; the default is
+    /// empty (no runner here).
+    async fn release_tracks(&self) -> Vec<ReleaseTrack> {
+        Vec::new()
+    }
     /// The work item's artifact files, in name order.
     async fn artifacts(&self, work_item_id: &str) -> Result<Vec<ArtifactFile>, OpError>;
     /// The polls recorded so far by the armed watch of a work item, oldest first. Never fails;

@@ -4,7 +4,7 @@
 use orch_store::{QueueStats, StoreError};
 
 use crate::ApiState;
-use crate::ops::{Observation, RunnerCounters};
+use crate::ops::{Observation, ReleaseTrack, RunnerCounters};
 
 /// Everything the queue views show, read at one moment.
 #[derive(Debug, Clone)]
@@ -13,6 +13,7 @@ pub(crate) struct QueueSnapshot {
     pub tasks_by_stage: Vec<(String, i64)>,
     pub runners: Vec<RunnerCounters>,
     pub observations: Vec<Observation>,
+    pub tracks: Vec<ReleaseTrack>,
     pub version: String,
     pub uptime_ms: i64,
 }
@@ -27,12 +28,14 @@ impl QueueSnapshot {
         )?;
         let runners = state.ops.runner_counters().await;
         let observations = state.ops.active_observations().await;
+        let tracks = state.ops.release_tracks().await;
         Ok(QueueSnapshot {
             uptime_ms: stats.now.saturating_sub(state.started_at_ms).max(0),
             stats,
             tasks_by_stage,
             runners,
             observations,
+            tracks,
             version: state.version.clone(),
         })
     }

@@ -116,6 +116,25 @@ impl Operations for ApiOps {
         })
     }
 
+    async fn release_tracks(&self) -> Vec<orch_api::ReleaseTrack> {
+        let engine = &self.runtime.engine;
+        match orch_runner::release::tracks(engine.store(), &engine.config().pipeline).await {
+            Ok(tracks) => tracks
+                .into_iter()
+                .map(|(repo, holder, held, waiting)| orch_api::ReleaseTrack {
+                    repo,
+                    holder,
+                    held,
+                    waiting,
+                })
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = %format!("{e:#}"), "cannot read the release tracks");
+                Vec::new()
+            }
+        }
+    }
+
     async fn active_observations(&self) -> Vec<Observation> {
         let repos_dir = self.runtime.repos_dir.clone();
         tokio::task::spawn_blocking(move || {

@@ -605,6 +605,67 @@ pub fn end_watch(repos_dir: &Path, repo: &str, work_item: &str, reason: &str) {
     }
 }
 
+/// A repo's release track as the store has it: `(repo, holder (work item, stage), hold
+/// reason, waiting work items)`.
+pub type TrackView = (
+    String,
+    Option<(String, String)>,
+    Option<String>,
+    Vec<String>,
+);
+
+/// Every repo's release track with a holder or a waiter (for `GET /queue`): holders are the
+/// tasks at a track stage; waiters are tasks whose latest wait (`release.waiting`) is of their
+/// current stage visit.
+pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>> {
+    use std::collections::BTreeMap;
+    let mut by_repo: BTreeMap<String, TrackView> = BTreeMap::new();
+    for stage in pipeline.release_track() {
+        let tasks = store
+            .list_tasks(&orch_store::TaskFilter {
+                stage: Some(stage.as_str().to_owned()),
+                repo: None,
+                limit: 1000,
+                offset: 0,
+            })
+            .await?;
+        for t in tasks {
+            let events = store.task_events(t.id).await?;
+            let entry = by_repo
+                .entry(t.repo.clone())
+                .or_insert_with(|| (t.repo.clone(), None, None, Vec::new()));
+            entry.1 = Some((t.work_item_id.clone(), t.stage.clone()));
+            entry.2 = open_hold(&events);
+        }
+    }
+    let mut after = 0;
+    let mut waiting: BTreeMap<i64, (String, String)> = BTreeMap::new();
+    loop {
+        let page = store.events_by_kind(events::WAITING, after, 500).await?;
+        let Some(last) = page.last() else { break };
+        after = last.id;
+        for e in page {
+            let (Some(task_id), Some(seq)) = (e.task_id, seq_of(&e)) else {
+                continue;
+            };
+            let Some(t) = store.get_task(task_id).await? else {
+                continue;
+            };
+            if t.stage_seq == seq && !t.is_terminal() {
+                waiting.insert(t.id, (t.repo.clone(), t.work_item_id.clone()));
+            }
+        }
+    }
+    for (repo, id) in waiting.into_values() {
+        by_repo
+            .entry(repo.clone())
+            .or_insert_with(|| (repo, None, None, Vec::new()))
+            .3
+            .push(id);
+    }
+    Ok(by_repo.into_values().collect())
+}
+
 /// The paths of this repo on this machine.
 pub fn paths(run: &StageRun) -> RepoPaths {
     RepoPaths::new(&run.repos_dir, &run.repo_name)

@@ -96,6 +96,10 @@ impl Engine {
         self.executors.insert(agent.to_owned(), executor);
     }
 
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
     pub fn git(&self) -> &Git {
         &self.git
     }
@@ -569,6 +573,7 @@ impl Engine {
                 ),
                 Some(serde_json::json!({
                     "repo": run.repo_name.as_str(), "holder": holder, "holder_stage": holder_stage,
+                    "seq": seq,
                 })),
             )
             .await;
