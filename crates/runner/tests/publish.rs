@@ -322,7 +322,8 @@ async fn inspect_tells_every_setup_apart() {
 }
 
 /// The defect: the merge gate pushed `main` into the user's checkout, where it is checked out;
-/// git refused (`receive.denyCurrentBranch`), the gate retried for minutes, then failed.
+/// git refused (`receive.denyCurrentBranch`), the gate retried for minutes, then failed. Now
+/// the candidate is built and the release's move of `main` fast-forwards the checkout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn merging_into_an_ordinary_checkout_is_not_refused() {
     let tmp = tempfile::tempdir().unwrap();
@@ -349,11 +350,21 @@ async fn merging_into_an_ordinary_checkout_is_not_refused() {
     let log = std::fs::read_to_string(f.run.artifact_path("14-merge-log.md")).unwrap();
     let gate = parse_merge_status(Some(&log), &f.run.work_item);
     assert!(gate.is(MergeStatus::Merged), "{gate:?}\n{log}");
-    assert!(
-        log.contains("fast-forwarded `main` in your checkout"),
-        "{log}"
+    // The release train moves the default branch to the staged candidate (the promotion before
+    // the deploy) the same way: into the user's checkout, where `main` is checked out.
+    let candidate = rev(&f.run.worktree, "HEAD").await;
+    let main = rev(&f.run.repo_dir, "main").await;
+    let published =
+        repos::move_default_branch(&f.run.git, &f.run.repo_dir, &f.run.repo, &main, &candidate)
+            .await
+            .unwrap();
+    assert_eq!(
+        published.outcome,
+        repos::Outcome::CheckoutFastForwarded,
+        "{published:?}"
     );
     let merged = rev(&f.run.repo_dir, "main").await;
+    assert_eq!(merged, candidate);
     assert_eq!(rev(&user, "HEAD").await, merged);
     assert_eq!(
         std::fs::read_to_string(user.join("feature.txt")).unwrap(),
