@@ -504,30 +504,34 @@ impl SqliteStore {
         for row in expired {
             let id: i64 = row.try_get(0)?;
             let attempt: i64 = row.try_get(1)?;
-            let max_attempts: i64 = row.try_get(2)?;
             let task_id: Option<i64> = row.try_get(3)?;
             let worker: Option<String> = row.try_get(4)?;
-            let error = rescue_error(worker.as_deref(), attempt, max_attempts);
-            if attempt >= max_attempts {
+            let crashes: i64 = sqlx::query_scalar(sql::CRASHES_OF_JOB)
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await?;
+            let plan = rescue_plan(&rescue, id, task_id, worker.as_deref(), attempt, crashes + 1);
+            insert_event(&mut tx, &plan.event, now).await?;
+            if plan.give_up {
                 sqlx::query(sql::MARK_FAILED)
                     .bind(id)
                     .bind(attempt)
                     .bind(now)
-                    .bind(&error)
+                    .bind(&plan.error)
                     .execute(&mut *tx)
                     .await?;
                 report.failed.push(id);
                 if let Some(task_id) = task_id
-                    && fail_stranded_task(&mut tx, task_id, id, &error, now).await?
+                    && fail_stranded_task(&mut tx, task_id, id, &plan.error, now).await?
                 {
                     report.failed_tasks.push(task_id);
                 }
             } else {
-                sqlx::query(sql::MARK_RETRY)
+                sqlx::query(sql::RESCUE_REQUEUE)
                     .bind(id)
                     .bind(attempt)
-                    .bind(now + rescue.backoff_ms(attempt))
-                    .bind(&error)
+                    .bind(now + plan.delay_ms)
+                    .bind(&plan.error)
                     .execute(&mut *tx)
                     .await?;
                 report.requeued.push(id);
@@ -751,18 +755,7 @@ impl SqliteStore {
                 actual_seq: current.stage_seq,
             });
         }
-        let task: Task = sqlx::query_as(ADVANCE_TASK.as_str())
-            .bind(adv.task_id)
-            .bind(&adv.new_stage)
-            .bind(now)
-            .bind(&adv.expected_stage)
-            .bind(current.stage_seq)
-            .fetch_one(&mut *tx)
-            .await?;
-        let mut event = adv.event;
-        event.task_id = Some(task.id);
-        event.stage = Some(task.stage.clone());
-        insert_event(&mut tx, &event, now).await?;
+        let task = write_stage(&mut tx, &current, &adv.new_stage, adv.event, now).await?;
         let mut next_job_id = None;
         if let Some(mut job) = adv.next_job {
             job.task_id = Some(task.id);
@@ -1005,15 +998,47 @@ async fn fail_stranded_task(
     if live > 0 {
         return Ok(false);
     }
-    let failed: Option<i64> = sqlx::query_scalar(sql::FAIL_TASK)
+    let Some(current) = sqlx::query_as::<_, Task>(TASK_BY_ID.as_str())
         .bind(task_id)
-        .bind(now)
         .fetch_optional(&mut *conn)
-        .await?;
-    if failed.is_none() {
+        .await?
+    else {
+        return Ok(false);
+    };
+    if current.is_terminal() {
         return Ok(false);
     }
-    let event = stranded_event(task_id, job_id, error);
-    insert_event(conn, &event, now).await?;
+    let event = stranded_event(&current, job_id, error);
+    write_stage(conn, &current, "failed", event, now).await?;
     Ok(true)
+}
+
+/// The one statement that writes `tasks.stage` (a compare-and-swap on the stage and its
+/// `stage_seq`), with its event. `advance_stage` and the stranded-task failure both go
+/// through it, so every stage change bumps `stage_seq` and leaves its event the same way.
+async fn write_stage(
+    conn: &mut SqliteConnection,
+    current: &Task,
+    new_stage: &str,
+    mut event: NewEvent,
+    now: Millis,
+) -> Result<Task> {
+    let task: Task = sqlx::query_as(ADVANCE_TASK.as_str())
+        .bind(current.id)
+        .bind(new_stage)
+        .bind(now)
+        .bind(&current.stage)
+        .bind(current.stage_seq)
+        .fetch_optional(&mut *conn)
+        .await?
+        .ok_or_else(|| StoreError::StageConflict {
+            task_id: current.id,
+            expected: format!("{} (seq {})", current.stage, current.stage_seq),
+            actual: "changed concurrently".into(),
+            actual_seq: current.stage_seq,
+        })?;
+    event.task_id = Some(task.id);
+    event.stage = Some(task.stage.clone());
+    insert_event(conn, &event, now).await?;
+    Ok(task)
 }
