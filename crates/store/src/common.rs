@@ -54,8 +54,8 @@ pub(crate) fn rescue_plan(
     let worker = worker.unwrap_or("?");
     let give_up = crashes >= rescue.max_crashes;
     let lost = format!(
-        "attempt {attempt} lost: the worker {worker} stopped heartbeating (crash) \u{2014} not \
-         counted as a failure"
+        "attempt {attempt} lost: the worker stopped heartbeating (crash) \u{2014} not counted \
+         as a failure"
     );
     let (error, message) = if give_up {
         let e = format!(
@@ -66,7 +66,10 @@ pub(crate) fn rescue_plan(
     } else {
         (
             lost.clone(),
-            format!("{lost} (crash {crashes} of at most {})", rescue.max_crashes),
+            format!(
+                "{lost} (worker {worker}; crash {crashes} of at most {})",
+                rescue.max_crashes
+            ),
         )
     };
     let mut event = NewEvent::new(RESCUED_KIND, message).job(job_id).data(

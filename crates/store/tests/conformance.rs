@@ -495,7 +495,7 @@ async fn crash_rescues_do_not_spend_attempts(db: TestDb) {
     assert_eq!(lost.len(), 5);
     assert!(
         lost[0].message.starts_with(
-            "attempt 1 lost: the worker w stopped heartbeating (crash) \u{2014} not counted as a failure"
+            "attempt 1 lost: the worker stopped heartbeating (crash) \u{2014} not counted as a failure"
         ),
         "{}",
         lost[0].message
