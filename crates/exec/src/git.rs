@@ -607,6 +607,20 @@ impl Git {
         Ok(())
     }
 
+    /// Puts `path` (relative to `dir`'s root) back as `HEAD` has it, in the index and the
+    /// working tree; a path `HEAD` does not have is only dropped from the index.
+    pub async fn restore_from_head(&self, dir: &Path, path: &Path) -> Result<(), GitError> {
+        let rel = path.to_string_lossy().into_owned();
+        if self.rev_parse(dir, &format!("HEAD:{rel}")).await?.is_some() {
+            self.run(dir, args(["checkout", "HEAD", "--", &rel]))
+                .await?;
+        } else {
+            self.run(dir, args(["rm", "--cached", "--quiet", "--ignore-unmatch", "--", &rel]))
+                .await?;
+        }
+        Ok(())
+    }
+
     /// Deletes untracked files and directories in `dir` (ignored files, such as build output,
     /// and nested repositories and worktrees are kept).
     pub async fn clean(&self, dir: &Path) -> Result<(), GitError> {

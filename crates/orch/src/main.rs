@@ -31,7 +31,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("orch: cannot start the async runtime: {e}");
+            say(&format!("orch: cannot start the async runtime: {e}"));
             return ExitCode::from(1);
         }
     };
@@ -41,10 +41,16 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("orch: error: {e:#}");
+            say(&format!("orch: error: {e:#}"));
             ExitCode::from(1)
         }
     }
+}
+
+/// A line on stderr that cannot panic (`eprintln!` does when stderr is a closed pipe).
+pub fn say(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
 }
 
 fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
@@ -59,7 +65,26 @@ fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
     let filter = EnvFilter::try_from_env("ORCH_LOG").unwrap_or_else(|_| EnvFilter::new(default));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(|| LossyStderr)
         .with_target(false)
+        // Its report of a failed write is an `eprintln!`, which panics on a closed stderr.
+        .log_internal_errors(false)
         .try_init();
+}
+
+/// stderr for logs: a write that fails (a closed pipe, a full disk) is dropped, never an error
+/// and never a panic, so a dead log reader cannot take down the task that logged (e.g. the
+/// signal handler, which then no longer stopped the process on SIGTERM).
+struct LossyStderr;
+
+impl std::io::Write for LossyStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
 }

@@ -65,7 +65,9 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
         stop.clone(),
     );
     tracing::info!(worker = %wconfig.worker_id, database = %store.target(), %addr, "serve started");
-    eprintln!("orch: serving http://{addr}/ (API, dashboard, /metrics)");
+    crate::say(&format!(
+        "orch: serving http://{addr}/ (API, dashboard, /metrics)"
+    ));
     run_workers(
         store.clone(),
         worker,
