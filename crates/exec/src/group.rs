@@ -44,6 +44,7 @@ pub(crate) fn spawn(command: &mut Command) -> io::Result<Child> {
     let child = command.spawn()?;
     if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
         live.get_or_insert_with(HashSet::new).insert(pid);
+        crate::records::spawned(pid);
     }
     Ok(child)
 }
@@ -53,6 +54,7 @@ pub(crate) fn release(pid: i32) {
     if let Some(live) = leaders().as_mut() {
         live.remove(&pid);
     }
+    crate::records::reaped(pid);
 }
 
 /// Reaps exited children that orch adopted as subreaper and that no one else waits for:

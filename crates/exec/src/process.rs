@@ -342,6 +342,7 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         command.env_remove(key);
     }
     command.envs(cmd.env.iter().map(|(k, v)| (k, v)));
+    command.env(crate::records::INCARNATION_ENV, crate::records::incarnation());
     command
         .stdin(if cmd.stdin.is_some() {
             Stdio::piped()

@@ -1,0 +1,176 @@
+//! Children outlive orch no more: `orch serve` is killed -9 while a staging step runs (the
+//! step's shell, a child in its group and a `setsid` daemon that left the group). The restarted
+//! `orch serve` stops everything the dead incarnation started before it claims work, and the
+//! step is re-run cleanly from its start.
+
+mod common;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use common::{Serve, become_subreaper, demo_setup, open, python_available, reap_orphans, stop_service};
+
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
+/// Alive and not a zombie.
+fn running(pid: i32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| {
+        s.rfind(')')
+            .and_then(|i| s[i + 1..].split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X")
+    })
+}
+
+/// Running processes whose environment carries `ORCH_INCARNATION=<incarnation>`.
+fn marked(incarnation: &str) -> Vec<i32> {
+    let needle = format!("ORCH_INCARNATION={incarnation}");
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|&pid| running(pid))
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
+                env.split(|&b| b == 0)
+                    .any(|v| v == needle.as_bytes())
+            })
+        })
+        .collect()
+}
+
+fn lines(path: &Path) -> Vec<String> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
+async fn until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !f() {
+        assert!(t0.elapsed() < limit, "timed out waiting for {what}");
+        reap_orphans();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
+    if !python_available() {
+        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
+        return;
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let runs = dir.join("stage-runs.log");
+    let release = dir.join("release");
+    let stage = dir.join("slow-stage.sh");
+    std::fs::write(
+        &stage,
+        format!(
+            "echo \"start $$\" >> {runs}\n\
+             setsid sleep 600 < /dev/null > /dev/null 2>&1 &\n\
+             echo \"daemon $!\" >> {runs}\n\
+             sleep 600 &\n\
+             echo \"child $!\" >> {runs}\n\
+             while [ ! -e {release} ]; do sleep 0.1; done\n\
+             kill $! 2>/dev/null\n\
+             echo \"done $$\" >> {runs}\n\
+             exec python3 -m unittest -q\n",
+            runs = runs.display(),
+            release = release.display(),
+        ),
+    )
+    .unwrap();
+    let config_path = dir.join("orch.toml");
+    let config = std::fs::read_to_string(&config_path).unwrap();
+    let step = "run = \"python3 -m unittest -q\"\ntimeout_s = 60";
+    assert!(config.contains(step), "the demo config changed shape");
+    let config = config.replacen(
+        step,
+        &format!("run = \"sh {}\"\ntimeout_s = 120", stage.display()),
+        1,
+    );
+    std::fs::write(&config_path, config).unwrap();
+    let out = std::process::Command::new(common::ORCH)
+        .arg("--config")
+        .arg(&config_path)
+        .args(["submit", "--repo", "service", "--title", "Add a note", "--body", "x"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let mut first = Serve::start(&dir, 20);
+    until("the staging step to start", Duration::from_secs(180), || {
+        lines(&runs).len() >= 3
+    })
+    .await;
+    let serve_pid = first.child.id().unwrap() as i32;
+    let incarnation = format!("{serve_pid}-{}", start_time(serve_pid).unwrap());
+    let pids: Vec<i32> = lines(&runs)
+        .iter()
+        .filter_map(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .collect();
+    assert_eq!(pids.len(), 3, "{:?}", lines(&runs));
+    // kill -9 of orch alone (not its children's groups).
+    first.child.start_kill().unwrap();
+    let _ = first.child.wait().await;
+    reap_orphans();
+    for pid in &pids {
+        assert!(running(*pid), "process {pid} of the stage outlived the kill (the defect)");
+    }
+    assert!(!marked(&incarnation).is_empty());
+
+    let second = Serve::start(&dir, 20);
+    until(
+        "the restarted orch to stop the dead incarnation's processes",
+        Duration::from_secs(60),
+        || pids.iter().all(|p| !running(*p)) && marked(&incarnation).is_empty(),
+    )
+    .await;
+    std::fs::write(&release, "").unwrap();
+    let store = open(&dir).await;
+    let t0 = Instant::now();
+    loop {
+        let t = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
+        if !["intake", "analysis", "architecture", "implementation", "review", "verification", "merge", "staging"]
+            .contains(&t.stage.as_str())
+        {
+            assert!(t.stage != "failed", "the task failed: {t:?}");
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(180), "staging did not finish: {t:?}");
+        reap_orphans();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    second.terminate().await;
+    stop_service(&dir);
+    reap_orphans();
+    let log = lines(&runs);
+    let starts = log.iter().filter(|l| l.starts_with("start ")).count();
+    let done: Vec<&String> = log.iter().filter(|l| l.starts_with("done ")).collect();
+    assert_eq!(starts, 2, "the step ran again after the restart: {log:?}");
+    assert_eq!(done.len(), 1, "only the re-run finished: {log:?}");
+    assert!(
+        !done[0].ends_with(&format!(" {}", pids[0])),
+        "the killed run never finished: {log:?}"
+    );
+    let records: Vec<_> = std::fs::read_dir(dir.join(".orch/repos/.orch-children"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(
+        records.iter().all(|n| !n.to_string_lossy().starts_with(&incarnation)),
+        "the dead incarnation's records were forgotten: {records:?}"
+    );
+    store.close().await;
+}
