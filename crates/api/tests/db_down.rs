@@ -121,7 +121,11 @@ async fn every_route_answers_503_when_the_database_is_dropped() {
         Some(TOKEN.to_owned()),
     );
     let (status, body) = call(&state, "POST", "/tasks").await;
-    assert_eq!(status, StatusCode::CREATED, "works while the database is up: {body}");
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "works while the database is up: {body}"
+    );
     let id: Value = serde_json::from_str(&body).unwrap();
     let id = id["work_item_id"].as_str().unwrap().to_owned();
 
@@ -130,9 +134,7 @@ async fn every_route_answers_503_when_the_database_is_dropped() {
     let routes: Vec<(&str, String)> = ROUTES
         .iter()
         .map(|(method, path, _)| {
-            let path = path
-                .replace("{id}", &id)
-                .replace("{name}", "01-request.md");
+            let path = path.replace("{id}", &id).replace("{name}", "01-request.md");
             (*method, path)
         })
         .collect();
@@ -155,7 +157,10 @@ async fn every_route_answers_503_when_the_database_is_dropped() {
         }
         let v: Value = serde_json::from_str(&body)
             .unwrap_or_else(|e| panic!("{method} {uri}: not JSON ({e}): {body}"));
-        assert_eq!(v["error"]["code"], "store_unavailable", "{method} {uri}: {v}");
+        assert_eq!(
+            v["error"]["code"], "store_unavailable",
+            "{method} {uri}: {v}"
+        );
         let message = v["error"]["message"].as_str().unwrap_or_default();
         assert!(
             message.contains("unavailable") || message.contains("could not answer"),

@@ -615,8 +615,11 @@ impl Git {
             self.run(dir, args(["checkout", "HEAD", "--", &rel]))
                 .await?;
         } else {
-            self.run(dir, args(["rm", "--cached", "--quiet", "--ignore-unmatch", "--", &rel]))
-                .await?;
+            self.run(
+                dir,
+                args(["rm", "--cached", "--quiet", "--ignore-unmatch", "--", &rel]),
+            )
+            .await?;
         }
         Ok(())
     }

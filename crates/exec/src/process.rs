@@ -342,7 +342,11 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         command.env_remove(key);
     }
     command.envs(cmd.env.iter().map(|(k, v)| (k, v)));
-    command.env(crate::records::INCARNATION_ENV, crate::records::incarnation());
+    let run_id = crate::records::next_run();
+    command.env(
+        crate::records::INCARNATION_ENV,
+        crate::records::marker(run_id),
+    );
     command
         .stdin(if cmd.stdin.is_some() {
             Stdio::piped()
@@ -354,7 +358,8 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         .process_group(0);
 
     let started = Instant::now();
-    let mut child = group::spawn(&mut command).map_err(|e| SpawnError::from_io(&cmd.program, e))?;
+    let mut child =
+        group::spawn(&mut command, run_id).map_err(|e| SpawnError::from_io(&cmd.program, e))?;
     let pgid = child
         .id()
         .and_then(|pid| i32::try_from(pid).ok())

@@ -7,11 +7,14 @@
 //! - Once [`record_children_in`] named a directory, every group spawned through
 //!   [`crate::process`] leaves a file `<incarnation>.<pgid>` there (written right after the
 //!   spawn, holding the leader's start time) that is removed when the group has been reaped.
-//! - Every child gets `ORCH_INCARNATION=<incarnation>` in its environment; descendants that
-//!   leave the group (`setsid` daemons) inherit it and are found by it.
+//! - Every child gets `ORCH_INCARNATION=<incarnation>/<run>` in its environment (`run` numbers
+//!   the runs of one incarnation); descendants that leave the group (`setsid` daemons) inherit
+//!   it and are found by it.
 //! - [`stop_dead_incarnations`] (run by `orch serve`/`orch worker` before they claim jobs)
 //!   kills, for every incarnation in the directory that is no longer alive, its recorded groups
-//!   and its escaped descendants, then forgets the records. Live incarnations (another orch on
+//!   and the escaped descendants of the runs that were still in progress when it died, then
+//!   forgets the records. A daemon started on purpose by a run that *finished* (a deploy script
+//!   starting the service) is not a leftover and is left running. Live incarnations (another orch on
 //!   this node sharing the directory) are left alone, and so is any process running the orch
 //!   binary itself (a self-deployed orch inherits the variable of the one that deployed it).
 
@@ -62,6 +65,18 @@ fn alive(incarnation: &str) -> bool {
     start_time(pid) == Some(start) && !dead_or_zombie(pid)
 }
 
+/// A number for the next run of this incarnation (its `ORCH_INCARNATION` value is
+/// `<incarnation>/<run>`).
+pub(crate) fn next_run() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
+/// The `ORCH_INCARNATION` value of run `run` of this incarnation.
+pub(crate) fn marker(run: u64) -> String {
+    format!("{}/{run}", incarnation())
+}
+
 /// Records this process's children in `dir` from now on (created if missing). Call once at
 /// startup, before anything is spawned; later calls keep the first directory.
 pub fn record_children_in(dir: &Path) -> std::io::Result<()> {
@@ -75,12 +90,12 @@ fn record_path(pgid: i32) -> Option<PathBuf> {
         .map(|d| d.join(format!("{}.{pgid}", incarnation())))
 }
 
-/// A group was spawned: record it (best effort; a failure is logged).
-pub(crate) fn spawned(pgid: i32) {
+/// A group was spawned for run `run`: record it (best effort; a failure is logged).
+pub(crate) fn spawned(pgid: i32, run: u64) {
     let Some(path) = record_path(pgid) else {
         return;
     };
-    let text = format!("{pgid} {}\n", start_time(pgid).unwrap_or(0));
+    let text = format!("{pgid} {} {run}\n", start_time(pgid).unwrap_or(0));
     if let Err(e) = std::fs::write(&path, text) {
         tracing::warn!(path = %path.display(), error = %e, "cannot record a child process group");
     }
@@ -113,6 +128,7 @@ pub fn stop_dead_incarnations(dir: &Path) -> Cleanup {
         return out;
     };
     let mut doomed: Vec<(PathBuf, i32, u64)> = Vec::new();
+    let mut in_flight: Vec<String> = Vec::new();
     for entry in entries.flatten() {
         let name = entry.file_name().to_string_lossy().into_owned();
         let Some((owner, pgid)) = name.rsplit_once('.') else {
@@ -127,10 +143,12 @@ pub fn stop_dead_incarnations(dir: &Path) -> Cleanup {
         if !out.incarnations.iter().any(|i| i == owner) {
             out.incarnations.push(owner.to_owned());
         }
-        let leader_start = std::fs::read_to_string(entry.path())
-            .ok()
-            .and_then(|t| t.split_whitespace().nth(1).and_then(|s| s.parse().ok()))
-            .unwrap_or(0);
+        let text = std::fs::read_to_string(entry.path()).unwrap_or_default();
+        let mut fields = text.split_whitespace().skip(1);
+        let leader_start = fields.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+        if let Some(run) = fields.next() {
+            in_flight.push(format!("{owner}/{run}"));
+        }
         doomed.push((entry.path(), pgid, leader_start));
     }
     let mut waiting: Vec<i32> = Vec::new();
@@ -150,7 +168,7 @@ pub fn stop_dead_incarnations(dir: &Path) -> Cleanup {
             waiting.push(*pgid);
         }
     }
-    out.escaped_killed = kill_marked(&out.incarnations);
+    out.escaped_killed = kill_marked(&in_flight);
     let deadline = Instant::now() + Duration::from_secs(5);
     for pgid in waiting {
         while !group_gone(pgid) && Instant::now() < deadline {
@@ -189,7 +207,7 @@ fn procs() -> Vec<i32> {
 }
 
 /// SIGKILLs every process (not running the orch binary itself) whose environment names one of
-/// `dead` as its incarnation.
+/// the runs `dead` (`<incarnation>/<run>`).
 fn kill_marked(dead: &[String]) -> Vec<i32> {
     if dead.is_empty() {
         return Vec::new();

@@ -78,7 +78,10 @@ async fn a_live_holders_lock_is_left_alone() {
     let held = Git::new()
         .add_and_commit(&dir, &Pathspec::All, "while held")
         .await;
-    assert!(held.is_err(), "git waits for a live holder's lock: {held:?}");
+    assert!(
+        held.is_err(),
+        "git waits for a live holder's lock: {held:?}"
+    );
     assert!(lock.exists(), "a live holder's lock is never removed");
     holder.kill().unwrap();
     holder.wait().unwrap();

@@ -57,7 +57,15 @@ fn submit_body_file_dev_zero_is_refused_without_eating_memory() {
     assert!(orch_capped(d, &["init"]).status.success());
     let out = orch_capped(
         d,
-        &["submit", "--repo", "app", "--title", "x", "--body-file", "/dev/zero"],
+        &[
+            "submit",
+            "--repo",
+            "app",
+            "--title",
+            "x",
+            "--body-file",
+            "/dev/zero",
+        ],
     );
     refused_as_too_big(&out);
 }
@@ -72,7 +80,15 @@ fn submit_body_one_byte_over_the_limit_is_refused() {
     let body = body.to_str().unwrap();
     refused_as_too_big(&orch_capped(
         d,
-        &["submit", "--repo", "app", "--title", "x", "--body-file", body],
+        &[
+            "submit",
+            "--repo",
+            "app",
+            "--title",
+            "x",
+            "--body-file",
+            body,
+        ],
     ));
     let big = "y".repeat(orch_domain::MAX_REQUEST_BYTES + 1);
     refused_as_too_big(&orch_capped(
@@ -83,7 +99,15 @@ fn submit_body_one_byte_over_the_limit_is_refused() {
     std::fs::write(d.join("ok.md"), "z".repeat(orch_domain::MAX_REQUEST_BYTES)).unwrap();
     let out = orch_capped(
         d,
-        &["submit", "--repo", "app", "--title", "x", "--body-file", "ok.md"],
+        &[
+            "submit",
+            "--repo",
+            "app",
+            "--title",
+            "x",
+            "--body-file",
+            "ok.md",
+        ],
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("too big"), "{stderr}");

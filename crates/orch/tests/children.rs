@@ -8,7 +8,9 @@ mod common;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{Serve, become_subreaper, demo_setup, open, python_available, reap_orphans, stop_service};
+use common::{
+    Serve, become_subreaper, demo_setup, open, python_available, reap_orphans, stop_service,
+};
 
 fn start_time(pid: i32) -> Option<u64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -28,9 +30,9 @@ fn running(pid: i32) -> bool {
     })
 }
 
-/// Running processes whose environment carries `ORCH_INCARNATION=<incarnation>`.
+/// Running processes whose environment carries `ORCH_INCARNATION=<incarnation>/<run>`.
 fn marked(incarnation: &str) -> Vec<i32> {
-    let needle = format!("ORCH_INCARNATION={incarnation}");
+    let needle = format!("ORCH_INCARNATION={incarnation}/");
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
@@ -39,7 +41,7 @@ fn marked(incarnation: &str) -> Vec<i32> {
         .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/environ")).is_ok_and(|env| {
                 env.split(|&b| b == 0)
-                    .any(|v| v == needle.as_bytes())
+                    .any(|v| v.starts_with(needle.as_bytes()))
             })
         })
         .collect()
@@ -105,15 +107,29 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
     let out = std::process::Command::new(common::ORCH)
         .arg("--config")
         .arg(&config_path)
-        .args(["submit", "--repo", "service", "--title", "Add a note", "--body", "x"])
+        .args([
+            "submit",
+            "--repo",
+            "service",
+            "--title",
+            "Add a note",
+            "--body",
+            "x",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let mut first = Serve::start(&dir, 20);
-    until("the staging step to start", Duration::from_secs(180), || {
-        lines(&runs).len() >= 3
-    })
+    until(
+        "the staging step to start",
+        Duration::from_secs(180),
+        || lines(&runs).len() >= 3,
+    )
     .await;
     let serve_pid = first.child.id().unwrap() as i32;
     let incarnation = format!("{serve_pid}-{}", start_time(serve_pid).unwrap());
@@ -127,7 +143,10 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
     let _ = first.child.wait().await;
     reap_orphans();
     for pid in &pids {
-        assert!(running(*pid), "process {pid} of the stage outlived the kill (the defect)");
+        assert!(
+            running(*pid),
+            "process {pid} of the stage outlived the kill (the defect)"
+        );
     }
     assert!(!marked(&incarnation).is_empty());
 
@@ -143,17 +162,37 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
     let t0 = Instant::now();
     loop {
         let t = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
-        if !["intake", "analysis", "architecture", "implementation", "review", "verification", "merge", "staging"]
-            .contains(&t.stage.as_str())
+        if ![
+            "intake",
+            "analysis",
+            "architecture",
+            "implementation",
+            "review",
+            "verification",
+            "merge",
+            "staging",
+        ]
+        .contains(&t.stage.as_str())
         {
             assert!(t.stage != "failed", "the task failed: {t:?}");
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(180), "staging did not finish: {t:?}");
+        assert!(
+            t0.elapsed() < Duration::from_secs(180),
+            "staging did not finish: {t:?}"
+        );
         reap_orphans();
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    let second_pid = second.child.id().unwrap() as i32;
+    let second_incarnation = format!("{second_pid}-{}", start_time(second_pid).unwrap());
     second.terminate().await;
+    // The re-run's own `setsid` daemon belongs to a run that finished (like a service a deploy
+    // starts): orch leaves it; the test stops it.
+    for pid in marked(&second_incarnation) {
+        // SAFETY: a process this test caused to exist.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
     stop_service(&dir);
     reap_orphans();
     let log = lines(&runs);
@@ -169,7 +208,9 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(
-        records.iter().all(|n| !n.to_string_lossy().starts_with(&incarnation)),
+        records
+            .iter()
+            .all(|n| !n.to_string_lossy().starts_with(&incarnation)),
         "the dead incarnation's records were forgotten: {records:?}"
     );
     store.close().await;

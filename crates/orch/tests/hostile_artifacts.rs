@@ -114,7 +114,11 @@ exit 0"#,
 
     let repo = dir.join(".orch/repos/service");
     for (t, reason) in ended.iter().zip(["is a symbolic link", "is too big: "]) {
-        assert_eq!(t.stage, "failed", "{} never advances past analysis", t.work_item_id);
+        assert_eq!(
+            t.stage, "failed",
+            "{} never advances past analysis",
+            t.work_item_id
+        );
         let events = store.task_events(t.id).await.unwrap();
         let rejected: Vec<&str> = events
             .iter()

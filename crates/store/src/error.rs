@@ -95,7 +95,6 @@ impl StoreError {
         }
     }
 
-
     /// True for errors that a retry may cure (connection loss, lock timeouts, serialization).
     pub fn is_transient(&self) -> bool {
         match self {

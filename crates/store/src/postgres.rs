@@ -536,7 +536,14 @@ impl PgStore {
                 .bind(id)
                 .fetch_one(&mut *tx)
                 .await?;
-            let plan = rescue_plan(&rescue, id, task_id, worker.as_deref(), attempt, crashes + 1);
+            let plan = rescue_plan(
+                &rescue,
+                id,
+                task_id,
+                worker.as_deref(),
+                attempt,
+                crashes + 1,
+            );
             insert_event(&mut tx, &plan.event, now).await?;
             if plan.give_up {
                 sqlx::query(sql::MARK_FAILED)

@@ -436,14 +436,21 @@ async fn attempt_limit_ends_in_failed_and_fails_the_stranded_task(db: TestDb) {
         t.stage, "failed",
         "a task whose only job failed does not hang"
     );
-    assert_eq!(t.stage_seq, task.stage_seq + 1, "a stage change bumps stage_seq");
+    assert_eq!(
+        t.stage_seq,
+        task.stage_seq + 1,
+        "a stage change bumps stage_seq"
+    );
     let events = s.task_events(task.id).await.unwrap();
     let last = events.last().unwrap();
     assert_eq!(last.kind, "task.failed");
     assert_eq!(last.stage.as_deref(), Some("failed"));
     assert!(last.message.contains("the stage broke"), "{}", last.message);
     let data: serde_json::Value = serde_json::from_str(&last.data).unwrap();
-    assert_eq!(data["from"], "intake", "task.failed says where it came from: {data}");
+    assert_eq!(
+        data["from"], "intake",
+        "task.failed says where it came from: {data}"
+    );
     assert_eq!(data["to"], "failed");
     assert_eq!(data["outcome"], "failed");
 }
@@ -460,7 +467,11 @@ async fn crash_rescues_do_not_spend_attempts(db: TestDb) {
         assert_eq!(c.lease.attempt, crash);
         db.clock.advance_ms(LEASE + 1);
         let report = s.rescue_expired(rescue).await.unwrap();
-        assert_eq!(report.requeued, vec![c.lease.job_id], "crash {crash} requeues");
+        assert_eq!(
+            report.requeued,
+            vec![c.lease.job_id],
+            "crash {crash} requeues"
+        );
         db.clock.advance_ms(rescue.backoff_ms(crash));
     }
     // The handler fails once: one attempt of two is left.
@@ -476,7 +487,11 @@ async fn crash_rescues_do_not_spend_attempts(db: TestDb) {
     .await
     .unwrap();
     let job = s.get_job(c.lease.job_id).await.unwrap().unwrap();
-    assert_eq!(job.state, JobState::Queued, "5 crashes + 1 failure of 2 attempts");
+    assert_eq!(
+        job.state,
+        JobState::Queued,
+        "5 crashes + 1 failure of 2 attempts"
+    );
     let c = claim_one(s, "w").await;
     s.mark_job(
         c.lease,
@@ -489,7 +504,11 @@ async fn crash_rescues_do_not_spend_attempts(db: TestDb) {
     .await
     .unwrap();
     let job = s.get_job(c.lease.job_id).await.unwrap().unwrap();
-    assert_eq!(job.state, JobState::Failed, "the second handler failure is the last");
+    assert_eq!(
+        job.state,
+        JobState::Failed,
+        "the second handler failure is the last"
+    );
     let events = s.task_events(task.id).await.unwrap();
     let lost: Vec<&Event> = events.iter().filter(|e| e.kind == RESCUED_KIND).collect();
     assert_eq!(lost.len(), 5);
@@ -535,9 +554,16 @@ async fn crash_loop_ends_the_job_with_a_clear_reason(db: TestDb) {
     let events = s.task_events(task.id).await.unwrap();
     let last = events.last().unwrap();
     assert_eq!(last.kind, "task.failed");
-    assert!(last.message.contains("worker died 10 times"), "{}", last.message);
+    assert!(
+        last.message.contains("worker died 10 times"),
+        "{}",
+        last.message
+    );
     let data: serde_json::Value = serde_json::from_str(&last.data).unwrap();
-    assert_eq!((data["from"].as_str(), data["to"].as_str()), (Some("intake"), Some("failed")));
+    assert_eq!(
+        (data["from"].as_str(), data["to"].as_str()),
+        (Some("intake"), Some("failed"))
+    );
 }
 
 async fn new_task_with(s: &Store, job: NewJob) -> Task {

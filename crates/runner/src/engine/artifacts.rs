@@ -56,7 +56,11 @@ pub fn refusal(path: &Path) -> Option<String> {
 
 /// Refuses every symlink and oversized file at the top of `artifact_dir` (inside the worktree
 /// `worktree`) and resets each one to the branch's committed state. Call before committing.
-pub async fn refuse_unsafe(git: &Git, worktree: &Path, artifact_dir: &Path) -> Result<Vec<Refused>> {
+pub async fn refuse_unsafe(
+    git: &Git,
+    worktree: &Path,
+    artifact_dir: &Path,
+) -> Result<Vec<Refused>> {
     let Ok(entries) = std::fs::read_dir(artifact_dir) else {
         return Ok(Vec::new());
     };

@@ -228,8 +228,9 @@ impl Engine {
             .loops_and_feedback(task.id)
             .await
             .map_err(Prep::Transient)?;
-        let feedback = feedback_name
-            .and_then(|name| artifacts::read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c)));
+        let feedback = feedback_name.and_then(|name| {
+            artifacts::read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c))
+        });
         Ok(StageRun {
             store: self.store.clone(),
             job: cx.job.clone(),
