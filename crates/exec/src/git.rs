@@ -1044,6 +1044,58 @@ fn repo_lock(repo: &Path) -> Arc<tokio::sync::Mutex<()>> {
     locks.entry(normalize(repo)).or_default().clone()
 }
 
+/// The lock file a failed git run names (`Unable to create '<path>.lock': File exists`) when it
+/// is stale: no live `git` process works inside the repository it belongs to, or it is older
+/// than twice the git timeout (no git run of orch lives that long). `None` otherwise: a live
+/// holder's lock is never touched.
+pub fn stale_lock(stderr: &str, git_timeout: Duration) -> Option<PathBuf> {
+    let start = stderr.find("Unable to create '")? + "Unable to create '".len();
+    let rest = &stderr[start..];
+    let path = PathBuf::from(&rest[..rest.find("': File exists")?]);
+    if path.extension().is_none_or(|e| e != "lock") {
+        return None;
+    }
+    // The repository: everything before the `.git` component (worktrees live inside it).
+    let mut repo = PathBuf::new();
+    let mut found = false;
+    for part in path.components() {
+        if part.as_os_str() == ".git" {
+            found = true;
+            break;
+        }
+        repo.push(part);
+    }
+    if !found {
+        return None;
+    }
+    let old = std::fs::symlink_metadata(&path)
+        .ok()?
+        .modified()
+        .ok()
+        .and_then(|m| m.elapsed().ok())
+        .is_some_and(|age| age > git_timeout.saturating_mul(2));
+    let repo = std::fs::canonicalize(&repo).unwrap_or(repo);
+    (old || !git_running_in(&repo)).then_some(path)
+}
+
+/// True when a live process named `git` has its working directory inside `repo`.
+fn git_running_in(repo: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return true; // cannot tell: assume a holder
+    };
+    entries.flatten().any(|e| {
+        let p = e.path();
+        let is_git = std::fs::read_to_string(p.join("comm")).is_ok_and(|c| c.trim() == "git");
+        is_git
+            && std::fs::read_link(p.join("cwd")).is_ok_and(|cwd| cwd.starts_with(repo))
+            && std::fs::read_to_string(p.join("stat")).is_ok_and(|s| {
+                s.rfind(')')
+                    .and_then(|i| s[i + 1..].split_whitespace().next())
+                    .is_some_and(|state| state != "Z")
+            })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1112,56 +1164,4 @@ mod tests {
         check("src/main.rs", "docs/work-items/A-1", false);
         check("anything", "", true);
     }
-}
-
-/// The lock file a failed git run names (`Unable to create '<path>.lock': File exists`) when it
-/// is stale: no live `git` process works inside the repository it belongs to, or it is older
-/// than twice the git timeout (no git run of orch lives that long). `None` otherwise: a live
-/// holder's lock is never touched.
-pub fn stale_lock(stderr: &str, git_timeout: Duration) -> Option<PathBuf> {
-    let start = stderr.find("Unable to create '")? + "Unable to create '".len();
-    let rest = &stderr[start..];
-    let path = PathBuf::from(&rest[..rest.find("': File exists")?]);
-    if path.extension().is_none_or(|e| e != "lock") {
-        return None;
-    }
-    // The repository: everything before the `.git` component (worktrees live inside it).
-    let mut repo = PathBuf::new();
-    let mut found = false;
-    for part in path.components() {
-        if part.as_os_str() == ".git" {
-            found = true;
-            break;
-        }
-        repo.push(part);
-    }
-    if !found {
-        return None;
-    }
-    let old = std::fs::symlink_metadata(&path)
-        .ok()?
-        .modified()
-        .ok()
-        .and_then(|m| m.elapsed().ok())
-        .is_some_and(|age| age > git_timeout.saturating_mul(2));
-    let repo = std::fs::canonicalize(&repo).unwrap_or(repo);
-    (old || !git_running_in(&repo)).then_some(path)
-}
-
-/// True when a live process named `git` has its working directory inside `repo`.
-fn git_running_in(repo: &Path) -> bool {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return true; // cannot tell: assume a holder
-    };
-    entries.flatten().any(|e| {
-        let p = e.path();
-        let is_git = std::fs::read_to_string(p.join("comm")).is_ok_and(|c| c.trim() == "git");
-        is_git
-            && std::fs::read_link(p.join("cwd")).is_ok_and(|cwd| cwd.starts_with(repo))
-            && std::fs::read_to_string(p.join("stat")).is_ok_and(|s| {
-                s.rfind(')')
-                    .and_then(|i| s[i + 1..].split_whitespace().next())
-                    .is_some_and(|state| state != "Z")
-            })
-    })
 }

@@ -390,6 +390,22 @@ async fn run(
     (result, all)
 }
 
+/// Every item's events (for a failure's message).
+async fn history(s: &Setup) -> String {
+    let store = s.store().await;
+    let mut out = String::new();
+    for id in ITEMS {
+        let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+        out.push_str(&format!("{id} ({}):\n", t.stage));
+        for e in store.task_events(t.id).await.unwrap() {
+            let first = e.message.lines().next().unwrap_or_default();
+            out.push_str(&format!("  {:<22} {first}\n", e.kind));
+        }
+    }
+    store.close().await;
+    out
+}
+
 async fn outcomes_so_far(store: &Store) -> Vec<(String, String)> {
     let mut v = Vec::new();
     for id in ITEMS {
@@ -431,6 +447,11 @@ async fn campaign(postgres: bool, procs: &[&str]) {
     let n = kills();
     let (got, incarnations) = run(&killed, procs, n, &mut rng).await;
     assert!(incarnations.len() > n, "{n} kills happened");
+    if got.items != expected.items {
+        let kept = tmp.keep();
+        eprintln!("seed {seed}: runs kept in {}", kept.display());
+        eprintln!("{}", history(&killed).await);
+    }
     assert_eq!(
         got.items, expected.items,
         "seed {seed}: the killed run ends with the clean run's outcomes"
