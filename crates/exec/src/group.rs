@@ -38,9 +38,9 @@ fn leaders() -> MutexGuard<'static, Option<HashSet<i32>>> {
     LEADERS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Spawns `command` (configured with `process_group(0)`) for run `run` and registers it as a
-/// live leader (and, durably, in [`crate::records`]).
-pub(crate) fn spawn(command: &mut Command, run: u64) -> io::Result<Child> {
+/// Spawns `command` (configured with `process_group(0)`) and registers it as a live leader
+/// (and, durably, in [`crate::records`]; `run` when its escaped daemons are to be killed too).
+pub(crate) fn spawn(command: &mut Command, run: Option<u64>) -> io::Result<Child> {
     let mut live = leaders();
     let child = command.spawn()?;
     if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {

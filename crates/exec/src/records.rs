@@ -12,9 +12,9 @@
 //!   it and are found by it.
 //! - [`stop_dead_incarnations`] (run by `orch serve`/`orch worker` before they claim jobs)
 //!   kills, for every incarnation in the directory that is no longer alive, its recorded groups
-//!   and the escaped descendants of the runs that were still in progress when it died, then
-//!   forgets the records. A daemon started on purpose by a run that *finished* (a deploy script
-//!   starting the service) is not a leftover and is left running. Live incarnations (another orch on
+//!   and, for runs marked [`crate::Cmd::no_daemons`] (agents) that were still in progress when
+//!   it died, their escaped descendants; then it forgets the records. A daemon a deploy or a
+//!   staging step starts on purpose (the service) is what it was run for and is left running. Live incarnations (another orch on
 //!   this node sharing the directory) are left alone, and so is any process running the orch
 //!   binary itself (a self-deployed orch inherits the variable of the one that deployed it).
 
@@ -90,11 +90,13 @@ fn record_path(pgid: i32) -> Option<PathBuf> {
         .map(|d| d.join(format!("{}.{pgid}", incarnation())))
 }
 
-/// A group was spawned for run `run`: record it (best effort; a failure is logged).
-pub(crate) fn spawned(pgid: i32, run: u64) {
+/// A group was spawned: record it (best effort; a failure is logged). `run` is set for a run
+/// whose escaped daemons must be killed too if orch dies while it runs.
+pub(crate) fn spawned(pgid: i32, run: Option<u64>) {
     let Some(path) = record_path(pgid) else {
         return;
     };
+    let run = run.map(|r| r.to_string()).unwrap_or_default();
     let text = format!("{pgid} {} {run}\n", start_time(pgid).unwrap_or(0));
     if let Err(e) = std::fs::write(&path, text) {
         tracing::warn!(path = %path.display(), error = %e, "cannot record a child process group");
@@ -152,8 +154,12 @@ pub fn stop_dead_incarnations(dir: &Path) -> Cleanup {
         doomed.push((entry.path(), pgid, leader_start));
     }
     let mut waiting: Vec<i32> = Vec::new();
+    // SAFETY: getpgrp cannot fail and touches no memory.
+    let own_group = unsafe { libc::getpgrp() };
     for (_, pgid, leader_start) in &doomed {
-        if *pgid <= 1 {
+        // Never our own group: a self-deploy may start the new orch inside the deploy
+        // command's group.
+        if *pgid <= 1 || *pgid == own_group {
             continue;
         }
         // While any process is in group `pgid` the number cannot be given to a new process;

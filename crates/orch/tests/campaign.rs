@@ -477,6 +477,14 @@ async fn campaign(postgres: bool, procs: &[&str]) {
             "seed {seed}: {rev} deployed to production twice"
         );
     }
+    // `orch logs` tells a crash from a failure in plain words.
+    let logs: String = ITEMS.iter().map(|id| killed.orch(&["logs", id])).collect();
+    assert!(
+        logs.contains(
+            "lost: the worker stopped heartbeating (crash) \u{2014} not counted as a failure"
+        ),
+        "seed {seed}: some attempt was lost to a kill and `orch logs` says so:\n{logs}"
+    );
     let left = left_behind(&incarnations);
     assert!(
         left.is_empty(),

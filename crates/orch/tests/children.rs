@@ -149,14 +149,21 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
         );
     }
     assert!(!marked(&incarnation).is_empty());
+    // pids: the step's shell, the `setsid` daemon (left the group), the child in the group.
+    let (shell, daemon, child) = (pids[0], pids[1], pids[2]);
 
     let second = Serve::start(&dir, 20);
     until(
-        "the restarted orch to stop the dead incarnation's processes",
+        "the restarted orch to stop the dead incarnation's step (its whole group)",
         Duration::from_secs(60),
-        || pids.iter().all(|p| !running(*p)) && marked(&incarnation).is_empty(),
+        || !running(shell) && !running(child),
     )
     .await;
+    // A daemon a staging step starts is what it was run for (the staging service): it is not
+    // killed. The test stops it.
+    assert!(running(daemon), "a staging step's own daemon is left running");
+    // SAFETY: a process this test caused to exist.
+    unsafe { libc::kill(daemon, libc::SIGKILL) };
     std::fs::write(&release, "").unwrap();
     let store = open(&dir).await;
     let t0 = Instant::now();
@@ -204,6 +211,10 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
         !done[0].ends_with(&format!(" {}", pids[0])),
         "the killed run never finished: {log:?}"
     );
+    assert!(
+        marked(&incarnation).is_empty(),
+        "nothing of the dead incarnation is left"
+    );
     let records: Vec<_> = std::fs::read_dir(dir.join(".orch/repos/.orch-children"))
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
@@ -214,4 +225,106 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
         "the dead incarnation's records were forgotten: {records:?}"
     );
     store.close().await;
+}
+
+/// An agent's `setsid` daemon is a leftover: killed -9 while the agent runs, orch's next
+/// incarnation stops the agent's group and its escaped daemon too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_during_an_agent_run_stops_the_agents_setsid_daemon() {
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let pids_file = dir.join("agent-pids.log");
+    let agent = dir.join("daemon-agent.sh");
+    std::fs::write(
+        &agent,
+        format!(
+            "#!/bin/sh\ncat > /dev/null\n\
+             setsid sleep 600 < /dev/null > /dev/null 2>&1 &\n\
+             echo \"$$ $!\" >> {pids}\n\
+             sleep 600\n",
+            pids = pids_file.display()
+        ),
+    )
+    .unwrap();
+    {
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(&agent, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    let config_path = dir.join("orch.toml");
+    let config = std::fs::read_to_string(&config_path).unwrap();
+    let cut = config.find("[agents.analyst]").unwrap();
+    let rest = &config[cut..];
+    let after = rest.find("[agents.architect]").unwrap();
+    let config = format!(
+        "{}[agents.analyst]\nbackend = \"command\"\ncommand = \"{}\"\ntimeout_s = 900\n\n{}",
+        &config[..cut],
+        agent.display(),
+        &rest[after..]
+    );
+    std::fs::write(&config_path, config).unwrap();
+    let out = std::process::Command::new(common::ORCH)
+        .arg("--config")
+        .arg(&config_path)
+        .args([
+            "submit",
+            "--repo",
+            "service",
+            "--title",
+            "Add a note",
+            "--body",
+            "x",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    let mut first = Serve::start(&dir, 20);
+    until("the agent to start", Duration::from_secs(120), || {
+        !lines(&pids_file).is_empty()
+    })
+    .await;
+    let serve_pid = first.child.id().unwrap() as i32;
+    let incarnation = format!("{serve_pid}-{}", start_time(serve_pid).unwrap());
+    let pids: Vec<i32> = lines(&pids_file)[0]
+        .split_whitespace()
+        .filter_map(|p| p.parse().ok())
+        .collect();
+    let (shell, daemon) = (pids[0], pids[1]);
+    first.child.start_kill().unwrap();
+    let _ = first.child.wait().await;
+    reap_orphans();
+    assert!(
+        running(shell) && running(daemon),
+        "both outlived the kill (the defect)"
+    );
+
+    let second = Serve::start(&dir, 20);
+    until(
+        "the restarted orch to stop the agent and its daemon",
+        Duration::from_secs(60),
+        || !running(shell) && !running(daemon),
+    )
+    .await;
+    assert!(
+        marked(&incarnation).is_empty(),
+        "nothing of the dead incarnation is left"
+    );
+    let second_pid = second.child.id().unwrap() as i32;
+    let second_incarnation = format!("{second_pid}-{}", start_time(second_pid).unwrap());
+    second.child.id();
+    let mut second = second;
+    second.child.start_kill().unwrap();
+    let _ = second.child.wait().await;
+    // The re-run agent of the second incarnation: stop what is left (the test's own cleanup).
+    for pid in marked(&second_incarnation) {
+        // SAFETY: a process this test caused to exist.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    reap_orphans();
 }
