@@ -355,10 +355,13 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
     }
     command.envs(cmd.env.iter().map(|(k, v)| (k, v)));
     let run_id = crate::records::next_run();
-    command.env(
-        crate::records::INCARNATION_ENV,
-        crate::records::marker(run_id),
-    );
+    // The marker that finds escaped daemons; an explicitly empty environment stays empty.
+    if !cmd.env_clear {
+        command.env(
+            crate::records::INCARNATION_ENV,
+            crate::records::marker(run_id),
+        );
+    }
     command
         .stdin(if cmd.stdin.is_some() {
             Stdio::piped()

@@ -161,7 +161,10 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
     .await;
     // A daemon a staging step starts is what it was run for (the staging service): it is not
     // killed. The test stops it.
-    assert!(running(daemon), "a staging step's own daemon is left running");
+    assert!(
+        running(daemon),
+        "a staging step's own daemon is left running"
+    );
     // SAFETY: a process this test caused to exist.
     unsafe { libc::kill(daemon, libc::SIGKILL) };
     std::fs::write(&release, "").unwrap();
