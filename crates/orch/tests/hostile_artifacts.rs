@@ -138,6 +138,21 @@ exit 0"#,
                 "{rejected:#?}"
             );
         }
+        // `orch logs` material: each failed attempt says so (not a crash).
+        let failed: Vec<&str> = events
+            .iter()
+            .filter(|e| e.kind == "job.attempt_failed")
+            .map(|e| e.message.as_str())
+            .collect();
+        assert!(
+            failed.iter().any(|m| m.starts_with("attempt 1 failed: ")),
+            "{}: {failed:#?}",
+            t.work_item_id
+        );
+        assert!(
+            events.iter().all(|e| e.kind != "job.rescued"),
+            "no crash happened, none is reported"
+        );
         let artifact = format!(
             "{}:docs/work-items/{}/02-requirements.md",
             t.branch, t.work_item_id
