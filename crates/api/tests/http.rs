@@ -175,7 +175,9 @@ impl Harness {
     }
 
     async fn with(token: Option<&str>, setup: impl FnOnce(&mut Recorder)) -> Harness {
-        let db = TestDb::sqlite().await;
+        // SQLite, and PostgreSQL when `scripts/test` runs this file again with
+        // ORCH_TEST_BACKEND=postgres.
+        let db = TestDb::from_env().await;
         let mut rec = Recorder {
             counters: counters(),
             observations: vec![Observation {

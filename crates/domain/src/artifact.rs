@@ -448,6 +448,15 @@ fn is_plain_safe(s: &str) -> bool {
         && !RESERVED_WORDS.contains(&s.to_ascii_lowercase().as_str())
 }
 
+/// `s` as a YAML scalar: plain when no reader can take it for anything but that string
+/// (`SUCCESS`, `n/a`, `staging-runner`, `ORCH-115`), otherwise double-quoted with escapes. The
+/// one YAML string writer: artifacts' frontmatter (here and in `staging::render_frontmatter`).
+pub fn yaml_scalar(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    render_str(&mut out, s);
+    out
+}
+
 fn render_str(out: &mut String, s: &str) {
     if is_plain_safe(s) {
         out.push_str(s);

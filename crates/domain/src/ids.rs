@@ -344,21 +344,21 @@ string_newtype!(StageName, check_stage_name);
 
 impl StageName {
     /// Names of the terminal stages, in which a task ends.
-    pub const TERMINAL: [&'static str; 3] = ["done", "failed", "cancelled"];
+    pub const TERMINAL: [&'static str; 3] = crate::control::TERMINAL_STAGES;
 
     /// The terminal stage of a work item that went through the whole pipeline.
     pub fn done() -> StageName {
-        StageName("done".to_owned())
+        StageName(crate::control::DONE.to_owned())
     }
 
     /// The terminal stage of a work item that could not be completed.
     pub fn failed() -> StageName {
-        StageName("failed".to_owned())
+        StageName(crate::control::FAILED.to_owned())
     }
 
     /// The terminal stage of a work item cancelled by a person.
     pub fn cancelled() -> StageName {
-        StageName("cancelled".to_owned())
+        StageName(crate::control::CANCELLED.to_owned())
     }
 
     /// Whether this is `done`, `failed` or `cancelled`.

@@ -18,11 +18,13 @@
 
 pub mod artifact;
 pub mod config;
+pub mod control;
 pub mod gate;
 pub mod ids;
 pub mod monitor;
 pub mod pipeline;
 pub mod staging;
+pub mod text;
 
 /// The largest request orch accepts from outside: an HTTP request body (the API answers 413
 /// past it) and a work item's body read by `orch submit` (refused past it, never read whole).

@@ -12,7 +12,8 @@ use std::fmt::Write as _;
 
 use serde::{Deserialize, Serialize};
 
-use crate::staging::{FmValue, md_cell, one_line, render_frontmatter, rfc3339_utc};
+use crate::staging::{FmValue, render_frontmatter};
+use crate::text::{md_cell, one_line, rfc3339_utc};
 
 /// Default observation window (SPEC §7).
 pub const DEFAULT_WINDOW_S: u64 = 600;

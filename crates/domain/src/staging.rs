@@ -8,6 +8,9 @@
 
 use std::fmt::Write as _;
 
+pub use crate::text::rfc3339_utc;
+use crate::text::{md_cell, one_line};
+
 /// The stable `failure_kind` values of a staging result (frontmatter key `failure_kind`,
 /// read by the lessons loop). `none` is written when there is no failure.
 pub mod failure_kind {
@@ -553,40 +556,7 @@ fn format_duration_ms(ms: u64) -> String {
     }
 }
 
-// ---- shared rendering helpers (also used by `monitor`) -------------------------------------
-
-/// Formats epoch milliseconds as RFC 3339 UTC with second precision (`2026-06-16T12:00:00Z`).
-/// Pure arithmetic (no clock, no time zone database); the input is clamped to the years
-/// 0000–9999 that RFC 3339 can express.
-pub fn rfc3339_utc(ms: i64) -> String {
-    const MIN_S: i64 = -62_167_219_200; // 0000-01-01T00:00:00Z
-    const MAX_S: i64 = 253_402_300_799; // 9999-12-31T23:59:59Z
-    let secs = ms.div_euclid(1_000).clamp(MIN_S, MAX_S);
-    let days = secs.div_euclid(86_400);
-    let sod = secs.rem_euclid(86_400);
-    let (y, m, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        sod / 3_600,
-        sod % 3_600 / 60,
-        sod % 60
-    )
-}
-
-/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar
-/// (H. Hinnant's `civil_from_days`).
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    (y, m, d)
-}
+// ---- frontmatter rendering (also used by `monitor`) ---------------------------------------
 
 /// A frontmatter value: strings are quoted when needed, integers are written plain.
 pub(crate) enum FmValue<'a> {
@@ -601,83 +571,13 @@ pub(crate) fn render_frontmatter(pairs: &[(&str, FmValue<'_>)]) -> String {
     let mut out = String::from("---\n");
     for (key, value) in pairs {
         let rendered = match value {
-            FmValue::Str(s) => yaml_scalar(s),
+            FmValue::Str(s) => crate::artifact::yaml_scalar(s),
             FmValue::Int(n) => n.to_string(),
         };
         let _ = writeln!(out, "{key}: {rendered}");
     }
     out.push_str("---\n");
     out
-}
-
-/// A YAML scalar for `s`: plain when it is an identifier-like word that no YAML reader can
-/// take for anything but that string (`SUCCESS`, `n/a`, `staging-runner`, `ORCH-115`),
-/// otherwise double-quoted with every special character escaped.
-pub(crate) fn yaml_scalar(s: &str) -> String {
-    const KEYWORDS: [&str; 9] = ["true", "false", "yes", "no", "on", "off", "null", "y", "n"];
-    let plain = s.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.' | '/'))
-        && !KEYWORDS.iter().any(|k| k.eq_ignore_ascii_case(s));
-    if plain {
-        return s.to_string();
-    }
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            '\r' => out.push_str("\\r"),
-            '\t' => out.push_str("\\t"),
-            c if c.is_control() || matches!(c, '\u{2028}' | '\u{2029}' | '\u{feff}') => {
-                let _ = write!(out, "\\u{:04x}", u32::from(c));
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-/// Makes text safe inside one Markdown table cell: `|` is escaped, line breaks become
-/// `<br>`, HTML is neutralised, other control characters become spaces, and only the last
-/// `max_chars` characters are kept (cells hold output *tails*). Empty text becomes `—`.
-pub(crate) fn md_cell(s: &str, max_chars: usize) -> String {
-    let total = s.chars().count();
-    let skip = total.saturating_sub(max_chars);
-    let mut out = String::new();
-    if skip > 0 {
-        out.push('…');
-    }
-    let text: String = s.chars().skip(skip).collect();
-    let text = text.replace("\r\n", "\n");
-    let text = text.trim_matches(|c| c == '\n' || c == ' ');
-    for c in text.chars() {
-        match c {
-            '|' => out.push_str("\\|"),
-            '\n' | '\r' => out.push_str("<br>"),
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            c if c.is_control() => out.push(' '),
-            c => out.push(c),
-        }
-    }
-    if out.is_empty() {
-        out.push('—');
-    }
-    out
-}
-
-/// Collapses text to one Markdown line (for summaries and list items).
-pub(crate) fn one_line(s: &str) -> String {
-    s.split(['\n', '\r'])
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 #[cfg(test)]
@@ -1172,9 +1072,14 @@ mod tests {
             ("#x", "\"#x\""),
             ("a\nb", "\"a\\nb\""),
             ("-x", "\"-x\""),
-            ("bell\u{7}", "\"bell\\u0007\""),
+            ("bell\u{7}", "\"bell\\x07\""),
         ] {
-            assert_eq!(yaml_scalar(input), want, "{input:?}");
+            let scalar = crate::artifact::yaml_scalar(input);
+            assert_eq!(scalar, want, "{input:?}");
+            // Read back as the same string.
+            let map: BTreeMap<String, String> =
+                serde_saphyr::from_str(&format!("k: {scalar}\n")).unwrap();
+            assert_eq!(map["k"], input, "{scalar}");
         }
     }
 

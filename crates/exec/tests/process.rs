@@ -20,6 +20,17 @@ fn exists(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 }
 }
 
+/// True once `pid` has exited: it is a zombie waiting to be reaped, or gone.
+fn has_exited(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // `pid (comm) S …`: the state follows the last `)`.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
 fn pids(text: &str) -> Vec<i32> {
     let pids: Vec<i32> = text.lines().map(|l| l.trim().parse().unwrap()).collect();
     assert!(!pids.is_empty(), "no pids in {text:?}");
@@ -238,7 +249,12 @@ async fn a_daemon_that_left_the_group_is_reaped_when_it_exits() {
     assert_eq!(out.status, ExitKind::Exited(0));
     let pid = pids(&out.stdout_lossy())[0];
     assert!(exists(pid), "the daemon should have escaped the group kill");
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    // Wait (polling, with a deadline) until the daemon has exited: a zombie, or already gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !has_exited(pid) {
+        assert!(Instant::now() < deadline, "the daemon {pid} did not exit");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     run(&Cmd::new("true")).await.unwrap();
     assert!(!exists(pid), "the exited daemon {pid} was left as a zombie");
 }

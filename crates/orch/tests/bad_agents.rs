@@ -7,9 +7,9 @@ mod common;
 
 use std::path::Path;
 use std::process::Stdio;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use common::{ORCH, demo_setup, open};
+use common::{ORCH, demo_setup, open, wait_terminal};
 
 fn script(dir: &Path, name: &str, body: &str) -> String {
     use std::os::unix::fs::PermissionsExt as _;
@@ -76,22 +76,10 @@ exit 0"#,
         .spawn()
         .unwrap();
     let store = open(&dir).await;
-    let t0 = Instant::now();
     let mut ended = Vec::new();
-    while ended.len() < 3 {
-        ended.clear();
-        for id in ["APP-1", "APP-2", "APP-3"] {
-            let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
-            if t.is_terminal() {
-                ended.push(t);
-            }
-        }
+    for id in ["APP-1", "APP-2", "APP-3"] {
         // Retries back off 1 s, 2 s between the 3 attempts.
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "tasks did not end: {ended:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        ended.push(wait_terminal(&store, id, Duration::from_secs(120)).await);
     }
     // SAFETY: signalling our own child.
     unsafe { libc::kill(serve.id().unwrap() as i32, libc::SIGTERM) };

@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{ORCH, become_subreaper, demo_setup, python_available, terminate};
+use common::{ORCH, become_subreaper, demo_setup, python_available, skip, terminate};
 use orch_store::{ConnectOptions, Store};
 
 const ITEMS: usize = 4;
@@ -71,8 +71,7 @@ fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_worker_processes_merge_four_items_without_losing_one() {
     if !python_available() {
-        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
-        return;
+        return skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ORCH, become_subreaper, demo_setup, open, reap_orphans, stop_service, terminate};
+use common::{
+    ORCH, become_subreaper, demo_setup, open, reap_orphans, stop_service, terminate, wait_for_task,
+};
 use orch_store::{AdvanceStage, Fence, NewEvent, Store, Task};
 
 fn orch(config: &Path, args: &[&str]) -> Output {
@@ -22,19 +24,7 @@ fn orch(config: &Path, args: &[&str]) -> Output {
 }
 
 async fn wait_for(store: &Store, id: &str, what: &str, pred: impl Fn(&Task) -> bool) -> Task {
-    let t0 = Instant::now();
-    loop {
-        if let Some(t) = store.get_task_by_work_item(id).await.unwrap()
-            && pred(&t)
-        {
-            return t;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(120),
-            "{id}: timed out waiting for {what}"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for_task(store, id, Duration::from_secs(120), what, pred).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,8 +68,23 @@ async fn approve_cancel_and_retry() {
         })
         .await;
     }
-    // Waiting means no job: nothing runs until an operator approves.
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // Waiting means no job: once the task has no queued or running job (polled, with a
+    // deadline), nothing can run until an operator approves.
+    let t1 = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
+    let t0 = Instant::now();
+    while store
+        .task_jobs(t1.id)
+        .await
+        .unwrap()
+        .iter()
+        .any(|j| j.state.is_live())
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "APP-1 still has a live job while it waits for approval"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let t1 = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
     assert_eq!(t1.stage, "architecture", "still waiting without approval");
     assert!(

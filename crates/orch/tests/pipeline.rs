@@ -10,23 +10,13 @@ use std::time::{Duration, Instant};
 
 use common::{
     ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
-    stop_service,
+    skip, stop_service, task, wait_terminal,
 };
-use orch_store::{Store, Task};
-
-async fn task(store: &Store, id: &str) -> Task {
-    store
-        .get_task_by_work_item(id)
-        .await
-        .unwrap()
-        .unwrap_or_else(|| panic!("{id} exists"))
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back() {
     if !python_available() {
-        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
-        return;
+        return skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
@@ -165,8 +155,7 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishes() {
     if !python_available() {
-        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
-        return;
+        return skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
@@ -217,19 +206,7 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
     assert!(worktree.exists(), "the worktree survives the crash");
 
     let serve = Serve::start(&dir, 50);
-    let t0 = Instant::now();
-    let done = loop {
-        let t = task(&store, "APP-1").await;
-        if t.is_terminal() {
-            break t;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(240),
-            "APP-1 did not finish after the restart (at {})",
-            t.stage
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let done = wait_terminal(&store, "APP-1", Duration::from_secs(240)).await;
     serve.terminate().await;
     stop_service(&dir);
     reap_orphans();

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 use axum::Json;
 use axum::extract::State;
 use common::{
-    ORCH, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
-    stop_service, terminate,
+    ORCH, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans, skip,
+    stop_service, terminate, wait_terminal,
 };
 
 #[derive(Default)]
@@ -111,8 +111,7 @@ async fn chat(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_llm_stage_through_an_openai_compatible_endpoint() {
     if !python_available() {
-        eprintln!("python3 is not installed: the sample service cannot run; skipping");
-        return;
+        return skip("python3 is not installed: the sample service cannot run");
     }
     become_subreaper();
     let seen = Arc::new(Mutex::new(Seen::default()));
@@ -180,19 +179,7 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         .spawn()
         .unwrap();
     let store = open(&dir).await;
-    let t0 = Instant::now();
-    let task = loop {
-        let t = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
-        if t.is_terminal() {
-            break t;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(180),
-            "APP-1 stuck at {}",
-            t.stage
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let task = wait_terminal(&store, "APP-1", Duration::from_secs(180)).await;
     // The last job commits its completion after the task reaches `done`; its duration is
     // recorded before that commit, so once no job of the task is live, /metrics has them all.
     let settle = Instant::now();

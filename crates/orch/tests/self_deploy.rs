@@ -4,17 +4,17 @@
 
 mod common;
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{
-    Serve, become_subreaper, demo_setup, open, python_available, reap_orphans, stop_service,
+    Serve, become_subreaper, demo_setup, open, python_available, reap_orphans, skip, stop_service,
+    wait_terminal,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_deploy_that_kills_its_own_orch_is_finalized_after_the_restart() {
     if !python_available() {
-        eprintln!("python3 is not installed: the sample service cannot run; skipping");
-        return;
+        return skip("python3 is not installed: the sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
@@ -81,19 +81,7 @@ async fn a_deploy_that_kills_its_own_orch_is_finalized_after_the_restart() {
     );
 
     let second = Serve::start(&dir, 50);
-    let t0 = Instant::now();
-    let done = loop {
-        let t = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
-        if t.is_terminal() {
-            break t;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(180),
-            "APP-1 stuck at {}",
-            t.stage
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let done = wait_terminal(&store, "APP-1", Duration::from_secs(180)).await;
     second.terminate().await;
     stop_service(&dir);
     reap_orphans();

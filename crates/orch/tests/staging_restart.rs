@@ -13,7 +13,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use common::{
-    ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
+    ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans, skip,
 };
 use orch_domain::staging::{DEFER_MARKER_PREFIX, defer_marker};
 use orch_store::{Store, Task};
@@ -107,8 +107,7 @@ fn staging_counters(port: u16) -> Option<BTreeMap<String, u64>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
     if !python_available() {
-        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
-        return;
+        return skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();

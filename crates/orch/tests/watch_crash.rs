@@ -8,11 +8,11 @@
 mod common;
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use common::{
     ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans,
-    stop_service,
+    skip, stop_service, wait_for_task,
 };
 use orch_store::{Store, Task};
 use rand::rngs::StdRng;
@@ -41,19 +41,7 @@ fn orch(dir: &Path, args: &[&str]) {
 
 /// Waits until `id` satisfies `done`, failing after `limit`.
 async fn wait_for(store: &Store, id: &str, limit: Duration, done: impl Fn(&Task) -> bool) -> Task {
-    let t0 = Instant::now();
-    loop {
-        let t = task(store, id).await;
-        if let Some(t) = t.as_ref().filter(|t| done(t)) {
-            return t.clone();
-        }
-        assert!(
-            t0.elapsed() < limit,
-            "{id} did not get there within {limit:?} (at {:?})",
-            t.map(|t| t.stage)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    wait_for_task(store, id, limit, "awaited stage", done).await
 }
 
 /// The `(tick, check)` pairs of the `## Series` table of a post-deploy log, in order.
@@ -76,8 +64,7 @@ fn series_rows(log: &str) -> Vec<(u32, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_watch_killed_at_random_instants_counts_each_tick_once_and_rolls_back_once() {
     if !python_available() {
-        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
-        return;
+        return skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();

@@ -23,7 +23,7 @@ use orch_runner::counters::Counters;
 use orch_runner::deploy::{DeployerExecutor, events, finalize_marker_prefix};
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
-use orch_store::{JobCount, Lease, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
+use orch_store::{JobCount, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
 
 const ITEM: &str = "ORCH-7";
 
@@ -156,20 +156,18 @@ impl Fx {
     }
 
     async fn run_of(&self, job_id: i64) -> StageRun {
-        let job = self.db.store.get_job(job_id).await.unwrap().unwrap();
-        let lease = Lease { job_id, attempt: 1 };
+        let run = common::run_of(
+            &self.db,
+            &self.task,
+            job_id,
+            &self.repo_dir,
+            self.repo.clone(),
+        );
         StageRun {
             git: self.git.clone(),
             counters: self.counters.clone(),
             node: "node-a".into(),
-            ..common::stage_run(
-                &self.db,
-                &self.task,
-                job,
-                lease,
-                &self.repo_dir,
-                self.repo.clone(),
-            )
+            ..run.await
         }
     }
 

@@ -27,9 +27,7 @@ use orch_runner::deploy::{
 };
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
-use orch_store::{
-    AdvanceStage, Fence, JobCount, Lease, NewEvent, NewJob, NewTask, Task, WorkItemSpec,
-};
+use orch_store::{AdvanceStage, Fence, JobCount, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
 
 const ITEM: &str = "ORCH-21";
 const REV: &str = "4f2a9c1e0b7d3a5f6e8c9b0a1d2e3f4a5b6c7d8e";
@@ -188,19 +186,17 @@ impl Fx {
     }
 
     async fn run_of(&self, job_id: i64) -> StageRun {
-        let job = self.db.store.get_job(job_id).await.unwrap().unwrap();
-        let lease = Lease { job_id, attempt: 1 };
+        let run = common::run_of(
+            &self.db,
+            &self.task,
+            job_id,
+            &self.repo_dir,
+            self.repo.clone(),
+        );
         StageRun {
             counters: self.counters.clone(),
             node: "node-a".into(),
-            ..common::stage_run(
-                &self.db,
-                &self.task,
-                job,
-                lease,
-                &self.repo_dir,
-                self.repo.clone(),
-            )
+            ..run.await
         }
     }
 

@@ -161,15 +161,22 @@ async fn hostile_steps_have_defined_outcomes() {
         Want::Log(StagingStatus::Success, "none"),
     )
     .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let ps = std::process::Command::new("ps")
-        .args(["-eo", "args"])
-        .output()
-        .unwrap();
-    assert!(
-        !String::from_utf8_lossy(&ps.stdout).contains(&marker),
-        "the left-behind daemon was stopped"
-    );
+    // The daemon is stopped with the step's group; poll (with a deadline) until it is gone.
+    let t0 = Instant::now();
+    loop {
+        let ps = std::process::Command::new("ps")
+            .args(["-eo", "args"])
+            .output()
+            .unwrap();
+        if !String::from_utf8_lossy(&ps.stdout).contains(&marker) {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the left-behind daemon was not stopped"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // A build step that ignores SIGTERM and hangs: killed at its timeout, infrastructure (defer).
     let t0 = Instant::now();
     check(

@@ -147,23 +147,20 @@ where
     })
 }
 
-/// A row of `sql::USAGE_BY_AGENT`: agent, runs, input tokens, output tokens, cost.
-pub(crate) fn agent_usage<R: Row>(row: R) -> Result<(String, Usage)>
+/// Runs, input tokens, output tokens and cost from the row's columns `at..at + 4` (the
+/// aggregates of `sql::TASK_USAGE` and `sql::USAGE_BY_AGENT`, which never return NULL).
+pub(crate) fn usage<R: Row>(row: &R, at: usize) -> Result<Usage>
 where
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     for<'r> f64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
     usize: sqlx::ColumnIndex<R>,
 {
-    Ok((
-        row.try_get(0)?,
-        Usage {
-            runs: row.try_get(1)?,
-            input_tokens: row.try_get(2)?,
-            output_tokens: row.try_get(3)?,
-            cost_usd: row.try_get(4)?,
-        },
-    ))
+    Ok(Usage {
+        runs: row.try_get(at)?,
+        input_tokens: row.try_get(at + 1)?,
+        output_tokens: row.try_get(at + 2)?,
+        cost_usd: row.try_get(at + 3)?,
+    })
 }
 
 pub(crate) fn live_lease<R: Row>(row: R) -> Result<LiveLease>
@@ -182,4 +179,32 @@ where
         attempt: row.try_get(4)?,
         expires_at: row.try_get(5)?,
     })
+}
+
+/// The answer of `complete_and_claim` from what its statement returned: the claimed jobs in
+/// claim order, and the completions whose fence did not hold (not among `done_ids`).
+pub(crate) fn completed_and_claimed(
+    done: &[Lease],
+    done_ids: &[i64],
+    claimed: Vec<Job>,
+) -> CompleteAndClaim {
+    let mut claimed: Vec<ClaimedJob> = claimed
+        .into_iter()
+        .map(|job| ClaimedJob {
+            lease: Lease {
+                job_id: job.id,
+                attempt: job.attempt,
+            },
+            job,
+        })
+        .collect();
+    claimed.sort_by_key(|c| (-c.job.priority, c.job.available_at, c.job.id));
+    CompleteAndClaim {
+        claimed,
+        fenced: done
+            .iter()
+            .filter(|l| !done_ids.contains(&l.job_id))
+            .copied()
+            .collect(),
+    }
 }

@@ -2,9 +2,12 @@
 //! job queue whose every state change is fenced, and `advance_stage`, the only writer of
 //! `tasks.stage`.
 //!
-//! One driver per database, each with its own SQL and migrations ([`sqlite`], [`postgres`]),
-//! behind one [`Store`] type; one conformance suite (`tests/conformance.rs`) runs the same test
-//! functions against both. A new backend = implement the same methods + pass the suite.
+//! The rules are written once ([`db::Db`]) above a small per-database [`driver::Driver`]
+//! (transactions, the row-lock suffix, cross-process locks, the few statements each database
+//! writes its own way); each driver module ([`sqlite`], [`postgres`]) adds only its hot path,
+//! bulk insert, connection, schema dump and wake-ups, with its migrations. One [`Store`] type
+//! chooses the database; one conformance suite (`tests/conformance.rs`) runs the same test
+//! functions against both. A new backend = a `Driver` + its own few operations + the suite.
 //!
 //! Invariants (see ARCHITECTURE.md):
 //! - Only this crate has SQL.
@@ -18,6 +21,8 @@
 
 mod clock;
 mod common;
+pub mod db;
+pub mod driver;
 mod error;
 mod migrate;
 mod model;
@@ -494,7 +499,8 @@ fn validate_claim(claim: &Claim) -> Result<()> {
     Ok(())
 }
 
-/// The dedupe key `advance_stage` gives a next job that has none.
+/// The dedupe key `advance_stage` gives a next job that has none
+/// (`orch_domain::control::dedupe::stage_job`).
 pub fn stage_job_key(task_id: i64, stage_seq: i64) -> String {
-    format!("stage:{task_id}:{stage_seq}")
+    orch_domain::control::dedupe::stage_job(task_id, stage_seq)
 }

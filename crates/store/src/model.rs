@@ -6,14 +6,10 @@
 /// Epoch milliseconds.
 pub type Millis = i64;
 
-/// The stages that end a task. The store knows them only to keep finished tasks' jobs
-/// collectable and to refuse work on a finished task.
-pub const TERMINAL_STAGES: [&str; 3] = ["done", "failed", "cancelled"];
-
-/// True when `stage` ends a task.
-pub fn is_terminal_stage(stage: &str) -> bool {
-    TERMINAL_STAGES.contains(&stage)
-}
+/// The stages that end a task (`orch_domain::control`). The store knows them only to keep
+/// finished tasks' jobs collectable and to refuse work on a finished task; its SQL spells
+/// them in `sql::FAIL_TASK` and `sql::CLEANUP_FINISHED`.
+pub use orch_domain::control::{TERMINAL_STAGES, is_terminal_stage};
 
 /// The lifecycle of a job row.
 ///

@@ -1,5 +1,7 @@
 //! SQL text that is the same on both backends (both accept `$N` parameters). Statements that
-//! differ live in their driver module.
+//! differ are a driver's constants (`driver.rs`) or live in the driver's module.
+
+use std::sync::LazyLock;
 
 pub const JOB_COLUMNS: &str = "id, task_id, agent, task_content, state, priority, attempt, \
      max_attempts, available_at, lease_expires_at, locked_by, dedupe_key, node, last_error, \
@@ -118,6 +120,52 @@ pub const USAGE_BY_AGENT: &str = "SELECT agent, count(*), \
 
 pub const COUNT_TASKS_BY_STAGE: &str =
     "SELECT stage, count(*) FROM tasks GROUP BY stage ORDER BY stage";
+
+/// `$1 older_than, $2 limit`: finished jobs of ended tasks (or of no task).
+pub const CLEANUP_FINISHED: &str = "DELETE FROM jobs WHERE id IN (SELECT j.id FROM jobs j \
+     LEFT JOIN tasks t ON t.id = j.task_id \
+     WHERE j.state IN ('done', 'failed', 'cancelled') AND j.finished_at < $1 \
+     AND (j.task_id IS NULL OR t.stage IN ('done', 'failed', 'cancelled')) LIMIT $2)";
+
+/// `$1 kind` → the `data` of every event of that kind (the schema version is read from them).
+pub const EVENT_DATA_OF_KIND: &str = "SELECT data FROM events WHERE kind = $1";
+
+pub static JOB_BY_ID: LazyLock<String> = LazyLock::new(|| select_jobs("WHERE id = $1"));
+pub static TASK_JOBS: LazyLock<String> =
+    LazyLock::new(|| select_jobs("WHERE task_id = $1 ORDER BY id"));
+pub static TASK_BY_ID: LazyLock<String> = LazyLock::new(|| select_tasks("WHERE id = $1"));
+pub static TASK_BY_WORK_ITEM: LazyLock<String> =
+    LazyLock::new(|| select_tasks("WHERE work_item_id = $1"));
+
+/// `$1 work_item_id, $2 repo, $3 title, $4 body, $5 stage, $6 branch, $7 now` → the task; no
+/// row when the work item id is taken.
+pub static INSERT_TASK: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "INSERT INTO tasks (work_item_id, repo, title, body, stage, stage_seq, branch, \
+         created_at, updated_at) VALUES ($1, $2, $3, $4, $5, 0, $6, $7, $7) \
+         ON CONFLICT (work_item_id) DO NOTHING RETURNING {TASK_COLUMNS}"
+    )
+});
+
+/// `$1 id, $2 new stage, $3 now, $4 expected stage, $5 expected stage_seq` → the task.
+pub static ADVANCE_TASK: LazyLock<String> = LazyLock::new(|| {
+    format!(
+        "UPDATE tasks SET stage = $2, stage_seq = stage_seq + 1, updated_at = $3 \
+         WHERE id = $1 AND stage = $4 AND stage_seq = $5 RETURNING {TASK_COLUMNS}"
+    )
+});
+
+pub static TASK_EVENTS: LazyLock<String> =
+    LazyLock::new(|| format!("SELECT {EVENT_COLUMNS} FROM events WHERE task_id = $1 ORDER BY id"));
+
+/// `$1 kind, $2 after id, $3 limit`.
+pub static EVENTS_BY_KIND: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {EVENT_COLUMNS} FROM events WHERE kind = $1 AND id > $2 ORDER BY id LIMIT $3")
+});
+
+pub static TASK_AGENT_RUNS: LazyLock<String> = LazyLock::new(|| {
+    format!("SELECT {AGENT_RUN_COLUMNS} FROM agent_runs WHERE task_id = $1 ORDER BY id")
+});
 
 pub fn select_jobs(where_clause: &str) -> String {
     format!("SELECT {JOB_COLUMNS} FROM jobs {where_clause}")

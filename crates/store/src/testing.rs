@@ -16,6 +16,16 @@ pub fn pg_admin_url() -> String {
         .unwrap_or_else(|_| "postgres://root@127.0.0.1:5432/test".to_owned())
 }
 
+/// The backend `ORCH_TEST_BACKEND` names (`sqlite` when unset). Panics on any other value, so
+/// a typo cannot silently run the suite on the default.
+pub fn backend_from_env() -> Backend {
+    match std::env::var("ORCH_TEST_BACKEND").as_deref() {
+        Err(_) | Ok("") | Ok("sqlite") => Backend::Sqlite,
+        Ok("postgres") => Backend::Postgres,
+        Ok(other) => panic!("ORCH_TEST_BACKEND={other:?}: expected sqlite or postgres"),
+    }
+}
+
 /// A migrated store for one test. Dropping it leaves the files/schema behind until the process
 /// ends (SQLite: the temp dir is removed; PostgreSQL: the next test run drops the schema).
 pub struct TestDb {
@@ -35,6 +45,13 @@ impl TestDb {
             Backend::Sqlite => TestDb::sqlite().await,
             Backend::Postgres => TestDb::postgres().await,
         }
+    }
+
+    /// A store on the backend named by `ORCH_TEST_BACKEND` (`sqlite`, the default, or
+    /// `postgres`): for suites that are not written once per backend but should run on both
+    /// (`scripts/test` runs them a second time with `ORCH_TEST_BACKEND=postgres`).
+    pub async fn from_env() -> TestDb {
+        TestDb::new(backend_from_env()).await
     }
 
     pub async fn sqlite() -> TestDb {

@@ -57,6 +57,10 @@ conformance!(
     wakeups_fire_on_enqueue,
     agent_runs_and_usage,
     bulk_enqueue_skips_duplicates,
+    list_tasks_filters_and_pages_newest_first,
+    cancel_task_jobs_spares_the_kept_job_and_fences_workers,
+    appended_events_are_read_back_by_task_and_by_kind,
+    target_names_the_database_and_close_ends_the_store,
 );
 
 const LEASE: i64 = 30_000;
@@ -1142,5 +1146,261 @@ async fn bulk_enqueue_skips_duplicates(db: TestDb) {
         stats.counts.iter().all(|c| c.agent != "kind.d"),
         "{:?}",
         stats.counts
+    );
+}
+
+async fn task_in(store: &Store, repo: &str, stage: &str) -> Task {
+    store
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Next {
+                prefix: "LIST".into(),
+            },
+            repo: repo.into(),
+            title: format!("{repo} {stage}"),
+            body: String::new(),
+            stage: stage.into(),
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new("task.submitted", "submitted"),
+            first_job: None,
+        })
+        .await
+        .expect("create task")
+}
+
+async fn list_tasks_filters_and_pages_newest_first(db: TestDb) {
+    let s = &db.store;
+    assert!(s.count_tasks_by_stage().await.unwrap().is_empty());
+    let a1 = task_in(s, "alpha", "intake").await;
+    let b1 = task_in(s, "beta", "intake").await;
+    let a2 = task_in(s, "alpha", "review").await;
+    let a3 = task_in(s, "alpha", "intake").await;
+    let ids = |tasks: Vec<Task>| tasks.iter().map(|t| t.id).collect::<Vec<_>>();
+    let all = TaskFilter {
+        limit: 100,
+        ..TaskFilter::default()
+    };
+    assert_eq!(
+        ids(s.list_tasks(&all).await.unwrap()),
+        vec![a3.id, a2.id, b1.id, a1.id],
+        "newest first"
+    );
+    let alpha_intake = TaskFilter {
+        stage: Some("intake".into()),
+        repo: Some("alpha".into()),
+        limit: 100,
+        offset: 0,
+    };
+    assert_eq!(
+        ids(s.list_tasks(&alpha_intake).await.unwrap()),
+        vec![a3.id, a1.id]
+    );
+    let beta = TaskFilter {
+        repo: Some("beta".into()),
+        limit: 100,
+        ..TaskFilter::default()
+    };
+    assert_eq!(ids(s.list_tasks(&beta).await.unwrap()), vec![b1.id]);
+    let review = TaskFilter {
+        stage: Some("review".into()),
+        limit: 100,
+        ..TaskFilter::default()
+    };
+    assert_eq!(ids(s.list_tasks(&review).await.unwrap()), vec![a2.id]);
+    let nothing = TaskFilter {
+        repo: Some("gamma".into()),
+        limit: 100,
+        ..TaskFilter::default()
+    };
+    assert!(s.list_tasks(&nothing).await.unwrap().is_empty());
+    // Paging: limit and offset; a limit of 0 still returns one row (clamped to 1..=1000).
+    let page = TaskFilter {
+        limit: 2,
+        offset: 1,
+        ..TaskFilter::default()
+    };
+    assert_eq!(ids(s.list_tasks(&page).await.unwrap()), vec![a2.id, b1.id]);
+    let past_end = TaskFilter {
+        limit: 2,
+        offset: 4,
+        ..TaskFilter::default()
+    };
+    assert!(s.list_tasks(&past_end).await.unwrap().is_empty());
+    assert_eq!(
+        ids(s.list_tasks(&TaskFilter::default()).await.unwrap()),
+        vec![a3.id]
+    );
+    // The rows are whole tasks.
+    let listed = s.list_tasks(&beta).await.unwrap().remove(0);
+    assert_eq!(listed, s.get_task(b1.id).await.unwrap().unwrap());
+
+    // Counts by stage, sorted by stage, follow stage changes.
+    assert_eq!(
+        s.count_tasks_by_stage().await.unwrap(),
+        vec![("intake".to_owned(), 3), ("review".to_owned(), 1)]
+    );
+    s.advance_stage(AdvanceStage {
+        task_id: a1.id,
+        expected_stage: "intake".into(),
+        new_stage: "done".into(),
+        fence: Fence::Seq(a1.stage_seq),
+        event: NewEvent::new("task.done", "done"),
+        next_job: None,
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        s.count_tasks_by_stage().await.unwrap(),
+        vec![
+            ("done".to_owned(), 1),
+            ("intake".to_owned(), 2),
+            ("review".to_owned(), 1)
+        ]
+    );
+}
+
+async fn cancel_task_jobs_spares_the_kept_job_and_fences_workers(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, true).await;
+    let other = new_task(s, false).await;
+    let running = claim_one(s, "w1").await;
+    assert_eq!(running.job.task_id, Some(task.id));
+    let finished = s
+        .enqueue(NewJob::new("noop", "finished").task(task.id))
+        .await
+        .unwrap()
+        .job_id;
+    let lease = claim_one(s, "w2").await;
+    assert_eq!(lease.job.id, finished);
+    s.mark_job(lease.lease, JobOutcome::Done, None)
+        .await
+        .unwrap();
+    let delayed = s
+        .enqueue(NewJob::new("tester", "later").task(task.id).delay_s(60))
+        .await
+        .unwrap()
+        .job_id;
+    let kept = s
+        .enqueue(NewJob::new("tester", "keep").task(task.id))
+        .await
+        .unwrap()
+        .job_id;
+    let untouched = s
+        .enqueue(NewJob::new("tester", "another task").task(other.id))
+        .await
+        .unwrap()
+        .job_id;
+    db.clock.advance_ms(10);
+
+    let cancelled = s.cancel_task_jobs(task.id, Some(kept)).await.unwrap();
+    assert_eq!(cancelled, 2, "the running and the delayed job");
+    let state = |id| async move { s.get_job(id).await.unwrap().unwrap().state };
+    assert_eq!(state(running.job.id).await, JobState::Cancelled);
+    assert_eq!(state(delayed).await, JobState::Cancelled);
+    assert_eq!(state(kept).await, JobState::Queued, "kept");
+    assert_eq!(
+        state(finished).await,
+        JobState::Done,
+        "a finished job stays"
+    );
+    assert_eq!(state(untouched).await, JobState::Queued, "another task's");
+    let row = s.get_job(delayed).await.unwrap().unwrap();
+    assert_eq!(row.finished_at, Some(T0 + 10));
+
+    // The worker of the cancelled running job has lost its lease.
+    let err = s
+        .mark_job(running.lease, JobOutcome::Done, None)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::LeaseLost { .. }), "{err}");
+
+    // Without `keep`, the rest goes too; a second call finds nothing.
+    assert_eq!(s.cancel_task_jobs(task.id, None).await.unwrap(), 1);
+    assert_eq!(state(kept).await, JobState::Cancelled);
+    assert_eq!(s.cancel_task_jobs(task.id, None).await.unwrap(), 0);
+    assert_eq!(state(untouched).await, JobState::Queued);
+}
+
+async fn appended_events_are_read_back_by_task_and_by_kind(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, true).await;
+    let job = claim_one(s, "w").await;
+    db.clock.advance_ms(250);
+    let first = s
+        .append_event(
+            NewEvent::new("probe.result", "healthy")
+                .task(task.id)
+                .job(job.job.id)
+                .stage("intake")
+                .data(r#"{"ok":true,"n":1}"#),
+        )
+        .await
+        .unwrap();
+    let global = s
+        .append_event(NewEvent::new("probe.result", "no task"))
+        .await
+        .unwrap();
+    let other_kind = s
+        .append_event(NewEvent::new("note", "a note").task(task.id))
+        .await
+        .unwrap();
+    assert!(first < global && global < other_kind, "ids grow");
+
+    let events = s.task_events(task.id).await.unwrap();
+    let kinds: Vec<&str> = events.iter().map(|e| e.kind.as_str()).collect();
+    assert_eq!(
+        kinds,
+        vec!["task.submitted", "probe.result", "note"],
+        "oldest first, only this task's"
+    );
+    let e = &events[1];
+    assert_eq!(e.id, first);
+    assert_eq!(e.task_id, Some(task.id));
+    assert_eq!(e.job_id, Some(job.job.id));
+    assert_eq!(e.stage.as_deref(), Some("intake"));
+    assert_eq!(e.message, "healthy");
+    let data: serde_json::Value = serde_json::from_str(&e.data).unwrap();
+    assert_eq!(data, serde_json::json!({"ok": true, "n": 1}));
+    assert_eq!(
+        e.created_at,
+        T0 + 250,
+        "the store's clock, not the server's"
+    );
+    assert_eq!(events[2].data, "{}", "no data is an empty object");
+    assert_eq!(events[2].stage, None);
+
+    let by_kind = s.events_by_kind("probe.result", 0, 10).await.unwrap();
+    assert_eq!(
+        by_kind.iter().map(|e| e.id).collect::<Vec<_>>(),
+        vec![first, global]
+    );
+    assert_eq!(by_kind[1].task_id, None);
+    let after = s.events_by_kind("probe.result", first, 10).await.unwrap();
+    assert_eq!(after.iter().map(|e| e.id).collect::<Vec<_>>(), vec![global]);
+    let limited = s.events_by_kind("probe.result", 0, 1).await.unwrap();
+    assert_eq!(
+        limited.iter().map(|e| e.id).collect::<Vec<_>>(),
+        vec![first]
+    );
+    assert!(s.events_by_kind("none", 0, 10).await.unwrap().is_empty());
+}
+
+async fn target_names_the_database_and_close_ends_the_store(db: TestDb) {
+    let s = &db.store;
+    let target = s.target();
+    match s.backend() {
+        Backend::Sqlite => {
+            assert!(target.starts_with("sqlite://"), "{target}");
+            assert!(target.ends_with("orch.db"), "{target}");
+        }
+        Backend::Postgres => assert!(target.starts_with("postgres"), "{target}"),
+    }
+    assert_eq!(s.now_ms(), T0);
+    assert_eq!(s.clock().now_ms(), T0);
+    new_task(s, true).await;
+    s.close().await;
+    assert!(s.get_task(1).await.is_err(), "a closed store refuses reads");
+    assert!(
+        s.enqueue(NewJob::new("noop", "x")).await.is_err(),
+        "and writes"
     );
 }

@@ -1,6 +1,5 @@
 //! One module per subcommand; `run` dispatches.
 
-mod bench;
 mod doctor;
 mod init;
 mod queue;
@@ -12,7 +11,7 @@ use std::process::ExitCode;
 use anyhow::Result;
 use orch_store::ConnectOptions;
 
-use crate::cli::{BenchCommand, Cli, Command};
+use crate::cli::{Cli, Command};
 use crate::context::Context;
 
 pub async fn run(cli: Cli) -> Result<ExitCode> {
@@ -37,9 +36,6 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Approve(args) => tasks::operate(&cx, tasks::Op::Approve, &args.id).await,
         Command::Retry(args) => tasks::operate(&cx, tasks::Op::Retry, &args.id).await,
         Command::Cancel(args) => tasks::operate(&cx, tasks::Op::Cancel, &args.id).await,
-        Command::Bench(BenchCommand::Queue(args)) => bench::queue(&cx, args).await,
-        Command::Bench(BenchCommand::QueueApi(args)) => bench::queue_api(&cx, args).await,
-        Command::Bench(BenchCommand::Serve { runs }) => bench::serve(&cx, runs).await,
     }
 }
 

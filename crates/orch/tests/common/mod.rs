@@ -1,15 +1,16 @@
 //! The process helpers the end-to-end tests of the `orch` binary share: reaping the orphans the
 //! demo leaves, stopping the demo's sample service, reading a committed file, opening the demo's
-//! database, `orch demo --setup-only`, and an `orch serve` child that can be killed as a group
-//! or stopped with SIGTERM.
+//! database, `orch demo --setup-only`, an `orch serve` child that can be killed as a group
+//! or stopped with SIGTERM, waiting for a task (polling with a deadline), and reporting a test
+//! that cannot run here as skipped.
 
 #![allow(dead_code)]
 
 use std::path::Path;
 use std::process::Stdio;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use orch_store::{ConnectOptions, Store};
+use orch_store::{ConnectOptions, Store, Task};
 
 /// The `orch` binary under test.
 pub const ORCH: &str = env!("CARGO_BIN_EXE_orch");
@@ -61,6 +62,58 @@ pub fn git_show(repo: &Path, rev_path: &str) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// A test that cannot run on this machine (a missing tool): prints `SKIPPED: <reason>` so the
+/// run shows it, and passes — unless `ORCH_REQUIRE_ALL=1` (set it where every test must run,
+/// e.g. CI), which turns the skip into a failure. Use as `return skip("…")`.
+pub fn skip(reason: &str) {
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("this test")
+        .to_owned();
+    if std::env::var("ORCH_REQUIRE_ALL").is_ok_and(|v| v == "1") {
+        panic!("{test} cannot run here ({reason}) and ORCH_REQUIRE_ALL=1");
+    }
+    eprintln!("SKIPPED: {test}: {reason}");
+}
+
+/// The task of work item `id`, which must exist.
+pub async fn task(store: &Store, id: &str) -> Task {
+    store
+        .get_task_by_work_item(id)
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("{id} exists"))
+}
+
+/// Polls (every 100 ms) until work item `id`'s task satisfies `reached`, and returns it; fails
+/// after `limit`, saying what was awaited and where the task was.
+pub async fn wait_for_task(
+    store: &Store,
+    id: &str,
+    limit: Duration,
+    what: &str,
+    reached: impl Fn(&Task) -> bool,
+) -> Task {
+    let t0 = Instant::now();
+    loop {
+        let t = store.get_task_by_work_item(id).await.unwrap();
+        if let Some(t) = t.as_ref().filter(|t| reached(t)) {
+            return t.clone();
+        }
+        assert!(
+            t0.elapsed() < limit,
+            "{id}: no {what} within {limit:?} (at {:?})",
+            t.map(|t| t.stage)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// [`wait_for_task`] until the task is in a terminal stage (`done`, `failed`, `cancelled`).
+pub async fn wait_terminal(store: &Store, id: &str, limit: Duration) -> Task {
+    wait_for_task(store, id, limit, "terminal stage", Task::is_terminal).await
 }
 
 /// The demo's database in `dir`.

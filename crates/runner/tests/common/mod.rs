@@ -106,8 +106,26 @@ pub async fn enqueue(db: &TestDb, task: &Task, agent: &str, content: String) -> 
         .await
         .unwrap()
         .job_id;
+    first_lease(db, job_id).await
+}
+
+/// Job `job_id` with the lease its first claim gives it (attempt 1).
+pub async fn first_lease(db: &TestDb, job_id: i64) -> (Job, Lease) {
     let job = db.store.get_job(job_id).await.unwrap().unwrap();
     (job, Lease { job_id, attempt: 1 })
+}
+
+/// The `StageRun` of the existing job `job_id` of `task` under its first lease: the one fixture
+/// for "run this job as the engine would" ([`stage_run`] with [`first_lease`]).
+pub async fn run_of(
+    db: &TestDb,
+    task: &Task,
+    job_id: i64,
+    repo_dir: &Path,
+    repo: RepoConfig,
+) -> StageRun {
+    let (job, lease) = first_lease(db, job_id).await;
+    stage_run(db, task, job, lease, repo_dir, repo)
 }
 
 /// Creates task [`ID`] of repo `demo` at `stage` whose first job (of `agent`) is claimed.

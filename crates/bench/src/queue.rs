@@ -1,9 +1,10 @@
-//! `orch bench queue`: the peers' method (../shared/bench/README.md) applied to orch's queue.
-//! Workload A: bulk-enqueue N no-op jobs (chunks of 5,000), then drain them with P "processes"
-//! (each its own connection pool and worker runtime, in this process) × C concurrency, timing
-//! until no unfinished job is left (polled every 50 ms). Workload B: one idle worker
-//! (concurrency 1); 200 times, enqueue one job and wait for its handler to start; idle gaps of
-//! 20–100 ms. Figures are printed, never asserted.
+//! `orch-bench queue`: the peer queues' benchmark method (docs/benchmarks.md) applied to orch's
+//! queue. Workload A: bulk-enqueue N no-op jobs (chunks of 5,000), then drain them with P real
+//! `orch worker` processes × C concurrency, timing from their spawn until no unfinished job is
+//! left (polled every 20 ms). Workload B: one idle worker (concurrency 1); N times, enqueue one
+//! job and wait for its handler to start; idle gaps of 20–100 ms. `queue-api` times `GET /queue`
+//! over a large store; `serve` times `orch serve` start-up and idle memory. Figures are printed,
+//! never asserted.
 
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -16,9 +17,7 @@ use rand::{Rng as _, SeedableRng as _};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{BenchBackend, BenchQueueApiArgs, BenchQueueArgs};
-use crate::context::Context;
-
-mod pgbench;
+use crate::{Context, pgbench, print_json};
 
 struct Target {
     name: &'static str,
@@ -50,7 +49,7 @@ pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
         for (procs, conc) in [(1usize, 8usize), (2, 4)] {
             for batch in [1u32, args.claim_batch] {
                 let target = fresh_target(backend, &args).await?;
-                let r = throughput(&target, args.jobs, procs, conc, batch).await?;
+                let r = throughput(cx, &target, args.jobs, procs, conc, batch).await?;
                 let versus =
                     baseline.map(|b| r.jobs_per_s / if batch == 1 { b.per_job } else { b.batch10 });
                 eprintln!(
@@ -83,7 +82,7 @@ pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
         }));
     }
     if cx.json {
-        crate::output::print_json(&serde_json::Value::Array(results));
+        print_json(&serde_json::Value::Array(results));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -148,6 +147,7 @@ struct Throughput {
 }
 
 async fn throughput(
+    cx: &Context,
     target: &Target,
     n: usize,
     procs: usize,
@@ -167,12 +167,12 @@ async fn throughput(
     // The workers are real `orch worker` processes of this binary, as the peers' were their
     // own processes: started after the enqueue, the clock running from their spawn (start-up
     // included) until the store has no queued or running job, polled every 20 ms.
-    let exe = std::env::current_exe().context("cannot find this orch binary to spawn workers")?;
+    let exe = &cx.orch;
     let no_config = tempfile::tempdir().context("temp dir for the bench workers")?;
     let start = Instant::now();
     let mut children = Vec::with_capacity(procs);
     for p in 0..procs {
-        let child = tokio::process::Command::new(&exe)
+        let child = tokio::process::Command::new(exe)
             .arg("-q")
             .arg("--config")
             // Absent: the workers run only the built-in kinds, whatever the current directory.
@@ -300,9 +300,9 @@ fn percentile(v: &mut [f64], q: f64) -> f64 {
 /// Starts `orch serve` in a fresh project `runs` times: time until `/healthz` answers, and
 /// resident memory after 3 s idle.
 pub async fn serve(cx: &Context, runs: usize) -> Result<ExitCode> {
-    let exe = std::env::current_exe().context("cannot find the orch executable")?;
+    let exe = &cx.orch;
     let dir = tempfile::tempdir().context("cannot create a temp dir")?;
-    let init = tokio::process::Command::new(&exe)
+    let init = tokio::process::Command::new(exe)
         .arg("init")
         .current_dir(dir.path())
         .output()
@@ -319,7 +319,7 @@ pub async fn serve(cx: &Context, runs: usize) -> Result<ExitCode> {
             .local_addr()?
             .port();
         let t0 = Instant::now();
-        let mut child = tokio::process::Command::new(&exe)
+        let mut child = tokio::process::Command::new(exe)
             .args(["serve", "--bind", &format!("127.0.0.1:{port}")])
             .current_dir(dir.path())
             .env("ORCH_LOG", "error")
@@ -360,7 +360,7 @@ pub async fn serve(cx: &Context, runs: usize) -> Result<ExitCode> {
         startup_ms.len()
     );
     if cx.json {
-        crate::output::print_json(&serde_json::json!({
+        print_json(&serde_json::json!({
             "runs": startup_ms.len(), "startup_ms_p50": round2(p50_start), "idle_rss_mib_p50": round2(p50_rss),
         }));
     }
@@ -425,7 +425,7 @@ pub async fn queue_api(cx: &Context, args: BenchQueueApiArgs) -> Result<ExitCode
         }));
     }
     if cx.json {
-        crate::output::print_json(&serde_json::json!({ "queue_api": results }));
+        print_json(&serde_json::json!({ "queue_api": results }));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 
-/// The table and index of `../shared/bench/pgbench/jobq_setup.sql`.
+/// The table and index of the peers' pgbench setup script (`jobq_setup.sql`).
 const SETUP: &[&str] = &[
     "CREATE TABLE jobq (id bigserial PRIMARY KEY, state smallint NOT NULL DEFAULT 0, \
      locked_at timestamptz, locked_by int, done_at timestamptz, \

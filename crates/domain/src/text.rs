@@ -1,0 +1,92 @@
+//! Small text helpers the rendered artifacts share (staging log, post-deploy log, lessons,
+//! reports): RFC 3339 dates from epoch milliseconds without a clock or a time zone database,
+//! Markdown table cells, one-line summaries. Pure functions; the one place to fix a rendering
+//! rule.
+
+/// Formats epoch milliseconds as RFC 3339 UTC with second precision (`2026-06-16T12:00:00Z`).
+/// Pure arithmetic (no clock, no time zone database); the input is clamped to the years
+/// 0000–9999 that RFC 3339 can express.
+pub fn rfc3339_utc(ms: i64) -> String {
+    const MIN_S: i64 = -62_167_219_200; // 0000-01-01T00:00:00Z
+    const MAX_S: i64 = 253_402_300_799; // 9999-12-31T23:59:59Z
+    let secs = ms.div_euclid(1_000).clamp(MIN_S, MAX_S);
+    let days = secs.div_euclid(86_400);
+    let sod = secs.rem_euclid(86_400);
+    let (y, m, d) = civil_from_days(days);
+    format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
+        sod / 3_600,
+        sod % 3_600 / 60,
+        sod % 60
+    )
+}
+
+/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar
+/// (H. Hinnant's `civil_from_days`).
+pub fn civil_from_days(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    (y, m, d)
+}
+
+/// Makes text safe inside one Markdown table cell: `|` is escaped, line breaks become
+/// `<br>`, HTML is neutralised, other control characters become spaces, and only the last
+/// `max_chars` characters are kept (cells hold output *tails*). Empty text becomes `—`.
+pub fn md_cell(s: &str, max_chars: usize) -> String {
+    let total = s.chars().count();
+    let skip = total.saturating_sub(max_chars);
+    let mut out = String::new();
+    if skip > 0 {
+        out.push('…');
+    }
+    let text: String = s.chars().skip(skip).collect();
+    let text = text.replace("\r\n", "\n");
+    let text = text.trim_matches(|c| c == '\n' || c == ' ');
+    for c in text.chars() {
+        match c {
+            '|' => out.push_str("\\|"),
+            '\n' | '\r' => out.push_str("<br>"),
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            c if c.is_control() => out.push(' '),
+            c => out.push(c),
+        }
+    }
+    if out.is_empty() {
+        out.push('—');
+    }
+    out
+}
+
+/// Collapses text to one Markdown line (for summaries and list items).
+pub fn one_line(s: &str) -> String {
+    s.split(['\n', '\r'])
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .collect::<Vec<_>>()
+        .join(" ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dates_lines_and_cells() {
+        assert_eq!(rfc3339_utc(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339_utc(1_781_611_200_000), "2026-06-16T12:00:00Z");
+        assert_eq!(civil_from_days(-1), (1969, 12, 31));
+        assert_eq!(civil_from_days(59), (1970, 3, 1));
+        assert_eq!(one_line("a\n  b\r\n\nc"), "a b c");
+        assert_eq!(md_cell("x|y\nz", 100), "x\\|y<br>z");
+        assert_eq!(md_cell("", 10), "—");
+    }
+}

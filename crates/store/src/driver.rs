@@ -1,0 +1,116 @@
+//! What differs between the databases, and nothing else: [`Driver`] is the small per-backend
+//! part (pools, how a write transaction begins and commits, the row-lock suffix, the cross-process
+//! locks and the few statements written differently); [`crate::db::Db`] holds the store's rules
+//! written once above it. The hot path, the bulk insert, connecting, the schema dump and LISTEN
+//! are each driver's own (`sqlite.rs`, `postgres.rs`).
+
+use std::future::Future;
+
+use sqlx::{Database, Pool, Transaction};
+
+use crate::error::Result;
+use crate::migrate::Migration;
+use crate::sql;
+
+/// One database's part of the store. Implemented by [`crate::sqlite::Sqlite`] and
+/// [`crate::postgres::Postgres`].
+pub trait Driver: Send + Sync + 'static {
+    type DB: Database;
+
+    /// Appended to a `SELECT` that reads rows its transaction is about to change:
+    /// `" FOR UPDATE"` on PostgreSQL; empty on SQLite, whose write transaction (`BEGIN
+    /// IMMEDIATE`) already holds the database's only write lock.
+    const FOR_UPDATE: &'static str;
+    /// As [`Driver::FOR_UPDATE`], for a sweep that several processes may run at once: rows
+    /// another sweep holds are skipped, not waited for.
+    const FOR_UPDATE_SKIP_LOCKED: &'static str;
+    /// The `WHERE … LIMIT … OFFSET …` of `list_tasks`: `$1 stage or NULL, $2 repo or NULL,
+    /// $3 limit, $4 offset` (PostgreSQL needs the NULL parameters typed).
+    const LIST_TASKS_WHERE: &'static str;
+    /// `count_jobs`: `$1 task_id, $2 agent, $3 substring or NULL` → count (substring search is
+    /// `instr` on SQLite, `strpos` on PostgreSQL).
+    const COUNT_JOBS: &'static str;
+    /// `$1 prefix` → the largest `n` of the work items `<prefix>-<n>` (NULL when none).
+    const MAX_WORK_ITEM_NUMBER: &'static str;
+    /// → whether the orch schema exists (its `events` table), as a boolean.
+    const SCHEMA_EXISTS: &'static str;
+    /// This backend's migrations, oldest first.
+    const MIGRATIONS: &'static [Migration];
+
+    /// Rows an `execute` changed.
+    fn rows_affected(result: &<Self::DB as Database>::QueryResult) -> u64;
+
+    /// The pool writes go through (SQLite: its one writer connection).
+    fn writer(&self) -> &Pool<Self::DB>;
+    /// The pool reads go through; by default the writer's.
+    fn reader(&self) -> &Pool<Self::DB> {
+        self.writer()
+    }
+
+    /// Begins a write transaction (SQLite: `BEGIN IMMEDIATE`, so it never has to upgrade a
+    /// read lock and fail with `SQLITE_BUSY` half way).
+    fn begin(&self) -> impl Future<Output = Result<Transaction<'static, Self::DB>>> + Send;
+
+    /// Commits `tx`; when `wake`, announces that jobs may have become available (PostgreSQL:
+    /// `pg_notify` inside the transaction, delivered at commit; SQLite: the in-process signal,
+    /// after the commit).
+    fn commit(
+        &self,
+        tx: Transaction<'static, Self::DB>,
+        wake: bool,
+    ) -> impl Future<Output = Result<()>> + Send;
+
+    /// Serializes migrations across processes until `tx` ends. By default nothing to do: a
+    /// database whose write transaction holds its only write lock (SQLite) already does.
+    fn lock_migrations(
+        tx: &mut <Self::DB as Database>::Connection,
+    ) -> impl Future<Output = Result<()>> + Send {
+        let _ = tx;
+        async { Ok(()) }
+    }
+
+    /// Serializes the allocation of work item ids of one prefix across processes until `tx`
+    /// ends. By default nothing to do, as for [`Driver::lock_migrations`].
+    fn lock_work_item_prefix(
+        tx: &mut <Self::DB as Database>::Connection,
+        prefix: &str,
+    ) -> impl Future<Output = Result<()>> + Send {
+        let _ = (tx, prefix);
+        async { Ok(()) }
+    }
+}
+
+/// Statement texts that depend on a driver's constants, built once per driver
+/// (see [`Statements::new`]). The rest is in [`crate::sql`].
+#[derive(Debug)]
+pub struct Statements {
+    /// `$1 task_id`, locking the row: the read of `advance_stage`.
+    pub task_by_id_locked: String,
+    /// `$1 job_id` → `state, attempt, task_id`, locking the row: the fence of `advance_stage`.
+    pub job_state_locked: String,
+    /// `$1 job_id` → `state, attempt, max_attempts, task_id`, locking the row: `mark_job`.
+    pub job_outcome_locked: String,
+    /// `$1 now, $2 limit` → `id, attempt, max_attempts, task_id, locked_by` of expired leases.
+    pub expired_leases: String,
+    pub list_tasks: String,
+}
+
+impl Statements {
+    pub fn new<D: Driver>() -> Statements {
+        Statements {
+            task_by_id_locked: sql::select_tasks(&format!("WHERE id = $1{}", D::FOR_UPDATE)),
+            job_state_locked: format!("{}{}", sql::JOB_STATE, D::FOR_UPDATE),
+            job_outcome_locked: format!(
+                "SELECT state, attempt, max_attempts, task_id FROM jobs WHERE id = $1{}",
+                D::FOR_UPDATE
+            ),
+            expired_leases: format!(
+                "SELECT id, attempt, max_attempts, task_id, locked_by FROM jobs \
+                 WHERE state = 'running' AND lease_expires_at < $1 \
+                 ORDER BY lease_expires_at, id LIMIT $2{}",
+                D::FOR_UPDATE_SKIP_LOCKED
+            ),
+            list_tasks: sql::select_tasks(D::LIST_TASKS_WHERE),
+        }
+    }
+}

@@ -1,0 +1,454 @@
+//! The architecture's invariants, checked as text over the repository (in the manner of
+//! rust-analyzer's `tidy.rs`). `tests/tidy.rs` runs [`check_tree`] on the checkout; the unit
+//! tests below plant a violation of every rule and watch it fail.
+//!
+//! The rules (a line that matches is a violation unless an [`EXCEPTIONS`] entry covers it):
+//!
+//! - **`sql`**: SQL lives in `crates/store` only. Elsewhere, no `.rs` line (shipped code or
+//!   tests) uses a `sqlx` path or holds an SQL statement (upper-case `SELECT … FROM`,
+//!   `INSERT INTO`, `UPDATE … SET`, `DELETE FROM`, `CREATE TABLE|INDEX`, `ALTER TABLE`,
+//!   `DROP TABLE`), no `Cargo.toml` depends on `sqlx`, and there is no `.sql` file.
+//! - **`spawn`**: processes are started in `crates/exec` only. Elsewhere, *shipped* code (a
+//!   crate's `src/`, up to its `#[cfg(test)] mod …`) names no `std::process::Command`,
+//!   `tokio::process`, `Command::new(`, `libc::fork|kill|killpg|exec…|posix_spawn` or
+//!   `nix::unistd::fork`. Tests may start processes: the project's standard is that tests run
+//!   real child processes (the `orch` binary, git).
+//! - **`wire-json`**: orch's wire (what its HTTP API answers and what `orch --json` prints) is
+//!   shaped in `crates/api` only. Checked as: no shipped code outside `crates/api` names
+//!   `axum` (so nothing else can answer HTTP), and the binary crate `crates/orch/src`, the other
+//!   place that faces users, builds no JSON itself (no `json!`, no `Serialize` derive or impl):
+//!   it prints the API's DTOs. JSON that other crates build is not wire and is allowed: the
+//!   runner's event `data`, job payloads and the store's migration records are *storage*: a
+//!   record kept in a column, read back by orch; the API passes an event's `data` through only
+//!   as one opaque field of its own `EventDto`, whose envelope and names are the API's. Sentinel
+//!   files in `crates/deploystate` are storage too, and request bodies for another service's API
+//!   (OpenAI, alert webhooks) are that service's wire.
+//! - **`shared-seeds`**: no file points at the `shared` folder beside the checkout (the
+//!   `SHARED` pattern): the repository explains itself (docs/design.md holds the seed
+//!   contracts).
+//! - **`machine-path`**: no file carries an absolute path of a machine (under the work, home or
+//!   root directories, `MACHINE_ROOTS`); examples use `/tmp`, `~` or relative paths.
+//!
+//! An exception that no longer matches anything is itself a failure, so the list only shrinks.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+/// A permitted violation: `rule` (`"*"`: every rule) in files whose repository path starts
+/// with `path`.
+#[derive(Debug, Clone, Copy)]
+pub struct Exception {
+    pub rule: &'static str,
+    pub path: &'static str,
+    pub reason: &'static str,
+}
+
+/// Every exception, with its reason. Keep this short.
+pub const EXCEPTIONS: &[Exception] = &[
+    Exception {
+        rule: "*",
+        path: "crates/tidy/src/lib.rs",
+        reason: "the checker names the patterns it looks for, in its documentation and code",
+    },
+    Exception {
+        rule: "sql",
+        path: "crates/bench/src/pgbench.rs",
+        reason: "the same-run pgbench baseline is raw SQL on a scratch table by design (it \
+                 measures the database, not orch); the benchmarks are not shipped",
+    },
+    Exception {
+        rule: "spawn",
+        path: "crates/bench/src/",
+        reason: "the benchmarks start the orch binary under measurement and pgbench as real \
+                 processes; they are not shipped",
+    },
+    Exception {
+        rule: "wire-json",
+        path: "crates/orch/src/cmd/",
+        reason: "debt: `orch --json` output is still shaped in the commands (tasks, queue, init); \
+                 the CLI work (issue 13) builds it from orch_api's DTOs; delete this entry then",
+    },
+    Exception {
+        rule: "wire-json",
+        path: "crates/orch/src/demo/agent.rs",
+        reason: "the demo's scripted agent prints what a model CLI prints: another program's \
+                 output format, not orch's wire",
+    },
+];
+
+/// One offending line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Violation {
+    pub rule: &'static str,
+    /// Repository path, `/`-separated.
+    pub path: String,
+    /// 1-based; 0 for a whole file.
+    pub line: usize,
+    pub text: String,
+}
+
+impl fmt::Display for Violation {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "[{}] {}:{}: {}",
+            self.rule,
+            self.path,
+            self.line,
+            self.text.trim()
+        )
+    }
+}
+
+/// What a run over a tree found.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Violations no exception covers.
+    pub violations: Vec<Violation>,
+    /// Exceptions that covered nothing.
+    pub stale: Vec<Exception>,
+    pub files: usize,
+}
+
+impl Report {
+    pub fn is_clean(&self) -> bool {
+        self.violations.is_empty() && self.stale.is_empty()
+    }
+}
+
+// The patterns are assembled from pieces so that this file does not match its own rules.
+const SQLX_PATH: &str = concat!("sql", "x::");
+const SPAWN_PATTERNS: &[&str] = &[
+    concat!("std::process::", "Command"),
+    concat!("process::", "Command"),
+    concat!("tokio::", "process"),
+    concat!("Command::", "new("),
+    concat!("libc::", "fork"),
+    concat!("libc::", "kill"),
+    concat!("libc::", "exec"),
+    concat!("libc::", "posix_spawn"),
+    concat!("nix::unistd::", "fork"),
+];
+const SHARED: &str = concat!("..", "/shared");
+const MACHINE_ROOTS: &[&str] = &[
+    concat!("/wo", "rk/"),
+    concat!("/ho", "me/"),
+    concat!("/ro", "ot/"),
+    concat!("/Use", "rs/"),
+];
+
+/// The violations of one file's text (`path` is its repository path, `/`-separated).
+pub fn check_file(path: &str, text: &str) -> Vec<Violation> {
+    let mut out = Vec::new();
+    let mut push = |rule: &'static str, line: usize, text: &str| {
+        out.push(Violation {
+            rule,
+            path: path.to_owned(),
+            line,
+            text: text.chars().take(160).collect(),
+        })
+    };
+    let in_crate = |name: &str| path.starts_with(&format!("crates/{name}/"));
+    let is_rs = path.ends_with(".rs");
+    let shipped_end = if is_rs && is_shipped_source(path) {
+        shipped_lines(text)
+    } else {
+        0
+    };
+    if path.ends_with(".sql") && !in_crate("store") {
+        push("sql", 0, "an SQL file outside crates/store");
+    }
+    let is_manifest = path.ends_with("Cargo.toml");
+    for (i, line) in text.lines().enumerate() {
+        let n = i + 1;
+        let shipped = n <= shipped_end;
+        if line.contains(SHARED) {
+            push("shared-seeds", n, line);
+        }
+        if has_machine_path(line) {
+            push("machine-path", n, line);
+        }
+        if !in_crate("store") {
+            if is_rs && (line.contains(SQLX_PATH) || has_sql_statement(line)) {
+                push("sql", n, line);
+            }
+            // A crate's manifest (the workspace root only declares versions).
+            if is_manifest
+                && path != "Cargo.toml"
+                && line.trim_start().starts_with(concat!("sql", "x"))
+            {
+                push("sql", n, line);
+            }
+        }
+        if shipped && !in_crate("exec") && SPAWN_PATTERNS.iter().any(|p| line.contains(p)) {
+            push("spawn", n, line);
+        }
+        let names_axum = line.contains(concat!("axum", "::"));
+        let shapes_json = line.contains(concat!("json", "!(")) || names_serialize(line);
+        if shipped && !in_crate("api") && (names_axum || (in_crate("orch") && shapes_json)) {
+            push("wire-json", n, line);
+        }
+    }
+    out
+}
+
+/// `crates/<name>/src/…`: code that ships (its unit tests excepted, see [`shipped_lines`]).
+fn is_shipped_source(path: &str) -> bool {
+    let mut parts = path.split('/');
+    parts.next() == Some("crates") && parts.next().is_some() && parts.next() == Some("src")
+}
+
+/// How many leading lines of a source file ship: up to a top-level `#[cfg(test)]` that is
+/// followed by a `mod` (the unit tests), else all of them.
+fn shipped_lines(text: &str) -> usize {
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        if line.trim_end() == "#[cfg(test)]"
+            && lines[i + 1..]
+                .iter()
+                .find(|l| !l.trim().is_empty() && !l.starts_with("#["))
+                .is_some_and(|l| l.starts_with("mod ") || l.starts_with("pub mod "))
+        {
+            return i;
+        }
+    }
+    lines.len()
+}
+
+fn has_sql_statement(line: &str) -> bool {
+    let has = |s: &str| line.contains(s);
+    (has("SELECT ") && has(" FROM "))
+        || has("INSERT INTO ")
+        || (has("UPDATE ") && has(" SET "))
+        || has("DELETE FROM ")
+        || has("CREATE TABLE")
+        || has("CREATE INDEX")
+        || has("ALTER TABLE")
+        || has("DROP TABLE")
+}
+
+/// A `Serialize` derive or impl (the word, not "Serializes").
+fn names_serialize(line: &str) -> bool {
+    let word = concat!("Serial", "ize");
+    line.match_indices(word).any(|(at, _)| {
+        let after = line[at + word.len()..].chars().next();
+        !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+    })
+}
+
+fn has_machine_path(line: &str) -> bool {
+    MACHINE_ROOTS.iter().any(|root| {
+        line.match_indices(root).any(|(at, _)| {
+            // An absolute path starts the line or follows a separator, not a word or `.`/`~`.
+            let before = line[..at].chars().next_back();
+            !before.is_some_and(|c| c.is_alphanumeric() || "._~-".contains(c))
+        })
+    })
+}
+
+/// Runs every rule over the files below `root`, then applies [`EXCEPTIONS`].
+pub fn check_tree(root: &Path) -> std::io::Result<Report> {
+    check_tree_with(root, EXCEPTIONS)
+}
+
+pub fn check_tree_with(root: &Path, exceptions: &[Exception]) -> std::io::Result<Report> {
+    let mut files = Vec::new();
+    walk(root, root, &mut files)?;
+    let mut report = Report {
+        files: files.len(),
+        ..Report::default()
+    };
+    let mut used = vec![false; exceptions.len()];
+    for (rel, abs) in files {
+        let Ok(bytes) = std::fs::read(&abs) else {
+            continue;
+        };
+        let Ok(text) = String::from_utf8(bytes) else {
+            continue; // not text
+        };
+        for v in check_file(&rel, &text) {
+            match exceptions
+                .iter()
+                .position(|e| (e.rule == v.rule || e.rule == "*") && v.path.starts_with(e.path))
+            {
+                Some(i) => used[i] = true,
+                None => report.violations.push(v),
+            }
+        }
+    }
+    report.stale = exceptions
+        .iter()
+        .zip(used)
+        .filter(|(_, used)| !used)
+        .map(|(e, _)| *e)
+        .collect();
+    Ok(report)
+}
+
+/// Every file below `dir` except version control, build output and dependencies.
+fn walk(root: &Path, dir: &Path, out: &mut Vec<(String, PathBuf)>) -> std::io::Result<()> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
+    entries.sort_by_key(|e| e.file_name());
+    for entry in entries {
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let path = entry.path();
+        let ty = entry.file_type()?;
+        if ty.is_symlink() {
+            continue;
+        }
+        if ty.is_dir() {
+            if matches!(name.as_ref(), ".git" | "target" | "node_modules") {
+                continue;
+            }
+            walk(root, &path, out)?;
+        } else if ty.is_file() && name != ".git" {
+            let rel = path
+                .strip_prefix(root)
+                .unwrap_or(&path)
+                .components()
+                .map(|c| c.as_os_str().to_string_lossy().into_owned())
+                .collect::<Vec<_>>()
+                .join("/");
+            out.push((rel, path));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules(path: &str, text: &str) -> Vec<&'static str> {
+        check_file(path, text).into_iter().map(|v| v.rule).collect()
+    }
+
+    // Planted strings are assembled at run time so that this file stays clean.
+    fn planted(parts: &[&str]) -> String {
+        parts.concat()
+    }
+
+    #[test]
+    fn sql_outside_the_store_is_caught() {
+        let sqlx = planted(&["let n = sql", "x::query(\"x\");"]);
+        assert_eq!(rules("crates/runner/src/ops.rs", &sqlx), ["sql"]);
+        assert_eq!(
+            rules("crates/orch/tests/cli.rs", &sqlx),
+            ["sql"],
+            "tests too"
+        );
+        assert!(rules("crates/store/src/db.rs", &sqlx).is_empty());
+        for stmt in [
+            planted(&["\"SEL", "ECT id FROM jobs\""]),
+            planted(&["\"INS", "ERT INTO tasks (a) VALUES (1)\""]),
+            planted(&["\"UPD", "ATE jobs SET state = 1\""]),
+            planted(&["\"DEL", "ETE FROM jobs\""]),
+        ] {
+            assert_eq!(rules("crates/api/src/x.rs", &stmt), ["sql"], "{stmt}");
+        }
+        let dep = planted(&["sql", "x = { workspace = true }"]);
+        assert_eq!(rules("crates/runner/Cargo.toml", &dep), ["sql"]);
+        assert!(
+            rules("Cargo.toml", &dep).is_empty(),
+            "the workspace declares versions"
+        );
+        assert_eq!(rules("crates/runner/x.sql", "select 1;"), ["sql"]);
+        // Prose and lower case are not statements.
+        assert!(rules("crates/api/src/x.rs", "// select a row from the list").is_empty());
+        assert!(rules("crates/orch/src/main.rs", "\"debug,sqlx=warn\"").is_empty());
+    }
+
+    #[test]
+    fn spawning_outside_exec_is_caught_in_shipped_code_only() {
+        for line in [
+            planted(&["let c = std::process::", "Command::new(\"git\");"]),
+            planted(&["use tokio::", "process;"]),
+            planted(&["unsafe { libc::", "kill(pid, 15) };"]),
+            planted(&["unsafe { libc::", "fork() };"]),
+        ] {
+            assert_eq!(rules("crates/runner/src/x.rs", &line), ["spawn"], "{line}");
+            assert!(rules("crates/exec/src/process.rs", &line).is_empty());
+            assert!(
+                rules("crates/orch/tests/crash.rs", &line).is_empty(),
+                "tests"
+            );
+        }
+        // After the unit-test module, lines do not ship.
+        let text = planted(&[
+            "fn f() {}\n#[cfg(test)]\nmod tests {\n    use std::process::",
+            "Command;\n}\n",
+        ]);
+        assert!(rules("crates/runner/src/x.rs", &text).is_empty());
+        // A `#[cfg(test)]` on a single item does not end the shipped part.
+        let text = planted(&[
+            "#[cfg(test)]\nfn helper() {}\nfn g() { std::process::",
+            "Command::new(\"x\"); }\n",
+        ]);
+        assert_eq!(rules("crates/runner/src/x.rs", &text), ["spawn"]);
+    }
+
+    #[test]
+    fn wire_json_outside_the_api_is_caught() {
+        let json = planted(&["let v = serde_json::", "json!({\"id\": 1});"]);
+        assert_eq!(rules("crates/orch/src/cmd/tasks.rs", &json), ["wire-json"]);
+        assert!(rules("crates/api/src/dto.rs", &json).is_empty());
+        assert!(
+            rules("crates/runner/src/deploy/lessons.rs", &json).is_empty(),
+            "event data is storage"
+        );
+        let derive = planted(&["#[derive(Debug, serde::Serial", "ize)]"]);
+        assert_eq!(rules("crates/orch/src/output.rs", &derive), ["wire-json"]);
+        assert!(rules("crates/orch/src/output.rs", "// Serializes one row").is_empty());
+        let axum = planted(&["use ax", "um::Json;"]);
+        assert_eq!(rules("crates/runner/src/x.rs", &axum), ["wire-json"]);
+        assert!(rules("crates/api/src/lib.rs", &axum).is_empty());
+        assert!(rules("crates/orch/tests/dashboard.rs", &axum).is_empty());
+    }
+
+    #[test]
+    fn pointers_outside_and_machine_paths_are_caught() {
+        let shared = planted(&["see ../sha", "red/SPEC.md"]);
+        assert_eq!(rules("README.md", &shared), ["shared-seeds"]);
+        assert_eq!(rules("crates/domain/src/a.rs", &shared), ["shared-seeds"]);
+        for p in ["/wo", "/ho", "/ro"] {
+            let line = planted(&["target-dir = \"", p, "rk/target\""]);
+            let line = line.replace("/hork", "/home").replace("/rork", "/root");
+            assert_eq!(
+                rules(".cargo/config.toml", &line),
+                ["machine-path"],
+                "{line}"
+            );
+        }
+        assert!(rules("README.md", "orch demo in /tmp/orch-demo-Xq3f").is_empty());
+        assert!(rules("README.md", "see docs/work/x and ~/work/y").is_empty());
+    }
+
+    #[test]
+    fn exceptions_cover_their_rule_and_path_and_stale_ones_fail() {
+        let dir = std::env::temp_dir().join(format!("orch-tidy-{}", std::process::id()));
+        let src = dir.join("crates/orch/src");
+        std::fs::create_dir_all(&src).unwrap();
+        std::fs::write(
+            src.join("a.rs"),
+            planted(&["fn a() { serde_json::", "json!({}); }\n"]),
+        )
+        .unwrap();
+        let covered = [Exception {
+            rule: "wire-json",
+            path: "crates/orch/src/a.rs",
+            reason: "test",
+        }];
+        let report = check_tree_with(&dir, &covered).unwrap();
+        assert!(report.is_clean(), "{report:?}");
+        let wrong_rule = [Exception {
+            rule: "sql",
+            path: "crates/orch/src/a.rs",
+            reason: "test",
+        }];
+        let report = check_tree_with(&dir, &wrong_rule).unwrap();
+        assert_eq!(report.violations.len(), 1);
+        assert_eq!(report.stale.len(), 1, "an exception that matches nothing");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
