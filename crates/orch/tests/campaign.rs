@@ -418,8 +418,7 @@ async fn outcomes_so_far(store: &Store) -> Vec<(String, String)> {
 
 async fn campaign(postgres: bool, procs: &[&str]) {
     if !python_available() {
-        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
-        return;
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let seed = seed();

@@ -67,8 +67,7 @@ async fn until(what: &str, limit: Duration, mut f: impl FnMut() -> bool) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
     if !python_available() {
-        eprintln!("python3 is not installed: the demo's sample service cannot run; skipping");
-        return;
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();

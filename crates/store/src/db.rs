@@ -222,7 +222,14 @@ where
                 .bind(id)
                 .fetch_one(&mut *tx)
                 .await?;
-            let plan = rescue_plan(&rescue, id, task_id, worker.as_deref(), attempt, crashes + 1);
+            let plan = rescue_plan(
+                &rescue,
+                id,
+                task_id,
+                worker.as_deref(),
+                attempt,
+                crashes + 1,
+            );
             Self::insert_event(&mut tx, &plan.event, now).await?;
             if plan.give_up {
                 sqlx::query(sql::MARK_FAILED)
