@@ -1,16 +1,19 @@
-//! The web dashboard: server-rendered HTML (askama, templates in `crates/api/templates/`) with
-//! the queue at a glance, the task list with each task's pipeline drawn as a row of stage boxes
-//! (current one highlighted, repeated visits and loops back counted), armed post-deploy watches
-//! with their poll series as an inline SVG chart, and one page per task (`/ui/tasks/{id}`) with
-//! its timeline, agent runs (tokens, cost) and artifacts. No scripts and no external assets; the
-//! page refreshes itself every 5 s. Every value from the store or from disk is HTML-escaped by
-//! the templates.
+//! The web dashboard: server-rendered HTML (askama, templates in `crates/api/templates/`).
+//! Pages: the queue (`/`), one page per task (`/ui/tasks/{id}`) and one per repo
+//! (`/ui/repos/{repo}`). Every page reads without JavaScript; with it, a small inline script
+//! refreshes the page's `data-live` regions in place (it fetches the same URL and swaps those
+//! regions, keeping open `<details>` and everything else on the page), stops once a task page
+//! shows a finished task, and sends the operator actions (approve, retry, cancel) with the
+//! bearer token typed into the page. No external assets. Every value from the store or from
+//! disk is HTML-escaped by the templates; artifacts are rendered from Markdown with raw HTML
+//! escaped ([`crate::markdown`]).
 
 use askama::Template;
 use axum::extract::{FromRequestParts, Path, State};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{Html, IntoResponse, Response};
+use orch_domain::outcome::Outcome;
 
 use crate::ApiState;
 use crate::extract::ApiQuery;
@@ -216,6 +219,78 @@ fn chart_bars(series: &[crate::ops::SeriesPoint]) -> Vec<Bar> {
         .collect()
 }
 
+/// A bigger chart of a watch's series for the task page, with its caption.
+struct Chart {
+    w: u32,
+    bar_w: u32,
+    h: u32,
+    bars: Vec<Bar>,
+    polls: usize,
+    pass: usize,
+    fail: usize,
+    other: usize,
+    /// Where the series was read: the armed watch, or `16-post-deploy-log.md`.
+    source: String,
+    /// The verdict and action when the watch has ended.
+    verdict: String,
+    first: String,
+    last: String,
+}
+
+/// Height of the task page's chart.
+const BIG_CHART_H: u32 = 80;
+/// Width of one bar (and its gap) of the task page's chart, at least.
+const BIG_STEP: u32 = 12;
+/// Width the task page's chart aims at.
+const BIG_CHART_W: u32 = 360;
+
+impl Chart {
+    fn new(series: &[crate::ops::SeriesPoint], source: String, verdict: String) -> Chart {
+        let small = chart_bars(series);
+        let scale = |v: u32| v * BIG_CHART_H / CHART_H;
+        // Short series get wider bars, so a four-poll watch is still a readable chart.
+        let step = (BIG_CHART_W / small.len().max(1) as u32).clamp(BIG_STEP, 48);
+        let bars: Vec<Bar> = small
+            .into_iter()
+            .enumerate()
+            .map(|(i, b)| {
+                // A failed poll is often fast (connection refused): never a sliver.
+                let floor = if b.color == "#3a9d5d" {
+                    2
+                } else {
+                    BIG_CHART_H / 2
+                };
+                let h = scale(b.h).max(floor);
+                Bar {
+                    x: i as u32 * step,
+                    y: BIG_CHART_H - h,
+                    h,
+                    color: b.color,
+                    title: b.title,
+                }
+            })
+            .collect();
+        let count = |s: &str| series.iter().filter(|p| p.status == s).count();
+        Chart {
+            w: (bars.len() as u32 * step).max(step),
+            bar_w: step * 4 / 5,
+            h: BIG_CHART_H,
+            polls: series.len(),
+            pass: count("PASS"),
+            fail: count("FAIL"),
+            other: series.len() - count("PASS") - count("FAIL"),
+            first: series
+                .first()
+                .map(|p| fmt_time(p.at_ms))
+                .unwrap_or_default(),
+            last: series.last().map(|p| fmt_time(p.at_ms)).unwrap_or_default(),
+            bars,
+            source,
+            verdict,
+        }
+    }
+}
+
 struct StageRow {
     stage: String,
     /// The stage percent-encoded for a query string.
@@ -316,14 +391,64 @@ impl QueueView {
     }
 }
 
+/// A task's outcome for display: a CSS class, a label and the why.
+struct OutcomeView {
+    /// `shipped`, `rolled_back`, …, or `in-flight`.
+    class: &'static str,
+    label: String,
+    stage: String,
+    reason: String,
+}
+
+impl OutcomeView {
+    fn new(task: &orch_store::Task, o: Option<&orch_domain::outcome::TaskOutcome>) -> Self {
+        match o {
+            Some(o) => OutcomeView {
+                class: o.outcome.as_str(),
+                label: match o.outcome {
+                    Outcome::Shipped => "shipped",
+                    Outcome::RolledBack => "rolled back",
+                    Outcome::Reverted => "rolled back and reverted",
+                    Outcome::Failed => "failed",
+                    Outcome::Cancelled => "cancelled",
+                }
+                .to_owned(),
+                stage: o.stage.clone().unwrap_or_default(),
+                reason: o.reason.clone().unwrap_or_default(),
+            },
+            None => OutcomeView {
+                class: "in-flight",
+                label: format!("in progress: {}", task.stage),
+                stage: task.stage.clone(),
+                reason: String::new(),
+            },
+        }
+    }
+}
+
 struct TaskRow {
     work_item_id: String,
     repo: String,
     title: String,
     stage: String,
-    terminal: bool,
     updated: String,
     pipeline: PipelineView,
+    outcome: OutcomeView,
+}
+
+impl TaskRow {
+    fn new(t: &orch_store::Task, events: &[orch_store::Event]) -> Self {
+        let o = crate::outcomes::of(t, events);
+        TaskRow {
+            work_item_id: t.work_item_id.clone(),
+            repo: t.repo.clone(),
+            title: t.title.clone(),
+            stage: t.stage.clone(),
+            updated: fmt_time(t.updated_at),
+            pipeline: PipelineView::new(&t.stage, events),
+            outcome: OutcomeView::new(t, o.as_ref()),
+        }
+    }
 }
 
 #[derive(Template)]
@@ -331,9 +456,13 @@ struct TaskRow {
 struct IndexPage {
     version: String,
     now: String,
+    live: bool,
     queue: QueueView,
     tasks: Vec<TaskRow>,
     stage_filter: String,
+    outcomes: Vec<(&'static str, String, i64)>,
+    repos: Vec<String>,
+    process_started: String,
 }
 
 struct EventRow {
@@ -353,6 +482,7 @@ struct RunRow {
     started: String,
     duration: String,
     outcome: String,
+    failed: bool,
     exit_code: String,
     input_tokens: String,
     output_tokens: String,
@@ -371,9 +501,28 @@ struct JobRow {
 }
 
 struct ArtifactView {
+    /// A DOM id (`art-02-requirements`), so the live refresh keeps it open.
+    dom_id: String,
     name: String,
     size: String,
+    frontmatter: String,
+    /// Safe HTML rendered from the body's Markdown.
+    html: String,
     content: String,
+}
+
+/// One row of the stage timeline.
+struct VisitRow {
+    stage: String,
+    /// Percent offsets of the bar in the task's time span.
+    left: String,
+    width: String,
+    duration: String,
+    loop_back: bool,
+    waits: usize,
+    current: bool,
+    terminal: bool,
+    at: String,
 }
 
 #[derive(Template)]
@@ -381,20 +530,55 @@ struct ArtifactView {
 struct TaskPage {
     version: String,
     now: String,
+    live: bool,
     task: orch_store::Task,
+    outcome: OutcomeView,
     created: String,
     updated: String,
+    took: String,
     usage_runs: i64,
     usage_tokens_in: i64,
     usage_tokens_out: i64,
     usage_cost: String,
     events: Vec<EventRow>,
+    visits: Vec<VisitRow>,
     runs: Vec<RunRow>,
     jobs: Vec<JobRow>,
     artifacts: Vec<ArtifactView>,
     artifacts_error: String,
     observations: Vec<ObservationRow>,
+    chart: Option<Chart>,
     pipeline: PipelineView,
+    can_cancel: bool,
+    can_retry: bool,
+}
+
+struct DeployRow {
+    at: String,
+    deployed_by: String,
+    revision: String,
+    previous_revision: String,
+    items: Vec<crate::repos::ShippedItem>,
+    source: &'static str,
+    verdict: String,
+    rolled_back: bool,
+    reverts: Vec<(String, String)>,
+}
+
+#[derive(Template)]
+#[template(path = "repo.html")]
+struct RepoPage {
+    version: String,
+    now: String,
+    live: bool,
+    repo: String,
+    in_flight: Vec<TaskRow>,
+    finished: Vec<TaskRow>,
+    deploys: Vec<DeployRow>,
+    lessons: Vec<(String, String, String)>,
+    lessons_file: Option<String>,
+    lessons_html: String,
+    legacy_deploys: bool,
 }
 
 #[derive(Template)]
@@ -402,6 +586,7 @@ struct TaskPage {
 struct ErrorPage {
     version: String,
     now: String,
+    live: bool,
     status: u16,
     title: String,
     message: String,
@@ -420,6 +605,7 @@ pub(crate) struct PageError {
 impl IntoResponse for PageError {
     fn into_response(self) -> Response {
         let page = ErrorPage {
+            live: false,
             version: self.version,
             now: fmt_time(self.now),
             status: self.status.as_u16(),
@@ -469,7 +655,7 @@ pub(crate) struct IndexQuery {
     stage: Option<String>,
 }
 
-/// `GET /`: queue summary, counters, watches and the newest tasks.
+/// `GET /`: queue summary, outcomes, counters, watches and the newest tasks.
 pub(crate) async fn index(
     State(state): State<ApiState>,
     query: Result<ApiQuery<IndexQuery>, crate::error::AppError>,
@@ -478,6 +664,13 @@ pub(crate) async fn index(
         Ok(ApiQuery(q)) => q.stage.unwrap_or_default(),
         Err(e) => return Err(page_error(&state, StatusCode::BAD_REQUEST, e.message)),
     };
+    if stage_filter.chars().any(char::is_control) {
+        return Err(page_error(
+            &state,
+            StatusCode::BAD_REQUEST,
+            "stage must not contain control characters",
+        ));
+    }
     let snap = QueueSnapshot::read(&state)
         .await
         .map_err(|e| store_error(&state, "the queue", &e))?;
@@ -491,6 +684,9 @@ pub(crate) async fn index(
         })
         .await
         .map_err(|e| store_error(&state, "the task list", &e))?;
+    let outcome_counts = crate::outcomes::counts(&state.store)
+        .await
+        .map_err(|e| store_error(&state, "the outcomes", &e))?;
     let mut work_items = std::collections::HashMap::new();
     for l in &snap.stats.leases {
         if let Some(task_id) = l.task_id
@@ -516,28 +712,38 @@ pub(crate) async fn index(
         series.insert(o.work_item_id.clone(), points);
     }
     let mut rows = Vec::with_capacity(tasks.len());
+    let mut repos: Vec<String> = Vec::new();
     for t in &tasks {
-        // Only for the visit/loop counts: a failed read draws the row without them.
+        // Only for the visit/loop counts and the outcome: a failed read draws the row without.
         let events = state.store.task_events(t.id).await.unwrap_or_else(|e| {
             tracing::warn!(error = %e, task_id = t.id, "dashboard: cannot read a task's events");
             Vec::new()
         });
-        rows.push(TaskRow {
-            work_item_id: t.work_item_id.clone(),
-            repo: t.repo.clone(),
-            title: t.title.clone(),
-            stage: t.stage.clone(),
-            terminal: t.is_terminal(),
-            updated: fmt_time(t.updated_at),
-            pipeline: PipelineView::new(&t.stage, &events),
-        });
+        if !repos.contains(&t.repo) {
+            repos.push(t.repo.clone());
+        }
+        rows.push(TaskRow::new(t, &events));
     }
+    repos.sort();
     let page = IndexPage {
         version: state.version.clone(),
         now: fmt_time(snap.stats.now),
+        live: true,
         queue: QueueView::new(&snap, &work_items, &series),
         tasks: rows,
         stage_filter,
+        outcomes: Outcome::ALL
+            .iter()
+            .map(|o| {
+                (
+                    o.as_str(),
+                    o.as_str().replace('_', " "),
+                    outcome_counts.get(o).copied().unwrap_or(0),
+                )
+            })
+            .collect(),
+        repos,
+        process_started: fmt_time(state.started_at_ms),
     };
     Ok(render(&page))
 }
@@ -561,7 +767,8 @@ impl FromRequestParts<ApiState> for PageId {
     }
 }
 
-/// `GET /ui/tasks/{id}`: one task with its timeline, runs, jobs and artifacts.
+/// `GET /ui/tasks/{id}`: the story of one task: outcome at the top, the stage timeline, the
+/// watch's chart, agent runs, artifacts, and the raw event log and jobs collapsed below.
 pub(crate) async fn task_page(
     State(state): State<ApiState>,
     PageId(id): PageId,
@@ -587,27 +794,80 @@ pub(crate) async fn task_page(
         .await
         .map_err(store_err)?;
     let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
-    let (artifacts, artifacts_error) = match state.ops.artifacts(&task.work_item_id).await {
-        Ok(files) => (
-            files.into_iter().map(artifact_view).collect(),
-            String::new(),
-        ),
+    let (files, artifacts_error) = match state.ops.artifacts(&task.work_item_id).await {
+        Ok(files) => (files, String::new()),
         Err(e) => (Vec::new(), e.to_string()),
     };
     let now = state.store.now_ms();
     let mut observations = Vec::new();
+    let mut chart = None;
     for o in state.ops.active_observations().await {
         if o.work_item_id == task.work_item_id {
             let series = state.ops.observation_series(&o.work_item_id).await;
+            if !series.is_empty() {
+                chart = Some(Chart::new(
+                    &series,
+                    "the armed watch (live)".to_owned(),
+                    String::new(),
+                ));
+            }
             observations.push(ObservationRow::new(&o, now, &series));
         }
     }
+    if chart.is_none()
+        && let Some(log) = files.iter().find(|f| f.name.starts_with("16-"))
+    {
+        let series = crate::story::series_from_log(&log.content);
+        if !series.is_empty() {
+            let fm = crate::markdown::render_artifact(&log.content).frontmatter;
+            let field = |k: &str| {
+                fm.lines()
+                    .find_map(|l| l.strip_prefix(k))
+                    .and_then(|v| v.strip_prefix(':'))
+                    .map(|v| v.trim().trim_matches('"').to_owned())
+                    .unwrap_or_default()
+            };
+            let verdict = match (field("post_deploy_status"), field("action_taken")) {
+                (v, a) if !v.is_empty() => format!("{v}, action {a}"),
+                _ => String::new(),
+            };
+            chart = Some(Chart::new(&series, log.name.clone(), verdict));
+        }
+    }
+    let outcome = crate::outcomes::of(&task, &events);
+    let visits = crate::story::visits(&events, now);
+    let t0 = visits.first().map_or(task.created_at, |v| v.start_ms);
+    let t1 = visits.last().map_or(now, |v| v.end_ms).max(t0 + 1);
+    let span = (t1 - t0) as f64;
+    let pct = |v: f64| format!("{:.2}", v.clamp(0.0, 100.0));
+    let visit_rows = visits
+        .iter()
+        .map(|v| {
+            let left = (v.start_ms - t0) as f64 / span * 100.0;
+            let width = ((v.end_ms - v.start_ms) as f64 / span * 100.0).max(0.4);
+            VisitRow {
+                stage: v.stage.clone(),
+                left: pct(left.min(99.6)),
+                width: pct(width.min(100.0 - left.min(99.6))),
+                duration: fmt_duration(v.end_ms - v.start_ms),
+                loop_back: v.loop_back,
+                waits: v.waits,
+                current: v.current,
+                terminal: v.terminal,
+                at: format!("+{}", fmt_duration(v.start_ms - t0)),
+            }
+        })
+        .collect();
     let pipeline = PipelineView::new(&task.stage, &events);
+    let terminal = task.is_terminal();
     let page = TaskPage {
         version: state.version.clone(),
         now: fmt_time(now),
+        live: !terminal,
+        outcome: OutcomeView::new(&task, outcome.as_ref()),
         created: fmt_time(task.created_at),
         updated: fmt_time(task.updated_at),
+        took: fmt_duration(t1 - t0),
         usage_runs: usage.runs,
         usage_tokens_in: usage.input_tokens,
         usage_tokens_out: usage.output_tokens,
@@ -626,6 +886,7 @@ pub(crate) async fn task_page(
                 },
             })
             .collect(),
+        visits: visit_rows,
         runs: runs.iter().map(|r| run_row(r, now)).collect(),
         jobs: jobs
             .iter()
@@ -639,17 +900,115 @@ pub(crate) async fn task_page(
                 last_error: j.last_error.clone().unwrap_or_default(),
             })
             .collect(),
-        artifacts,
+        artifacts: files.into_iter().map(artifact_view).collect(),
         artifacts_error,
         observations,
+        chart,
         pipeline,
+        can_cancel: !terminal,
+        can_retry: task.stage == "failed",
         task,
     };
     Ok(render(&page))
 }
 
+/// `GET /ui/repos/{repo}`: items in flight, the deploy history, finished items and lessons.
+pub(crate) async fn repo_page(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> Result<Response, PageError> {
+    let repo = match path {
+        Ok(Path(r)) => r,
+        Err(e) => return Err(page_error(&state, StatusCode::BAD_REQUEST, e.body_text())),
+    };
+    let repo = crate::routes::repo_param(&repo)
+        .map_err(|m| page_error(&state, StatusCode::BAD_REQUEST, m))?;
+    let story = crate::repos::read(&state.store, &repo)
+        .await
+        .map_err(|e| store_error(&state, "a repo's deploys", &e))?
+        .ok_or_else(|| {
+            page_error(
+                &state,
+                StatusCode::NOT_FOUND,
+                format!("no task for repo {repo}"),
+            )
+        })?;
+    let mut in_flight = Vec::new();
+    for t in &story.in_flight {
+        let events = state.store.task_events(t.id).await.unwrap_or_default();
+        in_flight.push(TaskRow::new(t, &events));
+    }
+    let finished = story
+        .finished
+        .iter()
+        .map(|(t, o)| TaskRow {
+            work_item_id: t.work_item_id.clone(),
+            repo: t.repo.clone(),
+            title: t.title.clone(),
+            stage: t.stage.clone(),
+            updated: fmt_time(t.updated_at),
+            pipeline: PipelineView {
+                boxes: Vec::new(),
+                loops: 0,
+            },
+            outcome: OutcomeView::new(t, o.as_ref()),
+        })
+        .collect();
+    let lessons_file = state.ops.repo_lessons(&repo).await;
+    let lessons_html = lessons_file
+        .as_deref()
+        .map(crate::markdown::to_safe_html)
+        .unwrap_or_default();
+    let page = RepoPage {
+        version: state.version.clone(),
+        now: fmt_time(state.store.now_ms()),
+        live: true,
+        repo: story.repo.clone(),
+        in_flight,
+        finished,
+        deploys: story
+            .deploys
+            .iter()
+            .rev()
+            .map(|d| DeployRow {
+                at: fmt_time(d.at_ms),
+                deployed_by: d.deployed_by.clone(),
+                revision: short_rev(d.revision.as_deref()),
+                previous_revision: short_rev(d.previous_revision.as_deref()),
+                items: d.items.clone(),
+                source: d.source,
+                verdict: d.verdict.clone().unwrap_or_default(),
+                rolled_back: d.rolled_back,
+                reverts: d
+                    .reverts
+                    .iter()
+                    .map(|(w, c)| (w.clone(), short_rev(Some(c))))
+                    .collect(),
+            })
+            .collect(),
+        lessons: story
+            .lessons
+            .iter()
+            .map(|l| (l.work_item.clone(), fmt_time(l.at_ms), l.message.clone()))
+            .collect(),
+        legacy_deploys: story.deploys.iter().any(|d| d.source == "deploy.confirmed"),
+        lessons_file,
+        lessons_html,
+    };
+    Ok(render(&page))
+}
+
+/// The first 12 characters of a revision.
+fn short_rev(r: Option<&str>) -> String {
+    r.map(|r| r.chars().take(12).collect()).unwrap_or_default()
+}
+
 fn run_row(r: &orch_store::AgentRun, now: i64) -> RunRow {
     let opt = |v: Option<i64>| v.map(|v| v.to_string()).unwrap_or_default();
+    let tokens = |v: Option<i64>| {
+        v.map(|v| v.to_string())
+            .unwrap_or_else(|| "unknown".to_owned())
+    };
     RunRow {
         agent: r.agent.clone(),
         stage: r.stage.clone(),
@@ -665,10 +1024,14 @@ fn run_row(r: &orch_store::AgentRun, now: i64) -> RunRow {
             ),
         },
         outcome: r.outcome.clone(),
+        failed: !matches!(r.outcome.as_str(), "ok" | "success" | "running"),
         exit_code: opt(r.exit_code),
-        input_tokens: opt(r.input_tokens),
-        output_tokens: opt(r.output_tokens),
-        cost: r.cost_usd.map(|c| format!("${c:.4}")).unwrap_or_default(),
+        input_tokens: tokens(r.input_tokens),
+        output_tokens: tokens(r.output_tokens),
+        cost: r
+            .cost_usd
+            .map(|c| format!("${c:.4}"))
+            .unwrap_or_else(|| "unknown".to_owned()),
         error: r.error.clone().unwrap_or_default(),
     }
 }
@@ -688,9 +1051,21 @@ fn artifact_view(a: ArtifactFile) -> ArtifactView {
     } else {
         a.content
     };
+    let rendered = crate::markdown::render_artifact(&content);
+    let dom_id = format!(
+        "art-{}",
+        a.name
+            .trim_end_matches(".md")
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '-' })
+            .collect::<String>()
+    );
     ArtifactView {
+        dom_id,
         name: a.name,
         size,
+        frontmatter: rendered.frontmatter,
+        html: rendered.html,
         content,
     }
 }

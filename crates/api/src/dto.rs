@@ -77,6 +77,43 @@ pub struct TaskDto {
     pub branch: String,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
+    /// How a finished task ended; null while it is in flight (or when not read).
+    pub outcome: Option<OutcomeDto>,
+}
+
+/// How a finished task ended (`orch_domain::outcome`).
+#[derive(Debug, Serialize)]
+pub struct OutcomeDto {
+    /// `shipped`, `rolled_back`, `reverted`, `failed` or `cancelled`.
+    pub outcome: &'static str,
+    /// Where it failed or was rolled back.
+    pub stage: Option<String>,
+    pub reason: Option<String>,
+    /// True when the pipeline wrote it on the terminal event; false when derived.
+    pub recorded: bool,
+}
+
+impl From<&orch_domain::outcome::TaskOutcome> for OutcomeDto {
+    fn from(o: &orch_domain::outcome::TaskOutcome) -> Self {
+        OutcomeDto {
+            outcome: o.outcome.as_str(),
+            stage: o.stage.clone(),
+            reason: o.reason.clone(),
+            recorded: o.recorded,
+        }
+    }
+}
+
+impl TaskDto {
+    /// The task with its outcome.
+    pub(crate) fn with_outcome(
+        t: &orch_store::Task,
+        o: Option<&orch_domain::outcome::TaskOutcome>,
+    ) -> Self {
+        let mut dto = TaskDto::from(t);
+        dto.outcome = o.map(OutcomeDto::from);
+        dto
+    }
 }
 
 impl From<&orch_store::Task> for TaskDto {
@@ -93,6 +130,7 @@ impl From<&orch_store::Task> for TaskDto {
             branch: t.branch.clone(),
             created_at_ms: t.created_at,
             updated_at_ms: t.updated_at,
+            outcome: None,
         }
     }
 }
@@ -419,4 +457,114 @@ pub(crate) fn secs(ms: i64) -> f64 {
 /// Stored JSON text as a JSON value; text that is not JSON is kept as a string.
 fn json_text(text: &str) -> serde_json::Value {
     serde_json::from_str(text).unwrap_or_else(|_| serde_json::Value::String(text.to_owned()))
+}
+
+/// `GET /repos/{repo}/deploys` (also `orch deploys --json`).
+#[derive(Debug, Serialize)]
+pub struct RepoDeploys {
+    pub repo: String,
+    /// Tasks still in a pipeline stage, newest first.
+    pub in_flight: Vec<TaskDto>,
+    /// Finished tasks with their outcome, newest first.
+    pub finished: Vec<TaskDto>,
+    /// Production deploys, oldest first.
+    pub deploys: Vec<DeployDto>,
+    /// `lessons.recorded` events, newest first.
+    pub lessons: Vec<LessonDto>,
+}
+
+/// One production deploy.
+#[derive(Debug, Serialize)]
+pub struct DeployDto {
+    pub at_ms: i64,
+    /// The work item whose task ran the deploy.
+    pub deployed_by: String,
+    pub revision: Option<String>,
+    pub previous_revision: Option<String>,
+    pub seq: Option<i64>,
+    pub items: Vec<ShippedItemDto>,
+    /// `release.deployed`, or `deploy.confirmed` for a deploy before the release train.
+    pub source: &'static str,
+    /// The post-deploy watch's verdict (`HEALTHY`, `DEGRADED`, `FAILED`), when decided.
+    pub verdict: Option<String>,
+    pub rolled_back: bool,
+    pub reverts: Vec<RevertDto>,
+}
+
+/// An item a deploy shipped.
+#[derive(Debug, Serialize)]
+pub struct ShippedItemDto {
+    pub work_item: String,
+    pub commit: Option<String>,
+    /// `merge` or `revert`.
+    pub change: String,
+}
+
+/// An item reverted on the default branch after a deploy.
+#[derive(Debug, Serialize)]
+pub struct RevertDto {
+    pub work_item: String,
+    pub revert_commit: String,
+}
+
+/// A lesson recorded by a work item.
+#[derive(Debug, Serialize)]
+pub struct LessonDto {
+    pub work_item: String,
+    pub at_ms: i64,
+    pub message: String,
+}
+
+impl From<&crate::repos::RepoStory> for RepoDeploys {
+    fn from(s: &crate::repos::RepoStory) -> Self {
+        RepoDeploys {
+            repo: s.repo.clone(),
+            in_flight: s.in_flight.iter().map(TaskDto::from).collect(),
+            finished: s
+                .finished
+                .iter()
+                .map(|(t, o)| TaskDto::with_outcome(t, o.as_ref()))
+                .collect(),
+            deploys: s
+                .deploys
+                .iter()
+                .map(|d| DeployDto {
+                    at_ms: d.at_ms,
+                    deployed_by: d.deployed_by.clone(),
+                    revision: d.revision.clone(),
+                    previous_revision: d.previous_revision.clone(),
+                    seq: d.seq,
+                    items: d
+                        .items
+                        .iter()
+                        .map(|i| ShippedItemDto {
+                            work_item: i.work_item.clone(),
+                            commit: i.commit.clone(),
+                            change: i.change.clone(),
+                        })
+                        .collect(),
+                    source: d.source,
+                    verdict: d.verdict.clone(),
+                    rolled_back: d.rolled_back,
+                    reverts: d
+                        .reverts
+                        .iter()
+                        .map(|(w, c)| RevertDto {
+                            work_item: w.clone(),
+                            revert_commit: c.clone(),
+                        })
+                        .collect(),
+                })
+                .collect(),
+            lessons: s
+                .lessons
+                .iter()
+                .map(|l| LessonDto {
+                    work_item: l.work_item.clone(),
+                    at_ms: l.at_ms,
+                    message: l.message.clone(),
+                })
+                .collect(),
+        }
+    }
 }

@@ -142,10 +142,35 @@ impl From<JsonRejection> for AppError {
                 crate::BODY_LIMIT / 1024
             )
         } else {
-            rej.body_text()
+            without_rust_types(&rej.body_text())
         };
         AppError::new(status, code, message)
     }
+}
+
+/// serde names the Rust type it expected (`expected struct SubmitBody`); clients know a JSON
+/// object, not our types.
+fn without_rust_types(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(at) = rest.find("struct ") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + "struct ".len()..];
+        let name_len = after
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(after.len());
+        if name_len == 0 {
+            out.push_str("struct ");
+        } else {
+            out.push_str("a JSON object");
+        }
+        rest = &after[name_len..];
+    }
+    out.push_str(rest);
+    out.replace(
+        "Failed to deserialize the JSON body into the target type: ",
+        "",
+    )
 }
 
 impl From<QueryRejection> for AppError {
@@ -157,5 +182,22 @@ impl From<QueryRejection> for AppError {
 impl From<PathRejection> for AppError {
     fn from(rej: PathRejection) -> Self {
         AppError::new(StatusCode::BAD_REQUEST, "invalid_id", rej.body_text())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn messages_name_no_rust_type() {
+        for (input, want) in [
+            (
+                "Failed to deserialize the JSON body into the target type: invalid type: string \"x\", expected struct SubmitBody at line 1 column 3",
+                "invalid type: string \"x\", expected a JSON object at line 1 column 3",
+            ),
+            ("missing field `title`", "missing field `title`"),
+            ("a struct  b", "a struct  b"),
+        ] {
+            assert_eq!(super::without_rust_types(input), want);
+        }
     }
 }

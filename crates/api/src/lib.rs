@@ -16,10 +16,14 @@ mod dto;
 mod error;
 mod extract;
 mod id;
+mod markdown;
 mod metrics;
 mod ops;
+mod outcomes;
+mod repos;
 mod routes;
 mod snapshot;
+mod story;
 
 use std::future::{Future, IntoFuture};
 use std::sync::Arc;
@@ -39,6 +43,29 @@ pub use ops::{
     ArtifactFile, Histogram, Observation, OpError, Operations, RunnerCounters, SeriesPoint,
     SubmitRequest, SubmitResult, WorkerTimings,
 };
+
+/// How a finished task ended, from its events (oldest first): the domain's one rule
+/// ([`orch_domain::outcome::outcome_of`]) fed with the store's events. `None` in flight.
+pub fn task_outcome(
+    task: &orch_store::Task,
+    events: &[orch_store::Event],
+) -> Option<orch_domain::outcome::TaskOutcome> {
+    outcomes::of(task, events)
+}
+
+/// The JSON of `GET /repos/{repo}/deploys` (for `orch deploys --json`); `None` when the repo
+/// has no task.
+pub async fn repo_deploys_json(
+    store: &Store,
+    repo: &str,
+) -> Result<Option<serde_json::Value>, orch_store::StoreError> {
+    let Some(story) = repos::read(store, repo).await? else {
+        return Ok(None);
+    };
+    Ok(Some(
+        serde_json::to_value(dto::RepoDeploys::from(&story)).unwrap_or_default(),
+    ))
+}
 
 /// Largest request body accepted (64 KiB); larger bodies get 413.
 pub const BODY_LIMIT: usize = orch_domain::MAX_REQUEST_BYTES;
@@ -115,8 +142,11 @@ pub const ROUTES: &[RouteEntry] = &[
     ("POST", "/tasks/{id}/approve", RouteKind::Api),
     ("POST", "/tasks/{id}/retry", RouteKind::Api),
     ("POST", "/tasks/{id}/cancel", RouteKind::Api),
+    ("GET", "/repos/{repo}/deploys", RouteKind::Api),
+    ("GET", "/openapi.yaml", RouteKind::Api),
     ("GET", "/", RouteKind::Page),
     ("GET", "/ui/tasks/{id}", RouteKind::Page),
+    ("GET", "/ui/repos/{repo}", RouteKind::Page),
 ];
 
 /// The handler of one [`ROUTES`] entry; `None` for an entry without one (a bug the route
@@ -135,8 +165,11 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<ApiState>> {
         ("POST", "/tasks/{id}/approve") => post(routes::approve),
         ("POST", "/tasks/{id}/retry") => post(routes::retry),
         ("POST", "/tasks/{id}/cancel") => post(routes::cancel),
+        ("GET", "/repos/{repo}/deploys") => get(routes::repo_deploys),
+        ("GET", "/openapi.yaml") => get(routes::openapi),
         ("GET", "/") => get(dashboard::index),
         ("GET", "/ui/tasks/{id}") => get(dashboard::task_page),
+        ("GET", "/ui/repos/{repo}") => get(dashboard::repo_page),
         _ => return None,
     })
 }

@@ -165,6 +165,13 @@ pub trait Operations: Send + Sync {
         let _ = work_item_id;
         Vec::new()
     }
+    /// The text of a repo's lessons file on this machine, when it is readable. Never fails;
+    /// the default (not available) is `None` and the repo page then lists the
+    /// `lessons.recorded` events only.
+    async fn repo_lessons(&self, repo: &str) -> Option<String> {
+        let _ = repo;
+        None
+    }
     /// The in-process worker's timings. Never fails; the default (no worker here) is empty.
     async fn worker_timings(&self) -> WorkerTimings {
         WorkerTimings::default()

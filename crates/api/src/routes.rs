@@ -70,46 +70,70 @@ pub(crate) async fn queue(State(state): State<ApiState>) -> ApiResult<Json<dto::
     Ok(Json(dto::Queue::new(&snap)))
 }
 
-/// `GET /metrics`: always 200; `orch_up 0` when the store did not answer.
+/// `GET /metrics`: always 200 (OpenMetrics text); `orch_up 0` when the store did not answer.
 pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
-    let (snap, usage) = tokio::join!(QueueSnapshot::read(&state), state.store.usage_by_agent());
-    let (snap, up) = match snap {
-        Ok(s) => (s, true),
-        Err(e) => {
-            tracing::warn!(error = %e, "metrics: the store did not answer");
-            let snap = QueueSnapshot {
-                stats: Default::default(),
-                tasks_by_stage: Vec::new(),
-                runners: state.ops.runner_counters().await,
-                observations: state.ops.active_observations().await,
-                version: state.version.clone(),
-                uptime_ms: state
-                    .store
-                    .now_ms()
-                    .saturating_sub(state.started_at_ms)
-                    .max(0),
-            };
-            (snap, false)
+    let (snap, usage, runs, outcomes) = tokio::join!(
+        QueueSnapshot::read(&state),
+        state.store.usage_by_agent(),
+        state.store.runs_by_agent_outcome(),
+        crate::outcomes::counts(&state.store)
+    );
+    let store = match (snap, usage, runs, outcomes) {
+        (Ok(snap), Ok(usage), Ok(runs), Ok(outcomes)) => {
+            Some(metrics::Scrape::store_facts(&snap, &outcomes, usage, runs))
         }
-    };
-    let usage = match usage {
-        Ok(u) if up => Some(u),
-        Ok(_) => None,
-        Err(e) => {
-            tracing::warn!(error = %e, "metrics: could not read agent usage totals");
+        (snap, usage, runs, outcomes) => {
+            let e = [snap.err(), usage.err(), runs.err(), outcomes.err()]
+                .into_iter()
+                .flatten()
+                .next();
+            if let Some(e) = e {
+                tracing::warn!(error = %e, "metrics: the store did not answer");
+            }
             None
         }
     };
-    let timings = state.ops.worker_timings().await;
-    let extra = metrics::Extra {
-        usage: usage.as_deref(),
-        timings: &timings,
+    let mut watches_by_repo = std::collections::BTreeMap::new();
+    for o in state.ops.active_observations().await {
+        *watches_by_repo.entry(o.repo).or_default() += 1;
+    }
+    let scrape = metrics::Scrape {
+        version: state.version.clone(),
+        store,
+        runners: state.ops.runner_counters().await,
+        watches_by_repo,
+        timings: state.ops.worker_timings().await,
+        process: tokio::task::spawn_blocking(metrics::ProcessStats::read)
+            .await
+            .unwrap_or_default(),
     };
     (
         [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
-        metrics::render(&snap, up, &extra),
+        metrics::render(scrape),
     )
         .into_response()
+}
+
+/// `GET /openapi.yaml`: the API's OpenAPI document, as committed in `docs/openapi.yaml`.
+pub(crate) async fn openapi() -> Response {
+    (
+        [(header::CONTENT_TYPE, "application/yaml; charset=utf-8")],
+        include_str!("../../../docs/openapi.yaml"),
+    )
+        .into_response()
+}
+
+/// A filter value from a query string: control characters (NUL included) are a 400.
+fn filter_value(name: &str, v: Option<String>) -> ApiResult<Option<String>> {
+    match v {
+        Some(v) if v.chars().any(char::is_control) => Err(AppError::bad_request(format!(
+            "{name} must not contain control characters"
+        ))),
+        Some(v) if v.len() > 200 => Err(AppError::bad_request(format!(
+            "{name} is longer than 200 bytes"
+        ))),
+        v => Ok(v.filter(|s| !s.is_empty())),
+    }
 }
 
 /// `GET /tasks?stage=&repo=&limit=&offset=`: newest first.
@@ -124,8 +148,8 @@ pub(crate) async fn list_tasks(
         )));
     }
     let filter = orch_store::TaskFilter {
-        stage: q.stage.filter(|s| !s.is_empty()),
-        repo: q.repo.filter(|s| !s.is_empty()),
+        stage: filter_value("stage", q.stage)?,
+        repo: filter_value("repo", q.repo)?,
         limit,
         offset: q.offset.unwrap_or(0),
     };
@@ -134,9 +158,16 @@ pub(crate) async fn list_tasks(
         .list_tasks(&filter)
         .await
         .map_err(|e| AppError::store("the task list", &e))?;
+    let mut out = Vec::with_capacity(tasks.len());
+    for t in &tasks {
+        let outcome = crate::outcomes::read(&state.store, t)
+            .await
+            .map_err(|e| AppError::store("a task's outcome", &e))?;
+        out.push(dto::TaskDto::with_outcome(t, outcome.as_ref()));
+    }
     Ok(Json(dto::TaskList {
-        count: tasks.len(),
-        tasks: tasks.iter().map(dto::TaskDto::from).collect(),
+        count: out.len(),
+        tasks: out,
     }))
 }
 
@@ -165,8 +196,9 @@ pub(crate) async fn get_task(
         .map_err(store_err)?;
     let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
     let events = state.store.task_events(task.id).await.map_err(store_err)?;
+    let outcome = crate::outcomes::of(&task, &events);
     Ok(Json(dto::TaskDetail {
-        task: dto::TaskDto::from(&task),
+        task: dto::TaskDto::with_outcome(&task, outcome.as_ref()),
         usage: usage.into(),
         events: events.iter().map(dto::EventDto::from).collect(),
         agent_runs: runs.iter().map(dto::AgentRunDto::from).collect(),
@@ -361,6 +393,29 @@ pub(crate) async fn cancel(
     WorkItemPath(id): WorkItemPath,
 ) -> ApiResult<Json<dto::ActionDone>> {
     act(state, id, Action::Cancel).await
+}
+
+/// A repo name from a path: the domain's `RepoName` rules, else 400.
+pub(crate) fn repo_param(repo: &str) -> Result<String, String> {
+    repo.parse::<orch_domain::ids::RepoName>()
+        .map(|r| r.as_str().to_owned())
+        .map_err(|e| e.to_string())
+}
+
+/// `GET /repos/{repo}/deploys`: items in flight, finished items with their outcome, the deploy
+/// history and the lessons recorded, for one repo. 404 when the repo has no task.
+pub(crate) async fn repo_deploys(
+    State(state): State<ApiState>,
+    path: Result<Path<String>, axum::extract::rejection::PathRejection>,
+) -> ApiResult<Json<dto::RepoDeploys>> {
+    let Path(repo) = path?;
+    let repo =
+        repo_param(&repo).map_err(|m| AppError::new(StatusCode::BAD_REQUEST, "invalid_repo", m))?;
+    let story = crate::repos::read(&state.store, &repo)
+        .await
+        .map_err(|e| AppError::store("a repo's deploys", &e))?
+        .ok_or_else(|| AppError::not_found(format!("no task for repo {repo}")))?;
+    Ok(Json(dto::RepoDeploys::from(&story)))
 }
 
 /// Any other path.

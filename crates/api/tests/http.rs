@@ -324,8 +324,9 @@ async fn healthz_is_ok_then_503_when_the_store_is_closed() {
         "no store families when down"
     );
     assert!(
+        m.text.contains("\norch_staging_runner_runs_total 3\n"),
+        "{}",
         m.text
-            .contains("orch_runner_counter{runner=\"staging_runner\",name=\"runs\"} 3")
     );
 }
 
@@ -444,7 +445,7 @@ fn parse_sample(line: &str) -> Option<Sample> {
 }
 
 #[tokio::test]
-async fn metrics_text_parses_and_carries_the_queue() {
+async fn metrics_follow_openmetrics_and_carry_the_queue() {
     let (h, t1) = busy_queue().await;
     for (agent, tokens, cost) in [
         ("analyst", 1_000, 0.5),
@@ -481,7 +482,13 @@ async fn metrics_text_parses_and_carries_the_queue() {
             .unwrap();
     }
     let a = h.get("/metrics", StatusCode::OK).await;
-    assert!(a.content_type().starts_with("text/plain; version=0.0.4"));
+    assert!(
+        a.content_type()
+            .starts_with("application/openmetrics-text; version=1.0.0"),
+        "{}",
+        a.content_type()
+    );
+    assert!(a.text.ends_with("# EOF\n"), "{}", a.text);
     let mut samples = Vec::new();
     let mut typed = std::collections::HashSet::new();
     for line in a.text.lines() {
@@ -489,12 +496,12 @@ async fn metrics_text_parses_and_carries_the_queue() {
             typed.insert(rest.split(' ').next().unwrap().to_owned());
             continue;
         }
-        if line.starts_with("# HELP ") {
+        if line.starts_with("# HELP ") || line.starts_with("# UNIT ") || line == "# EOF" {
             continue;
         }
         let parsed = parse_sample(line).unwrap_or_else(|| panic!("bad exposition line {line:?}"));
         // A histogram's samples carry the family name plus _bucket, _sum or _count.
-        let family = ["_bucket", "_sum", "_count"]
+        let family = ["_bucket", "_sum", "_count", "_total", "_info"]
             .iter()
             .find_map(|sfx| parsed.0.strip_suffix(sfx))
             .filter(|f| typed.contains(*f))
@@ -520,47 +527,41 @@ async fn metrics_text_parses_and_carries_the_queue() {
     };
     for (name, labels, want) in [
         ("orch_up", vec![], 1.0),
-        ("orch_jobs", vec![("state", "queued")], 2.0),
-        ("orch_jobs", vec![("state", "running")], 1.0),
-        ("orch_jobs", vec![("state", "failed")], 0.0),
         (
-            "orch_jobs_by_agent",
+            "orch_build_info",
+            vec![("version", env!("CARGO_PKG_VERSION"))],
+            1.0,
+        ),
+        (
+            "orch_jobs",
             vec![("agent", "analyst"), ("state", "running")],
             1.0,
         ),
         (
-            "orch_jobs_by_agent",
+            "orch_jobs",
             vec![("agent", "deployer"), ("state", "queued")],
             1.0,
         ),
-        ("orch_oldest_queued_age_seconds", vec![], 5.0),
-        ("orch_live_leases", vec![], 1.0),
+        ("orch_oldest_queued_job_age_seconds", vec![], 5.0),
+        ("orch_live_leases", vec![("agent", "analyst")], 1.0),
         ("orch_tasks", vec![("stage", "intake")], 2.0),
+        ("orch_finished_tasks", vec![("outcome", "rolled_back")], 0.0),
+        ("orch_finished_tasks", vec![("outcome", "shipped")], 0.0),
+        // One metric per runner counter, no generic `name` label.
+        ("orch_staging_runner_tool_error_total", vec![], 1.0),
+        // A hostile runner name becomes a valid metric name.
+        ("orch_we_ird_run_ner_x_total", vec![], 7.0),
+        ("orch_post_deploy_watches_armed", vec![("repo", "svc")], 1.0),
         (
-            "orch_runner_counter",
-            vec![("runner", "staging_runner"), ("name", "tool_error")],
-            1.0,
-        ),
-        // The hostile runner name survives escaping intact.
-        (
-            "orch_runner_counter",
-            vec![("runner", "we\"ird\\run\nner"), ("name", "x")],
-            7.0,
-        ),
-        ("orch_active_observations", vec![], 1.0),
-        ("orch_live_leases_by_agent", vec![("agent", "analyst")], 1.0),
-        (
-            "orch_observation_polls",
-            vec![("work_item_id", "ORCH-7"), ("repo", "svc")],
+            "orch_agent_runs_total",
+            vec![("agent", "analyst"), ("outcome", "success")],
             2.0,
         ),
         (
-            "orch_observation_remaining_seconds",
-            vec![("work_item_id", "ORCH-7"), ("repo", "svc")],
-            535.0,
+            "orch_agent_runs_total",
+            vec![("agent", "dev"), ("outcome", "success")],
+            1.0,
         ),
-        ("orch_agent_runs_total", vec![("agent", "analyst")], 2.0),
-        ("orch_agent_runs_total", vec![("agent", "dev")], 1.0),
         (
             "orch_agent_tokens_total",
             vec![("agent", "analyst"), ("direction", "input")],
@@ -610,6 +611,137 @@ async fn metrics_text_parses_and_carries_the_queue() {
             Some(want),
             "{name} {labels:?} in\n{}",
             a.text
+        );
+    }
+    for present in [
+        "process_start_time_seconds",
+        "process_resident_memory_bytes",
+        "process_cpu_seconds_total",
+        "process_open_fds",
+    ] {
+        assert!(
+            samples.iter().any(|s| s.0 == present),
+            "{present} missing in\n{}",
+            a.text
+        );
+    }
+    assert!(
+        !a.text.contains("name=\""),
+        "a generic `name` label:\n{}",
+        a.text
+    );
+    openmetrics_parser_accepts(&a.text);
+}
+
+/// Parses the exposition with the Prometheus project's own OpenMetrics parser (the Python
+/// `prometheus_client.openmetrics.parser`, installed with pip into the test's scratch dir when
+/// missing) and checks each family's type and unit. Skips, saying why, when Python or pip
+/// cannot provide it.
+fn openmetrics_parser_accepts(text: &str) {
+    use std::process::{Command, Stdio};
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("py-prometheus-client");
+    let importable = |dir: &std::path::Path| {
+        Command::new("python3")
+            .args(["-c", "import prometheus_client.openmetrics.parser"])
+            .env("PYTHONPATH", dir)
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if !importable(&dir) {
+        let out = Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--target",
+            ])
+            .arg(&dir)
+            .arg("prometheus-client>=0.20")
+            .output();
+        match out {
+            Ok(o) if o.status.success() && importable(&dir) => {}
+            Ok(o) => {
+                eprintln!(
+                    "SKIPPED the OpenMetrics parser check: pip could not install prometheus-client: {}",
+                    String::from_utf8_lossy(&o.stderr)
+                );
+                return;
+            }
+            Err(e) => {
+                eprintln!("SKIPPED the OpenMetrics parser check: python3 is not runnable: {e}");
+                return;
+            }
+        }
+    }
+    let script = [
+        "import sys",
+        "from prometheus_client.openmetrics.parser import text_string_to_metric_families",
+        "for f in text_string_to_metric_families(sys.stdin.read()):",
+        "    print(f.name, f.type, f.unit or '-', len(f.samples))",
+    ]
+    .join("\n");
+    let mut child = Command::new("python3")
+        .args(["-c", &script])
+        .env("PYTHONPATH", &dir)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run python3");
+    {
+        use std::io::Write;
+        let mut stdin = child.stdin.take().expect("stdin");
+        stdin
+            .write_all(text.as_bytes())
+            .expect("write the exposition");
+    }
+    let out = child.wait_with_output().expect("wait for python3");
+    assert!(
+        out.status.success(),
+        "the OpenMetrics parser rejected /metrics: {}\n{text}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let families: std::collections::HashMap<String, (String, String)> =
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| {
+                let mut w = l.split(' ');
+                Some((
+                    w.next()?.to_owned(),
+                    (w.next()?.to_owned(), w.next()?.to_owned()),
+                ))
+            })
+            .collect();
+    for (name, kind, unit) in [
+        ("orch_up", "gauge", "-"),
+        ("orch_build", "info", "-"),
+        ("process_start_time_seconds", "gauge", "seconds"),
+        ("process_cpu_seconds", "counter", "seconds"),
+        ("process_resident_memory_bytes", "gauge", "bytes"),
+        ("process_open_fds", "gauge", "-"),
+        ("orch_jobs", "gauge", "-"),
+        ("orch_tasks", "gauge", "-"),
+        ("orch_finished_tasks", "gauge", "-"),
+        ("orch_agent_runs", "counter", "-"),
+        ("orch_agent_tokens", "counter", "-"),
+        ("orch_agent_cost_usd", "counter", "usd"),
+        ("orch_staging_runner_tool_error", "counter", "-"),
+        ("orch_job_duration_seconds", "histogram", "seconds"),
+        ("orch_job_claim_wait_seconds", "histogram", "seconds"),
+        ("orch_oldest_queued_job_age_seconds", "gauge", "seconds"),
+    ] {
+        assert_eq!(
+            families.get(name).map(|(k, u)| (k.as_str(), u.as_str())),
+            Some((kind, unit)),
+            "family {name} in {families:?}"
+        );
+    }
+    for name in families.keys() {
+        assert!(
+            name.starts_with("orch_") || name.starts_with("process_"),
+            "{name} has no orch_/process_ prefix"
         );
     }
 }
@@ -946,6 +1078,13 @@ async fn bad_bodies_get_the_json_error_shape() {
             StatusCode::UNPROCESSABLE_ENTITY,
             "invalid_json",
         ),
+        // serde would say "expected struct SubmitBody".
+        (
+            "\"a string\"",
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "invalid_json",
+        ),
+        ("[1, 2]", StatusCode::UNPROCESSABLE_ENTITY, "invalid_json"),
         (
             r#"{"repo":"svc","title":"   "}"#,
             StatusCode::UNPROCESSABLE_ENTITY,
@@ -969,6 +1108,11 @@ async fn bad_bodies_get_the_json_error_shape() {
     ] {
         let a = h.post("/tasks", Some(TOKEN), Some(body), want).await;
         assert_eq!(a.error_code(), code, "{}", &body[..body.len().min(60)]);
+        let message = a.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(
+            !message.contains("struct") && !message.contains("SubmitBody"),
+            "a Rust type in {message:?}"
+        );
     }
     // No content type.
     let req = Request::post("/tasks")
@@ -1044,7 +1188,7 @@ async fn hostile_work_item_ids_are_refused_before_any_handler() {
             .get(&format!("/ui/tasks/{id}"), StatusCode::BAD_REQUEST)
             .await;
         assert!(page.content_type().starts_with("text/html"));
-        assert!(!page.text.contains("<script"), "{}", page.text);
+        assert_eq!(page.text.matches("<script").count(), 1, "{}", page.text);
     }
     // Unencoded traversal never reaches a handler: no route matches.
     let a = h
@@ -1228,7 +1372,7 @@ async fn dashboard_shows_real_data_and_escapes_it() {
     assert!(page.content_type().starts_with("text/html"));
     let html = &page.text;
     for want in [
-        "http-equiv=\"refresh\" content=\"5\"",
+        "data-live",
         "href=\"/ui/tasks/ORCH-1\"",
         "href=\"/ui/tasks/ORCH-2\"",
         "plain task",
@@ -1242,7 +1386,16 @@ async fn dashboard_shows_real_data_and_escapes_it() {
         assert!(html.contains(want), "index lacks {want:?}:\n{html}");
     }
     assert!(has_escaped(html, "<script>alert(1)</script>"), "{html}");
-    assert!(!html.contains("<script"), "unescaped script in:\n{html}");
+    assert!(
+        !html.contains("<script>alert"),
+        "unescaped script in:\n{html}"
+    );
+    assert_eq!(
+        html.matches("<script").count(),
+        1,
+        "only the page's own script"
+    );
+    assert!(!html.contains("http-equiv=\"refresh\""));
     assert!(
         !html.contains("<link") && !html.contains("src=\"http"),
         "external assets"
@@ -1271,7 +1424,7 @@ async fn dashboard_shows_real_data_and_escapes_it() {
         assert!(has_escaped(html, raw), "{raw:?} is not escaped in:\n{html}");
     }
     assert!(
-        !html.contains("<script") && !html.contains("<b>bold"),
+        !html.contains("<script>alert") && !html.contains("<b>bold"),
         "unescaped:\n{html}"
     );
 
@@ -1420,10 +1573,10 @@ async fn dashboard_draws_pipelines_loops_and_watch_charts() {
     assert!(html.contains("fill=\"#c0392b\""), "{html}");
     assert!(html.contains("y=\"24\" width=\"5\" height=\"8\""), "{html}");
     assert!(html.contains("y=\"0\" width=\"5\" height=\"32\""), "{html}");
-    assert!(!html.contains("<script"), "{html}");
+    assert_eq!(html.matches("<script").count(), 1, "{html}");
 
     let page = h.get("/ui/tasks/ORCH-7", StatusCode::OK).await.text;
-    assert!(page.contains("<svg class=\"chart\""), "{page}");
+    assert!(page.contains("<svg class=\"chart big\""), "{page}");
     assert!(
         page.contains("class=\"box current\" title=\"intake\""),
         "{page}"
@@ -1440,4 +1593,360 @@ fn section<'a>(html: &'a str, start: &str, end: &str) -> &'a str {
         .unwrap_or_else(|| panic!("no {start:?} in:\n{html}"));
     let rest = &html[from..];
     &rest[..rest.find(end).unwrap_or(rest.len())]
+}
+
+// ----- outcomes, repo pages, openapi -------------------------------------------------------------
+
+impl Harness {
+    /// Moves a task along with the store's real `advance_stage` (operator fence).
+    async fn advance(&self, task: &Task, to: &str, kind: &str, data: serde_json::Value) -> Task {
+        let current = self
+            .db
+            .store
+            .get_task(task.id)
+            .await
+            .unwrap()
+            .expect("the task");
+        self.db
+            .store
+            .advance_stage(orch_store::AdvanceStage {
+                task_id: task.id,
+                expected_stage: current.stage.clone(),
+                new_stage: to.into(),
+                fence: orch_store::Fence::Seq(current.stage_seq),
+                event: NewEvent::new(kind, format!("{} -> {to}", current.stage))
+                    .data(data.to_string()),
+                next_job: None,
+            })
+            .await
+            .unwrap()
+            .task
+    }
+
+    /// Appends an event with the store's real `append_event`.
+    async fn event(
+        &self,
+        task: &Task,
+        kind: &str,
+        stage: &str,
+        msg: &str,
+        data: serde_json::Value,
+    ) {
+        self.db
+            .store
+            .append_event(
+                NewEvent::new(kind, msg)
+                    .task(task.id)
+                    .stage(stage)
+                    .data(data.to_string()),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// The demo's APP-2 as today's code leaves it: deployed, the watch FAILED and rolled back,
+/// then lessons and `done` with no recorded outcome. ORCH-1 shipped; ORCH-3 is in flight.
+async fn release_history() -> Harness {
+    let h = Harness::with(None, |r| {
+        r.artifacts.insert(
+            "ORCH-2".into(),
+            vec![ArtifactFile {
+                name: "16-post-deploy-log.md".into(),
+                content: "---\nwork_item: ORCH-2\npost_deploy_status: FAILED\naction_taken: rollback\n---\n\
+# 16 — Post-deploy log: ORCH-2\n\n**FAILED** — 3 consecutive FAIL polls\n\n<script>alert('md')</script>\n\n\
+[bad](javascript:alert(1)) [good](https://example.com/x)\n\n## Series\n\n\
+| tick | at | poll | check | outcome | status | latency | detail |\n|---|---|---|---|---|---|---|---|\n\
+| 0 | 2026-11-29T10:00:00Z | PASS | health | PASS | 200 | 12 ms | ok |\n\
+| 1 | 2026-11-29T10:00:30Z | FAIL | health | FAIL | 500 | 40 ms | boom |\n\
+| 2 | 2026-11-29T10:01:00Z | FAIL | health | FAIL | 500 | 35 ms | boom |\n\
+| 3 | 2026-11-29T10:01:30Z | FAIL | health | FAIL | 500 | 31 ms | boom |\n\n## Reaction\n"
+                    .into(),
+            }],
+        );
+    })
+    .await;
+    let t1 = h.task("ORCH-1", "shipped one", "svc", None).await;
+    let t2 = h.task("ORCH-2", "rolled back one", "svc", None).await;
+    let t3 = h.task("ORCH-3", "in flight", "svc", None).await;
+    h.task("ORCH-4", "other repo", "web", None).await;
+    for (t, rev) in [(&t1, "rev1111111111111"), (&t2, "rev2222222222222")] {
+        h.advance(t, "deploy", "stage.advanced", json!({})).await;
+        h.event(
+            t,
+            "deploy.confirmed",
+            "deploy",
+            "confirmed",
+            json!({"revision": rev}),
+        )
+        .await;
+        h.advance(t, "observe", "stage.advanced", json!({})).await;
+    }
+    h.event(
+        &t1,
+        "post_deploy.verdict",
+        "observe",
+        "post-deploy watch HEALTHY: fine (action none)",
+        json!({"verdict": "HEALTHY", "action": "none"}),
+    )
+    .await;
+    h.event(
+        &t2,
+        "post_deploy.verdict",
+        "observe",
+        "post-deploy watch FAILED: 3 consecutive FAIL polls (FAILED at 3) (action rollback)",
+        json!({"verdict": "FAILED", "action": "rollback"}),
+    )
+    .await;
+    h.event(
+        &t2,
+        "post_deploy.rollback",
+        "observe",
+        "rolled back `rev2222222222222`; verified",
+        json!({"revision": "rev2222222222222", "verified": true}),
+    )
+    .await;
+    // The release train's own record of a later deploy that shipped a revert of ORCH-2.
+    h.event(
+        &t1,
+        "release.deployed",
+        "observe",
+        "deployed",
+        json!({"repo": "svc", "revision": "rev3333333333333", "previous_revision": "rev2222222222222",
+               "items": [{"work_item": "ORCH-1", "commit": "c1", "change": "merge"},
+                         {"work_item": "ORCH-2", "commit": "c2", "change": "revert"}], "seq": 3}),
+    )
+    .await;
+    for t in [&t1, &t2] {
+        h.advance(t, "lessons", "stage.advanced", json!({})).await;
+        h.event(
+            t,
+            "lessons.recorded",
+            "lessons",
+            "1 lesson(s): rollback",
+            json!({"count": 1}),
+        )
+        .await;
+        h.advance(t, "done", "task.done", json!({})).await;
+    }
+    h.advance(&t3, "review", "stage.advanced", json!({})).await;
+    h
+}
+
+#[tokio::test]
+async fn a_rolled_back_task_is_rolled_back_in_the_api_the_pages_and_metrics() {
+    let h = release_history().await;
+    let list = h.get("/tasks?repo=svc", StatusCode::OK).await.json();
+    let outcome = |id: &str| {
+        list["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["work_item_id"] == id)
+            .map(|t| t["outcome"].clone())
+            .unwrap()
+    };
+    assert_eq!(outcome("ORCH-1")["outcome"], "shipped");
+    assert_eq!(outcome("ORCH-2")["outcome"], "rolled_back");
+    assert_eq!(outcome("ORCH-2")["stage"], "observe");
+    assert_eq!(
+        outcome("ORCH-2")["reason"],
+        "3 consecutive FAIL polls (FAILED at 3)"
+    );
+    assert_eq!(outcome("ORCH-2")["recorded"], false);
+    assert_eq!(outcome("ORCH-3"), Value::Null);
+    let one = h.get("/tasks/ORCH-2", StatusCode::OK).await.json();
+    assert_eq!(one["task"]["outcome"]["outcome"], "rolled_back");
+
+    // The task page tells it at the top, before the timeline.
+    let html = h.get("/ui/tasks/ORCH-2", StatusCode::OK).await.text;
+    let story = section(&html, "<section class=\"story", "</section>");
+    assert!(story.contains("data-outcome=\"rolled_back\""), "{story}");
+    assert!(story.contains("rolled back"), "{story}");
+    assert!(
+        story.contains("3 consecutive FAIL polls (FAILED at 3)"),
+        "{story}"
+    );
+    assert!(
+        html.find("class=\"story").unwrap() < html.find("Stage timeline").unwrap(),
+        "the story is not at the top"
+    );
+    // A finished page does not poll.
+    assert!(html.contains("<body data-live=\"0\">"), "{html}");
+    // The chart from 16-post-deploy-log.md, after the watch ended: 4 bars, 3 red.
+    let chart = section(&html, "<svg class=\"chart big\"", "</svg>");
+    assert_eq!(chart.matches("<rect").count(), 4, "{chart}");
+    assert_eq!(chart.matches("fill=\"#c0392b\"").count(), 3, "{chart}");
+    assert!(
+        html.contains("verdict <b>FAILED, action rollback</b>"),
+        "{html}"
+    );
+    // The artifact is rendered, its raw HTML escaped, the javascript: link dropped.
+    assert!(html.contains("<strong>FAILED</strong>"), "{html}");
+    assert!(html.contains("#unsafe-link-removed"), "{html}");
+    assert!(html.contains("href=\"https://example.com/x\""), "{html}");
+    assert!(!html.contains("<script>alert"), "{html}");
+    assert!(!html.contains("href=\"javascript:"), "{html}");
+    // The stage timeline has one bar per visit.
+    let tl = section(&html, "<div class=\"tl\"", "<p class=\"muted\">↺");
+    assert_eq!(tl.matches("class=\"bar\"").count(), 5, "{tl}");
+
+    // The queue page does not show it as plain green done.
+    let index = h.get("/", StatusCode::OK).await.text;
+    let row = section(&index, "id=\"task-ORCH-2\"", "</tr>");
+    assert!(row.contains("chip rolled_back"), "{row}");
+    assert!(row.contains("pipe rolled_back"), "{row}");
+    assert!(!row.contains("chip shipped"), "{row}");
+    let row = section(&index, "id=\"task-ORCH-1\"", "</tr>");
+    assert!(row.contains("chip shipped"), "{row}");
+    assert!(index.contains("<body data-live=\"1\">"));
+    assert!(!index.contains("http-equiv=\"refresh\""));
+
+    let m = h.get("/metrics", StatusCode::OK).await.text;
+    for want in [
+        "orch_finished_tasks{outcome=\"rolled_back\"} 1\n",
+        "orch_finished_tasks{outcome=\"shipped\"} 1\n",
+        "orch_finished_tasks{outcome=\"failed\"} 0\n",
+    ] {
+        assert!(m.contains(want), "{want} in\n{m}");
+    }
+}
+
+#[tokio::test]
+async fn a_recorded_outcome_wins_over_the_derivation() {
+    let h = Harness::new(None).await;
+    let t = h.task("ORCH-9", "reverted", "svc", None).await;
+    h.advance(
+        &t,
+        "done",
+        "task.done",
+        json!({"outcome": "reverted", "reason": "health check failed after deploy"}),
+    )
+    .await;
+    let v = h.get("/tasks/ORCH-9", StatusCode::OK).await.json();
+    assert_eq!(v["task"]["outcome"]["outcome"], "reverted");
+    assert_eq!(v["task"]["outcome"]["recorded"], true);
+    assert_eq!(
+        v["task"]["outcome"]["reason"],
+        "health check failed after deploy"
+    );
+    let t = h.task("ORCH-10", "failed", "svc", None).await;
+    h.advance(
+        &t,
+        "failed",
+        "task.failed",
+        json!({"outcome": "failed", "stage": "staging", "reason": "smoke check failed"}),
+    )
+    .await;
+    let v = h.get("/tasks/ORCH-10", StatusCode::OK).await.json();
+    assert_eq!(v["task"]["outcome"]["stage"], "staging");
+    let html = h.get("/ui/tasks/ORCH-10", StatusCode::OK).await.text;
+    let story = section(&html, "<section class=\"story", "</section>");
+    assert!(story.contains("smoke check failed"), "{story}");
+    assert!(story.contains("staging"), "{story}");
+    // A failed task offers retry, not cancel.
+    assert!(html.contains("data-action=\"retry\""), "{html}");
+    assert!(!html.contains("data-action=\"cancel\""), "{html}");
+}
+
+#[tokio::test]
+async fn the_repo_page_shows_deploys_verdicts_rollbacks_and_lessons() {
+    let h = release_history().await;
+    let v = h.get("/repos/svc/deploys", StatusCode::OK).await.json();
+    assert_eq!(v["repo"], "svc");
+    let in_flight: Vec<&str> = v["in_flight"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["work_item_id"].as_str().unwrap())
+        .collect();
+    assert_eq!(in_flight, ["ORCH-3"]);
+    let deploys = v["deploys"].as_array().unwrap();
+    assert_eq!(deploys.len(), 3, "{v}");
+    // Before the release train: one item each, from deploy.confirmed, with the watch's word.
+    assert_eq!(deploys[0]["deployed_by"], "ORCH-1");
+    assert_eq!(deploys[0]["source"], "deploy.confirmed");
+    assert_eq!(deploys[0]["verdict"], "HEALTHY");
+    assert_eq!(deploys[0]["rolled_back"], false);
+    assert_eq!(deploys[1]["deployed_by"], "ORCH-2");
+    assert_eq!(deploys[1]["verdict"], "FAILED");
+    assert_eq!(deploys[1]["rolled_back"], true);
+    assert_eq!(deploys[1]["revision"], "rev2222222222222");
+    // The release train's record: which items, and the revert.
+    assert_eq!(deploys[2]["source"], "release.deployed");
+    assert_eq!(deploys[2]["previous_revision"], "rev2222222222222");
+    assert_eq!(deploys[2]["items"][1]["work_item"], "ORCH-2");
+    assert_eq!(deploys[2]["items"][1]["change"], "revert");
+    let finished = v["finished"].as_array().unwrap();
+    assert!(
+        finished
+            .iter()
+            .any(|t| t["work_item_id"] == "ORCH-2" && t["outcome"]["outcome"] == "rolled_back"),
+        "{v}"
+    );
+    assert_eq!(v["lessons"].as_array().unwrap().len(), 2);
+    assert!(
+        !v.to_string().contains("ORCH-4"),
+        "another repo's item leaked: {v}"
+    );
+
+    let html = h.get("/ui/repos/svc", StatusCode::OK).await.text;
+    for want in [
+        "href=\"/ui/tasks/ORCH-3\"",
+        "chip rolled_back\">rolled back",
+        "rev222222222",
+        "(revert)",
+        "1 lesson(s): rollback",
+    ] {
+        assert!(html.contains(want), "{want} in\n{html}");
+    }
+    h.get("/repos/nope/deploys", StatusCode::NOT_FOUND).await;
+    let a = h
+        .get("/repos/..%2Fx/deploys", StatusCode::BAD_REQUEST)
+        .await;
+    assert_eq!(a.error_code(), "invalid_repo");
+    h.get("/ui/repos/nope", StatusCode::NOT_FOUND).await;
+}
+
+#[tokio::test]
+async fn openapi_is_served_and_filters_with_control_characters_are_400() {
+    let h = Harness::new(None).await;
+    let a = h.get("/openapi.yaml", StatusCode::OK).await;
+    assert!(a.content_type().starts_with("application/yaml"));
+    assert!(a.text.contains("openapi: "), "{}", a.text);
+    for uri in ["/tasks?stage=%00", "/tasks?repo=a%0Ab", "/?stage=%00"] {
+        let a = h.get(uri, StatusCode::BAD_REQUEST).await;
+        if uri.starts_with("/tasks") {
+            assert_eq!(a.error_code(), "bad_request");
+        }
+    }
+}
+
+#[tokio::test]
+async fn cross_site_browser_calls_are_refused_even_with_the_token() {
+    let h = Harness::new(Some(TOKEN)).await;
+    h.task("ORCH-4", "t", "svc", None).await;
+    for (header, value) in [
+        ("sec-fetch-site", "cross-site"),
+        ("origin", "http://evil.example"),
+    ] {
+        let req = Request::post("/tasks/ORCH-4/cancel")
+            .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+            .header(header::HOST, "127.0.0.1:7878")
+            .header(header, value)
+            .body(Body::empty())
+            .unwrap();
+        let a = h.check(req, StatusCode::FORBIDDEN).await;
+        assert_eq!(a.error_code(), "cross_site");
+    }
+    assert!(h.ops.calls().is_empty());
+    let req = Request::post("/tasks/ORCH-4/cancel")
+        .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+        .header(header::HOST, "127.0.0.1:7878")
+        .header("origin", "http://127.0.0.1:7878")
+        .header("sec-fetch-site", "same-origin")
+        .body(Body::empty())
+        .unwrap();
+    h.check(req, StatusCode::OK).await;
+    assert_eq!(h.ops.calls(), ["cancel ORCH-4"]);
 }

@@ -130,7 +130,8 @@ async fn every_route_in_the_table_reaches_a_handler() {
     for (method, path, kind) in ROUTES {
         let uri = path
             .replace("{id}", "ORCH-1")
-            .replace("{name}", "02-requirements.md");
+            .replace("{name}", "02-requirements.md")
+            .replace("{repo}", "svc");
         let mut req = Request::builder()
             .method(*method)
             .uri(&uri)

@@ -54,6 +54,77 @@ pub struct Config {
     /// `[pipeline]`: overrides of the default pipeline.
     #[serde(default)]
     pub pipeline: PipelineConfig,
+    /// `[prices."<model>"]`: US dollars per million tokens, for agents whose tool reports
+    /// tokens but no cost; merged over [`default_prices`].
+    #[serde(default)]
+    pub prices: BTreeMap<String, Price>,
+}
+
+/// What a model costs, in US dollars per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Price {
+    /// Per million input tokens (cached input counts as input: an upper bound).
+    pub input_per_mtok: f64,
+    /// Per million output tokens.
+    pub output_per_mtok: f64,
+}
+
+impl Price {
+    /// The cost of `input` and `output` tokens.
+    pub fn cost(&self, input: i64, output: i64) -> f64 {
+        (input.max(0) as f64 * self.input_per_mtok + output.max(0) as f64 * self.output_per_mtok)
+            / 1e6
+    }
+}
+
+/// The prices orch knows without configuration (list prices, USD per million tokens, as of
+/// the tested CLI versions). `[prices]` in orch.toml overrides and extends them.
+pub fn default_prices() -> BTreeMap<String, Price> {
+    let p = |input_per_mtok, output_per_mtok| Price {
+        input_per_mtok,
+        output_per_mtok,
+    };
+    [
+        ("claude-opus-4-1", p(15.0, 75.0)),
+        ("claude-opus-4", p(15.0, 75.0)),
+        ("claude-sonnet-4-5", p(3.0, 15.0)),
+        ("claude-sonnet-4", p(3.0, 15.0)),
+        ("claude-haiku-4-5", p(1.0, 5.0)),
+        ("claude-3-5-haiku", p(0.8, 4.0)),
+        ("gpt-5-codex", p(1.25, 10.0)),
+        ("gpt-5", p(1.25, 10.0)),
+        ("gpt-5-mini", p(0.25, 2.0)),
+        ("gpt-5-nano", p(0.05, 0.4)),
+        ("gpt-4.1", p(2.0, 8.0)),
+        ("gpt-4.1-mini", p(0.4, 1.6)),
+        ("gpt-4o", p(2.5, 10.0)),
+        ("gpt-4o-mini", p(0.15, 0.6)),
+        ("o3", p(2.0, 8.0)),
+        ("o4-mini", p(1.1, 4.4)),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect()
+}
+
+/// The price of `model` in `table`: an exact entry, else the longest entry the model name
+/// starts with followed by `-` (a dated version such as `claude-sonnet-4-5-20250929`); a
+/// provider prefix (`openai/gpt-4.1`) is ignored.
+pub fn price_in(table: &BTreeMap<String, Price>, model: &str) -> Option<Price> {
+    let model = model.rsplit('/').next().unwrap_or(model).trim();
+    if let Some(p) = table.get(model) {
+        return Some(*p);
+    }
+    table
+        .iter()
+        .filter(|(k, _)| {
+            model
+                .strip_prefix(k.as_str())
+                .is_some_and(|rest| rest.starts_with('-'))
+        })
+        .max_by_key(|(k, _)| k.len())
+        .map(|(_, p)| *p)
 }
 
 /// `[settings]`.
@@ -82,6 +153,12 @@ pub struct Settings {
     pub max_tokens_per_item: Option<u64>,
     /// Cost budget per work item in US dollars.
     pub max_cost_usd_per_item: Option<f64>,
+    /// What an agent run of unknown cost counts as toward `max_cost_usd_per_item`. Unset:
+    /// the whole budget (one run of unknown cost stops further runs of the work item).
+    pub unknown_run_cost_usd: Option<f64>,
+    /// What an agent run of unknown token usage counts as toward `max_tokens_per_item`.
+    /// Unset: the whole budget.
+    pub unknown_run_tokens: Option<u64>,
     /// Default wall-clock timeout of an agent run, in seconds. Default 1800.
     pub agent_timeout_s: u64,
     /// This machine's node name, for job affinity; unset means the host name.
@@ -102,6 +179,8 @@ impl Default for Settings {
             agent_concurrency: 2,
             max_tokens_per_item: None,
             max_cost_usd_per_item: None,
+            unknown_run_cost_usd: None,
+            unknown_run_tokens: None,
             agent_timeout_s: 1800,
             node: None,
         }
@@ -171,6 +250,29 @@ pub struct RepoConfig {
     /// The repo's lessons file, relative to its root. Default `LESSONS.md`.
     #[serde(default = "default_lessons_file")]
     pub lessons_file: String,
+    /// What the release train does with a change whose post-deploy watch rolled it back:
+    /// `revert` (default) removes it from the default branch with a revert commit; `hold`
+    /// keeps it and holds the repo's releases until an operator acts.
+    #[serde(default)]
+    pub on_failure: OnFailure,
+    /// A control endpoint the post-deploy monitor checks with every poll: something that must
+    /// answer whenever the monitor can see at all (e.g. a stable status page on the same
+    /// network). When it does not answer, the poll's failures are the monitor's blindness
+    /// (ERROR), never the service's (FAIL). Default none.
+    #[serde(default)]
+    pub control_url: Option<String>,
+}
+
+/// `on_failure`: what happens to a change that was rolled back in production.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnFailure {
+    /// Revert it on the default branch (through the release track) so no later deploy
+    /// ships it again.
+    #[default]
+    Revert,
+    /// Keep it and hold the repo's releases until an operator approves or cancels the item.
+    Hold,
 }
 
 fn default_branch() -> String {
@@ -247,7 +349,7 @@ impl Default for PostDeployConfig {
 }
 
 /// `[agents.<name>]`: an agent backend.
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct AgentConfig {
     /// Which kind of backend.
@@ -268,6 +370,24 @@ pub struct AgentConfig {
     pub api_key_env: Option<String>,
     /// Wall-clock timeout of a run in seconds; default `settings.agent_timeout_s`.
     pub timeout_s: Option<u64>,
+    /// Claude Code: the tools the agent may use without asking (`--allowedTools`, e.g.
+    /// `"Bash(python3 -m unittest:*)"`), replacing the role's default (see the README).
+    pub allowed_tools: Option<Vec<String>>,
+    /// Claude Code: tools refused outright (`--disallowedTools`), replacing the default
+    /// (web, scheduling and sub-agent tools).
+    pub disallowed_tools: Option<Vec<String>>,
+    /// Claude Code: the most turns of one run (`--max-turns`). Default 50.
+    pub max_turns: Option<u32>,
+    /// Claude Code: retries the CLI makes itself on API errors (`CLAUDE_CODE_MAX_RETRIES`).
+    /// Default 2; orch retries transient failures with backoff on top.
+    pub cli_retries: Option<u32>,
+    /// The CLI's configuration home (`HOME`, and `CODEX_HOME` below it): `"run"` (default, a
+    /// fresh directory per run, so the orch user's settings and hooks do not apply),
+    /// `"user"` (the orch user's own), or a directory.
+    pub config_home: Option<String>,
+    /// US dollars per million tokens, for tools that report tokens but no cost; default
+    /// the `[prices]` entry of `model`.
+    pub price: Option<Price>,
 }
 
 /// Agent backend kinds (SPEC §4).
@@ -386,6 +506,7 @@ impl Config {
         let mut config: Config = toml::from_str(text).map_err(|e| parse_error(text, &e))?;
         config.apply_env(env)?;
         config.validate()?;
+        config.resolve_prices();
         Ok(config)
     }
 
@@ -424,7 +545,25 @@ impl Config {
         if env_number(&get, "ORCH_MAX_COST_USD_PER_ITEM", &mut cost)? {
             s.max_cost_usd_per_item = Some(cost);
         }
+        if env_number(&get, "ORCH_UNKNOWN_RUN_COST_USD", &mut cost)? {
+            s.unknown_run_cost_usd = Some(cost);
+        }
+        if env_number(&get, "ORCH_UNKNOWN_RUN_TOKENS", &mut tokens)? {
+            s.unknown_run_tokens = Some(tokens);
+        }
         Ok(())
+    }
+
+    /// Gives every agent without its own `price` the price of its model from `[prices]` or
+    /// [`default_prices`].
+    pub fn resolve_prices(&mut self) {
+        let mut table = default_prices();
+        table.extend(self.prices.iter().map(|(k, v)| (k.clone(), *v)));
+        for agent in self.agents.values_mut() {
+            if agent.price.is_none() {
+                agent.price = agent.model.as_deref().and_then(|m| price_in(&table, m));
+            }
+        }
     }
 
     /// Checks everything a parse cannot: settings in range, each repo usable, prefixes
@@ -447,6 +586,9 @@ impl Config {
         }
         for (name, agent) in &self.agents {
             validate_agent(name, agent)?;
+        }
+        for (model, price) in &self.prices {
+            validate_price(&format!("prices.\"{model}\""), price)?;
         }
         self.pipeline().map(|_| ())
     }
@@ -491,6 +633,15 @@ impl Config {
             return Err(invalid(
                 "settings",
                 "max_cost_usd_per_item",
+                "must be a non-negative number",
+            ));
+        }
+        if let Some(cost) = s.unknown_run_cost_usd
+            && !(cost.is_finite() && cost >= 0.0)
+        {
+            return Err(invalid(
+                "settings",
+                "unknown_run_cost_usd",
                 "must be a non-negative number",
             ));
         }
@@ -809,6 +960,39 @@ fn validate_agent(name: &AgentName, agent: &AgentConfig) -> Result<(), ConfigErr
     if agent.timeout_s == Some(0) {
         return Err(err("timeout_s", "must be at least 1"));
     }
+    if agent.max_turns == Some(0) {
+        return Err(err("max_turns", "must be at least 1"));
+    }
+    if let Some(endpoint) = &agent.endpoint
+        && !is_http_url(endpoint)
+    {
+        return Err(err("endpoint", "expected an http:// or https:// URL"));
+    }
+    if agent
+        .config_home
+        .as_deref()
+        .is_some_and(|h| h.trim().is_empty())
+    {
+        return Err(err(
+            "config_home",
+            "expected \"run\", \"user\" or a directory",
+        ));
+    }
+    if let Some(price) = &agent.price {
+        validate_price(&section, price)?;
+    }
+    Ok(())
+}
+
+fn validate_price(section: &str, price: &Price) -> Result<(), ConfigError> {
+    for (key, v) in [
+        ("input_per_mtok", price.input_per_mtok),
+        ("output_per_mtok", price.output_per_mtok),
+    ] {
+        if !(v.is_finite() && v >= 0.0) {
+            return Err(invalid(section, key, "must be a finite number >= 0"));
+        }
+    }
     Ok(())
 }
 
@@ -905,6 +1089,10 @@ agent_timeout_s = 1800
 # Budgets per work item; a run that would exceed them is not started.
 # max_tokens_per_item = 2000000
 # max_cost_usd_per_item = 20.0
+# A run whose tool reported no usable cost (or tokens) counts as this much toward the
+# budgets; unset, it counts as the whole budget (no further runs for the work item).
+# unknown_run_cost_usd = 2.0
+# unknown_run_tokens = 200000
 # This machine's name for job affinity (default: the host name).
 # node = "build-1"
 
@@ -962,6 +1150,13 @@ backend = "claude"
 [agents.developer]
 backend = "claude"
 # timeout_s = 3600
+# Presets also take: endpoint (the API's base URL), api_key_env, model, max_turns (Claude
+# Code, default 50), cli_retries (default 2), allowed_tools and disallowed_tools (Claude Code;
+# by default document stages get Read, Write and Edit, the developer also Bash), config_home
+# ("run", the default: a fresh HOME per run; "user"; or a directory) and price (USD per
+# million tokens, as in [prices] below).
+# allowed_tools = ["Read", "Write", "Edit", "Bash(python3 -m unittest:*)"]
+# max_turns = 50
 
 [agents.reviewer]
 backend = "claude"
@@ -971,6 +1166,12 @@ backend = "claude"
 # endpoint = "http://127.0.0.1:8000/v1"
 # model = "qwen2.5-coder"
 # api_key_env = "LOCAL_LLM_KEY"
+
+# Prices (USD per million tokens) turn reported tokens into cost for tools that report
+# none (Codex, Aider with unknown models). Common models are built in; add yours:
+# [prices."my-model"]
+# input_per_mtok = 1.0
+# output_per_mtok = 4.0
 
 # Pipeline overrides: the agent of an LLM stage, and approval = true to make a
 # stage wait for `orch approve <id>` before it runs.
@@ -1591,6 +1792,32 @@ interval_s = 10
         let p = c.pipeline().unwrap();
         assert!(p.stage(&"deploy".parse().unwrap()).unwrap().approval);
         assert_eq!(c.settings.node.as_deref(), Some("build-1"));
+    }
+
+    #[test]
+    fn prices_come_from_the_table_by_model_and_can_be_overridden() {
+        let text = "[agents.analyst]\nbackend = \"codex\"\nmodel = \"openai/gpt-5-codex\"\n\
+                    [agents.architect]\nbackend = \"claude\"\nmodel = \"claude-sonnet-4-5-20250929\"\n\
+                    [agents.developer]\nbackend = \"aider\"\nmodel = \"my-model\"\n\
+                    [agents.reviewer]\nbackend = \"codex\"\nmodel = \"gpt-5\"\nprice = { input_per_mtok = 9.0, output_per_mtok = 9.0 }\n\
+                    [prices.\"my-model\"]\ninput_per_mtok = 1.0\noutput_per_mtok = 4.0\n";
+        let c = Config::from_toml_str(text, &no_env).unwrap();
+        let price = |a: &str| c.agents[&a.parse::<AgentName>().unwrap()].price;
+        let p = |i, o| {
+            Some(Price {
+                input_per_mtok: i,
+                output_per_mtok: o,
+            })
+        };
+        assert_eq!(price("analyst"), p(1.25, 10.0));
+        assert_eq!(price("architect"), p(3.0, 15.0));
+        assert_eq!(price("developer"), p(1.0, 4.0));
+        assert_eq!(price("reviewer"), p(9.0, 9.0));
+        assert_eq!(p(1.0, 4.0).unwrap().cost(1_000_000, 500_000), 3.0);
+        assert_eq!(price_in(&default_prices(), "unknown-model"), None);
+        let bad = "[prices.m]\ninput_per_mtok = -1.0\noutput_per_mtok = 1.0\n";
+        let e = Config::from_toml_str(&format!("{AGENTS}{bad}"), &no_env).unwrap_err();
+        assert!(e.to_string().contains("input_per_mtok"), "{e}");
     }
 
     #[test]

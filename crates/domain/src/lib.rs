@@ -14,6 +14,7 @@
 //! - [`config`]: the `orch.toml` model, `ORCH_*` overrides and the `orch init` template.
 //! - [`staging`]: the staging runner's classification, defer rules and `15-staging-log.md` (ORCH-115).
 //! - [`monitor`]: the post-deploy watch's decision rules and `16-post-deploy-log.md` (ORCH-021).
+//! - [`outcome`]: how a finished task ended (shipped, rolled back, reverted, failed, cancelled).
 #![warn(missing_docs)]
 
 pub mod artifact;
@@ -22,6 +23,7 @@ pub mod control;
 pub mod gate;
 pub mod ids;
 pub mod monitor;
+pub mod outcome;
 pub mod pipeline;
 pub mod staging;
 pub mod text;

@@ -15,6 +15,16 @@ use crate::gate::{
 };
 use crate::ids::{AgentName, ArtifactName, StageName, WorkItemId};
 
+/// The job kinds whose stages form a repo's **release track**: at most one task of a repo is
+/// at any of these stages at a time (merge → staging → deploy → observe → lessons), so the
+/// candidate that staging verified is exactly what reaches the default branch and production.
+pub const RELEASE_TRACK_AGENTS: [&str; 4] =
+    ["merge-gate", "deployer", "post-deploy-monitor", "lessons"];
+
+/// The outcome value with which the deploy stage sends a task back to `merge` when the
+/// default branch moved since its candidate was staged.
+pub const RESTAGE: &str = "RESTAGE";
+
 /// Default bound on loops back to an earlier stage, per work item.
 pub const DEFAULT_MAX_LOOPS: u32 = 3;
 
@@ -187,6 +197,10 @@ pub enum PipelineError {
     Terminal(StageName),
 }
 
+fn v_is(on: &On, value: &str) -> bool {
+    matches!(on, On::Value(v) if v == value)
+}
+
 impl Default for Pipeline {
     fn default() -> Pipeline {
         Pipeline::default_pipeline()
@@ -337,6 +351,9 @@ impl Pipeline {
                 vec![],
                 vec![
                     (On::Pass, next("observe")),
+                    // The default branch moved after staging (a push from outside orch): the
+                    // candidate is rebuilt and staged again (not a loop back: nothing failed).
+                    (value(RESTAGE), next("merge")),
                     (On::NotSuccess, Transition::Fail),
                 ],
             ),
@@ -368,6 +385,19 @@ impl Pipeline {
             stages,
             max_loops: DEFAULT_MAX_LOOPS,
         }
+    }
+
+    /// The stages of the release track (see [`RELEASE_TRACK_AGENTS`]), in pipeline order.
+    pub fn release_track(&self) -> Vec<StageName> {
+        self.stages
+            .iter()
+            .filter(|s| {
+                s.agent
+                    .as_ref()
+                    .is_some_and(|a| RELEASE_TRACK_AGENTS.contains(&a.as_str()))
+            })
+            .map(|s| s.name.clone())
+            .collect()
     }
 
     /// The stage a submitted work item starts in.
@@ -526,8 +556,11 @@ impl Pipeline {
         }
         let values = def.status_values().unwrap_or(&[]);
         for (on, transition) in &def.transitions {
+            // A stage without a status key can only be keyed on what its executor reports.
+            let reported = def.status_values().is_none() && v_is(on, RESTAGE);
             if let On::Value(v) = on
                 && !values.contains(v)
+                && !reported
             {
                 return Err(PipelineError::UnknownValue {
                     stage: stage.clone(),

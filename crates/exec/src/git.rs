@@ -376,6 +376,47 @@ impl Git {
         })
     }
 
+    /// Makes `path` a worktree of `repo` with a detached `HEAD` at exactly `rev`, its files as
+    /// committed there (a re-used one is forced to `rev` and cleaned). For running a release's
+    /// commands on the exact revision that was staged.
+    pub async fn worktree_detached(
+        &self,
+        repo: &Path,
+        path: &Path,
+        rev: &str,
+    ) -> Result<(), GitError> {
+        let path = &absolute(path);
+        let lock = repo_lock(repo);
+        let _held = lock.lock().await;
+        let target = normalize(path);
+        let registered = self
+            .worktrees(repo)
+            .await?
+            .into_iter()
+            .any(|w| normalize(&w.path) == target && !w.prunable);
+        if registered && path.join(".git").is_file() && self.is_toplevel(path).await {
+            self.run(
+                path,
+                args(["checkout", "--quiet", "--force", "--detach", rev]),
+            )
+            .await?;
+            self.run(path, args(["clean", "--quiet", "-f", "-d"]))
+                .await?;
+            return Ok(());
+        }
+        self.run(repo, args(["worktree", "prune"])).await?;
+        if path.symlink_metadata().is_ok() {
+            remove_stray(repo, path)?;
+        }
+        create_dir_all(&parent_dir(path))?;
+        let mut argv = args(["worktree", "add", "--quiet", "--force", "--detach"]);
+        argv.push(path.into());
+        argv.push(rev.into());
+        self.run(repo, argv).await?;
+        self.exclude_nested(repo, path).await;
+        Ok(())
+    }
+
     /// Removes the worktree at `path` (uncommitted changes included), prunes git's records of
     /// it and deletes what is left of the directory. Removing a missing worktree succeeds.
     pub async fn worktree_remove(&self, repo: &Path, path: &Path) -> Result<(), GitError> {
@@ -538,6 +579,23 @@ impl Git {
         Ok(true)
     }
 
+    /// Pushes `new` to `branch` on `remote` only if the remote's branch is at `old` now (a
+    /// compare-and-swap on the remote; never a blind force).
+    pub async fn push_lease(
+        &self,
+        dir: &Path,
+        remote: &str,
+        branch: &str,
+        old: &str,
+        new: &str,
+    ) -> Result<(), GitError> {
+        let lease = format!("--force-with-lease=refs/heads/{branch}:{old}");
+        let refspec = format!("{new}:refs/heads/{branch}");
+        self.run(dir, args(["push", "--quiet", &lease, remote, &refspec]))
+            .await?;
+        Ok(())
+    }
+
     /// Fetches `remote` (pruning deleted branches). Returns false (and does nothing) when there
     /// is no such remote.
     pub async fn fetch(&self, dir: &Path, remote: &str) -> Result<bool, GitError> {
@@ -632,6 +690,236 @@ impl Git {
         Ok(())
     }
 
+    // ---- ref-level operations: no working tree, every branch move a compare-and-swap ----
+
+    /// Detaches `HEAD` of the checkout in `dir` at its current commit, so its branches can be
+    /// moved by [`Git::update_branch`] without leaving its working tree behind.
+    pub async fn detach_head(&self, dir: &Path) -> Result<(), GitError> {
+        self.run(dir, args(["checkout", "--quiet", "--detach"]))
+            .await?;
+        Ok(())
+    }
+
+    /// Moves `refs/heads/<branch>` to `new`, only if it is at `old` now (`None`: only if the
+    /// branch does not exist). Losing the race is [`GitError::Failed`]: nothing moved.
+    pub async fn update_branch(
+        &self,
+        dir: &Path,
+        branch: &str,
+        new: &str,
+        old: Option<&str>,
+    ) -> Result<(), GitError> {
+        let refname = format!("refs/heads/{branch}");
+        let zero = "0".repeat(40);
+        let old = old.unwrap_or(&zero);
+        self.run(
+            dir,
+            args(["update-ref", "-m", "orch: release", &refname, new, old]),
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Makes a commit whose parent is `parent` and whose tree is `parent`'s with `files`
+    /// (paths relative to the root) written, without any working tree; returns its id. No
+    /// branch moves: the caller publishes it with [`Git::update_branch`].
+    pub async fn commit_files_onto(
+        &self,
+        dir: &Path,
+        parent: &str,
+        files: &[(String, Vec<u8>)],
+        message: &str,
+    ) -> Result<String, GitError> {
+        let index = TempIndex::new();
+        self.indexed(dir, &index, args(["read-tree", parent]), None)
+            .await?;
+        for (path, content) in files {
+            let blob = self
+                .indexed(
+                    dir,
+                    &index,
+                    args(["hash-object", "-w", "--stdin"]),
+                    Some(content.clone()),
+                )
+                .await?;
+            let info = format!("100644,{},{path}", blob.trim());
+            self.indexed(
+                dir,
+                &index,
+                args(["update-index", "--add", "--cacheinfo", &info]),
+                None,
+            )
+            .await?;
+        }
+        let tree = self
+            .indexed(dir, &index, args(["write-tree"]), None)
+            .await?;
+        self.commit_tree(dir, tree.trim(), &[parent], message).await
+    }
+
+    /// Reverts on top of `head` what `from..to` changed (a three-way merge of `head` and
+    /// `from` over the base `to`), keeping `keep` (a path, e.g. the work item's artifact
+    /// folder) as `head` has it. Returns the revert commit (not published) or the conflicting
+    /// files.
+    pub async fn revert_onto(
+        &self,
+        dir: &Path,
+        head: &str,
+        from: &str,
+        to: &str,
+        keep: &str,
+        message: &str,
+    ) -> Result<RevertResult, GitError> {
+        let merge_base = format!("--merge-base={to}");
+        let argv = args([
+            "merge-tree",
+            "--write-tree",
+            "--name-only",
+            "-z",
+            &merge_base,
+            head,
+            from,
+        ]);
+        let out = self.output(dir, argv.clone(), None).await?;
+        let text = out.stdout_lossy();
+        let mut parts = text.split('\0');
+        let tree = parts.next().unwrap_or_default().trim().to_owned();
+        match out.status {
+            ExitKind::Exited(0) => {}
+            ExitKind::Exited(1) => {
+                let mut files: Vec<String> = parts
+                    .take_while(|p| !p.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+                files.sort();
+                files.dedup();
+                return Ok(RevertResult::Conflict { files });
+            }
+            _ => return Err(failed(dir, &argv, &out)),
+        }
+        let index = TempIndex::new();
+        self.indexed(dir, &index, args(["read-tree", &tree]), None)
+            .await?;
+        self.indexed(
+            dir,
+            &index,
+            args(["rm", "--cached", "-r", "-q", "--ignore-unmatch", "--", keep]),
+            None,
+        )
+        .await?;
+        let kept = format!("{head}:{keep}");
+        if self.rev_parse(dir, &kept).await?.is_some() {
+            let prefix = format!("--prefix={}/", keep.trim_end_matches('/'));
+            self.indexed(dir, &index, args(["read-tree", &prefix, &kept]), None)
+                .await?;
+        }
+        let tree = self
+            .indexed(dir, &index, args(["write-tree"]), None)
+            .await?;
+        let sha = self.commit_tree(dir, tree.trim(), &[head], message).await?;
+        Ok(RevertResult::Reverted { sha })
+    }
+
+    /// A merge commit of `theirs` on top of `base` (first parent `base`), built without any
+    /// working tree; no branch moves. A conflict is reported with its files.
+    pub async fn merge_commit_onto(
+        &self,
+        dir: &Path,
+        base: &str,
+        theirs: &str,
+        message: &str,
+    ) -> Result<MergeResult, GitError> {
+        let argv = args([
+            "merge-tree",
+            "--write-tree",
+            "--name-only",
+            "-z",
+            base,
+            theirs,
+        ]);
+        let out = self.output(dir, argv.clone(), None).await?;
+        let text = out.stdout_lossy();
+        let mut parts = text.split('\0');
+        let tree = parts.next().unwrap_or_default().trim().to_owned();
+        match out.status {
+            ExitKind::Exited(0) => {}
+            ExitKind::Exited(1) => {
+                let mut files: Vec<String> = parts
+                    .take_while(|p| !p.is_empty())
+                    .map(str::to_owned)
+                    .collect();
+                files.sort();
+                files.dedup();
+                return Ok(MergeResult::Conflict { files });
+            }
+            _ => return Err(failed(dir, &argv, &out)),
+        }
+        let sha = self
+            .commit_tree(dir, &tree, &[base, theirs], message)
+            .await?;
+        Ok(MergeResult::Merged { sha })
+    }
+
+    /// `(id, full message)` of every commit in `range` (e.g. `a..b`), newest first.
+    pub async fn commit_messages(
+        &self,
+        dir: &Path,
+        range: &str,
+    ) -> Result<Vec<(String, String)>, GitError> {
+        let out = self
+            .text(dir, args(["log", "-z", "--format=%H%n%B", range, "--"]))
+            .await?;
+        Ok(split_nul(&out)
+            .into_iter()
+            .filter_map(|entry| {
+                let entry = entry.trim_start_matches('\n');
+                let (sha, body) = entry.split_once('\n').unwrap_or((entry, ""));
+                (!sha.is_empty()).then(|| (sha.to_owned(), body.to_owned()))
+            })
+            .collect())
+    }
+
+    async fn commit_tree(
+        &self,
+        dir: &Path,
+        tree: &str,
+        parents: &[&str],
+        message: &str,
+    ) -> Result<String, GitError> {
+        let mut argv = args(["commit-tree", tree]);
+        for p in parents {
+            argv.push("-p".into());
+            argv.push((*p).into());
+        }
+        argv.push("-F".into());
+        argv.push("-".into());
+        let out = self
+            .output(dir, argv.clone(), Some(message.as_bytes().to_vec()))
+            .await?;
+        if !out.success() {
+            return Err(failed(dir, &argv, &out));
+        }
+        Ok(out.stdout_lossy().trim().to_owned())
+    }
+
+    /// Runs git with the private index `index`; its stdout on success.
+    async fn indexed(
+        &self,
+        dir: &Path,
+        index: &TempIndex,
+        argv: Vec<OsString>,
+        stdin: Option<Vec<u8>>,
+    ) -> Result<String, GitError> {
+        let out = self
+            .output_env(dir, argv.clone(), stdin, Some(&index.0))
+            .await?;
+        if out.success() {
+            Ok(out.stdout_lossy())
+        } else {
+            Err(failed(dir, &argv, &out))
+        }
+    }
+
     // ---- internals ----
 
     /// Runs git and returns its output whatever the exit; `Err` only when it could not start.
@@ -643,7 +931,9 @@ impl Git {
         argv: Vec<OsString>,
         stdin: Option<Vec<u8>>,
     ) -> Result<Output, GitError> {
-        let out = self.output_once(dir, argv.clone(), stdin.clone()).await?;
+        let out = self
+            .output_env(dir, argv.clone(), stdin.clone(), None)
+            .await?;
         if out.success() {
             return Ok(out);
         }
@@ -654,17 +944,20 @@ impl Git {
             Ok(()) => {
                 tracing::warn!(lock = %lock.display(),
                     "removed a git lock file whose holder is gone; running git again");
-                self.output_once(dir, argv, stdin).await
+                self.output_env(dir, argv, stdin, None).await
             }
             Err(_) => Ok(out),
         }
     }
 
-    async fn output_once(
+    /// [`Git::output`] with a private index file (`GIT_INDEX_FILE`), for plumbing that builds
+    /// trees without touching any working tree or the repository's own index.
+    async fn output_env(
         &self,
         dir: &Path,
         argv: Vec<OsString>,
         stdin: Option<Vec<u8>>,
+        index: Option<&Path>,
     ) -> Result<Output, GitError> {
         let mut cmd = Cmd::new(&self.bin)
             .args(CONFIG)
@@ -679,6 +972,9 @@ impl Git {
             .output_limit(GIT_OUTPUT_LIMIT);
         for key in LEAKY_ENV {
             cmd = cmd.env_remove(key);
+        }
+        if let Some(index) = index {
+            cmd = cmd.env("GIT_INDEX_FILE", index);
         }
         if let Some(bytes) = stdin {
             cmd = cmd.stdin(bytes);
@@ -923,6 +1219,32 @@ fn under_prefix(path: &str, prefix: &str) -> bool {
         || path
             .strip_prefix(prefix)
             .is_some_and(|rest| rest.starts_with('/'))
+}
+
+/// What [`Git::revert_onto`] made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RevertResult {
+    /// The revert commit (not on any branch yet).
+    Reverted { sha: String },
+    /// The revert conflicts with what came after the change in these files.
+    Conflict { files: Vec<String> },
+}
+
+/// A private index file in the temp dir, removed on drop.
+struct TempIndex(PathBuf);
+
+impl TempIndex {
+    fn new() -> TempIndex {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        TempIndex(std::env::temp_dir().join(format!("orch-index-{}-{n}", std::process::id())))
+    }
+}
+
+impl Drop for TempIndex {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }
 
 fn split_nul(out: &str) -> Vec<String> {

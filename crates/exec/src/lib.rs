@@ -19,6 +19,7 @@ pub mod process;
 pub mod records;
 
 pub use git::{
-    Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, StatusEntry, WorktreeAdd,
+    Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult, StatusEntry,
+    WorktreeAdd,
 };
 pub use process::{Cmd, ExitKind, Output, SpawnError, run};

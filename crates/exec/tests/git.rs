@@ -4,7 +4,9 @@
 
 use std::path::{Path, PathBuf};
 
-use orch_exec::git::{Git, GitError, MergeResult, MergeStrategy, Pathspec, WorktreeAdd};
+use orch_exec::git::{
+    Git, GitError, MergeResult, MergeStrategy, Pathspec, RevertResult, WorktreeAdd,
+};
 
 fn write(dir: &Path, rel: &str, content: &str) {
     let path = dir.join(rel);
@@ -654,4 +656,145 @@ async fn errors_name_the_command_the_directory_and_git_words() {
     assert!(matches!(err, GitError::Spawn { .. }), "{err}");
     let cause = std::error::Error::source(&err).unwrap().to_string();
     assert!(cause.contains("not found"), "{cause}");
+}
+
+#[tokio::test]
+async fn branch_moves_are_compare_and_swap() {
+    let tmp = tempfile::tempdir().unwrap();
+    let git = Git::new();
+    let dir = repo(tmp.path()).await;
+    let first = head(&dir).await;
+    let second = commit(&dir, "a.txt", "a\n").await;
+    git.detach_head(&dir).await.unwrap();
+    assert_eq!(git.current_branch(&dir).await.unwrap(), None);
+    // main is at `second`: a move that expects `first` loses and changes nothing.
+    assert!(
+        git.update_branch(&dir, "main", &first, Some(&first))
+            .await
+            .is_err()
+    );
+    assert_eq!(git.rev_parse(&dir, "main").await.unwrap().unwrap(), second);
+    git.update_branch(&dir, "main", &first, Some(&second))
+        .await
+        .unwrap();
+    assert_eq!(git.rev_parse(&dir, "main").await.unwrap().unwrap(), first);
+    // Creating a branch expects it to be absent.
+    git.update_branch(&dir, "new", &first, None).await.unwrap();
+    assert!(git.update_branch(&dir, "new", &second, None).await.is_err());
+    // The detached checkout's working tree did not move with the branch.
+    assert!(is_clean(&dir).await);
+}
+
+#[tokio::test]
+async fn commit_files_onto_and_revert_onto_touch_no_working_tree() {
+    let tmp = tempfile::tempdir().unwrap();
+    let git = Git::new();
+    let dir = repo(tmp.path()).await;
+    let base = head(&dir).await;
+    // The change to revert: code plus its work item's docs.
+    write(&dir, "app.py", "print('v2')\n");
+    write(&dir, "docs/work-items/APP-1/01-request.md", "request\n");
+    let change = git
+        .add_and_commit(&dir, &Pathspec::All, "APP-1\n\nWork-Item: APP-1")
+        .await
+        .unwrap()
+        .unwrap();
+    git.detach_head(&dir).await.unwrap();
+    // A later docs-only commit on main, made without a working tree.
+    let later = git
+        .commit_files_onto(
+            &dir,
+            &change,
+            &[(
+                "docs/work-items/APP-1/17-lessons.md".into(),
+                b"lessons\n".to_vec(),
+            )],
+            "audit\n\nWork-Item: APP-1\nStage: audit",
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        git.show_file(&dir, &later, "docs/work-items/APP-1/17-lessons.md")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("lessons\n")
+    );
+    assert_eq!(
+        git.show_file(&dir, &later, "app.py")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("print('v2')\n")
+    );
+    // Revert base..change on top of `later`, keeping the work item's docs.
+    let reverted = match git
+        .revert_onto(
+            &dir,
+            &later,
+            &base,
+            &change,
+            "docs/work-items/APP-1",
+            "Revert APP-1",
+        )
+        .await
+        .unwrap()
+    {
+        RevertResult::Reverted { sha } => sha,
+        other => panic!("expected a revert, got {other:?}"),
+    };
+    assert_eq!(
+        git.show_file(&dir, &reverted, "app.py").await.unwrap(),
+        None
+    );
+    assert_eq!(
+        git.show_file(&dir, &reverted, "README.md")
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("hello\n")
+    );
+    for doc in ["01-request.md", "17-lessons.md"] {
+        assert!(
+            git.show_file(&dir, &reverted, &format!("docs/work-items/APP-1/{doc}"))
+                .await
+                .unwrap()
+                .is_some(),
+            "{doc} is kept"
+        );
+    }
+    let messages = git
+        .commit_messages(&dir, &format!("{base}..{reverted}"))
+        .await
+        .unwrap();
+    assert_eq!(messages.len(), 3);
+    assert_eq!(messages[0].0, reverted);
+    assert!(messages[2].1.contains("Work-Item: APP-1"));
+    assert!(is_clean(&dir).await);
+
+    // A later change to the same lines makes the revert conflict: nothing is made.
+    let edited = git
+        .commit_files_onto(
+            &dir,
+            &later,
+            &[("app.py".into(), b"print('v3')\n".to_vec())],
+            "edit",
+        )
+        .await
+        .unwrap();
+    match git
+        .revert_onto(
+            &dir,
+            &edited,
+            &base,
+            &change,
+            "docs/work-items/APP-1",
+            "Revert APP-1",
+        )
+        .await
+        .unwrap()
+    {
+        RevertResult::Conflict { files } => assert_eq!(files, ["app.py"]),
+        other => panic!("expected a conflict, got {other:?}"),
+    }
 }

@@ -170,6 +170,37 @@ impl Operations for ApiOps {
         .unwrap_or_default()
     }
 
+    async fn repo_lessons(&self, repo: &str) -> Option<String> {
+        let name: orch_domain::ids::RepoName = repo.parse().ok()?;
+        let rc = self.runtime.config.repos.get(&name)?;
+        let rel = rc.lessons_file.trim();
+        // Only a path inside the repo, read from the default branch where lessons commits it.
+        let inside = !rel.is_empty()
+            && std::path::Path::new(rel)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !inside {
+            return None;
+        }
+        let repo_dir = self.runtime.repos_dir.join(repo);
+        if !repo_dir.join(".git").exists() {
+            return None;
+        }
+        match self
+            .runtime
+            .engine
+            .git()
+            .show_file(&repo_dir, &rc.default_branch, rel)
+            .await
+        {
+            Ok(text) => text,
+            Err(e) => {
+                tracing::warn!(repo, error = %e, "cannot read the repo's lessons file");
+                None
+            }
+        }
+    }
+
     async fn artifacts(&self, id: &str) -> Result<Vec<ArtifactFile>, OpError> {
         let task = self.ops().task(id).await.map_err(op_err)?;
         let repo_dir = self.runtime.repos_dir.join(&task.repo);

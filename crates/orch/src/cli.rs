@@ -62,6 +62,9 @@ pub enum Command {
     Retry(IdArg),
     /// Cancel a work item (its running job is stopped).
     Cancel(IdArg),
+    /// A repo's deploy history (what each deploy shipped, verdicts, rollbacks, reverts), items
+    /// in flight and lessons.
+    Deploys(RepoArg),
     /// Check git, the database, agents and repo commands; say what is missing and how to fix it.
     Doctor,
     /// Run the whole pipeline on a sample service in a directory, in about a minute.
@@ -109,6 +112,12 @@ pub struct IdArg {
 }
 
 #[derive(Debug, Args)]
+pub struct RepoArg {
+    /// A repo name (a `[repos.<name>]` of orch.toml).
+    pub repo: String,
+}
+
+#[derive(Debug, Args)]
 pub struct DemoArgs {
     /// Where to build the demo (kept afterwards); default: a new temp dir.
     #[arg(long)]
@@ -116,6 +125,19 @@ pub struct DemoArgs {
     /// Only create the directory, repo, config and database; run nothing (for tests).
     #[arg(long, hide = true)]
     pub setup_only: bool,
+    /// Who runs the LLM stages: the scripted stand-in, or the real Claude Code (the `claude`
+    /// preset) against the demo's scripted model server on 127.0.0.1.
+    #[arg(long, value_enum, default_value_t = DemoAgent::Scripted)]
+    pub agent: DemoAgent,
+}
+
+/// `orch demo --agent`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum DemoAgent {
+    /// The demo's scripted stand-in (`orch demo-agent`).
+    Scripted,
+    /// The real Claude Code, driven by the demo's scripted model server.
+    Claude,
 }
 
 #[derive(Debug, Args)]

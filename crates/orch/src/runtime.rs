@@ -11,7 +11,7 @@ use orch_runner::agents::AgentExecutor;
 use orch_runner::builtin;
 use orch_runner::counters::Counters;
 use orch_runner::deploy::{DeployerExecutor, LessonsExecutor, MonitorExecutor};
-use orch_runner::engine::dispatch::{ByStage, OneDeployAtATime};
+use orch_runner::engine::dispatch::{ByStage, Promote};
 use orch_runner::engine::{Engine, EngineConfig, INTAKE, intake::IntakeExecutor};
 use orch_runner::ops::Ops;
 use orch_runner::stages::{MergeGateExecutor, StagingExecutor, TesterExecutor};
@@ -81,7 +81,7 @@ impl Runtime {
             .with("staging", Arc::new(StagingExecutor::new(counters.clone())))
             .with(
                 "deploy",
-                Arc::new(OneDeployAtATime {
+                Arc::new(Promote {
                     inner: Arc::new(DeployerExecutor::default()),
                 }),
             );

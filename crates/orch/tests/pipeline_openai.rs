@@ -269,14 +269,22 @@ async fn every_llm_stage_through_an_openai_compatible_endpoint() {
         assert_eq!(value("orch_agent_tokens_total", &l), *input as f64);
         let l = format!("agent=\"{agent}\",direction=\"output\"");
         assert_eq!(value("orch_agent_tokens_total", &l), *output as f64);
-        assert!(value("orch_agent_runs_total", &format!("agent=\"{agent}\"")) >= 1.0);
+        // Runs are by agent and outcome: sum the agent's outcomes.
+        let head = format!("orch_agent_runs_total{{agent=\"{agent}\",outcome=");
+        let runs: f64 = metrics
+            .lines()
+            .filter(|l| l.starts_with(&head))
+            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+            .sum();
+        assert!(runs >= 1.0, "no runs of {agent} in /metrics:\n{metrics}");
     }
     let jobs = store.task_jobs(task.id).await.unwrap();
     for job in jobs
         .iter()
         .filter(|j| j.state == orch_store::JobState::Done)
     {
-        let l = format!("agent=\"{}\",le=\"+Inf\"", job.agent);
+        // prometheus-client writes `le` before the family's labels.
+        let l = format!("le=\"+Inf\",agent=\"{}\"", job.agent);
         assert!(
             value("orch_job_duration_seconds_bucket", &l) >= 1.0,
             "{} ran: its duration is counted",

@@ -11,6 +11,7 @@ pub mod fsutil;
 pub mod histogram;
 pub mod maintenance;
 pub mod ops;
+pub mod release;
 pub mod repos;
 pub mod stages;
 pub mod time;

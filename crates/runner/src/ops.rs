@@ -25,6 +25,9 @@ impl From<StoreError> for OpsError {
     fn from(e: StoreError) -> Self {
         match e {
             StoreError::TaskNotFound(_) => OpsError::NotFound(e.to_string()),
+            StoreError::TrackBusy { .. } => {
+                OpsError::Conflict(format!("{e}; try again when that release has finished"))
+            }
             StoreError::StageConflict { .. } | StoreError::WorkItemTaken(_) => OpsError::Conflict(
                 format!("{e} (someone else changed the task; look again and retry)"),
             ),
@@ -103,9 +106,30 @@ impl Ops {
             .ok_or_else(|| OpsError::NotFound(format!("no work item {id}")))
     }
 
-    /// Lets a task waiting at an `approval = true` stage go on.
+    /// Lets a task waiting at an `approval = true` stage go on, or releases the hold a
+    /// rolled-back item keeps on its repo's releases (see [`crate::release`]).
     pub async fn approve(&self, id: &str) -> OpsResult<Task> {
         let task = self.task(id).await?;
+        let events = self.store.task_events(task.id).await?;
+        if !task.is_terminal()
+            && let Some(reason) = crate::release::open_hold(&events)
+        {
+            self.store
+                .append_event(
+                    NewEvent::new(
+                        crate::release::events::UNHELD,
+                        format!(
+                            "the hold of repo {} was released by an operator (it was: {reason})",
+                            task.repo
+                        ),
+                    )
+                    .task(task.id)
+                    .stage(task.stage.clone())
+                    .data(serde_json::json!({"repo": task.repo}).to_string()),
+                )
+                .await?;
+            return Ok(task);
+        }
         let stage = self
             .engine
             .config()
@@ -202,21 +226,25 @@ impl Ops {
         } else {
             self.engine.stage_job(&stage, task.stage_seq + 1)
         };
-        let adv = self
-            .store
-            .advance_stage(AdvanceStage {
-                task_id: task.id,
-                expected_stage: "failed".into(),
-                new_stage: stage.clone(),
-                fence: Fence::Seq(task.stage_seq),
-                event: NewEvent::new(
-                    "task.retried",
-                    format!("retried at stage {stage} by an operator"),
-                )
-                .data(serde_json::json!({"from": "failed", "to": stage}).to_string()),
-                next_job,
-            })
-            .await?;
+        let adv = AdvanceStage {
+            task_id: task.id,
+            expected_stage: "failed".into(),
+            new_stage: stage.clone(),
+            fence: Fence::Seq(task.stage_seq),
+            event: NewEvent::new(
+                "task.retried",
+                format!("retried at stage {stage} by an operator"),
+            )
+            .data(serde_json::json!({"from": "failed", "to": stage}).to_string()),
+            next_job,
+        };
+        // A retry into the release track takes it like any other entry: one release at a time.
+        let track = crate::release::track(&self.engine.config().pipeline);
+        let adv = if track.stages.contains(&stage) {
+            self.store.advance_stage_exclusive(adv, &track).await?
+        } else {
+            self.store.advance_stage(adv).await?
+        };
         Ok(adv.task)
     }
 
@@ -237,12 +265,22 @@ impl Ops {
                 expected_stage: task.stage.clone(),
                 new_stage: "cancelled".into(),
                 fence: Fence::Seq(task.stage_seq),
-                event: NewEvent::new("task.cancelled", "cancelled by an operator")
-                    .data(serde_json::json!({"from": task.stage, "to": "cancelled"}).to_string()),
+                event: NewEvent::new("task.cancelled", "cancelled by an operator").data(
+                    serde_json::json!({"from": task.stage, "to": "cancelled", "outcome": "cancelled"})
+                        .to_string(),
+                ),
                 next_job: None,
             })
             .await?;
         self.store.cancel_task_jobs(task.id, None).await?;
+        // A cancelled deploy or watch ends here (the watch's node also ends it in its
+        // recovery sweep, when this process is elsewhere).
+        crate::release::end_watch(
+            &self.engine.config().repos_dir,
+            &task.repo,
+            &task.work_item_id,
+            "the task was cancelled by an operator",
+        );
         Ok(adv.task)
     }
 }

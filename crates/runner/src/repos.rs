@@ -1,5 +1,6 @@
 //! Where repos and worktrees live on this machine: `<repos_dir>/<repo>` is orch's own clone of
-//! each declared repo (on its default branch; merges land here and are pushed to `origin`),
+//! each declared repo (with a detached `HEAD`: its default branch moves only by
+//! compare-and-swap when the release train promotes or reverts, then is published to `origin`),
 //! and `<repos_dir>/<repo>/worktrees/<id>` is one work item's worktree on branch `orch/<id>`.
 
 use std::collections::HashMap;
@@ -51,7 +52,7 @@ pub async fn ensure_clone(
     let lock = clone_lock(&paths.repo_dir);
     let _held = lock.lock().await;
     if paths.repo_dir.join(".git").exists() {
-        return Ok(());
+        return detach(git, &paths.repo_dir).await;
     }
     let source = match (&repo.url, &repo.path) {
         (Some(url), _) => url.clone(),
@@ -73,7 +74,85 @@ pub async fn ensure_clone(
     git.clone_repo(&source, &paths.repo_dir)
         .await
         .with_context(|| format!("cannot clone repo {name} from {source}"))?;
+    detach(git, &paths.repo_dir).await
+}
+
+/// orch's clone keeps a detached `HEAD`: its branches move only by compare-and-swap of their
+/// refs (the release train), never by a working tree that could be left half-updated.
+async fn detach(git: &Git, repo_dir: &Path) -> Result<()> {
+    if git.current_branch(repo_dir).await?.is_some() {
+        git.detach_head(repo_dir)
+            .await
+            .with_context(|| format!("cannot detach HEAD of {}", repo_dir.display()))?;
+    }
     Ok(())
+}
+
+/// The remote orch's clone fetches from and publishes to.
+pub const REMOTE: &str = "origin";
+
+/// Makes the local default branch exactly what the remote has (the remote is the truth when
+/// there is one: a local move that was never published is dropped). Returns the head.
+pub async fn sync_default_branch(git: &Git, repo_dir: &Path, branch: &str) -> Result<String> {
+    if git.has_remote(repo_dir, REMOTE).await? {
+        git.fetch(repo_dir, REMOTE)
+            .await
+            .with_context(|| format!("cannot fetch `{REMOTE}` in {}", repo_dir.display()))?;
+        let upstream = format!("refs/remotes/{REMOTE}/{branch}");
+        if let Some(remote) = git.rev_parse(repo_dir, &upstream).await? {
+            let local = git
+                .rev_parse(repo_dir, &format!("refs/heads/{branch}"))
+                .await?;
+            if local.as_deref() != Some(remote.as_str()) {
+                git.update_branch(repo_dir, branch, &remote, local.as_deref())
+                    .await
+                    .with_context(|| format!("cannot set `{branch}` to `{upstream}`"))?;
+            }
+            return Ok(remote);
+        }
+    }
+    git.rev_parse(repo_dir, &format!("refs/heads/{branch}"))
+        .await?
+        .with_context(|| format!("branch `{branch}` has no commit in {}", repo_dir.display()))
+}
+
+/// Moves the default branch from exactly `old` to `new`: in orch's clone, then on the remote
+/// (a push that succeeds only if the remote's branch is still at `old`). Either move losing
+/// its compare-and-swap is an error and the caller starts over from [`sync_default_branch`].
+pub async fn publish_default_branch(
+    git: &Git,
+    repo_dir: &Path,
+    repo: &RepoConfig,
+    old: &str,
+    new: &str,
+) -> Result<()> {
+    let branch = repo.default_branch.as_str();
+    if git.has_remote(repo_dir, REMOTE).await? {
+        git.push_lease(repo_dir, REMOTE, branch, old, new)
+            .await
+            .with_context(|| {
+                format!("cannot move `{branch}` on `{REMOTE}` from {old:.12} to {new:.12}")
+            })?;
+    }
+    let local = git
+        .rev_parse(repo_dir, &format!("refs/heads/{branch}"))
+        .await?;
+    if local.as_deref() != Some(new) {
+        git.update_branch(repo_dir, branch, new, Some(old))
+            .await
+            .with_context(|| format!("cannot move `{branch}` from {old:.12} to {new:.12}"))?;
+    }
+    Ok(())
+}
+
+/// The checkout a release's commands (deploy, rollback) run in: a worktree with a detached
+/// `HEAD` at exactly the revision being released (`<repo_dir>/worktrees/.release`).
+pub async fn release_checkout(git: &Git, paths: &RepoPaths, rev: &str) -> Result<PathBuf> {
+    let dir = paths.repo_dir.join("worktrees").join(".release");
+    git.worktree_detached(&paths.repo_dir, &dir, rev)
+        .await
+        .with_context(|| format!("cannot check out {rev:.12} for the release"))?;
+    Ok(dir)
 }
 
 /// Creates (or reuses, or repairs) the work item's worktree and resets it to the branch's

@@ -180,6 +180,12 @@ fn agent(backend: Backend, command: Option<&Path>) -> AgentConfig {
         endpoint: None,
         api_key_env: None,
         timeout_s: Some(30),
+        allowed_tools: None,
+        disallowed_tools: None,
+        max_turns: None,
+        cli_retries: None,
+        config_home: None,
+        price: None,
     }
 }
 
@@ -282,7 +288,10 @@ async fn claude_preset_writes_the_artifact_and_records_tokens_and_cost() {
 
     assert_eq!(
         fx.read_out("args.txt"),
-        "-p\n--output-format\njson\n--permission-mode\nacceptEdits\n--model\nclaude-test\n"
+        "-p\n--output-format\njson\n--max-turns\n50\n--tools\nRead,Write,Edit\n--allowedTools\n\
+         Read,Write,Edit\n--disallowedTools\nWebFetch,WebSearch,Agent,Task,CronCreate,CronDelete,\
+         CronList,ScheduleWakeup,Workflow,SendMessage,EnterWorktree,ExitWorktree,Skill,TaskCreate,\
+         TaskUpdate,TaskStop,ReportFindings\n--model\nclaude-test\n"
     );
     let env = fx.read_out("env.txt");
     let art = fx.artifact_dir();
@@ -356,7 +365,7 @@ echo '{"type":"turn.completed","usage":{"input_tokens":500,"cached_input_tokens"
     );
     assert_eq!(
         fx.read_out("args.txt"),
-        "exec\n--json\n--full-auto\n-m\ngpt-test\n-\n"
+        "exec\n--json\n-s\nworkspace-write\n--skip-git-repo-check\n-m\ngpt-test\n-\n"
     );
     assert!(fx.read_out("prompt.md").contains("# Role: analyst"));
 }
@@ -402,7 +411,8 @@ write_artifact "$ORCH_ARTIFACT""#,
     assert!(produced(&ex.execute(&fx.run("analysis")).await.unwrap()));
     let args = fx.read_out("args.txt");
     assert!(
-        args.starts_with("--yes-always\n--no-auto-commits\n--message-file\n"),
+        args.starts_with("--yes-always\n--no-auto-commits\n--no-dirty-commits\n--no-gitignore\n")
+            && args.contains("\n--message-file\n"),
         "{args}"
     );
     let prompt_path = PathBuf::from(fx.read_out("prompt-path.txt").trim());
@@ -417,7 +427,8 @@ write_artifact "$ORCH_ARTIFACT""#,
     );
     assert!(fx.read_out("prompt.md").contains("# Work item ORCH-1"));
     let rows = fx.rows().await;
-    assert_eq!(outcomes(&rows), ["ok"]);
+    // Aider printed no `Tokens:` line: its usage is unknown, not zero, and the row says so.
+    assert_eq!(outcomes(&rows), ["usage_unknown"]);
     assert_eq!(
         (
             rows[0].input_tokens,
@@ -792,7 +803,7 @@ exit 1"#,
 }
 
 #[tokio::test]
-async fn a_missing_program_is_a_clear_error() {
+async fn a_missing_program_is_a_clear_error_and_fails_the_stage_without_a_retry() {
     let fx = Fx::new().await;
     let ex = executor(
         vec![(
@@ -801,12 +812,12 @@ async fn a_missing_program_is_a_clear_error() {
         )],
         &Settings::default(),
     );
-    let e = ex
-        .execute(&fx.run("analysis"))
-        .await
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("program not found"), "{e}");
+    let effect = ex.execute(&fx.run("analysis")).await.unwrap();
+    let StageEffect::Failed { reason } = effect else {
+        panic!("a missing program is permanent: {effect:?}");
+    };
+    assert!(reason.contains("program not found"), "{reason}");
+    assert!(reason.contains("not retried"), "{reason}");
     assert_eq!(outcomes(&fx.rows().await), ["error"]);
 }
 
@@ -815,6 +826,24 @@ async fn a_missing_program_is_a_clear_error() {
 /// Pre-spends (tokens in, tokens out, cost) on the task, runs analysis under `settings`, and
 /// expects `Ok(())` for a run that went ahead or `Err(fragments)` of the Failed reason.
 async fn check_budget(spent: (i64, i64, f64), settings: Settings, expect: Result<(), &[&str]>) {
+    let finish = AgentRunFinish {
+        outcome: "ok".into(),
+        input_tokens: Some(spent.0),
+        output_tokens: Some(spent.1),
+        cost_usd: Some(spent.2),
+        data: "{}".into(),
+        ..AgentRunFinish::default()
+    };
+    check_budget_after(finish, settings, expect).await;
+}
+
+/// Records an earlier agent run finished as `finish`, then runs analysis under `settings`
+/// and expects `Ok(())` for a run that went ahead or `Err(fragments)` of the Failed reason.
+async fn check_budget_after(
+    finish: AgentRunFinish,
+    settings: Settings,
+    expect: Result<(), &[&str]>,
+) {
     let fx = Fx::new().await;
     let id = fx
         .db
@@ -830,21 +859,7 @@ async fn check_budget(spent: (i64, i64, f64), settings: Settings, expect: Result
         })
         .await
         .unwrap();
-    fx.db
-        .store
-        .finish_agent_run(
-            id,
-            AgentRunFinish {
-                outcome: "ok".into(),
-                input_tokens: Some(spent.0),
-                output_tokens: Some(spent.1),
-                cost_usd: Some(spent.2),
-                data: "{}".into(),
-                ..AgentRunFinish::default()
-            },
-        )
-        .await
-        .unwrap();
+    fx.db.store.finish_agent_run(id, finish).await.unwrap();
     let ran = fx.script(
         "agent",
         "touch \"$OUT/ran\"\nwrite_artifact \"$ORCH_ARTIFACT\"",
@@ -905,6 +920,146 @@ async fn budgets_stop_a_run_before_it_starts() {
     .await;
     check_budget((10, 10, 0.01), tokens(500_000), Ok(())).await;
     check_budget((10, 10, 0.01), cost(2.5), Ok(())).await;
+}
+
+/// Regression (issue 12): a run whose cost was unknown counted as $0, so cost budgets never
+/// tripped for tools that report no cost. Unknown cost now counts as `unknown_run_cost_usd`,
+/// or as the whole budget when that is unset; unknown tokens likewise.
+#[tokio::test]
+async fn unknown_usage_counts_toward_budgets_not_as_zero() {
+    let unknown_cost = || AgentRunFinish {
+        outcome: "ok".into(),
+        input_tokens: Some(1000),
+        output_tokens: Some(100),
+        cost_usd: None,
+        data: r#"{"cost_unknown":true}"#.into(),
+        ..AgentRunFinish::default()
+    };
+    let unknown_usage = || AgentRunFinish {
+        outcome: "usage_unknown".into(),
+        data: r#"{"usage_unknown":true}"#.into(),
+        ..AgentRunFinish::default()
+    };
+    let cost = |max, assumed| Settings {
+        max_cost_usd_per_item: Some(max),
+        unknown_run_cost_usd: assumed,
+        ..Settings::default()
+    };
+    check_budget_after(
+        unknown_cost(),
+        cost(5.0, None),
+        Err(&[
+            "has used its cost budget",
+            "1 run(s) of unknown cost counted as $5 each",
+            "unset: the whole budget",
+            "[prices]",
+        ]),
+    )
+    .await;
+    check_budget_after(unknown_cost(), cost(5.0, Some(1.0)), Ok(())).await;
+    check_budget_after(
+        unknown_cost(),
+        cost(0.5, Some(1.0)),
+        Err(&["1 run(s) of unknown cost counted as $1 each"]),
+    )
+    .await;
+    check_budget_after(
+        unknown_usage(),
+        Settings {
+            max_tokens_per_item: Some(100_000),
+            ..Settings::default()
+        },
+        Err(&["has used its token budget", "1 run(s) of unknown usage"]),
+    )
+    .await;
+    check_budget_after(
+        unknown_usage(),
+        Settings {
+            max_tokens_per_item: Some(100_000),
+            unknown_run_tokens: Some(10_000),
+            ..Settings::default()
+        },
+        Ok(()),
+    )
+    .await;
+    // A run that failed before anything ran (no usage, not marked unknown) costs nothing.
+    check_budget_after(
+        AgentRunFinish {
+            outcome: "error".into(),
+            data: "{}".into(),
+            ..AgentRunFinish::default()
+        },
+        cost(0.01, None),
+        Ok(()),
+    )
+    .await;
+}
+
+/// Regression (issue 12): Codex reports tokens but no cost; the price table turns them into
+/// cost, so the cost budget trips.
+#[tokio::test]
+async fn tokens_priced_by_the_table_trip_the_cost_budget() {
+    let fx = Fx::new().await;
+    let codex = fx.script(
+        "codex",
+        r#"write_artifact "$ORCH_ARTIFACT"
+echo '{"type":"turn.completed","usage":{"input_tokens":1000000,"cached_input_tokens":0,"output_tokens":100000}}'"#,
+    );
+    let mut config = agent(Backend::Codex, Some(&codex));
+    config.model = Some("gpt-5-codex".into());
+    config.price = Some(orch_domain::config::Price {
+        input_per_mtok: 1.25,
+        output_per_mtok: 10.0,
+    });
+    let settings = Settings {
+        max_cost_usd_per_item: Some(2.0),
+        ..Settings::default()
+    };
+    let ex = executor(vec![("analyst", config)], &settings);
+    assert!(produced(&ex.execute(&fx.run("analysis")).await.unwrap()));
+    let rows = fx.rows().await;
+    assert_eq!(rows[0].cost_usd, Some(2.25));
+    let data: Value = serde_json::from_str(&rows[0].data).unwrap();
+    assert_eq!(data["cost_source"], "price_table");
+    let effect = ex.execute(&fx.run("analysis")).await.unwrap();
+    let StageEffect::Failed { reason } = effect else {
+        panic!("expected the budget to stop the run, got {effect:?}");
+    };
+    assert!(reason.contains("cost budget: $2.2500"), "{reason}");
+}
+
+/// Regression (issue 12): a preset agent that exits 0 but prints no readable report was
+/// recorded `ok` with no usage, which budgets read as zero. It is `usage_unknown` now, and the
+/// budget counts it.
+#[tokio::test]
+async fn an_agent_exiting_0_with_unparsable_output_has_unknown_usage_that_budgets_count() {
+    let fx = Fx::new().await;
+    let claude = fx.script(
+        "claude",
+        "write_artifact \"$ORCH_ARTIFACT\"\necho 'Done! (not JSON)'",
+    );
+    let settings = Settings {
+        max_cost_usd_per_item: Some(10.0),
+        ..Settings::default()
+    };
+    let ex = executor(
+        vec![("analyst", agent(Backend::Claude, Some(&claude)))],
+        &settings,
+    );
+    assert!(produced(&ex.execute(&fx.run("analysis")).await.unwrap()));
+    let rows = fx.rows().await;
+    assert_eq!(outcomes(&rows), ["usage_unknown"]);
+    let data: Value = serde_json::from_str(&rows[0].data).unwrap();
+    assert_eq!(
+        (data["usage_unknown"].clone(), data["cost_unknown"].clone()),
+        (json!(true), json!(true))
+    );
+    assert_eq!((rows[0].input_tokens, rows[0].cost_usd), (None, None));
+    let effect = ex.execute(&fx.run("analysis")).await.unwrap();
+    let StageEffect::Failed { reason } = effect else {
+        panic!("the unknown run counts as the whole budget: {effect:?}");
+    };
+    assert!(reason.contains("1 run(s) of unknown cost"), "{reason}");
 }
 
 #[tokio::test]
@@ -1145,15 +1300,14 @@ async fn openai_5xx_forever_fails_after_the_tries_without_leaking_the_key() {
 #[tokio::test]
 async fn openai_client_errors_and_refused_connections() {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    // 401: not transient, one try.
+    // 401: permanent, one try, the stage fails at once.
     let fx = Fx::new().await;
     let (url, _fake) = serve(Vec::new(), (401, r#"{"error":"bad key"}"#.into())).await;
     let ex = executor(vec![("writer", openai_agent(&url))], &Settings::default());
-    let e = ex
-        .execute(&with_writer("analysis", &fx))
-        .await
-        .unwrap_err()
-        .to_string();
+    let effect = ex.execute(&with_writer("analysis", &fx)).await.unwrap();
+    let StageEffect::Failed { reason: e } = effect else {
+        panic!("a 401 is permanent: {effect:?}");
+    };
     assert!(e.contains("HTTP 401 Unauthorized"), "{e}");
     assert_eq!(outcomes(&fx.rows().await), ["error"]);
 
@@ -1187,11 +1341,10 @@ async fn openai_client_errors_and_refused_connections() {
     let mut config = openai_agent(&url);
     config.api_key_env = Some("ORCH_TEST_SURELY_UNSET_KEY".into());
     let ex = executor(vec![("writer", config)], &Settings::default());
-    let e = ex
-        .execute(&with_writer("analysis", &fx))
-        .await
-        .unwrap_err()
-        .to_string();
+    let effect = ex.execute(&with_writer("analysis", &fx)).await.unwrap();
+    let StageEffect::Failed { reason: e } = effect else {
+        panic!("a missing key variable is permanent: {effect:?}");
+    };
     assert!(
         e.contains("`ORCH_TEST_SURELY_UNSET_KEY` (api_key_env) is not set"),
         "{e}"

@@ -245,10 +245,24 @@ async fn deploys_the_merged_revision_once_confirms_it_and_arms_the_watch() {
     assert_eq!(fx.runs(), 1);
     assert_eq!(read(&fx.ctl.join("item")).trim(), ITEM);
     assert_eq!(read(&fx.ctl.join("live_rev")).trim(), fx.revision);
+    // The command runs in a checkout of exactly the revision it deploys.
     let cwd = PathBuf::from(read(&fx.ctl.join("cwd")).trim());
     assert_eq!(
         cwd.canonicalize().unwrap(),
-        fx.repo_dir.canonicalize().unwrap()
+        fx.repo_dir
+            .join("worktrees/.release")
+            .canonicalize()
+            .unwrap()
+    );
+    let checked_out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(&cwd)
+        .args(["rev-parse", "HEAD"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        String::from_utf8_lossy(&checked_out.stdout).trim(),
+        fx.revision
     );
 
     match fx.watch().armed() {

@@ -426,7 +426,11 @@ where
             .await?)
     }
 
-    pub async fn advance_stage(&self, adv: AdvanceStage) -> Result<Advanced> {
+    pub async fn advance_stage(
+        &self,
+        adv: AdvanceStage,
+        exclusive: Option<&Exclusive>,
+    ) -> Result<Advanced> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
         let Some(current) = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
@@ -444,6 +448,24 @@ where
                 actual: current.stage,
                 actual_seq: current.stage_seq,
             });
+        }
+        if let Some(exclusive) = exclusive {
+            D::lock_repo_track(&mut tx, &current.repo).await?;
+            let stages = serde_json::to_string(&exclusive.stages)
+                .map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let holder: Option<(String, String)> = sqlx::query_as(D::TRACK_HOLDER)
+                .bind(&current.repo)
+                .bind(current.id)
+                .bind(stages)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if let Some((holder, stage)) = holder {
+                return Err(StoreError::TrackBusy {
+                    repo: current.repo.clone(),
+                    holder,
+                    stage,
+                });
+            }
         }
         let task = Self::write_stage(&mut tx, &current, &adv.new_stage, adv.event, now).await?;
         let mut next_job_id = None;
@@ -540,6 +562,13 @@ where
             .iter()
             .map(|row| Ok((row.try_get(0)?, usage(row, 1)?)))
             .collect()
+    }
+
+    /// How many agent runs each agent had, by outcome, sorted.
+    pub async fn runs_by_agent_outcome(&self) -> Result<Vec<(String, String, i64)>> {
+        Ok(sqlx::query_as(sql::RUNS_BY_AGENT_OUTCOME)
+            .fetch_all(self.d.reader())
+            .await?)
     }
 
     // ----- steps shared by the operations above (and by the drivers' own) -----------------

@@ -32,6 +32,9 @@ pub trait Driver: Send + Sync + 'static {
     const COUNT_JOBS: &'static str;
     /// `$1 prefix` → the largest `n` of the work items `<prefix>-<n>` (NULL when none).
     const MAX_WORK_ITEM_NUMBER: &'static str;
+    /// `$1 repo, $2 task_id, $3 stages (a JSON array of strings)` → `work_item_id, stage` of
+    /// another task of the repo at one of the stages (`advance_stage_exclusive`).
+    const TRACK_HOLDER: &'static str;
     /// → whether the orch schema exists (its `events` table), as a boolean.
     const SCHEMA_EXISTS: &'static str;
     /// This backend's migrations, oldest first.
@@ -66,6 +69,16 @@ pub trait Driver: Send + Sync + 'static {
         tx: &mut <Self::DB as Database>::Connection,
     ) -> impl Future<Output = Result<()>> + Send {
         let _ = tx;
+        async { Ok(()) }
+    }
+
+    /// Serializes exclusive stage changes of one repo (`advance_stage_exclusive`) across
+    /// processes until `tx` ends. By default nothing to do, as for [`Driver::lock_migrations`].
+    fn lock_repo_track(
+        tx: &mut <Self::DB as Database>::Connection,
+        repo: &str,
+    ) -> impl Future<Output = Result<()>> + Send {
+        let _ = (tx, repo);
         async { Ok(()) }
     }
 

@@ -23,6 +23,17 @@ pub enum StoreError {
     #[error("task {0} not found")]
     TaskNotFound(String),
 
+    /// `advance_stage_exclusive` found another task of the repo in the exclusive stages (the
+    /// repo's release track is held). Nothing was changed.
+    #[error(
+        "repo {repo}'s release track is held by {holder} (at stage {stage}); nothing was changed"
+    )]
+    TrackBusy {
+        repo: String,
+        holder: String,
+        stage: String,
+    },
+
     #[error("job {0} not found")]
     JobNotFound(i64),
 

@@ -367,7 +367,26 @@ impl Store {
         if let Some(job) = &adv.next_job {
             validate_new_job(job)?;
         }
-        dispatch!(self, advance_stage(adv))
+        dispatch!(self, advance_stage(adv, None))
+    }
+
+    /// [`Store::advance_stage`] that also refuses, with [`StoreError::TrackBusy`], to move the
+    /// task while another task of its repo is at one of `exclusive.stages` (see [`Exclusive`]).
+    pub async fn advance_stage_exclusive(
+        &self,
+        adv: AdvanceStage,
+        exclusive: &Exclusive,
+    ) -> Result<Advanced> {
+        if adv.expected_stage == adv.new_stage {
+            return Err(StoreError::Invalid(format!(
+                "advance_stage from '{}' to itself",
+                adv.expected_stage
+            )));
+        }
+        if let Some(job) = &adv.next_job {
+            validate_new_job(job)?;
+        }
+        dispatch!(self, advance_stage(adv, Some(exclusive)))
     }
 
     /// Cancels every live job of a task except `keep` (used with operator stage changes).
@@ -423,6 +442,11 @@ impl Store {
     /// Tokens and cost of every agent run so far, by agent, sorted by agent.
     pub async fn usage_by_agent(&self) -> Result<Vec<(String, Usage)>> {
         dispatch!(self, usage_by_agent())
+    }
+
+    /// How many agent runs each agent had, by outcome (`running`, `success`, …), sorted.
+    pub async fn runs_by_agent_outcome(&self) -> Result<Vec<(String, String, i64)>> {
+        dispatch!(self, runs_by_agent_outcome())
     }
 }
 

@@ -347,6 +347,15 @@ pub struct AdvanceStage {
     pub next_job: Option<NewJob>,
 }
 
+/// A guard on a stage change into a set of stages that at most one task of a repo may occupy at
+/// a time (the repo's release track): the change is refused with [`crate::StoreError::TrackBusy`]
+/// when another task of the same repo is at one of `stages`. Checked and applied in one
+/// transaction, serialized per repo, so two tasks racing into the set cannot both win.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Exclusive {
+    pub stages: Vec<String>,
+}
+
 /// The result of a successful stage change.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Advanced {

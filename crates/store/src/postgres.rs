@@ -51,6 +51,9 @@ impl Driver for PgDriver {
          AND ($2::text IS NULL OR repo = $2::text) ORDER BY id DESC LIMIT $3 OFFSET $4";
     const COUNT_JOBS: &'static str = "SELECT count(*) FROM jobs WHERE task_id = $1 \
          AND agent = $2 AND ($3::text IS NULL OR strpos(task_content, $3::text) > 0)";
+    const TRACK_HOLDER: &'static str = "SELECT work_item_id, stage FROM tasks \
+         WHERE repo = $1 AND id <> $2 \
+         AND stage IN (SELECT jsonb_array_elements_text($3::text::jsonb)) ORDER BY id LIMIT 1";
     const MAX_WORK_ITEM_NUMBER: &'static str = "SELECT max(CAST(substr(work_item_id, \
          length($1::text) + 2) AS BIGINT)) \
          FROM tasks WHERE substr(work_item_id, 1, length($1::text) + 1) = $1::text || '-' \
@@ -81,6 +84,15 @@ impl Driver for PgDriver {
     async fn lock_migrations(tx: &mut PgConnection) -> Result<()> {
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn lock_repo_track(tx: &mut PgConnection, repo: &str) -> Result<()> {
+        // One exclusive stage change per repo at a time, across every process.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('orch.track:' || $1::text))")
+            .bind(repo)
             .execute(&mut *tx)
             .await?;
         Ok(())

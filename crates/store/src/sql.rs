@@ -118,6 +118,10 @@ pub const USAGE_BY_AGENT: &str = "SELECT agent, count(*), \
      CAST(coalesce(sum(cost_usd), 0.0) AS DOUBLE PRECISION) \
      FROM agent_runs GROUP BY agent ORDER BY agent";
 
+/// Agent runs by agent and outcome (for `/metrics`); outcomes are few (`running`, `success`, …).
+pub const RUNS_BY_AGENT_OUTCOME: &str = "SELECT agent, outcome, count(*) FROM agent_runs \
+     GROUP BY agent, outcome ORDER BY agent, outcome";
+
 pub const COUNT_TASKS_BY_STAGE: &str =
     "SELECT stage, count(*) FROM tasks GROUP BY stage ORDER BY stage";
 

@@ -46,6 +46,9 @@ impl Driver for SqliteDriver {
          AND ($2 IS NULL OR repo = $2) ORDER BY id DESC LIMIT $3 OFFSET $4";
     const COUNT_JOBS: &'static str = "SELECT count(*) FROM jobs WHERE task_id = $1 \
          AND agent = $2 AND ($3 IS NULL OR instr(task_content, $3) > 0)";
+    const TRACK_HOLDER: &'static str = "SELECT work_item_id, stage FROM tasks \
+         WHERE repo = $1 AND id <> $2 AND stage IN (SELECT value FROM json_each($3)) \
+         ORDER BY id LIMIT 1";
     const MAX_WORK_ITEM_NUMBER: &'static str = "SELECT max(CAST(substr(work_item_id, \
          length($1) + 2) AS INTEGER)) FROM tasks \
          WHERE substr(work_item_id, 1, length($1) + 1) = $1 || '-' \

@@ -61,6 +61,8 @@ conformance!(
     cancel_task_jobs_spares_the_kept_job_and_fences_workers,
     appended_events_are_read_back_by_task_and_by_kind,
     target_names_the_database_and_close_ends_the_store,
+    exclusive_stages_admit_one_task_per_repo,
+    racing_exclusive_changes_admit_exactly_one,
 );
 
 const LEASE: i64 = 30_000;
@@ -1060,6 +1062,14 @@ async fn agent_runs_and_usage(db: TestDb) {
         ],
         "run {id} still running counts, with no tokens"
     );
+    // The same runs by agent and outcome.
+    assert_eq!(
+        s.runs_by_agent_outcome().await.unwrap(),
+        vec![
+            ("analyst".to_owned(), "success".to_owned(), 2),
+            ("reviewer".to_owned(), "running".to_owned(), 1),
+        ]
+    );
 }
 
 async fn bulk_enqueue_skips_duplicates(db: TestDb) {
@@ -1403,4 +1413,127 @@ async fn target_names_the_database_and_close_ends_the_store(db: TestDb) {
         s.enqueue(NewJob::new("noop", "x")).await.is_err(),
         "and writes"
     );
+}
+
+fn to_stage(task: &Task, from: &str, to: &str) -> AdvanceStage {
+    AdvanceStage {
+        task_id: task.id,
+        expected_stage: from.into(),
+        new_stage: to.into(),
+        fence: Fence::Seq(task.stage_seq),
+        event: NewEvent::new("stage.advanced", format!("{from} -> {to}")),
+        next_job: None,
+    }
+}
+
+fn track() -> Exclusive {
+    Exclusive {
+        stages: vec!["merge".into(), "staging".into(), "deploy".into()],
+    }
+}
+
+async fn exclusive_stages_admit_one_task_per_repo(db: TestDb) {
+    let s = &db.store;
+    let a = new_task(s, false).await;
+    let b = new_task(s, false).await;
+    let a = s
+        .advance_stage_exclusive(to_stage(&a, "intake", "merge"), &track())
+        .await
+        .expect("the track is free")
+        .task;
+    // B cannot enter while A is anywhere in the track, and nothing of B changes.
+    let busy = s
+        .advance_stage_exclusive(to_stage(&b, "intake", "merge"), &track())
+        .await;
+    match busy {
+        Err(StoreError::TrackBusy {
+            repo,
+            holder,
+            stage,
+        }) => {
+            assert_eq!((repo.as_str(), stage.as_str()), ("svc", "merge"));
+            assert_eq!(holder, a.work_item_id);
+        }
+        other => panic!("expected TrackBusy, got {other:?}"),
+    }
+    let b_now = s.get_task(b.id).await.unwrap().unwrap();
+    assert_eq!(
+        (b_now.stage.as_str(), b_now.stage_seq),
+        ("intake", b.stage_seq)
+    );
+    // Moving inside the track needs no admission; A still holds it at `staging`.
+    let a = s
+        .advance_stage(to_stage(&a, "merge", "staging"))
+        .await
+        .unwrap()
+        .task;
+    assert!(matches!(
+        s.advance_stage_exclusive(to_stage(&b, "intake", "merge"), &track())
+            .await,
+        Err(StoreError::TrackBusy { .. })
+    ));
+    // A task of another repo is not affected.
+    let other = s
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Next {
+                prefix: "OTH".into(),
+            },
+            repo: "other".into(),
+            title: "another repo".into(),
+            body: String::new(),
+            stage: "intake".into(),
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new("task.submitted", "submitted"),
+            first_job: None,
+        })
+        .await
+        .unwrap();
+    s.advance_stage_exclusive(to_stage(&other, "intake", "merge"), &track())
+        .await
+        .expect("another repo's track is free");
+    // A terminal holder releases the track.
+    s.advance_stage(to_stage(&a, "staging", "done"))
+        .await
+        .unwrap();
+    let b = s
+        .advance_stage_exclusive(to_stage(&b, "intake", "merge"), &track())
+        .await
+        .expect("the track was released")
+        .task;
+    assert_eq!(b.stage, "merge");
+}
+
+async fn racing_exclusive_changes_admit_exactly_one(db: TestDb) {
+    let s = &db.store;
+    let mut tasks = Vec::new();
+    for _ in 0..6 {
+        tasks.push(new_task(s, false).await);
+    }
+    let mut handles = Vec::new();
+    for t in tasks {
+        let s = s.clone();
+        handles.push(tokio::spawn(async move {
+            s.advance_stage_exclusive(to_stage(&t, "intake", "merge"), &track())
+                .await
+        }));
+    }
+    let mut admitted = 0;
+    for h in handles {
+        match h.await.unwrap() {
+            Ok(_) => admitted += 1,
+            Err(StoreError::TrackBusy { .. }) => {}
+            Err(e) => panic!("unexpected error: {e}"),
+        }
+    }
+    assert_eq!(admitted, 1, "exactly one task may enter the track");
+    let in_track = s
+        .list_tasks(&TaskFilter {
+            stage: Some("merge".into()),
+            repo: Some("svc".into()),
+            limit: 100,
+            offset: 0,
+        })
+        .await
+        .unwrap();
+    assert_eq!(in_track.len(), 1);
 }

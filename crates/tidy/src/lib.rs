@@ -23,6 +23,9 @@
 //!   as one opaque field of its own `EventDto`, whose envelope and names are the API's. Sentinel
 //!   files in `crates/deploystate` are storage too, and request bodies for another service's API
 //!   (OpenAI, alert webhooks) are that service's wire.
+//! - **`test-support`**: no shipped crate takes test support as a normal dependency: in a
+//!   crate's `Cargo.toml`, the `testing` feature appears only under `[dev-dependencies]` (the
+//!   benchmarks, which are not shipped, are the exception).
 //! - **`shared-seeds`**: no file points at the `shared` folder beside the checkout (the
 //!   `SHARED` pattern): the repository explains itself (docs/design.md holds the seed
 //!   contracts).
@@ -55,6 +58,12 @@ pub const EXCEPTIONS: &[Exception] = &[
         path: "crates/bench/src/pgbench.rs",
         reason: "the same-run pgbench baseline is raw SQL on a scratch table by design (it \
                  measures the database, not orch); the benchmarks are not shipped",
+    },
+    Exception {
+        rule: "test-support",
+        path: "crates/bench/Cargo.toml",
+        reason: "the benchmarks create scratch PostgreSQL schemas with the store's test support; \
+                 they are not shipped",
     },
     Exception {
         rule: "spawn",
@@ -159,8 +168,19 @@ pub fn check_file(path: &str, text: &str) -> Vec<Violation> {
         push("sql", 0, "an SQL file outside crates/store");
     }
     let is_manifest = path.ends_with("Cargo.toml");
+    let mut section = String::new();
     for (i, line) in text.lines().enumerate() {
         let n = i + 1;
+        if is_manifest && line.starts_with('[') {
+            section = line.trim().to_owned();
+        }
+        if is_manifest
+            && section != "[dev-dependencies]"
+            && line.contains(concat!("\"test", "ing\""))
+            && line.contains("features")
+        {
+            push("test-support", n, line);
+        }
         let shipped = n <= shipped_end;
         if line.contains(SHARED) {
             push("shared-seeds", n, line);
@@ -404,6 +424,18 @@ mod tests {
         assert_eq!(rules("crates/runner/src/x.rs", &axum), ["wire-json"]);
         assert!(rules("crates/api/src/lib.rs", &axum).is_empty());
         assert!(rules("crates/orch/tests/dashboard.rs", &axum).is_empty());
+    }
+
+    #[test]
+    fn test_support_only_as_a_dev_dependency() {
+        let line = planted(&[
+            "orch-store = { workspace = true, features = [\"test",
+            "ing\"] }",
+        ]);
+        let normal = format!("[dependencies]\n{line}\n");
+        assert_eq!(rules("crates/orch/Cargo.toml", &normal), ["test-support"]);
+        let dev = format!("[dependencies]\nx = 1\n\n[dev-dependencies]\n{line}\n");
+        assert!(rules("crates/orch/Cargo.toml", &dev).is_empty());
     }
 
     #[test]

@@ -4,7 +4,12 @@
 # Every completed deploy appends `deploy ENV REV` to STATE_DIR/effects.log.
 set -eu
 env="$1"; port="$2"; state="$3"
+# Every run is logged with its start and end (ns since the epoch), so overlaps can be checked.
+mkdir -p "$state"
+log_run() { echo "$1 deploy $env ${rev:-?} $(date +%s%N) ${2:-}" >> "$state/deploys.log"; }
+trap 'log_run end $?' EXIT
 rev="${ORCH_REVISION:-$(git rev-parse HEAD)}"
+log_run start
 mkdir -p "$state/releases/$rev" "$state/run"
 git archive "$rev" | tar -x -C "$state/releases/$rev"
 if [ -f "$state/run/$env.rev" ]; then cp "$state/run/$env.rev" "$state/run/$env.prev"; fi

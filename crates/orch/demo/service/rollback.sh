@@ -3,7 +3,13 @@
 # Every completed rollback appends `rollback ENV REV` to STATE_DIR/effects.log.
 set -eu
 env="$1"; port="$2"; state="$3"
+# Every run is logged with its start and end (ns since the epoch), so overlaps can be checked.
+mkdir -p "$state"
+log_run() { echo "$1 rollback $env ${rev:-?} $(date +%s%N) ${2:-}" >> "$state/deploys.log"; }
+trap 'log_run end $?' EXIT
 prev="$(cat "$state/run/$env.prev")"
+rev="$prev"
+log_run start
 sh "$(dirname "$0")/stop.sh" "$env" "$state"
 cd "$state/releases/$prev"
 APP_REVISION="$prev" APP_ENV="$env" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &

@@ -1,5 +1,6 @@
 //! One module per subcommand; `run` dispatches.
 
+mod deploys;
 mod doctor;
 mod init;
 mod queue;
@@ -30,6 +31,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Worker(args) => worker::run(&cx, args).await,
         Command::Queue => queue::run(&cx).await,
         Command::Doctor => doctor::run(&cx).await,
+        Command::Deploys(args) => deploys::run(&cx, &args.repo).await,
         Command::Submit(args) => tasks::submit(&cx, args).await,
         Command::Status(args) => tasks::status(&cx, args).await,
         Command::Logs(args) => tasks::logs(&cx, &args.id).await,

@@ -93,6 +93,31 @@ pub async fn operate(cx: &Context, op: Op, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Agent runs whose cost is not known (the tool reported none and no price applied, or its
+/// output could not be read).
+fn unknown_cost_runs(runs: &[AgentRun]) -> usize {
+    runs.iter()
+        .filter(|r| {
+            r.cost_usd.is_none()
+                && serde_json::from_str::<serde_json::Value>(&r.data).is_ok_and(|d| {
+                    d.get("cost_unknown") == Some(&serde_json::Value::Bool(true))
+                        || d.get("usage_unknown") == Some(&serde_json::Value::Bool(true))
+                })
+        })
+        .count()
+}
+
+/// `cost $X`, `cost $X + unknown (N runs)`, or `cost unknown` when no run's cost is known.
+fn cost_text(runs: &[AgentRun], total: f64) -> String {
+    let unknown = unknown_cost_runs(runs);
+    let known = runs.iter().filter(|r| r.cost_usd.is_some()).count();
+    match (known, unknown) {
+        (0, n) if n > 0 => "cost unknown".to_owned(),
+        (_, 0) => format!("cost ${total:.4}"),
+        (_, n) => format!("cost ${total:.4} + unknown ({n} runs)"),
+    }
+}
+
 pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
     let store = cx.open_store().await?;
     if let Some(id) = &args.id {
@@ -100,11 +125,15 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
         let events = store.task_events(task.id).await?;
         let runs = store.task_agent_runs(task.id).await?;
         let usage = store.task_usage(task.id).await?;
+        let outcome = orch_api::task_outcome(&task, &events);
         if cx.json {
             let mut v = task_json(&task);
+            v["outcome"] = outcome.as_ref().map_or(serde_json::Value::Null, |o| {
+                serde_json::json!({"outcome": o.outcome.as_str(), "stage": o.stage, "reason": o.reason})
+            });
             v["events"] = events.iter().map(event_json).collect();
             v["agent_runs"] = runs.iter().map(run_json).collect();
-            v["usage"] = serde_json::json!({"runs": usage.runs, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens, "cost_usd": usage.cost_usd});
+            v["usage"] = serde_json::json!({"runs": usage.runs, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens, "cost_usd": usage.cost_usd, "unknown_cost_runs": unknown_cost_runs(&runs)});
             print_json(&v);
         } else {
             println!("{}  {}", task.work_item_id, task.title);
@@ -112,9 +141,25 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                 "repo {}  branch {}  stage {}",
                 task.repo, task.branch, task.stage
             );
+            if let Some(o) = &outcome {
+                let at = o
+                    .stage
+                    .as_deref()
+                    .map(|s| format!(" at {s}"))
+                    .unwrap_or_default();
+                let why = o
+                    .reason
+                    .as_deref()
+                    .map(|r| format!(": {r}"))
+                    .unwrap_or_default();
+                println!("outcome {}{at}{why}", o.outcome);
+            }
             println!(
-                "agent runs {}  tokens in {} out {}  cost ${:.4}",
-                usage.runs, usage.input_tokens, usage.output_tokens, usage.cost_usd
+                "agent runs {}  tokens in {} out {}  {}",
+                usage.runs,
+                usage.input_tokens,
+                usage.output_tokens,
+                cost_text(&runs, usage.cost_usd)
             );
             let stage_events: Vec<&Event> = events
                 .iter()
@@ -144,21 +189,23 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
         } else if tasks.is_empty() {
             println!("no tasks yet: `orch submit --repo R --title ...`");
         } else {
-            let rows: Vec<Vec<String>> = tasks
-                .iter()
-                .map(|t| {
-                    vec![
-                        t.work_item_id.clone(),
-                        t.stage.clone(),
-                        t.repo.clone(),
-                        age(now - t.updated_at),
-                        t.title.chars().take(60).collect(),
-                    ]
-                })
-                .collect();
+            let mut rows: Vec<Vec<String>> = Vec::with_capacity(tasks.len());
+            for t in &tasks {
+                rows.push(vec![
+                    t.work_item_id.clone(),
+                    t.stage.clone(),
+                    outcome_label(&store, t).await?,
+                    t.repo.clone(),
+                    age(now - t.updated_at),
+                    t.title.chars().take(60).collect(),
+                ]);
+            }
             print!(
                 "{}",
-                table(&["id", "stage", "repo", "updated", "title"], &rows)
+                table(
+                    &["id", "stage", "outcome", "repo", "updated", "title"],
+                    &rows
+                )
             );
         }
     }
@@ -230,6 +277,17 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// The task's outcome for the status table (`-` in flight), from the one outcome rule.
+async fn outcome_label(store: &Store, t: &Task) -> Result<String> {
+    if !t.is_terminal() {
+        return Ok("-".to_owned());
+    }
+    let events = store.task_events(t.id).await?;
+    Ok(orch_api::task_outcome(t, &events)
+        .map(|o| o.outcome.as_str().to_owned())
+        .unwrap_or_else(|| "-".to_owned()))
+}
+
 async fn find(store: &Store, id: &str) -> Result<Task> {
     let id: orch_domain::ids::WorkItemId = id.parse()?;
     store
@@ -282,4 +340,49 @@ fn run_json(r: &AgentRun) -> serde_json::Value {
         "outcome": r.outcome, "exit_code": r.exit_code, "input_tokens": r.input_tokens,
         "output_tokens": r.output_tokens, "cost_usd": r.cost_usd, "error": r.error,
     })
+}
+
+#[cfg(test)]
+mod cost_tests {
+    use super::*;
+
+    fn run(cost: Option<f64>, data: &str) -> AgentRun {
+        AgentRun {
+            id: 1,
+            task_id: 1,
+            job_id: None,
+            stage: "analysis".into(),
+            agent: "analyst".into(),
+            backend: "codex".into(),
+            model: None,
+            attempt: 1,
+            started_at: 0,
+            finished_at: Some(1),
+            outcome: "ok".into(),
+            exit_code: Some(0),
+            input_tokens: Some(10),
+            output_tokens: Some(1),
+            cost_usd: cost,
+            error: None,
+            data: data.into(),
+        }
+    }
+
+    /// Regression (issue 12): `status` printed `cost $0.0000` when no cost was known.
+    #[test]
+    fn status_says_cost_unknown_instead_of_zero() {
+        let unknown = run(None, r#"{"cost_unknown":true}"#);
+        let known = run(Some(0.25), "{}");
+        let failed_early = run(None, "{}");
+        assert_eq!(
+            cost_text(std::slice::from_ref(&unknown), 0.0),
+            "cost unknown"
+        );
+        assert_eq!(
+            cost_text(&[known.clone(), unknown], 0.25),
+            "cost $0.2500 + unknown (1 runs)"
+        );
+        assert_eq!(cost_text(&[known, failed_early], 0.25), "cost $0.2500");
+        assert_eq!(cost_text(&[], 0.0), "cost $0.0000");
+    }
 }

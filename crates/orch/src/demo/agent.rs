@@ -16,11 +16,11 @@ use std::process::ExitCode;
 use anyhow::{Context as _, Result};
 use orch_domain::artifact::{Artifact, Frontmatter, Value};
 
-struct Env {
-    work_item: String,
-    stage: String,
-    worktree: PathBuf,
-    artifact_dir: PathBuf,
+pub(crate) struct Env {
+    pub(crate) work_item: String,
+    pub(crate) stage: String,
+    pub(crate) worktree: PathBuf,
+    pub(crate) artifact_dir: PathBuf,
 }
 
 fn env(name: &str) -> Result<String> {
@@ -56,13 +56,7 @@ pub fn run() -> Result<ExitCode> {
         .unwrap_or(300)
         .min(600_000);
     std::thread::sleep(std::time::Duration::from_millis(think_ms));
-    let written = match e.stage.as_str() {
-        "analysis" => analysis(&e, &request, &prompt)?,
-        "architecture" => architecture(&e)?,
-        "implementation" => implementation(&e, scenario)?,
-        "review" => review(&e, scenario)?,
-        other => anyhow::bail!("the demo agent has no script for stage {other}"),
-    };
+    let written = produce(&e, &request, &prompt, scenario)?;
     let input_tokens = (prompt.len() / 4) as u64 + 120;
     let output_tokens = (written / 4) as u64 + 40;
     let cost = input_tokens as f64 * 3e-6 + output_tokens as f64 * 15e-6;
@@ -81,21 +75,37 @@ pub fn run() -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// Does the stage's work in `e`'s worktree; returns the bytes of artifacts written. (The
+/// demo's model server for the real Claude Code runs it on a scratch copy, see `claude.rs`.)
+pub(crate) fn produce(e: &Env, request: &str, prompt: &str, scenario: Scenario) -> Result<usize> {
+    match e.stage.as_str() {
+        "analysis" => analysis(e, request, prompt),
+        "architecture" => architecture(e),
+        "implementation" => implementation(e, scenario),
+        "review" => review(e, scenario),
+        other => anyhow::bail!("the demo agent has no script for stage {other}"),
+    }
+}
+
 /// What the scripted developer does, chosen by the request's title.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Scenario {
+pub(crate) enum Scenario {
     Version,
     Greeting,
     Note,
+    /// A banner that breaks `/health` in staging: staging fails it every time.
+    Banner,
 }
 
 impl Scenario {
-    fn of(request: &str) -> Scenario {
+    pub(crate) fn of(request: &str) -> Scenario {
         let title = title_of(request).to_lowercase();
         if title.contains("greeting") {
             Scenario::Greeting
         } else if title.contains("note") {
             Scenario::Note
+        } else if title.contains("banner") {
+            Scenario::Banner
         } else {
             Scenario::Version
         }
@@ -230,7 +240,16 @@ fn implementation(e: &Env, scenario: Scenario) -> Result<usize> {
         .unwrap_or(false);
     // The two scenarios edit different places of the same files, so their merges do not
     // conflict.
-    let summary = if scenario == Scenario::Greeting {
+    let summary = if scenario == Scenario::Banner {
+        // Staging's smoke check sees it; the unit tests do not.
+        edit(
+            &app,
+            "    return 200, {\"status\": \"ok\", \"env\": ENV}",
+            "    if ENV == \"staging\":\n        return 503, {\"status\": \"BANNER missing in staging\"}\n    \
+             return 200, {\"status\": \"ok\", \"env\": ENV}",
+        )?;
+        "Added a banner (health reports it in staging)."
+    } else if scenario == Scenario::Greeting {
         edit(
             &app,
             "def revision():",

@@ -6,6 +6,7 @@
 //! post-deploy watch. Then it prints what happened and where to look.
 
 pub mod agent;
+mod claude;
 
 use std::collections::HashMap;
 use std::io::IsTerminal as _;
@@ -91,6 +92,13 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     let config_path = dir.join("orch.toml");
     let agent = write_agent_script(&dir, &exe)?;
     let toml = demo_config(&agent, &state, prod_port, staging_port, api_port);
+    // `--agent claude`: the real Claude Code against the demo's model server (kept running
+    // until the demo ends).
+    let claude = match args.agent {
+        crate::cli::DemoAgent::Scripted => None,
+        crate::cli::DemoAgent::Claude => Some(claude::ClaudeDemo::start(&dir).await?),
+    };
+    let toml = claude.as_ref().map_or(toml.clone(), |c| c.configure(&toml));
     std::fs::write(&config_path, &toml)
         .with_context(|| format!("cannot write {}", config_path.display()))?;
     let mut g = Global {
@@ -123,6 +131,12 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     }
 
     println!("orch demo in {}", dir.display());
+    if let Some(c) = &claude {
+        println!(
+            "  LLM stages: the real Claude Code ({}) against the demo's model server",
+            c.program.display()
+        );
+    }
     println!("  sample service repo: {}", service.display());
     println!("  dashboard while it runs: http://127.0.0.1:{api_port}/\n");
 
@@ -168,36 +182,16 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         CancellationToken::new(),
     ));
 
-    // APP-1 first; APP-2 once APP-1 is deployed and watched, so each post-deploy watch sees
-    // only its own change (a deploy ships the default branch's head).
-    let first_item = runtime
-        .ops
-        .submit("service", ITEMS[0].0, ITEMS[0].1)
-        .await?;
-    println!("submitted {}: {}", first_item.work_item_id, ITEMS[0].0);
-    let ids = vec![first_item.work_item_id.clone(), "APP-2".to_owned()];
+    // Both items at once: the release train lets one release of the repo through at a time
+    // (merge → staging → deploy → watch → lessons), so each watch sees only its own change.
+    let mut ids = Vec::new();
+    for (title, body) in ITEMS {
+        let t = runtime.ops.submit("service", title, body).await?;
+        println!("submitted {}: {title}", t.work_item_id);
+        ids.push(t.work_item_id);
+    }
     println!();
     let started = Instant::now();
-    let second = {
-        let store = store.clone();
-        let runtime = runtime.clone();
-        let first_id = first_item.work_item_id.clone();
-        tokio::spawn(async move {
-            loop {
-                match store.get_task_by_work_item(&first_id).await {
-                    Ok(Some(t)) if t.stage == "observe" || t.is_terminal() => break,
-                    Ok(_) => {}
-                    Err(e) => return Err(anyhow::Error::from(e)),
-                }
-                tokio::time::sleep(Duration::from_millis(200)).await;
-            }
-            let t = runtime
-                .ops
-                .submit("service", ITEMS[1].0, ITEMS[1].1)
-                .await?;
-            Ok::<Task, anyhow::Error>(t)
-        })
-    };
     let mut finished = watch_progress(&store, &ids, started, Duration::from_secs(300)).await;
     // The loop closes: a third request's analyst gets the rollback lesson in its prompt. It is
     // cancelled after analysis (an operator command), the demo has shown what it needed.
@@ -214,16 +208,6 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         }
     }
     stop.cancel();
-    match second.await {
-        Ok(Ok(t)) if t.work_item_id == "APP-2" => {}
-        Ok(Ok(t)) => {
-            tracing::warn!(id = %t.work_item_id, "the second demo item got an unexpected id")
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %format!("{e:#}"), "could not submit the second demo item")
-        }
-        Err(e) => tracing::warn!(error = %e, "the second demo submission task failed"),
-    }
     let _ = workers.await;
     let _ = api.await;
     for env in ["production", "staging"] {
@@ -505,7 +489,19 @@ async fn summary(
         let events = store.task_events(t.id).await?;
         let runs = store.task_agent_runs(t.id).await?;
         let usage = store.task_usage(t.id).await?;
-        println!("{}  {}  → {}", t.work_item_id, t.title, t.stage);
+        let outcome = events
+            .iter()
+            .rev()
+            .find(|e| {
+                matches!(
+                    e.kind.as_str(),
+                    "task.done" | "task.failed" | "task.cancelled"
+                )
+            })
+            .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
+            .and_then(|v| v["outcome"].as_str().map(str::to_owned))
+            .unwrap_or_else(|| t.stage.clone());
+        println!("{}  {}  → {outcome}", t.work_item_id, t.title);
         let rows: Vec<Vec<String>> = events
             .iter()
             .filter(|e| {
@@ -517,6 +513,9 @@ async fn summary(
                         | "task.failed"
                         | "post_deploy.verdict"
                         | "deploy.confirmed"
+                        | "release.waiting"
+                        | "release.promoted"
+                        | "release.reverted"
                 )
             })
             .map(|e| {
@@ -557,6 +556,48 @@ async fn summary(
         }
         println!();
     }
+    println!("deploy history of repo service (what each production deploy shipped):");
+    let deploys = store
+        .events_by_kind(orch_runner::release::events::DEPLOYED, 0, 1000)
+        .await?;
+    for e in &deploys {
+        let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
+        let items: Vec<String> = v["items"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|i| {
+                        let id = i["work_item"].as_str().unwrap_or("?");
+                        match i["change"].as_str() {
+                            Some("merge") => id.to_owned(),
+                            other => format!("{id} ({})", other.unwrap_or("?")),
+                        }
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        println!(
+            "    {:.12}  {}  ships: {}",
+            v["revision"].as_str().unwrap_or("?"),
+            if v["confirmed"] == true {
+                "confirmed"
+            } else {
+                "not confirmed"
+            },
+            if items.is_empty() {
+                "-".to_owned()
+            } else {
+                items.join(", ")
+            }
+        );
+    }
+    for e in store
+        .events_by_kind(orch_runner::release::events::REVERTED, 0, 1000)
+        .await?
+    {
+        println!("    {}", e.message);
+    }
+    println!();
     if let Some(lines) = lesson_seen {
         println!(
             "the lesson reaches a later prompt: APP-3's analyst was given the repo's lessons and wrote"
@@ -575,8 +616,12 @@ async fn summary(
         dir.join(".orch/repos/service").display()
     );
     println!(
-        "  ls {}/.orch/repos/service/docs/work-items  # artifacts merged into main",
-        dir.display()
+        "  git -C {} ls-tree -r --name-only main docs/work-items  # every item's whole trail on main",
+        dir.join(".orch/repos/service").display()
+    );
+    println!(
+        "  git -C {} log --format='%h %s' main  # main: the releases, APP-2's revert, the audit commits",
+        dir.join(".orch/repos/service").display()
     );
     println!("  orch --config {cfg} serve               # the dashboard again, on the same data");
     Ok(())

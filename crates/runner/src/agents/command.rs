@@ -1,23 +1,29 @@
-//! CLI agent backends (SPEC §4): any program (`command`), and the presets for Claude Code
-//! (`claude -p --output-format json`), Codex CLI (`codex exec --json`) and Aider.
+//! CLI agent backends (SPEC §4): any program (`command`), and the presets for today's Claude
+//! Code (`claude -p --output-format json`), Codex CLI (`codex exec --json`) and Aider, each
+//! checked against the real CLI (see the README for the versions).
 //!
 //! The program runs in the work item's worktree through `orch_exec::process::run` (its own
 //! process group, the agent's timeout, the job's cancellation, bounded output). The prompt
 //! goes on stdin or in a temporary file outside the worktree (`ORCH_PROMPT_FILE`, or the
 //! `{prompt_file}` placeholder in the arguments), deleted when the try ends. `ORCH_*`
-//! variables name the work item, stage, worktree and expected artifact. The presets' JSON
-//! output is read for tokens and cost; a run that reports an error is a failure even when it
-//! exits 0.
+//! variables name the work item, stage, worktree and expected artifact.
+//!
+//! The presets run each CLI with a configuration home of its own per run (a temporary
+//! directory as `HOME`, and `CODEX_HOME` below it), so the orch user's settings, hooks and
+//! logins do not leak in (`config_home = "user"` opts out), give each role only the tools it
+//! needs, and read the CLI's own report: tokens and cost, errors (classified permanent or
+//! transient, see [`Class`]) and permission denials. A run whose report cannot be read has
+//! unknown usage, which budgets count conservatively.
 
 use std::io::Write as _;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use orch_domain::config::{AgentConfig, Backend, PromptVia};
-use orch_exec::process::{Cmd, ExitKind, Output, run as run_process};
-use serde_json::Value;
+use orch_exec::process::{Cmd, ExitKind, Output, SpawnError, run as run_process};
+use serde_json::{Value, json};
 
 use super::{
-    AgentError, Invocation, MAX_ERROR_BYTES, TokenUsage, TryEnd, TryResult, bound_text,
+    AgentError, Denial, Invocation, MAX_ERROR_BYTES, TokenUsage, TryEnd, TryResult, bound_text,
     mentions_transient,
 };
 
@@ -39,6 +45,65 @@ const SCRUBBED_ENV: [&str; 7] = [
     "GIT_COMMON_DIR",
 ];
 
+/// Claude Code's default turn limit per run.
+pub(crate) const DEFAULT_MAX_TURNS: u32 = 50;
+/// Retries a CLI makes itself on API errors, by default.
+pub(crate) const DEFAULT_CLI_RETRIES: u32 = 2;
+
+/// Claude Code tools no role gets unless configured: the web, scheduling, sub-agents,
+/// worktree switching and messaging.
+const CLAUDE_DENIED_TOOLS: [&str; 17] = [
+    "WebFetch",
+    "WebSearch",
+    "Agent",
+    "Task",
+    "CronCreate",
+    "CronDelete",
+    "CronList",
+    "ScheduleWakeup",
+    "Workflow",
+    "SendMessage",
+    "EnterWorktree",
+    "ExitWorktree",
+    "Skill",
+    "TaskCreate",
+    "TaskUpdate",
+    "TaskStop",
+    "ReportFindings",
+];
+
+/// Tools whose denial means the agent could not do its work (a write, an edit, a command):
+/// such a run fails for good.
+const REQUIRED_TOOLS: [&str; 5] = ["Write", "Edit", "MultiEdit", "NotebookEdit", "Bash"];
+
+/// What a role may do: document stages read and write files; the developer (and any tester
+/// agent) also runs the repo's commands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    /// Reads and writes files.
+    Documents,
+    /// Reads and writes files and runs commands.
+    Commands,
+}
+
+impl Role {
+    /// The role of `agent` running `stage`.
+    pub(crate) fn of(stage: &str, agent: &str) -> Role {
+        if stage == "implementation" || matches!(agent, "developer" | "tester") {
+            Role::Commands
+        } else {
+            Role::Documents
+        }
+    }
+
+    fn claude_tools(self) -> &'static [&'static str] {
+        match self {
+            Role::Documents => &["Read", "Write", "Edit"],
+            Role::Commands => &["Read", "Write", "Edit", "Bash"],
+        }
+    }
+}
+
 /// How a backend's stdout is read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Parser {
@@ -48,6 +113,8 @@ enum Parser {
     Claude,
     /// Codex CLI's JSONL events.
     Codex,
+    /// Aider's console output.
+    Aider,
 }
 
 /// The program line of a backend.
@@ -57,10 +124,23 @@ struct Plan {
     args: Vec<String>,
     via: PromptVia,
     parser: Parser,
+    /// Variables set for this preset (never secrets: those are added at spawn time).
+    env: Vec<(String, String)>,
+    /// `$CODEX_HOME/config.toml` to write before the run.
+    codex_config: Option<String>,
 }
 
-/// The program, arguments, prompt channel and output parser of `config`.
-fn plan(config: &AgentConfig) -> Result<Plan, String> {
+/// Where a run's private files live: `home` (its `HOME`, unless the user's is kept) and
+/// `files` (aider's history files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Dirs {
+    /// `None` keeps the orch user's `HOME`.
+    home: Option<PathBuf>,
+    files: PathBuf,
+}
+
+/// The program, arguments, prompt channel, variables and output parser of `config`.
+fn plan(config: &AgentConfig, role: Role, dirs: &Dirs) -> Result<Plan, String> {
     let model_args = |flag: &str| -> Vec<String> {
         config
             .model
@@ -76,6 +156,11 @@ fn plan(config: &AgentConfig) -> Result<Plan, String> {
             .unwrap_or_else(|| default.to_owned())
     };
     let strs = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+    let mut env: Vec<(String, String)> = Vec::new();
+    if let Some(home) = &dirs.home {
+        env.push(("HOME".into(), home.display().to_string()));
+    }
+    let retries = config.cli_retries.unwrap_or(DEFAULT_CLI_RETRIES);
     Ok(match config.backend {
         Backend::Command => Plan {
             program: config
@@ -86,33 +171,79 @@ fn plan(config: &AgentConfig) -> Result<Plan, String> {
             args: config.args.clone(),
             via: config.prompt_via,
             parser: Parser::Plain,
+            env: Vec::new(),
+            codex_config: None,
         },
-        Backend::Claude => Plan {
-            program: program("claude"),
-            args: [
-                strs(&[
-                    "-p",
-                    "--output-format",
-                    "json",
-                    "--permission-mode",
-                    "acceptEdits",
-                ]),
-                model_args("--model"),
-                config.args.clone(),
-            ]
-            .concat(),
-            via: config.prompt_via,
-            parser: Parser::Claude,
-        },
+        Backend::Claude => {
+            let allowed: Vec<String> = match &config.allowed_tools {
+                Some(list) => list.clone(),
+                None => strs(role.claude_tools()),
+            };
+            let disallowed: Vec<String> = match &config.disallowed_tools {
+                Some(list) => list.clone(),
+                None => strs(&CLAUDE_DENIED_TOOLS),
+            };
+            // The tools the model is offered: the role's, plus any allowed by configuration
+            // (`Bash(git status:*)` offers `Bash`), minus the refused ones.
+            let mut offered: Vec<String> = strs(role.claude_tools());
+            for a in &allowed {
+                let name = a.split('(').next().unwrap_or(a).trim().to_owned();
+                if !name.is_empty() && !offered.contains(&name) {
+                    offered.push(name);
+                }
+            }
+            offered.retain(|t| !disallowed.contains(t));
+            let mut args = strs(&["-p", "--output-format", "json", "--max-turns"]);
+            args.push(config.max_turns.unwrap_or(DEFAULT_MAX_TURNS).to_string());
+            args.push("--tools".into());
+            args.push(offered.join(","));
+            if !allowed.is_empty() {
+                args.push("--allowedTools".into());
+                args.push(allowed.join(","));
+            }
+            if !disallowed.is_empty() {
+                args.push("--disallowedTools".into());
+                args.push(disallowed.join(","));
+            }
+            env.push((
+                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".into(),
+                "1".into(),
+            ));
+            env.push(("CLAUDE_CODE_MAX_RETRIES".into(), retries.to_string()));
+            if let Some(url) = &config.endpoint {
+                env.push(("ANTHROPIC_BASE_URL".into(), url.clone()));
+            }
+            Plan {
+                program: program("claude"),
+                args: [args, model_args("--model"), config.args.clone()].concat(),
+                via: config.prompt_via,
+                parser: Parser::Claude,
+                env,
+                codex_config: None,
+            }
+        }
         Backend::Codex => {
             let stdin_marker = match config.prompt_via {
                 PromptVia::Stdin => strs(&["-"]),
                 PromptVia::File => Vec::new(),
             };
+            let codex_config = dirs.home.as_ref().map(|home| {
+                env.push((
+                    "CODEX_HOME".into(),
+                    home.join(".codex").display().to_string(),
+                ));
+                codex_config(config, retries)
+            });
             Plan {
                 program: program("codex"),
                 args: [
-                    strs(&["exec", "--json", "--full-auto"]),
+                    strs(&[
+                        "exec",
+                        "--json",
+                        "-s",
+                        "workspace-write",
+                        "--skip-git-repo-check",
+                    ]),
                     model_args("-m"),
                     config.args.clone(),
                     stdin_marker,
@@ -120,34 +251,138 @@ fn plan(config: &AgentConfig) -> Result<Plan, String> {
                 .concat(),
                 via: config.prompt_via,
                 parser: Parser::Codex,
+                env,
+                codex_config,
             }
         }
-        Backend::Aider => Plan {
-            program: program("aider"),
-            args: [
-                strs(&[
-                    "--yes-always",
-                    "--no-auto-commits",
-                    "--message-file",
-                    "{prompt_file}",
-                ]),
-                model_args("--model"),
-                config.args.clone(),
-            ]
-            .concat(),
-            via: PromptVia::File,
-            parser: Parser::Plain,
-        },
+        Backend::Aider => {
+            let file = |name: &str| dirs.files.join(name).display().to_string();
+            let mut args = strs(&[
+                "--yes-always",
+                "--no-auto-commits",
+                "--no-dirty-commits",
+                "--no-gitignore",
+                "--map-tokens",
+                "0",
+                "--no-auto-lint",
+                "--no-detect-urls",
+                "--no-check-update",
+                "--no-show-release-notes",
+                "--no-analytics",
+                "--no-pretty",
+                "--no-fancy-input",
+                "--no-show-model-warnings",
+            ]);
+            args.extend([
+                "--chat-history-file".to_owned(),
+                file("chat.history.md"),
+                "--input-history-file".to_owned(),
+                file("input.history"),
+                "--llm-history-file".to_owned(),
+                file("llm.history"),
+                "--message-file".to_owned(),
+                "{prompt_file}".to_owned(),
+            ]);
+            if let Some(model) = &config.model {
+                // An OpenAI-compatible endpoint is reached through litellm's `openai/` route.
+                let model = if config.endpoint.is_some() && !model.contains('/') {
+                    format!("openai/{model}")
+                } else {
+                    model.clone()
+                };
+                args.extend(["--model".to_owned(), model]);
+            }
+            if let Some(url) = &config.endpoint {
+                args.extend(["--openai-api-base".to_owned(), url.clone()]);
+            }
+            // litellm would fetch its price list from the internet on every start.
+            env.push(("LITELLM_LOCAL_MODEL_COST_MAP".into(), "True".into()));
+            Plan {
+                program: program("aider"),
+                args: [args, config.args.clone()].concat(),
+                via: PromptVia::File,
+                parser: Parser::Aider,
+                env,
+                codex_config: None,
+            }
+        }
         Backend::Openai => return Err("the `openai` backend is not a command".to_owned()),
     })
 }
 
+/// A TOML string literal.
+fn toml_str(s: &str) -> String {
+    Value::String(s.to_owned()).to_string()
+}
+
+/// `$CODEX_HOME/config.toml` of a run: a provider `orch` speaking the Responses API at the
+/// agent's `endpoint` (OpenAI's by default) with the key from `api_key_env`.
+fn codex_config(config: &AgentConfig, retries: u32) -> String {
+    let base_url = config
+        .endpoint
+        .clone()
+        .unwrap_or_else(|| "https://api.openai.com/v1".to_owned());
+    let key = config
+        .api_key_env
+        .clone()
+        .unwrap_or_else(|| "OPENAI_API_KEY".to_owned());
+    let mut text = String::from("# Written by orch for one agent run.\n");
+    if let Some(model) = &config.model {
+        text.push_str(&format!("model = {}\n", toml_str(model)));
+    }
+    text.push_str(&format!(
+        "model_provider = \"orch\"\napproval_policy = \"never\"\n\n[model_providers.orch]\n\
+         name = \"orch\"\nbase_url = {}\nwire_api = \"responses\"\nenv_key = {}\n\
+         request_max_retries = {retries}\nstream_max_retries = {retries}\n",
+        toml_str(&base_url),
+        toml_str(&key)
+    ));
+    text
+}
+
+/// Creates the run's private directories: a temporary directory (removed when dropped)
+/// holding `home/` unless `config_home` keeps the user's or names another.
+fn make_dirs(config: &AgentConfig) -> std::io::Result<(tempfile::TempDir, Dirs)> {
+    let tmp = tempfile::Builder::new().prefix("orch-agent-").tempdir()?;
+    let home = match config.config_home.as_deref().map(str::trim) {
+        None | Some("run") => Some(tmp.path().join("home")),
+        Some("user") => None,
+        Some(dir) => Some(PathBuf::from(dir)),
+    };
+    if let Some(h) = &home {
+        std::fs::create_dir_all(h)?;
+    }
+    let files = tmp.path().join("files");
+    std::fs::create_dir_all(&files)?;
+    Ok((tmp, Dirs { home, files }))
+}
+
 /// Runs one try of a CLI backend.
 pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
-    let plan = match plan(inv.config) {
-        Ok(p) => p,
-        Err(e) => return TryResult::failed(inv.error(e)),
+    let role = Role::of(inv.run.stage.name.as_str(), inv.agent.as_str());
+    let (tmp, dirs) = match make_dirs(inv.config) {
+        Ok(d) => d,
+        Err(e) => {
+            return TryResult::failed(
+                inv.error(format!("cannot create the run's configuration home: {e}")),
+            );
+        }
     };
+    let plan = match plan(inv.config, role, &dirs) {
+        Ok(p) => p,
+        Err(e) => return TryResult::permanent(inv.error(e)),
+    };
+    if let (Some(text), Some(home)) = (&plan.codex_config, &dirs.home) {
+        let dir = home.join(".codex");
+        if let Err(e) = std::fs::create_dir_all(&dir)
+            .and_then(|()| std::fs::write(dir.join("config.toml"), text))
+        {
+            return TryResult::failed(inv.error(format!(
+                "cannot write {}: {e}",
+                dir.join("config.toml").display()
+            )));
+        }
+    }
     let wants_file =
         plan.via == PromptVia::File || plan.args.iter().any(|a| a.contains("{prompt_file}"));
     let prompt_file = if wants_file {
@@ -181,6 +416,20 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     for (key, value) in vars.env() {
         cmd = cmd.env(key, value);
     }
+    for (key, value) in &plan.env {
+        cmd = cmd.env(key, value);
+    }
+    // The key, read at the moment of use from the variable the agent names, under the name
+    // the CLI reads (Codex reads the named variable itself).
+    if let Some(var) = &inv.config.api_key_env
+        && let Ok(key) = std::env::var(var)
+    {
+        match inv.config.backend {
+            Backend::Claude => cmd = cmd.env("ANTHROPIC_API_KEY", key),
+            Backend::Aider => cmd = cmd.env("OPENAI_API_KEY", key),
+            _ => {}
+        }
+    }
     if plan.via == PromptVia::Stdin {
         cmd = cmd.stdin(inv.prompt.as_bytes().to_vec());
     }
@@ -189,9 +438,27 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     drop(prompt_file);
     let mut result = match out {
         Ok(out) => interpret(inv, &plan, &out),
+        Err(e @ (SpawnError::NotFound { .. } | SpawnError::PermissionDenied { .. })) => {
+            TryResult::permanent(inv.error(e.to_string()))
+        }
         Err(e) => TryResult::failed(inv.error(e.to_string())),
     };
+    if plan.parser == Parser::Aider {
+        let cleaned = clean_after_aider(inv.worktree).await;
+        if !cleaned.is_empty() {
+            result.data.insert("aider_cleaned".into(), json!(cleaned));
+        }
+    }
+    drop(tmp);
     result.data.insert("program".into(), plan.program.into());
+    result.data.insert(
+        "config_home".into(),
+        match &dirs.home {
+            Some(_) if inv.config.config_home.is_none() => "run".into(),
+            Some(h) => h.display().to_string().into(),
+            None => "user".into(),
+        },
+    );
     result.data.insert(
         "duration_ms".into(),
         u64::try_from(started.elapsed().as_millis())
@@ -199,6 +466,58 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
             .into(),
     );
     result
+}
+
+/// Undoes what Aider does to a worktree besides the work: its `.aider*` files at the root
+/// and the files it `git add`s (the index is reset to `HEAD`; the engine commits what the
+/// stage may commit). Returns what was removed or unstaged.
+async fn clean_after_aider(worktree: &Path) -> Vec<String> {
+    let mut cleaned = Vec::new();
+    if let Ok(entries) = std::fs::read_dir(worktree) {
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(".aider") {
+                let path = entry.path();
+                let removed = if path.is_dir() {
+                    std::fs::remove_dir_all(&path)
+                } else {
+                    std::fs::remove_file(&path)
+                };
+                match removed {
+                    Ok(()) => cleaned.push(name),
+                    Err(e) => {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot remove aider's file")
+                    }
+                }
+            }
+        }
+    }
+    let staged = run_process(
+        &Cmd::new("git")
+            .args(["diff", "--cached", "--name-only", "-z"])
+            .cwd(worktree),
+    )
+    .await;
+    if let Ok(out) = staged
+        && out.success()
+    {
+        let names: Vec<String> = out
+            .stdout_lossy()
+            .split('\0')
+            .filter(|s| !s.is_empty())
+            .map(|s| format!("unstaged {s}"))
+            .collect();
+        if !names.is_empty() {
+            match run_process(&Cmd::new("git").args(["reset", "-q"]).cwd(worktree)).await {
+                Ok(o) if o.success() => cleaned.extend(names),
+                Ok(o) => {
+                    tracing::warn!(output = %o.tail_text(5), "cannot reset aider's staged files")
+                }
+                Err(e) => tracing::warn!(error = %e, "cannot reset aider's staged files"),
+            }
+        }
+    }
+    cleaned
 }
 
 /// The prompt in a private temporary file (outside the worktree, so it is never committed).
@@ -265,6 +584,82 @@ impl Vars<'_> {
     }
 }
 
+/// What kind of failure a CLI reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Class {
+    /// Retrying will not help (authentication, a bad request, the turn limit): the attempt
+    /// fails for good with the CLI's message.
+    Permanent,
+    /// Worth another try after a wait (rate limits, overload, 5xx, the network).
+    Transient,
+    /// Unclear: the attempt fails and the job is retried as a new attempt.
+    Other,
+}
+
+/// The class of an HTTP status a CLI reported.
+fn class_of_status(status: i64) -> Class {
+    match status {
+        408 | 409 | 425 | 429 | 500..=599 => Class::Transient,
+        400..=499 => Class::Permanent,
+        _ => Class::Other,
+    }
+}
+
+/// The class of an error text (a CLI's message that carries no status field).
+pub(crate) fn class_of_text(text: &str) -> Class {
+    let lower = text.to_lowercase();
+    const PERMANENT: [&str; 12] = [
+        "authentication",
+        "unauthorized",
+        "invalid api key",
+        "invalid x-api-key",
+        "incorrect api key",
+        "permission_error",
+        "permissiondenied",
+        "forbidden",
+        "badrequest",
+        "invalid_request_error",
+        "notfounderror",
+        "model_not_found",
+    ];
+    const TRANSIENT: [&str; 12] = [
+        "temporary",
+        "high demand",
+        "internalservererror",
+        "internal server error",
+        "server_error",
+        "serviceunavailable",
+        "apiconnectionerror",
+        "connection refused",
+        "connection reset",
+        "timed out",
+        "timeout",
+        "stream disconnected",
+    ];
+    if PERMANENT.iter().any(|w| lower.contains(w)) || has_status(&lower, &["401", "403"]) {
+        Class::Permanent
+    } else if mentions_transient(text)
+        || TRANSIENT.iter().any(|w| lower.contains(w))
+        || has_status(&lower, &["500", "502", "504"])
+    {
+        Class::Transient
+    } else {
+        Class::Other
+    }
+}
+
+/// Whether one of `codes` stands alone in `text` (not inside a longer number).
+fn has_status(text: &str, codes: &[&str]) -> bool {
+    codes.iter().any(|code| {
+        text.match_indices(code).any(|(i, _)| {
+            let before = text[..i].chars().next_back();
+            let after = text[i + code.len()..].chars().next();
+            !before.is_some_and(|c| c.is_ascii_digit())
+                && !after.is_some_and(|c| c.is_ascii_digit())
+        })
+    })
+}
+
 /// Turns a finished process into a try result.
 fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
     let mut result = TryResult::new(TryEnd::Ok);
@@ -274,8 +669,11 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
     result
         .data
         .insert("stderr_bytes".into(), out.stderr_bytes.into());
+    let reports_usage = plan.parser != Parser::Plain;
     let code = match out.status {
         ExitKind::TimedOut => {
+            // The CLI may have spent tokens before it hung: unknown, not zero.
+            result.usage_unknown = reports_usage;
             result.end = TryEnd::Failed(AgentError::TimedOut {
                 agent: inv.agent.clone(),
                 secs: inv.timeout.as_secs(),
@@ -283,12 +681,14 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
             return result;
         }
         ExitKind::Cancelled => {
+            result.usage_unknown = reports_usage;
             result.end = TryEnd::Failed(AgentError::Cancelled {
                 agent: inv.agent.clone(),
             });
             return result;
         }
         ExitKind::Signaled(sig) => {
+            result.usage_unknown = reports_usage;
             result.end = TryEnd::Failed(inv.error(format!(
                 "`{}` was killed by signal {sig}{}",
                 plan.program,
@@ -303,13 +703,16 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
         Parser::Plain => Parsed::default(),
         Parser::Claude => parse_claude(&out.stdout_lossy()),
         Parser::Codex => parse_codex(&out.stdout_lossy()),
+        Parser::Aider => parse_aider(&format!("{}\n{}", out.stdout_lossy(), out.stderr_lossy())),
     };
     result.usage = parsed.usage;
     result.data.extend(parsed.data);
+    result.denials = parsed.denials;
+    if reports_usage && (parsed.usage.input.is_none() || parsed.usage.output.is_none()) {
+        tracing::warn!(agent = %inv.agent, program = %plan.program, "the agent's output reported no usage; tokens and cost are unknown");
+        result.usage_unknown = true;
+    }
     if code == 0 && parsed.error.is_none() {
-        if plan.parser != Parser::Plain && parsed.usage == TokenUsage::default() {
-            tracing::warn!(agent = %inv.agent, program = %plan.program, "the agent reported no usage; tokens and cost are unknown");
-        }
         return result;
     }
     let message = match (&parsed.error, code) {
@@ -321,16 +724,23 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
             tail_suffix(out)
         ),
     };
-    let scan = format!(
-        "{}\n{}",
-        parsed.error.as_deref().unwrap_or(""),
-        tail_of(out, TRANSIENT_SCAN_BYTES)
-    );
     let message = bound_text(&message, MAX_ERROR_BYTES);
-    result.end = if mentions_transient(&scan) {
-        TryEnd::Transient(message)
-    } else {
-        TryEnd::Failed(inv.error(message))
+    let class = parsed.class.unwrap_or_else(|| {
+        let scan = format!(
+            "{}\n{}",
+            parsed.error.as_deref().unwrap_or(""),
+            tail_of(out, TRANSIENT_SCAN_BYTES)
+        );
+        match class_of_text(&scan) {
+            // A plain command's own words decide nothing permanent: only a preset's report.
+            Class::Permanent if plan.parser == Parser::Plain => Class::Other,
+            c => c,
+        }
+    });
+    result.end = match class {
+        Class::Transient => TryEnd::Transient(message),
+        Class::Permanent => TryEnd::Permanent(inv.error(message)),
+        Class::Other => TryEnd::Failed(inv.error(message)),
     };
     result
 }
@@ -363,11 +773,24 @@ struct Parsed {
     usage: TokenUsage,
     /// The run's own report of a failure.
     error: Option<String>,
+    /// The failure's class when the report says (an HTTP status, the turn limit).
+    class: Option<Class>,
+    /// Actions the CLI refused the agent.
+    denials: Vec<Denial>,
     data: serde_json::Map<String, Value>,
 }
 
 fn int(v: &Value, key: &str) -> Option<i64> {
     v.get(key).and_then(Value::as_i64)
+}
+
+/// A short text of a tool call's input (a command, a path), for denials.
+fn input_summary(input: &Value) -> String {
+    let text = ["command", "file_path", "path", "url", "cmd"]
+        .iter()
+        .find_map(|k| input.get(*k).and_then(Value::as_str).map(str::to_owned))
+        .unwrap_or_else(|| input.to_string());
+    bound_text(&text, 300)
 }
 
 /// Claude Code's `--output-format json` result: one object (`"type": "result"`), or, with
@@ -384,19 +807,87 @@ fn parse_claude(stdout: &str) -> Parsed {
         parsed.usage.output = int(usage, "output_tokens");
     }
     parsed.usage.cost_usd = result.get("total_cost_usd").and_then(Value::as_f64);
-    for key in ["session_id", "num_turns", "duration_ms", "subtype"] {
-        if let Some(v) = result.get(key) {
+    for key in [
+        "session_id",
+        "num_turns",
+        "duration_ms",
+        "subtype",
+        "api_error_status",
+        "terminal_reason",
+        "stop_reason",
+        "errors",
+    ] {
+        if let Some(v) = result.get(key).filter(|v| !v.is_null()) {
             parsed.data.insert(format!("claude_{key}"), v.clone());
         }
     }
-    if result.get("is_error").and_then(Value::as_bool) == Some(true) {
+    if let Some(models) = result.get("modelUsage").and_then(Value::as_object) {
+        let names: Vec<Value> = models.keys().map(|k| Value::from(k.as_str())).collect();
+        parsed
+            .data
+            .insert("claude_models".into(), Value::Array(names));
+    }
+    for d in result
+        .get("permission_denials")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+    {
+        let tool = d
+            .get("tool_name")
+            .and_then(Value::as_str)
+            .unwrap_or("unknown")
+            .to_owned();
+        parsed.denials.push(Denial {
+            required: REQUIRED_TOOLS.contains(&tool.as_str()),
+            detail: input_summary(d.get("tool_input").unwrap_or(&Value::Null)),
+            tool,
+        });
+    }
+    let subtype = result.get("subtype").and_then(Value::as_str).unwrap_or("");
+    let errors: Vec<String> = result
+        .get("errors")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .map(|e| {
+            e.as_str()
+                .map(str::to_owned)
+                .unwrap_or_else(|| e.to_string())
+        })
+        .collect();
+    let status = result.get("api_error_status").and_then(Value::as_i64);
+    let is_error = result.get("is_error").and_then(Value::as_bool) == Some(true);
+    if is_error || subtype.starts_with("error") {
         let text = result
             .get("result")
             .and_then(Value::as_str)
             .filter(|s| !s.trim().is_empty())
-            .or_else(|| result.get("subtype").and_then(Value::as_str))
-            .unwrap_or("is_error is true");
-        parsed.error = Some(bound_text(text.trim(), MAX_ERROR_BYTES));
+            .map(str::to_owned)
+            .or_else(|| (!errors.is_empty()).then(|| errors.join("; ")))
+            .unwrap_or_else(|| {
+                if subtype.is_empty() {
+                    "is_error is true".to_owned()
+                } else {
+                    subtype.to_owned()
+                }
+            });
+        let mut text = text.trim().to_owned();
+        if let Some(status) = status {
+            text = format!("API error {status}: {text}");
+        }
+        if subtype.starts_with("error_") {
+            text = format!("{subtype}: {text}");
+            if !errors.is_empty() && !text.contains(&errors[0]) {
+                text = format!("{text} ({})", errors.join("; "));
+            }
+        }
+        parsed.class = Some(match (subtype, status) {
+            ("error_max_turns" | "error_max_budget_usd", _) => Class::Permanent,
+            (_, Some(s)) => class_of_status(s),
+            _ => class_of_text(&text),
+        });
+        parsed.error = Some(bound_text(&text, MAX_ERROR_BYTES));
     }
     parsed
 }
@@ -415,13 +906,25 @@ fn find_claude_result(stdout: &str) -> Option<Value> {
         .find(is_result)
 }
 
+/// Words of a command's output that mean the sandbox refused it.
+const SANDBOX_DENIED: [&str; 3] = [
+    "read-only file system",
+    "operation not permitted",
+    "permission denied",
+];
+
 /// Codex CLI's `exec --json` events: usage summed over `turn.completed`; a `turn.failed`, or
-/// an `error` not followed by a completed turn, is the run's error.
+/// an `error` event not followed by a completed turn, is the run's error. `error` *items*
+/// (e.g. "Model metadata … not found") are warnings. A command the sandbox refused is a
+/// denial.
 fn parse_codex(stdout: &str) -> Parsed {
     let mut parsed = Parsed::default();
     let (mut input, mut cached, mut output, mut turns) = (0i64, 0i64, 0i64, 0i64);
     let mut failed: Option<String> = None;
     let mut pending: Option<String> = None;
+    let mut warnings: Vec<Value> = Vec::new();
+    let mut failed_commands: Vec<Value> = Vec::new();
+    let mut commands = 0i64;
     for line in stdout.lines() {
         let Ok(event) = serde_json::from_str::<Value>(line.trim()) else {
             continue;
@@ -449,6 +952,42 @@ fn parse_codex(stdout: &str) -> Parsed {
                     parsed.data.insert("codex_thread_id".into(), id.clone());
                 }
             }
+            Some("item.completed") => {
+                let item = event.get("item").unwrap_or(&Value::Null);
+                match item.get("type").and_then(Value::as_str) {
+                    Some("error") => {
+                        warnings.push(item.get("message").cloned().unwrap_or_else(|| item.clone()))
+                    }
+                    Some("command_execution") => {
+                        commands += 1;
+                        let code = item.get("exit_code").and_then(Value::as_i64);
+                        if code.is_some_and(|c| c != 0) {
+                            let command = item
+                                .get("command")
+                                .and_then(Value::as_str)
+                                .unwrap_or_default();
+                            let out = item
+                                .get("aggregated_output")
+                                .and_then(Value::as_str)
+                                .unwrap_or_default();
+                            failed_commands.push(json!({
+                                "command": bound_text(command, 300),
+                                "exit_code": code,
+                                "output": bound_text(out, 500),
+                            }));
+                            let lower = out.to_lowercase();
+                            if SANDBOX_DENIED.iter().any(|w| lower.contains(w)) {
+                                parsed.denials.push(Denial {
+                                    tool: "sandbox".into(),
+                                    detail: bound_text(command, 300),
+                                    required: true,
+                                });
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
             _ => {}
         }
     }
@@ -460,7 +999,119 @@ fn parse_codex(stdout: &str) -> Parsed {
             .insert("codex_cached_input_tokens".into(), cached.into());
         parsed.data.insert("codex_turns".into(), turns.into());
     }
+    parsed.data.insert("codex_commands".into(), commands.into());
+    if !warnings.is_empty() {
+        parsed
+            .data
+            .insert("codex_warnings".into(), Value::Array(warnings));
+    }
+    if !failed_commands.is_empty() {
+        parsed.data.insert(
+            "codex_failed_commands".into(),
+            Value::Array(failed_commands),
+        );
+    }
     parsed.error = failed.or(pending).map(|e| bound_text(&e, MAX_ERROR_BYTES));
+    if let Some(e) = &parsed.error {
+        parsed.class = Some(class_of_text(e));
+    }
+    parsed
+}
+
+/// A count as Aider prints it: `596`, `1.2k`, `3.4M`.
+fn aider_count(s: &str) -> Option<i64> {
+    let s = s.trim().replace(',', "");
+    let (num, mult) = match s.chars().last()? {
+        'k' | 'K' => (&s[..s.len() - 1], 1e3),
+        'm' | 'M' => (&s[..s.len() - 1], 1e6),
+        _ => (s.as_str(), 1.0),
+    };
+    num.parse::<f64>().ok().map(|n| (n * mult).round() as i64)
+}
+
+/// Aider's console output: `Tokens: 2.3k sent, 1.1k cache write, 18 received.` per reply
+/// (summed), `Cost: $0.01 message, $0.02 session.` when it knows the model's price (the last
+/// session figure), `Applied edit to <file>`; an error (`litellm.…Error`, "The API
+/// provider's servers are down…") not followed by a reply is the run's error, whatever the
+/// exit code (Aider exits 0 when authentication fails or its retries run out).
+fn parse_aider(text: &str) -> Parsed {
+    let mut parsed = Parsed::default();
+    let (mut sent, mut received, mut replies) = (0i64, 0i64, 0i64);
+    let mut cost: Option<f64> = None;
+    let mut edits: Vec<Value> = Vec::new();
+    // The errors since the last reply.
+    let mut errors: Vec<String> = Vec::new();
+    let lines: Vec<&str> = text.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        let l = line.trim();
+        if let Some(rest) = l.strip_prefix("Tokens:") {
+            replies += 1;
+            errors.clear();
+            let counts = rest.split("Cost:").next().unwrap_or(rest);
+            for part in counts.trim().trim_end_matches('.').split(',') {
+                let part = part.trim();
+                if let Some(n) = part.strip_suffix(" sent") {
+                    sent += aider_count(n).unwrap_or(0);
+                } else if let Some(n) = part.strip_suffix(" received") {
+                    received += aider_count(n).unwrap_or(0);
+                }
+            }
+            if let Some(c) = l.split("Cost:").nth(1) {
+                for part in c.split(',') {
+                    if let Some(v) = part
+                        .trim()
+                        .strip_suffix("session.")
+                        .or_else(|| part.trim().strip_suffix("session"))
+                    {
+                        cost = v.trim().trim_start_matches('$').parse().ok().or(cost);
+                    }
+                }
+            }
+        } else if let Some(c) = l.strip_prefix("Cost:") {
+            for part in c.split(',') {
+                if let Some(v) = part.trim().trim_end_matches('.').strip_suffix("session") {
+                    cost = v.trim().trim_start_matches('$').parse().ok().or(cost);
+                }
+            }
+        } else if let Some(f) = l.strip_prefix("Applied edit to ") {
+            edits.push(f.trim().into());
+        } else if (l.starts_with("litellm.") && l.contains("Error"))
+            || l.starts_with("The API provider's servers are down")
+            || l.starts_with("The API provider is not able to authenticate")
+            || l.starts_with("The API provider has rate limited you")
+            || l.contains("AuthenticationError")
+            || l.starts_with("Error: ")
+        {
+            // The error's message may continue on the next lines (Aider wraps them).
+            let mut msg = l.to_owned();
+            for next in lines.iter().skip(i + 1).take(6) {
+                let n = next.trim();
+                if n.is_empty() || n.starts_with("Retrying in") {
+                    break;
+                }
+                msg.push(' ');
+                msg.push_str(n);
+            }
+            errors.push(msg);
+        }
+    }
+    if replies > 0 {
+        parsed.usage.input = Some(sent);
+        parsed.usage.output = Some(received);
+        parsed.data.insert("aider_replies".into(), replies.into());
+    }
+    parsed.usage.cost_usd = cost;
+    if !edits.is_empty() {
+        parsed
+            .data
+            .insert("aider_edits".into(), Value::Array(edits));
+    }
+    if !errors.is_empty() {
+        errors.dedup();
+        let msg = errors.join(" ");
+        parsed.class = Some(class_of_text(&msg));
+        parsed.error = Some(bound_text(&msg, MAX_ERROR_BYTES));
+    }
     parsed
 }
 
@@ -483,9 +1134,22 @@ mod tests {
         serde_json::from_value(Value::Object(map)).unwrap()
     }
 
-    /// Plans `backend` with `extra` config lines and compares program, args and channel.
-    fn check(backend: &str, extra: &str, expect: Result<(&str, &[&str], PromptVia), &str>) {
-        let got = plan(&config(backend, extra));
+    fn dirs() -> Dirs {
+        Dirs {
+            home: Some(PathBuf::from("/run/home")),
+            files: PathBuf::from("/run/files"),
+        }
+    }
+
+    /// Plans `backend` with `extra` config lines for `role` and compares program, args and
+    /// channel.
+    fn check(
+        backend: &str,
+        extra: &str,
+        role: Role,
+        expect: Result<(&str, &[&str], PromptVia), &str>,
+    ) {
+        let got = plan(&config(backend, extra), role, &dirs());
         match expect {
             Ok((program, args, via)) => {
                 let p = got.unwrap();
@@ -506,35 +1170,52 @@ mod tests {
         }
     }
 
+    const DENIED: &str = "WebFetch,WebSearch,Agent,Task,CronCreate,CronDelete,CronList,ScheduleWakeup,Workflow,SendMessage,EnterWorktree,ExitWorktree,Skill,TaskCreate,TaskUpdate,TaskStop,ReportFindings";
+
     #[test]
     fn presets_build_their_command_lines() {
         use PromptVia::{File, Stdin};
+        use Role::{Commands, Documents};
         check(
             "claude",
             "",
+            Documents,
             Ok((
                 "claude",
                 &[
                     "-p",
                     "--output-format",
                     "json",
-                    "--permission-mode",
-                    "acceptEdits",
+                    "--max-turns",
+                    "50",
+                    "--tools",
+                    "Read,Write,Edit",
+                    "--allowedTools",
+                    "Read,Write,Edit",
+                    "--disallowedTools",
+                    DENIED,
                 ],
                 Stdin,
             )),
         );
         check(
             "claude",
-            "model = \"opus\"\ncommand = \"/opt/claude\"\nargs = [\"--verbose\"]",
+            "model = \"opus\"\ncommand = \"/opt/claude\"\nargs = [\"--verbose\"]\nmax_turns = 7",
+            Commands,
             Ok((
                 "/opt/claude",
                 &[
                     "-p",
                     "--output-format",
                     "json",
-                    "--permission-mode",
-                    "acceptEdits",
+                    "--max-turns",
+                    "7",
+                    "--tools",
+                    "Read,Write,Edit,Bash",
+                    "--allowedTools",
+                    "Read,Write,Edit,Bash",
+                    "--disallowedTools",
+                    DENIED,
                     "--model",
                     "opus",
                     "--verbose",
@@ -543,35 +1224,94 @@ mod tests {
             )),
         );
         check(
+            "claude",
+            "allowed_tools = [\"Read\", \"Write\", \"Bash(python3 -m unittest:*)\", \"WebFetch\"]\ndisallowed_tools = []",
+            Documents,
+            Ok((
+                "claude",
+                &[
+                    "-p",
+                    "--output-format",
+                    "json",
+                    "--max-turns",
+                    "50",
+                    "--tools",
+                    "Read,Write,Edit,Bash,WebFetch",
+                    "--allowedTools",
+                    "Read,Write,Bash(python3 -m unittest:*),WebFetch",
+                ],
+                Stdin,
+            )),
+        );
+        check(
             "codex",
             "model = \"o4\"",
+            Commands,
             Ok((
                 "codex",
-                &["exec", "--json", "--full-auto", "-m", "o4", "-"],
+                &[
+                    "exec",
+                    "--json",
+                    "-s",
+                    "workspace-write",
+                    "--skip-git-repo-check",
+                    "-m",
+                    "o4",
+                    "-",
+                ],
                 Stdin,
             )),
         );
         check(
             "codex",
             "prompt_via = \"file\"\nargs = [\"{prompt_file}\"]",
+            Documents,
             Ok((
                 "codex",
-                &["exec", "--json", "--full-auto", "{prompt_file}"],
+                &[
+                    "exec",
+                    "--json",
+                    "-s",
+                    "workspace-write",
+                    "--skip-git-repo-check",
+                    "{prompt_file}",
+                ],
                 File,
             )),
         );
         check(
             "aider",
-            "model = \"sonnet\"",
+            "model = \"gpt-4.1\"\nendpoint = \"http://127.0.0.1:9/v1\"",
+            Documents,
             Ok((
                 "aider",
                 &[
                     "--yes-always",
                     "--no-auto-commits",
+                    "--no-dirty-commits",
+                    "--no-gitignore",
+                    "--map-tokens",
+                    "0",
+                    "--no-auto-lint",
+                    "--no-detect-urls",
+                    "--no-check-update",
+                    "--no-show-release-notes",
+                    "--no-analytics",
+                    "--no-pretty",
+                    "--no-fancy-input",
+                    "--no-show-model-warnings",
+                    "--chat-history-file",
+                    "/run/files/chat.history.md",
+                    "--input-history-file",
+                    "/run/files/input.history",
+                    "--llm-history-file",
+                    "/run/files/llm.history",
                     "--message-file",
                     "{prompt_file}",
                     "--model",
-                    "sonnet",
+                    "openai/gpt-4.1",
+                    "--openai-api-base",
+                    "http://127.0.0.1:9/v1",
                 ],
                 File,
             )),
@@ -579,10 +1319,59 @@ mod tests {
         check(
             "command",
             "command = \"my-agent\"\nargs = [\"--in\", \"{prompt_file}\"]\nprompt_via = \"file\"",
+            Documents,
             Ok(("my-agent", &["--in", "{prompt_file}"], File)),
         );
-        check("command", "", Err("needs a `command`"));
-        check("openai", "", Err("not a command"));
+        check("command", "", Documents, Err("needs a `command`"));
+        check("openai", "", Documents, Err("not a command"));
+    }
+
+    #[test]
+    fn presets_get_their_own_home_and_settings() {
+        let env = |backend: &str, extra: &str| {
+            let p = plan(&config(backend, extra), Role::Documents, &dirs()).unwrap();
+            (p.env, p.codex_config)
+        };
+        let (claude, _) = env(
+            "claude",
+            "endpoint = \"http://127.0.0.1:9\"\ncli_retries = 0",
+        );
+        for pair in [
+            ("HOME", "/run/home"),
+            ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
+            ("CLAUDE_CODE_MAX_RETRIES", "0"),
+            ("ANTHROPIC_BASE_URL", "http://127.0.0.1:9"),
+        ] {
+            assert!(
+                claude.contains(&(pair.0.into(), pair.1.into())),
+                "{pair:?} in {claude:?}"
+            );
+        }
+        let (codex, toml) = env(
+            "codex",
+            "endpoint = \"http://127.0.0.1:9/v1\"\nmodel = \"gpt-5\"\napi_key_env = \"MY_KEY\"",
+        );
+        assert!(
+            codex.contains(&("CODEX_HOME".into(), "/run/home/.codex".into())),
+            "{codex:?}"
+        );
+        let toml = toml.unwrap();
+        for line in [
+            "model = \"gpt-5\"",
+            "model_provider = \"orch\"",
+            "base_url = \"http://127.0.0.1:9/v1\"",
+            "wire_api = \"responses\"",
+            "env_key = \"MY_KEY\"",
+            "request_max_retries = 2",
+        ] {
+            assert!(toml.contains(line), "{line} in {toml}");
+        }
+        let user = Dirs {
+            home: None,
+            files: PathBuf::from("/f"),
+        };
+        let p = plan(&config("codex", ""), Role::Documents, &user).unwrap();
+        assert_eq!((p.env, p.codex_config), (Vec::new(), None));
     }
 
     #[test]
@@ -644,5 +1433,94 @@ mod tests {
             Some("429 Too Many Requests")
         );
         assert_eq!(parse_codex("").usage, TokenUsage::default());
+    }
+
+    #[test]
+    fn claude_errors_keep_status_turn_limit_text_and_denials() {
+        let max_turns = r#"{"type":"result","subtype":"error_max_turns","is_error":true,"num_turns":3,"errors":["Reached maximum number of turns (2)"],"total_cost_usd":0.01,"usage":{"input_tokens":10,"output_tokens":5},"permission_denials":[]}"#;
+        let p = parse_claude(max_turns);
+        assert_eq!(p.class, Some(Class::Permanent));
+        let e = p.error.unwrap();
+        assert!(
+            e.contains("error_max_turns") && e.contains("Reached maximum number of turns (2)"),
+            "{e}"
+        );
+
+        let api = r#"{"type":"result","subtype":"success","is_error":true,"api_error_status":500,"result":"API Error: 500 boom. This is usually temporary.","usage":{"input_tokens":0,"output_tokens":0}}"#;
+        let p = parse_claude(api);
+        assert_eq!(p.class, Some(Class::Transient));
+        assert_eq!(
+            p.data.get("claude_api_error_status"),
+            Some(&Value::from(500))
+        );
+        assert!(p.error.unwrap().contains("API error 500"));
+        let auth = r#"{"type":"result","subtype":"success","is_error":true,"api_error_status":401,"result":"Invalid API key"}"#;
+        assert_eq!(parse_claude(auth).class, Some(Class::Permanent));
+
+        let denied = r#"{"type":"result","subtype":"success","is_error":false,"result":"done","usage":{"input_tokens":1,"output_tokens":1},"permission_denials":[{"tool_name":"Bash","tool_use_id":"t1","tool_input":{"command":"python3 -m unittest -q"}},{"tool_name":"WebFetch","tool_use_id":"t2","tool_input":{"url":"http://x"}}]}"#;
+        let p = parse_claude(denied);
+        assert_eq!(p.error, None);
+        assert_eq!(
+            p.denials,
+            vec![
+                Denial {
+                    tool: "Bash".into(),
+                    detail: "python3 -m unittest -q".into(),
+                    required: true
+                },
+                Denial {
+                    tool: "WebFetch".into(),
+                    detail: "http://x".into(),
+                    required: false
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn codex_warning_items_are_not_errors_and_sandbox_refusals_are_denials() {
+        let out = concat!(
+            "{\"type\":\"thread.started\",\"thread_id\":\"t\"}\n",
+            "{\"type\":\"item.completed\",\"item\":{\"id\":\"item_0\",\"type\":\"error\",\"message\":\"Model metadata for `m` not found.\"}}\n",
+            "{\"type\":\"item.completed\",\"item\":{\"id\":\"item_1\",\"type\":\"command_execution\",\"command\":\"touch /etc/x\",\"aggregated_output\":\"touch: cannot touch '/etc/x': Read-only file system\\n\",\"exit_code\":1,\"status\":\"failed\"}}\n",
+            "{\"type\":\"item.completed\",\"item\":{\"id\":\"item_2\",\"type\":\"command_execution\",\"command\":\"false\",\"aggregated_output\":\"\",\"exit_code\":1,\"status\":\"failed\"}}\n",
+            "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":10,\"cached_input_tokens\":0,\"output_tokens\":2}}\n",
+        );
+        let p = parse_codex(out);
+        assert_eq!(p.error, None);
+        assert_eq!((p.usage.input, p.usage.output), (Some(10), Some(2)));
+        assert_eq!(p.denials.len(), 1, "{:?}", p.denials);
+        assert_eq!(p.denials[0].detail, "touch /etc/x");
+        assert_eq!(
+            p.data["codex_failed_commands"].as_array().map(Vec::len),
+            Some(2)
+        );
+        assert_eq!(p.data["codex_warnings"].as_array().map(Vec::len), Some(1));
+        let failed = "{\"type\":\"error\",\"message\":\"unexpected status 401 Unauthorized: bad key\"}\n{\"type\":\"turn.failed\",\"error\":{\"message\":\"unexpected status 401 Unauthorized: bad key\"}}\n";
+        assert_eq!(parse_codex(failed).class, Some(Class::Permanent));
+    }
+
+    #[test]
+    fn aider_output_gives_tokens_cost_and_errors_whatever_the_exit_code() {
+        let ok = "Aider v0.86.2\nI will write it.\n\nTokens: 2.3k sent, 18 received. Cost: $0.0070 message, $0.0070 session.\n\nnotes/x.md\nApplied edit to notes/x.md\n";
+        let p = parse_aider(ok);
+        assert_eq!(
+            p.usage,
+            TokenUsage {
+                input: Some(2300),
+                output: Some(18),
+                cost_usd: Some(0.007)
+            }
+        );
+        assert_eq!(p.error, None);
+        let retried = "litellm.RateLimitError: RateLimitError: OpenAIException - slow down\nRetrying in 0.2 seconds...\nTokens: 596 sent, 18 received.\nApplied edit to a.md\n";
+        let p = parse_aider(retried);
+        assert_eq!((p.error, p.usage.input), (None, Some(596)));
+        let auth = "litellm.AuthenticationError: AuthenticationError: OpenAIException - Incorrect API key\nThe API provider is not able to authenticate you. Check your API key.\n";
+        let p = parse_aider(auth);
+        assert_eq!(p.class, Some(Class::Permanent));
+        assert_eq!(p.usage, TokenUsage::default());
+        let down = "litellm.InternalServerError: InternalServerError: OpenAIException - boom\nThe API provider's servers are down or overloaded.\nRetrying in 0.2 seconds...\n";
+        assert_eq!(parse_aider(down).class, Some(Class::Transient));
     }
 }

@@ -7,10 +7,20 @@
 //! the work item's token/cost budget (spent → fails for good, before anything starts); the
 //! prompt; then up to [`RetryPolicy::tries`] tries, each holding one of the process-wide
 //! agent slots and recorded as its own `agent_runs` row, with exponential backoff between
-//! tries that failed transiently (rate limits, overload, 5xx, connection refused). Any other
-//! failure ends the attempt with an `Err` (the job is retried as a new attempt). A try whose
-//! agent succeeded but left an expected artifact missing (or untouched since before it ran)
-//! fails the attempt with a reason naming the file.
+//! tries that failed transiently (rate limits, overload, 5xx, connection refused), with
+//! jitter. A permanent failure (the program is missing, authentication, a bad request, the
+//! turn limit, a denied write or command, bad configuration) fails the stage at once with the
+//! CLI's own message (`StageEffect::Failed`: no retry at full cost). Any other failure ends
+//! the attempt with an `Err` (the job is retried as a new attempt). A try whose agent
+//! succeeded but left an expected artifact missing (or untouched since before it ran) fails
+//! the attempt with a reason naming the file.
+//!
+//! Usage: tokens and cost as the tool reported them; tokens priced by the agent's `price`
+//! (from `[prices]`) when the tool reports no cost; a run whose tokens or cost are unknown
+//! is marked so in its row (`data.usage_unknown`, `data.cost_unknown`), never recorded as
+//! zero, and the budget check counts it as `unknown_run_cost_usd` / `unknown_run_tokens`
+//! (unset: the whole budget, so no further run starts). Every permission denial a CLI
+//! reports is kept in the run's row and appended as an `agent.permission_denied` event.
 //!
 //! Invariants: every `agent_runs` row that is started is finished (also on errors, timeouts,
 //! cancellation, and when the attempt's future is dropped); a hung agent is killed with its
@@ -115,6 +125,16 @@ pub enum AgentError {
         backend: &'static str,
         /// What went wrong, with the output's tail when there is one.
         message: String,
+    },
+    /// The CLI refused a write, an edit or a command the agent needed.
+    #[error(
+        "agent {agent} was denied {denied}; allow it with `allowed_tools` in [agents.{agent}] if the role needs it"
+    )]
+    PermissionDenied {
+        /// The agent.
+        agent: AgentName,
+        /// The denied actions.
+        denied: String,
     },
     /// Every try failed transiently.
     #[error("agent {agent} ({backend}): still failing after {tries} tries; last error: {last}")]
@@ -260,8 +280,13 @@ impl StageExecutor for AgentExecutor {
             drop(permit);
             match result.end {
                 TryEnd::Ok => return Ok(StageEffect::Produced { outcome: None }),
+                TryEnd::Permanent(e) => {
+                    return Ok(StageEffect::Failed {
+                        reason: format!("{e} (a permanent error: not retried)"),
+                    });
+                }
                 TryEnd::Transient(message) if try_no < tries => {
-                    let wait = policy.backoff(try_no, result.retry_after);
+                    let wait = jittered(policy.backoff(try_no, result.retry_after));
                     tracing::warn!(
                         %agent, work_item = %run.work_item, try_no, wait_ms = wait.as_millis() as u64,
                         error = %message, "transient agent failure; retrying"
@@ -291,7 +316,9 @@ impl StageExecutor for AgentExecutor {
 }
 
 impl AgentExecutor {
-    /// `Some(reason)` when the work item has spent its token or cost budget.
+    /// `Some(reason)` when the work item has spent its token or cost budget. A run whose
+    /// tokens or cost are unknown counts as `unknown_run_tokens` / `unknown_run_cost_usd`,
+    /// or, when those are unset, as the whole budget.
     async fn over_budget(
         &self,
         run: &StageRun,
@@ -301,37 +328,69 @@ impl AgentExecutor {
         if s.max_tokens_per_item.is_none() && s.max_cost_usd_per_item.is_none() {
             return Ok(None);
         }
-        let usage =
-            run.store
-                .task_usage(run.task.id)
-                .await
-                .map_err(|source| AgentError::Store {
-                    agent: agent.clone(),
-                    what: "cannot read the work item's usage for the budget check",
-                    source,
-                })?;
-        let input = usage.input_tokens.max(0);
-        let output = usage.output_tokens.max(0);
-        let tokens = u64::try_from(input.saturating_add(output)).unwrap_or(0);
+        let runs = run
+            .store
+            .task_agent_runs(run.task.id)
+            .await
+            .map_err(|source| AgentError::Store {
+                agent: agent.clone(),
+                what: "cannot read the work item's usage for the budget check",
+                source,
+            })?;
+        let spent = Spent::of(&runs);
         let id = &run.work_item;
-        if let Some(max) = s.max_tokens_per_item
-            && tokens >= max
-        {
-            return Ok(Some(format!(
-                "work item {id} has used its token budget: {tokens} tokens ({input} in, {output} \
-                 out, over {} agent runs) of max_tokens_per_item = {max}; agent {agent} was not \
-                 started",
-                usage.runs
-            )));
+        if let Some(max) = s.max_tokens_per_item {
+            let assumed = s.unknown_run_tokens.unwrap_or(max);
+            let counted = spent
+                .tokens
+                .saturating_add(assumed.saturating_mul(spent.unknown_tokens));
+            if counted >= max {
+                let unknown = if spent.unknown_tokens > 0 {
+                    format!(
+                        " + {} run(s) of unknown usage counted as {assumed} tokens each \
+                         (unknown_run_tokens{})",
+                        spent.unknown_tokens,
+                        if s.unknown_run_tokens.is_none() {
+                            " unset: the whole budget"
+                        } else {
+                            ""
+                        }
+                    )
+                } else {
+                    String::new()
+                };
+                return Ok(Some(format!(
+                    "work item {id} has used its token budget: {} tokens ({} in, {} out, over {} \
+                     agent runs){unknown} of max_tokens_per_item = {max}; agent {agent} was not \
+                     started",
+                    spent.tokens, spent.input, spent.output, spent.runs
+                )));
+            }
         }
-        if let Some(max) = s.max_cost_usd_per_item
-            && usage.cost_usd >= max
-        {
-            return Ok(Some(format!(
-                "work item {id} has used its cost budget: ${:.4} (over {} agent runs) of \
-                 max_cost_usd_per_item = ${max}; agent {agent} was not started",
-                usage.cost_usd, usage.runs
-            )));
+        if let Some(max) = s.max_cost_usd_per_item {
+            let assumed = s.unknown_run_cost_usd.unwrap_or(max);
+            let counted = spent.cost_usd + assumed * spent.unknown_cost as f64;
+            if counted >= max {
+                let unknown = if spent.unknown_cost > 0 {
+                    format!(
+                        " + {} run(s) of unknown cost counted as ${assumed} each \
+                         (unknown_run_cost_usd{}; add the model to [prices] to price its tokens)",
+                        spent.unknown_cost,
+                        if s.unknown_run_cost_usd.is_none() {
+                            " unset: the whole budget"
+                        } else {
+                            ""
+                        }
+                    )
+                } else {
+                    String::new()
+                };
+                return Ok(Some(format!(
+                    "work item {id} has used its cost budget: ${:.4} (over {} agent runs){unknown} \
+                     of max_cost_usd_per_item = ${max}; agent {agent} was not started",
+                    spent.cost_usd, spent.runs
+                )));
+            }
         }
         Ok(None)
     }
@@ -395,11 +454,15 @@ impl AgentExecutor {
             TryEnd::Ok => self.check_written(run, p, &before),
             other => other,
         };
+        self.account(p, &mut result);
+        if !result.denials.is_empty() {
+            self.record_denials(run, p, &mut result).await;
+        }
         let outcome = result.outcome();
         let error = match &result.end {
             TryEnd::Ok => None,
             TryEnd::Transient(m) => Some(m.clone()),
-            TryEnd::Failed(e) => Some(e.to_string()),
+            TryEnd::Failed(e) | TryEnd::Permanent(e) => Some(e.to_string()),
         };
         tracing::info!(
             %agent, work_item = %run.work_item, stage = %run.stage.name, try_no, outcome,
@@ -417,6 +480,80 @@ impl AgentExecutor {
         })
         .await;
         Ok(result)
+    }
+
+    /// Prices reported tokens when the tool reported no cost, and marks what is unknown.
+    fn account(&self, p: &Prepared, result: &mut TryResult) {
+        let u = &mut result.usage;
+        if u.cost_usd.is_some() {
+            result.data.insert("cost_source".into(), "reported".into());
+        } else if let (Some(input), Some(output), Some(price)) = (u.input, u.output, p.config.price)
+        {
+            u.cost_usd = Some(price.cost(input, output));
+            result
+                .data
+                .insert("cost_source".into(), "price_table".into());
+        }
+        if result.usage_unknown {
+            result.data.insert("usage_unknown".into(), true.into());
+        }
+        let ran = result.usage_unknown || u.input.is_some() || u.output.is_some();
+        if ran && u.cost_usd.is_none() && p.config.backend != Backend::Command {
+            result.data.insert("cost_unknown".into(), true.into());
+        }
+    }
+
+    /// Keeps the denials in the run's row, appends an `agent.permission_denied` event, and
+    /// fails the try for good when a write, an edit or a command was denied.
+    async fn record_denials(&self, run: &StageRun, p: &Prepared, result: &mut TryResult) {
+        let list: Vec<serde_json::Value> = result
+            .denials
+            .iter()
+            .map(|d| serde_json::json!({"tool": d.tool, "input": d.detail, "required": d.required}))
+            .collect();
+        result.data.insert(
+            "permission_denials".into(),
+            serde_json::Value::Array(list.clone()),
+        );
+        let text = result
+            .denials
+            .iter()
+            .map(|d| format!("{} `{}`", d.tool, d.detail))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let mut event = orch_store::NewEvent::new(
+            "agent.permission_denied",
+            bound_text(
+                &format!("agent {} was denied: {text}", p.agent),
+                MAX_ERROR_BYTES,
+            ),
+        );
+        event.task_id = Some(run.task.id);
+        event.job_id = Some(run.job.id);
+        event.stage = Some(run.stage.name.to_string());
+        event.data = serde_json::json!({"agent": p.agent.as_str(), "denials": list}).to_string();
+        if let Err(e) = run.store.append_event(event).await {
+            tracing::warn!(error = %e, "cannot record the agent's permission denials");
+        }
+        let required: Vec<String> = result
+            .denials
+            .iter()
+            .filter(|d| d.required)
+            .map(|d| format!("{} `{}`", d.tool, d.detail))
+            .collect();
+        let needs_failing = matches!(
+            result.end,
+            TryEnd::Ok
+                | TryEnd::Failed(
+                    AgentError::MissingArtifact { .. } | AgentError::UnchangedArtifact { .. }
+                )
+        );
+        if !required.is_empty() && needs_failing {
+            result.end = TryEnd::Permanent(AgentError::PermissionDenied {
+                agent: p.agent.clone(),
+                denied: bound_text(&required.join(", "), MAX_ERROR_BYTES - 200),
+            });
+        }
     }
 
     /// `Ok` when every expected artifact was written by this try, else the failure.
@@ -598,8 +735,74 @@ pub(crate) enum TryEnd {
     Ok,
     /// Worth another try after a wait.
     Transient(String),
-    /// The attempt fails with this error.
+    /// The attempt fails with this error (the job may be retried as a new attempt).
     Failed(AgentError),
+    /// Retrying will not help: the stage fails for good with this error.
+    Permanent(AgentError),
+}
+
+/// An action a CLI refused the agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Denial {
+    /// The tool (`Bash`, `Write`, …; `sandbox` for a command the sandbox refused).
+    pub tool: String,
+    /// What it was asked to do (a command, a path).
+    pub detail: String,
+    /// Whether the agent needed it to do its work (a write, an edit, a command).
+    pub required: bool,
+}
+
+/// What a work item's agent runs spent, as the budgets count it.
+#[derive(Debug, Default, PartialEq)]
+struct Spent {
+    runs: usize,
+    input: i64,
+    output: i64,
+    tokens: u64,
+    cost_usd: f64,
+    /// Runs whose tokens are unknown.
+    unknown_tokens: u64,
+    /// Runs whose cost is unknown.
+    unknown_cost: u64,
+}
+
+impl Spent {
+    fn of(runs: &[orch_store::AgentRun]) -> Spent {
+        let mut s = Spent {
+            runs: runs.len(),
+            ..Spent::default()
+        };
+        for r in runs {
+            let data: serde_json::Value = serde_json::from_str(&r.data).unwrap_or_default();
+            let flag = |k: &str| data.get(k).and_then(serde_json::Value::as_bool) == Some(true);
+            s.input += r.input_tokens.unwrap_or(0).max(0);
+            s.output += r.output_tokens.unwrap_or(0).max(0);
+            s.cost_usd += r.cost_usd.unwrap_or(0.0).max(0.0);
+            if flag("usage_unknown") {
+                s.unknown_tokens += 1;
+            }
+            if r.cost_usd.is_none() && (flag("cost_unknown") || flag("usage_unknown")) {
+                s.unknown_cost += 1;
+            }
+        }
+        s.tokens = u64::try_from(s.input.saturating_add(s.output)).unwrap_or(0);
+        s
+    }
+}
+
+/// `wait` with full jitter in its upper half: between `wait/2` and `wait`, so that agents
+/// failing together do not retry together.
+fn jittered(wait: Duration) -> Duration {
+    use std::hash::{BuildHasher as _, Hasher as _};
+    let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX);
+    if ms < 2 {
+        return wait;
+    }
+    // RandomState is seeded randomly: enough randomness for a jitter.
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u64(ms);
+    let half = ms / 2;
+    Duration::from_millis(half + h.finish() % (ms - half + 1))
 }
 
 /// Tokens and cost a backend reported.
@@ -620,6 +823,10 @@ pub(crate) struct TryResult {
     pub data: serde_json::Map<String, serde_json::Value>,
     /// How long the backend asked to wait before the next try.
     pub retry_after: Option<Duration>,
+    /// Actions the CLI refused the agent.
+    pub denials: Vec<Denial>,
+    /// The agent ran but its usage could not be read: unknown, not zero.
+    pub usage_unknown: bool,
 }
 
 impl TryResult {
@@ -630,6 +837,8 @@ impl TryResult {
             usage: TokenUsage::default(),
             data: serde_json::Map::new(),
             retry_after: None,
+            denials: Vec::new(),
+            usage_unknown: false,
         }
     }
 
@@ -637,17 +846,23 @@ impl TryResult {
         TryResult::new(TryEnd::Failed(e))
     }
 
+    pub(crate) fn permanent(e: AgentError) -> TryResult {
+        TryResult::new(TryEnd::Permanent(e))
+    }
+
     /// The row's `outcome`.
     fn outcome(&self) -> &'static str {
         match &self.end {
+            TryEnd::Ok if self.usage_unknown => "usage_unknown",
             TryEnd::Ok => "ok",
+            TryEnd::Permanent(AgentError::PermissionDenied { .. }) => "permission_denied",
             TryEnd::Transient(_) => "transient_error",
             TryEnd::Failed(AgentError::TimedOut { .. }) => "timeout",
             TryEnd::Failed(AgentError::Cancelled { .. }) => "cancelled",
             TryEnd::Failed(
                 AgentError::MissingArtifact { .. } | AgentError::UnchangedArtifact { .. },
             ) => "missing_artifact",
-            TryEnd::Failed(_) => "error",
+            TryEnd::Failed(_) | TryEnd::Permanent(_) => "error",
         }
     }
 }
@@ -782,6 +997,16 @@ mod tests {
                 Duration::from_millis(expect),
                 "{try_no} {after:?}"
             );
+        }
+    }
+
+    #[test]
+    fn jitter_stays_within_the_upper_half() {
+        for ms in [0u64, 1, 2, 3, 100, 60_000] {
+            for _ in 0..50 {
+                let j = jittered(Duration::from_millis(ms)).as_millis() as u64;
+                assert!(j <= ms && j >= ms / 2, "{ms} -> {j}");
+            }
         }
     }
 

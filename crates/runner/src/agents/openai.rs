@@ -4,7 +4,8 @@
 //! to the stage's artifact file(s).
 //!
 //! HTTP 429 and 5xx answers and failures to connect are transient (retried by the executor);
-//! any other failure is not. The API key is read from the variable `api_key_env` names when
+//! 400, 401, 403 and 404 and a missing key variable are permanent (the stage fails at once);
+//! any other failure fails the attempt. The API key is read from the variable `api_key_env` names when
 //! the request is made, and appears in no log, row or error.
 
 use std::time::Duration;
@@ -34,7 +35,8 @@ pub(crate) async fn run(inv: &Invocation<'_>, client: &reqwest::Client) -> TryRe
         Some(var) => match std::env::var(var) {
             Ok(k) if !k.trim().is_empty() => Some(k),
             _ => {
-                return TryResult::failed(inv.error(format!(
+                // Bad configuration: retrying will not set it.
+                return TryResult::permanent(inv.error(format!(
                     "the environment variable `{var}` (api_key_env) is not set or is empty"
                 )));
             }
@@ -143,9 +145,12 @@ fn answer(inv: &Invocation<'_>, url: &str, status: reqwest::StatusCode, body: &[
         )));
     }
     if !status.is_success() {
-        return TryResult::failed(
-            inv.error(format!("HTTP {status} from {url}: {}", excerpt(&text))),
-        );
+        let e = inv.error(format!("HTTP {status} from {url}: {}", excerpt(&text)));
+        // Authentication, a bad request, an unknown model: retrying will not help.
+        return match status.as_u16() {
+            400 | 401 | 403 | 404 => TryResult::permanent(e),
+            _ => TryResult::failed(e),
+        };
     }
     let mut result = TryResult::new(TryEnd::Ok);
     let reply: Value = match serde_json::from_slice(body) {

@@ -130,22 +130,27 @@ impl DeployerExecutor {
         seq: i64,
     ) -> anyhow::Result<StageEffect> {
         let branch = &run.repo.default_branch;
-        let revision = run
-            .git
-            .rev_parse(&run.repo_dir, branch)
-            .await
-            .with_context(|| {
-                format!(
-                    "deploy: cannot resolve the merged revision `{branch}` in {}",
-                    run.repo_dir.display()
-                )
-            })?
-            .ok_or_else(|| {
-                anyhow!(
-                    "deploy: branch `{branch}` has no commit in {}",
-                    run.repo_dir.display()
-                )
-            })?;
+        // The release train promoted exactly the staged commit: that is what ships.
+        let promoted = crate::release::promoted(run).await?.map(|(_, new)| new);
+        let revision = match promoted {
+            Some(rev) => Some(rev),
+            None => run
+                .git
+                .rev_parse(&run.repo_dir, branch)
+                .await
+                .with_context(|| {
+                    format!(
+                        "deploy: cannot resolve the merged revision `{branch}` in {}",
+                        run.repo_dir.display()
+                    )
+                })?,
+        };
+        let revision = revision.ok_or_else(|| {
+            anyhow!(
+                "deploy: branch `{branch}` has no commit in {}",
+                run.repo_dir.display()
+            )
+        })?;
 
         let Some(command) = run.repo.deploy.clone() else {
             if run.repo.health_url.is_none() {
@@ -535,6 +540,7 @@ impl DeployerExecutor {
         )
         .await?;
         run.counters.incr("deployer", "confirmed");
+        crate::release::record_deployed(run, seq, revision, true).await;
         if !state.clear_state() {
             tracing::warn!(work_item = %run.work_item, "deploy: confirmed, but the markers could not be cleared (the recorded event keeps re-runs from deploying)");
         }
@@ -610,6 +616,21 @@ async fn fail(
         "failed"
     };
     run.counters.incr("deployer", counter);
+    crate::release::record_deployed(run, seq, revision, false).await;
+    // A change that never ran healthy in production leaves the default branch, whatever
+    // `on_failure` says (hold is for changes that deployed and then failed their watch).
+    let reason = match crate::release::revert(run, &reason).await {
+        Ok(crate::release::Reverted::Reverted { commit }) => {
+            format!(
+                "{reason}; reverted on `{}` by `{commit}`",
+                run.repo.default_branch
+            )
+        }
+        Ok(crate::release::Reverted::Held { reason: why }) => {
+            format!("{reason}; not reverted: {why}")
+        }
+        Err(e) => format!("{reason}; the revert failed: {e:#}"),
+    };
     if !state.clear_state() {
         tracing::warn!(work_item = %run.work_item, "deploy: the markers could not be cleared");
     }

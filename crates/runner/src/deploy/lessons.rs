@@ -17,19 +17,16 @@
 use std::collections::HashSet;
 use std::fmt::Write as _;
 use std::path::{Component, Path};
-use std::time::Duration;
 
 use orch_deploystate::WatchState;
 use orch_domain::artifact::{Artifact, Frontmatter, MODEL_NOT_APPLICABLE};
 use orch_domain::staging::rfc3339_utc;
-use orch_exec::Pathspec;
 use orch_exec::process::{Cmd, run as run_process};
 use orch_store::{Event, JobState};
 use serde_json::json;
 
 use super::{data, event_str, events, record};
 use crate::engine::{StageEffect, StageExecutor, StageRun};
-use crate::stages::merge_gate::LockFile;
 
 /// The artifact the lessons stage writes.
 pub const LESSONS_ARTIFACT: &str = "17-lessons.md";
@@ -97,6 +94,19 @@ const WATCHED: [Watched; 5] = [
 impl StageExecutor for LessonsExecutor {
     async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
         let seq = super::visit_seq(run);
+        let history = run.store.task_events(run.task.id).await?;
+        if let Some(reason) = crate::release::open_hold(&history) {
+            // The repo's releases stay held (this task keeps the release track) until an
+            // operator approves or cancels the item.
+            return Ok(StageEffect::Requeue {
+                delay_s: HOLD_RECHECK_S,
+                marker: format!("[orch:release-hold seq={seq}]"),
+                reason: format!(
+                    "repo {} is held ({reason}): waiting for `orch approve {}` or `orch cancel {}`",
+                    run.repo_name, run.work_item, run.work_item
+                ),
+            });
+        }
         run.counters.incr("lessons", "runs");
         let lessons = gather(run).await?;
         let now = run.store.now_ms();
@@ -114,11 +124,10 @@ impl StageExecutor for LessonsExecutor {
                 let n = append_to_lessons_file(&path, run, &lessons, now)?;
                 run.counters
                     .add("lessons", "recorded", u64::try_from(n).unwrap_or(u64::MAX));
-                let published = publish_to_default_branch(run, rel, &lessons, now).await;
                 (
                     n,
                     format!(
-                        "{n} new entr{} appended to `{}`; {published}",
+                        "{n} new entr{} appended to `{}`",
                         if n == 1 { "y" } else { "ies" },
                         run.repo.lessons_file
                     ),
@@ -135,6 +144,13 @@ impl StageExecutor for LessonsExecutor {
                     run.artifact_path(LESSONS_ARTIFACT).display()
                 )
             })?;
+
+        // The item's whole trail (and the lessons) reach the default branch in one commit.
+        let published = match lessons_file_path(&run.repo.lessons_file) {
+            Some(rel) => publish_to_default_branch(run, rel, &lessons, now).await,
+            None => "the lessons file was refused; nothing published".to_owned(),
+        };
+        let file_note = format!("{file_note}; {published}");
 
         let ws = WatchState::new(
             &run.repos_dir,
@@ -374,7 +390,8 @@ async fn artifact_versions(run: &StageRun, rel: &str) -> Vec<(String, i64)> {
 }
 
 /// How long the lessons stage waits for the merge lock before giving up publishing.
-const MERGE_LOCK_WAIT: Duration = Duration::from_secs(30);
+/// How often a held release looks whether an operator acted.
+const HOLD_RECHECK_S: u64 = 30;
 
 /// Publishes the lessons on the default branch: the work item's branch is already merged
 /// when this stage runs, so its lessons would never reach later worktrees (which start from
@@ -408,80 +425,73 @@ async fn publish(
     lessons: &[Lesson],
     now_ms: i64,
 ) -> anyhow::Result<String> {
-    let branch = &run.repo.default_branch;
-    let current = run.git.current_branch(&run.repo_dir).await?;
-    if current.as_deref() != Some(branch.as_str()) {
-        anyhow::bail!(
-            "the main checkout {} is on {current:?}, not `{branch}`",
-            run.repo_dir.display()
-        );
-    }
-    let holder = format!(
-        "pid={} node={} work_item={} job={} (lessons)",
-        std::process::id(),
-        run.node,
-        run.work_item,
-        run.job.id
-    );
-    let _lock = wait_for_merge_lock(&run.repo_dir, &holder, &run.cancel).await?;
-    let n = append_to_lessons_file(&run.repo_dir.join(rel), run, lessons, now_ms)?;
-    let message = format!(
-        "Lessons of {}: {n} entr{} in {}\n\nRecorded by orch's lessons stage after the merge, so later work items see them.",
-        run.work_item,
-        if n == 1 { "y" } else { "ies" },
-        rel.display()
-    );
-    let commit = run
-        .git
-        .add_and_commit(
-            &run.repo_dir,
-            &Pathspec::Only(vec![rel.to_path_buf()]),
-            &message,
-        )
-        .await?;
-    let pushed = if run.git.has_remote(&run.repo_dir, "origin").await? {
-        if run.git.push(&run.repo_dir, "origin", branch).await? {
-            ", pushed"
-        } else {
-            tracing::warn!(work_item = %run.work_item, "lessons: the push of the default branch was rejected; the next merge carries the commit");
-            ", push rejected"
+    let branch = run.repo.default_branch.as_str();
+    let rel_str = rel.to_string_lossy().into_owned();
+    let dir_rel = run.work_item.artifact_dir();
+    for attempt in 0..3 {
+        let main = crate::repos::sync_default_branch(&run.git, &run.repo_dir, branch).await?;
+        let mut files: Vec<(String, Vec<u8>)> = Vec::new();
+        let existing = run
+            .git
+            .show_file(&run.repo_dir, &main, &rel_str)
+            .await?
+            .unwrap_or_default();
+        let (text, n) = with_lessons(&existing, run, lessons, now_ms);
+        if n > 0 {
+            files.push((rel_str.clone(), text.into_bytes()));
         }
-    } else {
-        ""
-    };
-    Ok(match commit {
-        Some(sha) => format!(
-            "committed on `{branch}` as {}{pushed}",
-            &sha[..sha.len().min(12)]
-        ),
-        None => format!("already on `{branch}`"),
-    })
-}
-
-/// Waits (up to [`MERGE_LOCK_WAIT`], respecting `cancel`) for the merge gate's cross-process
-/// lock file, so the lessons commit on the default branch never interleaves with a merge.
-async fn wait_for_merge_lock(
-    repo_dir: &Path,
-    holder: &str,
-    cancel: &tokio_util::sync::CancellationToken,
-) -> anyhow::Result<LockFile> {
-    let started = std::time::Instant::now();
-    loop {
-        match LockFile::acquire(repo_dir, holder) {
-            Ok(lock) => return Ok(lock),
-            Err(why) if started.elapsed() >= MERGE_LOCK_WAIT => {
-                anyhow::bail!(
-                    "gave up on the merge lock after {} s: {why}",
-                    MERGE_LOCK_WAIT.as_secs()
-                )
+        // The item's artifacts as its worktree has them (14–18 after a release).
+        let mut names: Vec<String> = std::fs::read_dir(&run.artifact_dir)?
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.ends_with(".md"))
+            .collect();
+        names.sort();
+        for name in names {
+            let content = std::fs::read(run.artifact_dir.join(&name))?;
+            let path = format!("{dir_rel}/{name}");
+            let on_main = run.git.show_file(&run.repo_dir, &main, &path).await?;
+            if on_main.as_deref().map(str::as_bytes) != Some(content.as_slice()) {
+                files.push((path, content));
             }
-            Err(_) => {}
         }
-        tokio::select! {
-            () = tokio::time::sleep(Duration::from_millis(200)) => {}
-            () = cancel.cancelled() => anyhow::bail!("cancelled while waiting for the merge lock"),
+        if files.is_empty() {
+            return Ok(format!("the trail is already on `{branch}`"));
+        }
+        let message = format!(
+            "{}: audit trail and lessons on {branch}\n\nThe documents of the release's last stages and {n} lesson entr{} (lessons file `{rel_str}`).\n\nWork-Item: {}\nStage: audit\n",
+            run.work_item,
+            if n == 1 { "y" } else { "ies" },
+            run.work_item
+        );
+        let commit = run
+            .git
+            .commit_files_onto(&run.repo_dir, &main, &files, &message)
+            .await?;
+        match crate::repos::publish_default_branch(
+            &run.git,
+            &run.repo_dir,
+            &run.repo,
+            &main,
+            &commit,
+        )
+        .await
+        {
+            Ok(()) => {
+                return Ok(format!(
+                    "{} file(s) committed on `{branch}` as {}",
+                    files.len(),
+                    &commit[..commit.len().min(12)]
+                ));
+            }
+            Err(e) if attempt < 2 => {
+                tracing::warn!(work_item = %run.work_item, error = %format!("{e:#}"), "the audit commit lost a race for the default branch; again");
+            }
+            Err(e) => return Err(e),
         }
     }
+    anyhow::bail!("the audit commit kept losing the race for `{branch}`")
 }
 
 /// `lessons_file` as a path inside the repo, or `None` when it could leave it.
@@ -507,6 +517,26 @@ fn append_to_lessons_file(
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
         Err(e) => anyhow::bail!("lessons: cannot read {}: {e}", path.display()),
     };
+    let (text, n) = with_lessons(&existing, run, lessons, now_ms);
+    if n == 0 {
+        return Ok(0);
+    }
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| anyhow::anyhow!("lessons: cannot create {}: {e}", dir.display()))?;
+    }
+    std::fs::write(path, text)
+        .map_err(|e| anyhow::anyhow!("lessons: cannot write {}: {e}", path.display()))?;
+    Ok(n)
+}
+
+/// `existing` with the lessons it lacks appended, and how many were appended.
+fn with_lessons(
+    existing: &str,
+    run: &StageRun,
+    lessons: &[Lesson],
+    now_ms: i64,
+) -> (String, usize) {
     let present: HashSet<&str> = existing
         .lines()
         .filter_map(|l| l.split(ENTRY_MARKER).nth(1))
@@ -518,9 +548,9 @@ fn append_to_lessons_file(
         .filter(|l| !present.contains(l.id.as_str()))
         .collect();
     if new.is_empty() {
-        return Ok(0);
+        return (existing.to_owned(), 0);
     }
-    let mut text = existing.clone();
+    let mut text = existing.to_owned();
     if text.is_empty() {
         text.push_str("# Lessons\n\nObjective outcomes of past work items (rollbacks, failed staging, review rejections, exhausted retries, loops back), recorded by orch's lessons stage with their provenance.\n");
     }
@@ -538,13 +568,7 @@ fn append_to_lessons_file(
         text.push_str(&entry_line(run.work_item.as_str(), l));
         text.push('\n');
     }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| anyhow::anyhow!("lessons: cannot create {}: {e}", dir.display()))?;
-    }
-    std::fs::write(path, text)
-        .map_err(|e| anyhow::anyhow!("lessons: cannot write {}: {e}", path.display()))?;
-    Ok(new.len())
+    (text, new.len())
 }
 
 /// One lessons-file entry: a list item whose hidden id makes re-runs idempotent.

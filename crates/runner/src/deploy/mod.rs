@@ -170,7 +170,7 @@ pub fn watch_params(pd: &PostDeployConfig) -> WatchParams {
 }
 
 /// The stage visit this job belongs to: the `seq` of its payload, or the task's current one.
-pub(crate) fn visit_seq(run: &StageRun) -> i64 {
+pub fn visit_seq(run: &StageRun) -> i64 {
     StageJob::from_content(&run.job.task_content)
         .map(|j| j.seq)
         .unwrap_or(run.task.stage_seq)
@@ -218,7 +218,7 @@ pub(crate) fn event_str(event: &Event, key: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// Runs a repo command (`deploy`, `rollback`) with `sh -c` in the default-branch checkout,
+/// Runs a repo command (`deploy`, `rollback`) with `sh -c` in a checkout of `revision`,
 /// with the deploy timeout, `ORCH_WORK_ITEM` and `ORCH_REVISION`, stopped when the run is
 /// cancelled.
 pub(crate) async fn run_repo_command(
@@ -226,10 +226,20 @@ pub(crate) async fn run_repo_command(
     command: &str,
     revision: &str,
 ) -> Result<Output, SpawnError> {
+    // The command runs in a checkout of exactly the revision it is about.
+    let cwd = match crate::repos::release_checkout(&run.git, &crate::release::paths(run), revision)
+        .await
+    {
+        Ok(dir) => dir,
+        Err(e) => {
+            tracing::warn!(work_item = %run.work_item, error = %format!("{e:#}"), "no checkout of the release; running in orch's clone");
+            run.repo_dir.clone()
+        }
+    };
     let cmd = Cmd::new("sh")
         .arg("-c")
         .arg(command)
-        .cwd(&run.repo_dir)
+        .cwd(&cwd)
         .env("ORCH_WORK_ITEM", run.work_item.as_str())
         .env("ORCH_REVISION", revision)
         .env("ORCH_REPO", run.repo_name.as_str())

@@ -329,6 +329,23 @@ impl MonitorExecutor {
         if let Some(url) = &run.repo.revision_url {
             checks.push(check_revision(url, watched, timeout).await.check);
         }
+        if let Some(url) = &run.repo.control_url {
+            let mut control = check_health(url, timeout).await;
+            control.name = "control".to_owned();
+            if control.outcome != CheckOutcome::Pass {
+                // The monitor cannot see: what it could not reach is its blindness, not the
+                // service's failure.
+                for c in &mut checks {
+                    if c.outcome == CheckOutcome::Fail && c.status_code.is_none() {
+                        c.outcome = CheckOutcome::Error;
+                        c.detail =
+                            format!("{} (control check failed: the monitor is blind)", c.detail);
+                    }
+                }
+                control.outcome = CheckOutcome::Error;
+                checks.push(control);
+            }
+        }
         Poll {
             tick,
             at_ms: now,
@@ -668,6 +685,9 @@ async fn finish(
         ActionTaken::RollbackFailed => run.counters.incr("post_deploy_monitor", "rollback_failed"),
         ActionTaken::Alert | ActionTaken::None => {}
     }
+    if ending.verdict == Verdict::Failed {
+        release_reaction(run, revision, &ending).await;
+    }
     if !ws.mark_done(&summary) {
         tracing::warn!(work_item = %run.work_item, "post-deploy watch: `done` not written; a later job repeats the ending, not the reaction");
     }
@@ -691,6 +711,59 @@ async fn finish(
     )
     .await?;
     Ok(StageEffect::Produced { outcome: None })
+}
+
+/// The release train's part of a FAILED watch (before `done` is written, so a re-run after a
+/// crash completes it; each step is idempotent): a verified rollback is recorded and the change
+/// reverted on the default branch (`on_failure = "revert"`), or the repo is held — also when
+/// production could not be rolled back, since then nobody should ship on top of it.
+async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) {
+    use crate::release::{self, Reverted};
+    let history = run.store.task_events(run.task.id).await.unwrap_or_default();
+    let already_held = release::open_hold(&history).is_some();
+    let rolled_back_recorded = history
+        .iter()
+        .any(|e| e.kind == release::events::ROLLED_BACK);
+    let held = |reason: String| async move {
+        if !already_held {
+            release::hold(run, &reason).await;
+        }
+    };
+    if ending.action != ActionTaken::Rollback {
+        held(format!(
+            "{}'s watch ended FAILED and production was not rolled back ({})",
+            run.work_item, ending.action_detail
+        ))
+        .await;
+        return;
+    }
+    if !rolled_back_recorded {
+        let mut live = release::previous_of_deploy(run).await;
+        if live.is_none()
+            && let Some(url) = &run.repo.revision_url
+        {
+            // A release orch did not deploy: the service says which one runs now.
+            let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+            live = live_revision(url, timeout).await;
+        }
+        release::record_rolled_back(run, revision, live.as_deref()).await;
+    }
+    match run.repo.on_failure {
+        orch_domain::config::OnFailure::Hold => {
+            held(format!(
+                "on_failure = \"hold\": {}'s rolled-back change stays on `{}`",
+                run.work_item, run.repo.default_branch
+            ))
+            .await;
+        }
+        orch_domain::config::OnFailure::Revert => {
+            match release::revert(run, &ending.reason).await {
+                Ok(Reverted::Reverted { .. }) => {}
+                Ok(Reverted::Held { reason }) => held(reason).await,
+                Err(e) => held(format!("the revert of {} failed: {e:#}", run.work_item)).await,
+            }
+        }
+    }
 }
 
 /// Raises the alert (SPEC §7): the `post_deploy.alert` event, and the repo's `alert` command
@@ -823,7 +896,7 @@ pub async fn recover_watches(
 ) -> Vec<(String, RecoveryAction)> {
     let mut out = Vec::new();
     for w in list_active(repos_dir) {
-        let action = match recover_one(store, &w.repo, &w.work_item_id, node).await {
+        let action = match recover_one(store, repos_dir, &w.repo, &w.work_item_id, node).await {
             Ok(action) => action,
             Err(e) => {
                 tracing::warn!(work_item = %w.work_item_id, error = %e, "post-deploy recovery sweep failed for one watch");
@@ -837,6 +910,7 @@ pub async fn recover_watches(
 
 async fn recover_one(
     store: &Store,
+    repos_dir: &Path,
     repo: &str,
     work_item_id: &str,
     node: &str,
@@ -846,6 +920,17 @@ async fn recover_one(
     };
     if task.repo != repo {
         return Ok(RecoveryAction::NoTask);
+    }
+    if task.is_terminal() {
+        // Cancelled or failed while watched (maybe by a process on another node): the watch
+        // ends with the task, so it neither stays armed nor blocks anything.
+        crate::release::end_watch(
+            repos_dir,
+            repo,
+            work_item_id,
+            &format!("the task ended ({}) while its watch was armed", task.stage),
+        );
+        return Ok(RecoveryAction::NotObserving { stage: task.stage });
     }
     if task.stage != "observe" {
         return Ok(RecoveryAction::NotObserving { stage: task.stage });

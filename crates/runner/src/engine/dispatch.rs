@@ -1,13 +1,10 @@
 //! Executor combinators: one job kind serving several stages (the `deployer` runs both
-//! `staging` and `deploy`: the stage is the discriminator, seed ORCH-115 D1), and one deploy at
-//! a time per repo (a deploy waits while another work item's post-deploy watch on the same
-//! repo is running, so each watch observes only its own change).
+//! `staging` and `deploy`: the stage is the discriminator, seed ORCH-115 D1), and the
+//! promotion of the staged commit before a deploy (the release train, [`crate::release`]; one
+//! release at a time per repo is the release track's, held in the database).
 
 use std::collections::HashMap;
 use std::sync::Arc;
-
-use orch_deploystate::ArmedRead;
-use orch_store::JobCount;
 
 use super::{StageEffect, StageExecutor, StageRun};
 
@@ -43,57 +40,28 @@ impl StageExecutor for ByStage {
     }
 }
 
-/// How often a waiting deploy looks again, and how many times it waits before giving up.
-const WAIT_S: u64 = 2;
-const MAX_WAITS: i64 = 900;
-
-/// Wraps the deployer: waits while another work item's watch on the same repo is armed.
-pub struct OneDeployAtATime {
+/// Wraps the deployer of stage `deploy`: first promotes the staged commit to the default
+/// branch ([`crate::release::promote`]), then deploys exactly it. When the default branch moved
+/// since the candidate was built, the task goes back to `merge` to rebuild and restage it.
+pub struct Promote {
     pub inner: Arc<dyn StageExecutor>,
 }
 
-fn wait_marker(seq: i64) -> String {
-    format!("[orch:deploy-wait seq={seq}]")
-}
-
 #[async_trait::async_trait]
-impl StageExecutor for OneDeployAtATime {
+impl StageExecutor for Promote {
     async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
-        let repos_dir = run.repos_dir.clone();
-        let active = tokio::task::spawn_blocking(move || orch_deploystate::list_active(&repos_dir))
-            .await
-            .unwrap_or_default();
-        let other = active.into_iter().find(|w| {
-            w.repo == run.repo_name.as_str()
-                && w.work_item_id != run.work_item.as_str()
-                && matches!(w.armed, ArmedRead::Present(_))
-        });
-        let Some(other) = other else {
-            return self.inner.execute(run).await;
-        };
-        let waited = run
-            .store
-            .count_jobs(&JobCount {
-                task_id: run.task.id,
-                agent: run.job.agent.clone(),
-                content_contains: Some(wait_marker(run.task.stage_seq)),
-            })
-            .await?;
-        if waited >= MAX_WAITS {
-            return Ok(StageEffect::Failed {
-                reason: format!(
-                    "gave up waiting for {}'s post-deploy watch on repo {} to end",
-                    other.work_item_id, run.repo_name
-                ),
-            });
+        let seq = crate::deploy::visit_seq(run);
+        match crate::release::promote(run, seq).await? {
+            crate::release::Promotion::Promoted { .. } => self.inner.execute(run).await,
+            crate::release::Promotion::Moved { main, staged } => Ok(StageEffect::Produced {
+                outcome: Some(orch_domain::gate::GateOutcome::pass(
+                    orch_domain::pipeline::RESTAGE.to_owned(),
+                    format!(
+                        "`{}` moved to `{main}` outside orch since `{staged}` was staged: rebuilding the candidate and staging it again",
+                        run.repo.default_branch
+                    ),
+                )),
+            }),
         }
-        Ok(StageEffect::Requeue {
-            delay_s: WAIT_S,
-            marker: wait_marker(run.task.stage_seq),
-            reason: format!(
-                "waiting: {}'s post-deploy watch on repo {} is still running (one deploy at a time)",
-                other.work_item_id, run.repo_name
-            ),
-        })
     }
 }

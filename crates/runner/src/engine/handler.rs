@@ -184,6 +184,10 @@ impl Engine {
             return Ok(Outcome::Done);
         }
         match self.prepare(&cx, &task).await {
+            // The stage's work is done and committed; only entering the release track waits.
+            Ok(run) if crate::release::is_wait(&cx.job.task_content) => {
+                self.finish_stage(&cx, run, None).await
+            }
             Ok(run) => self.run_stage(&cx, sj, run).await,
             Err(Prep::Fatal(reason)) => self.fail_task(&cx, &task, &reason).await,
             Err(Prep::Transient(e)) => Err(e),
@@ -391,7 +395,15 @@ impl Engine {
         let next_job = if decision.next_stage.is_terminal() || decision.needs_approval {
             None
         } else {
-            self.stage_job(&next, run.task.stage_seq + 1)
+            self.stage_job(&next, run.task.stage_seq + 1).map(|job| {
+                // The watch's first poll is due after its initial delay: so is its first job.
+                if job.agent == crate::deploy::MONITOR_AGENT {
+                    let delay = run.repo.post_deploy.initial_delay_s;
+                    job.delay_s(i64::try_from(delay).unwrap_or(i64::MAX / 1000))
+                } else {
+                    job
+                }
+            })
         };
         let kind = if decision.loop_back {
             "stage.loop_back"
@@ -404,7 +416,7 @@ impl Engine {
         } else {
             "stage.advanced"
         };
-        let data = serde_json::json!({
+        let mut data = serde_json::json!({
             "from": run.stage.name.as_str(),
             "to": next,
             "outcome": match &gate.verdict { Verdict::Pass(v) => v.clone(), Verdict::NotSuccess => "NOT_SUCCESS".into() },
@@ -413,21 +425,45 @@ impl Engine {
             "commit": commit,
             "attempt": cx.lease.attempt,
         });
-        let advanced = self
-            .store
-            .advance_stage(AdvanceStage {
-                task_id: run.task.id,
-                expected_stage: run.stage.name.as_str().to_owned(),
-                new_stage: next.clone(),
-                fence: Fence::Job(cx.lease),
-                event: NewEvent::new(kind, decision.reason.clone())
-                    .job(cx.job.id)
-                    .data(data.to_string()),
-                next_job,
-            })
-            .await;
+        if decision.next_stage.is_terminal() {
+            // The final outcome, for every view of the task (the gate's value stays `result`).
+            data["result"] = data["outcome"].take();
+            data["outcome"] = match next.as_str() {
+                "done" => {
+                    let events = self.store.task_events(run.task.id).await?;
+                    crate::release::done_outcome(&events).into()
+                }
+                "cancelled" => "cancelled".into(),
+                _ => {
+                    data["stage"] = run.stage.name.as_str().into();
+                    data["reason"] = decision.reason.clone().into();
+                    "failed".into()
+                }
+            };
+        }
+        let adv = AdvanceStage {
+            task_id: run.task.id,
+            expected_stage: run.stage.name.as_str().to_owned(),
+            new_stage: next.clone(),
+            fence: Fence::Job(cx.lease),
+            event: NewEvent::new(kind, decision.reason.clone())
+                .job(cx.job.id)
+                .data(data.to_string()),
+            next_job,
+        };
+        let track = crate::release::track(&self.cfg.pipeline);
+        let entering_track = track.stages.contains(&next)
+            && !track.stages.iter().any(|s| s == run.stage.name.as_str());
+        let advanced = if entering_track {
+            self.store.advance_stage_exclusive(adv, &track).await
+        } else {
+            self.store.advance_stage(adv).await
+        };
         match advanced {
             Ok(_) => {}
+            Err(StoreError::TrackBusy { holder, stage, .. }) => {
+                return self.wait_for_track(cx, &run, &holder, &stage).await;
+            }
             Err(StoreError::LeaseLost { .. }) => return Ok(Outcome::Marked),
             Err(StoreError::StageConflict { .. }) => return Ok(Outcome::Done),
             Err(e) => return Err(e.into()),
@@ -504,6 +540,51 @@ impl Engine {
         }
     }
 
+    /// The release track of the repo is held by another task: this job's stage is done, so a
+    /// job of the same kind comes back after [`crate::release::WAIT_S`] to try the stage change
+    /// again (without redoing the work). The first wait of a visit is an event.
+    async fn wait_for_track(
+        &self,
+        cx: &JobContext,
+        run: &StageRun,
+        holder: &str,
+        holder_stage: &str,
+    ) -> Result<Outcome> {
+        let seq = run.task.stage_seq;
+        let marker = crate::release::wait_marker(seq);
+        let content = if cx.job.task_content.contains(&marker) {
+            cx.job.task_content.clone()
+        } else {
+            StageJob::from_content(&cx.job.task_content)
+                .map(|sj| sj.with_marker(&marker))
+                .unwrap_or_else(|_| cx.job.task_content.clone())
+        };
+        let mut job = NewJob::new(cx.job.agent.clone(), content)
+            .task(run.task.id)
+            .delay_s(i64::try_from(crate::release::WAIT_S).unwrap_or(3))
+            .max_attempts(STAGE_ATTEMPTS)
+            .dedupe(format!("requeue-of:{}", cx.job.id));
+        if let Some(node) = &cx.job.node {
+            job = job.node(node.clone());
+        }
+        self.store.enqueue(job).await?;
+        if !crate::release::is_wait(&cx.job.task_content) {
+            self.event(
+                run,
+                crate::release::events::WAITING,
+                &format!(
+                    "waiting for repo {}'s release track, held by {holder} (at {holder_stage}); one release at a time",
+                    run.repo_name
+                ),
+                Some(serde_json::json!({
+                    "repo": run.repo_name.as_str(), "holder": holder, "holder_stage": holder_stage,
+                })),
+            )
+            .await;
+        }
+        Ok(Outcome::Done)
+    }
+
     /// Moves the task to `failed` (fenced by this job) with `reason`.
     async fn fail_task(&self, cx: &JobContext, task: &Task, reason: &str) -> Result<Outcome> {
         let res = self
@@ -515,10 +596,24 @@ impl Engine {
                 fence: Fence::Job(cx.lease),
                 event: NewEvent::new("task.failed", reason.to_owned())
                     .job(cx.job.id)
-                    .data(serde_json::json!({"from": task.stage, "to": "failed"}).to_string()),
+                    .data(
+                        serde_json::json!({
+                            "from": task.stage, "to": "failed",
+                            "outcome": "failed", "stage": task.stage, "reason": reason,
+                        })
+                        .to_string(),
+                    ),
                 next_job: None,
             })
             .await;
+        if res.is_ok() {
+            crate::release::end_watch(
+                &self.cfg.repos_dir,
+                &task.repo,
+                &task.work_item_id,
+                &format!("the task failed: {reason}"),
+            );
+        }
         match res {
             Ok(_) | Err(StoreError::StageConflict { .. }) => Ok(Outcome::Done),
             Err(StoreError::LeaseLost { .. }) => Ok(Outcome::Marked),

@@ -1,46 +1,32 @@
-//! The merge gate (stage `merge`, agent `merge-gate`, SPEC §6): brings the work item's branch
-//! up to date with the default branch, runs the verification command on that merged result,
-//! merges the branch into the default branch in the repo's main checkout (fast-forward or merge
-//! commit, `merge_strategy`) and pushes it when the repo has a remote. It writes
-//! `14-merge-log.md` with `merge_status: MERGED|CONFLICT|FAILED` into the worktree; the engine
-//! commits it on `orch/<id>` after the merge, so the trail lives on the work item's branch.
+//! The merge gate (stage `merge`, agent `merge-gate`): builds the release **candidate** — the
+//! work item's branch brought up to date with the default branch — and runs the verification
+//! command on it. It writes `14-merge-log.md` with `merge_status: MERGED|CONFLICT|FAILED` into
+//! the worktree; the engine commits it on `orch/<id>`, and that commit is what staging stages.
 //!
-//! Serialization. Merges into one repo never overlap:
-//! - within the process, a per-repo `tokio::sync::Mutex` (a static registry keyed by the
-//!   canonical `repo_dir`) queues them;
-//! - across processes on one machine (several `orch worker`s sharing a `repos_dir`), a lock
-//!   file `<repo_dir>/.git/orch-merge.lock` created with `O_EXCL` is held for the whole merge
-//!   and removed after; a lock older than [`STALE_LOCK_AFTER`] is the leftover of a killed
-//!   process and is broken with a warning; a fresh one held by another process is
-//!   contention, retried later like any infrastructure error;
-//! - across machines (each with its own `repos_dir`), the remote is the serialization point:
-//!   a push that lost the race is rejected, the local default branch is put back where the
-//!   remote has it, and the retry fetches and brings the branch up to date again.
+//! The default branch does not move here: it is moved to exactly the commit that passed
+//! staging when the deploy stage promotes it ([`crate::release`]). `MERGED` means "merged with
+//! the default branch into a verified candidate". Merges of one repo never overlap because the
+//! stage is on the repo's release track (one task at a time, held in the database), so no lock
+//! file is needed and a dead process holds nothing.
 //!
-//! Infrastructure errors (git failing to run, a failed fetch or push, lock contention) are
-//! retried a bounded number of times, counted from the jobs queue exactly like the staging
-//! defers (seed ORCH-115 D-2: restart-safe, no column): each retry is a fresh `merge-gate` job
-//! carrying [`infra_retry_marker`]`(stage_seq)`; past [`INFRA_RETRY_LIMIT`] the result is
-//! `FAILED` with `failure_kind: infra_exhausted`.
+//! Infrastructure errors (git failing to run, a failed fetch) are retried a bounded number of
+//! times, counted from the jobs queue exactly like the staging defers (seed ORCH-115 D-2:
+//! restart-safe, no column): each retry is a fresh `merge-gate` job carrying
+//! [`infra_retry_marker`]`(stage_seq)`; past [`INFRA_RETRY_LIMIT`] the result is `FAILED` with
+//! `failure_kind: infra_exhausted`.
 //!
-//! Restart safety: when the branch head is already contained in the default branch (a crash
-//! after the merge, before the stage changed), the result is MERGED without merging again.
-//! With a remote, `origin/<default>` is the truth: a local default branch that diverged from
-//! it (an unpushed merge of a crashed attempt) is reset to it, and that attempt's own retry
-//! merges again.
+//! Restart safety: the candidate is rebuilt from the committed branch on every attempt; a
+//! branch already contained in the default branch is reported MERGED without building anything.
 
-use std::collections::HashMap;
 use std::fmt::Write as _;
-use std::io::Write as _;
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, OnceLock, PoisonError};
-use std::time::{Duration, SystemTime};
+use std::path::Path;
+use std::sync::Arc;
 
 use anyhow::Context as _;
 use orch_domain::artifact::{Artifact, Value};
 use orch_domain::config::MergeStrategy as RepoMergeStrategy;
 use orch_domain::gate::{MergeStatus, TestStatus};
-use orch_exec::{Git, MergeResult, MergeStrategy};
+use orch_exec::{Git, MergeResult};
 use orch_store::JobCount;
 
 use super::tester::{
@@ -64,15 +50,6 @@ const COUNTER_NAMES: [&str; 5] = ["runs", "merged", "conflict", "failed", "infra
 /// is `FAILED` / `infra_exhausted`.
 pub const INFRA_RETRY_LIMIT: u32 = 3;
 
-/// The lock file (in the main checkout's `.git`) that serializes merges across processes.
-pub const MERGE_LOCK_FILE: &str = "orch-merge.lock";
-
-/// A merge lock older than this is a leftover of a killed process and is broken.
-pub const STALE_LOCK_AFTER: Duration = Duration::from_secs(10 * 60);
-
-/// The remote fetched from and pushed to.
-const REMOTE: &str = "origin";
-
 /// The marker a retry job of the merge gate carries in its `task_content`: the retry count of
 /// a merge visit is the number of that task's `merge-gate` jobs containing it (the D-2 scheme
 /// of the staging defers). Scoped to the stage visit by `stage_seq`; the closing `]` keeps
@@ -87,7 +64,7 @@ pub fn infra_retry_delay_s(attempt: u32) -> u64 {
     30_u64.saturating_mul(1_u64 << exp).min(300)
 }
 
-/// Merges work item branches into their repo's default branch for stage `merge`.
+/// Builds and verifies the release candidate of stage `merge` (the default branch does not move).
 pub struct MergeGateExecutor {
     counters: Arc<Counters>,
 }
@@ -174,7 +151,7 @@ impl StageExecutor for MergeGateExecutor {
     async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
         self.counters.incr(COUNTER_GROUP, "runs");
         let mut trail = Trail::default();
-        let result = serialized(run, &mut trail).await;
+        let result = merge(run, &mut trail).await;
         let report = match result {
             Ok(report) => report,
             Err(Interrupted::Stopped(e)) => return Err(e),
@@ -249,190 +226,73 @@ async fn count_retries(run: &StageRun) -> u32 {
     }
 }
 
-/// Takes the repo's in-process mutex and its cross-process lock file, then merges.
-async fn serialized(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interrupted> {
-    let mutex = repo_mutex(&run.repo_dir);
-    let _in_process = tokio::select! {
-        guard = mutex.lock_owned() => guard,
-        () = run.cancel.cancelled() => {
-            return Err(Interrupted::Stopped(anyhow::anyhow!(
-                "cancelled while waiting for the merge lock of {}", run.repo_dir.display()
-            )));
-        }
-    };
-    let holder = format!(
-        "pid={} node={} work_item={} job={}",
-        std::process::id(),
-        run.node,
-        run.work_item,
-        run.job.id
-    );
-    let _file = LockFile::acquire(&run.repo_dir, &holder).map_err(Interrupted::Infra)?;
-    merge(run, trail).await
-}
-
-/// The in-process mutex of the repo at `repo_dir`.
-fn repo_mutex(repo_dir: &Path) -> Arc<tokio::sync::Mutex<()>> {
-    type Registry = std::sync::Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>;
-    static LOCKS: OnceLock<Registry> = OnceLock::new();
-    let key = std::fs::canonicalize(repo_dir).unwrap_or_else(|_| repo_dir.to_path_buf());
-    let mut map = LOCKS
-        .get_or_init(Registry::default)
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner);
-    map.entry(key).or_default().clone()
-}
-
-/// The cross-process merge lock: a file created with `O_EXCL`, removed on drop, broken when
-/// older than [`STALE_LOCK_AFTER`]. Also taken by the lessons stage for its default-branch commit.
-pub(crate) struct LockFile {
-    path: PathBuf,
-}
-
-impl LockFile {
-    /// Takes the lock, or says who holds it (never waits).
-    pub(crate) fn acquire(repo_dir: &Path, holder: &str) -> Result<LockFile, String> {
-        let path = repo_dir.join(".git").join(MERGE_LOCK_FILE);
-        // Two tries: the second follows breaking a stale lock.
-        for _ in 0..2 {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .open(&path)
-            {
-                Ok(mut file) => {
-                    if let Err(e) = writeln!(file, "{holder}") {
-                        tracing::warn!(path = %path.display(), error = %e, "cannot write the holder into the merge lock; it still locks");
-                    }
-                    return Ok(LockFile { path });
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    let age = match std::fs::metadata(&path).and_then(|m| m.modified()) {
-                        Ok(modified) => SystemTime::now()
-                            .duration_since(modified)
-                            .unwrap_or(Duration::ZERO),
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                        Err(e) => {
-                            return Err(format!(
-                                "cannot read the age of the merge lock {}: {e}",
-                                path.display()
-                            ));
-                        }
-                    };
-                    let held_by = std::fs::read_to_string(&path).unwrap_or_default();
-                    let held_by = held_by.trim();
-                    if age < STALE_LOCK_AFTER {
-                        return Err(format!(
-                            "the merge lock {} is held ({}, {} s old)",
-                            path.display(),
-                            if held_by.is_empty() {
-                                "holder unknown"
-                            } else {
-                                held_by
-                            },
-                            age.as_secs()
-                        ));
-                    }
-                    tracing::warn!(
-                        path = %path.display(),
-                        held_by,
-                        age_s = age.as_secs(),
-                        "breaking a stale merge lock (its process is presumed dead)"
-                    );
-                    match std::fs::remove_file(&path) {
-                        Ok(()) => {}
-                        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                        Err(e) => {
-                            return Err(format!(
-                                "cannot break the stale merge lock {}: {e}",
-                                path.display()
-                            ));
-                        }
-                    }
-                }
-                Err(e) => {
-                    return Err(format!(
-                        "cannot create the merge lock {}: {e}",
-                        path.display()
-                    ));
-                }
-            }
-        }
-        Err(format!(
-            "the merge lock {} was taken again right after a stale one was broken",
-            path.display()
-        ))
-    }
-}
-
-impl Drop for LockFile {
-    fn drop(&mut self) {
-        if let Err(e) = std::fs::remove_file(&self.path)
-            && e.kind() != std::io::ErrorKind::NotFound
-        {
-            tracing::warn!(path = %self.path.display(), error = %e, "cannot remove the merge lock; it will be broken as stale later");
-        }
-    }
-}
-
-/// The merge itself, under both locks.
+/// Builds and verifies the candidate.
 async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interrupted> {
     let git = &run.git;
     let repo_dir = &run.repo_dir;
     let default = run.repo.default_branch.as_str();
     let branch = run.task.branch.as_str();
 
-    match git.current_branch(repo_dir).await {
-        Ok(Some(b)) if b == default => {}
-        Ok(other) => {
-            return Err(Interrupted::Infra(format!(
-                "the main checkout {} is on {}, not on the default branch `{default}`",
-                repo_dir.display(),
-                other.map_or("a detached HEAD".to_owned(), |b| format!("`{b}`"))
-            )));
-        }
-        Err(e) => return Err(infra("reading the main checkout's branch", e)),
-    }
-
-    // 1. The default branch as the remote has it.
-    let remote = git
-        .has_remote(repo_dir, REMOTE)
+    // 1. The default branch as the remote has it (the remote is the truth).
+    let main = crate::repos::sync_default_branch(git, repo_dir, default)
         .await
-        .map_err(|e| infra("listing remotes", e))?;
-    if remote {
-        git.fetch(repo_dir, REMOTE)
-            .await
-            .map_err(|e| infra(format!("fetching {REMOTE}"), e))?;
-        trail.push(format!("fetched `{REMOTE}`"));
-        sync_default_with_remote(git, repo_dir, default, trail).await?;
-    }
+        .map_err(|e| infra(format!("reading `{default}`"), format!("{e:#}")))?;
+    trail.push(format!("`{default}` is at {}", short(&main)));
 
-    // 2. Already merged (a crash after the merge): report it, never merge twice.
+    // 2. Already merged (a crash after a promotion): report it, never merge twice.
     let head = rev(git, &run.worktree, "HEAD").await?;
     if git
-        .is_ancestor(repo_dir, &head, default)
+        .is_ancestor(repo_dir, &head, &main)
         .await
         .map_err(|e| Interrupted::Infra(e.to_string()))?
     {
-        let revision = rev(git, repo_dir, default).await?;
-        if remote {
-            push(git, repo_dir, default, None, trail).await?;
+        // Contained because it was released and then reverted: merging "nothing" would
+        // stage and ship the old commit again, without the revert.
+        let reverted = git
+            .commit_messages(repo_dir, &format!("{head}..{main}"))
+            .await
+            .map_err(|e| infra("reading the default branch's history", e))?
+            .iter()
+            .any(|(_, m)| m.contains(&format!("Orch-Revert: {}", run.work_item)));
+        if reverted {
+            trail.push(format!(
+                "`{branch}` was released and then reverted on `{default}`"
+            ));
+            return Ok(MergeReport::failed(
+                "reverted",
+                format!(
+                    "{}'s change was reverted on `{default}`; it is not merged again (revert the revert by hand, or submit a new item)",
+                    run.work_item
+                ),
+            ));
         }
         trail.push(format!(
-            "`{branch}` ({}) is already contained in `{default}`: not merged again",
+            "`{branch}` ({}) is already contained in `{default}`: nothing to merge",
             short(&head)
         ));
         return Ok(MergeReport::merged(
-            revision.clone(),
+            head.clone(),
             format!(
-                "`{branch}` was already merged into `{default}` (at {}); not merged again",
-                short(&revision)
+                "`{branch}` is already contained in `{default}` (at {}); nothing to merge",
+                short(&main)
             ),
         ));
     }
 
-    // 3. Bring the branch up to date with the default branch.
-    match git.rebase_or_merge_default(&run.worktree, default).await {
+    // 3. The candidate: the branch brought up to date with the default branch, or, with the
+    //    `merge` strategy, a merge commit of the branch on top of the default branch (so the
+    //    default branch's first-parent history gets one merge commit per item).
+    let updated = match run.repo.merge_strategy {
+        RepoMergeStrategy::Ff => git.rebase_or_merge_default(&run.worktree, &main).await,
+        RepoMergeStrategy::Merge => {
+            let message = format!(
+                "Merge {} onto `{default}`\n\nWork-Item: {}\nStage: merge\n",
+                run.work_item, run.work_item
+            );
+            merge_commit_candidate(git, &run.worktree, &main, &head, &message).await
+        }
+    };
+    match updated {
         Ok(MergeResult::Merged { sha }) if sha == head => {
             trail.push(format!("`{branch}` is up to date with `{default}`"));
         }
@@ -461,8 +321,9 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
         }
         Err(e) => return Err(infra(format!("updating `{branch}` with `{default}`"), e)),
     }
+    let candidate = rev(git, &run.worktree, "HEAD").await?;
 
-    // 4. Verify the merged result.
+    // 4. Verify the candidate.
     let verification = match configured_test(run) {
         None => {
             trail.push("no test command configured: verification skipped");
@@ -471,14 +332,14 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
         Some(command) => match run_test_command(run, command, run.repo.test_timeout_s).await {
             Ok(r) if r.status == TestStatus::Passed => {
                 trail.push(format!(
-                    "verification passed on the updated branch ({})",
+                    "verification passed on the candidate ({})",
                     format_duration(r.duration_ms)
                 ));
                 Some((command.to_owned(), r))
             }
             Ok(r) => {
                 trail.push(format!(
-                    "verification failed on the updated branch: {}",
+                    "verification failed on the candidate: {}",
                     r.reason
                 ));
                 let mut report = MergeReport::failed(
@@ -499,125 +360,45 @@ async fn merge(run: &StageRun, trail: &mut Trail) -> Result<MergeReport, Interru
             }
         },
     };
-
-    // 5. Merge into the default branch in the main checkout.
-    let before = rev(git, repo_dir, default).await?;
-    let (strategy, label) = match run.repo.merge_strategy {
-        RepoMergeStrategy::Ff => (MergeStrategy::FastForwardOnly, "fast-forward"),
-        RepoMergeStrategy::Merge => (MergeStrategy::MergeCommit, "merge commit"),
-    };
-    let merged = match git.merge(repo_dir, branch, strategy).await {
-        Ok(MergeResult::Merged { sha }) => sha,
-        Ok(MergeResult::Conflict { files }) => {
-            trail.push(format!(
-                "merging `{branch}` into `{default}` conflicted; the merge was aborted"
-            ));
-            let reason = format!(
-                "merging `{branch}` into `{default}` conflicts in {} file(s): {}",
-                files.len(),
-                files.join(", ")
-            );
-            let mut report = MergeReport::conflict(files, reason);
-            report.verification = verification;
-            return Ok(report);
-        }
-        Ok(MergeResult::NotFastForward) => {
-            return Err(Interrupted::Infra(format!(
-                "`{default}` moved while `{branch}` was verified: not a fast-forward"
-            )));
-        }
-        Err(e) => return Err(infra(format!("merging `{branch}` into `{default}`"), e)),
-    };
     trail.push(format!(
-        "merged `{branch}` into `{default}` ({label}): {} → {}",
-        short(&before),
-        short(&merged)
+        "candidate {} ready for staging; `{default}` moves to the staged commit when it is promoted for the deploy",
+        short(&candidate)
     ));
-
-    // 6. Publish.
-    if remote {
-        push(git, repo_dir, default, Some(&before), trail).await?;
-    }
     let mut report = MergeReport::merged(
-        merged.clone(),
+        candidate.clone(),
         format!(
-            "merged `{branch}` into `{default}` as {} ({label})",
-            short(&merged)
+            "`{branch}` merged with `{default}` ({}) into the verified candidate {}",
+            short(&main),
+            short(&candidate)
         ),
     );
     report.verification = verification;
     Ok(report)
 }
 
-/// Makes the local default branch contain `origin/<default>`; when they diverged (an
-/// unpushed merge of a crashed attempt), the remote wins and the local branch is reset to it.
-async fn sync_default_with_remote(
+/// The `merge` strategy's candidate: a merge commit of the branch's `head` on top of `main`
+/// (first parent `main`), built without a working tree; the branch then moves to it in one
+/// step. A branch that already is such a merge on `main` is its own candidate.
+async fn merge_commit_candidate(
     git: &Git,
-    repo_dir: &Path,
-    default: &str,
-    trail: &mut Trail,
-) -> Result<(), Interrupted> {
-    let upstream = format!("{REMOTE}/{default}");
-    let known = git
-        .rev_parse(repo_dir, &format!("refs/remotes/{upstream}"))
-        .await
-        .map_err(|e| infra(format!("reading `{upstream}`"), e))?;
-    if known.is_none() {
-        trail.push(format!("`{upstream}` does not exist yet"));
-        return Ok(());
+    worktree: &Path,
+    main: &str,
+    head: &str,
+    message: &str,
+) -> Result<MergeResult, orch_exec::GitError> {
+    let first_parent = git.rev_parse(worktree, &format!("{head}^1")).await?;
+    let second_parent = git.rev_parse(worktree, &format!("{head}^2")).await?;
+    if second_parent.is_some() && first_parent.as_deref() == Some(main) {
+        // Already the candidate (a rebuild after a crash or a retry): no merge on a merge.
+        return Ok(MergeResult::Merged {
+            sha: head.to_owned(),
+        });
     }
-    match git
-        .merge(repo_dir, &upstream, MergeStrategy::FastForwardOnly)
-        .await
-    {
-        Ok(MergeResult::Merged { sha }) => {
-            trail.push(format!(
-                "`{default}` contains `{upstream}` (at {})",
-                short(&sha)
-            ));
-            Ok(())
-        }
-        Ok(MergeResult::NotFastForward | MergeResult::Conflict { .. }) => {
-            tracing::warn!(
-                repo = %repo_dir.display(),
-                "the local `{default}` diverged from `{upstream}`; resetting it to the remote (unpushed merges are redone by their own retries)"
-            );
-            git.reset_hard(repo_dir, &upstream)
-                .await
-                .map_err(|e| infra(format!("resetting `{default}` to `{upstream}`"), e))?;
-            trail.push(format!(
-                "`{default}` had diverged from `{upstream}`: reset to the remote"
-            ));
-            Ok(())
-        }
-        Err(e) => Err(infra(format!("updating `{default}` from `{upstream}`"), e)),
+    let merged = git.merge_commit_onto(worktree, main, head, message).await?;
+    if let MergeResult::Merged { sha } = &merged {
+        git.reset_hard(worktree, sha).await?;
     }
-}
-
-/// Pushes the default branch. When the push fails after this attempt merged (`undo` is the
-/// revision before the merge), the local branch is put back so it never holds a merge the
-/// remote refused; the retry merges again.
-async fn push(
-    git: &Git,
-    repo_dir: &Path,
-    default: &str,
-    undo: Option<&str>,
-    trail: &mut Trail,
-) -> Result<(), Interrupted> {
-    match git.push(repo_dir, REMOTE, default).await {
-        Ok(_) => {
-            trail.push(format!("pushed `{default}` to `{REMOTE}`"));
-            Ok(())
-        }
-        Err(e) => {
-            if let Some(before) = undo
-                && let Err(reset) = git.reset_hard(repo_dir, before).await
-            {
-                tracing::warn!(repo = %repo_dir.display(), error = %reset, "cannot undo the unpushed merge; the next attempt resets to the remote");
-            }
-            Err(infra(format!("pushing `{default}` to `{REMOTE}`"), e))
-        }
-    }
+    Ok(merged)
 }
 
 /// The object id `name` resolves to; a missing one is an infrastructure error.

@@ -118,6 +118,9 @@ impl StageExecutor for StagingExecutor {
             };
             self.write_log(run, &environment, &[], &c, &StagingDecision::Success, 0)?;
             self.counters.incr(COUNTER_GROUP, "success");
+            if let Some(rev) = &revision {
+                crate::release::record_staged(run, rev).await;
+            }
             return Ok(StageEffect::Produced { outcome: None });
         }
 
@@ -187,6 +190,12 @@ impl StageExecutor for StagingExecutor {
                     "failed" // FAILED is final: never retried (SPEC §5)
                 };
                 self.counters.incr(COUNTER_GROUP, counter);
+                if decision == StagingDecision::Success
+                    && let Some(rev) = &revision
+                {
+                    // What passed staging is what the release train may promote and deploy.
+                    crate::release::record_staged(run, rev).await;
+                }
                 Ok(StageEffect::Produced { outcome: None })
             }
         }

@@ -45,6 +45,8 @@ pub fn repo_config(prefix: &str) -> RepoConfig {
         staging_defer_limit: 2,
         staging_defer_delay_s: None,
         lessons_file: "LESSONS.md".into(),
+        on_failure: Default::default(),
+        control_url: None,
     }
 }
 

@@ -1,0 +1,282 @@
+//! A repo's release story, built from existing store reads: its tasks (`list_tasks` by repo)
+//! and the events that tell deploys, verdicts, rollbacks, reverts and lessons
+//! (`events_by_kind`, kept to this repo's tasks). Shared by `GET /repos/{repo}/deploys`, the
+//! dashboard's repo page and `orch deploys`.
+//!
+//! Deploys are the `release.deployed` events (`{repo, revision, previous_revision, items,
+//! seq}`), oldest first. Tasks deployed before the release train wrote those have only a
+//! `deploy.confirmed` event on the deploying task: each becomes a deploy of that one item,
+//! marked `source = "deploy.confirmed"`.
+
+use std::collections::{BTreeMap, HashMap};
+
+use orch_domain::outcome::TaskOutcome;
+use orch_store::{Event, Store, StoreError, Task, TaskFilter};
+use serde_json::Value;
+
+/// Tasks of one repo read at most (newest first).
+const MAX_TASKS: u32 = 1000;
+/// Events of one kind read per store call.
+const PAGE: u32 = 1000;
+
+/// One item a deploy shipped.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct ShippedItem {
+    pub work_item: String,
+    pub commit: Option<String>,
+    /// `merge` or `revert`.
+    pub change: String,
+}
+
+/// One production deploy of the repo.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct Deploy {
+    pub event_id: i64,
+    pub at_ms: i64,
+    /// The work item whose task ran the deploy.
+    pub deployed_by: String,
+    pub revision: Option<String>,
+    pub previous_revision: Option<String>,
+    pub seq: Option<i64>,
+    pub items: Vec<ShippedItem>,
+    /// `release.deployed`, or `deploy.confirmed` for deploys before the release train.
+    pub source: &'static str,
+    /// The post-deploy watch's verdict on the deploying task after this deploy.
+    pub verdict: Option<String>,
+    /// Whether the watch rolled this deploy back.
+    pub rolled_back: bool,
+    /// `(work item, revert commit)` of items reverted on the default branch after it.
+    pub reverts: Vec<(String, String)>,
+}
+
+/// A lesson recorded by a work item (`lessons.recorded`).
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct LessonEvent {
+    pub work_item: String,
+    pub at_ms: i64,
+    pub message: String,
+}
+
+/// A repo's story.
+#[derive(Debug, Clone)]
+pub(crate) struct RepoStory {
+    pub repo: String,
+    /// Tasks still in a pipeline stage, newest first.
+    pub in_flight: Vec<Task>,
+    /// Finished tasks with their outcome, newest first.
+    pub finished: Vec<(Task, Option<TaskOutcome>)>,
+    /// Oldest first.
+    pub deploys: Vec<Deploy>,
+    pub lessons: Vec<LessonEvent>,
+}
+
+fn str_of(v: &Value, key: &str) -> Option<String> {
+    v.get(key)
+        .and_then(Value::as_str)
+        .map(str::to_owned)
+        .filter(|s| !s.is_empty())
+}
+
+/// Reads the repo's story; `None` when the repo has no task at all.
+pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>, StoreError> {
+    let tasks = store
+        .list_tasks(&TaskFilter {
+            stage: None,
+            repo: Some(repo.to_owned()),
+            limit: MAX_TASKS,
+            offset: 0,
+        })
+        .await?;
+    if tasks.is_empty() {
+        return Ok(None);
+    }
+    let by_id: HashMap<i64, &Task> = tasks.iter().map(|t| (t.id, t)).collect();
+    let mut events: BTreeMap<&str, Vec<Event>> = BTreeMap::new();
+    for kind in [
+        "release.deployed",
+        "deploy.confirmed",
+        "post_deploy.verdict",
+        "post_deploy.rollback",
+        "release.reverted",
+        "lessons.recorded",
+        "task.done",
+        "task.failed",
+        "task.cancelled",
+    ] {
+        let mut after = 0;
+        let list = events.entry(kind).or_default();
+        loop {
+            let page = store.events_by_kind(kind, after, PAGE).await?;
+            let full = page.len() == PAGE as usize;
+            for e in page {
+                after = after.max(e.id);
+                if e.task_id.is_some_and(|t| by_id.contains_key(&t)) {
+                    list.push(e);
+                }
+            }
+            if !full {
+                break;
+            }
+        }
+    }
+    let take =
+        |events: &mut BTreeMap<&str, Vec<Event>>, k: &str| events.remove(k).unwrap_or_default();
+    let work_item = |e: &Event| {
+        e.task_id
+            .and_then(|t| by_id.get(&t))
+            .map(|t| t.work_item_id.clone())
+            .unwrap_or_default()
+    };
+
+    // Deploys: the release train's events; tasks with none fall back to deploy.confirmed.
+    let mut deploys: Vec<Deploy> = Vec::new();
+    let released = take(&mut events, "release.deployed");
+    for e in &released {
+        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+        if str_of(&d, "repo").is_some_and(|r| r != repo) {
+            continue;
+        }
+        let items = d
+            .get("items")
+            .and_then(Value::as_array)
+            .map(|items| {
+                items
+                    .iter()
+                    .filter_map(|i| {
+                        Some(ShippedItem {
+                            work_item: str_of(i, "work_item")?,
+                            commit: str_of(i, "commit"),
+                            change: str_of(i, "change").unwrap_or_else(|| "merge".to_owned()),
+                        })
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        deploys.push(Deploy {
+            event_id: e.id,
+            at_ms: e.created_at,
+            deployed_by: work_item(e),
+            revision: str_of(&d, "revision"),
+            previous_revision: str_of(&d, "previous_revision"),
+            seq: d.get("seq").and_then(Value::as_i64),
+            items,
+            source: "release.deployed",
+            verdict: None,
+            rolled_back: false,
+            reverts: Vec::new(),
+        });
+    }
+    // A deploy the release train recorded is not listed twice: its task's `deploy.confirmed`
+    // of the same revision is skipped.
+    let released_revs: std::collections::HashSet<(Option<i64>, Option<String>)> = released
+        .iter()
+        .map(|e| {
+            let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+            (e.task_id, str_of(&d, "revision"))
+        })
+        .collect();
+    for e in take(&mut events, "deploy.confirmed") {
+        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+        if released_revs.contains(&(e.task_id, str_of(&d, "revision"))) {
+            continue;
+        }
+        let wi = work_item(&e);
+        deploys.push(Deploy {
+            event_id: e.id,
+            at_ms: e.created_at,
+            deployed_by: wi.clone(),
+            revision: str_of(&d, "revision"),
+            previous_revision: None,
+            seq: None,
+            items: vec![ShippedItem {
+                work_item: wi,
+                commit: str_of(&d, "revision"),
+                change: "merge".to_owned(),
+            }],
+            source: "deploy.confirmed",
+            verdict: None,
+            rolled_back: false,
+            reverts: Vec::new(),
+        });
+    }
+    deploys.sort_by_key(|d| d.event_id);
+
+    // The verdict and rollback of a deploy: the first ones on the deploying task after it
+    // (and before that task's next deploy).
+    let verdicts = take(&mut events, "post_deploy.verdict");
+    let rollbacks = take(&mut events, "post_deploy.rollback");
+    let n = deploys.len();
+    for i in 0..n {
+        let (task_wi, from) = (deploys[i].deployed_by.clone(), deploys[i].event_id);
+        let until = deploys[i + 1..]
+            .iter()
+            .find(|d| d.deployed_by == task_wi)
+            .map_or(i64::MAX, |d| d.event_id);
+        let in_window = |e: &&Event| e.id > from && e.id < until && work_item(e) == task_wi;
+        deploys[i].verdict = verdicts.iter().find(in_window).map(|e| {
+            let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+            str_of(&d, "verdict").unwrap_or_else(|| e.message.clone())
+        });
+        deploys[i].rolled_back = rollbacks.iter().any(|e| in_window(&e));
+    }
+    // Reverts: to the latest deploy before the revert that shipped the item.
+    let reverted = take(&mut events, "release.reverted");
+    for e in &reverted {
+        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+        if str_of(&d, "repo").is_some_and(|r| r != repo) {
+            continue;
+        }
+        let wi = str_of(&d, "work_item").unwrap_or_else(|| work_item(e));
+        let commit = str_of(&d, "revert_commit").unwrap_or_default();
+        if let Some(dep) = deploys
+            .iter_mut()
+            .rev()
+            .find(|dep| dep.event_id < e.id && dep.items.iter().any(|i| i.work_item == wi))
+        {
+            dep.reverts.push((wi, commit));
+        }
+    }
+
+    let lessons = take(&mut events, "lessons.recorded")
+        .iter()
+        .rev()
+        .map(|e| LessonEvent {
+            work_item: work_item(e),
+            at_ms: e.created_at,
+            message: e.message.clone(),
+        })
+        .collect();
+
+    // Outcomes of finished tasks from the events read above (the outcome kinds only).
+    let mut outcome_events: HashMap<i64, Vec<Event>> = HashMap::new();
+    for e in ["task.done", "task.failed", "task.cancelled"]
+        .iter()
+        .flat_map(|k| take(&mut events, k))
+        .chain(verdicts)
+        .chain(rollbacks)
+        .chain(reverted)
+    {
+        if let Some(t) = e.task_id {
+            outcome_events.entry(t).or_default().push(e);
+        }
+    }
+    let mut in_flight = Vec::new();
+    let mut finished = Vec::new();
+    for t in &tasks {
+        if t.is_terminal() {
+            let mut evs = outcome_events.remove(&t.id).unwrap_or_default();
+            evs.sort_by_key(|e| e.id);
+            let o = crate::outcomes::of(t, &evs);
+            finished.push((t.clone(), o));
+        } else {
+            in_flight.push(t.clone());
+        }
+    }
+    Ok(Some(RepoStory {
+        repo: repo.to_owned(),
+        in_flight,
+        finished,
+        deploys,
+        lessons,
+    }))
+}

@@ -1,0 +1,243 @@
+//! End to end with the REAL agent CLIs: `orch serve` drives a work item of the demo's sample
+//! repo through its LLM stages run by the Claude Code, Codex and Aider presets, against the
+//! scripted model server (`orch-modelserver`) on 127.0.0.1 — the only fake is the hosted
+//! model. The stage's artifact is written by the CLI's own tools, committed, gated, and the
+//! task advances through orch's engine.
+//!
+//! A CLI that is not installed (`scripts/install-agent-clis`) makes its test print
+//! `SKIPPED: <reason>` and return; with `ORCH_REQUIRE_AGENT_CLIS=1` it fails instead.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::{ORCH, Serve, become_subreaper, demo_setup, open, python_available};
+use orch_modelserver::{ModelServer, artifact_writer};
+
+/// The installed `tool`, or `None` after printing why its test is skipped (a panic when
+/// `ORCH_REQUIRE_AGENT_CLIS=1`).
+fn cli(tool: &str) -> Option<PathBuf> {
+    let cache = std::env::var_os("ORCH_AGENT_CLI_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/orch-agent-clis"))
+        });
+    let reason = match &cache {
+        None => "neither ORCH_AGENT_CLI_CACHE nor HOME is set".to_owned(),
+        Some(cache) => {
+            let bin = cache.join("bin").join(tool);
+            let status =
+                std::fs::read_to_string(cache.join("status").join(tool)).unwrap_or_default();
+            if bin.exists() && status.starts_with("ok") {
+                return Some(bin);
+            }
+            if status.trim().is_empty() {
+                format!(
+                    "{tool} is not installed in {} (run scripts/install-agent-clis)",
+                    cache.display()
+                )
+            } else {
+                format!("{tool} could not be installed: {}", status.trim())
+            }
+        }
+    };
+    if std::env::var("ORCH_REQUIRE_AGENT_CLIS").as_deref() == Ok("1") {
+        panic!("ORCH_REQUIRE_AGENT_CLIS=1 but {reason}");
+    }
+    println!("SKIPPED: {reason}");
+    None
+}
+
+/// The demo's config with its four LLM agents replaced by `preset` at `endpoint`.
+fn configure(dir: &Path, preset: &str, program: &Path, endpoint: &str, model: &str) {
+    let path = dir.join("orch.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let cut = text
+        .find("[agents.analyst]")
+        .expect("the demo declares agents");
+    let mut text = text[..cut].to_owned();
+    for agent in ["analyst", "architect", "developer", "reviewer"] {
+        text.push_str(&format!(
+            "[agents.{agent}]\nbackend = \"{preset}\"\ncommand = {:?}\nendpoint = \"{endpoint}\"\n\
+             model = \"{model}\"\napi_key_env = \"CARGO_PKG_NAME\"\ncli_retries = 0\ntimeout_s = 120\n\n",
+            program.display().to_string()
+        ));
+    }
+    std::fs::write(&path, text).unwrap();
+}
+
+/// Submits a work item and runs `orch serve` until its stage is none of `past`; checks the
+/// agent runs and `orch status`.
+async fn drive(preset: &str, model: &str, past: &[&str]) {
+    let Some(program) = cli(preset) else { return };
+    if !python_available() {
+        println!("SKIPPED: python3 is not installed (the sample service's tests need it)");
+        return;
+    }
+    become_subreaper();
+    let server = ModelServer::start(artifact_writer(Vec::new()))
+        .await
+        .unwrap();
+    let endpoint = if preset == "claude" {
+        server.url()
+    } else {
+        server.openai_url()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    configure(&dir, preset, &program, &endpoint, model);
+    let submit = std::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args([
+            "submit",
+            "--repo",
+            "service",
+            "--title",
+            "Document the version",
+            "--body",
+            "Say which version runs.",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        submit.status.success(),
+        "{}",
+        String::from_utf8_lossy(&submit.stderr)
+    );
+    let serve = Serve::spawn(Serve::command(&dir, "127.0.0.1:0"));
+    let store = open(&dir).await;
+    let t0 = Instant::now();
+    let reached = loop {
+        let t = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
+        if !past.contains(&t.stage.as_str()) {
+            break t;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(300),
+            "APP-1 stuck at {}",
+            t.stage
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    serve.terminate().await;
+    let runs = store.task_agent_runs(reached.id).await.unwrap();
+    let events = store.task_events(reached.id).await.unwrap();
+    assert!(
+        !matches!(reached.stage.as_str(), "failed" | "cancelled"),
+        "APP-1 {}: {:?} {:?}",
+        reached.stage,
+        runs.iter()
+            .map(|r| (&r.stage, &r.outcome, &r.error))
+            .collect::<Vec<_>>(),
+        events
+            .iter()
+            .map(|e| (&e.kind, &e.message))
+            .collect::<Vec<_>>()
+    );
+    assert!(!runs.is_empty());
+    // Runs of the stages passed; one of the next stage may be cut short by the stop.
+    for r in runs.iter().filter(|r| past.contains(&r.stage.as_str())) {
+        assert_eq!(
+            (r.backend.as_str(), r.outcome.as_str()),
+            (preset, "ok"),
+            "{r:?}"
+        );
+        assert!(r.input_tokens.is_some() && r.cost_usd.is_some(), "{r:?}");
+    }
+    let stages: Vec<&str> = runs.iter().map(|r| r.stage.as_str()).collect();
+    println!(
+        "{preset}: APP-1 reached {} after agent runs in {stages:?}",
+        reached.stage
+    );
+    let status = std::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args(["status", "APP-1"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&status.stdout);
+    assert!(
+        text.contains("cost $") && !text.contains("cost unknown"),
+        "{text}"
+    );
+}
+
+const LLM_STAGES: [&str; 6] = [
+    "intake",
+    "analysis",
+    "architecture",
+    "implementation",
+    "review",
+    "verification",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_runs_every_llm_stage_through_the_engine() {
+    drive("claude", "claude-sonnet-4-5", &LLM_STAGES).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_runs_the_analysis_stage_through_the_engine() {
+    drive("codex", "gpt-5-codex", &["intake", "analysis"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_runs_the_analysis_stage_through_the_engine() {
+    drive("aider", "gpt-4.1", &["intake", "analysis"]).await;
+}
+
+/// `orch demo --agent claude`: the whole demo with its LLM stages run by the real Claude
+/// Code, the demo's scripted agent deciding the files through the demo's model server.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_with_the_real_claude_code() {
+    let Some(program) = cli("claude") else { return };
+    if !python_available() {
+        println!("SKIPPED: python3 is not installed (the demo's sample service needs it)");
+        return;
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let out = tokio::process::Command::new(ORCH)
+        .args(["demo", "--agent", "claude", "--dir"])
+        .arg(&dir)
+        .env("ORCH_DEMO_CLAUDE", &program)
+        .stdin(std::process::Stdio::null())
+        .kill_on_drop(true)
+        .output()
+        .await
+        .unwrap();
+    common::reap_orphans();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("the real Claude Code"), "{text}");
+    assert!(
+        text.contains("APP-1  Add a /version endpoint  → done"),
+        "{text}"
+    );
+    assert!(
+        text.contains("loop 1 of 3 back to implementation"),
+        "{text}"
+    );
+    let store = open(&dir).await;
+    let task = store.get_task_by_work_item("APP-1").await.unwrap().unwrap();
+    let runs = store.task_agent_runs(task.id).await.unwrap();
+    assert_eq!(runs.len(), 6, "{runs:?}");
+    for r in &runs {
+        assert_eq!(
+            (r.backend.as_str(), r.outcome.as_str()),
+            ("claude", "ok"),
+            "{r:?}"
+        );
+        let data: serde_json::Value = serde_json::from_str(&r.data).unwrap();
+        assert_eq!(data["claude_subtype"], "success");
+    }
+    common::stop_service(&dir);
+}

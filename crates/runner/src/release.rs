@@ -1,0 +1,594 @@
+//! The release train: what reaches a repo's default branch and production, in which order, and
+//! what each deploy shipped.
+//!
+//! The model, in four rules:
+//! 1. **One release at a time per repo.** The stages of [`Pipeline::release_track`] (merge →
+//!    staging → deploy → observe → lessons) are held by one task of a repo at a time. Entering
+//!    the track is [`Store::advance_stage_exclusive`]: a compare-and-swap in the database, so it
+//!    holds across processes and hosts, and it is released by the holder's stage leaving the
+//!    track (moving on, looping back, failing, being cancelled) — a dead process never holds
+//!    it. A task that finds the track held waits in its current stage: its job is requeued
+//!    with [`wait_marker`] and re-tries only the stage change (the artifact is already
+//!    committed), with a `release.waiting` event naming the holder.
+//! 2. **The default branch only receives what passed staging.** The merge gate builds and
+//!    verifies the candidate (the item's branch brought up to date with the default branch)
+//!    without moving the default branch; staging stages exactly that commit and records it
+//!    (`release.staged`); the deploy stage first *promotes* it: the default branch moves from
+//!    exactly the commit the candidate was built on to exactly the staged commit (a
+//!    compare-and-swap on orch's clone and on the remote). If the default branch moved
+//!    meanwhile (a push from outside orch), the task goes back to `merge` to rebuild the
+//!    candidate and stage it again.
+//! 3. **Production ships exactly the staged commit**, and every deploy records the items it
+//!    shipped (`release.deployed`: revision, previous live revision, the work items between).
+//! 4. **A rolled-back change is taken out.** With `on_failure = "revert"` the change is
+//!    reverted on the default branch (a revert commit made without any working tree, published
+//!    by compare-and-swap, recorded as `18-revert.md` and `release.reverted`) before the track is
+//!    released, so the next item stages and deploys on the corrected branch. With
+//!    `on_failure = "hold"` (or when the revert conflicts) the item keeps the track in
+//!    `lessons` (`release.held`) until an operator approves (`orch approve`) or cancels it.
+
+use std::path::Path;
+
+use anyhow::{Context as _, Result, bail};
+use orch_domain::pipeline::Pipeline;
+use orch_exec::RevertResult;
+use orch_store::{Event, Exclusive, Store};
+use serde_json::json;
+
+use crate::engine::StageRun;
+use crate::repos::{self, RepoPaths};
+
+/// Event kinds of the release train.
+pub mod events {
+    /// A task could not enter the release track: `{repo, holder, holder_stage}`.
+    pub const WAITING: &str = "release.waiting";
+    /// Staging passed on this exact commit: `{repo, revision, seq}`.
+    pub const STAGED: &str = "release.staged";
+    /// About to move the default branch: `{repo, old, new, seq}` (written first, so a re-run
+    /// knows what the candidate was built on).
+    pub const PROMOTING: &str = "release.promoting";
+    /// The default branch now holds the staged commit: `{repo, old, new, seq}`.
+    pub const PROMOTED: &str = "release.promoted";
+    /// A production deploy ended: `{repo, revision, previous_revision, confirmed, items, seq}`.
+    pub const DEPLOYED: &str = "release.deployed";
+    /// Production was rolled back from this item's deploy: `{repo, revision, live}`.
+    pub const ROLLED_BACK: &str = "release.rolled_back";
+    /// The item's change was reverted on the default branch: `{repo, work_item, revert_commit,
+    /// reverted_from, reverted_to}`.
+    pub const REVERTED: &str = "release.reverted";
+    /// The repo's releases are held by this item until an operator acts: `{repo, reason}`.
+    pub const HELD: &str = "release.held";
+    /// An operator released the hold: `{repo}`.
+    pub const UNHELD: &str = "release.unheld";
+}
+
+/// The artifact recording a revert.
+pub const REVERT_LOG: &str = "18-revert.md";
+
+/// How long a task waiting for the release track waits between tries.
+pub const WAIT_S: u64 = 3;
+
+/// The marker of a job that waits for the release track (its stage's work is done).
+pub fn wait_marker(seq: i64) -> String {
+    format!("[orch:release-wait seq={seq}]")
+}
+
+/// True when a job's content carries a release-track wait marker.
+pub fn is_wait(task_content: &str) -> bool {
+    task_content.contains("[orch:release-wait ")
+}
+
+/// The guard for entering the release track of `pipeline`.
+pub fn track(pipeline: &Pipeline) -> Exclusive {
+    Exclusive {
+        stages: pipeline
+            .release_track()
+            .iter()
+            .map(|s| s.as_str().to_owned())
+            .collect(),
+    }
+}
+
+fn value(e: &Event) -> serde_json::Value {
+    serde_json::from_str(&e.data).unwrap_or(serde_json::Value::Null)
+}
+
+fn field(e: &Event, key: &str) -> Option<String> {
+    value(e).get(key)?.as_str().map(str::to_owned)
+}
+
+fn seq_of(e: &Event) -> Option<i64> {
+    value(e).get("seq")?.as_i64()
+}
+
+/// Appends a release event to the run's task.
+async fn record(run: &StageRun, kind: &str, message: String, data: serde_json::Value) {
+    let event = orch_store::NewEvent::new(kind, message)
+        .task(run.task.id)
+        .job(run.job.id)
+        .stage(run.stage.name.as_str())
+        .data(data.to_string());
+    if let Err(e) = run.store.append_event(event).await {
+        tracing::warn!(work_item = %run.work_item, kind, error = %e, "could not append a release event");
+    }
+}
+
+async fn latest(run: &StageRun, kind: &str) -> Result<Option<Event>> {
+    let events = run.store.task_events(run.task.id).await?;
+    Ok(events.into_iter().rev().find(|e| e.kind == kind))
+}
+
+/// Records the commit that passed staging (called by the staging runner on SUCCESS).
+pub async fn record_staged(run: &StageRun, revision: &str) {
+    record(
+        run,
+        events::STAGED,
+        format!("staging passed on `{revision}`"),
+        json!({"repo": run.repo_name.as_str(), "revision": revision, "seq": run.task.stage_seq}),
+    )
+    .await;
+}
+
+/// What [`promote`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Promotion {
+    /// The default branch holds the staged commit `new` (moved from `old`).
+    Promoted { old: String, new: String },
+    /// The default branch moved to `main` since the candidate `staged` was built.
+    Moved { main: String, staged: String },
+}
+
+/// Moves the default branch to the commit that passed staging (rule 2). Idempotent: a re-run
+/// after a crash finds the move done (or redoes the part that was not).
+pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
+    let Some(staged) = latest(run, events::STAGED).await? else {
+        bail!(
+            "no staged revision is recorded for {}: the deploy ships only what passed staging",
+            run.work_item
+        );
+    };
+    let staged = field(&staged, "revision").context("the release.staged event has no revision")?;
+    let branch = run.repo.default_branch.as_str();
+    let main = repos::sync_default_branch(&run.git, &run.repo_dir, branch).await?;
+    let done = latest(run, events::PROMOTED)
+        .await?
+        .filter(|e| seq_of(e) == Some(seq) && field(e, "new").as_deref() == Some(&staged));
+    if let Some(done) = done {
+        // A later job of the same visit (a finalizer defer, a re-run).
+        if run.git.is_ancestor(&run.repo_dir, &staged, &main).await? {
+            let old = field(&done, "old").unwrap_or_default();
+            return Ok(Promotion::Promoted { old, new: staged });
+        }
+        return Ok(Promotion::Moved { main, staged });
+    }
+    let intent = latest(run, events::PROMOTING)
+        .await?
+        .filter(|e| seq_of(e) == Some(seq) && field(e, "new").as_deref() == Some(&staged));
+    if let Some(intent) = &intent
+        && run.git.is_ancestor(&run.repo_dir, &staged, &main).await?
+    {
+        // Done before a crash: the event that says so may be missing.
+        let old = field(intent, "old").unwrap_or_default();
+        finish_promotion(run, seq, &old, &staged).await;
+        return Ok(Promotion::Promoted { old, new: staged });
+    }
+    if main == staged {
+        return Ok(Promotion::Promoted {
+            old: main,
+            new: staged,
+        });
+    }
+    if !run.git.is_ancestor(&run.repo_dir, &main, &staged).await? {
+        return Ok(Promotion::Moved { main, staged });
+    }
+    record(
+        run,
+        events::PROMOTING,
+        format!("moving `{branch}` from `{main}` to the staged `{staged}`"),
+        json!({"repo": run.repo_name.as_str(), "old": main, "new": staged, "seq": seq}),
+    )
+    .await;
+    repos::publish_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &staged).await?;
+    crate::failpoint::hit("release.after_promote");
+    finish_promotion(run, seq, &main, &staged).await;
+    Ok(Promotion::Promoted {
+        old: main,
+        new: staged,
+    })
+}
+
+async fn finish_promotion(run: &StageRun, seq: i64, old: &str, new: &str) {
+    let branch = run.repo.default_branch.as_str();
+    record(
+        run,
+        events::PROMOTED,
+        format!("`{branch}` now holds the staged `{new}` (was `{old}`)"),
+        json!({"repo": run.repo_name.as_str(), "old": old, "new": new, "seq": seq}),
+    )
+    .await;
+}
+
+/// The revision promoted in this task's latest promotion: `(old, new)`.
+pub async fn promoted(run: &StageRun) -> Result<Option<(String, String)>> {
+    Ok(latest(run, events::PROMOTED)
+        .await?
+        .and_then(|e| Some((field(&e, "old")?, field(&e, "new")?))))
+}
+
+/// The revision live in production for `repo`, as the release events recorded it: the last
+/// confirmed deploy's revision, or the revision a later rollback went back to.
+pub async fn live_revision(store: &Store, repo: &str) -> Result<Option<String>> {
+    let mut best: Option<(i64, Option<String>)> = None;
+    for kind in [events::DEPLOYED, events::ROLLED_BACK] {
+        let mut after = 0;
+        loop {
+            let page = store.events_by_kind(kind, after, 500).await?;
+            let Some(last) = page.last() else { break };
+            after = last.id;
+            for e in &page {
+                if field(e, "repo").as_deref() != Some(repo) {
+                    continue;
+                }
+                let live = if kind == events::DEPLOYED {
+                    if value(e)
+                        .get("confirmed")
+                        .and_then(serde_json::Value::as_bool)
+                        != Some(true)
+                    {
+                        continue;
+                    }
+                    field(e, "revision")
+                } else {
+                    field(e, "live")
+                };
+                if best.as_ref().is_none_or(|(id, _)| e.id > *id) {
+                    best = Some((e.id, live));
+                }
+            }
+        }
+    }
+    Ok(best.and_then(|(_, live)| live))
+}
+
+/// One change a deploy shipped.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShippedChange {
+    pub work_item: String,
+    pub commit: String,
+    /// `merge` (the item's change), `revert` (the revert of a change shipped before) or
+    /// `reverted` (merged and reverted within the range: not in the deployed revision).
+    pub change: &'static str,
+}
+
+/// The most commits read to list what a deploy shipped.
+const MAX_COMMITS: usize = 5000;
+
+/// The work items whose changes are in `prev..rev` (all of `rev`'s history when `prev` is
+/// unknown), oldest first: read from the `Work-Item:`/`Stage:` trailers orch writes on every
+/// commit it makes and the `Orch-Revert:` trailer of its reverts. Commits that only carry
+/// documents after a release (`Stage: audit`) are not changes.
+pub async fn shipped_changes(
+    git: &orch_exec::Git,
+    dir: &Path,
+    prev: Option<&str>,
+    rev: &str,
+) -> Result<Vec<ShippedChange>> {
+    let range = match prev {
+        Some(p) if p != rev => format!("{p}..{rev}"),
+        Some(_) => return Ok(Vec::new()),
+        None => rev.to_owned(),
+    };
+    let commits = git.commit_messages(dir, &range).await?;
+    let mut out: Vec<ShippedChange> = Vec::new();
+    for (sha, message) in commits.iter().take(MAX_COMMITS).rev() {
+        let trailer = |key: &str| {
+            message
+                .lines()
+                .find_map(|l| l.strip_prefix(key).map(|v| v.trim().to_owned()))
+        };
+        let (work_item, change) = if let Some(item) = trailer("Orch-Revert:") {
+            (item, "revert")
+        } else if let Some(item) = trailer("Work-Item:") {
+            if matches!(trailer("Stage:").as_deref(), Some("audit" | "lessons")) {
+                continue;
+            }
+            (item, "merge")
+        } else {
+            continue;
+        };
+        if let Some(existing) = out
+            .iter_mut()
+            .find(|c| c.work_item == work_item && c.change == change)
+        {
+            existing.commit.clone_from(sha);
+        } else {
+            out.push(ShippedChange {
+                work_item,
+                commit: sha.clone(),
+                change,
+            });
+        }
+    }
+    // An item merged and reverted inside the range is not in the deployed revision: one entry
+    // says so (`reverted`), so a list never shows it as shipped.
+    let both: Vec<String> = out
+        .iter()
+        .filter(|c| c.change == "revert")
+        .filter(|r| {
+            out.iter()
+                .any(|m| m.change == "merge" && m.work_item == r.work_item)
+        })
+        .map(|r| r.work_item.clone())
+        .collect();
+    out.retain(|c| !(both.contains(&c.work_item) && c.change == "merge"));
+    for c in &mut out {
+        if c.change == "revert" && both.contains(&c.work_item) {
+            c.change = "reverted";
+        }
+    }
+    Ok(out)
+}
+
+/// Records a production deploy and what it shipped (rule 3). Never raises.
+pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed: bool) {
+    let prev = match live_revision(&run.store, run.repo_name.as_str()).await {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the previous live revision");
+            None
+        }
+    };
+    let items = match shipped_changes(&run.git, &run.repo_dir, prev.as_deref(), revision).await {
+        Ok(items) => items,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list the changes of a deploy");
+            Vec::new()
+        }
+    };
+    let names: Vec<String> = items
+        .iter()
+        .map(|c| match c.change {
+            "merge" => c.work_item.clone(),
+            other => format!("{} ({other})", c.work_item),
+        })
+        .collect();
+    let items_json: Vec<serde_json::Value> = items
+        .iter()
+        .map(|c| json!({"work_item": c.work_item, "commit": c.commit, "change": c.change}))
+        .collect();
+    record(
+        run,
+        events::DEPLOYED,
+        format!(
+            "deploy of `{revision}` {}: ships {}",
+            if confirmed {
+                "confirmed"
+            } else {
+                "not confirmed"
+            },
+            if names.is_empty() {
+                "no new work item".to_owned()
+            } else {
+                names.join(", ")
+            }
+        ),
+        json!({
+            "repo": run.repo_name.as_str(),
+            "revision": revision,
+            "previous_revision": prev,
+            "confirmed": confirmed,
+            "items": items_json,
+            "seq": seq,
+        }),
+    )
+    .await;
+}
+
+/// Records that production went back from `revision` to `live` (never raises).
+pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&str>) {
+    record(
+        run,
+        events::ROLLED_BACK,
+        format!(
+            "production rolled back from `{revision}` to `{}`",
+            live.unwrap_or("the previous release")
+        ),
+        json!({"repo": run.repo_name.as_str(), "revision": revision, "live": live}),
+    )
+    .await;
+}
+
+/// The revision that was live before this task's deploy (from its `release.deployed`).
+pub async fn previous_of_deploy(run: &StageRun) -> Option<String> {
+    let e = latest(run, events::DEPLOYED).await.ok()??;
+    field(&e, "previous_revision")
+}
+
+/// What [`revert`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reverted {
+    /// The change was reverted by this commit now on the default branch.
+    Reverted { commit: String },
+    /// It could not be reverted (conflict, or nothing known to revert): the repo holds.
+    Held { reason: String },
+}
+
+/// Rule 4: takes this task's promoted change out of the default branch (idempotent: a revert
+/// already on the branch is found by its trailer). Writes [`REVERT_LOG`] in the worktree.
+pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
+    let Some((old, new)) = promoted(run).await? else {
+        return Ok(Reverted::Held {
+            reason: format!(
+                "no promotion of {} is recorded: nothing orch can revert",
+                run.work_item
+            ),
+        });
+    };
+    let branch = run.repo.default_branch.as_str();
+    let trailer = format!("Orch-Revert: {}", run.work_item);
+    for attempt in 0..3 {
+        let main = repos::sync_default_branch(&run.git, &run.repo_dir, branch).await?;
+        let since = run
+            .git
+            .commit_messages(&run.repo_dir, &format!("{new}..{main}"))
+            .await?;
+        if let Some((sha, _)) = since.iter().find(|(_, m)| m.contains(&trailer)) {
+            write_revert_log(run, &old, &new, sha, why)?;
+            return Ok(Reverted::Reverted {
+                commit: sha.clone(),
+            });
+        }
+        let message = format!(
+            "Revert {}: {}\n\nThe post-deploy watch rolled this change back: {}\n\nWork-Item: {}\nStage: {}\n{trailer}\n",
+            run.work_item,
+            run.task.title,
+            one_line(why),
+            run.work_item,
+            run.stage.name
+        );
+        let keep = run.work_item.artifact_dir();
+        let made = run
+            .git
+            .revert_onto(&run.repo_dir, &main, &old, &new, &keep, &message)
+            .await?;
+        let sha = match made {
+            RevertResult::Conflict { files } => {
+                return Ok(Reverted::Held {
+                    reason: format!(
+                        "reverting {} on `{branch}` conflicts with later changes in {}",
+                        run.work_item,
+                        files.join(", ")
+                    ),
+                });
+            }
+            RevertResult::Reverted { sha } => sha,
+        };
+        match repos::publish_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &sha).await {
+            Ok(()) => {
+                write_revert_log(run, &old, &new, &sha, why)?;
+                record(
+                    run,
+                    events::REVERTED,
+                    format!(
+                        "{} reverted on `{branch}` by `{sha}` ({})",
+                        run.work_item,
+                        one_line(why)
+                    ),
+                    json!({
+                        "repo": run.repo_name.as_str(), "work_item": run.work_item.as_str(),
+                        "revert_commit": sha, "reverted_from": old, "reverted_to": new,
+                    }),
+                )
+                .await;
+                return Ok(Reverted::Reverted { commit: sha });
+            }
+            Err(e) if attempt < 2 => {
+                tracing::warn!(work_item = %run.work_item, error = %e, "the revert lost a race for the default branch; again");
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    bail!(
+        "the revert of {} kept losing the race for `{branch}`",
+        run.work_item
+    )
+}
+
+fn write_revert_log(run: &StageRun, old: &str, new: &str, commit: &str, why: &str) -> Result<()> {
+    let mut fm = orch_domain::artifact::Frontmatter::new();
+    fm.insert("work_item", run.work_item.as_str());
+    fm.insert("stage", run.stage.name.as_str());
+    fm.insert("author_agent", "release-train");
+    fm.insert("status", "REVERTED");
+    fm.insert(
+        "created_at",
+        crate::time::rfc3339(run.store.now_ms()).as_str(),
+    );
+    fm.insert("model_used", "n/a");
+    fm.insert("revert_commit", commit);
+    fm.insert("reverted_from", old);
+    fm.insert("reverted_to", new);
+    let body = format!(
+        "\n# 18 — Revert: {}\n\nThe change `{old:.12}..{new:.12}` was taken out of `{}` by `{commit}` after production rolled it back.\n\nWhy: {}\n\nLater items stage and deploy on the corrected branch; this item's documents stay in `{}`.\n",
+        run.work_item,
+        run.repo.default_branch,
+        one_line(why),
+        run.work_item.artifact_dir()
+    );
+    let doc = orch_domain::artifact::Artifact::new(fm, body).render();
+    crate::fsutil::write_atomic(&run.artifact_path(REVERT_LOG), &doc)
+}
+
+/// Holds the repo's releases with this task (rule 4). Never raises.
+pub async fn hold(run: &StageRun, reason: &str) {
+    record(
+        run,
+        events::HELD,
+        format!(
+            "repo {} is held: {reason}; later releases wait until an operator runs `orch approve {}` (go on) or `orch cancel {}`",
+            run.repo_name, run.work_item, run.work_item
+        ),
+        json!({"repo": run.repo_name.as_str(), "reason": reason}),
+    )
+    .await;
+}
+
+/// The hold this task's events still carry (a `release.held` without a later
+/// `release.unheld`), as its reason.
+pub fn open_hold(events: &[Event]) -> Option<String> {
+    let mut hold = None;
+    for e in events {
+        match e.kind.as_str() {
+            events::HELD => hold = Some(field(e, "reason").unwrap_or_default()),
+            events::UNHELD => hold = None,
+            _ => {}
+        }
+    }
+    hold
+}
+
+/// The final outcome of a task that reaches `done`: `reverted`, `rolled_back` or `shipped`.
+pub fn done_outcome(events: &[Event]) -> &'static str {
+    if events.iter().any(|e| e.kind == events::REVERTED) {
+        "reverted"
+    } else if events.iter().any(|e| e.kind == events::ROLLED_BACK) {
+        "rolled_back"
+    } else {
+        "shipped"
+    }
+}
+
+/// Ends the post-deploy watch and clears the deploy markers of a task that became terminal
+/// (cancelled, failed) while in `deploy` or `observe`, so no watch stays armed for it and a
+/// retry deploys afresh. Never raises.
+pub fn end_watch(repos_dir: &Path, repo: &str, work_item: &str, reason: &str) {
+    let ws = orch_deploystate::WatchState::new(repos_dir, repo, work_item);
+    if !ws.is_done()
+        && matches!(
+            ws.armed(),
+            orch_deploystate::ArmedRead::Present(_) | orch_deploystate::ArmedRead::Corrupt(_)
+        )
+        && !ws.mark_done(reason)
+    {
+        tracing::warn!(
+            work_item,
+            "could not end the post-deploy watch of a terminal task"
+        );
+    }
+    let ds = orch_deploystate::DeployState::new(repos_dir, repo, work_item);
+    if !ds.clear_state() {
+        tracing::warn!(
+            work_item,
+            "could not clear the deploy markers of a terminal task"
+        );
+    }
+}
+
+/// The paths of this repo on this machine.
+pub fn paths(run: &StageRun) -> RepoPaths {
+    RepoPaths::new(&run.repos_dir, &run.repo_name)
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
