@@ -69,7 +69,7 @@ pub async fn repo_deploys_json(
 }
 
 /// Largest request body accepted (64 KiB); larger bodies get 413.
-pub const BODY_LIMIT: usize = 64 * 1024;
+pub const BODY_LIMIT: usize = orch_domain::MAX_REQUEST_BYTES;
 /// Longest a request may take, body included, before it gets 408.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest a client may take to send the request body.

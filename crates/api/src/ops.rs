@@ -98,11 +98,22 @@ pub enum OpError {
     /// Something broke on the server side (500). The message is logged and returned.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The database cannot be reached or used right now (503).
+    #[error("the database is unavailable: {0}")]
+    Unavailable(String),
 }
 
 impl From<anyhow::Error> for OpError {
     fn from(e: anyhow::Error) -> Self {
-        OpError::Internal(format!("{e:#}"))
+        let down = e
+            .chain()
+            .filter_map(|c| c.downcast_ref::<orch_store::StoreError>())
+            .any(orch_store::StoreError::is_unavailable);
+        if down {
+            OpError::Unavailable(format!("{e:#}"))
+        } else {
+            OpError::Internal(format!("{e:#}"))
+        }
     }
 }
 
@@ -115,6 +126,7 @@ impl From<orch_store::StoreError> for OpError {
                 OpError::Conflict(e.to_string())
             }
             S::Invalid(_) => OpError::Invalid(e.to_string()),
+            _ if e.is_unavailable() => OpError::Unavailable(e.to_string()),
             _ => OpError::Internal(e.to_string()),
         }
     }

@@ -1242,6 +1242,11 @@ async fn actions_reach_operations_and_map_their_errors() {
             StatusCode::INTERNAL_SERVER_ERROR,
             "internal",
         ),
+        (
+            OpError::Unavailable("connection refused".into()),
+            StatusCode::SERVICE_UNAVAILABLE,
+            "store_unavailable",
+        ),
     ] {
         *h.ops.refuse_next.lock().unwrap() = Some(err.clone());
         let a = h
@@ -1253,7 +1258,8 @@ async fn actions_reach_operations_and_map_their_errors() {
             OpError::NotFound(m)
             | OpError::Conflict(m)
             | OpError::Invalid(m)
-            | OpError::Internal(m) => m,
+            | OpError::Internal(m)
+            | OpError::Unavailable(m) => m,
         };
         assert!(msg.contains(inner.as_str()), "{msg}");
     }

@@ -28,6 +28,11 @@ pub mod pipeline;
 pub mod staging;
 pub mod text;
 
+/// The largest request orch accepts from outside: an HTTP request body (the API answers 413
+/// past it) and a work item's body read by `orch submit` (refused past it, never read whole).
+/// One limit for both, so what the CLI accepts the API accepts too.
+pub const MAX_REQUEST_BYTES: usize = 64 * 1024;
+
 /// Property tests run from a fixed seed so that every run checks the same cases and a failure
 /// replays exactly; nothing is written next to the sources.
 #[cfg(test)]

@@ -665,6 +665,23 @@ impl Git {
         Ok(())
     }
 
+    /// Puts `path` (relative to `dir`'s root) back as `HEAD` has it, in the index and the
+    /// working tree; a path `HEAD` does not have is only dropped from the index.
+    pub async fn restore_from_head(&self, dir: &Path, path: &Path) -> Result<(), GitError> {
+        let rel = path.to_string_lossy().into_owned();
+        if self.rev_parse(dir, &format!("HEAD:{rel}")).await?.is_some() {
+            self.run(dir, args(["checkout", "HEAD", "--", &rel]))
+                .await?;
+        } else {
+            self.run(
+                dir,
+                args(["rm", "--cached", "--quiet", "--ignore-unmatch", "--", &rel]),
+            )
+            .await?;
+        }
+        Ok(())
+    }
+
     /// Deletes untracked files and directories in `dir` (ignored files, such as build output,
     /// and nested repositories and worktrees are kept).
     pub async fn clean(&self, dir: &Path) -> Result<(), GitError> {
@@ -906,13 +923,31 @@ impl Git {
     // ---- internals ----
 
     /// Runs git and returns its output whatever the exit; `Err` only when it could not start.
+    /// A run that failed on a lock file left by a git process that is gone (killed -9 with
+    /// orch, say) has the lock cleared and runs once more (see [`stale_lock`]).
     async fn output(
         &self,
         dir: &Path,
         argv: Vec<OsString>,
         stdin: Option<Vec<u8>>,
     ) -> Result<Output, GitError> {
-        self.output_env(dir, argv, stdin, None).await
+        let out = self
+            .output_env(dir, argv.clone(), stdin.clone(), None)
+            .await?;
+        if out.success() {
+            return Ok(out);
+        }
+        let Some(lock) = stale_lock(&out.stderr_lossy(), self.timeout) else {
+            return Ok(out);
+        };
+        match std::fs::remove_file(&lock) {
+            Ok(()) => {
+                tracing::warn!(lock = %lock.display(),
+                    "removed a git lock file whose holder is gone; running git again");
+                self.output_env(dir, argv, stdin, None).await
+            }
+            Err(_) => Ok(out),
+        }
     }
 
     /// [`Git::output`] with a private index file (`GIT_INDEX_FILE`), for plumbing that builds
@@ -1458,6 +1493,58 @@ fn repo_lock(repo: &Path) -> Arc<tokio::sync::Mutex<()>> {
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     locks.entry(normalize(repo)).or_default().clone()
+}
+
+/// The lock file a failed git run names (`Unable to create '<path>.lock': File exists`) when it
+/// is stale: no live `git` process works inside the repository it belongs to, or it is older
+/// than twice the git timeout (no git run of orch lives that long). `None` otherwise: a live
+/// holder's lock is never touched.
+pub fn stale_lock(stderr: &str, git_timeout: Duration) -> Option<PathBuf> {
+    let start = stderr.find("Unable to create '")? + "Unable to create '".len();
+    let rest = &stderr[start..];
+    let path = PathBuf::from(&rest[..rest.find("': File exists")?]);
+    if path.extension().is_none_or(|e| e != "lock") {
+        return None;
+    }
+    // The repository: everything before the `.git` component (worktrees live inside it).
+    let mut repo = PathBuf::new();
+    let mut found = false;
+    for part in path.components() {
+        if part.as_os_str() == ".git" {
+            found = true;
+            break;
+        }
+        repo.push(part);
+    }
+    if !found {
+        return None;
+    }
+    let old = std::fs::symlink_metadata(&path)
+        .ok()?
+        .modified()
+        .ok()
+        .and_then(|m| m.elapsed().ok())
+        .is_some_and(|age| age > git_timeout.saturating_mul(2));
+    let repo = std::fs::canonicalize(&repo).unwrap_or(repo);
+    (old || !git_running_in(&repo)).then_some(path)
+}
+
+/// True when a live process named `git` has its working directory inside `repo`.
+fn git_running_in(repo: &Path) -> bool {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return true; // cannot tell: assume a holder
+    };
+    entries.flatten().any(|e| {
+        let p = e.path();
+        let is_git = std::fs::read_to_string(p.join("comm")).is_ok_and(|c| c.trim() == "git");
+        is_git
+            && std::fs::read_link(p.join("cwd")).is_ok_and(|cwd| cwd.starts_with(repo))
+            && std::fs::read_to_string(p.join("stat")).is_ok_and(|s| {
+                s.rfind(')')
+                    .and_then(|i| s[i + 1..].split_whitespace().next())
+                    .is_some_and(|state| state != "Z")
+            })
+    })
 }
 
 #[cfg(test)]

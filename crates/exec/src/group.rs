@@ -38,12 +38,14 @@ fn leaders() -> MutexGuard<'static, Option<HashSet<i32>>> {
     LEADERS.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// Spawns `command` (configured with `process_group(0)`) and registers it as a live leader.
-pub(crate) fn spawn(command: &mut Command) -> io::Result<Child> {
+/// Spawns `command` (configured with `process_group(0)`) and registers it as a live leader
+/// (and, durably, in [`crate::records`]; `run` when its escaped daemons are to be killed too).
+pub(crate) fn spawn(command: &mut Command, run: Option<u64>) -> io::Result<Child> {
     let mut live = leaders();
     let child = command.spawn()?;
     if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
         live.get_or_insert_with(HashSet::new).insert(pid);
+        crate::records::spawned(pid, run);
     }
     Ok(child)
 }
@@ -53,6 +55,7 @@ pub(crate) fn release(pid: i32) {
     if let Some(live) = leaders().as_mut() {
         live.remove(&pid);
     }
+    crate::records::reaped(pid);
 }
 
 /// Reaps exited children that orch adopted as subreaper and that no one else waits for:

@@ -3,6 +3,8 @@
 //! - [`process`]: run one child in its own process group with a timeout, an early stop, bounded
 //!   capture of its output and a guaranteed kill-and-reap of the whole group.
 //! - [`git`]: the git operations orch needs, each a run of the `git` binary through [`process`].
+//! - [`records`]: durable records of the groups orch started, and the startup cleanup that
+//!   stops what a dead incarnation of orch left running.
 //!
 //! Invariants: nothing else in orch creates processes; no run leaves a process of its group
 //! running or unreaped (orch makes itself a child subreaper on Linux so orphaned grandchildren
@@ -14,6 +16,7 @@ mod tail;
 
 pub mod git;
 pub mod process;
+pub mod records;
 
 pub use git::{
     Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult, StatusEntry,

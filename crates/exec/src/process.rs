@@ -67,6 +67,11 @@ pub struct Cmd {
     pub output_limit: usize,
     /// Stops the run early (the run ends as `Cancelled`) when this token is cancelled.
     pub cancel: Option<CancellationToken>,
+    /// The run has no business leaving daemons behind (an agent): if orch dies while it runs,
+    /// the next orch on this node also kills its descendants that left the group (`setsid`).
+    /// Off for commands whose job is to start a service (deploys, staging): their daemons are
+    /// what they were run for.
+    pub no_daemons: bool,
 }
 
 impl Cmd {
@@ -84,6 +89,7 @@ impl Cmd {
             kill_grace: DEFAULT_KILL_GRACE,
             output_limit: DEFAULT_OUTPUT_LIMIT,
             cancel: None,
+            no_daemons: false,
         }
     }
 
@@ -148,6 +154,12 @@ impl Cmd {
     /// Sets how many bytes of stdout and of stderr are kept.
     pub fn output_limit(mut self, bytes: usize) -> Cmd {
         self.output_limit = bytes;
+        self
+    }
+
+    /// Marks the run as one that must leave no daemon behind (see [`Cmd::no_daemons`]).
+    pub fn no_daemons(mut self) -> Cmd {
+        self.no_daemons = true;
         self
     }
 
@@ -342,6 +354,14 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         command.env_remove(key);
     }
     command.envs(cmd.env.iter().map(|(k, v)| (k, v)));
+    let run_id = crate::records::next_run();
+    // The marker that finds escaped daemons; an explicitly empty environment stays empty.
+    if !cmd.env_clear {
+        command.env(
+            crate::records::INCARNATION_ENV,
+            crate::records::marker(run_id),
+        );
+    }
     command
         .stdin(if cmd.stdin.is_some() {
             Stdio::piped()
@@ -353,7 +373,8 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         .process_group(0);
 
     let started = Instant::now();
-    let mut child = group::spawn(&mut command).map_err(|e| SpawnError::from_io(&cmd.program, e))?;
+    let mut child = group::spawn(&mut command, cmd.no_daemons.then_some(run_id))
+        .map_err(|e| SpawnError::from_io(&cmd.program, e))?;
     let pgid = child
         .id()
         .and_then(|pid| i32::try_from(pid).ok())

@@ -30,7 +30,8 @@ fn op_err(e: OpsError) -> OpError {
         OpsError::NotFound(m) => OpError::NotFound(m),
         OpsError::Conflict(m) => OpError::Conflict(m),
         OpsError::Invalid(m) => OpError::Invalid(m),
-        OpsError::Internal(e) => OpError::Internal(format!("{e:#}")),
+        // A store that is down is a 503, not a 500.
+        OpsError::Internal(e) => OpError::from(e),
     }
 }
 

@@ -131,7 +131,7 @@ pub fn report_kind(kind: Kind, message: &str, json: bool) -> ExitCode {
     if json {
         println!("{}", error_json(kind, message));
     } else {
-        eprintln!("orch: error: {message}");
+        crate::say(&format!("orch: error: {message}"));
     }
     ExitCode::from(kind.exit_code())
 }

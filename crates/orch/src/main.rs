@@ -78,6 +78,12 @@ fn usage_error(e: &clap::Error) -> ExitCode {
     ExitCode::from(exit::Kind::Usage.exit_code())
 }
 
+/// A line on stderr that cannot panic (`eprintln!` does when stderr is a closed pipe).
+pub fn say(line: &str) {
+    use std::io::Write as _;
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
 fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
     use tracing_subscriber::EnvFilter;
     let default = match (quiet, verbose) {
@@ -91,7 +97,26 @@ fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_ansi(output::colour(&std::io::stderr()))
-        .with_writer(std::io::stderr)
+        .with_writer(|| LossyStderr)
         .with_target(false)
+        // Its report of a failed write is an `eprintln!`, which panics on a closed stderr.
+        .log_internal_errors(false)
         .try_init();
+}
+
+/// stderr for logs: a write that fails (a closed pipe, a full disk) is dropped, never an error
+/// and never a panic, so a dead log reader cannot take down the task that logged (e.g. the
+/// signal handler, which then no longer stopped the process on SIGTERM).
+struct LossyStderr;
+
+impl std::io::Write for LossyStderr {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = std::io::stderr().flush();
+        Ok(())
+    }
 }

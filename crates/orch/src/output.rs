@@ -119,7 +119,7 @@ pub fn age(ms: i64) -> String {
 pub fn print_json(v: &serde_json::Value) {
     match serde_json::to_string_pretty(v) {
         Ok(s) => println!("{s}"),
-        Err(e) => eprintln!("orch: cannot render JSON: {e}"),
+        Err(e) => crate::say(&format!("orch: cannot render JSON: {e}")),
     }
 }
 

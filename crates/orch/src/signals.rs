@@ -21,15 +21,17 @@ pub fn shutdown_tokens() -> anyhow::Result<(CancellationToken, CancellationToken
             }
             count += 1;
             match count {
+                // Act first, then say so: logging must never stand between a signal and
+                // its effect.
                 1 => {
+                    s.cancel();
                     tracing::info!(
                         "shutting down: finishing running jobs (signal again to stop now)"
                     );
-                    s.cancel();
                 }
                 2 => {
-                    tracing::warn!("stopping now: releasing leases of unfinished jobs");
                     h.cancel();
+                    tracing::warn!("stopping now: releasing leases of unfinished jobs");
                 }
                 _ => std::process::exit(130),
             }

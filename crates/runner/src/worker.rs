@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use orch_store::{Claim, ClaimedJob, Job, JobOutcome, Lease, Store, StoreError};
+use orch_store::{Claim, ClaimedJob, Job, JobOutcome, Lease, NewEvent, Store, StoreError};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -355,7 +355,8 @@ struct Fetcher {
     index: usize,
 }
 
-type Finished = (Lease, Result<Outcome, String>);
+/// A finished execution: its lease, the job's task (if any) and what the handler returned.
+type Finished = (Lease, Option<i64>, Result<Outcome, String>);
 
 impl Fetcher {
     async fn run(self, stop: CancellationToken, hard_stop: CancellationToken) {
@@ -523,7 +524,7 @@ impl Fetcher {
         res: Result<Finished, tokio::task::JoinError>,
         pending_done: &mut Vec<Lease>,
     ) {
-        let (lease, result) = match res {
+        let (lease, task_id, result) = match res {
             Ok(f) => f,
             // `execute` catches panics; a join error here means the runtime is shutting down.
             Err(e) => {
@@ -563,7 +564,8 @@ impl Fetcher {
             ),
             Outcome::Fail { error } => (JobOutcome::Failed { error }, &self.stats.failed),
         };
-        match self.store.mark_job(lease, store_outcome, None).await {
+        let event = task_id.map(|t| failed_attempt_event(t, lease, &store_outcome));
+        match self.store.mark_job(lease, store_outcome, event).await {
             Ok(()) => {
                 counter.fetch_add(1, Ordering::Relaxed);
             }
@@ -669,6 +671,7 @@ impl Fetcher {
 async fn execute(entry: Entry, cx: JobContext, stats: Arc<WorkerStats>) -> Finished {
     let started = Instant::now();
     let lease = cx.lease;
+    let task_id = cx.job.task_id;
     let cancel = cx.cancel.clone();
     let kind = cx.job.agent.clone();
     let timeout = entry.timeout;
@@ -687,8 +690,34 @@ async fn execute(entry: Entry, cx: JobContext, stats: Arc<WorkerStats>) -> Finis
         _ = cancel.cancelled() => Err("cancelled: lease lost or shutting down".to_owned()),
     };
     stats.job_seconds.observe(&kind, started.elapsed());
-    (lease, result)
+    (lease, task_id, result)
 }
+
+/// The event of an attempt whose handler failed (as opposed to one lost to a dead worker,
+/// `job.rescued`): it counts against the job's attempts.
+fn failed_attempt_event(task_id: i64, lease: Lease, outcome: &JobOutcome) -> NewEvent {
+    let (message, last) = match outcome {
+        JobOutcome::Failed { error } => (
+            format!("attempt {} failed: {error} (no retry)", lease.attempt),
+            true,
+        ),
+        JobOutcome::Retry { error, .. } => (
+            format!(
+                "attempt {} failed: {error} (counted against the job's attempts)",
+                lease.attempt
+            ),
+            false,
+        ),
+        JobOutcome::Done => (format!("attempt {} done", lease.attempt), false),
+    };
+    NewEvent::new(ATTEMPT_FAILED_KIND, message)
+        .task(task_id)
+        .job(lease.job_id)
+        .data(serde_json::json!({"attempt": lease.attempt, "final": last}).to_string())
+}
+
+/// The event kind of an attempt whose handler failed.
+pub const ATTEMPT_FAILED_KIND: &str = "job.attempt_failed";
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {

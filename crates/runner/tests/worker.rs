@@ -332,6 +332,7 @@ async fn lost_lease_stops_the_handler_and_its_result_is_not_recorded(db: TestDb)
             backoff_base_ms: 3_600_000,
             backoff_max_ms: 3_600_000,
             limit: 10,
+            ..Rescue::default()
         })
         .await
         .unwrap();

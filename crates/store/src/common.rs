@@ -6,21 +6,86 @@ use sqlx::Row;
 use crate::error::{Result, StoreError};
 use crate::model::*;
 
-pub(crate) fn stranded_event(task_id: i64, job_id: i64, error: &str) -> NewEvent {
+/// The `task.failed` event of a task whose last live job failed for good. Like every stage
+/// change it says `from`/`to` (and the outcome contract's `outcome`/`stage`/`reason`).
+pub(crate) fn stranded_event(task: &Task, job_id: i64, error: &str) -> NewEvent {
     NewEvent::new(
         "task.failed",
         format!("job {job_id} failed for good and the task had no other live job: {error}"),
     )
-    .task(task_id)
+    .task(task.id)
     .job(job_id)
-    .stage("failed")
+    .data(
+        serde_json::json!({
+            "from": task.stage, "to": "failed", "outcome": "failed",
+            "stage": task.stage, "reason": error,
+        })
+        .to_string(),
+    )
 }
 
-pub(crate) fn rescue_error(worker: Option<&str>, attempt: i64, max_attempts: i64) -> String {
-    format!(
-        "lease expired: worker {} stopped heartbeating (attempt {attempt} of {max_attempts})",
-        worker.unwrap_or("?")
-    )
+/// The event kind that records an attempt lost to a dead worker (a crash rescue). Its count
+/// per job is the restart-safe crash counter (no column).
+pub const RESCUED_KIND: &str = "job.rescued";
+
+/// What a rescue does with one expired lease.
+pub(crate) struct RescuePlan {
+    /// The crash bound is reached: the job fails with `error`.
+    pub give_up: bool,
+    /// `last_error` of the job.
+    pub error: String,
+    /// Requeued this far in the future (when not giving up).
+    pub delay_ms: i64,
+    /// The `job.rescued` event (always written).
+    pub event: NewEvent,
+}
+
+/// A lease expired: the attempt was lost to a dead (or stalled) worker, not failed by its
+/// handler. `crashes` counts this one. It does not spend the job's attempts; past
+/// `rescue.max_crashes` the job fails with a reason that says so.
+pub(crate) fn rescue_plan(
+    rescue: &Rescue,
+    job_id: i64,
+    task_id: Option<i64>,
+    worker: Option<&str>,
+    attempt: i64,
+    crashes: i64,
+) -> RescuePlan {
+    let worker = worker.unwrap_or("?");
+    let give_up = crashes >= rescue.max_crashes;
+    let lost = format!(
+        "attempt {attempt} lost: the worker stopped heartbeating (crash) \u{2014} not counted \
+         as a failure"
+    );
+    let (error, message) = if give_up {
+        let e = format!(
+            "the job's worker died {crashes} times while running it (the last: worker {worker} \
+             stopped heartbeating in attempt {attempt})"
+        );
+        (e.clone(), e)
+    } else {
+        (
+            lost.clone(),
+            format!(
+                "{lost} (worker {worker}; crash {crashes} of at most {})",
+                rescue.max_crashes
+            ),
+        )
+    };
+    let mut event = NewEvent::new(RESCUED_KIND, message).job(job_id).data(
+        serde_json::json!({
+            "attempt": attempt, "worker": worker, "crashes": crashes,
+            "crash_limit": rescue.max_crashes, "gave_up": give_up,
+        })
+        .to_string(),
+    );
+    event.task_id = task_id;
+    RescuePlan {
+        give_up,
+        error,
+        delay_ms: rescue.backoff_ms(crashes),
+        event,
+    }
 }
 
 /// A retry asked for at the attempt limit is a failure.

@@ -175,7 +175,8 @@ where
                     .execute(&mut *tx)
                     .await?;
                 if let Some(task_id) = task_id {
-                    Self::fail_stranded_task(&mut tx, task_id, lease.job_id, error, now).await?;
+                    self.fail_stranded_task(&mut tx, task_id, lease.job_id, error, now)
+                        .await?;
                 }
             }
         }
@@ -215,30 +216,43 @@ where
         for row in expired {
             let id: i64 = row.try_get(0)?;
             let attempt: i64 = row.try_get(1)?;
-            let max_attempts: i64 = row.try_get(2)?;
             let task_id: Option<i64> = row.try_get(3)?;
             let worker: Option<String> = row.try_get(4)?;
-            let error = rescue_error(worker.as_deref(), attempt, max_attempts);
-            if attempt >= max_attempts {
+            let crashes: i64 = sqlx::query_scalar(sql::CRASHES_OF_JOB)
+                .bind(id)
+                .fetch_one(&mut *tx)
+                .await?;
+            let plan = rescue_plan(
+                &rescue,
+                id,
+                task_id,
+                worker.as_deref(),
+                attempt,
+                crashes + 1,
+            );
+            Self::insert_event(&mut tx, &plan.event, now).await?;
+            if plan.give_up {
                 sqlx::query(sql::MARK_FAILED)
                     .bind(id)
                     .bind(attempt)
                     .bind(now)
-                    .bind(&error)
+                    .bind(&plan.error)
                     .execute(&mut *tx)
                     .await?;
                 report.failed.push(id);
                 if let Some(task_id) = task_id
-                    && Self::fail_stranded_task(&mut tx, task_id, id, &error, now).await?
+                    && self
+                        .fail_stranded_task(&mut tx, task_id, id, &plan.error, now)
+                        .await?
                 {
                     report.failed_tasks.push(task_id);
                 }
             } else {
-                sqlx::query(sql::MARK_RETRY)
+                sqlx::query(sql::RESCUE_REQUEUE)
                     .bind(id)
                     .bind(attempt)
-                    .bind(now + rescue.backoff_ms(attempt))
-                    .bind(&error)
+                    .bind(now + plan.delay_ms)
+                    .bind(&plan.error)
                     .execute(&mut *tx)
                     .await?;
                 report.requeued.push(id);
@@ -453,18 +467,7 @@ where
                 });
             }
         }
-        let task: Task = sqlx::query_as(sql::ADVANCE_TASK.as_str())
-            .bind(adv.task_id)
-            .bind(&adv.new_stage)
-            .bind(now)
-            .bind(&adv.expected_stage)
-            .bind(current.stage_seq)
-            .fetch_one(&mut *tx)
-            .await?;
-        let mut event = adv.event;
-        event.task_id = Some(task.id);
-        event.stage = Some(task.stage.clone());
-        Self::insert_event(&mut tx, &event, now).await?;
+        let task = Self::write_stage(&mut tx, &current, &adv.new_stage, adv.event, now).await?;
         let mut next_job_id = None;
         if let Some(mut job) = adv.next_job {
             job.task_id = Some(task.id);
@@ -677,6 +680,7 @@ where
     /// A task whose last live job failed would be stranded: move it to `failed`, with an event
     /// that names the job and its error. Returns true when the task was failed.
     async fn fail_stranded_task(
+        &self,
         conn: &mut Conn<D>,
         task_id: i64,
         job_id: i64,
@@ -690,15 +694,48 @@ where
         if live > 0 {
             return Ok(false);
         }
-        let failed: Option<i64> = sqlx::query_scalar(sql::FAIL_TASK)
+        let Some(current) = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
             .bind(task_id)
-            .bind(now)
             .fetch_optional(&mut *conn)
-            .await?;
-        if failed.is_none() {
+            .await?
+        else {
+            return Ok(false);
+        };
+        if current.is_terminal() {
             return Ok(false);
         }
-        Self::insert_event(conn, &stranded_event(task_id, job_id, error), now).await?;
+        let event = stranded_event(&current, job_id, error);
+        Self::write_stage(conn, &current, "failed", event, now).await?;
         Ok(true)
+    }
+
+    /// The one statement that writes `tasks.stage` (a compare-and-swap on the stage and its
+    /// `stage_seq`), with its event. `advance_stage` and the stranded-task failure both go
+    /// through it, so every stage change bumps `stage_seq` and leaves its event the same way.
+    async fn write_stage(
+        conn: &mut Conn<D>,
+        current: &Task,
+        new_stage: &str,
+        mut event: NewEvent,
+        now: Millis,
+    ) -> Result<Task> {
+        let task: Task = sqlx::query_as(sql::ADVANCE_TASK.as_str())
+            .bind(current.id)
+            .bind(new_stage)
+            .bind(now)
+            .bind(&current.stage)
+            .bind(current.stage_seq)
+            .fetch_optional(&mut *conn)
+            .await?
+            .ok_or_else(|| StoreError::StageConflict {
+                task_id: current.id,
+                expected: format!("{} (seq {})", current.stage, current.stage_seq),
+                actual: "changed concurrently".into(),
+                actual_seq: current.stage_seq,
+            })?;
+        event.task_id = Some(task.id);
+        event.stage = Some(task.stage.clone());
+        Self::insert_event(conn, &event, now).await?;
+        Ok(task)
     }
 }

@@ -75,6 +75,37 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// True when the database itself cannot be reached or used right now (down, dropped,
+    /// unreadable, out of connections): the API answers 503 for these, not 500.
+    pub fn is_unavailable(&self) -> bool {
+        match self {
+            StoreError::Connect { .. } => true,
+            StoreError::Db(e) => match e {
+                sqlx::Error::Io(_)
+                | sqlx::Error::Tls(_)
+                | sqlx::Error::PoolTimedOut
+                | sqlx::Error::PoolClosed
+                | sqlx::Error::WorkerCrashed => true,
+                sqlx::Error::Database(db) => {
+                    let code = db.code().unwrap_or_default();
+                    // PostgreSQL: class 08 (connection), 57P0x (shutdown, cannot connect now),
+                    // 3D000 (the database does not exist), 53300 (too many connections).
+                    code.starts_with("08")
+                        || code.starts_with("57P0")
+                        || code == "3D000"
+                        || code == "53300"
+                        // SQLite (primary code of the extended one): CANTOPEN, IOERR,
+                        // NOTADB, READONLY, BUSY, PERM, CORRUPT.
+                        || code.parse::<i64>().is_ok_and(|c| {
+                            matches!(c & 0xff, 3 | 5 | 8 | 10 | 11 | 14 | 26)
+                        })
+                }
+                _ => false,
+            },
+            _ => false,
+        }
+    }
+
     /// True for errors that a retry may cure (connection loss, lock timeouts, serialization).
     pub fn is_transient(&self) -> bool {
         match self {

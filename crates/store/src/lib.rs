@@ -35,6 +35,7 @@ pub mod testing;
 use std::sync::Arc;
 
 pub use clock::{Clock, ManualClock, SystemClock};
+pub use common::RESCUED_KIND;
 pub use error::{Result, StoreError, redact_url};
 pub use migrate::{MigrateReport, SCHEMA_VERSION};
 pub use model::*;

@@ -231,6 +231,9 @@ pub struct Rescue {
     pub backoff_max_ms: i64,
     /// At most this many jobs per pass.
     pub limit: u32,
+    /// Attempts lost to a dead worker do not count against `max_attempts`; a job whose
+    /// worker died this many times while running it fails for good.
+    pub max_crashes: i64,
 }
 
 impl Default for Rescue {
@@ -239,6 +242,7 @@ impl Default for Rescue {
             backoff_base_ms: 1_000,
             backoff_max_ms: 300_000,
             limit: 1_000,
+            max_crashes: 10,
         }
     }
 }
@@ -257,7 +261,7 @@ impl Rescue {
 pub struct RescueReport {
     /// Jobs put back in the queue (id, new available_at).
     pub requeued: Vec<i64>,
-    /// Jobs that hit their attempt limit and failed.
+    /// Jobs whose worker died `max_crashes` times, failed for good.
     pub failed: Vec<i64>,
     /// Tasks moved to `failed` because their only live job failed.
     pub failed_tasks: Vec<i64>,

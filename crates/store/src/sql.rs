@@ -66,10 +66,16 @@ pub const CANCEL_TASK_JOBS: &str = "UPDATE jobs SET state = 'cancelled', finishe
 pub const LIVE_JOBS_OF_TASK: &str =
     "SELECT count(*) FROM jobs WHERE task_id = $1 AND state IN ('queued', 'running')";
 
-/// `$1 task_id, $2 now` → `stage_seq` when the task was moved to `failed`.
-pub const FAIL_TASK: &str = "UPDATE tasks SET stage = 'failed', stage_seq = stage_seq + 1, \
-     updated_at = $2 WHERE id = $1 AND stage NOT IN ('done', 'failed', 'cancelled') \
-     RETURNING stage_seq";
+/// `$1 job_id` → how many times the job was rescued after its worker died (its
+/// `job.rescued` events): the restart-safe crash counter.
+pub const CRASHES_OF_JOB: &str =
+    "SELECT count(*) FROM events WHERE kind = 'job.rescued' AND job_id = $1";
+
+/// `$1 id, $2 attempt, $3 available_at, $4 error`: back to the queue after a crash rescue,
+/// without spending an attempt (the limit moves with the attempt, as in `RELEASE`).
+pub const RESCUE_REQUEUE: &str = "UPDATE jobs SET state = 'queued', available_at = $3, \
+     lease_expires_at = NULL, locked_by = NULL, max_attempts = max_attempts + 1, \
+     last_error = $4 WHERE id = $1 AND attempt = $2 AND state = 'running'";
 
 /// Grouped in the order of the `jobs_state_agent` index, so both backends stream one covering
 /// index scan without a hash table or a sort (PostgreSQL at 100,000 jobs: 11–15 ms instead of

@@ -215,3 +215,18 @@ fn rand_suffix() -> u32 {
         .unwrap_or(0);
     nanos % 100_000
 }
+
+/// Drops database `name`, disconnecting its sessions (tests of a database that goes away).
+pub async fn drop_database(admin_url: &str, name: &str) -> Result<(), StoreError> {
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .connect(admin_url)
+        .await?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+    )))
+    .execute(&pool)
+    .await?;
+    pool.close().await;
+    Ok(())
+}

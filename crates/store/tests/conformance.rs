@@ -39,6 +39,8 @@ conformance!(
     dedupe_key_allows_one_job_ever,
     delayed_job_is_invisible_before_its_time,
     attempt_limit_ends_in_failed_and_fails_the_stranded_task,
+    crash_rescues_do_not_spend_attempts,
+    crash_loop_ends_the_job_with_a_clear_reason,
     retry_at_the_attempt_limit_is_a_failure,
     heartbeat_extends_leases_and_reports_lost_ones,
     release_does_not_spend_an_attempt,
@@ -158,7 +160,13 @@ async fn expired_lease_is_rescued_exactly_once(db: TestDb) {
     let job = s.get_job(id).await.unwrap().unwrap();
     assert_eq!(job.state, JobState::Queued);
     assert_eq!(job.attempt, claimed.lease.attempt, "rescue does not claim");
-    assert!(job.last_error.unwrap_or_default().contains("lease expired"));
+    assert!(
+        job.last_error
+            .unwrap_or_default()
+            .contains("stopped heartbeating (crash)")
+    );
+    let lost = s.events_by_kind(RESCUED_KIND, 0, 10).await.unwrap();
+    assert_eq!(lost.len(), 1, "one lost attempt recorded once");
     assert_eq!(
         job.available_at,
         db.clock.now_ms() + Rescue::default().backoff_ms(1),
@@ -412,18 +420,20 @@ async fn attempt_limit_ends_in_failed_and_fails_the_stranded_task(db: TestDb) {
         })
         .await
         .unwrap();
+    // Handler failures spend the job's attempts: the second retry is the last one.
     for attempt in 1..=2 {
         let c = claim_one(s, "w").await;
         assert_eq!(c.lease.attempt, attempt);
-        db.clock.advance_ms(LEASE + 1);
-        let report = s.rescue_expired(Rescue::default()).await.unwrap();
-        if attempt == 1 {
-            assert_eq!(report.requeued.len(), 1);
-            db.clock.advance_ms(Rescue::default().backoff_ms(1));
-        } else {
-            assert_eq!(report.failed.len(), 1);
-            assert_eq!(report.failed_tasks, vec![task.id]);
-        }
+        s.mark_job(
+            c.lease,
+            JobOutcome::Retry {
+                error: "the stage broke".into(),
+                delay_ms: 0,
+            },
+            None,
+        )
+        .await
+        .unwrap();
     }
     let job = &s.task_jobs(task.id).await.unwrap()[0];
     assert_eq!(job.state, JobState::Failed);
@@ -432,10 +442,151 @@ async fn attempt_limit_ends_in_failed_and_fails_the_stranded_task(db: TestDb) {
         t.stage, "failed",
         "a task whose only job failed does not hang"
     );
+    assert_eq!(
+        t.stage_seq,
+        task.stage_seq + 1,
+        "a stage change bumps stage_seq"
+    );
     let events = s.task_events(task.id).await.unwrap();
     let last = events.last().unwrap();
     assert_eq!(last.kind, "task.failed");
-    assert!(last.message.contains("lease expired"), "{}", last.message);
+    assert_eq!(last.stage.as_deref(), Some("failed"));
+    assert!(last.message.contains("the stage broke"), "{}", last.message);
+    let data: serde_json::Value = serde_json::from_str(&last.data).unwrap();
+    assert_eq!(
+        data["from"], "intake",
+        "task.failed says where it came from: {data}"
+    );
+    assert_eq!(data["to"], "failed");
+    assert_eq!(data["outcome"], "failed");
+}
+
+/// A lease that expires (the worker died) is a crash, not a failure: it does not spend the
+/// job's attempts, so a job with 2 attempts survives many crashes and still gets both of its
+/// handler attempts.
+async fn crash_rescues_do_not_spend_attempts(db: TestDb) {
+    let s = &db.store;
+    let task = new_task_with(s, NewJob::new("analyst", "x").max_attempts(2)).await;
+    let rescue = Rescue::default();
+    for crash in 1..=5 {
+        let c = claim_one(s, "w").await;
+        assert_eq!(c.lease.attempt, crash);
+        db.clock.advance_ms(LEASE + 1);
+        let report = s.rescue_expired(rescue).await.unwrap();
+        assert_eq!(
+            report.requeued,
+            vec![c.lease.job_id],
+            "crash {crash} requeues"
+        );
+        db.clock.advance_ms(rescue.backoff_ms(crash));
+    }
+    // The handler fails once: one attempt of two is left.
+    let c = claim_one(s, "w").await;
+    s.mark_job(
+        c.lease,
+        JobOutcome::Retry {
+            error: "flaky".into(),
+            delay_ms: 0,
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let job = s.get_job(c.lease.job_id).await.unwrap().unwrap();
+    assert_eq!(
+        job.state,
+        JobState::Queued,
+        "5 crashes + 1 failure of 2 attempts"
+    );
+    let c = claim_one(s, "w").await;
+    s.mark_job(
+        c.lease,
+        JobOutcome::Retry {
+            error: "flaky".into(),
+            delay_ms: 0,
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let job = s.get_job(c.lease.job_id).await.unwrap().unwrap();
+    assert_eq!(
+        job.state,
+        JobState::Failed,
+        "the second handler failure is the last"
+    );
+    let events = s.task_events(task.id).await.unwrap();
+    let lost: Vec<&Event> = events.iter().filter(|e| e.kind == RESCUED_KIND).collect();
+    assert_eq!(lost.len(), 5);
+    assert!(
+        lost[0].message.starts_with(
+            "attempt 1 lost: the worker stopped heartbeating (crash) \u{2014} not counted as a failure"
+        ),
+        "{}",
+        lost[0].message
+    );
+    assert_eq!(lost[0].job_id, Some(c.lease.job_id));
+}
+
+/// A job that kills its worker every time still ends, with a reason that says so.
+async fn crash_loop_ends_the_job_with_a_clear_reason(db: TestDb) {
+    let s = &db.store;
+    let task = new_task_with(s, NewJob::new("analyst", "x").max_attempts(3)).await;
+    let rescue = Rescue::default();
+    for crash in 1..=rescue.max_crashes {
+        claim_one(s, "w").await;
+        db.clock.advance_ms(LEASE + 1);
+        let report = s.rescue_expired(rescue).await.unwrap();
+        if crash < rescue.max_crashes {
+            assert_eq!(report.requeued.len(), 1, "crash {crash}");
+            db.clock.advance_ms(rescue.backoff_ms(crash));
+        } else {
+            assert_eq!(report.failed.len(), 1);
+            assert_eq!(report.failed_tasks, vec![task.id]);
+        }
+    }
+    let job = &s.task_jobs(task.id).await.unwrap()[0];
+    assert_eq!(job.state, JobState::Failed);
+    assert!(
+        job.last_error
+            .as_deref()
+            .unwrap()
+            .starts_with("the job's worker died 10 times while running it"),
+        "{:?}",
+        job.last_error
+    );
+    let t = s.get_task(task.id).await.unwrap().unwrap();
+    assert_eq!(t.stage, "failed");
+    let events = s.task_events(task.id).await.unwrap();
+    let last = events.last().unwrap();
+    assert_eq!(last.kind, "task.failed");
+    assert!(
+        last.message.contains("worker died 10 times"),
+        "{}",
+        last.message
+    );
+    let data: serde_json::Value = serde_json::from_str(&last.data).unwrap();
+    assert_eq!(
+        (data["from"].as_str(), data["to"].as_str()),
+        (Some("intake"), Some("failed"))
+    );
+}
+
+async fn new_task_with(s: &Store, job: NewJob) -> Task {
+    s.create_task(NewTask {
+        work_item: WorkItemSpec::Next {
+            prefix: "ORCH".into(),
+        },
+        repo: "svc".into(),
+        title: "t".into(),
+        body: String::new(),
+        stage: "intake".into(),
+        branch_prefix: "orch/".into(),
+        event: NewEvent::new("task.submitted", "x"),
+        first_job: Some(job),
+    })
+    .await
+    .unwrap()
 }
 
 async fn retry_at_the_attempt_limit_is_a_failure(db: TestDb) {

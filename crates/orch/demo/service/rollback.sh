@@ -1,5 +1,6 @@
 #!/bin/sh
 # rollback.sh ENV PORT STATE_DIR: bring back the release that ran before the current one.
+# Every completed rollback appends `rollback ENV REV` to STATE_DIR/effects.log.
 set -eu
 env="$1"; port="$2"; state="$3"
 # Every run is logged with its start and end (ns since the epoch), so overlaps can be checked.
@@ -16,6 +17,7 @@ echo $! > "$state/run/$env.pid"
 echo "$prev" > "$state/run/$env.rev"
 for _ in $(seq 1 50); do
     if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; then
+        echo "rollback $env $prev" >> "$state/effects.log"
         echo "rolled $env back to $prev"; exit 0
     fi
     sleep 0.1

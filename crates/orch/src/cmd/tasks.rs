@@ -5,6 +5,7 @@ use std::io::Read as _;
 use std::process::ExitCode;
 
 use anyhow::{Context as _, Result};
+use orch_domain::MAX_REQUEST_BYTES;
 use orch_store::{AgentRun, Event, Store, Task, TaskFilter};
 
 use crate::cli::{StatusArgs, SubmitArgs};
@@ -23,17 +24,17 @@ async fn runtime(cx: &Context) -> Result<(Store, Runtime)> {
 pub async fn submit(cx: &Context, args: SubmitArgs) -> Result<ExitCode> {
     let body = match (&args.body_file, &args.body) {
         (Some(p), _) if p.as_os_str() == "-" => {
-            let mut s = String::new();
-            std::io::stdin()
-                .take(256 * 1024 + 1)
-                .read_to_string(&mut s)
-                .context("cannot read the body from stdin")?;
-            s
+            read_body(std::io::stdin().lock(), "stdin").context("cannot read the body")?
         }
         (Some(p), _) => {
-            std::fs::read_to_string(p).with_context(|| format!("cannot read {}", p.display()))?
+            let file =
+                std::fs::File::open(p).with_context(|| format!("cannot open {}", p.display()))?;
+            read_body(file, &p.display().to_string()).context("cannot read the body")?
         }
-        (None, Some(b)) => b.clone(),
+        (None, Some(b)) => {
+            check_body_len(b.len(), "--body")?;
+            b.clone()
+        }
         (None, None) => String::new(),
     };
     let (store, rt) = runtime(cx).await?;
@@ -48,6 +49,27 @@ pub async fn submit(cx: &Context, args: SubmitArgs) -> Result<ExitCode> {
         );
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Reads a work item's body from `r`, at most [`MAX_REQUEST_BYTES`] of it: a bigger (or
+/// endless, like `/dev/zero`) source is refused after reading one byte past the limit.
+fn read_body(r: impl std::io::Read, what: &str) -> Result<String> {
+    let mut buf = Vec::new();
+    r.take(MAX_REQUEST_BYTES as u64 + 1)
+        .read_to_end(&mut buf)
+        .with_context(|| format!("reading {what}"))?;
+    check_body_len(buf.len(), what)?;
+    String::from_utf8(buf).with_context(|| format!("{what} is not UTF-8 text"))
+}
+
+fn check_body_len(len: usize, what: &str) -> Result<()> {
+    if len > MAX_REQUEST_BYTES {
+        anyhow::bail!(
+            "the body in {what} is too big: more than {MAX_REQUEST_BYTES} bytes (the limit of a \
+             request, the same as the API's)"
+        );
+    }
+    Ok(())
 }
 
 pub enum Op {
@@ -277,7 +299,7 @@ async fn outcome_label(store: &Store, t: &Task) -> Result<String> {
 /// config than the file.
 fn stale_config_notes(cx: &Context) {
     for note in crate::reload::stale_processes(&cx.state_dir()) {
-        eprintln!("orch: note: {note}");
+        crate::say(&format!("orch: note: {note}"));
     }
 }
 

@@ -24,6 +24,7 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let mut reloader = None;
     let (registry, passes) = match &cx.config {
         Some(c) => {
+            stop_dead_children(&cx.repos_dir(c));
             let rt = Runtime::new(cx, c, &store)?;
             reloader = Some(crate::reload::spawn(
                 cx.config_path.clone(),
@@ -57,6 +58,7 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     let config = cx.require_config()?.clone();
     let (stop, hard) = crate::signals::shutdown_tokens()?;
     let (store, wconfig) = open(cx, &args.worker).await?;
+    stop_dead_children(&cx.repos_dir(&config));
     let runtime = Arc::new(Runtime::new(cx, &config, &store)?);
     let worker = Worker::new(store.clone(), runtime.registry(), wconfig.clone());
     let reloader = crate::reload::spawn(
@@ -82,7 +84,9 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
         stop.clone(),
     );
     tracing::info!(worker = %wconfig.worker_id, database = %store.target(), %addr, "serve started");
-    eprintln!("orch: serving http://{addr}/ (API, dashboard, /metrics)");
+    crate::say(&format!(
+        "orch: serving http://{addr}/ (API, dashboard, /metrics)"
+    ));
     run_workers(
         store.clone(),
         worker,
@@ -96,6 +100,29 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     let _ = api.await;
     store.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Where this node's orch processes record the process groups they start.
+pub fn children_dir(repos_dir: &std::path::Path) -> std::path::PathBuf {
+    repos_dir.join(".orch-children")
+}
+
+/// Before claiming anything: record this process's children from now on, and stop what dead
+/// orch processes on this node left running (their recorded groups and escaped daemons), so
+/// a re-run stage never races the previous run of itself.
+fn stop_dead_children(repos_dir: &std::path::Path) {
+    let dir = children_dir(repos_dir);
+    if let Err(e) = orch_exec::records::record_children_in(&dir) {
+        tracing::warn!(dir = %dir.display(), error = %e,
+            "cannot record child processes; a crash may leave them running");
+        return;
+    }
+    let done = orch_exec::records::stop_dead_incarnations(&dir);
+    if !done.incarnations.is_empty() {
+        tracing::warn!(incarnations = ?done.incarnations, groups = ?done.groups_killed,
+            escaped = ?done.escaped_killed,
+            "stopped what dead orch processes on this node left running");
+    }
 }
 
 /// Starts the HTTP API on `listener` until `stop`.

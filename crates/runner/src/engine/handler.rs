@@ -4,7 +4,7 @@
 //! never applies a stage twice.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,7 +16,7 @@ use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
 use orch_store::{AdvanceStage, Fence, JobState, NewEvent, NewJob, Store, StoreError, Task};
 
-use super::{StageEffect, StageExecutor, StageJob, StageRun};
+use super::{StageEffect, StageExecutor, StageJob, StageRun, artifacts};
 use crate::counters::Counters;
 use crate::repos::{self, RepoPaths};
 use crate::worker::{JobContext, JobHandler, Outcome, Registry};
@@ -25,8 +25,6 @@ use crate::worker::{JobContext, JobHandler, Outcome, Registry};
 pub const INTAKE: &str = "intake";
 /// Attempts of one stage job before its task fails.
 pub const STAGE_ATTEMPTS: i64 = 3;
-/// An artifact bigger than this is not read (and so not a pass).
-const MAX_ARTIFACT_BYTES: u64 = 1024 * 1024;
 /// Stages whose jobs must run where the deploy's local state lives (SPEC §10).
 const PINNED_STAGES: &[&str] = &["deploy", "observe"];
 
@@ -240,8 +238,9 @@ impl Engine {
             .loops_and_feedback(task.id)
             .await
             .map_err(Prep::Transient)?;
-        let feedback = feedback_name
-            .and_then(|name| read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c)));
+        let feedback = feedback_name.and_then(|name| {
+            artifacts::read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c))
+        });
         Ok(StageRun {
             store: self.store.clone(),
             job: cx.job.clone(),
@@ -366,11 +365,15 @@ impl Engine {
             self.event(&run, "artifact.rejected", &reason, None).await;
             anyhow::bail!(reason);
         }
+        let refused = artifacts::refuse_unsafe(&self.git, &run.worktree, &run.artifact_dir).await?;
+        for r in &refused {
+            self.event(&run, "artifact.rejected", &r.reason, None).await;
+        }
         let commit = self.commit(&run, "result").await?;
         let gate = match outcome {
             Some(o) => o,
             None => {
-                let files = read_stage_artifacts(&run.artifact_dir, &run.stage);
+                let files = artifacts::read_stage_artifacts(&run.artifact_dir, &run.stage);
                 let refs: Vec<(ArtifactName, &str)> =
                     files.iter().map(|(n, c)| (n.clone(), c.as_str())).collect();
                 run.stage.check(&run.work_item, &refs)
@@ -378,7 +381,11 @@ impl Engine {
         };
         if run.stage.kind == StageKind::Llm && gate.verdict == Verdict::NotSuccess {
             // A bad artifact never advances the task: this attempt fails, the next one retries.
-            let reason = format!("artifact rejected: {}", gate.reason);
+            let refused: Vec<&str> = refused.iter().map(|r| r.reason.as_str()).collect();
+            let reason = match refused.is_empty() {
+                true => format!("artifact rejected: {}", gate.reason),
+                false => format!("artifact rejected: {}; {}", refused.join("; "), gate.reason),
+            };
             self.event(&run, "artifact.rejected", &reason, None).await;
             anyhow::bail!(reason);
         }
@@ -661,40 +668,4 @@ impl JobHandler for Handler {
     async fn run(&self, cx: JobContext) -> Result<Outcome> {
         self.0.handle(cx).await
     }
-}
-
-/// Reads a file of at most [`MAX_ARTIFACT_BYTES`]; `None` when missing, unreadable or too big.
-fn read_bounded(path: &Path) -> Option<String> {
-    let meta = std::fs::metadata(path).ok()?;
-    if !meta.is_file() || meta.len() > MAX_ARTIFACT_BYTES {
-        tracing::warn!(path = %path.display(), "artifact missing, not a file or too big to read");
-        return None;
-    }
-    std::fs::read_to_string(path).ok()
-}
-
-/// The artifacts of `stage` present in `dir` (exact names and families like `07-adr-*`).
-fn read_stage_artifacts(dir: &Path, stage: &StageDef) -> Vec<(ArtifactName, String)> {
-    let Ok(entries) = std::fs::read_dir(dir) else {
-        return Vec::new();
-    };
-    let mut out = Vec::new();
-    for entry in entries.flatten() {
-        let name = entry.file_name().to_string_lossy().into_owned();
-        let Ok(artifact) = name.parse::<ArtifactName>() else {
-            continue;
-        };
-        if !stage
-            .artifacts
-            .iter()
-            .any(|spec| spec.name.matches(&artifact))
-        {
-            continue;
-        }
-        if let Some(content) = read_bounded(&entry.path()) {
-            out.push((artifact, content));
-        }
-    }
-    out.sort_by(|a, b| a.0.as_str().cmp(b.0.as_str()));
-    out
 }

@@ -3,6 +3,7 @@
 //! executor, commits its artifacts on the work item's branch, reads them back through the
 //! stage's gate, decides the next stage and changes it with the fenced `advance_stage`.
 
+pub mod artifacts;
 pub mod dispatch;
 pub mod executor;
 mod handler;

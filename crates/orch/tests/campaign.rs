@@ -1,0 +1,507 @@
+//! The kill campaign: several work items in flight on one repo (the demo's sample service and
+//! scripted agent) — a healthy one, one whose staging fails, one whose production health breaks
+//! after deploy so it is rolled back — while `orch serve` (and, on PostgreSQL, `orch worker`
+//! processes sharing the database) is killed -9 at seeded random instants, at least 30 times.
+//!
+//! The expected outcomes are not written down here: the same items first run once without kills,
+//! and the killed run must end with the same per-item outcomes, the same production deploys and
+//! rollbacks (each applied once: the sample service's scripts log every completed one), no job
+//! left running, no agent run left open, and no process of a dead incarnation left alive.
+//! `ORCH_CAMPAIGN_SEED` replays a run; `ORCH_CAMPAIGN_KILLS` sets the number of kills.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::{ORCH, become_subreaper, demo_setup, python_available, reap_orphans, stop_service};
+use orch_store::{ConnectOptions, Store};
+use rand::{Rng as _, SeedableRng as _};
+
+const ITEMS: [&str; 3] = ["APP-1", "APP-2", "APP-3"];
+/// Generous bound on one run (a hang guard; 2 cores are shared with other work).
+const RUN_LIMIT: Duration = Duration::from_secs(900);
+
+fn seed() -> u64 {
+    let seed = std::env::var("ORCH_CAMPAIGN_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(7)
+        });
+    eprintln!("kill campaign seed: {seed} (replay with ORCH_CAMPAIGN_SEED={seed})");
+    seed
+}
+
+fn kills() -> usize {
+    std::env::var("ORCH_CAMPAIGN_KILLS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30)
+}
+
+/// Where one run lives: the demo dir and the database.
+struct Setup {
+    dir: PathBuf,
+    url: String,
+}
+
+impl Setup {
+    /// `orch demo --setup-only`, then: staging fails for APP-2 only (a step that checks which
+    /// work item it stages), and a failed stage ends the task (no loop back).
+    async fn new(root: &Path, name: &str, postgres: bool) -> Setup {
+        let dir = root.join(name);
+        demo_setup(&dir);
+        let path = dir.join("orch.toml");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let step = "[[repos.service.staging]]\nname = \"unit-tests\"";
+        assert!(
+            text.contains(step),
+            "the demo config changed shape:\n{text}"
+        );
+        let text = text.replacen(
+            step,
+            "[[repos.service.staging]]\nname = \"item-check\"\n\
+             run = \"test \\\"${ORCH_WORK_ITEM:-$(basename \\\"$PWD\\\")}\\\" != APP-2\"\n\
+             timeout_s = 10\n\n[[repos.service.staging]]\nname = \"unit-tests\"",
+            1,
+        );
+        std::fs::write(&path, format!("{text}\n[pipeline]\nmax_loops = 0\n")).unwrap();
+        let url = if postgres {
+            orch_store::testing::fresh_pg_schema().await
+        } else {
+            format!("sqlite://{}", dir.join(".orch/orch.db").display())
+        };
+        let s = Setup { dir, url };
+        if postgres {
+            s.orch(&["migrate"]);
+        }
+        s
+    }
+
+    fn command(&self) -> std::process::Command {
+        let mut cmd = std::process::Command::new(ORCH);
+        cmd.arg("--config")
+            .arg(self.dir.join("orch.toml"))
+            .env("ORCH_DATABASE_URL", &self.url)
+            .env("ORCH_LOG", "warn");
+        cmd
+    }
+
+    fn orch(&self, args: &[&str]) -> String {
+        let out = self.command().args(args).output().unwrap();
+        assert!(
+            out.status.success(),
+            "orch {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn submit(&self, title: &str) {
+        self.orch(&[
+            "submit", "--repo", "service", "--title", title, "--body", title,
+        ]);
+    }
+
+    async fn store(&self) -> Store {
+        Store::connect(&self.url, ConnectOptions::default())
+            .await
+            .unwrap()
+    }
+
+    /// `orch serve` (or `orch worker`), silent, 2 s leases, quick demo agents.
+    fn spawn(&self, what: &str) -> Proc {
+        let mut cmd = tokio::process::Command::new(ORCH);
+        cmd.arg("--config")
+            .arg(self.dir.join("orch.toml"))
+            .args([what, "--grace-s", "1"])
+            .args(if what == "serve" {
+                &["--bind", "127.0.0.1:0"][..]
+            } else {
+                &[][..]
+            })
+            .env("ORCH_DATABASE_URL", &self.url)
+            .env("ORCH_LOG", "warn")
+            .env("ORCH_LEASE_S", "2")
+            .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
+            .env_remove("ORCH_FAILPOINTS")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .kill_on_drop(true);
+        let child = cmd.spawn().expect("spawn orch");
+        let pid = child.id().unwrap() as i32;
+        let incarnation = format!("{pid}-{}", start_time(pid).unwrap_or(0));
+        Proc {
+            what: what.to_owned(),
+            child,
+            incarnation,
+        }
+    }
+}
+
+struct Proc {
+    what: String,
+    child: tokio::process::Child,
+    incarnation: String,
+}
+
+impl Proc {
+    async fn kill9(mut self) -> String {
+        let _ = self.child.start_kill();
+        let _ = self.child.wait().await;
+        reap_orphans();
+        self.incarnation
+    }
+
+    async fn terminate(mut self) -> String {
+        if let Some(pid) = self.child.id() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid as i32, libc::SIGTERM) };
+        }
+        let status = tokio::time::timeout(Duration::from_secs(30), self.child.wait()).await;
+        assert!(
+            matches!(status, Ok(Ok(s)) if s.success()),
+            "orch {} stops cleanly on SIGTERM: {status:?}",
+            self.what
+        );
+        reap_orphans();
+        self.incarnation
+    }
+}
+
+fn start_time(pid: i32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(19)?
+        .parse()
+        .ok()
+}
+
+/// Running (non-zombie) processes whose environment names one of `incarnations`.
+fn left_behind(incarnations: &[String]) -> Vec<(i32, String)> {
+    let mut out = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return out;
+    };
+    for pid in entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+    {
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let zombie = stat
+            .rfind(')')
+            .and_then(|i| stat[i + 1..].split_whitespace().next())
+            .is_none_or(|s| s == "Z" || s == "X");
+        if zombie {
+            continue;
+        }
+        let Ok(env) = std::fs::read(format!("/proc/{pid}/environ")) else {
+            continue;
+        };
+        let hit = env.split(|&b| b == 0).any(|v| {
+            incarnations
+                .iter()
+                .any(|i| v.starts_with(format!("ORCH_INCARNATION={i}/").as_bytes()))
+        });
+        if hit {
+            let cmd = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
+                .unwrap_or_default()
+                .replace('\0', " ");
+            out.push((pid, cmd));
+        }
+    }
+    out
+}
+
+/// What happened to one item, in terms that do not depend on timing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ItemOutcome {
+    stage: String,
+    outcome: Option<String>,
+    watch: Option<String>,
+}
+
+/// What a run did: outcomes per item, production deploys and rollbacks.
+#[derive(Debug)]
+struct RunResult {
+    items: BTreeMap<String, ItemOutcome>,
+    prod_deploys: Vec<String>,
+    prod_rollbacks: Vec<String>,
+}
+
+async fn outcomes(store: &Store) -> BTreeMap<String, ItemOutcome> {
+    let mut out = BTreeMap::new();
+    for id in ITEMS {
+        let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+        let events = store.task_events(t.id).await.unwrap();
+        let outcome = events
+            .iter()
+            .rev()
+            .find(|e| e.kind.starts_with("task."))
+            .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
+            .and_then(|d| d["outcome"].as_str().map(str::to_owned));
+        let watch = events
+            .iter()
+            .rev()
+            .find(|e| e.kind == "post_deploy.verdict")
+            .and_then(|e| {
+                e.message
+                    .strip_prefix("post-deploy watch ")
+                    .and_then(|m| m.split(':').next())
+                    .map(str::to_owned)
+            });
+        out.insert(
+            id.to_owned(),
+            ItemOutcome {
+                stage: t.stage,
+                outcome,
+                watch,
+            },
+        );
+    }
+    out
+}
+
+fn effects(dir: &Path, kind: &str) -> Vec<String> {
+    std::fs::read_to_string(dir.join("service-state/effects.log"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split_whitespace();
+            (w.next() == Some(kind) && w.next() == Some("production"))
+                .then(|| w.next().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+async fn all_terminal(store: &Store) -> bool {
+    for id in ITEMS {
+        match store.get_task_by_work_item(id).await {
+            Ok(Some(t)) if t.is_terminal() => {}
+            _ => return false,
+        }
+    }
+    true
+}
+
+/// The third item (the one rolled back) is submitted once the first has merged, so that the
+/// healthy item never ships the broken change: outcomes then do not depend on timing.
+async fn submit_rest_when_ready(s: &Setup, store: &Store, submitted: &mut bool) {
+    if *submitted {
+        return;
+    }
+    let Ok(Some(t)) = store.get_task_by_work_item("APP-1").await else {
+        return;
+    };
+    let before_merge = [
+        "intake",
+        "analysis",
+        "architecture",
+        "implementation",
+        "review",
+        "verification",
+        "merge",
+    ];
+    if !before_merge.contains(&t.stage.as_str()) {
+        s.submit("Make the greeting configurable");
+        *submitted = true;
+    }
+}
+
+/// Runs the items with `procs` processes ("serve" first); with `kills`, kills a random one -9
+/// at seeded random instants and restarts it, `kills` times. Returns the result and every
+/// incarnation that ran.
+async fn run(
+    s: &Setup,
+    procs: &[&str],
+    kills: usize,
+    rng: &mut rand::rngs::StdRng,
+) -> (RunResult, Vec<String>) {
+    s.submit("Write a note");
+    s.submit("Write another note");
+    let store = s.store().await;
+    let mut running: Vec<Proc> = procs.iter().map(|w| s.spawn(w)).collect();
+    let mut dead: Vec<String> = Vec::new();
+    let mut submitted = false;
+    let t0 = Instant::now();
+    let mut done_kills = 0;
+    let mut next_kill = Instant::now() + Duration::from_millis(rng.random_range(300..2500));
+    loop {
+        submit_rest_when_ready(s, &store, &mut submitted).await;
+        if submitted && done_kills >= kills && all_terminal(&store).await {
+            break;
+        }
+        assert!(
+            t0.elapsed() < RUN_LIMIT,
+            "the items did not finish: {:?}",
+            outcomes_so_far(&store).await
+        );
+        if done_kills < kills && Instant::now() >= next_kill {
+            let i = rng.random_range(0..running.len());
+            let victim = running.swap_remove(i);
+            let what = victim.what.clone();
+            dead.push(victim.kill9().await);
+            done_kills += 1;
+            // Restart after a short random pause (sometimes at once).
+            tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
+            running.push(s.spawn(&what));
+            next_kill = Instant::now() + Duration::from_millis(rng.random_range(300..4000));
+        }
+        reap_orphans();
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut all = dead;
+    for p in running {
+        all.push(p.terminate().await);
+    }
+    let result = RunResult {
+        items: outcomes(&store).await,
+        prod_deploys: effects(&s.dir, "deploy"),
+        prod_rollbacks: effects(&s.dir, "rollback"),
+    };
+    // No job left running (no lease), no agent run left open.
+    for id in ITEMS {
+        let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+        let jobs = store.task_jobs(t.id).await.unwrap();
+        assert!(
+            jobs.iter()
+                .all(|j| !matches!(j.state, orch_store::JobState::Running)),
+            "{id}: no lease left: {jobs:#?}"
+        );
+        let runs = store.task_agent_runs(t.id).await.unwrap();
+        assert!(
+            runs.iter().all(|r| r.finished_at.is_some()),
+            "{id}: no agent run left open: {runs:#?}"
+        );
+    }
+    store.close().await;
+    stop_service(&s.dir);
+    reap_orphans();
+    (result, all)
+}
+
+/// Every item's events (for a failure's message).
+async fn history(s: &Setup) -> String {
+    let store = s.store().await;
+    let mut out = String::new();
+    for id in ITEMS {
+        let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+        out.push_str(&format!("{id} ({}):\n", t.stage));
+        for e in store.task_events(t.id).await.unwrap() {
+            let first = e.message.lines().next().unwrap_or_default();
+            out.push_str(&format!("  {:<22} {first}\n", e.kind));
+        }
+    }
+    store.close().await;
+    out
+}
+
+async fn outcomes_so_far(store: &Store) -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    for id in ITEMS {
+        if let Ok(Some(t)) = store.get_task_by_work_item(id).await {
+            v.push((id.to_owned(), t.stage));
+        }
+    }
+    v
+}
+
+async fn campaign(postgres: bool, procs: &[&str]) {
+    if !python_available() {
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let seed = seed();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let tmp = tempfile::tempdir().unwrap();
+
+    let clean = Setup::new(tmp.path(), "clean", postgres).await;
+    let (expected, _) = run(&clean, procs, 0, &mut rng).await;
+    assert_eq!(expected.items.len(), ITEMS.len());
+    // The clean run is the reference; it must at least be the three kinds of item.
+    let stages: Vec<&str> = expected.items.values().map(|o| o.stage.as_str()).collect();
+    assert!(
+        stages.contains(&"failed"),
+        "one item fails in staging: {expected:?}"
+    );
+    assert!(
+        expected
+            .items
+            .values()
+            .any(|o| o.watch.as_deref() == Some("FAILED")),
+        "one item is rolled back: {expected:?}"
+    );
+
+    let killed = Setup::new(tmp.path(), "killed", postgres).await;
+    let n = kills();
+    let (got, incarnations) = run(&killed, procs, n, &mut rng).await;
+    assert!(incarnations.len() > n, "{n} kills happened");
+    if got.items != expected.items {
+        let kept = tmp.keep();
+        eprintln!("seed {seed}: runs kept in {}", kept.display());
+        eprintln!("{}", history(&killed).await);
+    }
+    assert_eq!(
+        got.items, expected.items,
+        "seed {seed}: the killed run ends with the clean run's outcomes"
+    );
+    assert_eq!(
+        got.prod_deploys.len(),
+        expected.prod_deploys.len(),
+        "seed {seed}: production deploys {:?} vs clean {:?}",
+        got.prod_deploys,
+        expected.prod_deploys
+    );
+    assert_eq!(
+        got.prod_rollbacks.len(),
+        expected.prod_rollbacks.len(),
+        "seed {seed}: production rollbacks {:?} vs clean {:?}",
+        got.prod_rollbacks,
+        expected.prod_rollbacks
+    );
+    let mut seen = std::collections::HashSet::new();
+    for rev in &got.prod_deploys {
+        assert!(
+            seen.insert(rev),
+            "seed {seed}: {rev} deployed to production twice"
+        );
+    }
+    // `orch logs` tells a crash from a failure in plain words.
+    let logs: String = ITEMS.iter().map(|id| killed.orch(&["logs", id])).collect();
+    assert!(
+        logs.contains(
+            "lost: the worker stopped heartbeating (crash) \u{2014} not counted as a failure"
+        ),
+        "seed {seed}: some attempt was lost to a kill and `orch logs` says so:\n{logs}"
+    );
+    let left = left_behind(&incarnations);
+    assert!(
+        left.is_empty(),
+        "seed {seed}: processes left behind: {left:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_campaign_sqlite() {
+    campaign(false, &["serve"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_campaign_postgres() {
+    campaign(true, &["serve"]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_campaign_postgres_serve_and_two_workers() {
+    campaign(true, &["serve", "worker", "worker"]).await;
+}
