@@ -299,9 +299,13 @@ async fn check_release(dir: &Path, store: &Store, ids: &[String], killed: bool) 
     assert_serial(&runs, "production");
     assert_serial(&runs, "staging");
     if killed {
-        // A production effect is applied once per revision, however often orch died.
+        // A production effect is applied once per revision, however often orch died (a run
+        // killed with orch before it ended, then re-run, applied nothing the first time).
         let mut counted: BTreeMap<(String, String), usize> = BTreeMap::new();
-        for r in runs.iter().filter(|r| r.env == "production") {
+        for r in runs
+            .iter()
+            .filter(|r| r.env == "production" && r.end.is_some())
+        {
             *counted.entry((r.kind.clone(), r.rev.clone())).or_default() += 1;
         }
         for ((kind, rev), n) in counted {

@@ -848,3 +848,61 @@ async fn arming_a_watch_supersedes_the_older_active_watches_of_the_same_repo() {
     );
     assert_eq!(marker(&fx.watch()), "", "the new watch is not superseded");
 }
+
+/// A deploy whose command was killed with orch before it did anything (a restarted orch stops
+/// what its dead incarnation left running) is run once more; once per visit, so a deploy that
+/// restarts orch itself cannot loop.
+#[tokio::test]
+async fn a_deploy_interrupted_before_it_went_live_runs_once_more_and_only_once() {
+    let mut fx = Fx::new().await;
+    let slow = fx.ctl.join("slow");
+    std::fs::write(&slow, "").unwrap();
+    fx.repo.deploy = Some(format!(
+        "if [ -f {c}/slow ]; then sleep 30; fi; sh {c}/deploy.sh",
+        c = fx.ctl.display()
+    ));
+    let run = fx.run(fx.first_content()).await;
+    let job_id = run.job.id;
+    let handle = tokio::spawn(async move { DeployerExecutor::default().execute(&run).await });
+    for _ in 0..400 {
+        if fx
+            .event_kinds()
+            .await
+            .iter()
+            .any(|k| k == events::DEPLOY_STARTED)
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    handle.abort(); // orch dies while the command sleeps: no result, nothing live
+    let _ = handle.await;
+    std::fs::remove_file(&slow).unwrap();
+    assert!(fx.deploy_state().has_marker(MARKER_INITIATED));
+    assert_eq!(fx.runs(), 0, "the interrupted command never deployed");
+
+    let rerun = fx.run_of(job_id).await;
+    match DeployerExecutor::default().execute(&rerun).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => assert!(passed(&o), "{o:?}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(fx.runs(), 1, "deployed once, by the second run");
+    let kinds = fx.event_kinds().await;
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| *k == events::DEPLOY_REDEPLOYED)
+            .count(),
+        1
+    );
+
+    // Interrupted again in the same visit (INITIATED, no result, not live): no third run.
+    assert!(
+        fx.deploy_state()
+            .write_marker(MARKER_INITIATED, &fx.revision)
+    );
+    std::fs::write(fx.ctl.join("live_rev"), "something-else\n").unwrap();
+    let again = fx.run_of(job_id).await;
+    let _ = DeployerExecutor::default().execute(&again).await.unwrap();
+    assert_eq!(fx.runs(), 1, "a visit re-runs its deploy at most once");
+}

@@ -78,11 +78,60 @@ impl StageExecutor for DeployerExecutor {
             run.work_item.as_str(),
         );
         if state.has_marker(MARKER_INITIATED) {
+            if state.read_result().is_none()
+                && run.repo.deploy.is_some()
+                && let Some(revision) = initiated_revision(&state)
+                && !live_now(run, &revision).await
+                && !redeployed(run, seq).await?
+            {
+                // The command never ended: orch stopped while it ran (and a restarted orch stops
+                // what its dead incarnation left running). The revision is not live, so the
+                // deploy did not happen: run it once more (at most once per visit, so a deploy
+                // that itself restarts orch cannot loop).
+                record(
+                    run,
+                    seq,
+                    events::DEPLOY_REDEPLOYED,
+                    format!("the deploy of `{revision}` was interrupted before it ended and `{revision}` is not live: running it once more"),
+                    data([("revision", json!(revision))]),
+                )
+                .await?;
+                return self.deploy(run, &state, seq).await;
+            }
             tracing::info!(work_item = %run.work_item, "deploy: INITIATED found; finalizing instead of deploying again");
             return self.finalize(run, &state, seq).await;
         }
         self.deploy(run, &state, seq).await
     }
+}
+
+/// True when the service says `revision` is live and healthy (`revision_url`, and `health_url`
+/// when set). Unknown (no `revision_url`, no answer) is false.
+async fn live_now(run: &StageRun, revision: &str) -> bool {
+    let Some(url) = &run.repo.revision_url else {
+        return false;
+    };
+    let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+    let live = live_revision(url, timeout)
+        .await
+        .is_some_and(|live| revision_matches(revision, &live));
+    let healthy = match &run.repo.health_url {
+        Some(url) => {
+            check_health(url, timeout).await.outcome == orch_domain::monitor::CheckOutcome::Pass
+        }
+        None => true,
+    };
+    live && healthy
+}
+
+/// Whether this visit already ran its deploy command a second time.
+async fn redeployed(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    Ok(run
+        .store
+        .task_events(run.task.id)
+        .await?
+        .iter()
+        .any(|e| e.kind == events::DEPLOY_REDEPLOYED && event_seq(e) == Some(seq)))
 }
 
 /// The outcome of a visit already recorded (a re-run after the markers were cleared).

@@ -59,6 +59,10 @@ pub const LESSONS_AGENT: &str = "lessons";
 pub mod events {
     /// The deploy command is about to run.
     pub const DEPLOY_STARTED: &str = "deploy.started";
+    /// The deploy command is run once more: its first run was interrupted by orch stopping
+    /// (a crash, a kill) before it ended, and the revision is not live (recorded first: a
+    /// visit re-runs it at most once).
+    pub const DEPLOY_REDEPLOYED: &str = "deploy.redeployed";
     /// No deploy command is configured.
     pub const DEPLOY_SKIPPED: &str = "deploy.skipped";
     /// The deploy command failed (non-zero exit, timeout, cannot start).
