@@ -1,5 +1,5 @@
 //! orch's HTTP edge: the JSON API, Prometheus metrics and the server-rendered dashboard
-//! (SPEC §9). It is the only crate that knows JSON shapes (all in the private `dto` module).
+//! (design.md §9). It is the only crate that knows JSON shapes (all in the private `dto` module).
 //!
 //! Invariants:
 //! - Reads go to the [`Store`]; every change goes through [`Operations`], implemented by the

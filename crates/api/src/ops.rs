@@ -26,7 +26,7 @@ pub struct SubmitResult {
 }
 
 /// In-process counters of one deterministic runner or worker, e.g. `staging_runner` with
-/// `runs, success, failed, tool_error, deferred` (SPEC §5 D-4). Not persisted; shown read-only.
+/// `runs, success, failed, tool_error, deferred` (design.md §5 D-4). Not persisted; shown read-only.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RunnerCounters {
     /// The runner's name (`staging_runner`, `merge_gate`, `worker`, …).
@@ -35,7 +35,7 @@ pub struct RunnerCounters {
     pub counters: Vec<(String, u64)>,
 }
 
-/// An armed post-deploy watch (SPEC §7), including a stale `armed` without `done` after a crash.
+/// An armed post-deploy watch (design.md §7), including a stale `armed` without `done` after a crash.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Observation {
     pub work_item_id: String,

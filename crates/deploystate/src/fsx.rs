@@ -53,7 +53,7 @@ impl StateError {
 
 /// Accepts a path component only if it cannot leave its parent directory: non-empty, not
 /// `.`, and free of `/`, `\`, `..` and NUL. Callers pass already-validated ids; this is the
-/// second line of defence (SPEC §11: a hostile work item id such as `../../x`).
+/// second line of defence (design.md §11: a hostile work item id such as `../../x`).
 pub(crate) fn component<'a>(what: &'static str, value: &'a str) -> Result<&'a str, StateError> {
     let bad = value.is_empty()
         || value == "."

@@ -1,11 +1,11 @@
 //! Sentinel-file state of orch's deploy tail, kept on disk instead of in tables so the deploy
-//! tail adds no schema (seeds ORCH-021 §1/§3, ORCH-115 D-2; SPEC §2 NFR-1/AC-12):
+//! tail adds no schema (seeds ORCH-021 §1/§3, ORCH-115 D-2; design.md §2 NFR-1/AC-12):
 //!
 //! - [`WatchState`]: the post-deploy watch, `<repos_dir>/.post-deploy-state-<repo>/<id>/`
-//!   with `armed`, `series` and `done` (SPEC §7), and [`list_active`] for `GET /queue` and the
+//!   with `armed`, `series` and `done` (design.md §7), and [`list_active`] for `GET /queue` and the
 //!   recovery sweep;
 //! - [`DeployState`]: the self-deploy markers, `<dir>/.deploy-state-<repo>/<id>/` with
-//!   `INITIATED` and `result` (SPEC §6).
+//!   `INITIATED` and `result` (design.md §6).
 //!
 //! Invariants:
 //! - **Never raise.** Every public function returns a conservative fallback (`false`,

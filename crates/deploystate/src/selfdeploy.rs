@@ -1,9 +1,9 @@
-//! Self-deploy markers (SPEC §6): when the repo being deployed is orch itself, the deploy
+//! Self-deploy markers (design.md §6): when the repo being deployed is orch itself, the deploy
 //! restarts the running process, so the deployer leaves markers in
 //! `<dir>/.deploy-state-<repo>/<work_item_id>/` — `INITIATED` before the restart, `result`
 //! after it — and the deploy finalizer picks up from them. The helpers never raise
 //! (`has_marker`, `write_marker`, `read_result`, `clear_state`): they return a fallback and
-//! log what happened (the pattern the post-deploy watch's sentinels copy, seed §3).
+//! log what happened (the pattern the post-deploy watch's sentinels copy, design.md §7).
 
 use std::fs;
 use std::io;

@@ -1,7 +1,7 @@
-//! The post-deploy watch's sentinel state (ORCH-021, seed §3, SPEC §7): the files `armed`,
+//! The post-deploy watch's sentinel state (ORCH-021, design.md §7, design.md §7): the files `armed`,
 //! `series` and `done` under `<repos_dir>/.post-deploy-state-<repo>/<work_item_id>/`, kept on
-//! disk instead of in tables (no migration: seed §1, AC-12). Every access is never-raise
-//! (seed §3): a missing or broken file gives a conservative fallback — never evidence that is
+//! disk instead of in tables (no migration: design.md §7, AC-12). Every access is never-raise
+//! (design.md §7): a missing or broken file gives a conservative fallback — never evidence that is
 //! not there — and a `tracing::warn!` says what happened.
 //!
 //! Besides the seed's three files the directory holds `lost` (why evidence was lost, one line
@@ -17,13 +17,13 @@ use serde::{Deserialize, Serialize};
 
 use crate::fsx::{self, Read, StateError};
 
-/// The prefix of a repo's watch directory inside `repos_dir` (seed §3).
+/// The prefix of a repo's watch directory inside `repos_dir` (design.md §7).
 pub const STATE_DIR_PREFIX: &str = ".post-deploy-state-";
-/// Sentinel: the watch is armed (seed §3; JSON [`ArmedRecord`]).
+/// Sentinel: the watch is armed (design.md §7; JSON [`ArmedRecord`]).
 pub const ARMED_FILE: &str = "armed";
-/// Sentinel: the JSON list of polls (seed §3).
+/// Sentinel: the JSON list of polls (design.md §7).
 pub const SERIES_FILE: &str = "series";
-/// Sentinel: the watch finished; later jobs do nothing (seed §3).
+/// Sentinel: the watch finished; later jobs do nothing (design.md §7).
 pub const DONE_FILE: &str = "done";
 /// Why evidence was lost, one line per incident.
 pub const LOST_FILE: &str = "lost";
@@ -31,7 +31,7 @@ pub const LOST_FILE: &str = "lost";
 pub const CORRUPT_SERIES_FILE: &str = "series.corrupt";
 
 /// What `armed` records: the frozen parameters, when the watch was armed, its deadline and
-/// the deployed revision (SPEC §7).
+/// the deployed revision (design.md §7).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ArmedRecord {
     /// The parameters frozen at arming.
@@ -135,7 +135,7 @@ impl WatchState {
             .map_err(Clone::clone)
     }
 
-    /// Arms the watch once (seed §3: `armed` is the arm's idempotency marker, like
+    /// Arms the watch once (design.md §7: `armed` is the arm's idempotency marker, like
     /// `INITIATED`). If a readable `armed` exists, nothing is written and it is returned.
     /// An unusable `armed` file is replaced: the old series is moved aside and the loss noted
     /// in `lost`, so the new window never mixes with evidence from an unknown one.
@@ -274,7 +274,7 @@ impl WatchState {
         f.sync_all().map_err(|e| StateError::io("fsync", &path, e))
     }
 
-    /// Records that evidence was lost for a reason found outside this crate (SPEC §10: a
+    /// Records that evidence was lost for a reason found outside this crate (design.md §10: a
     /// watch re-armed on another node has its evidence so far marked lost, never silently).
     pub fn mark_lost(&self, reason: &str) -> bool {
         let Some(dir) = self.dir() else { return false };
@@ -329,7 +329,7 @@ impl WatchState {
         }
     }
 
-    /// Writes `done` with a one-line summary (seed §3, §5). Returns whether it is on disk.
+    /// Writes `done` with a one-line summary (design.md §7, §5). Returns whether it is on disk.
     pub fn mark_done(&self, summary: &str) -> bool {
         let Ok(path) = self.file(DONE_FILE) else {
             return false;
@@ -362,7 +362,7 @@ impl WatchState {
         }
     }
 
-    /// Removes the state directory (seed §5: best-effort hygiene after `done`). Absent counts
+    /// Removes the state directory (design.md §7: best-effort hygiene after `done`). Absent counts
     /// as removed. Returns whether it is gone.
     pub fn clear(&self) -> bool {
         let Ok(dir) = &self.dir else { return false };
@@ -383,7 +383,7 @@ fn failed(op: &str, e: StateError) -> ArmOutcome {
 
 /// Every watch in `repos_dir` that is armed (an `armed` entry exists, readable or not) and not
 /// done, sorted by repo and work item: the active observations of `GET /queue` and the input
-/// of the recovery sweep (seed §5: a stale `armed` without `done` after a crash is completed
+/// of the recovery sweep (design.md §7: a stale `armed` without `done` after a crash is completed
 /// by a restored job). Unreadable directories and refused names are skipped with a warning.
 pub fn list_active(repos_dir: &Path) -> Vec<ActiveWatch> {
     let mut out = Vec::new();

@@ -12,7 +12,7 @@ use std::fmt;
 use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_saphyr::options::{DuplicateKeyPolicy, MergeKeyPolicy, NonFiniteFloatPolicy};
 
-/// The keys every artifact's frontmatter must have (SPEC §3).
+/// The keys every artifact's frontmatter must have (design.md §3).
 pub const REQUIRED_KEYS: [&str; 6] = [
     "work_item",
     "stage",

@@ -1,5 +1,5 @@
 //! The `orch.toml` configuration model: settings, managed repos with their commands, agent
-//! backends and pipeline overrides (SPEC §9).
+//! backends and pipeline overrides (design.md §9).
 //!
 //! The text and the environment are passed in, so loading is pure and testable; the CLI reads
 //! the file and hands over `std::env::var`. Unknown keys are errors (a typo must not silently
@@ -390,7 +390,7 @@ pub struct AgentConfig {
     pub price: Option<Price>,
 }
 
-/// Agent backend kinds (SPEC §4).
+/// Agent backend kinds (design.md §4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Backend {

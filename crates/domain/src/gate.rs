@@ -1,7 +1,7 @@
 //! Gates: deterministic code that reads an artifact's frontmatter and says whether the stage
 //! succeeded, and with which status value.
 //!
-//! Gates are conservative (SPEC §3): a missing file, unparsable frontmatter, a duplicate key, a
+//! Gates are conservative (design.md §3): a missing file, unparsable frontmatter, a duplicate key, a
 //! missing or empty required key, a frontmatter written for another work item, or a status
 //! value that is not exactly one of the allowed spellings (`approved` is not `APPROVED`) is
 //! never success. Every outcome carries a reason a person can act on.

@@ -1,4 +1,4 @@
-//! Decision rules of the post-deploy monitor (ORCH-021, seed `002_…`, SPEC §7): the watch's
+//! Decision rules of the post-deploy monitor (ORCH-021, seed `002_…`, design.md §7): the watch's
 //! schedule (frozen parameters, planned polls, deadline, tick slots recovered from the jobs
 //! queue), how a poll's checks aggregate, when the series is FAILED early, HEALTHY or DEGRADED
 //! at the deadline, what reaction follows, and the `16-post-deploy-log.md` artifact.
@@ -15,13 +15,13 @@ use serde::{Deserialize, Serialize};
 use crate::staging::{FmValue, render_frontmatter};
 use crate::text::{md_cell, one_line, rfc3339_utc};
 
-/// Default observation window (SPEC §7).
+/// Default observation window (design.md §7).
 pub const DEFAULT_WINDOW_S: u64 = 600;
-/// Default poll interval (SPEC §7).
+/// Default poll interval (design.md §7).
 pub const DEFAULT_INTERVAL_S: u64 = 30;
-/// Default delay before the first poll (SPEC §7).
+/// Default delay before the first poll (design.md §7).
 pub const DEFAULT_INITIAL_DELAY_S: u64 = 30;
-/// Default timeout of one poll's checks (SPEC §7).
+/// Default timeout of one poll's checks (design.md §7).
 pub const DEFAULT_POLL_TIMEOUT_S: u64 = 10;
 
 /// FAILED early once this many FAIL polls follow each other.
@@ -33,7 +33,7 @@ pub const HEALTHY_MAX_FAILS: u32 = 1;
 /// HEALTHY needs this many trailing valid polls, all PASS.
 pub const HEALTHY_LAST_VALID_PASS: usize = 2;
 
-/// The watch's parameters, frozen into the `armed` sentinel when the watch is armed (seed §3),
+/// The watch's parameters, frozen into the `armed` sentinel when the watch is armed (design.md §7),
 /// so a configuration change mid-watch cannot move its window.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct WatchParams {
@@ -148,7 +148,7 @@ pub fn deadline_ms(params: &WatchParams, armed_at_ms: i64) -> i64 {
 /// window is over: decide now).
 ///
 /// `ticks_scheduled` is the number of this task's `post-deploy-monitor` jobs so far, counted
-/// in the jobs queue (seed §2: the tick count is recovered from the queue, restart-safe). The
+/// in the jobs queue (design.md §7: the tick count is recovered from the queue, restart-safe). The
 /// answer is the first slot whose index is at least `ticks_scheduled` and whose time is after
 /// `now_ms`: slots missed while no worker ran are skipped rather than polled in a burst (a
 /// burst of polls seconds apart is not evidence across the window), and a count that lags
@@ -348,7 +348,7 @@ pub enum Decision {
     Final(Verdict, String),
 }
 
-/// Decides from the series so far (SPEC §7):
+/// Decides from the series so far (design.md §7):
 /// - FAILED, at any time, on [`FAILED_CONSECUTIVE_FAILS`] (3) FAIL polls one after another, or
 ///   on more than [`FAILED_TOTAL_FAILS_ABOVE`] (3) FAIL polls in all;
 /// - before the deadline (and before the last slot was polled): Continue to the next slot;
@@ -452,7 +452,7 @@ pub enum Reaction {
     None,
 }
 
-/// The reaction to a verdict (SPEC §7): HEALTHY → none; DEGRADED → alert; FAILED → rollback
+/// The reaction to a verdict (design.md §7): HEALTHY → none; DEGRADED → alert; FAILED → rollback
 /// only if the watched revision is still the live one, else alert. An unknown live revision
 /// is not proof that the watched revision is live: alert, never roll back blind.
 ///
@@ -551,11 +551,11 @@ pub struct PostDeployLog<'a> {
     pub evidence_lost: Option<&'a str>,
 }
 
-/// Renders `docs/work-items/<id>/16-post-deploy-log.md` (seed §4): frontmatter with the common
+/// Renders `docs/work-items/<id>/16-post-deploy-log.md` (design.md §7): frontmatter with the common
 /// keys plus `post_deploy_status`, `action_taken`, `window_s`, `checks_total`,
 /// `checks_failed`, `checks_errored`, `reason`, `revision`, and a body with the whole series.
-/// It is a repository file, not replicated to the database (seed §4), and the lessons loop's
-/// source (BR-10, SPEC §8).
+/// It is a repository file, not replicated to the database (design.md §7), and the lessons loop's
+/// source (BR-10, design.md §8).
 ///
 /// The `checks_*` counts are of polls (one poll = one round of checks at one slot):
 /// `checks_total` = polls, `checks_failed` = FAIL polls, `checks_errored` = polls that were

@@ -1,4 +1,4 @@
-//! The pipeline as data (SPEC §3) and the pure function that decides a task's next stage from
+//! The pipeline as data (design.md §3) and the pure function that decides a task's next stage from
 //! a gate's outcome.
 //!
 //! No LLM is in the control loop: where a task goes after a stage depends only on the stage's
@@ -235,7 +235,7 @@ fn value(v: &str) -> On {
 }
 
 impl Pipeline {
-    /// The built-in pipeline of SPEC §3.
+    /// The built-in pipeline of design.md §3.
     pub fn default_pipeline() -> Pipeline {
         use StageKind::{Deterministic, Llm};
         let def = |name: &'static str,

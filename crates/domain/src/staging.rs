@@ -1,4 +1,4 @@
-//! Decisions of the deterministic staging runner (ORCH-115, seed `000_…`, SPEC §5): how the
+//! Decisions of the deterministic staging runner (ORCH-115, seed `000_…`, design.md §5): how the
 //! results of the configured staging steps become SUCCESS / FAILED / TOOL_ERROR, when a
 //! TOOL_ERROR is deferred and when it is exhausted (D-2, D5), and the `15-staging-log.md`
 //! artifact (D-3) that the unchanged `parse_staging_status` gate reads back.
@@ -19,7 +19,7 @@ pub mod failure_kind {
     /// A smoke check failed against a responding environment: the change is at fault.
     pub const SMOKE_FAILED: &str = "smoke_failed";
     /// A smoke check ran out of time after the smoke phase began: the environment was deployed
-    /// and answers too slowly or hangs, which is the change's fault (SPEC §5 makes only a
+    /// and answers too slowly or hangs, which is the change's fault (design.md §5 makes only a
     /// timeout *before* the smoke checks an infrastructure error).
     pub const SMOKE_TIMEOUT: &str = "smoke_timeout";
     /// TOOL_ERROR: the program of a step does not exist (spawn ENOENT, or shell exit 127).
@@ -39,7 +39,7 @@ pub mod failure_kind {
     pub const PLAN_MISMATCH: &str = "plan_mismatch";
     /// TOOL_ERROR: the repo has no staging steps: nothing could verify the change.
     pub const NO_STEPS: &str = "no_steps";
-    /// FAILED after the TOOL_ERROR defer limit was reached (SPEC §5, D5).
+    /// FAILED after the TOOL_ERROR defer limit was reached (design.md §5, D5).
     pub const TOOL_ERROR_EXHAUSTED: &str = "tool_error_exhausted";
 }
 
@@ -103,7 +103,7 @@ pub struct StagingPlan {
     pub step_names: Vec<String>,
 }
 
-/// The three-way classification of a staging run (SPEC §5).
+/// The three-way classification of a staging run (design.md §5).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum StagingVerdict {
     /// Every planned step passed.

@@ -236,3 +236,41 @@ impl Drop for KillOnDrop {
         }
     }
 }
+
+/// The pids of processes whose working directory is inside `dir` (from `/proc`).
+pub fn processes_under(dir: &std::path::Path) -> Vec<i32> {
+    let Ok(dir) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
+        })
+        .collect()
+}
+
+/// Stops every process whose working directory is inside `dir` (services a script started
+/// there and left running): SIGTERM, up to `grace` for them to go, then SIGKILL.
+pub fn stop_processes_under(dir: &std::path::Path, grace: std::time::Duration) {
+    let pids = processes_under(dir);
+    if pids.is_empty() {
+        return;
+    }
+    for pid in &pids {
+        // SAFETY: kill(2) with a pid read from /proc; a vanished pid is ESRCH, ignored.
+        unsafe { libc::kill(*pid, libc::SIGTERM) };
+    }
+    let deadline = std::time::Instant::now() + grace;
+    while std::time::Instant::now() < deadline && !processes_under(dir).is_empty() {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for pid in processes_under(dir) {
+        // SAFETY: as above.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+}

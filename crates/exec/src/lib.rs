@@ -22,4 +22,5 @@ pub use git::{
     Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult, StatusEntry,
     WorktreeAdd,
 };
+pub use group::{processes_under, stop_processes_under};
 pub use process::{Cmd, ExitKind, Output, SpawnError, run};

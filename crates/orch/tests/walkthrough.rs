@@ -95,7 +95,7 @@ fn http_get(port: u16, path: &str) -> Option<String> {
 
 /// Step 0: the user's repository. A small sample service (the demo's) committed on `main` in an
 /// ordinary checkout `app/`; for the bare and remote setups the checkout is a clone of a bare
-/// `shared.git`. Returns (the checkout, what orch.toml names).
+/// `upstream.git`. Returns (the checkout, what orch.toml names).
 fn sample_repo(root: &Path, setup: RepoSetup) -> (PathBuf, String) {
     let service = Path::new(env!("CARGO_MANIFEST_DIR")).join("demo/service");
     let seed = root.join("seed");
@@ -135,11 +135,11 @@ fn sample_repo(root: &Path, setup: RepoSetup) -> (PathBuf, String) {
             (app, "path = \"../app\"".to_owned())
         }
         RepoSetup::Bare | RepoSetup::FileUrl => {
-            let bare = root.join("shared.git");
-            git(root, &["clone", "-q", "--bare", "seed", "shared.git"]);
-            git(root, &["clone", "-q", "shared.git", "app"]);
+            let bare = root.join("upstream.git");
+            git(root, &["clone", "-q", "--bare", "seed", "upstream.git"]);
+            git(root, &["clone", "-q", "upstream.git", "app"]);
             let line = if setup == RepoSetup::Bare {
-                "path = \"../shared.git\"".to_owned()
+                "path = \"../upstream.git\"".to_owned()
             } else {
                 format!("url = \"file://{}\"", bare.display())
             };

@@ -1,4 +1,4 @@
-//! The post-deploy watch survives crashes (SPEC §7, §11; seed ORCH-021 §2–§3) with real
+//! The post-deploy watch survives crashes (design.md §7, §11; seed ORCH-021 §2–§3) with real
 //! processes: the real `orch serve` on the demo repo, the demo's real deploy and rollback
 //! scripts and its real Python service. The "greeting" item breaks production health about 2 s
 //! after its deploy; while its watch runs, the whole `orch serve` process group is SIGKILLed at

@@ -82,7 +82,7 @@ impl Pass for CleanupPass {
 }
 
 /// Re-enqueues a tick for every armed post-deploy watch on this node that has none queued
-/// (SPEC §7: a stale `armed` without `done` after a crash is completed by a restored job).
+/// (design.md §7: a stale `armed` without `done` after a crash is completed by a restored job).
 pub struct WatchRecoveryPass {
     pub every: Duration,
     pub repos_dir: std::path::PathBuf,

@@ -474,7 +474,7 @@ async fn a_finished_watch_is_cleaned_up_and_an_active_one_kept() {
     fx.lessons().await;
     assert!(
         !ws.dir().unwrap().exists(),
-        "done: removed (seed §5 hygiene)"
+        "done: removed (design.md §7 hygiene)"
     );
 }
 

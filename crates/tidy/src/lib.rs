@@ -79,6 +79,19 @@ pub const EXCEPTIONS: &[Exception] = &[
     },
     Exception {
         rule: "wire-json",
+        path: "crates/modelserver/src/",
+        reason: "the scripted stand-in for a hosted model speaks the providers' wire formats \
+                 (Anthropic Messages, OpenAI Responses and chat completions), not orch's; it \
+                 serves tests and the demo only",
+    },
+    Exception {
+        rule: "wire-json",
+        path: "crates/orch/src/reload.rs",
+        reason: "the running config's state file under .orch/run (read back by `orch status`) \
+                 is storage, not wire",
+    },
+    Exception {
+        rule: "wire-json",
         path: "crates/orch/src/demo/agent.rs",
         reason: "the demo's scripted agent prints what a model CLI prints: another program's \
                  output format, not orch's wire",

@@ -690,38 +690,6 @@ impl Drop for ServiceGuard {
     }
 }
 
-/// The pids of processes whose working directory is inside `dir`.
-pub fn processes_in(dir: &Path) -> Vec<i32> {
-    let Ok(dir) = dir.canonicalize() else {
-        return Vec::new();
-    };
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_link(format!("/proc/{pid}/cwd")).is_ok_and(|cwd| cwd.starts_with(&dir))
-        })
-        .collect()
-}
-
 fn stop_instances(releases: &Path) {
-    let pids = processes_in(releases);
-    if pids.is_empty() {
-        return;
-    }
-    for pid in &pids {
-        // SAFETY: kill(2) with a pid read from /proc; a vanished pid is ESRCH, ignored.
-        unsafe { libc::kill(*pid, libc::SIGTERM) };
-    }
-    let deadline = Instant::now() + Duration::from_secs(3);
-    while Instant::now() < deadline && !processes_in(releases).is_empty() {
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    for pid in processes_in(releases) {
-        // SAFETY: as above.
-        unsafe { libc::kill(pid, libc::SIGKILL) };
-    }
+    orch_exec::stop_processes_under(releases, Duration::from_secs(3));
 }

@@ -1,4 +1,4 @@
-//! CLI agent backends (SPEC §4): any program (`command`), and the presets for today's Claude
+//! CLI agent backends (design.md §4): any program (`command`), and the presets for today's Claude
 //! Code (`claude -p --output-format json`), Codex CLI (`codex exec --json`) and Aider, each
 //! checked against the real CLI (see the README for the versions).
 //!

@@ -1,4 +1,4 @@
-//! The executor of LLM stages (SPEC §4): it runs the stage's agent backend in the work item's
+//! The executor of LLM stages (design.md §4): it runs the stage's agent backend in the work item's
 //! worktree with a prompt built from the role template, the work item, the artifacts so far
 //! and the repo's lessons, and reports whether the expected artifact(s) were written. The
 //! engine commits and gates them; this module never touches git history or the stage.

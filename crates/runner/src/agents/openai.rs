@@ -1,4 +1,4 @@
-//! The `openai` backend (SPEC §4): an OpenAI-compatible chat endpoint (vLLM, llama.cpp,
+//! The `openai` backend (design.md §4): an OpenAI-compatible chat endpoint (vLLM, llama.cpp,
 //! Ollama, hosted APIs) for document stages. orch sends the role template as the system
 //! message and the prompt as the user message, and writes the reply — the artifact itself —
 //! to the stage's artifact file(s).

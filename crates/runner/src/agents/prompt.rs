@@ -1,4 +1,4 @@
-//! The prompt of an LLM stage (SPEC §4, §8): the stage's role template, the work item, the
+//! The prompt of an LLM stage (design.md §4, §8): the stage's role template, the work item, the
 //! feedback of a loop back, the repo's recent lessons, the branch's changed files, the
 //! artifacts so far and exact instructions for the artifact(s) to write, with a complete
 //! example frontmatter block.

@@ -1,4 +1,4 @@
-//! The deploy tail's alert hook (SPEC §7 "DEGRADED → alert"): an alert is always recorded as a
+//! The deploy tail's alert hook (design.md §7 "DEGRADED → alert"): an alert is always recorded as a
 //! `post_deploy.alert` event, and when the repo configures them it is also delivered to a
 //! human — the `alert` shell command and/or a JSON POST to `alert_webhook`. Delivery is
 //! best-effort with a timeout: a broken hook never fails the stage, it is recorded as

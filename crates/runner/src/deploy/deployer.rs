@@ -1,8 +1,8 @@
-//! The `deploy` stage (SPEC §6): run the repo's deploy command for the merged revision, then
+//! The `deploy` stage (design.md §6): run the repo's deploy command for the merged revision, then
 //! the **finalizer** confirms it (health reachable, revision live) with a bounded,
-//! restart-safe count of defers, and arms the post-deploy watch (SPEC §7).
+//! restart-safe count of defers, and arms the post-deploy watch (design.md §7).
 //!
-//! Restart safety (SPEC §6 self-deploy, §11): the `INITIATED` marker (holding the revision) is
+//! Restart safety (design.md §6 self-deploy, §11): the `INITIATED` marker (holding the revision) is
 //! on disk before the command starts, and the command's `result` after it ends. A job that
 //! finds `INITIATED` — because orch restarted itself during a self-deploy, crashed, or this is
 //! a finalizer defer — never deploys again: it confirms. A confirmed or failed visit is

@@ -1,4 +1,4 @@
-//! The `lessons` stage (SPEC §8, ORCH-8; seed ORCH-021 §4: the post-deploy log is the lessons
+//! The `lessons` stage (design.md §8, ORCH-8; seed ORCH-021 §4: the post-deploy log is the lessons
 //! loop's source, BR-10). It turns a work item's *objective* outcomes — a rollback, a FAILED or
 //! DEGRADED watch, FAILED staging, review rejections, failed tests, merge conflicts, a failed
 //! or unconfirmed deploy, exhausted retries, loops back — into lessons with provenance (work
@@ -11,7 +11,7 @@
 //!
 //! Idempotent: each lesson has a stable id (`<work item>/<kind>/<source>#<n>`); an entry whose
 //! id is already in the lessons file is not appended again, so a re-run changes nothing there.
-//! Once the watch is `done`, its sentinel directory is removed here (seed §5 hygiene): by now
+//! Once the watch is `done`, its sentinel directory is removed here (design.md §7 hygiene): by now
 //! the `observe` stage's result is committed, so no job of it can still need the files.
 
 use std::collections::HashSet;

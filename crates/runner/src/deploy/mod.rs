@@ -1,6 +1,6 @@
-//! The deploy tail's stage executors (SPEC §3 rows deploy → observe → lessons): the deployer
-//! with its finalizer (SPEC §6), the post-deploy monitor (SPEC §7, seed ORCH-021) and the
-//! lessons loop (SPEC §8). They plug into the engine through [`crate::engine::StageExecutor`];
+//! The deploy tail's stage executors (design.md §3 rows deploy → observe → lessons): the deployer
+//! with its finalizer (design.md §6), the post-deploy monitor (design.md §7, seed ORCH-021) and the
+//! lessons loop (design.md §8). They plug into the engine through [`crate::engine::StageExecutor`];
 //! the engine commits what they write, gates it and changes the stage.
 //!
 //! Map:
@@ -13,12 +13,12 @@
 //! - [`lessons`]: `lessons` stage: objective outcomes → `17-lessons.md` and the lessons file.
 //!
 //! Invariants:
-//! - **No new state but files and markers** (seed §1–§3, AC-12): counts (finalizer defers,
-//!   monitor ticks) are recovered from the jobs queue by marker substrings (seed §2,
-//!   "как `_deploy_finalize_defer_count` считает по task_content LIKE"); the watch lives in
-//!   the `orch-deploystate` sentinel files.
-//! - **Restart-safe side effects.** The deploy command runs at most once per stage visit
-//!   (`INITIATED` is on disk before it starts); a rollback runs at most once per visit (a
+//! - **No new state but files and markers** (design.md §7): counts (finalizer defers, monitor
+//!   ticks) are recovered from the jobs queue by marker substrings, the way the finalizer's
+//!   defer count always was; the watch lives in the `orch-deploystate` sentinel files.
+//! - **Restart-safe side effects.** The deploy command completes at most once per stage visit
+//!   (`INITIATED` is on disk before it starts; a run interrupted by orch's death before the
+//!   revision went live is run once more, `deploy.redeployed`); a rollback runs at most once per visit (a
 //!   `post_deploy.rollback_started` event is recorded before it starts); an outcome once
 //!   recorded as an event is replayed, never redone.
 //! - **Local state pins jobs.** The sentinel files live in this machine's `repos_dir`: the
@@ -50,7 +50,7 @@ pub use monitor::{
 
 /// The job kind of the `deploy` stage (and of `staging`, handled elsewhere).
 pub const DEPLOYER_AGENT: &str = "deployer";
-/// The job kind of the `observe` stage (seed §2: a job kind of the existing queue).
+/// The job kind of the `observe` stage (design.md §7: a job kind of the existing queue).
 pub const MONITOR_AGENT: &str = "post-deploy-monitor";
 /// The job kind of the `lessons` stage.
 pub const LESSONS_AGENT: &str = "lessons";
@@ -148,7 +148,7 @@ pub fn tick_marker(seq: i64, tick: u32) -> String {
     format!("{} tick={tick}", tick_marker_prefix(seq))
 }
 
-/// `[orch:monitor-tick seq=<seq>]`: the substring counted for the monitor's ticks (seed §2).
+/// `[orch:monitor-tick seq=<seq>]`: the substring counted for the monitor's ticks (design.md §7).
 pub fn tick_marker_prefix(seq: i64) -> String {
     format!("[orch:monitor-tick seq={seq}]")
 }

@@ -1,19 +1,19 @@
-//! The `observe` stage: the post-deploy monitor (ORCH-021, seed `002_…`, SPEC §7). One job is
+//! The `observe` stage: the post-deploy monitor (ORCH-021, seed `002_…`, design.md §7). One job is
 //! one tick: it polls the service once, appends the poll to the watch's `series`, and either
 //! asks for the next tick (a requeue with `available_at_delay_s` = the time to the next slot)
-//! or ends the watch with a verdict and its reaction, writes `16-post-deploy-log.md` (seed §4)
-//! and marks the watch `done` (seed §3, §5).
+//! or ends the watch with a verdict and its reaction, writes `16-post-deploy-log.md` (design.md §7)
+//! and marks the watch `done` (design.md §7, §5).
 //!
-//! Restart safety (seed §2, §3): the tick a job polls for is recovered from the jobs queue —
+//! Restart safety (design.md §7, §3): the tick a job polls for is recovered from the jobs queue —
 //! the number of this visit's jobs carrying the tick marker — and never lags behind the clock
 //! (a slot missed while no worker ran is skipped, not polled late); the series ignores a
 //! repeated tick; `done` makes any later job a no-op; a rollback is recorded as started before
 //! it runs, so a re-run never rolls back twice. Every sentinel read falls back conservatively
-//! (seed §3 "never-raise"): a missing or corrupt `armed` ends the watch DEGRADED with the loss
+//! (design.md §7 "never-raise"): a missing or corrupt `armed` ends the watch DEGRADED with the loss
 //! said in the log and an event; lost evidence never ends HEALTHY.
 //!
 //! A stranded watch (`armed` without `done`, no live job — e.g. the job failed for good) is
-//! found by [`active_watches`] (`GET /queue`, seed §5 "активное наблюдение") and completed by a
+//! found by [`active_watches`] (`GET /queue`, as an active observation, design.md §7) and completed by a
 //! job that [`recover_watches`] enqueues.
 
 use std::path::Path;
@@ -36,7 +36,7 @@ use super::{
 };
 use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 
-/// The artifact the monitor writes (seed §4).
+/// The artifact the monitor writes (design.md §7).
 pub const POST_DEPLOY_LOG: &str = "16-post-deploy-log.md";
 
 /// The sentinel file that says a newer deploy of the same repo superseded a watch; its
@@ -353,7 +353,7 @@ impl MonitorExecutor {
         }
     }
 
-    /// The reaction to a final verdict (SPEC §7): FAILED → rollback only if the watched
+    /// The reaction to a final verdict (design.md §7): FAILED → rollback only if the watched
     /// revision is still live, else alert; DEGRADED → alert; HEALTHY → none.
     async fn react(
         &self,
@@ -766,7 +766,7 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) {
     }
 }
 
-/// Raises the alert (SPEC §7): the `post_deploy.alert` event, and the repo's `alert` command
+/// Raises the alert (design.md §7): the `post_deploy.alert` event, and the repo's `alert` command
 /// and `alert_webhook` when configured ([`super::alert`]).
 async fn alert(
     run: &StageRun,
@@ -812,7 +812,7 @@ async fn count(run: &StageRun, marker: &str) -> anyhow::Result<u32> {
     Ok(u32::try_from(n).unwrap_or(u32::MAX))
 }
 
-/// One armed-but-not-done watch, for `GET /queue` ("active observations", seed §5).
+/// One armed-but-not-done watch, for `GET /queue` ("active observations", design.md §7).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ActiveWatchInfo {
     /// The repo.
@@ -884,7 +884,7 @@ pub enum RecoveryAction {
     Failed(String),
 }
 
-/// The recovery sweep (seed §5: a stale `armed` without `done` after a crash is completed by
+/// The recovery sweep (design.md §7: a stale `armed` without `done` after a crash is completed by
 /// a restored job): for every active watch in this node's `repos_dir` whose task is at stage
 /// `observe` with no live `post-deploy-monitor` job of the current visit, enqueue one tick,
 /// pinned to `node` (the sentinel files are local), with dedupe key

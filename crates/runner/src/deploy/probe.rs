@@ -1,9 +1,9 @@
 //! The HTTP checks of the deploy tail: is the service healthy, and which revision is live. The
-//! deploy finalizer uses them to confirm a deploy (SPEC §6), the post-deploy monitor polls them
-//! (SPEC §7, seed ORCH-021) and verifies a rollback with them.
+//! deploy finalizer uses them to confirm a deploy (design.md §6), the post-deploy monitor polls them
+//! (design.md §7, seed ORCH-021) and verifies a rollback with them.
 //!
 //! A check never fails as a Rust error: it is a [`Check`] whose outcome tells *who* is at fault
-//! (SPEC §7). FAIL means the service answered badly or not at all (non-2xx, connection refused
+//! (design.md §7). FAIL means the service answered badly or not at all (non-2xx, connection refused
 //! or reset, no answer within the timeout); ERROR means the monitor itself could not observe
 //! (a URL it cannot use, an HTTP client it cannot build); NODATA means there was nothing to
 //! read. Only FAIL is evidence against the deploy.

@@ -25,7 +25,7 @@ use crate::worker::{JobContext, JobHandler, Outcome, Registry};
 pub const INTAKE: &str = "intake";
 /// Attempts of one stage job before its task fails.
 pub const STAGE_ATTEMPTS: i64 = 3;
-/// Stages whose jobs must run where the deploy's local state lives (SPEC §10).
+/// Stages whose jobs must run where the deploy's local state lives (design.md §10).
 const PINNED_STAGES: &[&str] = &["deploy", "observe"];
 
 /// Where the engine finds things.
@@ -513,7 +513,7 @@ impl Engine {
     }
 
     /// Commits whatever the stage left in the worktree and pushes the branch when the repo
-    /// has a remote (the hand-off to other machines, SPEC §10).
+    /// has a remote (the hand-off to other machines, design.md §10).
     async fn commit(&self, run: &StageRun, what: &str) -> Result<Option<String>> {
         let message = format!(
             "orch: {} {} {what} (attempt {})\n\nWork-Item: {}\nStage: {}",

@@ -1,4 +1,4 @@
-//! The deterministic staging runner (seed ORCH-115, SPEC §5): the `deployer` job of a task
+//! The deterministic staging runner (seed ORCH-115, design.md §5): the `deployer` job of a task
 //! whose stage is `staging` (the stage discriminator D1) runs the repo's staging steps and then
 //! its smoke checks, classifies the run as SUCCESS / FAILED / TOOL_ERROR with the pure
 //! `orch_domain::staging` rules, defers TOOL_ERROR a bounded number of times (D5) counted from
@@ -187,7 +187,7 @@ impl StageExecutor for StagingExecutor {
                 let counter = if decision == StagingDecision::Success {
                     "success"
                 } else {
-                    "failed" // FAILED is final: never retried (SPEC §5)
+                    "failed" // FAILED is final: never retried (design.md §5)
                 };
                 self.counters.incr(COUNTER_GROUP, counter);
                 if decision == StagingDecision::Success

@@ -1,7 +1,7 @@
 //! The tester (stage `verification`, agent `tester`): deterministic code, not an LLM. It runs
 //! the repo's `test` command with `sh -c` in the work item's worktree under the repo's
 //! `test_timeout_s` and writes `12-test-report.md` with `test_status: PASSED|FAILED`, read back
-//! by the unchanged `parse_test_status` gate (SPEC §3).
+//! by the unchanged `parse_test_status` gate (design.md §3).
 //!
 //! A change can break the tests in any way, hanging them included, so a command that is not
 //! found, is killed by a signal or runs out of time is a FAILED report with a reason that says
@@ -238,7 +238,7 @@ pub(crate) fn fenced(lang: &str, text: &str) -> String {
     format!("{fence}{lang}\n{body}\n{fence}\n")
 }
 
-/// The common frontmatter keys of a deterministic producer (SPEC §3).
+/// The common frontmatter keys of a deterministic producer (design.md §3).
 pub(crate) fn common_frontmatter(run: &StageRun, author: &str) -> Frontmatter {
     let mut fm = Frontmatter::new();
     fm.insert("work_item", run.work_item.as_str());
