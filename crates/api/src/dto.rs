@@ -196,6 +196,50 @@ pub struct TaskDetail {
     pub events: Vec<EventDto>,
     pub agent_runs: Vec<AgentRunDto>,
     pub jobs: Vec<JobDto>,
+    /// The production deploys this task ran and what each shipped (`release.deployed`).
+    pub deploys: Vec<TaskDeployDto>,
+}
+
+/// A production deploy a task ran (`GET /tasks/{id}`).
+#[derive(Debug, Serialize)]
+pub struct TaskDeployDto {
+    pub at_ms: i64,
+    pub revision: Option<String>,
+    pub previous_revision: Option<String>,
+    pub confirmed: bool,
+    pub items: Vec<ShippedItemDto>,
+}
+
+impl TaskDeployDto {
+    /// The deploys recorded in a task's events.
+    pub fn of(events: &[orch_store::Event]) -> Vec<TaskDeployDto> {
+        events
+            .iter()
+            .filter(|e| e.kind == "release.deployed")
+            .map(|e| {
+                let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
+                let s = |k: &str| v[k].as_str().map(str::to_owned);
+                TaskDeployDto {
+                    at_ms: e.created_at,
+                    revision: s("revision"),
+                    previous_revision: s("previous_revision"),
+                    confirmed: v["confirmed"].as_bool().unwrap_or(false),
+                    items: v["items"]
+                        .as_array()
+                        .map(|a| {
+                            a.iter()
+                                .map(|i| ShippedItemDto {
+                                    work_item: i["work_item"].as_str().unwrap_or("?").to_owned(),
+                                    commit: i["commit"].as_str().map(str::to_owned),
+                                    change: i["change"].as_str().unwrap_or("merge").to_owned(),
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
+                }
+            })
+            .collect()
+    }
 }
 
 /// Tokens and cost of a task.

@@ -205,6 +205,7 @@ pub(crate) async fn get_task(
         events: events.iter().map(dto::EventDto::from).collect(),
         agent_runs: runs.iter().map(dto::AgentRunDto::from).collect(),
         jobs: jobs.iter().map(dto::JobDto::from).collect(),
+        deploys: dto::TaskDeployDto::of(&events),
     }))
 }
 

@@ -295,6 +295,17 @@ async fn check_release(dir: &Path, store: &Store, ids: &[String], killed: bool) 
             "the staging-failed item was never deployed"
         );
     }
+    // The good item's post-deploy log (on main, with its whole trail) says what it shipped.
+    let log = git(
+        &clone,
+        &[
+            "show",
+            &format!("main:docs/work-items/{}/16-post-deploy-log.md", ids[0]),
+        ],
+    )
+    .expect("the good item's 16-post-deploy-log.md is on main");
+    assert!(log.contains("## What this deploy shipped"), "{log}");
+    assert!(log.contains(&format!("- {} (`", ids[0])), "{log}");
     // One release at a time: production deploys and rollbacks, and staging deploys.
     assert_serial(&runs, "production");
     assert_serial(&runs, "staging");

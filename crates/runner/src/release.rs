@@ -404,6 +404,41 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
     .await;
 }
 
+/// A Markdown section saying what this task's last production deploy shipped (revision,
+/// previous live revision, work items), for `16-post-deploy-log.md`; empty when none is
+/// recorded. Never raises.
+pub async fn shipped_section(run: &StageRun) -> String {
+    let Ok(Some(e)) = latest(run, events::DEPLOYED).await else {
+        return String::new();
+    };
+    let v = value(&e);
+    let items: Vec<String> = v["items"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .map(|i| {
+                    let id = i["work_item"].as_str().unwrap_or("?");
+                    let commit = i["commit"].as_str().unwrap_or("");
+                    match i["change"].as_str() {
+                        Some("merge") | None => format!("- {id} (`{commit:.12}`)"),
+                        Some(change) => format!("- {id}: {change} (`{commit:.12}`)"),
+                    }
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    format!(
+        "\n## What this deploy shipped\n\n- revision: `{}`\n- previous live revision: `{}`\n- work items between them:\n\n{}\n",
+        v["revision"].as_str().unwrap_or("?"),
+        v["previous_revision"].as_str().unwrap_or("unknown"),
+        if items.is_empty() {
+            "- (none recorded)".to_owned()
+        } else {
+            items.join("\n")
+        }
+    )
+}
+
 /// Records that production went back from `revision` to `live` (never raises).
 pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&str>) {
     record(

@@ -662,6 +662,8 @@ async fn finish(
         action_detail: &ending.action_detail,
         evidence_lost,
     });
+    // What the watched deploy shipped (deploy causality), under the series.
+    let doc = format!("{doc}{}", crate::release::shipped_section(run).await);
     let path = run.artifact_path(POST_DEPLOY_LOG);
     let written =
         std::fs::create_dir_all(&run.artifact_dir).and_then(|()| std::fs::write(&path, doc));
