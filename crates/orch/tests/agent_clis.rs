@@ -219,7 +219,7 @@ async fn demo_with_the_real_claude_code() {
     );
     assert!(text.contains("the real Claude Code"), "{text}");
     assert!(
-        text.contains("APP-1  Add a /version endpoint  → done"),
+        text.contains("APP-1  Add a /version endpoint  → shipped"),
         "{text}"
     );
     assert!(

@@ -403,10 +403,11 @@ fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
         .lines()
         .find(|l| l.starts_with("APP-2 "))
         .unwrap_or_else(|| panic!("no APP-2 in\n{status}"));
-    assert!(app2.contains("rolled_back"), "{status}");
+    // The release train rolled it back and reverted it on main.
+    assert!(app2.contains("reverted"), "{status}");
     let one = String::from_utf8_lossy(&orch(&config, &["status", "APP-2"]).stdout).into_owned();
     assert!(
-        one.contains("outcome rolled_back at observe: 3 consecutive FAIL"),
+        one.contains("outcome reverted at observe: 3 consecutive FAIL"),
         "{one}"
     );
     let cli: Value =
@@ -510,7 +511,7 @@ fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
         &mut b,
         "document.querySelector('#task-APP-2 [data-outcome]').dataset.outcome",
     );
-    assert_eq!(app2_outcome, json!("rolled_back"));
+    assert_eq!(app2_outcome, json!("reverted"));
     let app1_outcome = queue.eval(
         &mut b,
         "document.querySelector('#task-APP-1 [data-outcome]').dataset.outcome",

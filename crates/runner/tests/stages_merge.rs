@@ -527,14 +527,14 @@ async fn a_rerun_when_the_branch_is_already_in_main_reports_merged_without_build
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_a_remote_main_is_synced_to_it_first_and_nothing_is_pushed() {
     let f = fixture_with_remote(repo_config(
-        Some("test -f upstream.txt && test -f feature.txt && test ! -f local.txt"),
+        Some("test -f upstream.txt && test -f feature.txt"),
         MergeStrategy::Ff,
     ))
     .await;
     let clone_head = head(&f, &f.run.repo_dir).await;
     let bare = origin_dir(&f);
     let branch_head = commit(&f.run.git, &f.run.worktree, "feature.txt", "x\n").await;
-    // Someone else pushed to origin meanwhile.
+    // Someone else pushed to origin meanwhile: orch's main is behind and is fast-forwarded.
     let other = f.tmp.path().join("other");
     f.run
         .git
@@ -543,8 +543,6 @@ async fn with_a_remote_main_is_synced_to_it_first_and_nothing_is_pushed() {
         .unwrap();
     let upstream = commit(&f.run.git, &other, "upstream.txt", "u\n").await;
     f.run.git.push(&other, "origin", "main").await.unwrap();
-    // And orch's local main moved without ever being published: the remote is the truth.
-    let unpublished = advance_main(&f, "local.txt", "l\n").await;
 
     let effect = execute(&f).await;
     let fm = check(
@@ -558,18 +556,12 @@ async fn with_a_remote_main_is_synced_to_it_first_and_nothing_is_pushed() {
     assert_eq!(
         main_of(&f).await,
         upstream,
-        "local main reset to the remote's"
-    );
-    assert!(
-        !is_ancestor(&f, &unpublished, &upstream).await,
-        "the local move is dropped"
+        "local main fast-forwarded to the remote's"
     );
     let candidate = head(&f, &f.run.worktree).await;
     assert_eq!(fm.get_str("merged_revision"), Some(candidate.as_str()));
     assert!(is_ancestor(&f, &upstream, &candidate).await);
     assert!(is_ancestor(&f, &branch_head, &candidate).await);
-    assert!(!is_ancestor(&f, &unpublished, &candidate).await);
-    assert!(!f.run.worktree.join("local.txt").exists());
     // Nothing was pushed: the remote's main is what the other clone pushed, and it has no
     // other branch.
     let remote_main = sh_git(&bare, &["rev-parse", "refs/heads/main"]).await;
@@ -582,6 +574,33 @@ async fn with_a_remote_main_is_synced_to_it_first_and_nothing_is_pushed() {
     );
     assert_clone_untouched(&f, &clone_head).await;
     assert_eq!(counters(&f), (1, 0, 0, 0));
+}
+
+/// orch's main and the remote's diverged (the remote was rewritten while orch held a release it
+/// had not published): orch never drops a released commit by itself; it is an infrastructure
+/// error naming both, retried, and main is left alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_main_diverged_from_the_remote_is_never_reset_silently() {
+    let f = fixture_with_remote(repo_config(Some("true"), MergeStrategy::Ff)).await;
+    let bare = origin_dir(&f);
+    commit(&f.run.git, &f.run.worktree, "feature.txt", "x\n").await;
+    let other = f.tmp.path().join("other");
+    f.run
+        .git
+        .clone_repo(bare.to_str().unwrap(), &other)
+        .await
+        .unwrap();
+    commit(&f.run.git, &other, "upstream.txt", "u\n").await;
+    f.run.git.push(&other, "origin", "main").await.unwrap();
+    let local = advance_main(&f, "local.txt", "l\n").await;
+
+    match execute(&f).await {
+        StageEffect::Requeue { reason, .. } => {
+            assert!(reason.contains("diverged"), "{reason}")
+        }
+        other => panic!("expected an infrastructure retry, got {other:?}"),
+    }
+    assert_eq!(main_of(&f).await, local, "orch's main is left as it was");
 }
 
 /// Enqueues `n` merge-gate jobs carrying the retry marker of stage visit `seq`, as earlier
