@@ -531,7 +531,9 @@ async fn tool_call(p: P) {
 /// commands a model suggests.
 async fn permission_denial(p: P) {
     // Outside the worktree and outside /tmp (which Codex's workspace-write sandbox allows).
-    let outside_dir = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    // Not under the checkout either: Codex also lets the agent write in the git repository that
+    // holds its working directory (the target dir sits in orch's own checkout).
+    let outside_dir = tempfile::tempdir_in("/var/tmp").unwrap();
     let outside = outside_dir.path().join("outside.txt");
     let before = match p {
         P::Claude => Action::Bash("python3 -m unittest -q".into()),
@@ -577,6 +579,11 @@ async fn permission_denial(p: P) {
         assert_eq!(outcomes(&rows), ["ok"]);
         return;
     }
+    for r in &rows {
+        eprintln!("DEBUGROW outcome={:?} data={}", r.outcome, r.data);
+    } // DEBUGTMP
+    eprintln!("DEBUGROW outside exists={}", outside.exists()); // DEBUGTMP
+    for r in c.server.requests() { eprintln!("DEBUGREQ turn={:?} path={} body={}", r.turn, r.path, r.body); } // DEBUGTMP
     let reason = failed_reason(effect);
     assert!(reason.contains("was denied"), "{reason}");
     let expect = match p {

@@ -389,17 +389,17 @@ async fn artifact_versions(run: &StageRun, rel: &str) -> Vec<(String, i64)> {
     versions
 }
 
-/// How long the lessons stage waits for the merge lock before giving up publishing.
 /// How often a held release looks whether an operator acted.
 const HOLD_RECHECK_S: u64 = 30;
 
-/// Publishes the lessons on the default branch: the work item's branch is already merged
-/// when this stage runs, so its lessons would never reach later worktrees (which start from
-/// the default branch, and whose prompts read the lessons file from the worktree). In the main
-/// checkout `run.repo_dir`, under the merge gate's per-repo lock file, the entries not yet in
-/// the default branch's lessons file are appended and committed (a small commit touching only
-/// that file), then pushed when the repo has a remote. Idempotent by entry id. Never raises:
-/// returns a note saying what happened (also logged).
+/// Publishes the item's audit trail and lessons on the default branch: its branch reached the
+/// default branch before this stage ran, so later worktrees (which start from the default
+/// branch, and whose prompts read the lessons file) would never see them otherwise. Still on
+/// the repo's release track, one commit built without a working tree holds the item's documents
+/// the default branch lacks (15–18) and the lessons-file entries not yet there; it is published
+/// by compare-and-swap (`repos::move_default_branch`), retried from the remote's state when it
+/// loses a race. Idempotent by entry id. Never raises: returns a note saying what happened
+/// (also logged).
 async fn publish_to_default_branch(
     run: &StageRun,
     rel: &Path,
