@@ -12,7 +12,11 @@ rev="${ORCH_REVISION:-$(git rev-parse HEAD)}"
 log_run start
 mkdir -p "$state/releases/$rev" "$state/run"
 git archive "$rev" | tar -x -C "$state/releases/$rev"
-if [ -f "$state/run/$env.rev" ]; then cp "$state/run/$env.rev" "$state/run/$env.prev"; fi
+# The release to go back to is the one that ran before this revision: a deploy run again for
+# the same revision (after an interrupted one) must not make itself its own "previous".
+if [ -f "$state/run/$env.rev" ] && [ "$(cat "$state/run/$env.rev")" != "$rev" ]; then
+    cp "$state/run/$env.rev" "$state/run/$env.prev"
+fi
 sh "$(dirname "$0")/stop.sh" "$env" "$state"
 cd "$state/releases/$rev"
 APP_REVISION="$rev" APP_ENV="$env" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
