@@ -579,11 +579,6 @@ async fn permission_denial(p: P) {
         assert_eq!(outcomes(&rows), ["ok"]);
         return;
     }
-    for r in &rows {
-        eprintln!("DEBUGROW outcome={:?} data={}", r.outcome, r.data);
-    } // DEBUGTMP
-    eprintln!("DEBUGROW outside exists={}", outside.exists()); // DEBUGTMP
-    for r in c.server.requests() { eprintln!("DEBUGREQ turn={:?} path={} body={}", r.turn, r.path, r.body); } // DEBUGTMP
     let reason = failed_reason(effect);
     assert!(reason.contains("was denied"), "{reason}");
     let expect = match p {

@@ -443,6 +443,9 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         }
         Err(e) => TryResult::failed(inv.error(e.to_string())),
     };
+    if plan.parser == Parser::Codex {
+        codex_rollout_denials(&dirs, &mut result);
+    }
     if plan.parser == Parser::Aider {
         let cleaned = clean_after_aider(inv.worktree).await;
         if !cleaned.is_empty() {
@@ -1018,6 +1021,140 @@ fn parse_codex(stdout: &str) -> Parsed {
     parsed
 }
 
+/// Adds the sandbox refusals that Codex's `exec --json` events leave out. Codex 0.171 emits
+/// no `command_execution` item for an `exec_command` the sandbox refuses before its early-exit
+/// window closes (a plain `touch` outside the workspace): the model gets "Read-only file
+/// system" but the JSONL shows nothing. The session's rollout
+/// (`$CODEX_HOME/sessions/…/rollout-…-<thread id>.jsonl`, read before the run's home is
+/// removed) has every call and its output.
+fn codex_rollout_denials(dirs: &Dirs, result: &mut TryResult) {
+    let Some(thread) = result.data.get("codex_thread_id").and_then(Value::as_str) else {
+        return;
+    };
+    let codex_home = match &dirs.home {
+        Some(home) => Some(home.join(".codex")),
+        None => std::env::var_os("CODEX_HOME")
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".codex"))),
+    };
+    let Some(sessions) = codex_home.map(|h| h.join("sessions")) else {
+        return;
+    };
+    let suffix = format!("-{thread}.jsonl");
+    let Some(rollout) = find_file(
+        &sessions,
+        &|name: &str| name.starts_with("rollout-") && name.ends_with(&suffix),
+        4,
+    ) else {
+        return;
+    };
+    let Ok(text) = std::fs::read_to_string(&rollout) else {
+        return;
+    };
+    for denial in parse_codex_rollout(&text) {
+        // The same refusal seen in the events too (as `/bin/bash -lc '<cmd>'`) counts once.
+        if !result
+            .denials
+            .iter()
+            .any(|d| d.tool == denial.tool && d.detail.contains(denial.detail.as_str()))
+        {
+            result.denials.push(denial);
+        }
+    }
+}
+
+/// The first file under `dir` (at most `depth` levels down) whose name `matches`.
+fn find_file(dir: &Path, matches: &dyn Fn(&str) -> bool, depth: usize) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten() {
+        let path = entry.path();
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        if kind.is_file() && matches(&entry.file_name().to_string_lossy()) {
+            return Some(path);
+        }
+        if kind.is_dir()
+            && depth > 0
+            && let Some(found) = find_file(&path, matches, depth - 1)
+        {
+            return Some(found);
+        }
+    }
+    None
+}
+
+/// The sandbox refusals in a Codex rollout: a tool call whose output reports a non-zero exit
+/// ("Process exited with code 1", "Exit code: 1") and words of a refusal.
+fn parse_codex_rollout(text: &str) -> Vec<Denial> {
+    let mut commands: std::collections::HashMap<String, String> = Default::default();
+    let mut denials = Vec::new();
+    for line in text.lines() {
+        let Ok(entry) = serde_json::from_str::<Value>(line.trim()) else {
+            continue;
+        };
+        let Some(item) = entry.get("payload") else {
+            continue;
+        };
+        let call_id = item
+            .get("call_id")
+            .and_then(Value::as_str)
+            .unwrap_or_default()
+            .to_owned();
+        match item.get("type").and_then(Value::as_str) {
+            Some("function_call" | "custom_tool_call" | "local_shell_call") => {
+                let args = item
+                    .get("arguments")
+                    .and_then(Value::as_str)
+                    .and_then(|a| serde_json::from_str::<Value>(a).ok())
+                    .or_else(|| item.get("action").cloned())
+                    .unwrap_or(Value::Null);
+                let command = match args.get("cmd").or_else(|| args.get("command")) {
+                    Some(Value::String(c)) => c.clone(),
+                    Some(Value::Array(parts)) => parts
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join(" "),
+                    _ => continue,
+                };
+                commands.insert(call_id, command);
+            }
+            Some("function_call_output" | "custom_tool_call_output") => {
+                let Some(command) = commands.get(&call_id) else {
+                    continue;
+                };
+                let output = match item.get("output") {
+                    Some(Value::String(o)) => o.clone(),
+                    Some(other) => other.to_string(),
+                    None => continue,
+                };
+                let lower = output.to_lowercase();
+                let code = ["exited with code ", "exit code: ", "\"exit_code\":"]
+                    .iter()
+                    .find_map(|marker| {
+                        let at = lower.find(marker)? + marker.len();
+                        let digits: String = lower[at..]
+                            .trim_start()
+                            .chars()
+                            .take_while(|c| c.is_ascii_digit() || *c == '-')
+                            .collect();
+                        digits.parse::<i64>().ok()
+                    });
+                if code.is_some_and(|c| c != 0) && SANDBOX_DENIED.iter().any(|w| lower.contains(w))
+                {
+                    denials.push(Denial {
+                        tool: "sandbox".into(),
+                        detail: bound_text(command, 300),
+                        required: true,
+                    });
+                }
+            }
+            _ => {}
+        }
+    }
+    denials
+}
+
 /// A count as Aider prints it: `596`, `1.2k`, `3.4M`.
 fn aider_count(s: &str) -> Option<i64> {
     let s = s.trim().replace(',', "");
@@ -1498,6 +1635,24 @@ mod tests {
         assert_eq!(p.data["codex_warnings"].as_array().map(Vec::len), Some(1));
         let failed = "{\"type\":\"error\",\"message\":\"unexpected status 401 Unauthorized: bad key\"}\n{\"type\":\"turn.failed\",\"error\":{\"message\":\"unexpected status 401 Unauthorized: bad key\"}}\n";
         assert_eq!(parse_codex(failed).class, Some(Class::Permanent));
+    }
+
+    #[test]
+    fn codex_rollout_gives_the_refusals_the_events_leave_out() {
+        let rollout = concat!(
+            "{\"type\":\"session_meta\",\"payload\":{\"id\":\"t\"}}\n",
+            "{\"type\":\"response_item\",\"payload\":{\"type\":\"function_call\",\"name\":\"exec_command\",\"arguments\":\"{\\\"cmd\\\":\\\"touch /var/tmp/x\\\"}\",\"call_id\":\"c0\"}}\n",
+            "{\"type\":\"response_item\",\"payload\":{\"type\":\"function_call_output\",\"call_id\":\"c0\",\"output\":\"Chunk ID: 1\\nWall time: 0.0000 seconds\\nProcess exited with code 1\\nOutput:\\ntouch: cannot touch '/var/tmp/x': Read-only file system\\n\"}}\n",
+            "{\"type\":\"response_item\",\"payload\":{\"type\":\"function_call\",\"name\":\"exec_command\",\"arguments\":\"{\\\"cmd\\\":\\\"grep -r denied .\\\"}\",\"call_id\":\"c1\"}}\n",
+            "{\"type\":\"response_item\",\"payload\":{\"type\":\"function_call_output\",\"call_id\":\"c1\",\"output\":\"Process exited with code 0\\nOutput:\\nlog: permission denied\\n\"}}\n",
+        );
+        let d = parse_codex_rollout(rollout);
+        assert_eq!(d.len(), 1, "{d:?}");
+        assert_eq!(
+            (d[0].tool.as_str(), d[0].detail.as_str()),
+            ("sandbox", "touch /var/tmp/x")
+        );
+        assert!(d[0].required);
     }
 
     #[test]
