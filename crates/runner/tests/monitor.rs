@@ -1219,3 +1219,34 @@ async fn a_newer_deploy_of_the_repo_supersedes_the_watch_without_a_rollback() {
     )
     .await;
 }
+
+/// A rollback killed with orch before it ended (no result recorded) and production not back:
+/// the re-run runs it once more, and only once.
+#[tokio::test]
+async fn a_rollback_interrupted_before_it_ended_runs_once_more() {
+    let mut fx = Fx::new().await;
+    std::fs::write(fx.ctl.join("health"), "500").unwrap();
+    fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fx.arm();
+    // The first run was recorded as started and then died with orch: no command effect.
+    fx.db
+        .store
+        .append_event(
+            orch_store::NewEvent::new(events::POST_DEPLOY_ROLLBACK_STARTED, "started")
+                .task(fx.task.id)
+                .data(serde_json::json!({"seq": fx.task.stage_seq}).to_string()),
+        )
+        .await
+        .unwrap();
+    fx.drive(&exec(), no_change).await;
+    assert_eq!(
+        read(&fx.ctl.join("rolled_back")).lines().count(),
+        1,
+        "run once more"
+    );
+    assert_eq!(
+        fx.events_of(events::POST_DEPLOY_ROLLBACK_RERUN).await.len(),
+        1
+    );
+    assert_eq!(fx.log().unwrap().get_str("action_taken"), Some("rollback"));
+}

@@ -93,6 +93,9 @@ pub mod events {
     pub const DEPLOY_ROLLBACK_FAILED: &str = "deploy.rollback_failed";
     /// The rollback command is about to run (recorded first: a re-run never rolls back twice).
     pub const POST_DEPLOY_ROLLBACK_STARTED: &str = "post_deploy.rollback_started";
+    /// The rollback command is run once more: its first run was interrupted by orch stopping
+    /// and production is not back (recorded first: at most once per visit).
+    pub const POST_DEPLOY_ROLLBACK_RERUN: &str = "post_deploy.rollback_rerun";
     /// The rollback's result (ran, verified or not).
     pub const POST_DEPLOY_ROLLBACK: &str = "post_deploy.rollback";
     /// The watch's verdict and the action taken.

@@ -428,9 +428,8 @@ impl MonitorExecutor {
             .await?;
             return Ok((ActionTaken::Alert, why));
         };
-        if rollback_started(run, seq).await? {
-            tracing::warn!(work_item = %run.work_item, "rollback already started in this visit (a re-run): verifying only");
-        } else {
+        let started = rollback_started(run, seq).await?;
+        let run_it = if !started {
             record(
                 run,
                 seq,
@@ -439,6 +438,28 @@ impl MonitorExecutor {
                 data([("revision", json!(revision)), ("command", json!(command))]),
             )
             .await?;
+            true
+        } else if !rollback_ended(run, seq).await?
+            && !rolled_back_now(run, revision).await
+            && !rollback_rerun(run, seq).await?
+        {
+            // The first run never ended (orch died while it ran, and a restarted orch stops
+            // what its dead incarnation left running) and production is not back: run it once
+            // more (at most once per visit).
+            record(
+                run,
+                seq,
+                events::POST_DEPLOY_ROLLBACK_RERUN,
+                format!("the rollback of `{revision}` was interrupted and production is not back: running `{command}` once more"),
+                data([("revision", json!(revision)), ("command", json!(command))]),
+            )
+            .await?;
+            true
+        } else {
+            tracing::warn!(work_item = %run.work_item, "rollback already started in this visit (a re-run): verifying only");
+            false
+        };
+        if run_it {
             let out = run_repo_command(run, &command, revision).await;
             crate::failpoint::hit("monitor.after_rollback");
             let failed = match &out {
@@ -794,6 +815,43 @@ async fn alert(
 }
 
 /// Whether this visit's rollback already started (its event is recorded before the command).
+/// Whether this visit's rollback recorded how it ended (`post_deploy.rollback`).
+async fn rollback_ended(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    Ok(run
+        .store
+        .task_events(run.task.id)
+        .await?
+        .iter()
+        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK && event_seq(e) == Some(seq)))
+}
+
+/// Whether this visit already ran its rollback a second time.
+async fn rollback_rerun(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    Ok(run
+        .store
+        .task_events(run.task.id)
+        .await?
+        .iter()
+        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_RERUN && event_seq(e) == Some(seq)))
+}
+
+/// True when production looks rolled back from `revision` now: health passes and (when the
+/// service names its revision) `revision` is no longer the live one. Unknown is false.
+async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
+    let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+    let healthy = match &run.repo.health_url {
+        Some(url) => check_health(url, timeout).await.outcome == CheckOutcome::Pass,
+        None => false,
+    };
+    let moved = match &run.repo.revision_url {
+        Some(url) => live_revision(url, timeout)
+            .await
+            .is_some_and(|live| !revision_matches(revision, &live)),
+        None => true,
+    };
+    healthy && moved
+}
+
 async fn rollback_started(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
     let recorded = run.store.task_events(run.task.id).await?;
     Ok(recorded
