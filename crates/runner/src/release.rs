@@ -518,6 +518,15 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
             }
             RevertResult::Reverted { sha } => sha,
         };
+        // Through the merge gate's verification: the repo's tests on exactly the revert commit.
+        if let Some(why) = verify_revert(run, &sha).await? {
+            return Ok(Reverted::Held {
+                reason: format!(
+                    "the revert of {} fails verification on `{branch}`: {why}",
+                    run.work_item
+                ),
+            });
+        }
         match repos::move_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &sha).await {
             Ok(published) => {
                 note_unpublished(run, &published).await;
@@ -548,6 +557,44 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
         "the revert of {} kept losing the race for `{branch}`",
         run.work_item
     )
+}
+
+/// Runs the repo's test command on a checkout of exactly `sha`; `Some(why)` when it does not
+/// pass. No test command: nothing to verify.
+async fn verify_revert(run: &StageRun, sha: &str) -> Result<Option<String>> {
+    let Some(command) = run
+        .repo
+        .test
+        .as_deref()
+        .map(str::trim)
+        .filter(|c| !c.is_empty())
+    else {
+        return Ok(None);
+    };
+    let dir = repos::release_checkout(&run.git, &paths(run), sha).await?;
+    let cmd = orch_exec::Cmd::new("sh")
+        .arg("-c")
+        .arg(command)
+        .cwd(&dir)
+        .env("ORCH_WORK_ITEM", run.work_item.as_str())
+        .env("ORCH_REVISION", sha)
+        .timeout(std::time::Duration::from_secs(
+            run.repo.test_timeout_s.max(1),
+        ))
+        .cancel_on(run.cancel.clone());
+    let out = orch_exec::run(&cmd)
+        .await
+        .with_context(|| format!("cannot run the test command `{command}` on the revert"))?;
+    if out.status == orch_exec::ExitKind::Cancelled {
+        bail!("cancelled while verifying the revert of {}", run.work_item);
+    }
+    Ok((!out.success()).then(|| {
+        format!(
+            "`{command}` ended with {}: {}",
+            out.status,
+            one_line(&out.tail_text(5))
+        )
+    }))
 }
 
 fn write_revert_log(run: &StageRun, old: &str, new: &str, commit: &str, why: &str) -> Result<()> {

@@ -784,3 +784,64 @@ async fn the_trail_and_lessons_reach_the_default_branch_in_one_commit() {
         1
     );
 }
+
+/// The revert of a rolled-back change goes through verification like a merge: the repo's test
+/// command runs on exactly the revert commit; when it fails, nothing is published and the repo
+/// holds with the reason.
+#[tokio::test]
+async fn a_revert_is_verified_before_it_reaches_main() {
+    for (test, reverted) in [
+        ("test ! -f feature.txt", true),
+        ("test -f feature.txt", false),
+    ] {
+        let mut fx = Fx::new("observe").await;
+        fx.repo.test = Some(test.into());
+        let before = git_out(&fx.repo_dir, &["rev-parse", "main"]);
+        std::fs::write(fx.repo_dir.join("feature.txt"), "the change\n").unwrap();
+        git_out(&fx.repo_dir, &["add", "feature.txt"]);
+        git_out(
+            &fx.repo_dir,
+            &[
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@t",
+                "commit",
+                "-q",
+                "-m",
+                "change\n\nWork-Item: ORCH-3",
+            ],
+        );
+        let merged = git_out(&fx.repo_dir, &["rev-parse", "main"]);
+        fx.db
+            .store
+            .append_event(
+                NewEvent::new("release.promoted", "test").task(fx.task.id).data(
+                    serde_json::json!({"repo": "app", "old": before, "new": merged, "seq": fx.task.stage_seq})
+                        .to_string(),
+                ),
+            )
+            .await
+            .unwrap();
+        let run = fx.run("post-deploy-monitor", fx.content()).await;
+        let got = orch_runner::release::revert(&run, "health failed")
+            .await
+            .unwrap();
+        let main_now = git_out(&fx.repo_dir, &["rev-parse", "main"]);
+        if reverted {
+            assert!(
+                matches!(got, orch_runner::release::Reverted::Reverted { .. }),
+                "{got:?}"
+            );
+            assert_ne!(main_now, merged);
+        } else {
+            match got {
+                orch_runner::release::Reverted::Held { reason } => {
+                    assert!(reason.contains("fails verification"), "{reason}")
+                }
+                other => panic!("{other:?}"),
+            }
+            assert_eq!(main_now, merged, "an unverified revert is not published");
+        }
+    }
+}
