@@ -763,3 +763,91 @@ async fn hold_keeps_the_repo_until_an_operator_approves() {
     assert_eq!(got[&bad], "rolled_back");
     assert_eq!(got[&next], "shipped");
 }
+
+/// A deploy that fails takes its change back out of the default branch and ends the item; the
+/// next item deploys. Retrying the failed item does not ship the reverted change: it goes back
+/// to `merge`, which refuses to merge a reverted change again, and it ends `failed` saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_a_failed_deploy_never_ships_the_reverted_change() {
+    if !python_available() {
+        eprintln!("SKIPPED: python3 is not installed: the demo's sample service cannot run");
+        return;
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let url = setup(&dir, false).await;
+    // The first item's production deploy fails (an infrastructure flake, say).
+    edit_config(
+        &dir,
+        "deploy = \"sh deploy.sh",
+        "deploy = \"test \\\"$ORCH_WORK_ITEM\\\" = APP-1 && exit 1; sh deploy.sh",
+    );
+    let store = Store::connect(&url, ConnectOptions::default())
+        .await
+        .unwrap();
+    let first = submit(&dir, &url, "Write note one");
+    assert_eq!(first, "APP-1");
+    let worker = spawn_worker(&dir, &url, "retry");
+    wait_for(&store, "APP-1 failed at deploy", async |s| {
+        stage_of(s, &first).await == "failed"
+    })
+    .await;
+    let second = submit(&dir, &url, "Write note two");
+    wait_for(&store, "the second item shipped", async |s| {
+        stage_of(s, &second).await == "done"
+    })
+    .await;
+    assert!(
+        has_event(&store, &first, "release.reverted").await,
+        "the failed deploy's change was reverted"
+    );
+    let clone = dir.join(".orch/repos/service");
+    let note = format!("notes/{first}.txt");
+    assert!(
+        git(&clone, &["cat-file", "-e", &format!("main:{note}")]).is_none(),
+        "not on main"
+    );
+
+    orch(&dir, &url, &["retry", &first]);
+    wait_for(&store, "the retried item to end", async |s| {
+        stage_of(s, &first).await == "failed" && store_failed_twice(s, &first).await
+    })
+    .await;
+    terminate(worker).await;
+    stop_services(&dir);
+    let t = store.get_task_by_work_item(&first).await.unwrap().unwrap();
+    let events = store.task_events(t.id).await.unwrap();
+    let last = events
+        .iter()
+        .rev()
+        .find(|e| e.kind == "task.failed")
+        .unwrap();
+    assert!(last.message.contains("reverted"), "{}", last.message);
+    // Production never ran a revision holding the failed item's note.
+    for r in script_runs(&state_dir(&dir))
+        .iter()
+        .filter(|r| r.env == "production" && r.kind == "deploy")
+    {
+        assert!(
+            git(&clone, &["cat-file", "-e", &format!("{}:{note}", r.rev)]).is_none(),
+            "production ran {:.12} with {note}",
+            r.rev
+        );
+    }
+    let got = outcomes(&store, &[first.clone(), second.clone()]).await;
+    assert_eq!(got[&first], "failed");
+    assert_eq!(got[&second], "shipped");
+}
+
+async fn store_failed_twice(store: &Store, id: &str) -> bool {
+    let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+    store
+        .task_events(t.id)
+        .await
+        .unwrap()
+        .iter()
+        .filter(|e| e.kind == "task.failed")
+        .count()
+        >= 2
+}
