@@ -771,32 +771,13 @@ impl Git {
         message: &str,
     ) -> Result<RevertResult, GitError> {
         let merge_base = format!("--merge-base={to}");
-        let argv = args([
-            "merge-tree",
-            "--write-tree",
-            "--name-only",
-            "-z",
-            &merge_base,
-            head,
-            from,
-        ]);
-        let out = self.output(dir, argv.clone(), None).await?;
-        let text = out.stdout_lossy();
-        let mut parts = text.split('\0');
-        let tree = parts.next().unwrap_or_default().trim().to_owned();
-        match out.status {
-            ExitKind::Exited(0) => {}
-            ExitKind::Exited(1) => {
-                let mut files: Vec<String> = parts
-                    .take_while(|p| !p.is_empty())
-                    .map(str::to_owned)
-                    .collect();
-                files.sort();
-                files.dedup();
-                return Ok(RevertResult::Conflict { files });
-            }
-            _ => return Err(failed(dir, &argv, &out)),
-        }
+        let tree = match self
+            .merge_tree(dir, args([&merge_base, head, from]))
+            .await?
+        {
+            Ok(tree) => tree,
+            Err(files) => return Ok(RevertResult::Conflict { files }),
+        };
         let index = TempIndex::new();
         self.indexed(dir, &index, args(["read-tree", &tree]), None)
             .await?;
@@ -829,20 +810,31 @@ impl Git {
         theirs: &str,
         message: &str,
     ) -> Result<MergeResult, GitError> {
-        let argv = args([
-            "merge-tree",
-            "--write-tree",
-            "--name-only",
-            "-z",
-            base,
-            theirs,
-        ]);
+        let tree = match self.merge_tree(dir, args([base, theirs])).await? {
+            Ok(tree) => tree,
+            Err(files) => return Ok(MergeResult::Conflict { files }),
+        };
+        let sha = self
+            .commit_tree(dir, &tree, &[base, theirs], message)
+            .await?;
+        Ok(MergeResult::Merged { sha })
+    }
+
+    /// `git merge-tree --write-tree` with `rest` (revisions, options): the merged tree, or the
+    /// conflicting files (sorted, once each). Nothing is written but objects.
+    async fn merge_tree(
+        &self,
+        dir: &Path,
+        rest: Vec<OsString>,
+    ) -> Result<Result<String, Vec<String>>, GitError> {
+        let mut argv = args(["merge-tree", "--write-tree", "--name-only", "-z"]);
+        argv.extend(rest);
         let out = self.output(dir, argv.clone(), None).await?;
         let text = out.stdout_lossy();
         let mut parts = text.split('\0');
         let tree = parts.next().unwrap_or_default().trim().to_owned();
         match out.status {
-            ExitKind::Exited(0) => {}
+            ExitKind::Exited(0) => Ok(Ok(tree)),
             ExitKind::Exited(1) => {
                 let mut files: Vec<String> = parts
                     .take_while(|p| !p.is_empty())
@@ -850,14 +842,10 @@ impl Git {
                     .collect();
                 files.sort();
                 files.dedup();
-                return Ok(MergeResult::Conflict { files });
+                Ok(Err(files))
             }
-            _ => return Err(failed(dir, &argv, &out)),
+            _ => Err(failed(dir, &argv, &out)),
         }
-        let sha = self
-            .commit_tree(dir, &tree, &[base, theirs], message)
-            .await?;
-        Ok(MergeResult::Merged { sha })
     }
 
     /// `(id, full message)` of every commit in `range` (e.g. `a..b`), newest first.

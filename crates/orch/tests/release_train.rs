@@ -379,28 +379,7 @@ async fn setup(dir: &Path, pg: bool) -> String {
 fn submit_all(dir: &Path, url: &str) -> Vec<String> {
     ITEMS
         .iter()
-        .map(|(title, _)| {
-            let out = orch(
-                dir,
-                url,
-                &[
-                    "submit",
-                    "--repo",
-                    "service",
-                    "--title",
-                    title,
-                    "--body",
-                    "As the title says.",
-                    "--json",
-                ],
-            );
-            let v: serde_json::Value = serde_json::from_str(&out).expect("submit --json");
-            v["work_item_id"]
-                .as_str()
-                .or_else(|| v["id"].as_str())
-                .expect("the work item id")
-                .to_owned()
-        })
+        .map(|(title, _)| submit(dir, url, title))
         .collect()
 }
 
