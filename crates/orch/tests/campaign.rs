@@ -260,14 +260,24 @@ async fn outcomes(store: &Store) -> BTreeMap<String, ItemOutcome> {
                     .and_then(|m| m.split(':').next())
                     .map(str::to_owned)
             });
-        out.insert(
-            id.to_owned(),
+        // A change that breaks production is taken out (rolled back and reverted on main)
+        // whether the watch caught it (`reverted`) or, when a kill delayed the finalizer past
+        // the moment its health broke, the finalizer did (`failed` at deploy, reverted): the
+        // same result for the user, so the same outcome here.
+        let item = if events.iter().any(|e| e.kind == "release.reverted") {
+            ItemOutcome {
+                stage: "-".to_owned(),
+                outcome: Some("taken out: rolled back and reverted".to_owned()),
+                watch: None,
+            }
+        } else {
             ItemOutcome {
                 stage: t.stage,
                 outcome,
                 watch,
-            },
-        );
+            }
+        };
+        out.insert(id.to_owned(), item);
     }
     out
 }
@@ -438,7 +448,7 @@ async fn campaign(postgres: bool, procs: &[&str]) {
         expected
             .items
             .values()
-            .any(|o| o.watch.as_deref() == Some("FAILED")),
+            .any(|o| o.outcome.as_deref() == Some("taken out: rolled back and reverted")),
         "one item is rolled back: {expected:?}"
     );
 
