@@ -9,30 +9,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{ORCH, become_subreaper, demo_setup, python_available, skip, terminate};
+use common::{
+    become_subreaper, demo_setup, orch_db, python_available, skip, spawn_worker, terminate,
+};
 use orch_store::{ConnectOptions, Store};
 
 const ITEMS: usize = 4;
-
-fn orch(dir: &Path, url: &str, args: &[&str]) -> String {
-    let out = std::process::Command::new(ORCH)
-        .arg("--config")
-        .arg(dir.join("orch.toml"))
-        .args(["--database-url", url])
-        .args(args)
-        .env("ORCH_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "orch {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn git(dir: &Path, args: &[&str]) -> String {
     let out = std::process::Command::new("git")
@@ -50,24 +34,6 @@ fn git(dir: &Path, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
-    tokio::process::Command::new(ORCH)
-        .arg("--config")
-        .arg(dir.join("orch.toml"))
-        .args(["--database-url", url])
-        .args(["worker", "--worker-id", id, "--grace-s", "1"])
-        .env("ORCH_LOG", "warn")
-        .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
-        .env_remove("ORCH_FAILPOINTS")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_worker_processes_merge_four_items_without_losing_one() {
     if !python_available() {
@@ -78,11 +44,11 @@ async fn two_worker_processes_merge_four_items_without_losing_one() {
     let dir: PathBuf = tmp.path().join("demo");
     demo_setup(&dir);
     let url = orch_store::testing::fresh_pg_schema().await;
-    orch(&dir, &url, &["migrate"]);
+    orch_db(&dir, &url, &["migrate"]);
     let ids: Vec<String> = (1..=ITEMS).map(|n| format!("APP-{n}")).collect();
     for n in 1..=ITEMS {
         let title = format!("Write note {n}");
-        orch(
+        orch_db(
             &dir,
             &url,
             &[

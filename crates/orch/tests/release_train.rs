@@ -20,11 +20,11 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{
-    ORCH, Serve, become_subreaper, demo_setup, python_available, reap_orphans, terminate,
+    Serve, become_subreaper, demo_setup, orch_db, python_available, reap_orphans, spawn_worker,
+    terminate,
 };
 use orch_store::{ConnectOptions, JobState, Store};
 
@@ -33,23 +33,6 @@ const ITEMS: [(&str, &str); 3] = [
     ("Make the greeting configurable", "reverted"),
     ("Add a banner", "failed"),
 ];
-
-fn orch(dir: &Path, url: &str, args: &[&str]) -> String {
-    let out = std::process::Command::new(ORCH)
-        .arg("--config")
-        .arg(dir.join("orch.toml"))
-        .args(["--database-url", url])
-        .args(args)
-        .env("ORCH_LOG", "warn")
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "orch {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
 
 fn git(dir: &Path, args: &[&str]) -> Option<String> {
     let out = std::process::Command::new("git")
@@ -61,25 +44,6 @@ fn git(dir: &Path, args: &[&str]) -> Option<String> {
     out.status
         .success()
         .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
-}
-
-fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
-    tokio::process::Command::new(ORCH)
-        .arg("--config")
-        .arg(dir.join("orch.toml"))
-        .args(["--database-url", url])
-        .args(["worker", "--worker-id", id, "--grace-s", "1"])
-        .env("ORCH_LOG", "warn")
-        .env("ORCH_LEASE_S", "2")
-        .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
-        .env_remove("ORCH_FAILPOINTS")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap()
 }
 
 /// The demo's state dir (where the sample service keeps releases and `deploys.log`).
@@ -369,7 +333,7 @@ async fn setup(dir: &Path, pg: bool) -> String {
     assert!(first.status.success(), "{first:?}");
     if pg {
         let url = orch_store::testing::fresh_pg_schema().await;
-        orch(dir, &url, &["migrate"]);
+        orch_db(dir, &url, &["migrate"]);
         url
     } else {
         format!("sqlite://{}", dir.join(".orch/orch.db").display())
@@ -551,7 +515,7 @@ async fn has_event(store: &Store, id: &str, kind: &str) -> bool {
 }
 
 fn submit(dir: &Path, url: &str, title: &str) -> String {
-    let out = orch(
+    let out = orch_db(
         dir,
         url,
         &[
@@ -613,7 +577,7 @@ async fn cancel_during_deploy_and_observe_releases_the_repo() {
         false
     })
     .await;
-    orch(&dir, &url, &["cancel", &in_deploy]);
+    orch_db(&dir, &url, &["cancel", &in_deploy]);
     assert!(
         !repos
             .join(format!(".deploy-state-service/{in_deploy}/INITIATED"))
@@ -634,7 +598,7 @@ async fn cancel_during_deploy_and_observe_releases_the_repo() {
     .await;
     let armed = repos.join(format!(".post-deploy-state-service/{watching}/armed"));
     wait_for(&store, "the watch armed", async |_| armed.exists()).await;
-    orch(&dir, &url, &["cancel", &watching]);
+    orch_db(&dir, &url, &["cancel", &watching]);
     let done = repos.join(format!(".post-deploy-state-service/{watching}/done"));
     assert!(done.exists(), "the cancelled item's watch is done");
     // The last item deploys on the released repo.
@@ -647,7 +611,7 @@ async fn cancel_during_deploy_and_observe_releases_the_repo() {
         has_event(s, &last, "deploy.confirmed").await
     })
     .await;
-    orch(&dir, &url, &["cancel", &last]);
+    orch_db(&dir, &url, &["cancel", &last]);
     terminate(worker).await;
     stop_services(&dir);
     let got = outcomes(&store, &[a, b, c]).await;
@@ -731,7 +695,7 @@ async fn hold_keeps_the_repo_until_an_operator_approves() {
         ],
     )
     .expect("the operator's fix");
-    orch(&dir, &url, &["approve", &bad]);
+    orch_db(&dir, &url, &["approve", &bad]);
     wait_for(&store, "both items done", async |s| {
         all_terminal(s, &[bad.clone(), next.clone()]).await
     })
@@ -788,7 +752,7 @@ async fn retry_after_a_failed_deploy_never_ships_the_reverted_change() {
         "not on main"
     );
 
-    orch(&dir, &url, &["retry", &first]);
+    orch_db(&dir, &url, &["retry", &first]);
     wait_for(&store, "the retried item to end", async |s| {
         stage_of(s, &first).await == "failed" && store_failed_twice(s, &first).await
     })

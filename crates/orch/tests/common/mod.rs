@@ -202,3 +202,42 @@ impl Serve {
         terminate(self.child).await;
     }
 }
+
+/// `orch --config <dir>/orch.toml --database-url <url> <args>`, which must succeed; its stdout.
+pub fn orch_db(dir: &Path, url: &str, args: &[&str]) -> String {
+    let out = std::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args(["--database-url", url])
+        .args(args)
+        .env("ORCH_LOG", "warn")
+        .output()
+        .expect("run orch");
+    assert!(
+        out.status.success(),
+        "orch {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// An `orch worker` of the demo in `dir` on `url`: its own process group, 2 s leases, 50 ms
+/// demo agents, no failpoints, silent.
+pub fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
+    tokio::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args(["--database-url", url])
+        .args(["worker", "--worker-id", id, "--grace-s", "1"])
+        .env("ORCH_LOG", "warn")
+        .env("ORCH_LEASE_S", "2")
+        .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
+        .env_remove("ORCH_FAILPOINTS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()
+        .expect("spawn orch worker")
+}
