@@ -456,7 +456,10 @@ async fn campaign(postgres: bool, procs: &[&str]) {
     let n = kills();
     let (got, incarnations) = run(&killed, procs, n, &mut rng).await;
     assert!(incarnations.len() > n, "{n} kills happened");
-    if got.items != expected.items {
+    if got.items != expected.items
+        || got.prod_deploys.len() != expected.prod_deploys.len()
+        || got.prod_rollbacks.len() != expected.prod_rollbacks.len()
+    {
         let kept = tmp.keep();
         eprintln!("seed {seed}: runs kept in {}", kept.display());
         eprintln!("{}", history(&killed).await);

@@ -906,3 +906,39 @@ async fn a_deploy_interrupted_before_it_went_live_runs_once_more_and_only_once()
     let _ = DeployerExecutor::default().execute(&again).await.unwrap();
     assert_eq!(fx.runs(), 1, "a visit re-runs its deploy at most once");
 }
+
+/// A deploy killed with orch after its revision went live — but unhealthy, as a bad change is —
+/// was applied: the next job confirms (and the finalizer judges the health), it never deploys
+/// the same revision a second time.
+#[tokio::test]
+async fn a_deploy_interrupted_after_an_unhealthy_revision_went_live_is_not_run_again() {
+    let mut fx = Fx::new().await;
+    fx.repo.deploy = Some(format!(
+        "sh {c}/deploy.sh; echo 500 > {c}/health; sleep 30",
+        c = fx.ctl.display()
+    ));
+    let run = fx.run(fx.first_content()).await;
+    let job_id = run.job.id;
+    let handle = tokio::spawn(async move { DeployerExecutor::default().execute(&run).await });
+    for _ in 0..400 {
+        if read(&fx.ctl.join("health")).trim() == "500" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    handle.abort(); // orch dies after the revision went live, before the command ended
+    let _ = handle.await;
+    assert_eq!(fx.runs(), 1, "the interrupted command deployed");
+    assert!(fx.deploy_state().has_marker(MARKER_INITIATED));
+
+    let rerun = fx.run_of(job_id).await;
+    let effect = DeployerExecutor::default().execute(&rerun).await.unwrap();
+    assert_eq!(fx.runs(), 1, "not deployed a second time: {effect:?}");
+    assert!(
+        !fx.event_kinds()
+            .await
+            .iter()
+            .any(|k| k == events::DEPLOY_REDEPLOYED),
+        "no redeploy event"
+    );
+}

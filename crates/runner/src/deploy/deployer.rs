@@ -105,23 +105,18 @@ impl StageExecutor for DeployerExecutor {
     }
 }
 
-/// True when the service says `revision` is live and healthy (`revision_url`, and `health_url`
-/// when set). Unknown (no `revision_url`, no answer) is false.
+/// True when the service says `revision` is live (`revision_url`). Health is not asked: a
+/// revision that went live and is unhealthy was deployed (the finalizer and the watch judge it);
+/// deploying it again would apply the deploy twice. Unknown (no `revision_url`, no answer) is
+/// false.
 async fn live_now(run: &StageRun, revision: &str) -> bool {
     let Some(url) = &run.repo.revision_url else {
         return false;
     };
     let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
-    let live = live_revision(url, timeout)
+    live_revision(url, timeout)
         .await
-        .is_some_and(|live| revision_matches(revision, &live));
-    let healthy = match &run.repo.health_url {
-        Some(url) => {
-            check_health(url, timeout).await.outcome == orch_domain::monitor::CheckOutcome::Pass
-        }
-        None => true,
-    };
-    live && healthy
+        .is_some_and(|live| revision_matches(revision, &live))
 }
 
 /// Whether this visit already ran its deploy command a second time.
