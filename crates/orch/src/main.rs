@@ -25,7 +25,7 @@ fn main() -> ExitCode {
     // The demo and the scripted agent talk to people through stdout; keep logs to warnings.
     let quiet_default = matches!(
         cli.command,
-        cli::Command::Demo(_) | cli::Command::DemoAgent { .. }
+        cli::Command::Demo(_) | cli::Command::DemoAgent { .. } | cli::Command::DemoModelServer
     );
     init_tracing(cli.global.verbose, cli.global.quiet, quiet_default);
     // reqwest is built without a default crypto provider (no cmake here): pick ring once.

@@ -20,11 +20,14 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         // These two make their own context (the demo writes its config first).
         Command::Demo(args) => return crate::demo::run(&cli.global, args).await,
         Command::DemoAgent { .. } => return crate::demo::agent::run(),
+        Command::DemoModelServer => return crate::demo::serve_model().await,
         other => other,
     };
     let cx = Context::new(&cli.global)?;
     match command {
-        Command::Demo(_) | Command::DemoAgent { .. } => Ok(ExitCode::SUCCESS),
+        Command::Demo(_) | Command::DemoAgent { .. } | Command::DemoModelServer => {
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Init(args) => init::run(&cx, args).await,
         Command::Migrate => migrate(&cx).await,
         Command::Serve(args) => worker::serve(&cx, args).await,

@@ -8,6 +8,8 @@
 pub mod agent;
 mod claude;
 
+pub(crate) use claude::serve_model;
+
 use std::collections::HashMap;
 use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
