@@ -341,3 +341,81 @@ fn init_inside_a_git_repo_keeps_the_token_out_of_git() {
         before
     );
 }
+
+/// `orch --json worker` (and `serve`, which logs the same way): stdout stays empty and every
+/// log line on stderr is one JSON object with a level and a message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_logs_are_json_lines_under_json() {
+    use tokio::io::AsyncBufReadExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    common::demo_setup(d);
+    let mut worker = tokio::process::Command::new(ORCH)
+        .current_dir(d)
+        .args([
+            "--json",
+            "--config",
+            "orch.toml",
+            "worker",
+            "--node",
+            "json-node",
+        ])
+        .env_remove("ORCH_DATABASE_URL")
+        .env("ORCH_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(worker.stderr.take().unwrap()).lines();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("a log line within 60 s")
+        .unwrap()
+        .expect("a log line");
+    let pid = i32::try_from(worker.id().unwrap()).unwrap();
+    // SAFETY: SIGTERM to the worker we spawned.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let mut all = vec![first];
+    while let Some(line) = lines.next_line().await.unwrap() {
+        all.push(line);
+    }
+    let out = worker.wait_with_output().await.unwrap();
+    assert!(out.status.success(), "{all:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "",
+        "stdout stays empty"
+    );
+    for line in &all {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a log line that is not JSON ({e}): {line}"));
+        assert!(v["level"].is_string(), "{line}");
+        assert!(v["message"].is_string(), "{line}");
+    }
+}
+
+/// `orch --json demo --setup-only` prints the demo's directory as JSON.
+#[test]
+fn demo_setup_under_json_prints_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("demo");
+    let out = orch(
+        dir.path(),
+        &[
+            "--json",
+            "demo",
+            "--setup-only",
+            "--dir",
+            target.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("JSON");
+    assert_eq!(v["dir"].as_str(), target.to_str());
+}

@@ -277,3 +277,59 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
     assert_eq!(advances, 1, "analysis advanced exactly once");
     store.close().await;
 }
+
+/// `orch --json demo`: the commentary goes to stderr, stdout is one JSON document with every
+/// item's outcome and the deploy history (what each production deploy shipped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_under_json_prints_one_document() {
+    if !python_available() {
+        return skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let out = tokio::time::timeout(
+        Duration::from_secs(400),
+        tokio::process::Command::new(ORCH)
+            .args(["--json", "demo", "--dir"])
+            .arg(&dir)
+            .env("ORCH_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the demo finishes within 400 s")
+    .expect("run orch demo");
+    stop_service(&dir);
+    reap_orphans();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("look around:"),
+        "the commentary is on stderr"
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {stdout}"));
+    let outcome = |id: &str| {
+        v["items"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|i| i["work_item_id"] == id)
+            .map(|i| i["outcome"].as_str().unwrap_or_default().to_owned())
+    };
+    assert_eq!(outcome("APP-1").as_deref(), Some("shipped"), "{v}");
+    assert_eq!(outcome("APP-2").as_deref(), Some("reverted"), "{v}");
+    let deploys = v["deploys"].as_array().expect("deploys");
+    assert!(
+        deploys.iter().any(|d| d["items"]
+            .as_array()
+            .is_some_and(|items| items.iter().any(|i| i["work_item"] == "APP-1"))),
+        "a deploy shipped APP-1: {v}"
+    );
+    assert!(
+        !v["reverts"].as_array().unwrap().is_empty(),
+        "APP-2 was reverted: {v}"
+    );
+}

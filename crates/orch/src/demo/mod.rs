@@ -56,7 +56,24 @@ const ITEMS: &[(&str, &str)] = &[
     ),
 ];
 
+/// Under `--json` the demo's running commentary goes to stderr and stdout carries one JSON
+/// document at the end (the outcomes and the deploy history).
+static COMMENTARY_ON_STDERR: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// `println!` for the demo's commentary (see [`COMMENTARY_ON_STDERR`]).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        if COMMENTARY_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!($($arg)*)
+        } else {
+            println!($($arg)*)
+        }
+    };
+}
+
 pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
+    COMMENTARY_ON_STDERR.store(global.json, std::sync::atomic::Ordering::Relaxed);
     for tool in ["git", "python3", "setsid", "tar"] {
         if which(tool).is_none() {
             anyhow::bail!(
@@ -128,20 +145,24 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     let runtime = Arc::new(Runtime::new(&cx, &config, &store)?);
     if args.setup_only {
         store.close().await;
-        println!("{}", dir.display());
+        if global.json {
+            crate::output::print_json(&serde_json::json!({ "dir": dir }));
+        } else {
+            println!("{}", dir.display());
+        }
         return Ok(ExitCode::SUCCESS);
     }
 
-    println!("orch demo in {}", dir.display());
+    say!("orch demo in {}", dir.display());
     if let Some(c) = &claude {
-        println!(
+        say!(
             "  LLM stages: the real Claude Code ({}) against the demo's model server",
             c.program.display()
         );
     }
-    println!("  sample service repo: {}", service.display());
-    println!("  dashboard while it runs: http://127.0.0.1:{api_port}/");
-    println!(
+    say!("  sample service repo: {}", service.display());
+    say!("  dashboard while it runs: http://127.0.0.1:{api_port}/");
+    say!(
         "  the sample service while it runs: production http://127.0.0.1:{prod_port}/health, staging http://127.0.0.1:{staging_port}/health (stopped when the demo exits)\n"
     );
     // Stops the service's instances on every way out: return, error, Ctrl-C, SIGTERM.
@@ -194,10 +215,10 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     let mut ids = Vec::new();
     for (title, body) in ITEMS {
         let t = runtime.ops.submit("service", title, body).await?;
-        println!("submitted {}: {title}", t.work_item_id);
+        say!("submitted {}: {title}", t.work_item_id);
         ids.push(t.work_item_id);
     }
-    println!();
+    say!();
     let started = Instant::now();
     let mut finished = watch_progress(&store, &ids, started, Duration::from_secs(300)).await;
     // The loop closes: a third request's analyst gets the rollback lesson in its prompt. It is
@@ -226,7 +247,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         let _ = orch_exec::run(&stop_cmd).await;
     }
     let tasks = finished?;
-    summary(
+    let doc = summary(
         &store,
         &tasks,
         &dir,
@@ -235,6 +256,9 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         lesson_seen.as_deref(),
     )
     .await?;
+    if global.json {
+        crate::output::print_json(&doc);
+    }
     store.close().await;
     let all_ended = tasks.iter().all(|t| t.is_terminal());
     Ok(if all_ended {
@@ -255,7 +279,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
             "Some load balancers probe `/healthz`; answer it like `/health`.",
         )
         .await?;
-    println!(
+    say!(
         "  +  ---   {:6}  submitted after APP-2's rollback, to show the lesson reach a prompt",
         t.work_item_id
     );
@@ -275,7 +299,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let cancelled = runtime.ops.cancel(&t.work_item_id).await?;
-    println!(
+    say!(
         "  +  ---   {:6}  cancelled by an operator after analysis",
         t.work_item_id
     );
@@ -442,7 +466,7 @@ async fn watch_progress(
                 if tty {
                     mp.println(&line).ok();
                 } else {
-                    println!("{line}");
+                    say!("{line}");
                 }
                 if let Some(b) = bars.get(id) {
                     let pos = stages
@@ -482,8 +506,9 @@ async fn summary(
     config: &Path,
     started: Instant,
     lesson_seen: Option<&str>,
-) -> Result<()> {
-    println!("\nfinished in {:.0}s\n", started.elapsed().as_secs_f64());
+) -> Result<serde_json::Value> {
+    say!("\nfinished in {:.0}s\n", started.elapsed().as_secs_f64());
+    let mut items = Vec::new();
     for t in tasks {
         let events = store.task_events(t.id).await?;
         let runs = store.task_agent_runs(t.id).await?;
@@ -500,7 +525,7 @@ async fn summary(
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
             .and_then(|v| v["outcome"].as_str().map(str::to_owned))
             .unwrap_or_else(|| t.stage.clone());
-        println!("{}  {}  → {outcome}", t.work_item_id, t.title);
+        say!("{}  {}  → {outcome}", t.work_item_id, t.title);
         let rows: Vec<Vec<String>> = events
             .iter()
             .filter(|e| {
@@ -532,35 +557,49 @@ async fn summary(
             })
             .collect();
         for line in table(&["at", "event", "what"], &rows).lines() {
-            println!("    {line}");
+            say!("    {line}");
         }
-        println!(
+        say!(
             "    agent runs: {}  tokens in/out: {}/{}  cost: ${:.4}",
             runs.len(),
             usage.input_tokens,
             usage.output_tokens,
             usage.cost_usd
         );
-        if let Some(v) = events
+        let verdict = events
             .iter()
             .rev()
             .find(|e| e.kind == "post_deploy.verdict")
-        {
-            let data: serde_json::Value = serde_json::from_str(&v.data).unwrap_or_default();
-            println!(
+            .map(|v| serde_json::from_str::<serde_json::Value>(&v.data).unwrap_or_default());
+        items.push(serde_json::json!({
+            "work_item_id": t.work_item_id,
+            "title": t.title,
+            "stage": t.stage,
+            "outcome": outcome,
+            "agent_runs": runs.len(),
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cost_usd": usage.cost_usd,
+            "post_deploy_verdict": verdict.as_ref().map(|d| &d["verdict"]),
+            "post_deploy_action": verdict.as_ref().map(|d| &d["action"]),
+        }));
+        if let Some(data) = &verdict {
+            say!(
                 "    post-deploy watch: {} → action: {}",
                 data["verdict"].as_str().unwrap_or("?"),
                 data["action"].as_str().unwrap_or("?")
             );
         }
-        println!();
+        say!();
     }
-    println!("deploy history of repo service (what each production deploy shipped):");
+    say!("deploy history of repo service (what each production deploy shipped):");
     let deploys = store
         .events_by_kind(orch_runner::release::events::DEPLOYED, 0, 1000)
         .await?;
+    let mut history = Vec::new();
     for e in &deploys {
         let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
+        history.push(v.clone());
         let items: Vec<String> = v["items"]
             .as_array()
             .map(|a| {
@@ -575,7 +614,7 @@ async fn summary(
                     .collect()
             })
             .unwrap_or_default();
-        println!(
+        say!(
             "    {:.12}  {}  ships: {}",
             v["revision"].as_str().unwrap_or("?"),
             if v["confirmed"] == true {
@@ -590,21 +629,23 @@ async fn summary(
             }
         );
     }
+    let mut reverts = Vec::new();
     for e in store
         .events_by_kind(orch_runner::release::events::REVERTED, 0, 1000)
         .await?
     {
-        println!("    {}", e.message);
+        say!("    {}", e.message);
+        reverts.push(e.message);
     }
-    println!();
+    say!();
     if let Some(lines) = lesson_seen {
-        println!(
+        say!(
             "the lesson reaches a later prompt: APP-3's analyst was given the repo's lessons and wrote"
         );
         for l in lines.lines() {
-            println!("    {l}");
+            say!("    {l}");
         }
-        println!();
+        say!();
     }
     // The commands as printed must run: `orch` is this very binary (after `cargo run` it is
     // not on PATH), named by its full path unless PATH finds the same file.
@@ -616,28 +657,36 @@ async fn summary(
         shell_quote(&exe.display().to_string())
     };
     let cfg = shell_quote(&config.display().to_string());
-    println!("look around:");
-    println!("  {orch} --config {cfg} status APP-1        # stage timeline, usage");
-    println!("  {orch} --config {cfg} logs APP-2          # every event, agent runs");
-    println!(
+    say!("look around:");
+    say!("  {orch} --config {cfg} status APP-1        # stage timeline, usage");
+    say!("  {orch} --config {cfg} logs APP-2          # every event, agent runs");
+    say!(
         "  git -C {} log --oneline --graph --all   # the artifact trail on orch/APP-* branches",
         shell_quote(&dir.join(".orch/repos/service").display().to_string())
     );
-    println!(
+    say!(
         "  git -C {} log --format='%h %s' main  # main: the releases, APP-2's revert, the audit commits",
         shell_quote(&dir.join(".orch/repos/service").display().to_string())
     );
-    println!(
+    say!(
         "  ls {}  # every item's whole trail, in the sample service's own checkout",
         shell_quote(&dir.join("service/docs/work-items").display().to_string())
     );
-    println!("  {orch} --config {cfg} serve               # the dashboard again, on the same data");
+    say!("  {orch} --config {cfg} serve               # the dashboard again, on the same data");
     if !on_path {
-        println!(
+        say!(
             "(to have `orch` on PATH: `cargo install --path crates/orch --locked` in orch's source tree)"
         );
     }
-    Ok(())
+    Ok(serde_json::json!({
+        "dir": dir,
+        "config": config,
+        "finished_in_s": started.elapsed().as_secs(),
+        "items": items,
+        "deploys": history,
+        "reverts": reverts,
+        "lesson_seen": lesson_seen,
+    }))
 }
 
 /// `s` quoted for a POSIX shell when it needs it.
