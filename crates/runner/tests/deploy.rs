@@ -942,3 +942,37 @@ async fn a_deploy_interrupted_after_an_unhealthy_revision_went_live_is_not_run_a
         "no redeploy event"
     );
 }
+
+/// An interrupted deploy whose finalizer already began rolling it back (so its revision is not
+/// live on purpose) is never deployed again: the next job finishes the finalizer's work.
+#[tokio::test]
+async fn a_deploy_being_rolled_back_is_not_deployed_again() {
+    for judged in [events::DEPLOY_DEFERRED, events::DEPLOY_ROLLBACK_STARTED] {
+        let fx = Fx::new().await;
+        assert!(
+            fx.deploy_state()
+                .write_marker(MARKER_INITIATED, &fx.revision)
+        );
+        // The rollback (or whatever else) made another revision live.
+        std::fs::write(fx.ctl.join("live_rev"), "0ld0ld0ld0ld\n").unwrap();
+        fx.db
+            .store
+            .append_event(
+                NewEvent::new(judged, "judged before the crash")
+                    .task(fx.task.id)
+                    .data(serde_json::json!({ "seq": fx.task.stage_seq }).to_string()),
+            )
+            .await
+            .unwrap();
+        let run = fx.run(fx.first_content()).await;
+        let effect = DeployerExecutor::default().execute(&run).await.unwrap();
+        assert_eq!(fx.runs(), 0, "{judged}: not deployed again: {effect:?}");
+        assert!(
+            !fx.event_kinds()
+                .await
+                .iter()
+                .any(|k| k == events::DEPLOY_REDEPLOYED),
+            "{judged}"
+        );
+    }
+}

@@ -82,12 +82,13 @@ impl StageExecutor for DeployerExecutor {
                 && run.repo.deploy.is_some()
                 && let Some(revision) = initiated_revision(&state)
                 && !live_now(run, &revision).await
-                && !redeployed(run, seq).await?
+                && !finalizing_began(run, seq).await?
             {
                 // The command never ended: orch stopped while it ran (and a restarted orch stops
                 // what its dead incarnation left running). The revision is not live, so the
                 // deploy did not happen: run it once more (at most once per visit, so a deploy
-                // that itself restarts orch cannot loop).
+                // that itself restarts orch cannot loop; never once the finalizer judged it,
+                // since a rollback it started makes the revision not live on purpose).
                 record(
                     run,
                     seq,
@@ -119,14 +120,21 @@ async fn live_now(run: &StageRun, revision: &str) -> bool {
         .is_some_and(|live| revision_matches(revision, &live))
 }
 
-/// Whether this visit already ran its deploy command a second time.
-async fn redeployed(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
-    Ok(run
-        .store
-        .task_events(run.task.id)
-        .await?
-        .iter()
-        .any(|e| e.kind == events::DEPLOY_REDEPLOYED && event_seq(e) == Some(seq)))
+/// Whether this visit already ran its deploy command a second time, or the finalizer already
+/// judged the deploy (deferred it, or began rolling it back): from then on a revision that is
+/// not live is the finalizer's business, never a reason to deploy again.
+async fn finalizing_began(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    Ok(run.store.task_events(run.task.id).await?.iter().any(|e| {
+        event_seq(e) == Some(seq)
+            && matches!(
+                e.kind.as_str(),
+                events::DEPLOY_REDEPLOYED
+                    | events::DEPLOY_DEFERRED
+                    | events::DEPLOY_ROLLBACK_STARTED
+                    | events::DEPLOY_ROLLED_BACK
+                    | events::DEPLOY_ROLLBACK_FAILED
+            )
+    }))
 }
 
 /// The outcome of a visit already recorded (a re-run after the markers were cleared).
