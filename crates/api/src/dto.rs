@@ -215,7 +215,7 @@ impl TaskDeployDto {
     pub fn of(events: &[orch_store::Event]) -> Vec<TaskDeployDto> {
         events
             .iter()
-            .filter(|e| e.kind == "release.deployed")
+            .filter(|e| e.kind == orch_domain::control::events::RELEASE_DEPLOYED)
             .map(|e| {
                 let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
                 let s = |k: &str| v[k].as_str().map(str::to_owned);

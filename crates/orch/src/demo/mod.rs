@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
+use orch_domain::control::events;
 use orch_exec::git::{Git, Pathspec};
 use orch_runner::worker::{Worker, WorkerConfig};
 use orch_store::{ConnectOptions, Store, Task};
@@ -424,8 +425,8 @@ async fn watch_progress(
                     .rev()
                     .find(|e| {
                         e.kind.starts_with("stage.")
-                            && e.kind != "stage.started"
-                            && e.kind != "stage.requeued"
+                            && e.kind != events::STAGE_STARTED
+                            && e.kind != events::STAGE_REQUEUED
                             || e.kind.starts_with("task.")
                     })
                     .map(|e| e.message)
@@ -492,7 +493,7 @@ async fn summary(
             .find(|e| {
                 matches!(
                     e.kind.as_str(),
-                    "task.done" | "task.failed" | "task.cancelled"
+                    events::TASK_DONE | events::TASK_FAILED | events::TASK_CANCELLED
                 )
             })
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
@@ -504,15 +505,15 @@ async fn summary(
             .filter(|e| {
                 matches!(
                     e.kind.as_str(),
-                    "stage.advanced"
-                        | "stage.loop_back"
-                        | "task.done"
-                        | "task.failed"
-                        | "post_deploy.verdict"
-                        | "deploy.confirmed"
-                        | "release.waiting"
-                        | "release.promoted"
-                        | "release.reverted"
+                    events::STAGE_ADVANCED
+                        | events::STAGE_LOOP_BACK
+                        | events::TASK_DONE
+                        | events::TASK_FAILED
+                        | events::POST_DEPLOY_VERDICT
+                        | events::DEPLOY_CONFIRMED
+                        | events::RELEASE_WAITING
+                        | events::RELEASE_PROMOTED
+                        | events::RELEASE_REVERTED
                 )
             })
             .map(|e| {
@@ -542,7 +543,7 @@ async fn summary(
         if let Some(v) = events
             .iter()
             .rev()
-            .find(|e| e.kind == "post_deploy.verdict")
+            .find(|e| e.kind == events::POST_DEPLOY_VERDICT)
         {
             let data: serde_json::Value = serde_json::from_str(&v.data).unwrap_or_default();
             println!(
@@ -555,7 +556,7 @@ async fn summary(
     }
     println!("deploy history of repo service (what each production deploy shipped):");
     let deploys = store
-        .events_by_kind(orch_runner::release::events::DEPLOYED, 0, 1000)
+        .events_by_kind(events::RELEASE_DEPLOYED, 0, 1000)
         .await?;
     for e in &deploys {
         let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
@@ -589,7 +590,7 @@ async fn summary(
         );
     }
     for e in store
-        .events_by_kind(orch_runner::release::events::REVERTED, 0, 1000)
+        .events_by_kind(events::RELEASE_REVERTED, 0, 1000)
         .await?
     {
         println!("    {}", e.message);
