@@ -215,7 +215,7 @@ impl TaskDeployDto {
     pub fn of(events: &[orch_store::Event]) -> Vec<TaskDeployDto> {
         events
             .iter()
-            .filter(|e| e.kind == "release.deployed")
+            .filter(|e| e.kind == orch_domain::control::events::RELEASE_DEPLOYED)
             .map(|e| {
                 let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
                 let s = |k: &str| v[k].as_str().map(str::to_owned);
@@ -669,4 +669,18 @@ impl From<&crate::repos::RepoStory> for RepoDeploys {
                 .collect(),
         }
     }
+}
+
+/// `orch --json demo`: where the demo ran, and the sample service's story (the same document as
+/// `GET /repos/service/deploys`: every item with its outcome, each deploy with what it shipped,
+/// the reverts, the lessons).
+#[derive(Debug, Serialize)]
+pub struct DemoReport {
+    pub dir: String,
+    pub config: Option<String>,
+    /// None for `--setup-only`.
+    pub finished_in_s: Option<u64>,
+    /// The lessons section a later item's requirements quoted, when the demo saw one.
+    pub lesson_seen: Option<String>,
+    pub service: Option<RepoDeploys>,
 }

@@ -68,6 +68,32 @@ pub async fn repo_deploys_json(
     ))
 }
 
+/// The JSON of `orch --json demo` ([`dto::DemoReport`]): `repo`'s story when the demo ran,
+/// nothing of it for `--setup-only` (`finished_in_s` `None`).
+pub async fn demo_report_json(
+    store: &Store,
+    repo: &str,
+    dir: &std::path::Path,
+    config: Option<&std::path::Path>,
+    finished_in_s: Option<u64>,
+    lesson_seen: Option<&str>,
+) -> Result<serde_json::Value, orch_store::StoreError> {
+    let service = match finished_in_s {
+        Some(_) => repos::read(store, repo)
+            .await?
+            .map(|story| dto::RepoDeploys::from(&story)),
+        None => None,
+    };
+    let report = dto::DemoReport {
+        dir: dir.display().to_string(),
+        config: config.map(|c| c.display().to_string()),
+        finished_in_s,
+        lesson_seen: lesson_seen.map(str::to_owned),
+        service,
+    };
+    Ok(serde_json::to_value(report).unwrap_or_default())
+}
+
 /// Largest request body accepted (64 KiB); larger bodies get 413.
 pub const BODY_LIMIT: usize = orch_domain::MAX_REQUEST_BYTES;
 /// Longest a request may take, body included, before it gets 408.

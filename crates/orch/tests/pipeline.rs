@@ -311,17 +311,24 @@ async fn demo_under_json_prints_one_document() {
     );
     let v: serde_json::Value = serde_json::from_str(stdout.trim())
         .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {stdout}"));
+    let service = &v["service"];
     let outcome = |id: &str| {
-        v["items"]
+        service["finished"]
             .as_array()
             .unwrap()
             .iter()
-            .find(|i| i["work_item_id"] == id)
-            .map(|i| i["outcome"].as_str().unwrap_or_default().to_owned())
+            .find(|t| t["work_item_id"] == id)
+            .map(|t| {
+                t["outcome"]["outcome"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
     };
     assert_eq!(outcome("APP-1").as_deref(), Some("shipped"), "{v}");
     assert_eq!(outcome("APP-2").as_deref(), Some("reverted"), "{v}");
-    let deploys = v["deploys"].as_array().expect("deploys");
+    assert_eq!(outcome("APP-3").as_deref(), Some("cancelled"), "{v}");
+    let deploys = service["deploys"].as_array().expect("deploys");
     assert!(
         deploys.iter().any(|d| d["items"]
             .as_array()
@@ -329,7 +336,10 @@ async fn demo_under_json_prints_one_document() {
         "a deploy shipped APP-1: {v}"
     );
     assert!(
-        !v["reverts"].as_array().unwrap().is_empty(),
+        deploys
+            .iter()
+            .any(|d| d["reverts"].as_array().is_some_and(|r| !r.is_empty())),
         "APP-2 was reverted: {v}"
     );
+    assert!(v["finished_in_s"].as_u64().is_some(), "{v}");
 }

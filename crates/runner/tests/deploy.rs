@@ -17,10 +17,11 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use orch_deploystate::{ArmedRead, DeployResult, DeployState, MARKER_INITIATED, WatchState};
 use orch_domain::config::RepoConfig;
+use orch_domain::control::{events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
 use orch_exec::Git;
 use orch_runner::counters::Counters;
-use orch_runner::deploy::{DeployerExecutor, events, finalize_marker_prefix};
+use orch_runner::deploy::DeployerExecutor;
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
 use orch_store::{JobCount, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
@@ -441,7 +442,7 @@ async fn check(
     for (i, (delay, marker)) in requeues.iter().enumerate() {
         assert_eq!(*delay, exec.finalize_delay_s);
         assert!(
-            marker.starts_with(&finalize_marker_prefix(fx.task.stage_seq)),
+            marker.starts_with(&markers::deploy_finalize_prefix(fx.task.stage_seq)),
             "{marker}"
         );
         assert!(marker.ends_with(&format!("n={}", i + 1)), "{marker}");
@@ -452,7 +453,7 @@ async fn check(
         .count_jobs(&JobCount {
             task_id: fx.task.id,
             agent: "deployer".into(),
-            content_contains: Some(finalize_marker_prefix(fx.task.stage_seq)),
+            content_contains: Some(markers::deploy_finalize_prefix(fx.task.stage_seq)),
         })
         .await
         .unwrap();

@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context as _, Result};
 use orch_domain::MAX_REQUEST_BYTES;
+use orch_domain::control::events;
 use orch_store::{AgentRun, Event, Store, Task, TaskFilter};
 
 use crate::cli::{StatusArgs, SubmitArgs};
@@ -166,10 +167,10 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
             let stage_events: Vec<&Event> = events
                 .iter()
                 .filter(|e| {
-                    e.kind.starts_with("stage.advanced")
-                        || e.kind.starts_with("stage.loop_back")
+                    e.kind.starts_with(events::STAGE_ADVANCED)
+                        || e.kind.starts_with(events::STAGE_LOOP_BACK)
                         || e.kind.starts_with("task.")
-                        || e.kind == "stage.approved"
+                        || e.kind == events::STAGE_APPROVED
                 })
                 .collect();
             print!("\n{}", timeline(&stage_events, task.created_at));

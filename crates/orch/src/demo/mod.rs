@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
+use orch_domain::control::events;
 use orch_exec::git::{Git, Pathspec};
 use orch_runner::worker::{Worker, WorkerConfig};
 use orch_store::{ConnectOptions, Store, Task};
@@ -144,10 +145,12 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     store.migrate().await?;
     let runtime = Arc::new(Runtime::new(&cx, &config, &store)?);
     if args.setup_only {
-        store.close().await;
         if global.json {
-            crate::output::print_json(&serde_json::json!({ "dir": dir }));
-        } else {
+            let doc = orch_api::demo_report_json(&store, "service", &dir, None, None, None).await?;
+            crate::output::print_json(&doc);
+        }
+        store.close().await;
+        if !global.json {
             println!("{}", dir.display());
         }
         return Ok(ExitCode::SUCCESS);
@@ -450,8 +453,8 @@ async fn watch_progress(
                     .rev()
                     .find(|e| {
                         e.kind.starts_with("stage.")
-                            && e.kind != "stage.started"
-                            && e.kind != "stage.requeued"
+                            && e.kind != events::STAGE_STARTED
+                            && e.kind != events::STAGE_REQUEUED
                             || e.kind.starts_with("task.")
                     })
                     .map(|e| e.message)
@@ -508,7 +511,6 @@ async fn summary(
     lesson_seen: Option<&str>,
 ) -> Result<serde_json::Value> {
     say!("\nfinished in {:.0}s\n", started.elapsed().as_secs_f64());
-    let mut items = Vec::new();
     for t in tasks {
         let events = store.task_events(t.id).await?;
         let runs = store.task_agent_runs(t.id).await?;
@@ -519,7 +521,7 @@ async fn summary(
             .find(|e| {
                 matches!(
                     e.kind.as_str(),
-                    "task.done" | "task.failed" | "task.cancelled"
+                    events::TASK_DONE | events::TASK_FAILED | events::TASK_CANCELLED
                 )
             })
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
@@ -531,15 +533,15 @@ async fn summary(
             .filter(|e| {
                 matches!(
                     e.kind.as_str(),
-                    "stage.advanced"
-                        | "stage.loop_back"
-                        | "task.done"
-                        | "task.failed"
-                        | "post_deploy.verdict"
-                        | "deploy.confirmed"
-                        | "release.waiting"
-                        | "release.promoted"
-                        | "release.reverted"
+                    events::STAGE_ADVANCED
+                        | events::STAGE_LOOP_BACK
+                        | events::TASK_DONE
+                        | events::TASK_FAILED
+                        | events::POST_DEPLOY_VERDICT
+                        | events::DEPLOY_CONFIRMED
+                        | events::RELEASE_WAITING
+                        | events::RELEASE_PROMOTED
+                        | events::RELEASE_REVERTED
                 )
             })
             .map(|e| {
@@ -569,20 +571,8 @@ async fn summary(
         let verdict = events
             .iter()
             .rev()
-            .find(|e| e.kind == "post_deploy.verdict")
+            .find(|e| e.kind == events::POST_DEPLOY_VERDICT)
             .map(|v| serde_json::from_str::<serde_json::Value>(&v.data).unwrap_or_default());
-        items.push(serde_json::json!({
-            "work_item_id": t.work_item_id,
-            "title": t.title,
-            "stage": t.stage,
-            "outcome": outcome,
-            "agent_runs": runs.len(),
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-            "cost_usd": usage.cost_usd,
-            "post_deploy_verdict": verdict.as_ref().map(|d| &d["verdict"]),
-            "post_deploy_action": verdict.as_ref().map(|d| &d["action"]),
-        }));
         if let Some(data) = &verdict {
             say!(
                 "    post-deploy watch: {} → action: {}",
@@ -594,12 +584,10 @@ async fn summary(
     }
     say!("deploy history of repo service (what each production deploy shipped):");
     let deploys = store
-        .events_by_kind(orch_runner::release::events::DEPLOYED, 0, 1000)
+        .events_by_kind(events::RELEASE_DEPLOYED, 0, 1000)
         .await?;
-    let mut history = Vec::new();
     for e in &deploys {
         let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
-        history.push(v.clone());
         let items: Vec<String> = v["items"]
             .as_array()
             .map(|a| {
@@ -629,13 +617,11 @@ async fn summary(
             }
         );
     }
-    let mut reverts = Vec::new();
     for e in store
-        .events_by_kind(orch_runner::release::events::REVERTED, 0, 1000)
+        .events_by_kind(events::RELEASE_REVERTED, 0, 1000)
         .await?
     {
         say!("    {}", e.message);
-        reverts.push(e.message);
     }
     say!();
     if let Some(lines) = lesson_seen {
@@ -678,15 +664,15 @@ async fn summary(
             "(to have `orch` on PATH: `cargo install --path crates/orch --locked` in orch's source tree)"
         );
     }
-    Ok(serde_json::json!({
-        "dir": dir,
-        "config": config,
-        "finished_in_s": started.elapsed().as_secs(),
-        "items": items,
-        "deploys": history,
-        "reverts": reverts,
-        "lesson_seen": lesson_seen,
-    }))
+    Ok(orch_api::demo_report_json(
+        store,
+        "service",
+        dir,
+        Some(config),
+        Some(started.elapsed().as_secs()),
+        lesson_seen,
+    )
+    .await?)
 }
 
 /// `s` quoted for a POSIX shell when it needs it.

@@ -20,6 +20,7 @@ use anyhow::{Context as _, anyhow, bail};
 use orch_deploystate::{
     ArmOutcome, ArmedRecord, DeployResult, DeployState, MARKER_INITIATED, WatchState,
 };
+use orch_domain::control::markers;
 use orch_domain::gate::GateOutcome;
 use orch_domain::monitor::{Reaction, Verdict as MonitorVerdict, reaction};
 use orch_exec::process::ExitKind;
@@ -375,7 +376,7 @@ impl DeployerExecutor {
                 .await;
         }
         let problem = problems.join("; ");
-        let prefix = super::finalize_marker_prefix(seq);
+        let prefix = markers::deploy_finalize_prefix(seq);
         let defers = run
             .store
             .count_jobs(&JobCount {
@@ -404,7 +405,7 @@ impl DeployerExecutor {
             .await?;
             return Ok(StageEffect::Requeue {
                 delay_s: self.finalize_delay_s,
-                marker: super::finalize_marker(seq, n),
+                marker: markers::deploy_finalize(seq, n),
                 reason,
             });
         }

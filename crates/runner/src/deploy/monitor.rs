@@ -20,6 +20,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use orch_deploystate::{ArmedRead, ArmedRecord, WatchState, list_active};
+use orch_domain::control::markers;
 use orch_domain::monitor::{
     ActionTaken, CheckOutcome, Decision, Poll, PostDeployLog, Reaction, Verdict, WatchParams,
     decide, planned_polls, reaction, render_post_deploy_log, tick_at_ms,
@@ -32,7 +33,7 @@ use super::alert::Alert;
 use super::probe::{check_health, check_revision, live_revision, revision_matches};
 use super::{
     MONITOR_AGENT, OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command,
-    tick_marker, tick_marker_prefix, wait_marker, wait_marker_prefix, watch_params,
+    watch_params,
 };
 use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 
@@ -150,20 +151,20 @@ impl MonitorExecutor {
         let now = run.store.now_ms();
         let first = tick_at_ms(&params, armed.armed_at_ms, 0);
         if now < first {
-            let waits = count(run, &wait_marker_prefix(seq)).await?;
+            let waits = count(run, &markers::monitor_wait_prefix(seq)).await?;
             let delay_s = u64::try_from(first - now)
                 .unwrap_or(0)
                 .div_ceil(1_000)
                 .max(1);
             return Ok(StageEffect::Requeue {
                 delay_s,
-                marker: wait_marker(seq, waits.saturating_add(1)),
+                marker: markers::monitor_wait(seq, waits.saturating_add(1)),
                 reason: format!("post-deploy watch: first poll in {delay_s}s"),
             });
         }
 
         // The slot to poll for: the queue's tick count, never behind the clock.
-        let tick_jobs = count(run, &tick_marker_prefix(seq)).await?;
+        let tick_jobs = count(run, &markers::monitor_tick_prefix(seq)).await?;
         let interval_ms =
             i64::try_from(params.interval_s.max(1).saturating_mul(1_000)).unwrap_or(i64::MAX);
         let slot_now = u32::try_from((now - first) / interval_ms).unwrap_or(u32::MAX);
@@ -190,7 +191,7 @@ impl MonitorExecutor {
         match decide(&series.polls, &params, armed.armed_at_ms, now) {
             Decision::Continue { next_delay_s } => Ok(StageEffect::Requeue {
                 delay_s: next_delay_s.max(1),
-                marker: tick_marker(seq, tick.saturating_add(1)),
+                marker: markers::monitor_tick(seq, tick.saturating_add(1)),
                 reason: format!("post-deploy watch: tick {tick} polled; next in {next_delay_s}s"),
             }),
             Decision::Final(verdict, reason) => {
@@ -746,7 +747,7 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) {
     let already_held = release::open_hold(&history).is_some();
     let rolled_back_recorded = history
         .iter()
-        .any(|e| e.kind == release::events::ROLLED_BACK);
+        .any(|e| e.kind == events::RELEASE_ROLLED_BACK);
     let held = |reason: String| async move {
         if !already_held {
             release::hold(run, &reason).await;
@@ -1008,7 +1009,7 @@ async fn recover_one(
         .count_jobs(&JobCount {
             task_id: task.id,
             agent: MONITOR_AGENT.to_owned(),
-            content_contains: Some(tick_marker_prefix(seq)),
+            content_contains: Some(markers::monitor_tick_prefix(seq)),
         })
         .await?;
     let n = u32::try_from(ticks).unwrap_or(u32::MAX).saturating_add(1);
@@ -1018,10 +1019,13 @@ async fn recover_one(
     };
     let enqueued = store
         .enqueue(
-            NewJob::new(MONITOR_AGENT, payload.with_marker(&tick_marker(seq, n)))
-                .task(task.id)
-                .dedupe(format!("monitor-recover:{}:{seq}:{n}", task.id))
-                .node(node),
+            NewJob::new(
+                MONITOR_AGENT,
+                payload.with_marker(&markers::monitor_tick(seq, n)),
+            )
+            .task(task.id)
+            .dedupe(format!("monitor-recover:{}:{seq}:{n}", task.id))
+            .node(node),
         )
         .await?;
     if !enqueued.duplicate {

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use orch_domain::config::Config;
+use orch_domain::control::{self, dedupe, events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
 use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
 use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
@@ -193,7 +194,7 @@ impl Engine {
         }
         match self.prepare(&cx, &task).await {
             // The stage's work is done and committed; only entering the release track waits.
-            Ok(run) if crate::release::is_wait(&cx.job.task_content) => {
+            Ok(run) if markers::is_release_wait(&cx.job.task_content) => {
                 self.finish_stage(&cx, run, None).await
             }
             Ok(run) => self.run_stage(&cx, sj, run).await,
@@ -271,12 +272,12 @@ impl Engine {
         let mut loops = 0;
         let mut feedback = None;
         for e in &events {
-            if e.kind == "stage.loop_back" {
+            if e.kind == events::STAGE_LOOP_BACK {
                 loops += 1;
                 feedback = serde_json::from_str::<serde_json::Value>(&e.data)
                     .ok()
                     .and_then(|v| v["feedback"].as_str().and_then(|f| f.parse().ok()));
-            } else if e.kind == "stage.advanced" {
+            } else if e.kind == events::STAGE_ADVANCED {
                 feedback = None;
             }
         }
@@ -291,7 +292,7 @@ impl Engine {
         };
         self.event(
             &run,
-            "stage.started",
+            events::STAGE_STARTED,
             &format!("{} attempt {}", sj.stage, cx.lease.attempt),
             None,
         )
@@ -310,14 +311,14 @@ impl Engine {
                     .task(run.task.id)
                     .delay_s(i64::try_from(delay_s).unwrap_or(i64::MAX / 1000))
                     .max_attempts(STAGE_ATTEMPTS)
-                    .dedupe(format!("requeue-of:{}", cx.job.id));
+                    .dedupe(dedupe::requeue_of(cx.job.id));
                 if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
                     job = job.node(self.cfg.node.clone());
                 }
                 self.store.enqueue(job).await?;
                 self.event(
                     &run,
-                    "stage.requeued",
+                    events::STAGE_REQUEUED,
                     &reason,
                     Some(serde_json::json!({
                         "delay_s": delay_s, "marker": marker,
@@ -349,7 +350,8 @@ impl Engine {
                     run.work_item.artifact_dir(),
                     outside.join(", ")
                 );
-                self.event(&run, "artifact.rejected", &reason, None).await;
+                self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+                    .await;
                 anyhow::bail!(reason);
             }
         }
@@ -362,12 +364,14 @@ impl Engine {
                 "files were changed in the repo's main checkout (outside the worktree): {}; reverted",
                 files.join(", ")
             );
-            self.event(&run, "artifact.rejected", &reason, None).await;
+            self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+                .await;
             anyhow::bail!(reason);
         }
         let refused = artifacts::refuse_unsafe(&self.git, &run.worktree, &run.artifact_dir).await?;
         for r in &refused {
-            self.event(&run, "artifact.rejected", &r.reason, None).await;
+            self.event(&run, events::ARTIFACT_REJECTED, &r.reason, None)
+                .await;
         }
         let commit = self.commit(&run, "result").await?;
         let gate = match outcome {
@@ -386,7 +390,8 @@ impl Engine {
                 true => format!("artifact rejected: {}", gate.reason),
                 false => format!("artifact rejected: {}; {}", refused.join("; "), gate.reason),
             };
-            self.event(&run, "artifact.rejected", &reason, None).await;
+            self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+                .await;
             anyhow::bail!(reason);
         }
         let decision = match self.cfg.pipeline.decide(&run.stage.name, &gate, run.loops) {
@@ -412,15 +417,11 @@ impl Engine {
             })
         };
         let kind = if decision.loop_back {
-            "stage.loop_back"
+            events::STAGE_LOOP_BACK
         } else if decision.next_stage.is_terminal() {
-            match next.as_str() {
-                "done" => "task.done",
-                "cancelled" => "task.cancelled",
-                _ => "task.failed",
-            }
+            control::terminal_event(next.as_str()).unwrap_or(events::TASK_FAILED)
         } else {
-            "stage.advanced"
+            events::STAGE_ADVANCED
         };
         let mut data = serde_json::json!({
             "from": run.stage.name.as_str(),
@@ -435,15 +436,15 @@ impl Engine {
             // The final outcome, for every view of the task (the gate's value stays `result`).
             data["result"] = data["outcome"].take();
             data["outcome"] = match next.as_str() {
-                "done" => {
-                    let events = self.store.task_events(run.task.id).await?;
-                    crate::release::done_outcome(&events).into()
+                control::DONE => {
+                    let history = self.store.task_events(run.task.id).await?;
+                    crate::release::done_outcome(&history).into()
                 }
-                "cancelled" => "cancelled".into(),
+                control::CANCELLED => control::CANCELLED.into(),
                 _ => {
                     data["stage"] = run.stage.name.as_str().into();
                     data["reason"] = decision.reason.clone().into();
-                    "failed".into()
+                    control::FAILED.into()
                 }
             };
         }
@@ -553,7 +554,7 @@ impl Engine {
         holder_stage: &str,
     ) -> Result<Outcome> {
         let seq = run.task.stage_seq;
-        let marker = crate::release::wait_marker(seq);
+        let marker = markers::release_wait(seq);
         let content = if cx.job.task_content.contains(&marker) {
             cx.job.task_content.clone()
         } else {
@@ -565,15 +566,15 @@ impl Engine {
             .task(run.task.id)
             .delay_s(i64::try_from(crate::release::WAIT_S).unwrap_or(3))
             .max_attempts(STAGE_ATTEMPTS)
-            .dedupe(format!("requeue-of:{}", cx.job.id));
+            .dedupe(dedupe::requeue_of(cx.job.id));
         if let Some(node) = &cx.job.node {
             job = job.node(node.clone());
         }
         self.store.enqueue(job).await?;
-        if !crate::release::is_wait(&cx.job.task_content) {
+        if !markers::is_release_wait(&cx.job.task_content) {
             self.event(
                 run,
-                crate::release::events::WAITING,
+                events::RELEASE_WAITING,
                 &format!(
                     "waiting for repo {}'s release track, held by {holder} (at {holder_stage}); one release at a time",
                     run.repo_name
@@ -595,14 +596,14 @@ impl Engine {
             .advance_stage(AdvanceStage {
                 task_id: task.id,
                 expected_stage: task.stage.clone(),
-                new_stage: "failed".into(),
+                new_stage: control::FAILED.into(),
                 fence: Fence::Job(cx.lease),
-                event: NewEvent::new("task.failed", reason.to_owned())
+                event: NewEvent::new(events::TASK_FAILED, reason.to_owned())
                     .job(cx.job.id)
                     .data(
                         serde_json::json!({
-                            "from": task.stage, "to": "failed",
-                            "outcome": "failed", "stage": task.stage, "reason": reason,
+                            "from": task.stage, "to": control::FAILED,
+                            "outcome": control::FAILED, "stage": task.stage, "reason": reason,
                         })
                         .to_string(),
                     ),
