@@ -124,6 +124,9 @@ pub mod events {
     pub const POST_DEPLOY_VERDICT: &str = "post_deploy.verdict";
     /// The recovery sweep re-enqueued a tick for a stranded watch.
     pub const POST_DEPLOY_RECOVERED: &str = "post_deploy.recovered";
+    /// A retried `observe` visit watches the item's revision again (still live):
+    /// `{revision, seq}`.
+    pub const POST_DEPLOY_REARMED: &str = "post_deploy.rearmed";
     /// The lessons of a work item were recorded.
     pub const LESSONS_RECORDED: &str = "lessons.recorded";
 
@@ -189,6 +192,7 @@ pub mod events {
         POST_DEPLOY_ROLLBACK,
         POST_DEPLOY_VERDICT,
         POST_DEPLOY_RECOVERED,
+        POST_DEPLOY_REARMED,
         LESSONS_RECORDED,
         RELEASE_WAITING,
         RELEASE_STAGED,

@@ -1254,3 +1254,72 @@ async fn a_rollback_interrupted_before_it_ended_runs_once_more() {
     );
     assert_eq!(fx.log().unwrap().get_str("action_taken"), Some("rollback"));
 }
+
+/// Ends the watch as a failed task does, then has an operator retry it into `observe`.
+async fn fail_then_retry(fx: &Fx) {
+    fx.arm();
+    assert!(
+        fx.watch()
+            .mark_done("the task failed: the worker died 10 times")
+    );
+    fx.db
+        .store
+        .append_event(
+            NewEvent::new(
+                events::TASK_RETRIED,
+                "retried at stage observe by an operator",
+            )
+            .task(fx.task.id)
+            .data(serde_json::json!({"from": "failed", "to": "observe"}).to_string()),
+        )
+        .await
+        .unwrap();
+}
+
+/// A task that failed in `observe`, retried while its revision is still live, is watched again
+/// from the start: a fresh watch, polls, a verdict, the log.
+#[tokio::test]
+async fn a_retried_watch_watches_the_live_revision_again() {
+    let fx = Fx::new().await;
+    fail_then_retry(&fx).await;
+    fx.drive(&exec(), no_change).await;
+    assert_eq!(fx.events_of(events::POST_DEPLOY_REARMED).await.len(), 1);
+    assert!(!fx.ticks().is_empty(), "polled again");
+    let verdicts = fx.events_of(events::POST_DEPLOY_VERDICT).await;
+    assert_eq!(verdicts.len(), 1);
+    assert!(verdicts[0].message.contains("HEALTHY"), "{verdicts:?}");
+    let log = fx.log().expect("the log is written");
+    assert_eq!(log.get_str("post_deploy_status"), Some("HEALTHY"));
+    // A later job of the same visit (a duplicate, a crash after the verdict) does nothing more.
+    let run = fx.run(fx.first_content()).await;
+    assert!(matches!(
+        exec().execute(&run).await.unwrap(),
+        StageEffect::Produced { outcome: None }
+    ));
+    assert_eq!(fx.events_of(events::POST_DEPLOY_REARMED).await.len(), 1);
+}
+
+/// Retried after another revision went live (a later deploy): nothing of this item can be
+/// watched; the visit ends DEGRADED saying what is live, without polling or rolling back.
+#[tokio::test]
+async fn a_retried_watch_whose_revision_is_gone_ends_degraded() {
+    let mut fx = Fx::new().await;
+    fx.repo.rollback = Some(NO_FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fail_then_retry(&fx).await;
+    std::fs::write(fx.ctl.join("live_rev"), "feedfacefeed").unwrap();
+    std::fs::write(fx.ctl.join("health"), "500").unwrap();
+    fx.drive(&exec(), no_change).await;
+    assert!(fx.events_of(events::POST_DEPLOY_REARMED).await.is_empty());
+    assert!(fx.ticks().is_empty(), "nothing polled");
+    let verdicts = fx.events_of(events::POST_DEPLOY_VERDICT).await;
+    assert_eq!(verdicts.len(), 1);
+    assert!(
+        verdicts[0].message.contains("DEGRADED") && verdicts[0].message.contains("feedfacefeed"),
+        "{verdicts:?}"
+    );
+    assert_eq!(
+        fx.log().expect("the log").get_str("post_deploy_status"),
+        Some("DEGRADED")
+    );
+    assert!(!fx.ctl.join("rolled_back").exists(), "no rollback");
+}

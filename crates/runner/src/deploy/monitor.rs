@@ -121,6 +121,9 @@ impl StageExecutor for MonitorExecutor {
             run.work_item.as_str(),
         );
         if ws.is_done() {
+            if let Some(effect) = self.retried(run, &ws, seq).await? {
+                return Ok(effect);
+            }
             tracing::info!(work_item = %run.work_item, "post-deploy watch already done; nothing to do");
             return Ok(StageEffect::Produced { outcome: None });
         }
@@ -134,6 +137,94 @@ impl StageExecutor for MonitorExecutor {
 }
 
 impl MonitorExecutor {
+    /// A visit that an operator's retry started after the watch had ended with the task's
+    /// failure: the newest of the task's `task.retried`, `post_deploy.verdict` and
+    /// `post_deploy.rearmed` events is the retry. The item's revision still live: a fresh watch
+    /// of it (`post_deploy.rearmed`), then ticks as usual. Another revision live (a later deploy,
+    /// a rollback): nothing of this item can be watched, the visit ends DEGRADED saying so.
+    /// `None` when this visit is not such a retry.
+    async fn retried(
+        &self,
+        run: &StageRun,
+        ws: &WatchState,
+        seq: i64,
+    ) -> anyhow::Result<Option<StageEffect>> {
+        let history = run.store.task_events(run.task.id).await?;
+        let newest = history.iter().rev().find(|e| {
+            matches!(
+                e.kind.as_str(),
+                events::TASK_RETRIED | events::POST_DEPLOY_VERDICT | events::POST_DEPLOY_REARMED
+            )
+        });
+        if newest.is_none_or(|e| e.kind != events::TASK_RETRIED) {
+            return Ok(None);
+        }
+        let old = match ws.armed() {
+            ArmedRead::Present(armed) => armed,
+            ArmedRead::Absent => return self.without_watch(run, ws, seq, None).await.map(Some),
+            ArmedRead::Corrupt(why) => {
+                return self.without_watch(run, ws, seq, Some(why)).await.map(Some);
+            }
+        };
+        let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+        let live = match &run.repo.revision_url {
+            Some(url) => live_revision(url, timeout).await,
+            None => None,
+        };
+        let params = watch_params(&run.repo.post_deploy);
+        let still_live = live
+            .as_deref()
+            .is_some_and(|live| revision_matches(&old.revision, live));
+        if !still_live {
+            let now = run.store.now_ms();
+            let live = live.map_or("unknown (no revision_url answer)".to_owned(), |l| {
+                format!("`{l}`")
+            });
+            let ending = Ending {
+                verdict: Verdict::Degraded,
+                reason: format!(
+                    "retried after the watch had ended: `{}` is no longer live (live: {live}), \
+                     so nothing of {} can be watched",
+                    old.revision, run.work_item
+                ),
+                action: ActionTaken::None,
+                action_detail: String::new(),
+            };
+            return finish(run, ws, seq, &params, now, &old.revision, &[], None, ending)
+                .await
+                .map(Some);
+        }
+        let armed = ArmedRecord::new(params, run.store.now_ms(), old.revision.clone());
+        if !ws.clear() {
+            anyhow::bail!(
+                "post-deploy watch of {}: cannot clear the ended watch to watch it again",
+                run.work_item
+            );
+        }
+        match ws.arm(&armed) {
+            orch_deploystate::ArmOutcome::Armed => {}
+            orch_deploystate::ArmOutcome::AlreadyArmed(_) => {}
+            orch_deploystate::ArmOutcome::Failed(why) => {
+                anyhow::bail!(
+                    "post-deploy watch of {}: cannot arm it again: {why}",
+                    run.work_item
+                )
+            }
+        }
+        record(
+            run,
+            seq,
+            events::POST_DEPLOY_REARMED,
+            format!(
+                "retried by an operator: `{}` is still live, watching it again",
+                armed.revision
+            ),
+            data([("revision", json!(armed.revision))]),
+        )
+        .await?;
+        self.tick(run, ws, seq, &armed).await.map(Some)
+    }
+
     /// One tick of an armed watch.
     async fn tick(
         &self,
