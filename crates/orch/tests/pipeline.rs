@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,25 @@ fn orch_processes_in(dir: &std::path::Path) -> Vec<i32> {
         .collect()
 }
 
+/// `orch [--json] demo --dir <dir>` to its end (at most 400 s).
+async fn run_demo(dir: &Path, json: bool) -> std::process::Output {
+    let mut cmd = tokio::process::Command::new(ORCH);
+    if json {
+        cmd.arg("--json");
+    }
+    tokio::time::timeout(
+        Duration::from_secs(400),
+        cmd.args(["demo", "--dir"])
+            .arg(dir)
+            .env("ORCH_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the demo finishes within 400 s")
+    .expect("run orch demo")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back() {
     if !python_available() {
@@ -35,18 +54,7 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let out = tokio::time::timeout(
-        Duration::from_secs(400),
-        tokio::process::Command::new(ORCH)
-            .args(["demo", "--dir"])
-            .arg(&dir)
-            .env("ORCH_LOG", "warn")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("the demo finishes within 400 s")
-    .expect("run orch demo");
+    let out = run_demo(&dir, false).await;
     // The demo stops its sample service itself (it used to leave both instances running).
     let left = orch_processes_in(&dir.join("service-state/releases"));
     stop_service(&dir);
@@ -288,18 +296,7 @@ async fn demo_under_json_prints_one_document() {
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let out = tokio::time::timeout(
-        Duration::from_secs(400),
-        tokio::process::Command::new(ORCH)
-            .args(["--json", "demo", "--dir"])
-            .arg(&dir)
-            .env("ORCH_LOG", "warn")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("the demo finishes within 400 s")
-    .expect("run orch demo");
+    let out = run_demo(&dir, true).await;
     stop_service(&dir);
     reap_orphans();
     let stdout = String::from_utf8_lossy(&out.stdout);
