@@ -98,6 +98,9 @@ pub mod events {
     /// An unconfirmed deploy is being rolled back (recorded first: a re-run never rolls
     /// back twice).
     pub const DEPLOY_ROLLBACK_STARTED: &str = "deploy.rollback_started";
+    /// An unconfirmed deploy's rollback is run once more: its first run was interrupted by
+    /// orch stopping and production is not back (recorded first: at most once per visit).
+    pub const DEPLOY_ROLLBACK_RERUN: &str = "deploy.rollback_rerun";
     /// An unconfirmed deploy was rolled back and the rollback verified.
     pub const DEPLOY_ROLLED_BACK: &str = "deploy.rolled_back";
     /// An unconfirmed deploy's rollback failed, was not verified, or was not attempted
@@ -180,6 +183,7 @@ pub mod events {
         DEPLOY_UNCONFIRMED,
         DEPLOY_CONFIRMED,
         DEPLOY_ROLLBACK_STARTED,
+        DEPLOY_ROLLBACK_RERUN,
         DEPLOY_ROLLED_BACK,
         DEPLOY_ROLLBACK_FAILED,
         POST_DEPLOY_EVIDENCE_LOST,

@@ -977,3 +977,66 @@ async fn a_deploy_being_rolled_back_is_not_deployed_again() {
         );
     }
 }
+
+/// orch died between recording an unconfirmed deploy's `deploy.rollback_started` and the end
+/// of its rollback command: production still runs the bad revision, so the next job runs the
+/// rollback once more (`deploy.rollback_rerun`) and verifies it — unless production is already
+/// back, when it only verifies. Never a third run.
+#[tokio::test]
+async fn an_unconfirmed_deploys_interrupted_rollback_runs_once_more() {
+    for already_back in [false, true] {
+        let mut fx = Fx::new().await;
+        let c = fx.ctl.display().to_string();
+        std::fs::write(fx.ctl.join("health"), "503").unwrap();
+        fx.repo.rollback = Some(GOOD_ROLLBACK.replace("$C", &c));
+        let exec = DeployerExecutor {
+            finalize_limit: 1,
+            verify_polls: 2,
+            verify_interval: Duration::from_millis(20),
+            ..DeployerExecutor::default()
+        };
+        let first = fx.run(fx.first_content()).await;
+        let marker = match exec.execute(&first).await.unwrap() {
+            StageEffect::Requeue { marker, .. } => marker,
+            other => panic!("{other:?}"),
+        };
+        // The crash: the rollback was recorded as started, its command never ran.
+        fx.db
+            .store
+            .append_event(
+                NewEvent::new(events::DEPLOY_ROLLBACK_STARTED, "rolling back")
+                    .task(fx.task.id)
+                    .data(serde_json::json!({ "seq": fx.task.stage_seq }).to_string()),
+            )
+            .await
+            .unwrap();
+        if already_back {
+            std::fs::write(fx.ctl.join("live_rev"), "0ld0ld0ld0ld").unwrap();
+            std::fs::remove_file(fx.ctl.join("health")).unwrap();
+        }
+        let content = StageJob::from_content(&fx.first_content())
+            .unwrap()
+            .with_marker(&marker);
+        let second = fx.run(content.clone()).await;
+        let outcome = match exec.execute(&second).await.unwrap() {
+            StageEffect::Produced { outcome: Some(o) } => o,
+            other => panic!("{other:?}"),
+        };
+        assert!(!passed(&outcome), "{outcome:?}");
+        let rollbacks = read(&fx.ctl.join("rollbacks")).lines().count();
+        let kinds = fx.event_kinds().await;
+        let reruns = kinds
+            .iter()
+            .filter(|k| *k == events::DEPLOY_ROLLBACK_RERUN)
+            .count();
+        if already_back {
+            assert_eq!((rollbacks, reruns), (0, 0), "only verified: {kinds:?}");
+        } else {
+            assert_eq!((rollbacks, reruns), (1, 1), "run once more: {kinds:?}");
+        }
+        assert!(
+            kinds.iter().any(|k| k == events::DEPLOY_ROLLED_BACK),
+            "verified: {kinds:?}"
+        );
+    }
+}

@@ -444,39 +444,67 @@ impl DeployerExecutor {
             return Ok(why);
         };
         let recorded = run.store.task_events(run.task.id).await?;
-        let started_before = recorded
-            .iter()
-            .any(|e| e.kind == events::DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq));
-        if started_before {
-            tracing::warn!(work_item = %run.work_item, "deploy: rollback of the unconfirmed deploy already started in this visit (a re-run): verifying only");
-        } else {
-            let live = match &run.repo.revision_url {
-                Some(url) => live_revision(url, timeout).await,
-                None => None,
-            };
-            if let Reaction::AlertOnly { reason: why } =
-                reaction(MonitorVerdict::Failed, revision, live.as_deref())
-            {
-                let why = format!("{reason}; not rolled back: {why}");
-                record(
-                    run,
-                    seq,
-                    events::DEPLOY_ROLLBACK_FAILED,
-                    &why,
-                    data([("revision", json!(revision)), ("attempted", json!(false))]),
-                )
-                .await?;
-                self.alert(run, seq, "alert", revision, &why).await?;
-                return Ok(why);
-            }
+        let this_visit = |kinds: &[&str]| {
+            recorded
+                .iter()
+                .any(|e| event_seq(e) == Some(seq) && kinds.contains(&e.kind.as_str()))
+        };
+        let started_before = this_visit(&[events::DEPLOY_ROLLBACK_STARTED]);
+        let ended_before =
+            this_visit(&[events::DEPLOY_ROLLED_BACK, events::DEPLOY_ROLLBACK_FAILED]);
+        let rerun_before = this_visit(&[events::DEPLOY_ROLLBACK_RERUN]);
+        let run_it = if !started_before {
+            true
+        } else if !ended_before
+            && !rerun_before
+            && !super::monitor::rolled_back_now(run, revision).await
+        {
+            // The first run never ended (orch died while it ran, or before it began: the event
+            // is recorded first) and production is not back: run it once more (at most once
+            // per visit).
             record(
                 run,
                 seq,
-                events::DEPLOY_ROLLBACK_STARTED,
-                format!("rolling back the unconfirmed `{revision}` with `{command}`"),
+                events::DEPLOY_ROLLBACK_RERUN,
+                format!("the rollback of the unconfirmed `{revision}` was interrupted and production is not back: running `{command}` once more"),
                 data([("revision", json!(revision)), ("command", json!(command))]),
             )
             .await?;
+            true
+        } else {
+            tracing::warn!(work_item = %run.work_item, "deploy: rollback of the unconfirmed deploy already started in this visit (a re-run): verifying only");
+            false
+        };
+        if run_it {
+            if !started_before {
+                let live = match &run.repo.revision_url {
+                    Some(url) => live_revision(url, timeout).await,
+                    None => None,
+                };
+                if let Reaction::AlertOnly { reason: why } =
+                    reaction(MonitorVerdict::Failed, revision, live.as_deref())
+                {
+                    let why = format!("{reason}; not rolled back: {why}");
+                    record(
+                        run,
+                        seq,
+                        events::DEPLOY_ROLLBACK_FAILED,
+                        &why,
+                        data([("revision", json!(revision)), ("attempted", json!(false))]),
+                    )
+                    .await?;
+                    self.alert(run, seq, "alert", revision, &why).await?;
+                    return Ok(why);
+                }
+                record(
+                    run,
+                    seq,
+                    events::DEPLOY_ROLLBACK_STARTED,
+                    format!("rolling back the unconfirmed `{revision}` with `{command}`"),
+                    data([("revision", json!(revision)), ("command", json!(command))]),
+                )
+                .await?;
+            }
             let out = run_repo_command(run, &command, revision).await;
             let failed = match &out {
                 Ok(o) if o.success() => None,

@@ -929,7 +929,7 @@ async fn rollback_rerun(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
 
 /// True when production looks rolled back from `revision` now: health passes and (when the
 /// service names its revision) `revision` is no longer the live one. Unknown is false.
-async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
+pub(crate) async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
     let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
     let healthy = match &run.repo.health_url {
         Some(url) => check_health(url, timeout).await.outcome == CheckOutcome::Pass,
