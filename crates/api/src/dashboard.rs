@@ -91,7 +91,7 @@ struct PipeBox {
 struct PipelineView {
     boxes: Vec<PipeBox>,
     /// Loops back taken (`stage.loop_back` events).
-    loops: usize,
+    loops: u32,
 }
 
 impl PipelineView {
@@ -114,10 +114,7 @@ impl PipelineView {
                 })
                 .count()
         };
-        let loops = events
-            .iter()
-            .filter(|e| e.kind == events::STAGE_LOOP_BACK)
-            .count();
+        let loops = control::loops_used(events.iter().map(|e| e.kind.as_str()));
         // Where a failed or cancelled task stopped: the last non-terminal stage it entered.
         let stopped_at = events
             .iter()
@@ -1199,7 +1196,7 @@ mod tests {
 
     /// Lays out `stage` after `moves` (kind, stage) and compares `name:class[xN]` of the boxes
     /// that are not `future`, and the loop count.
-    fn check(stage: &str, moves: &[(&str, &str)], want: &[&str], want_loops: usize) {
+    fn check(stage: &str, moves: &[(&str, &str)], want: &[&str], want_loops: u32) {
         let events: Vec<_> = moves.iter().map(|(k, s)| event(k, s)).collect();
         let view = PipelineView::new(stage, &events);
         let got: Vec<String> = view

@@ -1,5 +1,6 @@
 //! orch's HTTP edge: the JSON API, Prometheus metrics and the server-rendered dashboard
-//! (design.md §9). It is the only crate that knows JSON shapes (all in the private `dto` module).
+//! (design.md §9). It is the only crate that knows orch's JSON shapes, all in [`dto`]: the
+//! API's documents, which `orch --json` prints too.
 //!
 //! Invariants:
 //! - Reads go to the [`Store`]; every change goes through [`Operations`], implemented by the
@@ -12,7 +13,7 @@
 
 mod auth;
 mod dashboard;
-mod dto;
+pub mod dto;
 mod error;
 mod extract;
 mod id;

@@ -7,6 +7,7 @@
 //! - [`markers`]: the marker lines of a job's `task_content`, whose counts are the restart-safe
 //!   counters (design.md §2), with their parser;
 //! - [`dedupe`]: the formats of the jobs' dedupe keys, with their parser;
+//! - [`loops_used`]: the loop count of a task, rebuilt from its events.
 //!
 //! `crates/tidy` fails when a known event kind is spelled as a literal in shipped code outside
 //! this file.
@@ -60,7 +61,7 @@ pub mod events {
     /// The task moved forward to its next stage: `{from, to}`.
     pub const STAGE_ADVANCED: &str = "stage.advanced";
     /// The task went back (review or a gate sent it to an earlier stage): `{from, to}`. Their
-    /// number is the task's loop count.
+    /// number is the task's loop count ([`super::loops_used`]).
     pub const STAGE_LOOP_BACK: &str = "stage.loop_back";
     /// An operator approved a stage that requires approval.
     pub const STAGE_APPROVED: &str = "stage.approved";
@@ -158,7 +159,7 @@ pub mod events {
     /// An operator released the hold: `{repo}`.
     pub const RELEASE_UNHELD: &str = "release.unheld";
 
-    /// Every kind above (the tidy rule and the tests read it).
+    /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
     pub const ALL: &[&str] = &[
         TASK_SUBMITTED,
         TASK_DONE,
@@ -397,6 +398,17 @@ pub mod dedupe {
     }
 }
 
+/// How many times a task was sent back (its loop count, what `decide` bounds by `max_loops`):
+/// the number of its `stage.loop_back` events among `kinds` (its events' kinds, any order).
+/// The engine and the dashboard both count with this.
+pub fn loops_used<'a>(kinds: impl IntoIterator<Item = &'a str>) -> u32 {
+    let n = kinds
+        .into_iter()
+        .filter(|k| *k == events::STAGE_LOOP_BACK)
+        .count();
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -426,6 +438,21 @@ mod tests {
                 "{k}"
             );
         }
+        // Complete: every dotted constant of this file (what crates/tidy reads as the known
+        // kinds) is listed.
+        let source = include_str!("control.rs");
+        let defined: Vec<&str> = source
+            .lines()
+            .filter_map(|l| {
+                l.trim()
+                    .strip_prefix("pub const ")?
+                    .split_once(": &str = \"")
+            })
+            .filter_map(|(_, v)| v.strip_suffix("\";"))
+            .filter(|v| v.contains('.'))
+            .collect();
+        assert_eq!(defined.len(), events::ALL.len(), "{defined:?}");
+        assert!(defined.iter().all(|k| events::ALL.contains(k)));
         // A few contracts spelled out: rows in existing databases carry these.
         assert_eq!(events::JOB_RESCUED, "job.rescued");
         assert_eq!(events::RELEASE_WAITING, "release.waiting");
@@ -509,5 +536,20 @@ mod tests {
         for other in ["stage:7", "stage:a:1", "requeue-of:", "bench-1", ""] {
             assert_eq!(dedupe::parse(other), None, "{other}");
         }
+    }
+
+    #[test]
+    fn the_loop_count_is_the_number_of_loop_backs() {
+        assert_eq!(loops_used([]), 0);
+        let kinds = [
+            events::TASK_SUBMITTED,
+            events::STAGE_ADVANCED,
+            events::STAGE_LOOP_BACK,
+            events::STAGE_REQUEUED,
+            events::STAGE_ADVANCED,
+            events::STAGE_LOOP_BACK,
+            events::TASK_FAILED,
+        ];
+        assert_eq!(loops_used(kinds), 2);
     }
 }

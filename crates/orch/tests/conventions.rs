@@ -419,3 +419,66 @@ fn demo_setup_under_json_prints_json() {
     let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("JSON");
     assert_eq!(v["dir"].as_str(), target.to_str());
 }
+
+/// `orch --json` prints the HTTP API's documents (`orch_api::dto`): one shape per thing, `id`
+/// is a row's id and `work_item_id` the item's name, times are `*_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_output_is_the_apis_documents() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    common::demo_setup(d);
+    let doc = |args: &[&str]| -> serde_json::Value {
+        let out = orch(d, args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(stdout(&out).trim()).expect("JSON")
+    };
+    // POST /tasks's answer.
+    let v = doc(&[
+        "--json", "submit", "--repo", "service", "--title", "A change",
+    ]);
+    assert_eq!(v["work_item_id"], "APP-1", "{v}");
+    assert!(v["task_id"].is_i64(), "{v}");
+    assert_eq!(v["task"]["id"], v["task_id"], "{v}");
+    assert_eq!(v["task"]["work_item_id"], "APP-1", "{v}");
+    assert!(v["task"]["created_at_ms"].is_i64(), "{v}");
+
+    // GET /tasks/{id}, for `status ID` and `logs ID`.
+    for cmd in ["status", "logs"] {
+        let v = doc(&["--json", cmd, "APP-1"]);
+        for key in ["task", "usage", "events", "agent_runs", "jobs", "deploys"] {
+            assert!(v.get(key).is_some(), "{cmd}: no {key}: {v}");
+        }
+        assert_eq!(v["task"]["stage"], "intake", "{v}");
+        assert_eq!(v["usage"]["unknown_cost_runs"], 0, "{v}");
+        let first = &v["events"][0];
+        assert_eq!(first["kind"], "task.submitted", "{v}");
+        assert!(
+            first["created_at_ms"].is_i64() && first.get("at_ms").is_none(),
+            "{v}"
+        );
+        assert!(v["jobs"][0]["id"].is_i64(), "{v}");
+    }
+    // GET /tasks.
+    let v = doc(&["--json", "status"]);
+    assert_eq!(v["count"], 1, "{v}");
+    assert_eq!(v["tasks"][0]["work_item_id"], "APP-1", "{v}");
+    // GET /queue, as a process without a worker sees it.
+    let v = doc(&["--json", "queue"]);
+    assert_eq!(v["jobs"]["by_state"]["queued"], 1, "{v}");
+    assert_eq!(v["tasks_by_stage"]["intake"], 1, "{v}");
+    for key in ["leases", "active_observations", "release_tracks"] {
+        assert!(v[key].is_array(), "{key}: {v}");
+    }
+    // POST /tasks/{id}/cancel's answer.
+    let v = doc(&["--json", "cancel", "APP-1"]);
+    assert_eq!(v["action"], "cancel", "{v}");
+    assert_eq!(v["task"]["stage"], "cancelled", "{v}");
+    assert_eq!(v["task"]["terminal"], true, "{v}");
+    // The CLI-only documents keep their fields.
+    let v = doc(&["--json", "migrate"]);
+    assert!(v["to"].is_i64() && v["applied"].is_array(), "{v}");
+}

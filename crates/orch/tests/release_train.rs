@@ -532,7 +532,6 @@ fn submit(dir: &Path, url: &str, title: &str) -> String {
     let v: serde_json::Value = serde_json::from_str(&out).expect("submit --json");
     v["work_item_id"]
         .as_str()
-        .or_else(|| v["id"].as_str())
         .expect("the work item id")
         .to_owned()
 }

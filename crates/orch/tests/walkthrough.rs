@@ -343,7 +343,7 @@ async fn walkthrough(setup: RepoSetup, backend: Backend) {
         let out = run(&home, ORCH, &["--json", "status", "APP-1"], &env);
         let v: serde_json::Value =
             serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-        let stage = v["stage"].as_str().unwrap_or("").to_owned();
+        let stage = v["task"]["stage"].as_str().unwrap_or("").to_owned();
         if matches!(stage.as_str(), "done" | "failed" | "cancelled") {
             break stage;
         }

@@ -78,12 +78,6 @@ pub const EXCEPTIONS: &[Exception] = &[
     },
     Exception {
         rule: "wire-json",
-        path: "crates/orch/src/cmd/",
-        reason: "debt: `orch --json` output is still shaped in the commands (tasks, queue, init); \
-                 the CLI work (issue 13) builds it from orch_api's DTOs; delete this entry then",
-    },
-    Exception {
-        rule: "wire-json",
         path: "crates/modelserver/src/",
         reason: "the scripted stand-in for a hosted model speaks the providers' wire formats \
                  (Anthropic Messages, OpenAI Responses and chat completions), not orch's; it \

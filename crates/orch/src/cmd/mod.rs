@@ -48,12 +48,8 @@ async fn migrate(cx: &Context) -> Result<ExitCode> {
     let store = cx.open_store_with(ConnectOptions::default(), false).await?;
     let report = store.migrate().await?;
     if cx.json {
-        crate::output::print_json(&serde_json::json!({
-            "database": store.target(),
-            "from": report.from,
-            "to": report.to,
-            "applied": report.applied,
-        }));
+        let doc = orch_api::dto::Migrated::of(store.target(), &report);
+        crate::output::print_json(&orch_api::dto::to_json(&doc));
     } else if report.applied.is_empty() {
         println!(
             "{}: schema is up to date (version {})",

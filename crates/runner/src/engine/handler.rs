@@ -269,11 +269,10 @@ impl Engine {
     /// the visit it started.
     async fn loops_and_feedback(&self, task_id: i64) -> Result<(u32, Option<ArtifactName>)> {
         let events = self.store.task_events(task_id).await?;
-        let mut loops = 0;
+        let loops = control::loops_used(events.iter().map(|e| e.kind.as_str()));
         let mut feedback = None;
         for e in &events {
             if e.kind == events::STAGE_LOOP_BACK {
-                loops += 1;
                 feedback = serde_json::from_str::<serde_json::Value>(&e.data)
                     .ok()
                     .and_then(|v| v["feedback"].as_str().and_then(|f| f.parse().ok()));
