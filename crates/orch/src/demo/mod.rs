@@ -100,9 +100,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         dir.display()
     );
     let exe = std::env::current_exe().context("cannot find the orch executable")?;
-    let prod_port = free_port()?;
-    let staging_port = free_port()?;
-    let api_port = free_port()?;
+    let [prod_port, staging_port, api_port] = free_ports()?;
     let state = dir.join("service-state");
     std::fs::create_dir_all(&state)?;
     let git = Git::new();
@@ -329,9 +327,17 @@ fn which(tool: &str) -> Option<PathBuf> {
     })
 }
 
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
-    Ok(l.local_addr()?.port())
+/// `N` distinct free ports on 127.0.0.1: all are held at once while they are picked, so two
+/// of them can never be the same port (picking them one by one could).
+fn free_ports<const N: usize>() -> Result<[u16; N]> {
+    let mut held = Vec::with_capacity(N);
+    let mut ports = [0u16; N];
+    for port in &mut ports {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
+        *port = l.local_addr()?.port();
+        held.push(l);
+    }
+    Ok(ports)
 }
 
 async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
