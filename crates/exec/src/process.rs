@@ -39,6 +39,8 @@ pub const DEFAULT_OUTPUT_LIMIT: usize = 256 * 1024;
 const TAIL_EVERY: Duration = Duration::from_millis(50);
 /// Bytes read from one output file per tick (the rest is read on the next one).
 const TAIL_BUDGET: usize = 4 * 1024 * 1024;
+/// Bytes read from one output file after the group ended, at most.
+const FINAL_READ_LIMIT: usize = 64 * 1024 * 1024;
 
 /// What to run and under which limits. Build with [`Cmd::new`] and the chained setters, or set
 /// the public fields directly.
@@ -410,9 +412,10 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
             }
             at_end = tail_once(&mut out, &mut err, TAIL_BUDGET);
         }
-        // The group is gone: what is in the files is all there is (a daemon that escaped the
-        // group may still write; it is not waited for).
-        tail_once(&mut out, &mut err, usize::MAX);
+        // The group is gone: what is in the files is all there is. A daemon that escaped the
+        // group may still write; it is not waited for, and the last read is bounded so one
+        // that writes without end cannot hold the run.
+        tail_once(&mut out, &mut err, FINAL_READ_LIMIT);
     };
     let supervise = async {
         let status = running.supervise(cmd.timeout, cmd.cancel.as_ref()).await;
