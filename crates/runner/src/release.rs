@@ -685,22 +685,28 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
             entry.2 = open_hold(&events);
         }
     }
-    let mut after = 0;
+    // The waiters: tasks off the track (a refused entry leaves a task at the stage it
+    // finished) whose current visit was refused. Read per task in flight, so the cost follows
+    // what is in flight, not every wait the database ever recorded.
+    let track = pipeline.release_track();
     let mut waiting: BTreeMap<i64, (String, String)> = BTreeMap::new();
-    loop {
-        let page = store
-            .events_by_kind(events::RELEASE_WAITING, after, 500)
+    for stage in pipeline.stages.iter().filter(|s| !track.contains(&s.name)) {
+        let tasks = store
+            .list_tasks(&orch_store::TaskFilter {
+                stage: Some(stage.name.as_str().to_owned()),
+                repo: None,
+                limit: 1000,
+                offset: 0,
+            })
             .await?;
-        let Some(last) = page.last() else { break };
-        after = last.id;
-        for e in page {
-            let (Some(task_id), Some(seq)) = (e.task_id, seq_of(&e)) else {
-                continue;
-            };
-            let Some(t) = store.get_task(task_id).await? else {
-                continue;
-            };
-            if t.stage_seq == seq && !t.is_terminal() {
+        for t in tasks {
+            let refused = store
+                .task_events(t.id)
+                .await?
+                .iter()
+                .rev()
+                .any(|e| e.kind == events::RELEASE_WAITING && seq_of(e) == Some(t.stage_seq));
+            if refused {
                 waiting.insert(t.id, (t.repo.clone(), t.work_item_id.clone()));
             }
         }
