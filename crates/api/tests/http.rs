@@ -350,6 +350,7 @@ async fn busy_queue() -> (Harness, Task) {
                 lease_ms: 30_000,
                 kinds: vec!["analyst".into()],
                 node: None,
+                node_grace_ms: None,
             })
             .await
             .unwrap();
