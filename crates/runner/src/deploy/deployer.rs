@@ -77,6 +77,9 @@ impl StageExecutor for DeployerExecutor {
             run.repo_name.as_str(),
             run.work_item.as_str(),
         );
+        if !state.has_marker(MARKER_INITIATED) {
+            restore_markers(run, &state, seq).await?;
+        }
         if state.has_marker(MARKER_INITIATED) {
             if state.read_result().is_none()
                 && run.repo.deploy.is_some()
@@ -103,6 +106,76 @@ impl StageExecutor for DeployerExecutor {
         }
         self.deploy(run, &state, seq).await
     }
+}
+
+/// The markers of this visit are not on this node's disk, but the events say the deploy got
+/// past writing them: the visit began on a node that is gone and this node took it over
+/// (design.md §10), or the disk lost them. Rebuilds them from the events, so the ordinary
+/// rules apply and the deploy is never applied twice: `deploy.started` (the command was
+/// about to run) restores `INITIATED` with its revision; a `deploy.deferred` or a confirming
+/// `deploy.skipped` of the visit (the command had ended well, the finalizer was waiting)
+/// restores a successful `result` too. Without such an event the deploy never began here or
+/// anywhere, and it runs as usual.
+async fn restore_markers(run: &StageRun, state: &DeployState, seq: i64) -> anyhow::Result<()> {
+    let history = run.store.task_events(run.task.id).await?;
+    let mine: Vec<_> = history
+        .iter()
+        .filter(|e| event_seq(e) == Some(seq))
+        .collect();
+    let started = mine.iter().rev().find(|e| {
+        e.kind == events::DEPLOY_STARTED
+            || (e.kind == events::DEPLOY_SKIPPED
+                && super::event_str(e, "outcome").as_deref() == Some("confirm"))
+    });
+    let Some(started) = started else {
+        return Ok(());
+    };
+    let Some(revision) = super::event_str(started, "revision") else {
+        bail!(
+            "deploy: event {} ({}) of this visit names no revision; cannot rebuild the deploy's markers",
+            started.id,
+            started.kind
+        );
+    };
+    let ended_well = started.kind == events::DEPLOY_SKIPPED
+        || mine.iter().any(|e| e.kind == events::DEPLOY_DEFERRED);
+    if !state.write_marker(MARKER_INITIATED, &revision) {
+        bail!(
+            "deploy: cannot rebuild the {MARKER_INITIATED} marker for {} (refusing to go on: the deploy could run twice)",
+            run.work_item
+        );
+    }
+    if ended_well
+        && !state.write_result(&DeployResult {
+            success: true,
+            revision: Some(revision.clone()),
+            finished_at_ms: started.created_at,
+            detail: "rebuilt from the events: the deploy command had ended well".to_owned(),
+        })
+    {
+        tracing::warn!(work_item = %run.work_item, "deploy: cannot rebuild the result marker; the finalizer confirms by health and revision");
+    }
+    let what = if ended_well {
+        "its command had ended well"
+    } else {
+        "its command's end was not recorded"
+    };
+    record(
+        run,
+        seq,
+        events::DEPLOY_MARKERS_RESTORED,
+        format!(
+            "the deploy of `{revision}` began elsewhere ({}, event {}) and its markers are not on node {}: rebuilt from the events ({what})",
+            started.kind, started.id, run.node
+        ),
+        data([
+            ("revision", json!(revision)),
+            ("ended_well", json!(ended_well)),
+            ("node", json!(run.node)),
+        ]),
+    )
+    .await?;
+    Ok(())
 }
 
 /// True when the service says `revision` is live (`revision_url`). Health is not asked: a

@@ -63,6 +63,12 @@ pub mod events {
     /// (a crash, a kill) before it ended, and the revision is not live (recorded first: a
     /// visit re-runs it at most once).
     pub const DEPLOY_REDEPLOYED: &str = "deploy.redeployed";
+    /// The visit's deploy markers were not on this node (it took the visit over from a node
+    /// that is gone, design.md §10): rebuilt from the events before going on.
+    pub const DEPLOY_MARKERS_RESTORED: &str = "deploy.markers_restored";
+    /// The watch's files were not on this node (it took the watch over from a node that is
+    /// gone): re-armed from the deploy's `deploy.confirmed`, its polls so far marked lost.
+    pub const POST_DEPLOY_REARMED: &str = "post_deploy.rearmed";
     /// No deploy command is configured.
     pub const DEPLOY_SKIPPED: &str = "deploy.skipped";
     /// The deploy command failed (non-zero exit, timeout, cannot start).
