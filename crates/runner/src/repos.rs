@@ -211,10 +211,13 @@ pub async fn release_checkout(git: &Git, paths: &RepoPaths, rev: &str) -> Result
     Ok(dir)
 }
 
-/// After this node took over a work item from a node that is gone (design.md §10): fetches
-/// `origin` so the revisions and the `orch/<id>` branch the other node pushed are here, and
-/// fast-forwards a local `orch/<id>` left behind by an earlier stage this node ran (never
-/// moving it backwards or across a divergence). Nothing to do without a remote.
+/// Before a stage runs where work branches are shared, or after this node took over a work
+/// item from a node that is gone (design.md §10): fetches `origin` so the revisions and the
+/// `orch/<id>` branch other nodes pushed are here, and fast-forwards a local `orch/<id>` left
+/// behind by an earlier stage this node ran (never moving it backwards or across a
+/// divergence). Without it a node that ran an earlier stage of the item works on its stale
+/// branch: the three-host test saw a review loop until the bound because the reviewer never
+/// saw the new implementation. Nothing to do without a remote.
 pub async fn catch_up_work_branch(
     git: &Git,
     paths: &RepoPaths,

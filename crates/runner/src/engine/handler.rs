@@ -290,7 +290,9 @@ impl Engine {
         repos::ensure_clone(&self.git, &self.cfg.root, &paths, &repo_name, &repo)
             .await
             .map_err(Prep::Transient)?;
-        if taken_over {
+        // The branch is the hand-off between machines (design.md §10): where work branches are
+        // shared, another node may have moved it since this node last worked on the item.
+        if taken_over || repos::shares_work_branches(&self.git, &paths.repo_dir, &repo).await {
             repos::catch_up_work_branch(&self.git, &paths, &work_item)
                 .await
                 .map_err(Prep::Transient)?;
