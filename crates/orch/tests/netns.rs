@@ -512,3 +512,199 @@ async fn a_host_that_dies_holding_a_watch_is_taken_over() {
         took.as_secs_f64()
     );
 }
+
+const ITEMS: [(&str, &str); 3] = [
+    ("Add a /version endpoint", "shipped"),
+    ("Make the greeting configurable", "reverted"),
+    ("Add a banner", "failed"),
+];
+
+/// One run of deploy.sh or rollback.sh from the sample service's `deploys.log`:
+/// (kind, env, revision, start ns, end ns).
+type ScriptRun = (String, String, String, u128, Option<u128>);
+
+fn script_runs(dir: &Path) -> Vec<ScriptRun> {
+    let log = std::fs::read_to_string(dir.join("service-state/deploys.log")).unwrap_or_default();
+    let mut open: BTreeMap<(String, String, String), Vec<usize>> = BTreeMap::new();
+    let mut runs: Vec<ScriptRun> = Vec::new();
+    for line in log.lines() {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let [what, kind, env, rev, at, ..] = f.as_slice() else {
+            continue;
+        };
+        let key = ((*kind).to_owned(), (*env).to_owned(), (*rev).to_owned());
+        let at: u128 = at.parse().unwrap_or(0);
+        if *what == "start" {
+            open.entry(key.clone()).or_default().push(runs.len());
+            runs.push((key.0, key.1, key.2, at, None));
+        } else if let Some(i) = open.get_mut(&key).and_then(Vec::pop) {
+            runs[i].4 = Some(at);
+        }
+    }
+    runs
+}
+
+/// No two runs of `env` that ended overlap, whichever host ran them.
+fn assert_serial(runs: &[ScriptRun], env: &str) {
+    let mut mine: Vec<&ScriptRun> = runs.iter().filter(|r| r.1 == env && r.4.is_some()).collect();
+    mine.sort_by_key(|r| r.3);
+    for pair in mine.windows(2) {
+        let (a, b) = (pair[0], pair[1]);
+        assert!(
+            b.3 >= a.4.unwrap_or(u128::MAX),
+            "{env}: {} of {:.12} overlaps {} of {:.12}",
+            a.0,
+            a.2,
+            b.0,
+            b.2
+        );
+    }
+}
+
+/// The outcome each item's terminal event records.
+async fn outcomes(store: &Store, ids: &[String]) -> Vec<String> {
+    let mut out = Vec::new();
+    for id in ids {
+        let t = common::task(store, id).await;
+        let events = store.task_events(t.id).await.unwrap();
+        out.push(
+            events
+                .iter()
+                .rev()
+                .find(|e| e.kind.starts_with("task.") && e.data.contains("\"outcome\""))
+                .and_then(|e| data(e)["outcome"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| format!("stage {}", t.stage)),
+        );
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
+    let Some(mut c) = Cluster::start(3).await else {
+        return;
+    };
+    let ids: Vec<String> = ITEMS.iter().map(|(title, _)| c.submit(title)).collect();
+    // LLM stages take 6 s, so a cut link catches its host in the middle of one.
+    for i in 1..=3 {
+        c.start_worker(i, 6_000);
+    }
+    let store = c.store.clone();
+    let t0 = Instant::now();
+    // (b) Cut the link of a host running an agent stage.
+    let (host, job, attempt) = loop {
+        let stats = store.queue_stats().await.unwrap();
+        let found = stats.leases.iter().find_map(|l| {
+            let host: usize = l.worker.as_deref()?.strip_prefix("worker-h")?.parse().ok()?;
+            ["analyst", "architect", "developer", "reviewer"]
+                .contains(&l.agent.as_str())
+                .then_some((host, l.job_id, l.attempt))
+        });
+        if let Some(f) = found {
+            break f;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(120), "no agent stage ran");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    c.net.set_link(host, false);
+    let cut = Instant::now();
+    // Its lease expires, another host rescues the job and runs it.
+    until(Duration::from_secs(60), "the cut host's job rescued and run elsewhere", || {
+        let store = store.clone();
+        async move {
+            let j = store.get_job(job).await.unwrap().unwrap();
+            j.attempt > attempt
+                && j.locked_by.as_deref() != Some(&format!("worker-h{host}"))
+                && j.state != JobState::Queued
+        }
+    })
+    .await;
+    let moved_after = cut.elapsed();
+    // The host comes back while its own run of the stage is still going.
+    c.net.set_link(host, true);
+
+    let t1 = Instant::now();
+    loop {
+        let mut all = true;
+        for id in &ids {
+            all &= common::task(&store, id).await.is_terminal();
+        }
+        if all {
+            break;
+        }
+        assert!(
+            t1.elapsed() < Duration::from_secs(600),
+            "not every item ended within 600 s: {:?}",
+            outcomes(&store, &ids).await
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let got = outcomes(&store, &ids).await;
+    let runs = script_runs(&c.dir);
+    let cut_log = c.log(host);
+    let mut chains = Vec::new();
+    let mut workers = std::collections::BTreeSet::new();
+    for id in &ids {
+        let t = common::task(&store, id).await;
+        chains.push((id.clone(), store.task_events(t.id).await.unwrap()));
+        for j in store.task_jobs(t.id).await.unwrap() {
+            assert_ne!(j.state, JobState::Running, "job {} of {id} still running", j.id);
+            workers.extend(j.locked_by);
+        }
+    }
+    c.stop().await;
+
+    // (a) Every item ended as the release train decides, across three hosts.
+    let want: Vec<String> = ITEMS.iter().map(|(_, o)| (*o).to_owned()).collect();
+    assert_eq!(got, want, "outcomes");
+    // (b) The cut host's own run of the job was fenced: it learnt its lease was lost and wrote
+    // nothing for it; every stage change follows the previous one (no visit applied twice).
+    assert!(
+        cut_log.contains("lease lost") || cut_log.contains("lease was lost"),
+        "the cut host h{host} saw its lease lost:\n{cut_log}"
+    );
+    for (id, events) in &chains {
+        let changes: Vec<(String, String)> = events
+            .iter()
+            .filter(|e| {
+                e.kind == "stage.advanced" || e.kind == "stage.loop_back" || e.kind.starts_with("task.") && e.kind != "task.submitted"
+            })
+            .map(|e| {
+                let d = data(e);
+                (
+                    d["from"].as_str().unwrap_or("?").to_owned(),
+                    d["to"].as_str().unwrap_or("?").to_owned(),
+                )
+            })
+            .collect();
+        for pair in changes.windows(2) {
+            assert_eq!(pair[0].1, pair[1].0, "{id}: stage changes {changes:?}");
+        }
+        assert!(
+            !events.iter().any(|e| e.job_id == Some(job)
+                && e.kind == "stage.advanced"
+                && data(e)["attempt"].as_i64() == Some(attempt)),
+            "{id}: the cut host's attempt {attempt} of job {job} advanced nothing"
+        );
+    }
+    // (d) One release at a time across the hosts: production deploys and rollbacks, and staging
+    // runs, never overlapped; no production effect ran twice for one revision.
+    assert_serial(&runs, "production");
+    assert_serial(&runs, "staging");
+    let mut counted: BTreeMap<(String, String), usize> = BTreeMap::new();
+    for r in runs.iter().filter(|r| r.1 == "production" && r.4.is_some()) {
+        *counted.entry((r.0.clone(), r.2.clone())).or_default() += 1;
+    }
+    for ((kind, rev), n) in counted {
+        assert_eq!(n, 1, "production {kind} of {rev:.12} ran {n} times");
+    }
+    assert_eq!(
+        workers.len(),
+        3,
+        "the items' jobs ran on all three hosts: {workers:?}"
+    );
+    eprintln!(
+        "netns release: h{host}'s link cut; its job ran elsewhere {:.1} s after the cut (lease {LEASE_S} s); outcomes {got:?}",
+        moved_after.as_secs_f64()
+    );
+}
