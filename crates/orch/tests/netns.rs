@@ -226,7 +226,10 @@ impl Cluster {
             .expect("spawn git daemon");
         let t0 = Instant::now();
         while std::net::TcpStream::connect((gw, git_port)).is_err() {
-            assert!(t0.elapsed() < Duration::from_secs(20), "git daemon never listened");
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "git daemon never listened"
+            );
             std::thread::sleep(Duration::from_millis(50));
         }
 
@@ -247,8 +250,14 @@ impl Cluster {
                 "path = \"service\"",
                 &format!("url = \"git://{gw}:{git_port}/service.git\""),
             )
-            .replace("deploy = \"sh deploy.sh production", &format!("deploy = \"{nsenter}deploy.sh production"))
-            .replace("rollback = \"sh rollback.sh production", &format!("rollback = \"{nsenter}rollback.sh production"))
+            .replace(
+                "deploy = \"sh deploy.sh production",
+                &format!("deploy = \"{nsenter}deploy.sh production"),
+            )
+            .replace(
+                "rollback = \"sh rollback.sh production",
+                &format!("rollback = \"{nsenter}rollback.sh production"),
+            )
             .replace(
                 &format!("http://127.0.0.1:{prod_port}/"),
                 &format!("http://{gw}:{prod_port}/"),
@@ -353,7 +362,13 @@ impl Cluster {
             &self.dir,
             &self.local_url,
             &[
-                "submit", "--repo", "service", "--title", title, "--body", "As the title says.",
+                "submit",
+                "--repo",
+                "service",
+                "--title",
+                title,
+                "--body",
+                "As the title says.",
                 "--json",
             ],
         );
@@ -468,7 +483,11 @@ async fn a_host_that_dies_holding_a_watch_is_taken_over() {
     c.stop().await;
 
     assert_eq!(t.stage, "done", "{summary:#?}");
-    let done = history.iter().rev().find(|e| e.kind == "task.done").unwrap();
+    let done = history
+        .iter()
+        .rev()
+        .find(|e| e.kind == "task.done")
+        .unwrap();
     assert_eq!(data(done)["outcome"], "shipped", "{summary:#?}");
     let takeovers: Vec<&Event> = history
         .iter()
@@ -546,7 +565,10 @@ fn script_runs(dir: &Path) -> Vec<ScriptRun> {
 
 /// No two runs of `env` that ended overlap, whichever host ran them.
 fn assert_serial(runs: &[ScriptRun], env: &str) {
-    let mut mine: Vec<&ScriptRun> = runs.iter().filter(|r| r.1 == env && r.4.is_some()).collect();
+    let mut mine: Vec<&ScriptRun> = runs
+        .iter()
+        .filter(|r| r.1 == env && r.4.is_some())
+        .collect();
     mine.sort_by_key(|r| r.3);
     for pair in mine.windows(2) {
         let (a, b) = (pair[0], pair[1]);
@@ -595,7 +617,12 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
     let (host, job, attempt) = loop {
         let stats = store.queue_stats().await.unwrap();
         let found = stats.leases.iter().find_map(|l| {
-            let host: usize = l.worker.as_deref()?.strip_prefix("worker-h")?.parse().ok()?;
+            let host: usize = l
+                .worker
+                .as_deref()?
+                .strip_prefix("worker-h")?
+                .parse()
+                .ok()?;
             ["analyst", "architect", "developer", "reviewer"]
                 .contains(&l.agent.as_str())
                 .then_some((host, l.job_id, l.attempt))
@@ -603,21 +630,28 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
         if let Some(f) = found {
             break f;
         }
-        assert!(t0.elapsed() < Duration::from_secs(120), "no agent stage ran");
+        assert!(
+            t0.elapsed() < Duration::from_secs(120),
+            "no agent stage ran"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
     c.net.set_link(host, false);
     let cut = Instant::now();
     // Its lease expires, another host rescues the job and runs it.
-    until(Duration::from_secs(60), "the cut host's job rescued and run elsewhere", || {
-        let store = store.clone();
-        async move {
-            let j = store.get_job(job).await.unwrap().unwrap();
-            j.attempt > attempt
-                && j.locked_by.as_deref() != Some(&format!("worker-h{host}"))
-                && j.state != JobState::Queued
-        }
-    })
+    until(
+        Duration::from_secs(60),
+        "the cut host's job rescued and run elsewhere",
+        || {
+            let store = store.clone();
+            async move {
+                let j = store.get_job(job).await.unwrap().unwrap();
+                j.attempt > attempt
+                    && j.locked_by.as_deref() != Some(&format!("worker-h{host}"))
+                    && j.state != JobState::Queued
+            }
+        },
+    )
     .await;
     let moved_after = cut.elapsed();
     // The host comes back while its own run of the stage is still going.
@@ -648,7 +682,12 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
         let t = common::task(&store, id).await;
         chains.push((id.clone(), store.task_events(t.id).await.unwrap()));
         for j in store.task_jobs(t.id).await.unwrap() {
-            assert_ne!(j.state, JobState::Running, "job {} of {id} still running", j.id);
+            assert_ne!(
+                j.state,
+                JobState::Running,
+                "job {} of {id} still running",
+                j.id
+            );
             workers.extend(j.locked_by);
         }
     }
@@ -667,7 +706,9 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
         let changes: Vec<(String, String)> = events
             .iter()
             .filter(|e| {
-                e.kind == "stage.advanced" || e.kind == "stage.loop_back" || e.kind.starts_with("task.") && e.kind != "task.submitted"
+                e.kind == "stage.advanced"
+                    || e.kind == "stage.loop_back"
+                    || e.kind.starts_with("task.") && e.kind != "task.submitted"
             })
             .map(|e| {
                 let d = data(e);

@@ -65,7 +65,11 @@ fn run(dir: &Path, program: &str, args: &[&str]) {
 /// production running the initial release, and a fresh PostgreSQL schema.
 async fn setup(dir: &Path) -> String {
     demo_setup(dir);
-    run(dir, "git", &["clone", "--quiet", "--bare", "service", "service.git"]);
+    run(
+        dir,
+        "git",
+        &["clone", "--quiet", "--bare", "service", "service.git"],
+    );
     let toml_path = dir.join("orch.toml");
     let toml = std::fs::read_to_string(&toml_path).unwrap();
     let toml = toml
@@ -198,20 +202,24 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
             );
         }
         Death::DuringWatch => {
-            until(Duration::from_secs(240), "two polls of node a's watch", || async {
-                let t = common::task(&store, &id).await;
-                t.stage == "observe"
-                    && store
-                        .task_jobs(t.id)
-                        .await
-                        .unwrap()
-                        .iter()
-                        .filter(|j| {
-                            j.agent == "post-deploy-monitor" && j.state == JobState::Done
-                        })
-                        .count()
-                        >= 2
-            })
+            until(
+                Duration::from_secs(240),
+                "two polls of node a's watch",
+                || async {
+                    let t = common::task(&store, &id).await;
+                    t.stage == "observe"
+                        && store
+                            .task_jobs(t.id)
+                            .await
+                            .unwrap()
+                            .iter()
+                            .filter(|j| {
+                                j.agent == "post-deploy-monitor" && j.state == JobState::Done
+                            })
+                            .count()
+                            >= 2
+                },
+            )
             .await;
             // SAFETY: signalling our own child's process group (the service it deployed runs
             // in its own session and stays up, as production would).
@@ -235,7 +243,11 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
         .map(|e| format!("{} {}", e.kind, e.message))
         .collect();
     assert_eq!(t.stage, "done", "{summary:#?}");
-    let done = history.iter().rev().find(|e| e.kind == "task.done").unwrap();
+    let done = history
+        .iter()
+        .rev()
+        .find(|e| e.kind == "task.done")
+        .unwrap();
     assert_eq!(data(done)["outcome"], "shipped", "{summary:#?}");
 
     // The takeover: once, from a to b, of the stage node a held, and visible as an event.
@@ -245,7 +257,10 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
         .collect();
     assert_eq!(takeovers.len(), 1, "{summary:#?}");
     let d = data(takeovers[0]);
-    assert_eq!((d["from"].as_str(), d["to"].as_str()), (Some("a"), Some("b")));
+    assert_eq!(
+        (d["from"].as_str(), d["to"].as_str()),
+        (Some("a"), Some("b"))
+    );
     let stage = match death {
         Death::AfterDeployCommand => "deploy",
         Death::DuringWatch => "observe",
@@ -277,7 +292,11 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
         .into_iter()
         .filter(|r| *r == deployed)
         .collect();
-    assert_eq!(runs.len(), 1, "production deploys of {deployed:.12}: {runs:?}");
+    assert_eq!(
+        runs.len(),
+        1,
+        "production deploys of {deployed:.12}: {runs:?}"
+    );
     assert!(
         !history.iter().any(|e| e.kind == "deploy.redeployed"),
         "the live deploy was not run again: {summary:#?}"
@@ -285,9 +304,7 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
     match death {
         Death::AfterDeployCommand => {
             assert!(
-                history
-                    .iter()
-                    .any(|e| e.kind == "deploy.markers_restored"),
+                history.iter().any(|e| e.kind == "deploy.markers_restored"),
                 "{summary:#?}"
             );
             let confirmed = history
@@ -308,10 +325,15 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
                 .expect("the watch ended with a verdict");
             let v = data(verdict);
             assert!(
-                v["evidence_lost"].as_str().is_some_and(|l| l.contains("node a")),
+                v["evidence_lost"]
+                    .as_str()
+                    .is_some_and(|l| l.contains("node a")),
                 "the lost polls are said, never silent: {v}"
             );
-            assert_ne!(v["verdict"], "HEALTHY", "lost evidence never ends HEALTHY: {v}");
+            assert_ne!(
+                v["verdict"], "HEALTHY",
+                "lost evidence never ends HEALTHY: {v}"
+            );
             assert_ne!(v["action"], "rollback", "{v}");
         }
     }

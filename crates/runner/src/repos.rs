@@ -225,12 +225,17 @@ pub async fn catch_up_work_branch(
 ) -> Result<()> {
     let repo_dir = &paths.repo_dir;
     if !git.fetch(repo_dir, ORIGIN).await.with_context(|| {
-        format!("cannot fetch `{ORIGIN}` in {} after a takeover", repo_dir.display())
+        format!(
+            "cannot fetch `{ORIGIN}` in {} after a takeover",
+            repo_dir.display()
+        )
     })? {
         return Ok(());
     }
     let branch = work_item.branch_name();
-    let local = git.rev_parse(repo_dir, &format!("refs/heads/{branch}")).await?;
+    let local = git
+        .rev_parse(repo_dir, &format!("refs/heads/{branch}"))
+        .await?;
     let remote = git
         .rev_parse(repo_dir, &format!("refs/remotes/{ORIGIN}/{branch}"))
         .await?;

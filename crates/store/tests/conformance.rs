@@ -1564,7 +1564,10 @@ async fn jobs_of_a_gone_node_are_claimable_after_the_grace_not_before(db: TestDb
     // box-a stops being seen at T0.
     db.clock.advance_ms(GRACE);
     assert!(
-        s.claim(&claim_on("box-b", Some(GRACE))).await.unwrap().is_empty(),
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty(),
         "box-a was seen exactly the grace ago: not gone yet"
     );
     db.clock.advance_ms(1);
@@ -1576,18 +1579,38 @@ async fn jobs_of_a_gone_node_are_claimable_after_the_grace_not_before(db: TestDb
     unpinned.node_grace_ms = None;
     assert!(s.claim(&unpinned).await.unwrap().is_empty());
     let got = s.claim(&claim_on("box-b", Some(GRACE))).await.unwrap();
-    assert_eq!(got.len(), 1, "box-a gone longer than the grace: box-b takes its job");
-    assert_eq!(got[0].job.node.as_deref(), Some("box-a"), "still pinned to a until re-pinned");
+    assert_eq!(
+        got.len(),
+        1,
+        "box-a gone longer than the grace: box-b takes its job"
+    );
+    assert_eq!(
+        got[0].job.node.as_deref(),
+        Some("box-a"),
+        "still pinned to a until re-pinned"
+    );
     // The beacon is listed and is never claimed, counted as live or left running.
     let nodes = s.nodes().await.unwrap();
     assert_eq!(nodes.len(), 1);
     assert_eq!(
-        (nodes[0].node.as_str(), nodes[0].first_seen_ms, nodes[0].last_seen_ms),
+        (
+            nodes[0].node.as_str(),
+            nodes[0].first_seen_ms,
+            nodes[0].last_seen_ms
+        ),
         ("box-a", T0, T0)
     );
     s.complete_and_claim(&[got[0].lease], None).await.unwrap();
-    assert!(!s.has_live_jobs().await.unwrap(), "a beacon is not a live job");
-    assert!(s.claim(&claim_on("box-a", Some(GRACE))).await.unwrap().is_empty());
+    assert!(
+        !s.has_live_jobs().await.unwrap(),
+        "a beacon is not a live job"
+    );
+    assert!(
+        s.claim(&claim_on("box-a", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 async fn a_live_nodes_jobs_are_never_taken_over(db: TestDb) {
@@ -1600,7 +1623,10 @@ async fn a_live_nodes_jobs_are_never_taken_over(db: TestDb) {
         db.clock.advance_ms(GRACE / 2);
         s.node_seen("box-a").await.unwrap();
         assert!(
-            s.claim(&claim_on("box-b", Some(GRACE))).await.unwrap().is_empty(),
+            s.claim(&claim_on("box-b", Some(GRACE)))
+                .await
+                .unwrap()
+                .is_empty(),
             "box-a is seen every half grace: its job stays its own"
         );
     }
@@ -1613,7 +1639,10 @@ async fn a_live_nodes_jobs_are_never_taken_over(db: TestDb) {
     assert_eq!(s.nodes().await.unwrap()[0].last_seen_ms, T0 + 5 * GRACE);
     db.clock.advance_ms(GRACE);
     assert_eq!(
-        s.claim(&claim_on("box-a", Some(GRACE))).await.unwrap().len(),
+        s.claim(&claim_on("box-a", Some(GRACE)))
+            .await
+            .unwrap()
+            .len(),
         1,
         "box-a itself claims it"
     );
@@ -1626,11 +1655,20 @@ async fn a_never_seen_node_counts_from_when_its_job_became_ready(db: TestDb) {
         .unwrap();
     db.clock.advance_ms(10_000 + GRACE);
     assert!(
-        s.claim(&claim_on("box-b", Some(GRACE))).await.unwrap().is_empty(),
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty(),
         "ready for exactly the grace: box-x may still come"
     );
     db.clock.advance_ms(1);
-    assert_eq!(s.claim(&claim_on("box-b", Some(GRACE))).await.unwrap().len(), 1);
+    assert_eq!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 async fn take_over_repins_the_job_fenced_by_its_lease(db: TestDb) {

@@ -187,7 +187,8 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
     );
     config.node_grace = Some(Duration::from_secs(settings.node_grace_s));
     anyhow::ensure!(
-        settings.node_grace_s.saturating_mul(1000) >= u64::try_from(config.lease.as_millis()).unwrap_or(u64::MAX),
+        settings.node_grace_s.saturating_mul(1000)
+            >= u64::try_from(config.lease.as_millis()).unwrap_or(u64::MAX),
         "[settings] node_grace_s ({} s) must be at least the lease ({} ms): a node is judged gone only after its leases could have expired",
         settings.node_grace_s,
         config.lease.as_millis()

@@ -725,7 +725,10 @@ async fn record_rearmed(
         run,
         seq,
         events::POST_DEPLOY_REARMED,
-        format!("post-deploy watch of `{revision}` re-armed on node {} from the events: {lost}", run.node),
+        format!(
+            "post-deploy watch of `{revision}` re-armed on node {} from the events: {lost}",
+            run.node
+        ),
         data([
             ("revision", json!(revision)),
             ("from", json!(from)),
