@@ -419,6 +419,15 @@ async fn queue_shows_nodes_and_takeovers() {
     assert_eq!(takeovers[0]["task_id"], json!(t.id));
     // A beacon is a finished job row of its own kind, never a queued or running one.
     assert_eq!(v["jobs"]["by_agent"]["node-beacon"]["done"], 2);
+    let m = h.get("/metrics", StatusCode::OK).await.text;
+    assert!(
+        m.contains("orch_node_last_seen_age_seconds{node=\"box-a\"} 7.0"),
+        "{m}"
+    );
+    assert!(
+        m.contains("orch_node_last_seen_age_seconds{node=\"box-b\"} 0.0"),
+        "{m}"
+    );
 }
 
 /// One parsed exposition line: name, labels, value.
