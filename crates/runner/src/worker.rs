@@ -119,8 +119,8 @@ pub struct WorkerConfig {
     /// This machine's node name, for jobs pinned to it. When set, the heartbeat also records
     /// the node as seen (`Store::node_seen`) every beat, busy or idle.
     pub node: Option<String>,
-    /// Jobs pinned to another node become claimable here once that node has not been seen for
-    /// this long (design.md §10). `None`: never take over.
+    /// Jobs pinned to another node become claimable here once they have been ready, and that
+    /// node unseen, for this long (design.md §10). `None`: never take over.
     pub node_grace: Option<Duration>,
 }
 

@@ -196,9 +196,9 @@ pub struct Claim {
     pub kinds: Vec<String>,
     /// This worker's node: it may claim jobs pinned to it and unpinned jobs.
     pub node: Option<String>,
-    /// The node grace: a job pinned to another node becomes claimable here once that node has
-    /// not been seen ([`crate::Store::node_seen`]) for longer than this (a node never seen counts
-    /// from when the job became ready). `None`: never take over another node's jobs.
+    /// The node grace: a job pinned to another node becomes claimable here once it has been
+    /// ready for longer than this and that node has not been seen ([`crate::Store::node_seen`])
+    /// for longer than this, or never. `None`: never take over another node's jobs.
     pub node_grace_ms: Option<i64>,
 }
 

@@ -66,6 +66,7 @@ conformance!(
     jobs_of_a_gone_node_are_claimable_after_the_grace_not_before,
     a_live_nodes_jobs_are_never_taken_over,
     a_never_seen_node_counts_from_when_its_job_became_ready,
+    a_gone_nodes_job_waits_the_grace_once_ready,
     take_over_repins_the_job_fenced_by_its_lease,
 );
 
@@ -1711,4 +1712,29 @@ async fn take_over_repins_the_job_fenced_by_its_lease(db: TestDb) {
         s.take_over_job(lease, "box-c", event()).await,
         Err(StoreError::LeaseLost { .. })
     ));
+}
+
+async fn a_gone_nodes_job_waits_the_grace_once_ready(db: TestDb) {
+    let s = &db.store;
+    s.node_seen("box-a").await.unwrap();
+    // box-a left a job that becomes ready long after box-a was last seen.
+    s.enqueue(NewJob::new("noop", "a's later").node("box-a").delay_s(60))
+        .await
+        .unwrap();
+    db.clock.advance_ms(60_000 + GRACE);
+    assert!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty(),
+        "box-a is gone, but its job has been ready for only the grace"
+    );
+    db.clock.advance_ms(1);
+    assert_eq!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
 }
