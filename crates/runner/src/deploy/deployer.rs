@@ -77,6 +77,9 @@ impl StageExecutor for DeployerExecutor {
             run.repo_name.as_str(),
             run.work_item.as_str(),
         );
+        if state.has_marker(MARKER_INITIATED) {
+            clear_stale_markers(run, &state, seq).await?;
+        }
         if !state.has_marker(MARKER_INITIATED) {
             restore_markers(run, &state, seq).await?;
         }
@@ -108,6 +111,54 @@ impl StageExecutor for DeployerExecutor {
     }
 }
 
+/// Whether `e` says a visit's deploy got past writing its markers: `deploy.started`, or a
+/// confirming `deploy.skipped` (no command, the revision taken as deployed).
+fn began(e: &orch_store::Event) -> bool {
+    e.kind == events::DEPLOY_STARTED
+        || (e.kind == events::DEPLOY_SKIPPED
+            && super::event_str(e, "outcome").as_deref() == Some("confirm"))
+}
+
+/// `INITIATED` is on this node's disk, but the events say no deploy of this visit began (the
+/// command runs only after `deploy.started` is recorded) while another visit's did: the markers
+/// are that visit's, left here when this node went away and another node took the visit over
+/// (design.md §10), and this visit is a later one (a retry). They are cleared, so this visit
+/// deploys its own revision instead of finalizing another's (`deploy.stale_markers_cleared`).
+async fn clear_stale_markers(run: &StageRun, state: &DeployState, seq: i64) -> anyhow::Result<()> {
+    let history = run.store.task_events(run.task.id).await?;
+    let here = history
+        .iter()
+        .any(|e| began(e) && event_seq(e) == Some(seq));
+    let elsewhere = history
+        .iter()
+        .rev()
+        .find(|e| began(e) && event_seq(e).is_some_and(|s| s != seq));
+    let (false, Some(other)) = (here, elsewhere) else {
+        return Ok(());
+    };
+    let stale = initiated_revision(state).unwrap_or_else(|| "unknown".to_owned());
+    if !state.clear_state() {
+        bail!(
+            "deploy: cannot clear the stale markers (of `{stale}`, visit {:?}) of {}",
+            event_seq(other),
+            run.work_item
+        );
+    }
+    record(
+        run,
+        seq,
+        events::DEPLOY_STALE_MARKERS_CLEARED,
+        format!(
+            "the deploy markers on node {} (of `{stale}`) belong to visit {} of this item, not to this one: cleared",
+            run.node,
+            event_seq(other).unwrap_or_default()
+        ),
+        data([("revision", json!(stale)), ("node", json!(run.node))]),
+    )
+    .await?;
+    Ok(())
+}
+
 /// The markers of this visit are not on this node's disk, but the events say the deploy got
 /// past writing them: the visit began on a node that is gone and this node took it over
 /// (design.md §10), or the disk lost them. Rebuilds them from the events, so the ordinary
@@ -122,11 +173,7 @@ async fn restore_markers(run: &StageRun, state: &DeployState, seq: i64) -> anyho
         .iter()
         .filter(|e| event_seq(e) == Some(seq))
         .collect();
-    let started = mine.iter().rev().find(|e| {
-        e.kind == events::DEPLOY_STARTED
-            || (e.kind == events::DEPLOY_SKIPPED
-                && super::event_str(e, "outcome").as_deref() == Some("confirm"))
-    });
+    let started = mine.iter().rev().find(|e| began(e));
     let Some(started) = started else {
         return Ok(());
     };
@@ -694,12 +741,18 @@ fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
     }
     match ws.arm(&record) {
         ArmOutcome::Armed => Ok(()),
-        ArmOutcome::AlreadyArmed(existing) if revision_matches(revision, &existing.revision) => {
+        // Armed in this visit (it began when the task entered the stage): a retried arm. Armed
+        // before it, the watch is another visit's, left here when this node went away and that
+        // visit was taken over (design.md §10): replaced, not reused.
+        ArmOutcome::AlreadyArmed(existing)
+            if revision_matches(revision, &existing.revision)
+                && existing.armed_at_ms >= run.task.updated_at =>
+        {
             tracing::info!(work_item = %run.work_item, "deploy: watch already armed for this revision (a retried arm)");
             Ok(())
         }
         ArmOutcome::AlreadyArmed(existing) => {
-            tracing::warn!(work_item = %run.work_item, old = %existing.revision, new = revision, "deploy: replacing a watch armed for another revision");
+            tracing::warn!(work_item = %run.work_item, old = %existing.revision, new = revision, armed_at = existing.armed_at_ms, "deploy: replacing a watch armed for another revision or by an earlier visit");
             ws.clear();
             match ws.arm(&record) {
                 ArmOutcome::Armed => Ok(()),

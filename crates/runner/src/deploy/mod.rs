@@ -66,6 +66,9 @@ pub mod events {
     /// The visit's deploy markers were not on this node (it took the visit over from a node
     /// that is gone, design.md §10): rebuilt from the events before going on.
     pub const DEPLOY_MARKERS_RESTORED: &str = "deploy.markers_restored";
+    /// Deploy markers on this node belonged to another visit of the item (left when this node
+    /// went away and its visit was taken over): cleared before this visit deploys.
+    pub const DEPLOY_STALE_MARKERS_CLEARED: &str = "deploy.stale_markers_cleared";
     /// The watch's files were not on this node (it took the watch over from a node that is
     /// gone): re-armed from the deploy's `deploy.confirmed`, its polls so far marked lost.
     pub const POST_DEPLOY_REARMED: &str = "post_deploy.rearmed";
