@@ -13,6 +13,7 @@ use axum::extract::{FromRequestParts, Path, State};
 use axum::http::StatusCode;
 use axum::http::request::Parts;
 use axum::response::{Html, IntoResponse, Response};
+use orch_domain::control::{self, events};
 use orch_domain::outcome::Outcome;
 
 use crate::ApiState;
@@ -90,11 +91,8 @@ struct PipeBox {
 struct PipelineView {
     boxes: Vec<PipeBox>,
     /// Loops back taken (`stage.loop_back` events).
-    loops: usize,
+    loops: u32,
 }
-
-/// Event kinds that mean "the task entered the event's stage".
-const STAGE_ENTRY_KINDS: &[&str] = &["task.submitted", "stage.advanced", "stage.loop_back"];
 
 impl PipelineView {
     /// Lays out the built-in pipeline for a task at `stage`, with visit and loop counts read
@@ -106,31 +104,29 @@ impl PipelineView {
             .iter()
             .map(|s| s.name.as_str().to_owned())
             .collect();
-        let terminal = orch_store::is_terminal_stage(stage);
+        let terminal = control::is_terminal_stage(stage);
         let visits = |name: &str| {
             events
                 .iter()
                 .filter(|e| {
-                    STAGE_ENTRY_KINDS.contains(&e.kind.as_str()) && e.stage.as_deref() == Some(name)
+                    events::STAGE_ENTERED.contains(&e.kind.as_str())
+                        && e.stage.as_deref() == Some(name)
                 })
                 .count()
         };
-        let loops = events
-            .iter()
-            .filter(|e| e.kind == "stage.loop_back")
-            .count();
+        let loops = control::loops_used(events.iter().map(|e| e.kind.as_str()));
         // Where a failed or cancelled task stopped: the last non-terminal stage it entered.
         let stopped_at = events
             .iter()
             .rev()
             .filter_map(|e| e.stage.as_deref())
-            .find(|s| !orch_store::is_terminal_stage(s))
+            .find(|s| !control::is_terminal_stage(s))
             .map(str::to_owned);
         if !names.iter().any(|n| n == stage) {
             names.push(stage.to_owned());
         }
         let current = names.iter().position(|n| n == stage);
-        let stop = if terminal && stage != "done" {
+        let stop = if terminal && stage != control::DONE {
             stopped_at
                 .as_ref()
                 .and_then(|s| names.iter().position(|n| n == s))
@@ -145,7 +141,7 @@ impl PipelineView {
                     "current"
                 } else if Some(i) == stop {
                     "stopped"
-                } else if terminal && stage != "done" {
+                } else if terminal && stage != control::DONE {
                     if stop.is_some_and(|s| i < s) {
                         "past"
                     } else {
@@ -906,7 +902,7 @@ pub(crate) async fn task_page(
         chart,
         pipeline,
         can_cancel: !terminal,
-        can_retry: task.stage == "failed",
+        can_retry: task.stage == control::FAILED,
         task,
     };
     Ok(render(&page))
@@ -991,7 +987,10 @@ pub(crate) async fn repo_page(
             .iter()
             .map(|l| (l.work_item.clone(), fmt_time(l.at_ms), l.message.clone()))
             .collect(),
-        legacy_deploys: story.deploys.iter().any(|d| d.source == "deploy.confirmed"),
+        legacy_deploys: story
+            .deploys
+            .iter()
+            .any(|d| d.source == events::DEPLOY_CONFIRMED),
         lessons_file,
         lessons_html,
     };
@@ -1197,7 +1196,7 @@ mod tests {
 
     /// Lays out `stage` after `moves` (kind, stage) and compares `name:class[xN]` of the boxes
     /// that are not `future`, and the loop count.
-    fn check(stage: &str, moves: &[(&str, &str)], want: &[&str], want_loops: usize) {
+    fn check(stage: &str, moves: &[(&str, &str)], want: &[&str], want_loops: u32) {
         let events: Vec<_> = moves.iter().map(|(k, s)| event(k, s)).collect();
         let view = PipelineView::new(stage, &events);
         let got: Vec<String> = view

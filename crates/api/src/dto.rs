@@ -1,13 +1,22 @@
-//! The JSON shapes of the HTTP API. Only this module knows them: store rows and operation
-//! results are plain Rust and are converted here, so a change of wire format touches one file.
-//! Times are epoch milliseconds in fields ending in `_ms`; durations in seconds end in `_s`.
+//! The JSON shapes of orch's wire: the HTTP API and `orch --json`, which prints these same
+//! documents (the CLI builds no JSON itself). Only this module knows them: store rows and
+//! operation results are plain Rust and are converted here, so a change of wire format touches
+//! one file. One shape per thing: `id` is a row's numeric id and `work_item_id` the `APP-1`
+//! name; times are epoch milliseconds in fields ending in `_ms`; durations in seconds end in
+//! `_s`.
 
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::ops::{ArtifactFile, Observation, RunnerCounters};
+use crate::ops::{ArtifactFile, Observation, ReleaseTrack, RunnerCounters};
 use crate::snapshot::QueueSnapshot;
+
+/// A document as JSON, for printing (`orch --json`).
+pub fn to_json<T: Serialize>(doc: &T) -> serde_json::Value {
+    // These documents have string keys and finite numbers only: converting cannot fail.
+    serde_json::to_value(doc).unwrap_or(serde_json::Value::Null)
+}
 
 /// `{"error": {"code", "message"}}`.
 #[derive(Debug, Serialize)]
@@ -88,6 +97,36 @@ pub struct Submitted {
     pub task: Option<TaskDto>,
 }
 
+impl Submitted {
+    /// The answer for a task just submitted.
+    pub fn of(task: &orch_store::Task) -> Self {
+        Submitted {
+            work_item_id: task.work_item_id.clone(),
+            task_id: task.id,
+            task: Some(TaskDto::from(task)),
+        }
+    }
+}
+
+/// An operator action on a task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    Approve,
+    Retry,
+    Cancel,
+}
+
+impl Action {
+    /// `approve`, `retry` or `cancel`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Action::Approve => "approve",
+            Action::Retry => "retry",
+            Action::Cancel => "cancel",
+        }
+    }
+}
+
 /// Answer of `POST /tasks/{id}/approve|retry|cancel`.
 #[derive(Debug, Serialize)]
 pub struct ActionDone {
@@ -96,6 +135,17 @@ pub struct ActionDone {
     pub action: &'static str,
     /// The task as stored after the action.
     pub task: Option<TaskDto>,
+}
+
+impl ActionDone {
+    /// The answer for `action` done on `task` (as stored after it).
+    pub fn of(task: &orch_store::Task, action: Action) -> Self {
+        ActionDone {
+            work_item_id: task.work_item_id.clone(),
+            action: action.as_str(),
+            task: Some(TaskDto::from(task)),
+        }
+    }
 }
 
 /// A task row.
@@ -177,6 +227,24 @@ pub struct TaskList {
     pub tasks: Vec<TaskDto>,
 }
 
+impl TaskList {
+    /// `tasks` with their outcomes (each finished task's events are read).
+    pub async fn read(
+        store: &orch_store::Store,
+        tasks: &[orch_store::Task],
+    ) -> Result<TaskList, orch_store::StoreError> {
+        let mut out = Vec::with_capacity(tasks.len());
+        for t in tasks {
+            let outcome = crate::outcomes::read(store, t).await?;
+            out.push(TaskDto::with_outcome(t, outcome.as_ref()));
+        }
+        Ok(TaskList {
+            count: out.len(),
+            tasks: out,
+        })
+    }
+}
+
 /// Query of `GET /tasks`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -200,6 +268,28 @@ pub struct TaskDetail {
     pub deploys: Vec<TaskDeployDto>,
 }
 
+impl TaskDetail {
+    /// Everything about `task`, read from the store.
+    pub async fn read(
+        store: &orch_store::Store,
+        task: &orch_store::Task,
+    ) -> Result<TaskDetail, orch_store::StoreError> {
+        let usage = store.task_usage(task.id).await?;
+        let runs = store.task_agent_runs(task.id).await?;
+        let jobs = store.task_jobs(task.id).await?;
+        let events = store.task_events(task.id).await?;
+        let outcome = crate::outcomes::of(task, &events);
+        Ok(TaskDetail {
+            task: TaskDto::with_outcome(task, outcome.as_ref()),
+            usage: UsageDto::new(usage, &runs),
+            events: events.iter().map(EventDto::from).collect(),
+            agent_runs: runs.iter().map(AgentRunDto::from).collect(),
+            jobs: jobs.iter().map(JobDto::from).collect(),
+            deploys: TaskDeployDto::of(&events),
+        })
+    }
+}
+
 /// A production deploy a task ran (`GET /tasks/{id}`).
 #[derive(Debug, Serialize)]
 pub struct TaskDeployDto {
@@ -215,7 +305,7 @@ impl TaskDeployDto {
     pub fn of(events: &[orch_store::Event]) -> Vec<TaskDeployDto> {
         events
             .iter()
-            .filter(|e| e.kind == "release.deployed")
+            .filter(|e| e.kind == orch_domain::control::events::RELEASE_DEPLOYED)
             .map(|e| {
                 let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
                 let s = |k: &str| v[k].as_str().map(str::to_owned);
@@ -248,18 +338,37 @@ pub struct UsageDto {
     pub runs: i64,
     pub input_tokens: i64,
     pub output_tokens: i64,
+    /// The known costs' sum; see `unknown_cost_runs`.
     pub cost_usd: f64,
+    /// Runs whose cost is not known (not counted in `cost_usd`, never as zero).
+    pub unknown_cost_runs: usize,
 }
 
-impl From<orch_store::Usage> for UsageDto {
-    fn from(u: orch_store::Usage) -> Self {
+impl UsageDto {
+    /// The task's usage totals, and which of its `runs` have no known cost.
+    pub fn new(u: orch_store::Usage, runs: &[orch_store::AgentRun]) -> Self {
         UsageDto {
             runs: u.runs,
             input_tokens: u.input_tokens,
             output_tokens: u.output_tokens,
             cost_usd: u.cost_usd,
+            unknown_cost_runs: unknown_cost_runs(runs),
         }
     }
+}
+
+/// Agent runs whose cost is not known: no cost recorded and the run says its cost or usage was
+/// unknown (the tool reported none and no price applied, or its output could not be read).
+pub fn unknown_cost_runs(runs: &[orch_store::AgentRun]) -> usize {
+    runs.iter()
+        .filter(|r| {
+            r.cost_usd.is_none()
+                && serde_json::from_str::<serde_json::Value>(&r.data).is_ok_and(|d| {
+                    d.get("cost_unknown") == Some(&serde_json::Value::Bool(true))
+                        || d.get("usage_unknown") == Some(&serde_json::Value::Bool(true))
+                })
+        })
+        .count()
 }
 
 /// An agent run row.
@@ -506,6 +615,33 @@ impl ObservationDto {
 }
 
 impl Queue {
+    /// The queue as a process that runs no worker sees it (`orch queue`): the store's figures,
+    /// the watches and release tracks it is given; no runner counters, uptime 0.
+    pub async fn read_store(
+        store: &orch_store::Store,
+        version: &str,
+        observations: Vec<Observation>,
+        tracks: Vec<ReleaseTrack>,
+    ) -> Result<Queue, orch_store::StoreError> {
+        let (stats, tasks_by_stage, nodes, takeovers) = tokio::try_join!(
+            store.queue_stats(),
+            store.count_tasks_by_stage(),
+            store.nodes(),
+            crate::snapshot::latest_takeovers(store)
+        )?;
+        Ok(Queue::new(&QueueSnapshot {
+            stats,
+            tasks_by_stage,
+            runners: Vec::new(),
+            observations,
+            tracks,
+            nodes,
+            takeovers,
+            version: version.to_owned(),
+            uptime_ms: 0,
+        }))
+    }
+
     pub(crate) fn new(s: &QueueSnapshot) -> Self {
         let now = s.stats.now;
         let mut by_state: BTreeMap<&'static str, i64> = orch_store::JobState::ALL
@@ -721,4 +857,74 @@ impl From<&crate::repos::RepoStory> for RepoDeploys {
                 .collect(),
         }
     }
+}
+
+/// `orch --json demo`: where the demo ran, and the sample service's story (the same document as
+/// `GET /repos/service/deploys`: every item with its outcome, each deploy with what it shipped,
+/// the reverts, the lessons).
+#[derive(Debug, Serialize)]
+pub struct DemoReport {
+    pub dir: String,
+    pub config: Option<String>,
+    /// None for `--setup-only`.
+    pub finished_in_s: Option<u64>,
+    /// The lessons section a later item's requirements quoted, when the demo saw one.
+    pub lesson_seen: Option<String>,
+    pub service: Option<RepoDeploys>,
+}
+
+/// `orch migrate --json`.
+#[derive(Debug, Serialize)]
+pub struct Migrated {
+    /// The database (as the store names it, password hidden).
+    pub database: String,
+    pub from: i64,
+    pub to: i64,
+    /// The migrations applied now (none when the schema was up to date).
+    pub applied: Vec<String>,
+}
+
+impl Migrated {
+    /// What a migration of `database` did.
+    pub fn of(database: String, r: &orch_store::MigrateReport) -> Self {
+        Migrated {
+            database,
+            from: r.from,
+            to: r.to,
+            applied: r.applied.clone(),
+        }
+    }
+}
+
+/// `orch init --json`.
+#[derive(Debug, Serialize)]
+pub struct Initialized {
+    /// The config file.
+    pub config: String,
+    /// False when an existing config was kept.
+    pub config_written: bool,
+    pub database: String,
+    pub schema_version: i64,
+    /// The `.gitignore` that now keeps the config and `.orch/` out of git, inside a repository.
+    pub gitignore: Option<String>,
+}
+
+/// `orch doctor --json`.
+#[derive(Debug, Serialize)]
+pub struct DoctorReport {
+    /// No check failed.
+    pub ok: bool,
+    /// How many checks failed.
+    pub problems: usize,
+    pub checks: Vec<DoctorCheck>,
+}
+
+/// One check of `orch doctor`.
+#[derive(Debug, Serialize)]
+pub struct DoctorCheck {
+    /// `ok`, `note` or `fail`.
+    pub status: &'static str,
+    pub what: String,
+    /// What to do about it (null when there is nothing to do).
+    pub fix: Option<String>,
 }

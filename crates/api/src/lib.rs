@@ -1,5 +1,6 @@
 //! orch's HTTP edge: the JSON API, Prometheus metrics and the server-rendered dashboard
-//! (design.md §9). It is the only crate that knows JSON shapes (all in the private `dto` module).
+//! (design.md §9). It is the only crate that knows orch's JSON shapes, all in [`dto`]: the
+//! API's documents, which `orch --json` prints too.
 //!
 //! Invariants:
 //! - Reads go to the [`Store`]; every change goes through [`Operations`], implemented by the
@@ -12,7 +13,7 @@
 
 mod auth;
 mod dashboard;
-mod dto;
+pub mod dto;
 mod error;
 mod extract;
 mod id;
@@ -66,6 +67,32 @@ pub async fn repo_deploys_json(
     Ok(Some(
         serde_json::to_value(dto::RepoDeploys::from(&story)).unwrap_or_default(),
     ))
+}
+
+/// The JSON of `orch --json demo` ([`dto::DemoReport`]): `repo`'s story when the demo ran,
+/// nothing of it for `--setup-only` (`finished_in_s` `None`).
+pub async fn demo_report_json(
+    store: &Store,
+    repo: &str,
+    dir: &std::path::Path,
+    config: Option<&std::path::Path>,
+    finished_in_s: Option<u64>,
+    lesson_seen: Option<&str>,
+) -> Result<serde_json::Value, orch_store::StoreError> {
+    let service = match finished_in_s {
+        Some(_) => repos::read(store, repo)
+            .await?
+            .map(|story| dto::RepoDeploys::from(&story)),
+        None => None,
+    };
+    let report = dto::DemoReport {
+        dir: dir.display().to_string(),
+        config: config.map(|c| c.display().to_string()),
+        finished_in_s,
+        lesson_seen: lesson_seen.map(str::to_owned),
+        service,
+    };
+    Ok(serde_json::to_value(report).unwrap_or_default())
 }
 
 /// Largest request body accepted (64 KiB); larger bodies get 413.

@@ -3,18 +3,19 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use orch_domain::control::{TERMINAL_STAGES, events};
 use orch_domain::outcome::{EventView, Outcome, TaskOutcome, outcome_of};
 use orch_store::{Event, Store, StoreError, Task, TaskFilter};
 use serde_json::Value;
 
 /// Events whose kinds decide an outcome (see `orch_domain::outcome`).
 const OUTCOME_KINDS: &[&str] = &[
-    "task.done",
-    "task.failed",
-    "task.cancelled",
-    "post_deploy.verdict",
-    "post_deploy.rollback",
-    "release.reverted",
+    events::TASK_DONE,
+    events::TASK_FAILED,
+    events::TASK_CANCELLED,
+    events::POST_DEPLOY_VERDICT,
+    events::POST_DEPLOY_ROLLBACK,
+    events::RELEASE_REVERTED,
 ];
 
 /// Rows read per store call when counting every finished task.
@@ -60,7 +61,7 @@ pub(crate) async fn read(store: &Store, task: &Task) -> Result<Option<TaskOutcom
 /// terminal stage, and only the events that decide an outcome.
 pub(crate) async fn counts(store: &Store) -> Result<BTreeMap<Outcome, i64>, StoreError> {
     let mut stage_of: HashMap<i64, &'static str> = HashMap::new();
-    for stage in ["done", "failed", "cancelled"] {
+    for stage in TERMINAL_STAGES {
         let mut offset = 0;
         loop {
             let page = store

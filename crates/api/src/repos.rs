@@ -10,6 +10,7 @@
 
 use std::collections::{BTreeMap, HashMap};
 
+use orch_domain::control::events;
 use orch_domain::outcome::TaskOutcome;
 use orch_store::{Event, Store, StoreError, Task, TaskFilter};
 use serde_json::Value;
@@ -93,15 +94,15 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
     let by_id: HashMap<i64, &Task> = tasks.iter().map(|t| (t.id, t)).collect();
     let mut events: BTreeMap<&str, Vec<Event>> = BTreeMap::new();
     for kind in [
-        "release.deployed",
-        "deploy.confirmed",
-        "post_deploy.verdict",
-        "post_deploy.rollback",
-        "release.reverted",
-        "lessons.recorded",
-        "task.done",
-        "task.failed",
-        "task.cancelled",
+        events::RELEASE_DEPLOYED,
+        events::DEPLOY_CONFIRMED,
+        events::POST_DEPLOY_VERDICT,
+        events::POST_DEPLOY_ROLLBACK,
+        events::RELEASE_REVERTED,
+        events::LESSONS_RECORDED,
+        events::TASK_DONE,
+        events::TASK_FAILED,
+        events::TASK_CANCELLED,
     ] {
         let mut after = 0;
         let list = events.entry(kind).or_default();
@@ -130,7 +131,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
 
     // Deploys: the release train's events; tasks with none fall back to deploy.confirmed.
     let mut deploys: Vec<Deploy> = Vec::new();
-    let released = take(&mut events, "release.deployed");
+    let released = take(&mut events, events::RELEASE_DEPLOYED);
     for e in &released {
         let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
         if str_of(&d, "repo").is_some_and(|r| r != repo) {
@@ -160,7 +161,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             previous_revision: str_of(&d, "previous_revision"),
             seq: d.get("seq").and_then(Value::as_i64),
             items,
-            source: "release.deployed",
+            source: events::RELEASE_DEPLOYED,
             verdict: None,
             rolled_back: false,
             reverts: Vec::new(),
@@ -175,7 +176,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             (e.task_id, str_of(&d, "revision"))
         })
         .collect();
-    for e in take(&mut events, "deploy.confirmed") {
+    for e in take(&mut events, events::DEPLOY_CONFIRMED) {
         let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
         if released_revs.contains(&(e.task_id, str_of(&d, "revision"))) {
             continue;
@@ -193,7 +194,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
                 commit: str_of(&d, "revision"),
                 change: "merge".to_owned(),
             }],
-            source: "deploy.confirmed",
+            source: events::DEPLOY_CONFIRMED,
             verdict: None,
             rolled_back: false,
             reverts: Vec::new(),
@@ -203,8 +204,8 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
 
     // The verdict and rollback of a deploy: the first ones on the deploying task after it
     // (and before that task's next deploy).
-    let verdicts = take(&mut events, "post_deploy.verdict");
-    let rollbacks = take(&mut events, "post_deploy.rollback");
+    let verdicts = take(&mut events, events::POST_DEPLOY_VERDICT);
+    let rollbacks = take(&mut events, events::POST_DEPLOY_ROLLBACK);
     let n = deploys.len();
     for i in 0..n {
         let (task_wi, from) = (deploys[i].deployed_by.clone(), deploys[i].event_id);
@@ -220,7 +221,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         deploys[i].rolled_back = rollbacks.iter().any(|e| in_window(&e));
     }
     // Reverts: to the latest deploy before the revert that shipped the item.
-    let reverted = take(&mut events, "release.reverted");
+    let reverted = take(&mut events, events::RELEASE_REVERTED);
     for e in &reverted {
         let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
         if str_of(&d, "repo").is_some_and(|r| r != repo) {
@@ -237,7 +238,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         }
     }
 
-    let lessons = take(&mut events, "lessons.recorded")
+    let lessons = take(&mut events, events::LESSONS_RECORDED)
         .iter()
         .rev()
         .map(|e| LessonEvent {
@@ -249,12 +250,16 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
 
     // Outcomes of finished tasks from the events read above (the outcome kinds only).
     let mut outcome_events: HashMap<i64, Vec<Event>> = HashMap::new();
-    for e in ["task.done", "task.failed", "task.cancelled"]
-        .iter()
-        .flat_map(|k| take(&mut events, k))
-        .chain(verdicts)
-        .chain(rollbacks)
-        .chain(reverted)
+    for e in [
+        events::TASK_DONE,
+        events::TASK_FAILED,
+        events::TASK_CANCELLED,
+    ]
+    .iter()
+    .flat_map(|k| take(&mut events, k))
+    .chain(verdicts)
+    .chain(rollbacks)
+    .chain(reverted)
     {
         if let Some(t) = e.task_id {
             outcome_events.entry(t).or_default().push(e);

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use orch_domain::ids::ArtifactName;
 
 use crate::ApiState;
-use crate::dto;
+use crate::dto::{self, Action};
 use crate::error::AppError;
 use crate::extract::{ApiJson, ApiQuery};
 use crate::id::{WorkItemPath, validate_work_item_id};
@@ -160,17 +160,10 @@ pub(crate) async fn list_tasks(
         .list_tasks(&filter)
         .await
         .map_err(|e| AppError::store("the task list", &e))?;
-    let mut out = Vec::with_capacity(tasks.len());
-    for t in &tasks {
-        let outcome = crate::outcomes::read(&state.store, t)
-            .await
-            .map_err(|e| AppError::store("a task's outcome", &e))?;
-        out.push(dto::TaskDto::with_outcome(t, outcome.as_ref()));
-    }
-    Ok(Json(dto::TaskList {
-        count: out.len(),
-        tasks: out,
-    }))
+    let list = dto::TaskList::read(&state.store, &tasks)
+        .await
+        .map_err(|e| AppError::store("a task's outcome", &e))?;
+    Ok(Json(list))
 }
 
 /// The task of a work item, or 404.
@@ -189,24 +182,10 @@ pub(crate) async fn get_task(
     WorkItemPath(id): WorkItemPath,
 ) -> ApiResult<Json<dto::TaskDetail>> {
     let task = find_task(&state, &id).await?;
-    let store_err = |e| AppError::store("a task's details", &e);
-    let usage = state.store.task_usage(task.id).await.map_err(store_err)?;
-    let runs = state
-        .store
-        .task_agent_runs(task.id)
+    let detail = dto::TaskDetail::read(&state.store, &task)
         .await
-        .map_err(store_err)?;
-    let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
-    let events = state.store.task_events(task.id).await.map_err(store_err)?;
-    let outcome = crate::outcomes::of(&task, &events);
-    Ok(Json(dto::TaskDetail {
-        task: dto::TaskDto::with_outcome(&task, outcome.as_ref()),
-        usage: usage.into(),
-        events: events.iter().map(dto::EventDto::from).collect(),
-        agent_runs: runs.iter().map(dto::AgentRunDto::from).collect(),
-        jobs: jobs.iter().map(dto::JobDto::from).collect(),
-        deploys: dto::TaskDeployDto::of(&events),
-    }))
+        .map_err(|e| AppError::store("a task's details", &e))?;
+    Ok(Json(detail))
 }
 
 /// `GET /tasks/{id}/events`: oldest first.
@@ -332,24 +311,6 @@ fn validate_submit(body: dto::SubmitBody) -> ApiResult<SubmitRequest> {
         title: title.to_owned(),
         body: body.body,
     })
-}
-
-/// An operator action on a task.
-#[derive(Debug, Clone, Copy)]
-pub(crate) enum Action {
-    Approve,
-    Retry,
-    Cancel,
-}
-
-impl Action {
-    fn as_str(self) -> &'static str {
-        match self {
-            Action::Approve => "approve",
-            Action::Retry => "retry",
-            Action::Cancel => "cancel",
-        }
-    }
 }
 
 async fn act(state: ApiState, id: String, action: Action) -> ApiResult<Json<dto::ActionDone>> {

@@ -75,12 +75,14 @@ impl QueueSnapshot {
 pub(crate) const TAKEOVERS_SHOWN: usize = 20;
 
 /// The last [`TAKEOVERS_SHOWN`] `node.takeover` events (rare: one per job a gone node held).
-async fn latest_takeovers(store: &Store) -> Result<Vec<Event>, StoreError> {
+pub(crate) async fn latest_takeovers(store: &Store) -> Result<Vec<Event>, StoreError> {
     const PAGE: u32 = 500;
     let mut out: Vec<Event> = Vec::new();
     let mut after = 0;
     loop {
-        let page = store.events_by_kind("node.takeover", after, PAGE).await?;
+        let page = store
+            .events_by_kind(orch_domain::control::events::NODE_TAKEOVER, after, PAGE)
+            .await?;
         let full = page.len() == PAGE as usize;
         if let Some(last) = page.last() {
             after = last.id;

@@ -2,27 +2,32 @@
 //! stage visit, loop-backs and waits marked) and the post-deploy watch's series read back from
 //! `16-post-deploy-log.md` once the watch has ended (its sentinel files are gone by then).
 
+use orch_domain::control::events;
+
 use crate::ops::SeriesPoint;
 
 /// Event kinds that move a task into the event's stage.
 const ENTRY_KINDS: &[&str] = &[
-    "task.submitted",
-    "stage.advanced",
-    "stage.loop_back",
-    "stage.approved",
-    "task.retried",
-    "task.done",
-    "task.failed",
-    "task.cancelled",
+    events::TASK_SUBMITTED,
+    events::STAGE_ADVANCED,
+    events::STAGE_LOOP_BACK,
+    events::STAGE_APPROVED,
+    events::TASK_RETRIED,
+    events::TASK_DONE,
+    events::TASK_FAILED,
+    events::TASK_CANCELLED,
 ];
 
 /// Event kinds that mean "waited inside the stage" (a requeue with a delay, a defer, a wait
 /// for the repo's release track).
+const WAIT_KINDS: &[&str] = &[
+    events::STAGE_REQUEUED,
+    events::DEPLOY_DEFERRED,
+    events::RELEASE_WAITING,
+];
+
 fn is_wait(kind: &str) -> bool {
-    kind.ends_with(".requeued")
-        || kind.ends_with(".deferred")
-        || kind.ends_with(".waiting")
-        || kind == "release.waiting"
+    WAIT_KINDS.contains(&kind)
 }
 
 /// One visit of a stage.
@@ -53,12 +58,12 @@ pub(crate) fn visits(events: &[orch_store::Event], now_ms: i64) -> Vec<Visit> {
                 last.end_ms = e.created_at;
                 last.current = false;
             }
-            let terminal = orch_store::is_terminal_stage(stage);
+            let terminal = orch_domain::control::is_terminal_stage(stage);
             out.push(Visit {
                 stage: stage.to_owned(),
                 start_ms: e.created_at,
                 end_ms: e.created_at,
-                loop_back: e.kind == "stage.loop_back",
+                loop_back: e.kind == events::STAGE_LOOP_BACK,
                 waits: 0,
                 current: !terminal,
                 terminal,

@@ -442,7 +442,10 @@ async fn fill_tasks(store: &Store, n: usize) -> Result<Vec<i64>> {
                 body: String::new(),
                 stage: STAGES[i % STAGES.len()].into(),
                 branch_prefix: "orch/".into(),
-                event: orch_store::NewEvent::new("task.submitted", "bench"),
+                event: orch_store::NewEvent::new(
+                    orch_domain::control::events::TASK_SUBMITTED,
+                    "bench",
+                ),
                 first_job: None,
             })
             .await

@@ -1,6 +1,16 @@
-//! Control words that more than one crate writes or reads: the terminal stages and the formats
-//! of the jobs' dedupe keys. Defined once here; the store, the engine and the operator commands
-//! use these instead of spelling the strings again.
+//! Control words: the strings orch writes into its database and reads back to decide what to
+//! do. They are contracts (old rows keep them), so each is spelled exactly once, here, and every
+//! crate uses these names instead of the literals:
+//!
+//! - the terminal stages ([`DONE`], [`FAILED`], [`CANCELLED`], [`TERMINAL_STAGES`]);
+//! - [`events`]: every event kind (`events.kind`);
+//! - [`markers`]: the marker lines of a job's `task_content`, whose counts are the restart-safe
+//!   counters (design.md §2), with their parser;
+//! - [`dedupe`]: the formats of the jobs' dedupe keys, with their parser;
+//! - [`loops_used`]: the loop count of a task, rebuilt from its events.
+//!
+//! `crates/tidy` fails when a known event kind is spelled as a literal in shipped code outside
+//! this file.
 
 /// The stage a task reaches when it went through the whole pipeline.
 pub const DONE: &str = "done";
@@ -17,6 +27,349 @@ pub fn is_terminal_stage(stage: &str) -> bool {
     TERMINAL_STAGES.contains(&stage)
 }
 
+/// The event kind that ends a task in terminal stage `stage` (`task.done`, `task.failed`,
+/// `task.cancelled`); `None` for a stage that is not terminal.
+pub fn terminal_event(stage: &str) -> Option<&'static str> {
+    match stage {
+        DONE => Some(events::TASK_DONE),
+        FAILED => Some(events::TASK_FAILED),
+        CANCELLED => Some(events::TASK_CANCELLED),
+        _ => None,
+    }
+}
+
+/// Event kinds (`events.kind`). Each event's `data` is a JSON object; what it holds is said
+/// beside its kind.
+pub mod events {
+    // The task's life.
+    /// A task was created (stage `intake`).
+    pub const TASK_SUBMITTED: &str = "task.submitted";
+    /// A task reached `done`: `{from, to, outcome, …}`.
+    pub const TASK_DONE: &str = "task.done";
+    /// A task reached `failed`: `{from, to, outcome, stage, reason}`.
+    pub const TASK_FAILED: &str = "task.failed";
+    /// A task reached `cancelled` (an operator, or `decide`): `{from, to, outcome}`.
+    pub const TASK_CANCELLED: &str = "task.cancelled";
+    /// An operator retried a failed task: `{from, to}`.
+    pub const TASK_RETRIED: &str = "task.retried";
+
+    // Stage visits.
+    /// A stage job began its work.
+    pub const STAGE_STARTED: &str = "stage.started";
+    /// A stage job came back later (a defer, a tick, a wait): `{delay_s, …}`.
+    pub const STAGE_REQUEUED: &str = "stage.requeued";
+    /// The task moved forward to its next stage: `{from, to}`.
+    pub const STAGE_ADVANCED: &str = "stage.advanced";
+    /// The task went back (review or a gate sent it to an earlier stage): `{from, to}`. Their
+    /// number is the task's loop count ([`super::loops_used`]).
+    pub const STAGE_LOOP_BACK: &str = "stage.loop_back";
+    /// An operator approved a stage that requires approval.
+    pub const STAGE_APPROVED: &str = "stage.approved";
+
+    // Jobs and runs.
+    /// A stage's artifact folder held something refused (a symlink, a file too big).
+    pub const ARTIFACT_REJECTED: &str = "artifact.rejected";
+    /// An agent CLI reported a permission denial.
+    pub const AGENT_PERMISSION_DENIED: &str = "agent.permission_denied";
+    /// An attempt lost to a dead worker (a crash rescue, not counted as a failure). Their count
+    /// per job is the restart-safe crash counter (no column).
+    pub const JOB_RESCUED: &str = "job.rescued";
+    /// A handler failed an attempt ("attempt N failed: …").
+    pub const JOB_ATTEMPT_FAILED: &str = "job.attempt_failed";
+    /// A schema version was applied (there is no migrations table).
+    pub const SCHEMA_MIGRATED: &str = "schema.migrated";
+
+    // The deploy tail (each `data` has `seq`).
+    /// The deploy command is about to run.
+    pub const DEPLOY_STARTED: &str = "deploy.started";
+    /// The deploy command is run once more: its first run was interrupted by orch stopping
+    /// (a crash, a kill) before it ended, and the revision is not live (recorded first: a
+    /// visit re-runs it at most once).
+    pub const DEPLOY_REDEPLOYED: &str = "deploy.redeployed";
+    /// No deploy command is configured.
+    pub const DEPLOY_SKIPPED: &str = "deploy.skipped";
+    /// The deploy command failed (non-zero exit, timeout, cannot start).
+    pub const DEPLOY_FAILED: &str = "deploy.failed";
+    /// The finalizer could not confirm yet and deferred.
+    pub const DEPLOY_DEFERRED: &str = "deploy.deferred";
+    /// The finalizer gave up: the deploy was not confirmed within its bound.
+    pub const DEPLOY_UNCONFIRMED: &str = "deploy.unconfirmed";
+    /// The deploy is confirmed (health reachable, revision live) and the watch armed.
+    pub const DEPLOY_CONFIRMED: &str = "deploy.confirmed";
+    /// An unconfirmed deploy is being rolled back (recorded first: a re-run never rolls
+    /// back twice).
+    pub const DEPLOY_ROLLBACK_STARTED: &str = "deploy.rollback_started";
+    /// An unconfirmed deploy's rollback is run once more: its first run was interrupted by
+    /// orch stopping and production is not back (recorded first: at most once per visit).
+    pub const DEPLOY_ROLLBACK_RERUN: &str = "deploy.rollback_rerun";
+    /// An unconfirmed deploy was rolled back and the rollback verified.
+    pub const DEPLOY_ROLLED_BACK: &str = "deploy.rolled_back";
+    /// An unconfirmed deploy's rollback failed, was not verified, or was not attempted
+    /// because another revision is live.
+    pub const DEPLOY_ROLLBACK_FAILED: &str = "deploy.rollback_failed";
+    /// The monitor found its sentinel state missing or broken, or could not store a poll.
+    pub const POST_DEPLOY_EVIDENCE_LOST: &str = "post_deploy.evidence_lost";
+    /// The alert: a DEGRADED watch, a FAILED one that may not roll back, a failed rollback.
+    pub const POST_DEPLOY_ALERT: &str = "post_deploy.alert";
+    /// An alert was delivered to one channel (`command` or `webhook`, in `data.channel`).
+    pub const POST_DEPLOY_ALERT_SENT: &str = "post_deploy.alert_sent";
+    /// An alert could not be delivered to one channel (failed, timed out, refused).
+    pub const POST_DEPLOY_ALERT_FAILED: &str = "post_deploy.alert_failed";
+    /// A watch ended early because a newer deploy of the same repo armed its own watch.
+    pub const POST_DEPLOY_SUPERSEDED: &str = "post_deploy.superseded";
+    /// The rollback command is about to run (recorded first: a re-run never rolls back twice).
+    pub const POST_DEPLOY_ROLLBACK_STARTED: &str = "post_deploy.rollback_started";
+    /// The rollback command is run once more: its first run was interrupted by orch stopping
+    /// and production is not back (recorded first: at most once per visit).
+    pub const POST_DEPLOY_ROLLBACK_RERUN: &str = "post_deploy.rollback_rerun";
+    /// The rollback's result (ran, verified or not).
+    pub const POST_DEPLOY_ROLLBACK: &str = "post_deploy.rollback";
+    /// The watch's verdict and the action taken.
+    pub const POST_DEPLOY_VERDICT: &str = "post_deploy.verdict";
+    /// The recovery sweep re-enqueued a tick for a stranded watch.
+    pub const POST_DEPLOY_RECOVERED: &str = "post_deploy.recovered";
+    /// A retried `observe` visit watches the item's revision again (still live):
+    /// `{revision, seq}`.
+    pub const POST_DEPLOY_REARMED: &str = "post_deploy.rearmed";
+    /// The lessons of a work item were recorded.
+    pub const LESSONS_RECORDED: &str = "lessons.recorded";
+
+    // Nodes (design.md §10).
+    /// A node took over a job pinned to a node gone longer than the grace, and re-pinned it:
+    /// `{from, to, last_seen_ms, seq, stage, job, agent}`.
+    pub const NODE_TAKEOVER: &str = "node.takeover";
+    /// The visit's deploy markers were not on this node (it took the visit over from a node
+    /// that is gone): rebuilt from the events before going on: `{revision, ended_well, node}`.
+    pub const DEPLOY_MARKERS_RESTORED: &str = "deploy.markers_restored";
+    /// Deploy markers on this node belonged to another visit of the item (left when this node
+    /// went away and that visit was taken over): cleared before this visit deploys:
+    /// `{revision, node}`.
+    pub const DEPLOY_STALE_MARKERS_CLEARED: &str = "deploy.stale_markers_cleared";
+    /// A watch taken over from a node that is gone, re-armed here from the deploy's
+    /// `deploy.confirmed`, the polls taken there marked lost: `{revision, from, armed_at_ms}`.
+    pub const POST_DEPLOY_TAKEN_OVER: &str = "post_deploy.taken_over";
+
+    // The release train.
+    /// A task could not enter the release track: `{repo, holder, holder_stage}`.
+    pub const RELEASE_WAITING: &str = "release.waiting";
+    /// Staging passed on this exact commit: `{repo, revision, seq}`.
+    pub const RELEASE_STAGED: &str = "release.staged";
+    /// About to move the default branch: `{repo, old, new, seq}` (written first, so a re-run
+    /// knows what the candidate was built on).
+    pub const RELEASE_PROMOTING: &str = "release.promoting";
+    /// The default branch now holds the staged commit: `{repo, old, new, seq}`.
+    pub const RELEASE_PROMOTED: &str = "release.promoted";
+    /// A production deploy ended: `{repo, revision, previous_revision, confirmed, items, seq}`.
+    pub const RELEASE_DEPLOYED: &str = "release.deployed";
+    /// Production was rolled back from this item's deploy: `{repo, revision, live}`.
+    pub const RELEASE_ROLLED_BACK: &str = "release.rolled_back";
+    /// The item's change was reverted on the default branch: `{repo, work_item, revert_commit,
+    /// reverted_from, reverted_to}`.
+    pub const RELEASE_REVERTED: &str = "release.reverted";
+    /// A release reached orch's clone but not the user's checkout (local changes there):
+    /// `{repo, target}`.
+    pub const RELEASE_UNPUBLISHED: &str = "release.unpublished";
+    /// The repo's releases are held by this item until an operator acts: `{repo, reason}`.
+    pub const RELEASE_HELD: &str = "release.held";
+    /// An operator released the hold: `{repo}`.
+    pub const RELEASE_UNHELD: &str = "release.unheld";
+
+    /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
+    pub const ALL: &[&str] = &[
+        TASK_SUBMITTED,
+        TASK_DONE,
+        TASK_FAILED,
+        TASK_CANCELLED,
+        TASK_RETRIED,
+        STAGE_STARTED,
+        STAGE_REQUEUED,
+        STAGE_ADVANCED,
+        STAGE_LOOP_BACK,
+        STAGE_APPROVED,
+        ARTIFACT_REJECTED,
+        AGENT_PERMISSION_DENIED,
+        JOB_RESCUED,
+        JOB_ATTEMPT_FAILED,
+        SCHEMA_MIGRATED,
+        DEPLOY_STARTED,
+        DEPLOY_REDEPLOYED,
+        DEPLOY_SKIPPED,
+        DEPLOY_FAILED,
+        DEPLOY_DEFERRED,
+        DEPLOY_UNCONFIRMED,
+        DEPLOY_CONFIRMED,
+        DEPLOY_ROLLBACK_STARTED,
+        DEPLOY_ROLLBACK_RERUN,
+        DEPLOY_ROLLED_BACK,
+        DEPLOY_ROLLBACK_FAILED,
+        POST_DEPLOY_EVIDENCE_LOST,
+        POST_DEPLOY_ALERT,
+        POST_DEPLOY_ALERT_SENT,
+        POST_DEPLOY_ALERT_FAILED,
+        POST_DEPLOY_SUPERSEDED,
+        POST_DEPLOY_ROLLBACK_STARTED,
+        POST_DEPLOY_ROLLBACK_RERUN,
+        POST_DEPLOY_ROLLBACK,
+        POST_DEPLOY_VERDICT,
+        POST_DEPLOY_RECOVERED,
+        POST_DEPLOY_REARMED,
+        LESSONS_RECORDED,
+        NODE_TAKEOVER,
+        DEPLOY_MARKERS_RESTORED,
+        DEPLOY_STALE_MARKERS_CLEARED,
+        POST_DEPLOY_TAKEN_OVER,
+        RELEASE_WAITING,
+        RELEASE_STAGED,
+        RELEASE_PROMOTING,
+        RELEASE_PROMOTED,
+        RELEASE_DEPLOYED,
+        RELEASE_ROLLED_BACK,
+        RELEASE_REVERTED,
+        RELEASE_UNPUBLISHED,
+        RELEASE_HELD,
+        RELEASE_UNHELD,
+    ];
+
+    /// The kinds that end a task.
+    pub const TASK_ENDED: [&str; 3] = [TASK_DONE, TASK_FAILED, TASK_CANCELLED];
+
+    /// The kinds that move a task into a stage (the stage it entered is the event's `stage`):
+    /// its creation, an advance and a loop back.
+    pub const STAGE_ENTERED: [&str; 3] = [TASK_SUBMITTED, STAGE_ADVANCED, STAGE_LOOP_BACK];
+}
+
+/// Markers: lines after a job's payload in `task_content` (design.md §2). The number of a
+/// task's jobs of one kind whose content contains a marker's *prefix* is a restart-safe counter
+/// (`count_jobs`), never a column. Every prefix is scoped to one stage visit by `seq=<stage_seq>`
+/// and ends with `]`, so that `seq=1]` never matches inside `seq=12]`; a numbered marker adds
+/// ` n=<n>` or ` tick=<n>` after it.
+pub mod markers {
+    /// Staging tool-error defers (ORCH-115 D-2), `deployer` jobs.
+    pub const STAGING_DEFER: &str = "staging-tool-error-defer";
+    /// Merge gate infrastructure retries, `merge-gate` jobs.
+    pub const MERGE_INFRA_RETRY: &str = "merge-infra-retry";
+    /// Deploy finalizer defers, `deployer` jobs (numbered ` n=`).
+    pub const DEPLOY_FINALIZE: &str = "deploy-finalize";
+    /// Monitor ticks (ORCH-021), `post-deploy-monitor` jobs (numbered ` tick=`).
+    pub const MONITOR_TICK: &str = "monitor-tick";
+    /// Monitor waits before the first poll, `post-deploy-monitor` jobs (numbered ` n=`).
+    pub const MONITOR_WAIT: &str = "monitor-wait";
+    /// A job that waits for the repo's release track (its stage's work is done).
+    pub const RELEASE_WAIT: &str = "release-wait";
+    /// A lessons job that waits while the repo's releases are held.
+    pub const RELEASE_HOLD: &str = "release-hold";
+
+    /// Every marker name above.
+    pub const ALL: [&str; 7] = [
+        STAGING_DEFER,
+        MERGE_INFRA_RETRY,
+        DEPLOY_FINALIZE,
+        MONITOR_TICK,
+        MONITOR_WAIT,
+        RELEASE_WAIT,
+        RELEASE_HOLD,
+    ];
+
+    /// `[orch:<name>`: what every marker `name` starts with, whatever its visit.
+    pub fn start(name: &str) -> String {
+        format!("[orch:{name}")
+    }
+
+    /// `[orch:<name> seq=<seq>]`: the substring counted for marker `name` in visit `seq`.
+    pub fn prefix(name: &str, seq: i64) -> String {
+        format!("[orch:{name} seq={seq}]")
+    }
+
+    /// `[orch:staging-tool-error-defer seq=<seq>]` (the whole marker and its counted prefix).
+    pub fn staging_defer(seq: i64) -> String {
+        prefix(STAGING_DEFER, seq)
+    }
+
+    /// `[orch:merge-infra-retry seq=<seq>]`.
+    pub fn merge_infra_retry(seq: i64) -> String {
+        prefix(MERGE_INFRA_RETRY, seq)
+    }
+
+    /// `[orch:deploy-finalize seq=<seq>]`: the finalizer's defers are counted with it.
+    pub fn deploy_finalize_prefix(seq: i64) -> String {
+        prefix(DEPLOY_FINALIZE, seq)
+    }
+
+    /// The marker of finalizer defer `n` (1-based) of visit `seq`.
+    pub fn deploy_finalize(seq: i64, n: u32) -> String {
+        format!("{} n={n}", deploy_finalize_prefix(seq))
+    }
+
+    /// `[orch:monitor-tick seq=<seq>]`: the monitor's ticks are counted with it.
+    pub fn monitor_tick_prefix(seq: i64) -> String {
+        prefix(MONITOR_TICK, seq)
+    }
+
+    /// The marker of the monitor job for tick `tick` of visit `seq`.
+    pub fn monitor_tick(seq: i64, tick: u32) -> String {
+        format!("{} tick={tick}", monitor_tick_prefix(seq))
+    }
+
+    /// `[orch:monitor-wait seq=<seq>]`: jobs that only wait for the first poll slot.
+    pub fn monitor_wait_prefix(seq: i64) -> String {
+        prefix(MONITOR_WAIT, seq)
+    }
+
+    /// The marker of the `n`-th (1-based) wait before the first poll slot.
+    pub fn monitor_wait(seq: i64, n: u32) -> String {
+        format!("{} n={n}", monitor_wait_prefix(seq))
+    }
+
+    /// `[orch:release-wait seq=<seq>]`.
+    pub fn release_wait(seq: i64) -> String {
+        prefix(RELEASE_WAIT, seq)
+    }
+
+    /// `[orch:release-hold seq=<seq>]`.
+    pub fn release_hold(seq: i64) -> String {
+        prefix(RELEASE_HOLD, seq)
+    }
+
+    /// True when a job's content carries a release-track wait marker (of any visit).
+    pub fn is_release_wait(task_content: &str) -> bool {
+        parse(task_content).iter().any(|m| m.name == RELEASE_WAIT)
+    }
+
+    /// One marker read back from a job's content.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub struct Marker {
+        /// One of the names above (an unknown name is not a marker).
+        pub name: &'static str,
+        /// The stage visit.
+        pub seq: i64,
+        /// The number after `]` (` n=` or ` tick=`), when there is one.
+        pub n: Option<u32>,
+    }
+
+    /// The markers of a job's content: its lines (after the payload) of the form
+    /// `[orch:<name> seq=<seq>]` with an optional ` n=<n>`/` tick=<n>`. Anything else is
+    /// skipped.
+    pub fn parse(task_content: &str) -> Vec<Marker> {
+        task_content.lines().filter_map(parse_line).collect()
+    }
+
+    fn parse_line(line: &str) -> Option<Marker> {
+        let rest = line.trim().strip_prefix("[orch:")?;
+        let (name, rest) = rest.split_once(" seq=")?;
+        let name = *ALL.iter().find(|n| **n == name)?;
+        let (seq, tail) = rest.split_once(']')?;
+        let seq = seq.parse().ok()?;
+        let n = match tail.trim() {
+            "" => None,
+            t => {
+                let (_, v) = t.split_once('=')?;
+                Some(v.parse().ok()?)
+            }
+        };
+        Some(Marker { name, seq, n })
+    }
+}
+
 /// Dedupe keys: a key is unique forever in `jobs`, so enqueueing under the same key twice (a
 /// retry after a crash between two steps) finds the first job instead of adding a second.
 pub mod dedupe {
@@ -31,6 +384,48 @@ pub mod dedupe {
     pub fn requeue_of(job_id: i64) -> String {
         format!("requeue-of:{job_id}")
     }
+
+    /// A dedupe key orch wrote, read back.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Key {
+        /// [`stage_job`].
+        StageJob {
+            /// The task.
+            task_id: i64,
+            /// Its stage visit.
+            stage_seq: i64,
+        },
+        /// [`requeue_of`].
+        RequeueOf {
+            /// The requeued job.
+            job_id: i64,
+        },
+    }
+
+    /// Reads a key of one of the formats above; `None` for any other key.
+    pub fn parse(key: &str) -> Option<Key> {
+        if let Some(job) = key.strip_prefix("requeue-of:") {
+            return Some(Key::RequeueOf {
+                job_id: job.parse().ok()?,
+            });
+        }
+        let (task, seq) = key.strip_prefix("stage:")?.split_once(':')?;
+        Some(Key::StageJob {
+            task_id: task.parse().ok()?,
+            stage_seq: seq.parse().ok()?,
+        })
+    }
+}
+
+/// How many times a task was sent back (its loop count, what `decide` bounds by `max_loops`):
+/// the number of its `stage.loop_back` events among `kinds` (its events' kinds, any order).
+/// The engine and the dashboard both count with this.
+pub fn loops_used<'a>(kinds: impl IntoIterator<Item = &'a str>) -> u32 {
+    let n = kinds
+        .into_iter()
+        .filter(|k| *k == events::STAGE_LOOP_BACK)
+        .count();
+    u32::try_from(n).unwrap_or(u32::MAX)
 }
 
 #[cfg(test)]
@@ -38,11 +433,142 @@ mod tests {
     use super::*;
 
     #[test]
-    fn terminal_stages_and_key_formats() {
+    fn terminal_stages_and_their_events() {
         assert!(TERMINAL_STAGES.iter().all(|s| is_terminal_stage(s)));
         assert!(!is_terminal_stage("review"));
         assert!(!is_terminal_stage("Done"), "stages are exact words");
+        assert_eq!(terminal_event(DONE), Some("task.done"));
+        assert_eq!(terminal_event(FAILED), Some("task.failed"));
+        assert_eq!(terminal_event(CANCELLED), Some("task.cancelled"));
+        assert_eq!(terminal_event("review"), None);
+    }
+
+    #[test]
+    fn event_kinds_are_distinct_and_shaped_as_stored() {
+        let mut seen = std::collections::HashSet::new();
+        for k in events::ALL {
+            assert!(seen.insert(*k), "{k} twice");
+            let (group, name) = k.split_once('.').unwrap();
+            assert!(
+                !group.is_empty()
+                    && !name.is_empty()
+                    && k.chars()
+                        .all(|c| c.is_ascii_lowercase() || c == '_' || c == '.'),
+                "{k}"
+            );
+        }
+        // Complete: every dotted constant of this file (what crates/tidy reads as the known
+        // kinds) is listed.
+        let source = include_str!("control.rs");
+        let defined: Vec<&str> = source
+            .lines()
+            .filter_map(|l| {
+                l.trim()
+                    .strip_prefix("pub const ")?
+                    .split_once(": &str = \"")
+            })
+            .filter_map(|(_, v)| v.strip_suffix("\";"))
+            .filter(|v| v.contains('.'))
+            .collect();
+        assert_eq!(defined.len(), events::ALL.len(), "{defined:?}");
+        assert!(defined.iter().all(|k| events::ALL.contains(k)));
+        // A few contracts spelled out: rows in existing databases carry these.
+        assert_eq!(events::JOB_RESCUED, "job.rescued");
+        assert_eq!(events::RELEASE_WAITING, "release.waiting");
+        assert_eq!(events::DEPLOY_REDEPLOYED, "deploy.redeployed");
+        assert_eq!(events::POST_DEPLOY_VERDICT, "post_deploy.verdict");
+    }
+
+    #[test]
+    fn markers_keep_their_formats_and_parse_back() {
+        assert_eq!(
+            markers::staging_defer(7),
+            "[orch:staging-tool-error-defer seq=7]"
+        );
+        assert_eq!(
+            markers::merge_infra_retry(7),
+            "[orch:merge-infra-retry seq=7]"
+        );
+        assert_eq!(
+            markers::deploy_finalize(3, 2),
+            "[orch:deploy-finalize seq=3] n=2"
+        );
+        assert_eq!(
+            markers::monitor_tick(3, 5),
+            "[orch:monitor-tick seq=3] tick=5"
+        );
+        assert_eq!(markers::monitor_wait(3, 1), "[orch:monitor-wait seq=3] n=1");
+        assert_eq!(markers::release_wait(9), "[orch:release-wait seq=9]");
+        assert_eq!(markers::release_hold(9), "[orch:release-hold seq=9]");
+        assert_eq!(
+            markers::start(markers::STAGING_DEFER),
+            "[orch:staging-tool-error-defer"
+        );
+        // A visit's prefix never matches inside another visit's.
+        assert!(!markers::monitor_tick(12, 1).contains(&markers::monitor_tick_prefix(1)));
+
+        let content = format!(
+            "{{\"stage\":\"observe\",\"seq\":3}}\n{}\n{}\nnot a marker\n[orch:unknown seq=1]",
+            markers::monitor_tick(3, 5),
+            markers::release_wait(3)
+        );
+        let got = markers::parse(&content);
+        assert_eq!(
+            got,
+            [
+                markers::Marker {
+                    name: markers::MONITOR_TICK,
+                    seq: 3,
+                    n: Some(5)
+                },
+                markers::Marker {
+                    name: markers::RELEASE_WAIT,
+                    seq: 3,
+                    n: None
+                },
+            ]
+        );
+        for name in markers::ALL {
+            let m = &markers::parse(&markers::prefix(name, 4))[0];
+            assert_eq!((m.name, m.seq, m.n), (name, 4, None));
+        }
+        assert!(markers::is_release_wait(&content));
+        assert!(!markers::is_release_wait(&markers::release_hold(3)));
+        assert!(markers::parse("[orch:release-wait seq=x]").is_empty());
+    }
+
+    #[test]
+    fn dedupe_keys_keep_their_formats_and_parse_back() {
         assert_eq!(dedupe::stage_job(7, 3), "stage:7:3");
         assert_eq!(dedupe::requeue_of(42), "requeue-of:42");
+        assert_eq!(
+            dedupe::parse(&dedupe::stage_job(7, 3)),
+            Some(dedupe::Key::StageJob {
+                task_id: 7,
+                stage_seq: 3
+            })
+        );
+        assert_eq!(
+            dedupe::parse(&dedupe::requeue_of(42)),
+            Some(dedupe::Key::RequeueOf { job_id: 42 })
+        );
+        for other in ["stage:7", "stage:a:1", "requeue-of:", "bench-1", ""] {
+            assert_eq!(dedupe::parse(other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn the_loop_count_is_the_number_of_loop_backs() {
+        assert_eq!(loops_used([]), 0);
+        let kinds = [
+            events::TASK_SUBMITTED,
+            events::STAGE_ADVANCED,
+            events::STAGE_LOOP_BACK,
+            events::STAGE_REQUEUED,
+            events::STAGE_ADVANCED,
+            events::STAGE_LOOP_BACK,
+            events::TASK_FAILED,
+        ];
+        assert_eq!(loops_used(kinds), 2);
     }
 }

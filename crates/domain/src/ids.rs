@@ -343,9 +343,6 @@ fn check_stage_name(s: &str) -> Result<(), IdError> {
 string_newtype!(StageName, check_stage_name);
 
 impl StageName {
-    /// Names of the terminal stages, in which a task ends.
-    pub const TERMINAL: [&'static str; 3] = crate::control::TERMINAL_STAGES;
-
     /// The terminal stage of a work item that went through the whole pipeline.
     pub fn done() -> StageName {
         StageName(crate::control::DONE.to_owned())
@@ -363,7 +360,7 @@ impl StageName {
 
     /// Whether this is `done`, `failed` or `cancelled`.
     pub fn is_terminal(&self) -> bool {
-        Self::TERMINAL.contains(&self.0.as_str())
+        crate::control::is_terminal_stage(&self.0)
     }
 }
 

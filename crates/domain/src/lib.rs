@@ -15,6 +15,8 @@
 //! - [`staging`]: the staging runner's classification, defer rules and `15-staging-log.md` (ORCH-115).
 //! - [`monitor`]: the post-deploy watch's decision rules and `16-post-deploy-log.md` (ORCH-021).
 //! - [`outcome`]: how a finished task ended (shipped, rolled back, reverted, failed, cancelled).
+//! - [`control`]: the control words stored in the database, spelled once: terminal stages,
+//!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]
 
 pub mod artifact;

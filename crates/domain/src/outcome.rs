@@ -12,6 +12,8 @@
 
 use serde_json::Value;
 
+use crate::control::{self, events as kind};
+
 /// How a finished task ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Outcome {
@@ -91,17 +93,10 @@ pub struct TaskOutcome {
     pub recorded: bool,
 }
 
-/// The terminal stages and the event kinds that end a task.
-const TERMINAL: [(&str, &str); 3] = [
-    ("done", "task.done"),
-    ("failed", "task.failed"),
-    ("cancelled", "task.cancelled"),
-];
-
 /// The outcome of a task at `stage` with these events (oldest first); `None` while the task is
 /// still in a pipeline stage.
 pub fn outcome_of(stage: &str, events: &[EventView<'_>]) -> Option<TaskOutcome> {
-    let terminal_kind = TERMINAL.iter().find(|(s, _)| *s == stage)?.1;
+    let terminal_kind = control::terminal_event(stage)?;
     let str_field = |v: &Value, key: &str| {
         v.get(key)
             .and_then(Value::as_str)
@@ -133,13 +128,13 @@ pub fn outcome_of(stage: &str, events: &[EventView<'_>]) -> Option<TaskOutcome> 
     }
     // 2. Derived from the stage and the events.
     let derived = match stage {
-        "done" => {
+        control::DONE => {
             let failed_watch = events
                 .iter()
-                .any(|e| e.kind == "post_deploy.verdict" && verdict_is_failed(e));
-            let rolled_back = events.iter().any(|e| e.kind == "post_deploy.rollback");
+                .any(|e| e.kind == kind::POST_DEPLOY_VERDICT && verdict_is_failed(e));
+            let rolled_back = events.iter().any(|e| e.kind == kind::POST_DEPLOY_ROLLBACK);
             if failed_watch && rolled_back {
-                let reverted = events.iter().any(|e| e.kind == "release.reverted");
+                let reverted = events.iter().any(|e| e.kind == kind::RELEASE_REVERTED);
                 let (stage, reason) = rollback_story(events);
                 TaskOutcome {
                     outcome: if reverted {
@@ -160,8 +155,8 @@ pub fn outcome_of(stage: &str, events: &[EventView<'_>]) -> Option<TaskOutcome> 
                 }
             }
         }
-        "failed" => {
-            let last = events.iter().rev().find(|e| e.kind == "task.failed");
+        control::FAILED => {
+            let last = events.iter().rev().find(|e| e.kind == kind::TASK_FAILED);
             // The stage it failed in: the data's `stage`/`from`, else the last pipeline stage
             // an event recorded.
             let stage = last
@@ -171,7 +166,7 @@ pub fn outcome_of(stage: &str, events: &[EventView<'_>]) -> Option<TaskOutcome> 
                         .iter()
                         .rev()
                         .filter_map(|e| e.stage)
-                        .find(|s| !TERMINAL.iter().any(|(t, _)| t == s))
+                        .find(|s| !control::is_terminal_stage(s))
                         .map(str::to_owned)
                 });
             let reason = last.and_then(|e| {
@@ -193,7 +188,7 @@ pub fn outcome_of(stage: &str, events: &[EventView<'_>]) -> Option<TaskOutcome> 
             reason: events
                 .iter()
                 .rev()
-                .find(|e| e.kind == "task.cancelled")
+                .find(|e| e.kind == kind::TASK_CANCELLED)
                 .map(|e| e.message.trim().to_owned())
                 .filter(|m| !m.is_empty()),
             recorded: false,
@@ -222,7 +217,7 @@ fn rollback_story(events: &[EventView<'_>]) -> (Option<String>, Option<String>) 
     let verdict = events
         .iter()
         .rev()
-        .find(|e| e.kind == "post_deploy.verdict" && verdict_is_failed(e));
+        .find(|e| e.kind == kind::POST_DEPLOY_VERDICT && verdict_is_failed(e));
     let reason = verdict.and_then(|e| {
         e.data
             .get("reason")

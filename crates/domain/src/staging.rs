@@ -8,6 +8,7 @@
 
 use std::fmt::Write as _;
 
+use crate::control::markers;
 pub use crate::text::rfc3339_utc;
 use crate::text::{md_cell, one_line};
 
@@ -45,9 +46,6 @@ pub mod failure_kind {
 
 /// The default bound on infrastructure defers of one staging visit (D5: "default 2").
 pub const DEFAULT_DEFER_LIMIT: u32 = 2;
-
-/// The beginning of every defer marker; see [`defer_marker`].
-pub const DEFER_MARKER_PREFIX: &str = "[orch:staging-tool-error-defer";
 
 /// How one staging step ended, as observed by the runner's exec layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -274,23 +272,12 @@ fn failed(kind: &str, reason: String) -> Classification {
     }
 }
 
-/// The marker substring a deferred `deployer` job carries in its `task_content` (D-2): the
-/// defer count of a staging visit is the number of that task's `deployer` jobs whose content
-/// contains it — restart-safe, no column (NFR-1).
-///
-/// The marker is scoped to the stage visit (`tasks.stage_seq`): a defer re-enqueues the job
-/// with plain `enqueue_job` (D-1), which leaves `stage_seq` unchanged, while a later visit of
-/// `staging` (after a loop back to implementation) has a new `stage_seq` and so starts from
-/// zero. The closing `]` keeps `seq=1]` from matching inside `seq=12]`.
-pub fn defer_marker(stage_seq: i64) -> String {
-    format!("{DEFER_MARKER_PREFIX} seq={stage_seq}]")
-}
-
-/// Counts the defers of one staging visit: the number of job contents that contain
-/// [`defer_marker`]`(stage_seq)` (a job counts once, however often the marker appears — the
-/// same rule as the store's `count_jobs` with `content_contains`).
+/// Counts the defers of one staging visit (D-2: restart-safe, no column, NFR-1): the number of
+/// job contents that contain [`markers::staging_defer`]`(stage_seq)` (a job counts once,
+/// however often the marker appears — the same rule as the store's `count_jobs` with
+/// `content_contains`).
 pub fn count_defers(task_contents: &[&str], stage_seq: i64) -> u32 {
-    let marker = defer_marker(stage_seq);
+    let marker = markers::staging_defer(stage_seq);
     let n = task_contents.iter().filter(|c| c.contains(&marker)).count();
     u32::try_from(n).unwrap_or(u32::MAX)
 }
@@ -339,8 +326,8 @@ pub enum StagingDecision {
         /// One human sentence.
         reason: String,
     },
-    /// Enqueue a fresh `deployer` job carrying [`defer_marker`] after `delay_s`; no artifact
-    /// is written (the stage stays `staging`).
+    /// Enqueue a fresh `deployer` job carrying [`markers::staging_defer`] after `delay_s`; no
+    /// artifact is written (the stage stays `staging`).
     Defer {
         /// Delay of the fresh job (`available_at_delay_s`).
         delay_s: u64,
@@ -819,9 +806,9 @@ mod tests {
 
     #[test]
     fn defer_markers_are_counted_per_stage_visit() {
-        let m1 = defer_marker(1);
-        let m12 = defer_marker(12);
-        assert!(m1.starts_with(DEFER_MARKER_PREFIX));
+        let m1 = markers::staging_defer(1);
+        let m12 = markers::staging_defer(12);
+        assert!(m1.starts_with(&markers::start(markers::STAGING_DEFER)));
         assert!(!m12.contains(&m1), "seq 1 must not match inside seq 12");
         let with = |m: &str| format!("staging ORCH-7\n{m}\n");
         let contents = [

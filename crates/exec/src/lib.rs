@@ -12,6 +12,7 @@
 //! their own (command, directory, cause); the cause is also kept as `source()`.
 
 mod group;
+mod spool;
 mod tail;
 
 pub mod git;

@@ -2,9 +2,11 @@
 //! with a wall-clock timeout, an early stop, bounded capture of stdout and stderr, and no way to
 //! leave a process behind.
 //!
-//! Habits taken from ripgrep's `process.rs`: stdout, stderr and stdin are all driven
-//! concurrently, so a child blocked on a full pipe can never deadlock the run, and the captured
-//! stderr stays with the result for error messages.
+//! The child never holds a pipe to orch: stdin is a temporary file holding the input, stdout
+//! and stderr are unlinked temporary files the run tails ([`crate::spool`]). A child that
+//! outlives a killed orch therefore never dies of SIGPIPE half-way through its work (the next
+//! incarnation stops it, see [`crate::records`]), and a child can never block on a full pipe.
+//! The captured stderr stays with the result for error messages.
 //!
 //! Lifecycle of [`run`]: spawn as the leader of a new process group → wait for the first of
 //! (leader exits, timeout, cancellation) → on timeout/cancel SIGTERM the whole group, wait
@@ -14,19 +16,17 @@
 
 use std::ffi::OsString;
 use std::fmt;
-use std::future::Future;
 use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
-use tokio::process::{Child, ChildStdin, Command};
+use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
 use crate::group;
-use crate::tail::Tail;
+use crate::spool::{self, Spool};
 
 /// Default wall-clock limit of a [`Cmd`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -35,11 +35,12 @@ pub const DEFAULT_KILL_GRACE: Duration = Duration::from_secs(5);
 /// Default number of bytes kept from the end of stdout, and separately of stderr.
 pub const DEFAULT_OUTPUT_LIMIT: usize = 256 * 1024;
 
-/// How long output is still read after the whole group is gone: only a descendant that left
-/// the group can still hold a pipe open, and it must not hold the run hostage.
-const DRAIN_GRACE: Duration = Duration::from_millis(500);
-/// Read buffer size for each output pipe.
-const READ_CHUNK: usize = 64 * 1024;
+/// How often a running child's output files are read.
+const TAIL_EVERY: Duration = Duration::from_millis(50);
+/// Bytes read from one output file per tick (the rest is read on the next one).
+const TAIL_BUDGET: usize = 4 * 1024 * 1024;
+/// Bytes read from one output file after the group ended, at most.
+const FINAL_READ_LIMIT: usize = 64 * 1024 * 1024;
 
 /// What to run and under which limits. Build with [`Cmd::new`] and the chained setters, or set
 /// the public fields directly.
@@ -362,26 +363,35 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
             crate::records::marker(run_id),
         );
     }
+    let spool_err = |what: &str, e: io::Error| SpawnError::Io {
+        program: program(),
+        source: io::Error::new(
+            e.kind(),
+            format!(
+                "cannot create the file for the child's {what} in {}: {e}",
+                std::env::temp_dir().display()
+            ),
+        ),
+    };
+    let mut out = Spool::new(cmd.output_limit).map_err(|e| spool_err("stdout", e))?;
+    let mut err = Spool::new(cmd.output_limit).map_err(|e| spool_err("stderr", e))?;
+    let stdin = match &cmd.stdin {
+        Some(data) => spool::input(data).map_err(|e| spool_err("stdin", e))?,
+        None => Stdio::null(),
+    };
     command
-        .stdin(if cmd.stdin.is_some() {
-            Stdio::piped()
-        } else {
-            Stdio::null()
-        })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
+        .stdin(stdin)
+        .stdout(out.child_end().map_err(|e| spool_err("stdout", e))?)
+        .stderr(err.child_end().map_err(|e| spool_err("stderr", e))?)
         .process_group(0);
 
     let started = Instant::now();
-    let mut child = group::spawn(&mut command, cmd.no_daemons.then_some(run_id))
+    let child = group::spawn(&mut command, cmd.no_daemons.then_some(run_id))
         .map_err(|e| SpawnError::from_io(&cmd.program, e))?;
     let pgid = child
         .id()
         .and_then(|pid| i32::try_from(pid).ok())
         .unwrap_or(0);
-    let stdout = child.stdout.take();
-    let stderr = child.stderr.take();
-    let stdin = child.stdin.take();
     let mut running = Running {
         child: Some(child),
         pgid,
@@ -390,24 +400,29 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
     tracing::debug!(pgid, cmd = %cmd, "started");
 
     let ended = CancellationToken::new();
-    let ended_ref = &ended;
-    let drained = move || async move {
-        ended_ref.cancelled().await;
-        tokio::time::sleep(DRAIN_GRACE).await;
-    };
-    let io = async {
-        tokio::join!(
-            read_tail(stdout, cmd.output_limit, drained()),
-            read_tail(stderr, cmd.output_limit, drained()),
-            feed(stdin, cmd.stdin.as_deref(), drained()),
-        )
+    let tail = async {
+        let mut at_end = true;
+        loop {
+            // At the end of both files: wait for more; else keep reading (a chatty child must
+            // not outrun the truncation that bounds its files).
+            let pause = if at_end { TAIL_EVERY } else { Duration::ZERO };
+            tokio::select! {
+                () = ended.cancelled() => break,
+                () = tokio::time::sleep(pause) => {}
+            }
+            at_end = tail_once(&mut out, &mut err, TAIL_BUDGET);
+        }
+        // The group is gone: what is in the files is all there is. A daemon that escaped the
+        // group may still write; it is not waited for, and the last read is bounded so one
+        // that writes without end cannot hold the run.
+        tail_once(&mut out, &mut err, FINAL_READ_LIMIT);
     };
     let supervise = async {
         let status = running.supervise(cmd.timeout, cmd.cancel.as_ref()).await;
         ended.cancel();
         status
     };
-    let ((out, err, ()), status) = tokio::join!(io, supervise);
+    let ((), status) = tokio::join!(tail, supervise);
     group::reap_adopted();
     let status = status.map_err(|source| SpawnError::Io {
         program: program(),
@@ -519,54 +534,18 @@ fn exit_kind(status: ExitStatus) -> ExitKind {
     }
 }
 
-/// Reads a pipe to its end (or until `stop`), keeping its tail.
-async fn read_tail<R: AsyncRead + Unpin>(
-    pipe: Option<R>,
-    limit: usize,
-    stop: impl Future<Output = ()>,
-) -> Tail {
-    let mut tail = Tail::new(limit);
-    let Some(mut pipe) = pipe else {
-        return tail;
-    };
-    let mut buf = vec![0u8; READ_CHUNK];
-    tokio::pin!(stop);
-    loop {
-        tokio::select! {
-            read = pipe.read(&mut buf) => match read {
-                Ok(0) => break,
-                Ok(n) => tail.push(&buf[..n]),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                Err(e) => {
-                    tracing::warn!(error = %e, "reading a child's output failed; keeping what was read");
-                    break;
-                }
-            },
-            () = &mut stop => {
-                tracing::warn!("a process outside the run's group still holds its output open; stopped reading");
-                break;
+/// Reads what the child wrote to its output files since the last tick. A read error keeps what
+/// was read and is logged: the run's outcome does not depend on its capture. Returns whether
+/// both files were read to their end.
+fn tail_once(out: &mut Spool, err: &mut Spool, budget: usize) -> bool {
+    let mut at_end = true;
+    for (name, spool) in [("stdout", out), ("stderr", err)] {
+        match spool.read_new(budget) {
+            Ok(end) => at_end &= end,
+            Err(e) => {
+                tracing::warn!(error = %e, stream = name, "reading a child's output failed; keeping what was read");
             }
         }
     }
-    tail
-}
-
-/// Writes `data` to the child's stdin and closes it. A child that exits without reading
-/// (broken pipe) is normal, not an error.
-async fn feed(stdin: Option<ChildStdin>, data: Option<&[u8]>, stop: impl Future<Output = ()>) {
-    let (Some(mut pipe), Some(data)) = (stdin, data) else {
-        return;
-    };
-    let write = async {
-        pipe.write_all(data).await?;
-        pipe.shutdown().await
-    };
-    tokio::select! {
-        written = write => match written {
-            Ok(()) => {}
-            Err(e) if e.kind() == io::ErrorKind::BrokenPipe => {}
-            Err(e) => tracing::debug!(error = %e, "writing a child's stdin failed"),
-        },
-        () = stop => {}
-    }
+    at_end
 }

@@ -346,3 +346,69 @@ fn cmd_displays_as_a_command_line() {
     let cmd = Cmd::new("git").args(["commit", "-m", "two words", ""]);
     assert_eq!(cmd.to_string(), "git commit -m 'two words' ''");
 }
+
+/// orch killed -9 while a stage command runs: the command (its own process group) lives on
+/// until the next incarnation stops it, and must not die of SIGPIPE the moment it prints. The
+/// "orch" here is a copy of this test binary re-executed in the parent role.
+#[tokio::test]
+async fn a_child_that_outlives_its_killed_parent_can_still_print() {
+    const ROLE: &str = "ORCH_EXEC_TEST_PARENT_DIR";
+    const NAME: &str = "a_child_that_outlives_its_killed_parent_can_still_print";
+    if let Ok(dir) = std::env::var(ROLE) {
+        // The parent role: run a child that waits for `go`, then prints a lot, then says done.
+        let script = "echo $$ > pid; while [ ! -f go ]; do sleep 0.01; done; \
+                      i=0; while [ $i -lt 2000 ]; do echo out $i; echo err $i >&2; i=$((i+1)); done; \
+                      echo done > done";
+        let _ = run(&sh(script).cwd(dir)).await;
+        return;
+    }
+    // SAFETY: prctl with integer arguments: the orphaned child is reparented to us, to reap.
+    assert_eq!(
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) },
+        0
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let mut parent = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", NAME, "--nocapture", "--test-threads", "1"])
+        .env(ROLE, dir.path())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let child = loop {
+        if let Ok(text) = std::fs::read_to_string(dir.path().join("pid"))
+            && text.ends_with('\n')
+        {
+            break pids(&text)[0];
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the parent never started its child"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    parent.kill().unwrap(); // SIGKILL: no destructor runs, nothing stops the child
+    parent.wait().unwrap();
+    std::fs::write(dir.path().join("go"), "").unwrap();
+    while !has_exited(child) {
+        assert!(
+            Instant::now() < deadline,
+            "the child {child} did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut status = 0;
+    // SAFETY: waitpid on our adopted child's pid with a valid status pointer.
+    let reaped = unsafe { libc::waitpid(child, &mut status, 0) };
+    assert_eq!(reaped, child);
+    assert!(
+        libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+        "the child was killed (signal {}) when it printed after its parent died",
+        libc::WTERMSIG(status)
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("done")).unwrap(),
+        "done\n"
+    );
+}

@@ -119,57 +119,11 @@ impl Operations for ApiOps {
 
     async fn release_tracks(&self) -> Vec<orch_api::ReleaseTrack> {
         let engine = &self.runtime.engine;
-        match orch_runner::release::tracks(engine.store(), &engine.config().pipeline).await {
-            Ok(tracks) => tracks
-                .into_iter()
-                .map(|(repo, holder, held, waiting)| orch_api::ReleaseTrack {
-                    repo,
-                    holder,
-                    held,
-                    waiting,
-                })
-                .collect(),
-            Err(e) => {
-                tracing::warn!(error = %format!("{e:#}"), "cannot read the release tracks");
-                Vec::new()
-            }
-        }
+        release_tracks(engine.store(), &engine.config().pipeline).await
     }
 
     async fn active_observations(&self) -> Vec<Observation> {
-        let repos_dir = self.runtime.repos_dir.clone();
-        tokio::task::spawn_blocking(move || {
-            orch_deploystate::list_active(&repos_dir)
-                .into_iter()
-                .map(|w| match w.armed {
-                    ArmedRead::Present(r) => {
-                        let polls = WatchState::new(&repos_dir, &w.repo, &w.work_item_id)
-                            .series()
-                            .polls
-                            .len();
-                        Observation {
-                            work_item_id: w.work_item_id,
-                            repo: w.repo,
-                            armed_at_ms: r.armed_at_ms,
-                            deadline_ms: r.deadline_ms,
-                            revision: r.revision,
-                            polls: polls as u64,
-                        }
-                    }
-                    // Listed anyway: a stale or corrupt watch is exactly what an operator must see.
-                    ArmedRead::Corrupt(_) | ArmedRead::Absent => Observation {
-                        work_item_id: w.work_item_id,
-                        repo: w.repo,
-                        armed_at_ms: 0,
-                        deadline_ms: 0,
-                        revision: "unknown (state unreadable)".into(),
-                        polls: 0,
-                    },
-                })
-                .collect()
-        })
-        .await
-        .unwrap_or_default()
+        active_observations(self.runtime.repos_dir.clone()).await
     }
 
     async fn observation_series(&self, work_item_id: &str) -> Vec<SeriesPoint> {
@@ -256,4 +210,63 @@ impl Operations for ApiOps {
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
+}
+
+/// Each repo's release track (holder, hold, waiting items), read from the store; empty (with a
+/// warning) when it cannot be read.
+pub async fn release_tracks(
+    store: &orch_store::Store,
+    pipeline: &orch_domain::pipeline::Pipeline,
+) -> Vec<orch_api::ReleaseTrack> {
+    match orch_runner::release::tracks(store, pipeline).await {
+        Ok(tracks) => tracks
+            .into_iter()
+            .map(|(repo, holder, held, waiting)| orch_api::ReleaseTrack {
+                repo,
+                holder,
+                held,
+                waiting,
+            })
+            .collect(),
+        Err(e) => {
+            tracing::warn!(error = %format!("{e:#}"), "cannot read the release tracks");
+            Vec::new()
+        }
+    }
+}
+
+/// The post-deploy watches armed on this machine (their sentinel files under `repos_dir`).
+pub async fn active_observations(repos_dir: std::path::PathBuf) -> Vec<Observation> {
+    tokio::task::spawn_blocking(move || {
+        orch_deploystate::list_active(&repos_dir)
+            .into_iter()
+            .map(|w| match w.armed {
+                ArmedRead::Present(r) => {
+                    let polls = WatchState::new(&repos_dir, &w.repo, &w.work_item_id)
+                        .series()
+                        .polls
+                        .len();
+                    Observation {
+                        work_item_id: w.work_item_id,
+                        repo: w.repo,
+                        armed_at_ms: r.armed_at_ms,
+                        deadline_ms: r.deadline_ms,
+                        revision: r.revision,
+                        polls: polls as u64,
+                    }
+                }
+                // Listed anyway: a stale or corrupt watch is exactly what an operator must see.
+                ArmedRead::Corrupt(_) | ArmedRead::Absent => Observation {
+                    work_item_id: w.work_item_id,
+                    repo: w.repo,
+                    armed_at_ms: 0,
+                    deadline_ms: 0,
+                    revision: "unknown (state unreadable)".into(),
+                    polls: 0,
+                },
+            })
+            .collect()
+    })
+    .await
+    .unwrap_or_default()
 }

@@ -77,6 +77,10 @@ pub enum Command {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         rest: Vec<String>,
     },
+    /// The demo's scripted model server on 127.0.0.1, for a Claude Code pointed at it (tests and
+    /// the walkthrough): prints its URL, serves until SIGTERM, Ctrl-C or stdin closes.
+    #[command(hide = true)]
+    DemoModelServer,
 }
 
 #[derive(Debug, Args)]

@@ -25,9 +25,9 @@ fn main() -> ExitCode {
     // The demo and the scripted agent talk to people through stdout; keep logs to warnings.
     let quiet_default = matches!(
         cli.command,
-        cli::Command::Demo(_) | cli::Command::DemoAgent { .. }
+        cli::Command::Demo(_) | cli::Command::DemoAgent { .. } | cli::Command::DemoModelServer
     );
-    init_tracing(cli.global.verbose, cli.global.quiet, quiet_default);
+    init_tracing(cli.global.verbose, cli.global.quiet, quiet_default, json);
     // reqwest is built without a default crypto provider (no cmake here): pick ring once.
     let _ = rustls::crypto::ring::default_provider().install_default();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -84,7 +84,9 @@ pub fn say(line: &str) {
     let _ = writeln!(std::io::stderr(), "{line}");
 }
 
-fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
+/// Logs go to stderr: text for people, or one JSON object per line under `--json` (so `orch
+/// --json serve` and `worker` speak JSON on every stream).
+fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool, json: bool) {
     use tracing_subscriber::EnvFilter;
     let default = match (quiet, verbose) {
         (true, _) => "error",
@@ -94,14 +96,18 @@ fn init_tracing(verbose: u8, quiet: bool, quiet_default: bool) {
         (false, _) => "debug,sqlx=warn,hyper=info",
     };
     let filter = EnvFilter::try_from_env("ORCH_LOG").unwrap_or_else(|_| EnvFilter::new(default));
-    let _ = tracing_subscriber::fmt()
+    let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_ansi(output::colour(&std::io::stderr()))
         .with_writer(|| LossyStderr)
         .with_target(false)
         // Its report of a failed write is an `eprintln!`, which panics on a closed stderr.
-        .log_internal_errors(false)
-        .try_init();
+        .log_internal_errors(false);
+    let _ = if json {
+        logs.json().flatten_event(true).try_init()
+    } else {
+        logs.with_ansi(output::colour(&std::io::stderr()))
+            .try_init()
+    };
 }
 
 /// stderr for logs: a write that fails (a closed pipe, a full disk) is dropped, never an error

@@ -9,45 +9,11 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use common::{ORCH, Serve, become_subreaper, demo_setup, open, python_available};
+use common::{ORCH, Serve, agent_cli, become_subreaper, demo_setup, open, python_available};
 use orch_modelserver::{ModelServer, artifact_writer};
-
-/// The installed `tool`, or `None` after printing why its test is skipped (a panic when
-/// `ORCH_REQUIRE_AGENT_CLIS=1`).
-fn cli(tool: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("ORCH_AGENT_CLI_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/orch-agent-clis"))
-        });
-    let reason = match &cache {
-        None => "neither ORCH_AGENT_CLI_CACHE nor HOME is set".to_owned(),
-        Some(cache) => {
-            let bin = cache.join("bin").join(tool);
-            let status =
-                std::fs::read_to_string(cache.join("status").join(tool)).unwrap_or_default();
-            if bin.exists() && status.starts_with("ok") {
-                return Some(bin);
-            }
-            if status.trim().is_empty() {
-                format!(
-                    "{tool} is not installed in {} (run scripts/install-agent-clis)",
-                    cache.display()
-                )
-            } else {
-                format!("{tool} could not be installed: {}", status.trim())
-            }
-        }
-    };
-    if std::env::var("ORCH_REQUIRE_AGENT_CLIS").as_deref() == Ok("1") {
-        panic!("ORCH_REQUIRE_AGENT_CLIS=1 but {reason}");
-    }
-    println!("SKIPPED: {reason}");
-    None
-}
 
 /// The demo's config with its four LLM agents replaced by `preset` at `endpoint`.
 fn configure(dir: &Path, preset: &str, program: &Path, endpoint: &str, model: &str) {
@@ -70,7 +36,9 @@ fn configure(dir: &Path, preset: &str, program: &Path, endpoint: &str, model: &s
 /// Submits a work item and runs `orch serve` until its stage is none of `past`; checks the
 /// agent runs and `orch status`.
 async fn drive(preset: &str, model: &str, past: &[&str]) {
-    let Some(program) = cli(preset) else { return };
+    let Some(program) = agent_cli(preset) else {
+        return;
+    };
     if !python_available() {
         println!("SKIPPED: python3 is not installed (the sample service's tests need it)");
         return;
@@ -193,7 +161,9 @@ async fn aider_runs_the_analysis_stage_through_the_engine() {
 /// Code, the demo's scripted agent deciding the files through the demo's model server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_with_the_real_claude_code() {
-    let Some(program) = cli("claude") else { return };
+    let Some(program) = agent_cli("claude") else {
+        return;
+    };
     if !python_available() {
         println!("SKIPPED: python3 is not installed (the demo's sample service needs it)");
         return;

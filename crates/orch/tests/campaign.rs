@@ -17,6 +17,7 @@ use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 use common::{ORCH, become_subreaper, demo_setup, python_available, reap_orphans, stop_service};
+use orch_domain::control::events;
 use orch_store::{ConnectOptions, Store};
 use rand::{Rng as _, SeedableRng as _};
 
@@ -250,21 +251,32 @@ async fn outcomes(store: &Store) -> BTreeMap<String, ItemOutcome> {
             .find(|e| e.kind.starts_with("task."))
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
             .and_then(|d| d["outcome"].as_str().map(str::to_owned));
+        // A watch whose polls were lost while orch was down (killed, restarting) ends DEGRADED
+        // for lack of evidence where a clean run sees HEALTHY: kills cost evidence, never a
+        // verdict against the service. Both read "not failed"; FAILED, or DEGRADED for any
+        // other reason, stays itself.
         let watch = events
             .iter()
             .rev()
-            .find(|e| e.kind == "post_deploy.verdict")
+            .find(|e| e.kind == events::POST_DEPLOY_VERDICT)
             .and_then(|e| {
-                e.message
+                let verdict = e
+                    .message
                     .strip_prefix("post-deploy watch ")
-                    .and_then(|m| m.split(':').next())
-                    .map(str::to_owned)
+                    .and_then(|m| m.split(':').next())?;
+                let unproven =
+                    verdict == "DEGRADED" && e.message.contains("not enough evidence of health");
+                Some(if verdict == "HEALTHY" || unproven {
+                    "not failed (HEALTHY, or DEGRADED for polls lost to kills)".to_owned()
+                } else {
+                    verdict.to_owned()
+                })
             });
         // A change that breaks production is taken out (rolled back and reverted on main)
         // whether the watch caught it (`reverted`) or, when a kill delayed the finalizer past
         // the moment its health broke, the finalizer did (`failed` at deploy, reverted): the
         // same result for the user, so the same outcome here.
-        let item = if events.iter().any(|e| e.kind == "release.reverted") {
+        let item = if events.iter().any(|e| e.kind == events::RELEASE_REVERTED) {
             ItemOutcome {
                 stage: "-".to_owned(),
                 outcome: Some("taken out: rolled back and reverted".to_owned()),

@@ -147,7 +147,12 @@ fn task_commands_refuse_hostile_ids_and_unknown_repos() {
         "not declared",
     );
     let out = succeeds(&orch(d, &["status", "--json"]));
-    assert_eq!(out.trim(), "[]");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(
+        v,
+        serde_json::json!({"count": 0, "tasks": []}),
+        "GET /tasks's shape"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -133,7 +133,7 @@ async fn a_running_serve_uses_the_fixed_agent_command_after_a_config_change() {
         h["config"]["status"] == "current" && h["config"]["generation"].as_u64() >= Some(1)
     })
     .await;
-    let stage = json(d, &["--json", "status", "APP-1"])["stage"].clone();
+    let stage = json(d, &["--json", "status", "APP-1"])["task"]["stage"].clone();
     if stage == "failed" {
         let out = orch(d, &["retry", "APP-1"]);
         assert!(
@@ -143,7 +143,7 @@ async fn a_running_serve_uses_the_fixed_agent_command_after_a_config_change() {
         );
     }
     until("APP-1 past analysis", 90, || {
-        let s = json(d, &["--json", "status", "APP-1"])["stage"]
+        let s = json(d, &["--json", "status", "APP-1"])["task"]["stage"]
             .as_str()
             .unwrap_or("")
             .to_owned();

@@ -341,3 +341,144 @@ fn init_inside_a_git_repo_keeps_the_token_out_of_git() {
         before
     );
 }
+
+/// `orch --json worker` (and `serve`, which logs the same way): stdout stays empty and every
+/// log line on stderr is one JSON object with a level and a message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_logs_are_json_lines_under_json() {
+    use tokio::io::AsyncBufReadExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    common::demo_setup(d);
+    let mut worker = tokio::process::Command::new(ORCH)
+        .current_dir(d)
+        .args([
+            "--json",
+            "--config",
+            "orch.toml",
+            "worker",
+            "--node",
+            "json-node",
+        ])
+        .env_remove("ORCH_DATABASE_URL")
+        .env("ORCH_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut lines = tokio::io::BufReader::new(worker.stderr.take().unwrap()).lines();
+    let first = tokio::time::timeout(std::time::Duration::from_secs(60), lines.next_line())
+        .await
+        .expect("a log line within 60 s")
+        .unwrap()
+        .expect("a log line");
+    let pid = i32::try_from(worker.id().unwrap()).unwrap();
+    // SAFETY: SIGTERM to the worker we spawned.
+    unsafe { libc::kill(pid, libc::SIGTERM) };
+    let mut all = vec![first];
+    while let Some(line) = lines.next_line().await.unwrap() {
+        all.push(line);
+    }
+    let out = worker.wait_with_output().await.unwrap();
+    assert!(out.status.success(), "{all:?}");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "",
+        "stdout stays empty"
+    );
+    for line in &all {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a log line that is not JSON ({e}): {line}"));
+        assert!(v["level"].is_string(), "{line}");
+        assert!(v["message"].is_string(), "{line}");
+    }
+}
+
+/// `orch --json demo --setup-only` prints the demo's directory as JSON.
+#[test]
+fn demo_setup_under_json_prints_json() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().join("demo");
+    let out = orch(
+        dir.path(),
+        &[
+            "--json",
+            "demo",
+            "--setup-only",
+            "--dir",
+            target.to_str().unwrap(),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout(&out).trim()).expect("JSON");
+    assert_eq!(v["dir"].as_str(), target.to_str());
+}
+
+/// `orch --json` prints the HTTP API's documents (`orch_api::dto`): one shape per thing, `id`
+/// is a row's id and `work_item_id` the item's name, times are `*_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn json_output_is_the_apis_documents() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    common::demo_setup(d);
+    let doc = |args: &[&str]| -> serde_json::Value {
+        let out = orch(d, args);
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_str(stdout(&out).trim()).expect("JSON")
+    };
+    // POST /tasks's answer.
+    let v = doc(&[
+        "--json", "submit", "--repo", "service", "--title", "A change",
+    ]);
+    assert_eq!(v["work_item_id"], "APP-1", "{v}");
+    assert!(v["task_id"].is_i64(), "{v}");
+    assert_eq!(v["task"]["id"], v["task_id"], "{v}");
+    assert_eq!(v["task"]["work_item_id"], "APP-1", "{v}");
+    assert!(v["task"]["created_at_ms"].is_i64(), "{v}");
+
+    // GET /tasks/{id}, for `status ID` and `logs ID`.
+    for cmd in ["status", "logs"] {
+        let v = doc(&["--json", cmd, "APP-1"]);
+        for key in ["task", "usage", "events", "agent_runs", "jobs", "deploys"] {
+            assert!(v.get(key).is_some(), "{cmd}: no {key}: {v}");
+        }
+        assert_eq!(v["task"]["stage"], "intake", "{v}");
+        assert_eq!(v["usage"]["unknown_cost_runs"], 0, "{v}");
+        let first = &v["events"][0];
+        assert_eq!(first["kind"], "task.submitted", "{v}");
+        assert!(
+            first["created_at_ms"].is_i64() && first.get("at_ms").is_none(),
+            "{v}"
+        );
+        assert!(v["jobs"][0]["id"].is_i64(), "{v}");
+    }
+    // GET /tasks.
+    let v = doc(&["--json", "status"]);
+    assert_eq!(v["count"], 1, "{v}");
+    assert_eq!(v["tasks"][0]["work_item_id"], "APP-1", "{v}");
+    // GET /queue, as a process without a worker sees it.
+    let v = doc(&["--json", "queue"]);
+    assert_eq!(v["jobs"]["by_state"]["queued"], 1, "{v}");
+    assert_eq!(v["tasks_by_stage"]["intake"], 1, "{v}");
+    for key in ["leases", "active_observations", "release_tracks"] {
+        assert!(v[key].is_array(), "{key}: {v}");
+    }
+    // POST /tasks/{id}/cancel's answer.
+    let v = doc(&["--json", "cancel", "APP-1"]);
+    assert_eq!(v["action"], "cancel", "{v}");
+    assert_eq!(v["task"]["stage"], "cancelled", "{v}");
+    assert_eq!(v["task"]["terminal"], true, "{v}");
+    // The CLI-only documents keep their fields.
+    let v = doc(&["--json", "migrate"]);
+    assert!(v["to"].is_i64() && v["applied"].is_array(), "{v}");
+}

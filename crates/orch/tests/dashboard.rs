@@ -464,7 +464,7 @@ fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
     assert!(refused.contains("401"), "{refused}");
     let stage = orch(&config, &["--json", "status", "APP-4"]);
     let v: Value = serde_json::from_slice(&stage.stdout).unwrap();
-    assert_ne!(v["stage"], "cancelled", "cancelled without a token");
+    assert_ne!(v["task"]["stage"], "cancelled", "cancelled without a token");
     live.eval(
         &mut b,
         &format!(

@@ -501,7 +501,7 @@ async fn a_host_that_dies_holding_a_watch_is_taken_over() {
     let last_seen = d["last_seen_ms"].as_i64().unwrap();
     assert!(takeovers[0].created_at - last_seen > 4_000, "{d}");
     assert!(
-        history.iter().any(|e| e.kind == "post_deploy.rearmed"),
+        history.iter().any(|e| e.kind == "post_deploy.taken_over"),
         "{summary:#?}"
     );
     let verdict = history

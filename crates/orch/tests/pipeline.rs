@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -27,6 +27,25 @@ fn orch_processes_in(dir: &std::path::Path) -> Vec<i32> {
         .collect()
 }
 
+/// `orch [--json] demo --dir <dir>` to its end (at most 400 s).
+async fn run_demo(dir: &Path, json: bool) -> std::process::Output {
+    let mut cmd = tokio::process::Command::new(ORCH);
+    if json {
+        cmd.arg("--json");
+    }
+    tokio::time::timeout(
+        Duration::from_secs(400),
+        cmd.args(["demo", "--dir"])
+            .arg(dir)
+            .env("ORCH_LOG", "warn")
+            .stdin(Stdio::null())
+            .output(),
+    )
+    .await
+    .expect("the demo finishes within 400 s")
+    .expect("run orch demo")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back() {
     if !python_available() {
@@ -35,18 +54,7 @@ async fn demo_drives_two_items_through_every_stage_one_healthy_one_rolled_back()
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
-    let out = tokio::time::timeout(
-        Duration::from_secs(400),
-        tokio::process::Command::new(ORCH)
-            .args(["demo", "--dir"])
-            .arg(&dir)
-            .env("ORCH_LOG", "warn")
-            .stdin(Stdio::null())
-            .output(),
-    )
-    .await
-    .expect("the demo finishes within 400 s")
-    .expect("run orch demo");
+    let out = run_demo(&dir, false).await;
     // The demo stops its sample service itself (it used to leave both instances running).
     let left = orch_processes_in(&dir.join("service-state/releases"));
     stop_service(&dir);
@@ -276,4 +284,59 @@ async fn serve_killed_during_an_agent_run_resumes_with_a_new_attempt_and_finishe
         .count();
     assert_eq!(advances, 1, "analysis advanced exactly once");
     store.close().await;
+}
+
+/// `orch --json demo`: the commentary goes to stderr, stdout is one JSON document with every
+/// item's outcome and the deploy history (what each production deploy shipped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_under_json_prints_one_document() {
+    if !python_available() {
+        return skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let out = run_demo(&dir, true).await;
+    stop_service(&dir);
+    reap_orphans();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("look around:"),
+        "the commentary is on stderr"
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("stdout is not one JSON document ({e}): {stdout}"));
+    let service = &v["service"];
+    let outcome = |id: &str| {
+        service["finished"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|t| t["work_item_id"] == id)
+            .map(|t| {
+                t["outcome"]["outcome"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned()
+            })
+    };
+    assert_eq!(outcome("APP-1").as_deref(), Some("shipped"), "{v}");
+    assert_eq!(outcome("APP-2").as_deref(), Some("reverted"), "{v}");
+    assert_eq!(outcome("APP-3").as_deref(), Some("cancelled"), "{v}");
+    let deploys = service["deploys"].as_array().expect("deploys");
+    assert!(
+        deploys.iter().any(|d| d["items"]
+            .as_array()
+            .is_some_and(|items| items.iter().any(|i| i["work_item"] == "APP-1"))),
+        "a deploy shipped APP-1: {v}"
+    );
+    assert!(
+        deploys
+            .iter()
+            .any(|d| d["reverts"].as_array().is_some_and(|r| !r.is_empty())),
+        "APP-2 was reverted: {v}"
+    );
+    assert!(v["finished_in_s"].as_u64().is_some(), "{v}");
 }

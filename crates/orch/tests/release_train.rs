@@ -532,7 +532,6 @@ fn submit(dir: &Path, url: &str, title: &str) -> String {
     let v: serde_json::Value = serde_json::from_str(&out).expect("submit --json");
     v["work_item_id"]
         .as_str()
-        .or_else(|| v["id"].as_str())
         .expect("the work item id")
         .to_owned()
 }
@@ -737,6 +736,26 @@ async fn retry_after_a_failed_deploy_never_ships_the_reverted_change() {
     })
     .await;
     let second = submit(&dir, &url, "Write note two");
+    // While the second item holds the release track, a retry into it is refused (exit 75,
+    // naming the holder): one release at a time, operators included.
+    wait_for(&store, "the second item watching", async |s| {
+        stage_of(s, &second).await == "observe"
+    })
+    .await;
+    let refused = std::process::Command::new(common::ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args(["--database-url", &url, "retry", &first])
+        .env("ORCH_LOG", "warn")
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(75), "{said}");
+    assert!(
+        said.contains(&second),
+        "the refusal names the holder: {said}"
+    );
+    assert_eq!(stage_of(&store, &first).await, "failed");
     wait_for(&store, "the second item shipped", async |s| {
         stage_of(s, &second).await == "done"
     })

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use common::{
     ORCH, Serve, become_subreaper, demo_setup, git_show, open, python_available, reap_orphans, skip,
 };
-use orch_domain::staging::{DEFER_MARKER_PREFIX, defer_marker};
+use orch_domain::control::markers;
 use orch_store::{Store, Task};
 
 /// The repo's `staging_defer_limit` (the default).
@@ -141,7 +141,7 @@ async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
     );
     let t = task(&store, "APP-1").await;
     assert_eq!(t.stage, "staging", "the crash happened during staging");
-    let marker = defer_marker(t.stage_seq);
+    let marker = markers::staging_defer(t.stage_seq);
     let deferred = |jobs: &[orch_store::Job]| {
         jobs.iter()
             .filter(|j| j.agent == "deployer" && j.task_content.contains(&marker))
@@ -196,7 +196,10 @@ async fn staging_defer_interrupted_by_a_crash_is_neither_repeated_nor_lost() {
     );
     let any_marker = jobs
         .iter()
-        .filter(|j| j.task_content.contains(DEFER_MARKER_PREFIX))
+        .filter(|j| {
+            j.task_content
+                .contains(&markers::start(markers::STAGING_DEFER))
+        })
         .count();
     assert_eq!(any_marker, DEFER_LIMIT, "no defer marker of another visit");
 

@@ -316,7 +316,7 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
         Death::DuringWatch => {
             let rearmed = history
                 .iter()
-                .find(|e| e.kind == "post_deploy.rearmed")
+                .find(|e| e.kind == "post_deploy.taken_over")
                 .unwrap_or_else(|| panic!("the watch was re-armed on b: {summary:#?}"));
             assert_eq!(data(rearmed)["revision"], deployed.as_str());
             let verdict = history

@@ -4,10 +4,13 @@
 //! watched, ending in the user's own checkout. Run for the three repository setups (an ordinary
 //! checkout, a bare repository, a `file://` remote) on both backends (SQLite, PostgreSQL).
 //!
-//! The agents: [`agent_command`] is the one place that picks them. Today it is the demo's
-//! scripted stand-in (`orch demo-agent`, which speaks Claude Code's JSON output) because the real
-//! `claude` CLI and a scripted model server are not installed here yet; with them, it returns
-//! `None` and the walkthrough runs the real `claude` preset unchanged.
+//! The agents: [`Agents::start`] is the one place that picks them: the real Claude Code (the
+//! `claude` preset, given only its program and endpoint) against `orch demo-model-server`, a
+//! scripted Anthropic-API server on 127.0.0.1 that answers with the file writes the demo's
+//! scripted agent would make — when `scripts/install-agent-clis` installed it. Where it could
+//! not be installed, the demo's scripted stand-in (`orch demo-agent`, which speaks Claude Code's
+//! JSON output) runs instead and the skip reason is printed (`ORCH_REQUIRE_AGENT_CLIS=1`
+//! refuses that).
 
 mod common;
 
@@ -16,20 +19,96 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{ORCH, become_subreaper, python_available, reap_orphans};
+use common::{ORCH, agent_cli, become_subreaper, python_available, reap_orphans};
 
-/// The command the four LLM agents run, or `None` for the `claude` preset's own `claude`.
-/// Here: a script that runs the demo's scripted stand-in (it speaks Claude Code's JSON).
-fn agent_command(home: &Path) -> Option<String> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let script = home.join("stand-in-claude.sh");
-    std::fs::write(
-        &script,
-        format!("#!/bin/sh\nexec '{ORCH}' demo-agent \"$@\"\n"),
-    )
-    .unwrap();
-    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    Some(script.display().to_string())
+/// Who runs the four LLM stages, and the model server the real Claude Code talks to.
+struct Agents {
+    /// The `[agents.*]` lines that point the `claude` preset at them.
+    lines: String,
+    server: Option<std::process::Child>,
+}
+
+impl Agents {
+    fn start(home: &Path) -> Agents {
+        use std::io::BufRead as _;
+        use std::os::unix::fs::PermissionsExt as _;
+        let script = |name: &str, body: String| {
+            let path = home.join(name);
+            std::fs::write(&path, body).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+            path.display().to_string()
+        };
+        let Some(claude) = agent_cli("claude") else {
+            eprintln!("walkthrough: running the scripted stand-in in place of Claude Code");
+            let stand_in = script(
+                "stand-in-claude.sh",
+                format!("#!/bin/sh\nexec '{ORCH}' demo-agent \"$@\"\n"),
+            );
+            return Agents {
+                lines: format!("command = \"{stand_in}\"\n"),
+                server: None,
+            };
+        };
+        let mut server = std::process::Command::new(ORCH)
+            .arg("demo-model-server")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut url = String::new();
+        std::io::BufReader::new(server.stdout.take().unwrap())
+            .read_line(&mut url)
+            .unwrap();
+        assert!(
+            url.starts_with("http://127.0.0.1:"),
+            "model server: {url:?}"
+        );
+        // The key Claude Code sends; the local server takes any.
+        let wrapper = script(
+            "claude.sh",
+            format!(
+                "#!/bin/sh\nexport ANTHROPIC_API_KEY=walkthrough-local-key\nexec '{}' \"$@\"\n",
+                claude.display()
+            ),
+        );
+        Agents {
+            lines: format!(
+                "command = \"{wrapper}\"\nendpoint = \"{}\"\nmodel = \"claude-sonnet-4-5\"\ntimeout_s = 180\n",
+                url.trim()
+            ),
+            server: Some(server),
+        }
+    }
+}
+
+impl Agents {
+    /// Stops the model server (it ends at the end of its stdin) and returns how many requests
+    /// it served, or `None` for the stand-in.
+    fn finish(mut self) -> Option<usize> {
+        let mut server = self.server.take()?;
+        drop(server.stdin.take());
+        let mut said = String::new();
+        server.stderr.take()?.read_to_string(&mut said).unwrap();
+        server.wait().unwrap();
+        let n = said.lines().find_map(|l| {
+            l.strip_prefix("served ")?
+                .strip_suffix(" model requests")?
+                .parse()
+                .ok()
+        });
+        assert!(n.is_some(), "the model server said: {said}");
+        n
+    }
+}
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        if let Some(mut server) = self.server.take() {
+            let _ = server.kill();
+            let _ = server.wait();
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -206,13 +285,11 @@ async fn walkthrough(setup: RepoSetup, backend: Backend) {
         &format!("bind = \"127.0.0.1:{api}\""),
     );
     config = config.replace("poll_interval_ms = 1000", "poll_interval_ms = 200");
-    if let Some(command) = agent_command(&home) {
-        for agent in ["analyst", "architect", "developer", "reviewer"] {
-            config = config.replace(
-                &format!("[agents.{agent}]\nbackend = \"claude\"\n"),
-                &format!("[agents.{agent}]\nbackend = \"claude\"\ncommand = \"{command}\"\n"),
-            );
-        }
+    let agents = Agents::start(&home);
+    for agent in ["analyst", "architect", "developer", "reviewer"] {
+        let section = format!("[agents.{agent}]\nbackend = \"claude\"\n");
+        assert!(config.contains(&section), "the template has {section:?}");
+        config = config.replace(&section, &format!("{section}{}", agents.lines));
     }
     config.push_str(&repo_section(&source, prod, staging, &state));
     std::fs::write(home.join("orch.toml"), config).unwrap();
@@ -266,7 +343,7 @@ async fn walkthrough(setup: RepoSetup, backend: Backend) {
         let out = run(&home, ORCH, &["--json", "status", "APP-1"], &env);
         let v: serde_json::Value =
             serde_json::from_slice(&out.stdout).unwrap_or(serde_json::Value::Null);
-        let stage = v["stage"].as_str().unwrap_or("").to_owned();
+        let stage = v["task"]["stage"].as_str().unwrap_or("").to_owned();
         if matches!(stage.as_str(), "done" | "failed" | "cancelled") {
             break stage;
         }
@@ -278,6 +355,13 @@ async fn walkthrough(setup: RepoSetup, backend: Backend) {
         tokio::time::sleep(Duration::from_millis(300)).await;
     };
     let version = http_get(prod, "/version");
+    if let Some(requests) = agents.finish() {
+        // Four LLM stages, each at least one turn of the real Claude Code.
+        assert!(
+            requests >= 4,
+            "Claude Code asked the model {requests} times"
+        );
+    }
     common::terminate(serve).await;
     for env_name in ["production", "staging"] {
         let _ = std::process::Command::new("sh")

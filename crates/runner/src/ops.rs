@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 
+use orch_domain::control::{self, events};
 use orch_domain::ids::{RepoName, WorkItemId};
 use orch_store::{AdvanceStage, Fence, NewEvent, NewTask, Store, StoreError, Task, WorkItemSpec};
 
@@ -91,7 +92,7 @@ impl Ops {
                     .map(|j| j.stage)
                     .unwrap_or_else(|_| "intake".into()),
                 branch_prefix: "orch/".into(),
-                event: NewEvent::new("task.submitted", format!("submitted: {title}")),
+                event: NewEvent::new(events::TASK_SUBMITTED, format!("submitted: {title}")),
                 first_job: Some(first),
             })
             .await?;
@@ -117,7 +118,7 @@ impl Ops {
             self.store
                 .append_event(
                     NewEvent::new(
-                        crate::release::events::UNHELD,
+                        events::RELEASE_UNHELD,
                         format!(
                             "the hold of repo {} was released by an operator (it was: {reason})",
                             task.repo
@@ -164,7 +165,7 @@ impl Ops {
             self.store
                 .append_event(
                     NewEvent::new(
-                        "stage.approved",
+                        events::STAGE_APPROVED,
                         format!("{} approved by an operator", task.stage),
                     )
                     .task(task.id)
@@ -178,7 +179,7 @@ impl Ops {
     /// Puts a failed task back at the stage it failed in, as a new visit.
     pub async fn retry(&self, id: &str) -> OpsResult<Task> {
         let task = self.task(id).await?;
-        if task.stage != "failed" {
+        if task.stage != control::FAILED {
             return Err(OpsError::Conflict(format!(
                 "{id} is at stage {}; only a failed task can be retried",
                 task.stage
@@ -190,16 +191,16 @@ impl Ops {
         let from_event = events
             .iter()
             .rev()
-            .find(|e| e.kind == "task.failed")
+            .find(|e| e.kind == events::TASK_FAILED)
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
             .and_then(|v| v["from"].as_str().map(str::to_owned))
-            .filter(|s| !matches!(s.as_str(), "done" | "failed" | "cancelled"));
+            .filter(|s| !control::is_terminal_stage(s));
         let from_jobs = || async {
             let jobs = self.store.task_jobs(task.id).await?;
             Ok::<Option<String>, OpsError>(
                 jobs.iter()
                     .filter_map(|j| StageJob::from_content(&j.task_content).ok())
-                    .rfind(|sj| !matches!(sj.stage.as_str(), "done" | "failed" | "cancelled"))
+                    .rfind(|sj| !control::is_terminal_stage(&sj.stage))
                     .map(|sj| sj.stage),
             )
         };
@@ -228,14 +229,14 @@ impl Ops {
         };
         let adv = AdvanceStage {
             task_id: task.id,
-            expected_stage: "failed".into(),
+            expected_stage: control::FAILED.into(),
             new_stage: stage.clone(),
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new(
-                "task.retried",
+                events::TASK_RETRIED,
                 format!("retried at stage {stage} by an operator"),
             )
-            .data(serde_json::json!({"from": "failed", "to": stage}).to_string()),
+            .data(serde_json::json!({"from": control::FAILED, "to": stage}).to_string()),
             next_job,
         };
         // A retry into the release track takes it like any other entry: one release at a time.
@@ -263,11 +264,13 @@ impl Ops {
             .advance_stage(AdvanceStage {
                 task_id: task.id,
                 expected_stage: task.stage.clone(),
-                new_stage: "cancelled".into(),
+                new_stage: control::CANCELLED.into(),
                 fence: Fence::Seq(task.stage_seq),
-                event: NewEvent::new("task.cancelled", "cancelled by an operator").data(
-                    serde_json::json!({"from": task.stage, "to": "cancelled", "outcome": "cancelled"})
-                        .to_string(),
+                event: NewEvent::new(events::TASK_CANCELLED, "cancelled by an operator").data(
+                    serde_json::json!({
+                        "from": task.stage, "to": control::CANCELLED, "outcome": control::CANCELLED,
+                    })
+                    .to_string(),
                 ),
                 next_job: None,
             })

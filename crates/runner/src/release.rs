@@ -8,8 +8,9 @@
 //!    holds across processes and hosts, and it is released by the holder's stage leaving the
 //!    track (moving on, looping back, failing, being cancelled) — a dead process never holds
 //!    it. A task that finds the track held waits in its current stage: its job is requeued
-//!    with [`wait_marker`] and re-tries only the stage change (the artifact is already
-//!    committed), with a `release.waiting` event naming the holder.
+//!    with `[orch:release-wait seq=N]` (`orch_domain::control::markers::release_wait`) and
+//!    re-tries only the stage change (the artifact is already committed), with a
+//!    `release.waiting` event naming the holder.
 //! 2. **The default branch only receives what passed staging.** The merge gate builds and
 //!    verifies the candidate (the item's branch brought up to date with the default branch)
 //!    without moving the default branch; staging stages exactly that commit and records it
@@ -30,6 +31,7 @@
 use std::path::Path;
 
 use anyhow::{Context as _, Result, bail};
+use orch_domain::control::events;
 use orch_domain::pipeline::Pipeline;
 use orch_exec::RevertResult;
 use orch_store::{Event, Exclusive, Store};
@@ -38,48 +40,11 @@ use serde_json::json;
 use crate::engine::StageRun;
 use crate::repos::{self, RepoPaths};
 
-/// Event kinds of the release train.
-pub mod events {
-    /// A task could not enter the release track: `{repo, holder, holder_stage}`.
-    pub const WAITING: &str = "release.waiting";
-    /// Staging passed on this exact commit: `{repo, revision, seq}`.
-    pub const STAGED: &str = "release.staged";
-    /// About to move the default branch: `{repo, old, new, seq}` (written first, so a re-run
-    /// knows what the candidate was built on).
-    pub const PROMOTING: &str = "release.promoting";
-    /// The default branch now holds the staged commit: `{repo, old, new, seq}`.
-    pub const PROMOTED: &str = "release.promoted";
-    /// A production deploy ended: `{repo, revision, previous_revision, confirmed, items, seq}`.
-    pub const DEPLOYED: &str = "release.deployed";
-    /// Production was rolled back from this item's deploy: `{repo, revision, live}`.
-    pub const ROLLED_BACK: &str = "release.rolled_back";
-    /// The item's change was reverted on the default branch: `{repo, work_item, revert_commit,
-    /// reverted_from, reverted_to}`.
-    pub const REVERTED: &str = "release.reverted";
-    /// A release reached orch's clone but not the user's checkout (local changes there):
-    /// `{repo, target}`.
-    pub const UNPUBLISHED: &str = "release.unpublished";
-    /// The repo's releases are held by this item until an operator acts: `{repo, reason}`.
-    pub const HELD: &str = "release.held";
-    /// An operator released the hold: `{repo}`.
-    pub const UNHELD: &str = "release.unheld";
-}
-
 /// The artifact recording a revert.
 pub const REVERT_LOG: &str = "18-revert.md";
 
 /// How long a task waiting for the release track waits between tries.
 pub const WAIT_S: u64 = 3;
-
-/// The marker of a job that waits for the release track (its stage's work is done).
-pub fn wait_marker(seq: i64) -> String {
-    format!("[orch:release-wait seq={seq}]")
-}
-
-/// True when a job's content carries a release-track wait marker.
-pub fn is_wait(task_content: &str) -> bool {
-    task_content.contains("[orch:release-wait ")
-}
 
 /// The guard for entering the release track of `pipeline`.
 pub fn track(pipeline: &Pipeline) -> Exclusive {
@@ -125,7 +90,7 @@ async fn latest(run: &StageRun, kind: &str) -> Result<Option<Event>> {
 pub async fn record_staged(run: &StageRun, revision: &str) {
     record(
         run,
-        events::STAGED,
+        events::RELEASE_STAGED,
         format!("staging passed on `{revision}`"),
         json!({"repo": run.repo_name.as_str(), "revision": revision, "seq": run.task.stage_seq}),
     )
@@ -144,7 +109,7 @@ pub enum Promotion {
 /// Moves the default branch to the commit that passed staging (rule 2). Idempotent: a re-run
 /// after a crash finds the move done (or redoes the part that was not).
 pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
-    let Some(staged) = latest(run, events::STAGED).await? else {
+    let Some(staged) = latest(run, events::RELEASE_STAGED).await? else {
         bail!(
             "no staged revision is recorded for {}: the deploy ships only what passed staging",
             run.work_item
@@ -153,7 +118,7 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     let staged = field(&staged, "revision").context("the release.staged event has no revision")?;
     let branch = run.repo.default_branch.as_str();
     let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
-    let done = latest(run, events::PROMOTED)
+    let done = latest(run, events::RELEASE_PROMOTED)
         .await?
         .filter(|e| seq_of(e) == Some(seq) && field(e, "new").as_deref() == Some(&staged));
     if let Some(done) = done {
@@ -164,7 +129,7 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
         }
         return Ok(Promotion::Moved { main, staged });
     }
-    let intent = latest(run, events::PROMOTING)
+    let intent = latest(run, events::RELEASE_PROMOTING)
         .await?
         .filter(|e| seq_of(e) == Some(seq) && field(e, "new").as_deref() == Some(&staged));
     if let Some(intent) = &intent
@@ -186,7 +151,7 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     }
     record(
         run,
-        events::PROMOTING,
+        events::RELEASE_PROMOTING,
         format!("moving `{branch}` from `{main}` to the staged `{staged}`"),
         json!({"repo": run.repo_name.as_str(), "old": main, "new": staged, "seq": seq}),
     )
@@ -209,7 +174,7 @@ pub async fn note_unpublished(run: &StageRun, published: &repos::Published) {
     if let Some(warning) = published.warning() {
         record(
             run,
-            events::UNPUBLISHED,
+            events::RELEASE_UNPUBLISHED,
             warning.to_owned(),
             json!({"repo": run.repo_name.as_str(), "target": published.target}),
         )
@@ -221,7 +186,7 @@ async fn finish_promotion(run: &StageRun, seq: i64, old: &str, new: &str) {
     let branch = run.repo.default_branch.as_str();
     record(
         run,
-        events::PROMOTED,
+        events::RELEASE_PROMOTED,
         format!("`{branch}` now holds the staged `{new}` (was `{old}`)"),
         json!({"repo": run.repo_name.as_str(), "old": old, "new": new, "seq": seq}),
     )
@@ -230,7 +195,7 @@ async fn finish_promotion(run: &StageRun, seq: i64, old: &str, new: &str) {
 
 /// The revision promoted in this task's latest promotion: `(old, new)`.
 pub async fn promoted(run: &StageRun) -> Result<Option<(String, String)>> {
-    Ok(latest(run, events::PROMOTED)
+    Ok(latest(run, events::RELEASE_PROMOTED)
         .await?
         .and_then(|e| Some((field(&e, "old")?, field(&e, "new")?))))
 }
@@ -239,7 +204,7 @@ pub async fn promoted(run: &StageRun) -> Result<Option<(String, String)>> {
 /// confirmed deploy's revision, or the revision a later rollback went back to.
 pub async fn live_revision(store: &Store, repo: &str) -> Result<Option<String>> {
     let mut best: Option<(i64, Option<String>)> = None;
-    for kind in [events::DEPLOYED, events::ROLLED_BACK] {
+    for kind in [events::RELEASE_DEPLOYED, events::RELEASE_ROLLED_BACK] {
         let mut after = 0;
         loop {
             let page = store.events_by_kind(kind, after, 500).await?;
@@ -249,7 +214,7 @@ pub async fn live_revision(store: &Store, repo: &str) -> Result<Option<String>> 
                 if field(e, "repo").as_deref() != Some(repo) {
                     continue;
                 }
-                let live = if kind == events::DEPLOYED {
+                let live = if kind == events::RELEASE_DEPLOYED {
                     if value(e)
                         .get("confirmed")
                         .and_then(serde_json::Value::as_bool)
@@ -378,7 +343,7 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
         .collect();
     record(
         run,
-        events::DEPLOYED,
+        events::RELEASE_DEPLOYED,
         format!(
             "deploy of `{revision}` {}: ships {}",
             if confirmed {
@@ -408,7 +373,7 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
 /// previous live revision, work items), for `16-post-deploy-log.md`; empty when none is
 /// recorded. Never raises.
 pub async fn shipped_section(run: &StageRun) -> String {
-    let Ok(Some(e)) = latest(run, events::DEPLOYED).await else {
+    let Ok(Some(e)) = latest(run, events::RELEASE_DEPLOYED).await else {
         return String::new();
     };
     let v = value(&e);
@@ -443,7 +408,7 @@ pub async fn shipped_section(run: &StageRun) -> String {
 pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&str>) {
     record(
         run,
-        events::ROLLED_BACK,
+        events::RELEASE_ROLLED_BACK,
         format!(
             "production rolled back from `{revision}` to `{}`",
             live.unwrap_or("the previous release")
@@ -455,7 +420,7 @@ pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&st
 
 /// The revision that was live before this task's deploy (from its `release.deployed`).
 pub async fn previous_of_deploy(run: &StageRun) -> Option<String> {
-    let e = latest(run, events::DEPLOYED).await.ok()??;
+    let e = latest(run, events::RELEASE_DEPLOYED).await.ok()??;
     field(&e, "previous_revision")
 }
 
@@ -533,7 +498,7 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
                 write_revert_log(run, &old, &new, &sha, why)?;
                 record(
                     run,
-                    events::REVERTED,
+                    events::RELEASE_REVERTED,
                     format!(
                         "{} reverted on `{branch}` by `{sha}` ({})",
                         run.work_item,
@@ -626,7 +591,7 @@ fn write_revert_log(run: &StageRun, old: &str, new: &str, commit: &str, why: &st
 pub async fn hold(run: &StageRun, reason: &str) {
     record(
         run,
-        events::HELD,
+        events::RELEASE_HELD,
         format!(
             "repo {} is held: {reason}; later releases wait until an operator runs `orch approve {}` (go on) or `orch cancel {}`",
             run.repo_name, run.work_item, run.work_item
@@ -642,8 +607,8 @@ pub fn open_hold(events: &[Event]) -> Option<String> {
     let mut hold = None;
     for e in events {
         match e.kind.as_str() {
-            events::HELD => hold = Some(field(e, "reason").unwrap_or_default()),
-            events::UNHELD => hold = None,
+            events::RELEASE_HELD => hold = Some(field(e, "reason").unwrap_or_default()),
+            events::RELEASE_UNHELD => hold = None,
             _ => {}
         }
     }
@@ -652,9 +617,9 @@ pub fn open_hold(events: &[Event]) -> Option<String> {
 
 /// The final outcome of a task that reaches `done`: `reverted`, `rolled_back` or `shipped`.
 pub fn done_outcome(events: &[Event]) -> &'static str {
-    if events.iter().any(|e| e.kind == events::REVERTED) {
+    if events.iter().any(|e| e.kind == events::RELEASE_REVERTED) {
         "reverted"
-    } else if events.iter().any(|e| e.kind == events::ROLLED_BACK) {
+    } else if events.iter().any(|e| e.kind == events::RELEASE_ROLLED_BACK) {
         "rolled_back"
     } else {
         "shipped"
@@ -720,20 +685,28 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
             entry.2 = open_hold(&events);
         }
     }
-    let mut after = 0;
+    // The waiters: tasks off the track (a refused entry leaves a task at the stage it
+    // finished) whose current visit was refused. Read per task in flight, so the cost follows
+    // what is in flight, not every wait the database ever recorded.
+    let track = pipeline.release_track();
     let mut waiting: BTreeMap<i64, (String, String)> = BTreeMap::new();
-    loop {
-        let page = store.events_by_kind(events::WAITING, after, 500).await?;
-        let Some(last) = page.last() else { break };
-        after = last.id;
-        for e in page {
-            let (Some(task_id), Some(seq)) = (e.task_id, seq_of(&e)) else {
-                continue;
-            };
-            let Some(t) = store.get_task(task_id).await? else {
-                continue;
-            };
-            if t.stage_seq == seq && !t.is_terminal() {
+    for stage in pipeline.stages.iter().filter(|s| !track.contains(&s.name)) {
+        let tasks = store
+            .list_tasks(&orch_store::TaskFilter {
+                stage: Some(stage.name.as_str().to_owned()),
+                repo: None,
+                limit: 1000,
+                offset: 0,
+            })
+            .await?;
+        for t in tasks {
+            let refused = store
+                .task_events(t.id)
+                .await?
+                .iter()
+                .rev()
+                .any(|e| e.kind == events::RELEASE_WAITING && seq_of(e) == Some(t.stage_seq));
+            if refused {
                 waiting.insert(t.id, (t.repo.clone(), t.work_item_id.clone()));
             }
         }

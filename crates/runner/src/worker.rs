@@ -732,14 +732,11 @@ fn failed_attempt_event(task_id: i64, lease: Lease, outcome: &JobOutcome) -> New
         ),
         JobOutcome::Done => (format!("attempt {} done", lease.attempt), false),
     };
-    NewEvent::new(ATTEMPT_FAILED_KIND, message)
+    NewEvent::new(orch_domain::control::events::JOB_ATTEMPT_FAILED, message)
         .task(task_id)
         .job(lease.job_id)
         .data(serde_json::json!({"attempt": lease.attempt, "final": last}).to_string())
 }
-
-/// The event kind of an attempt whose handler failed.
-pub const ATTEMPT_FAILED_KIND: &str = "job.attempt_failed";
 
 fn panic_text(p: &Box<dyn std::any::Any + Send>) -> String {
     if let Some(s) = p.downcast_ref::<&str>() {

@@ -17,10 +17,11 @@ use axum::http::StatusCode;
 use axum::routing::get;
 use orch_deploystate::{ArmedRead, DeployResult, DeployState, MARKER_INITIATED, WatchState};
 use orch_domain::config::RepoConfig;
+use orch_domain::control::{events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
 use orch_exec::Git;
 use orch_runner::counters::Counters;
-use orch_runner::deploy::{DeployerExecutor, events, finalize_marker_prefix};
+use orch_runner::deploy::DeployerExecutor;
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
 use orch_store::{JobCount, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
@@ -441,7 +442,7 @@ async fn check(
     for (i, (delay, marker)) in requeues.iter().enumerate() {
         assert_eq!(*delay, exec.finalize_delay_s);
         assert!(
-            marker.starts_with(&finalize_marker_prefix(fx.task.stage_seq)),
+            marker.starts_with(&markers::deploy_finalize_prefix(fx.task.stage_seq)),
             "{marker}"
         );
         assert!(marker.ends_with(&format!("n={}", i + 1)), "{marker}");
@@ -452,7 +453,7 @@ async fn check(
         .count_jobs(&JobCount {
             task_id: fx.task.id,
             agent: "deployer".into(),
-            content_contains: Some(finalize_marker_prefix(fx.task.stage_seq)),
+            content_contains: Some(markers::deploy_finalize_prefix(fx.task.stage_seq)),
         })
         .await
         .unwrap();
@@ -941,6 +942,103 @@ async fn a_deploy_interrupted_after_an_unhealthy_revision_went_live_is_not_run_a
             .any(|k| k == events::DEPLOY_REDEPLOYED),
         "no redeploy event"
     );
+}
+
+/// An interrupted deploy whose finalizer already began rolling it back (so its revision is not
+/// live on purpose) is never deployed again: the next job finishes the finalizer's work.
+#[tokio::test]
+async fn a_deploy_being_rolled_back_is_not_deployed_again() {
+    for judged in [events::DEPLOY_DEFERRED, events::DEPLOY_ROLLBACK_STARTED] {
+        let fx = Fx::new().await;
+        assert!(
+            fx.deploy_state()
+                .write_marker(MARKER_INITIATED, &fx.revision)
+        );
+        // The rollback (or whatever else) made another revision live.
+        std::fs::write(fx.ctl.join("live_rev"), "0ld0ld0ld0ld\n").unwrap();
+        fx.db
+            .store
+            .append_event(
+                NewEvent::new(judged, "judged before the crash")
+                    .task(fx.task.id)
+                    .data(serde_json::json!({ "seq": fx.task.stage_seq }).to_string()),
+            )
+            .await
+            .unwrap();
+        let run = fx.run(fx.first_content()).await;
+        let effect = DeployerExecutor::default().execute(&run).await.unwrap();
+        assert_eq!(fx.runs(), 0, "{judged}: not deployed again: {effect:?}");
+        assert!(
+            !fx.event_kinds()
+                .await
+                .iter()
+                .any(|k| k == events::DEPLOY_REDEPLOYED),
+            "{judged}"
+        );
+    }
+}
+
+/// orch died between recording an unconfirmed deploy's `deploy.rollback_started` and the end
+/// of its rollback command: production still runs the bad revision, so the next job runs the
+/// rollback once more (`deploy.rollback_rerun`) and verifies it — unless production is already
+/// back, when it only verifies. Never a third run.
+#[tokio::test]
+async fn an_unconfirmed_deploys_interrupted_rollback_runs_once_more() {
+    for already_back in [false, true] {
+        let mut fx = Fx::new().await;
+        let c = fx.ctl.display().to_string();
+        std::fs::write(fx.ctl.join("health"), "503").unwrap();
+        fx.repo.rollback = Some(GOOD_ROLLBACK.replace("$C", &c));
+        let exec = DeployerExecutor {
+            finalize_limit: 1,
+            verify_polls: 2,
+            verify_interval: Duration::from_millis(20),
+            ..DeployerExecutor::default()
+        };
+        let first = fx.run(fx.first_content()).await;
+        let marker = match exec.execute(&first).await.unwrap() {
+            StageEffect::Requeue { marker, .. } => marker,
+            other => panic!("{other:?}"),
+        };
+        // The crash: the rollback was recorded as started, its command never ran.
+        fx.db
+            .store
+            .append_event(
+                NewEvent::new(events::DEPLOY_ROLLBACK_STARTED, "rolling back")
+                    .task(fx.task.id)
+                    .data(serde_json::json!({ "seq": fx.task.stage_seq }).to_string()),
+            )
+            .await
+            .unwrap();
+        if already_back {
+            std::fs::write(fx.ctl.join("live_rev"), "0ld0ld0ld0ld").unwrap();
+            std::fs::remove_file(fx.ctl.join("health")).unwrap();
+        }
+        let content = StageJob::from_content(&fx.first_content())
+            .unwrap()
+            .with_marker(&marker);
+        let second = fx.run(content.clone()).await;
+        let outcome = match exec.execute(&second).await.unwrap() {
+            StageEffect::Produced { outcome: Some(o) } => o,
+            other => panic!("{other:?}"),
+        };
+        assert!(!passed(&outcome), "{outcome:?}");
+        let rollbacks = read(&fx.ctl.join("rollbacks")).lines().count();
+        let kinds = fx.event_kinds().await;
+        let reruns = kinds
+            .iter()
+            .filter(|k| *k == events::DEPLOY_ROLLBACK_RERUN)
+            .count();
+        if already_back {
+            assert_eq!((rollbacks, reruns), (0, 0), "only verified: {kinds:?}");
+        } else {
+            assert_eq!((rollbacks, reruns), (1, 1), "run once more: {kinds:?}");
+        }
+        assert!(
+            kinds.iter().any(|k| k == events::DEPLOY_ROLLED_BACK),
+            "verified: {kinds:?}"
+        );
+    }
 }
 
 // ----- a visit taken over from a node that is gone (design.md §10) ------------------------------

@@ -17,9 +17,10 @@ use axum::routing::get;
 use orch_deploystate::{ArmOutcome, ArmedRecord, WatchState};
 use orch_domain::artifact::{Artifact, Frontmatter, Value};
 use orch_domain::config::RepoConfig;
+use orch_domain::control::events;
 use orch_exec::{Git, Pathspec};
 use orch_runner::deploy::lessons::{ENTRY_MARKER, LESSONS_ARTIFACT};
-use orch_runner::deploy::{DeployerExecutor, LessonsExecutor, MonitorExecutor, events};
+use orch_runner::deploy::{DeployerExecutor, LessonsExecutor, MonitorExecutor};
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
 use orch_store::{

@@ -17,14 +17,12 @@ use axum::routing::get;
 use orch_deploystate::{ArmOutcome, ArmedRecord, WatchState};
 use orch_domain::artifact::{Artifact, Frontmatter};
 use orch_domain::config::{PostDeployConfig, RepoConfig};
+use orch_domain::control::{events, markers};
 use orch_domain::monitor::{CheckOutcome, WatchParams};
 use orch_runner::counters::Counters;
 use orch_runner::deploy::monitor::supersede_others;
 use orch_runner::deploy::probe::{check_health, check_revision, live_revision};
-use orch_runner::deploy::{
-    MonitorExecutor, RecoveryAction, active_watches, events, recover_watches, tick_marker_prefix,
-    wait_marker_prefix,
-};
+use orch_runner::deploy::{MonitorExecutor, RecoveryAction, active_watches, recover_watches};
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_store::testing::TestDb;
 use orch_store::{AdvanceStage, Fence, JobCount, NewEvent, NewJob, NewTask, Task, WorkItemSpec};
@@ -459,7 +457,7 @@ async fn check(s: Scenario) {
     assert!(
         requeues[0]
             .1
-            .starts_with(&wait_marker_prefix(fx.task.stage_seq)),
+            .starts_with(&markers::monitor_wait_prefix(fx.task.stage_seq)),
         "{name}: {requeues:?}"
     );
     assert_eq!(
@@ -469,7 +467,8 @@ async fn check(s: Scenario) {
     assert!(
         requeues[1..]
             .iter()
-            .all(|(d, m)| *d == 30 && m.starts_with(&tick_marker_prefix(fx.task.stage_seq))),
+            .all(|(d, m)| *d == 30
+                && m.starts_with(&markers::monitor_tick_prefix(fx.task.stage_seq))),
         "{name}: {requeues:?}"
     );
     assert_eq!(
@@ -483,7 +482,8 @@ async fn check(s: Scenario) {
         "{name}"
     );
     assert_eq!(
-        fx.count(&tick_marker_prefix(fx.task.stage_seq)).await,
+        fx.count(&markers::monitor_tick_prefix(fx.task.stage_seq))
+            .await,
         i64::try_from(s.polls).unwrap() - 1,
         "{name}: ticks counted in the queue"
     );
@@ -851,7 +851,7 @@ async fn the_first_poll_waits_for_its_slot_without_consuming_a_tick() {
         }
         other => panic!("{other:?}"),
     };
-    assert_eq!(marker, format!("{} n=1", wait_marker_prefix(seq)));
+    assert_eq!(marker, format!("{} n=1", markers::monitor_wait_prefix(seq)));
     assert!(fx.ticks().is_empty());
     // The wait job runs at the slot: tick 0, and no tick job was counted for it.
     fx.db.clock.advance_ms(20_000);
@@ -867,12 +867,15 @@ async fn the_first_poll_waits_for_its_slot_without_consuming_a_tick() {
             delay_s, marker, ..
         } => {
             assert_eq!(delay_s, 30);
-            assert_eq!(marker, format!("{} tick=1", tick_marker_prefix(seq)));
+            assert_eq!(
+                marker,
+                format!("{} tick=1", markers::monitor_tick_prefix(seq))
+            );
         }
         other => panic!("{other:?}"),
     }
     assert_eq!(fx.ticks(), vec![0]);
-    assert_eq!(fx.count(&tick_marker_prefix(seq)).await, 0);
+    assert_eq!(fx.count(&markers::monitor_tick_prefix(seq)).await, 0);
 }
 
 #[tokio::test]
@@ -936,7 +939,7 @@ async fn ticks_are_recovered_from_the_queue_neither_lost_nor_repeated() {
         "slots 2-4 skipped (missed), slot 5 = now"
     );
     assert_eq!(delay_s, 25, "next at slot 6 (210 s)");
-    assert_eq!(m3, format!("{} tick=6", tick_marker_prefix(seq)));
+    assert_eq!(m3, format!("{} tick=6", markers::monitor_tick_prefix(seq)));
 
     // Finish: slots 6..9 then the deadline.
     let mut marker = m3;
@@ -1084,7 +1087,8 @@ async fn the_recovery_sweep_reenqueues_a_stranded_watch_once_pinned_to_this_node
         Some(format!("monitor-recover:{}:{seq}:1", fx.task.id).as_str())
     );
     assert!(
-        job.task_content.contains(&tick_marker_prefix(seq)),
+        job.task_content
+            .contains(&markers::monitor_tick_prefix(seq)),
         "{}",
         job.task_content
     );
@@ -1249,4 +1253,73 @@ async fn a_rollback_interrupted_before_it_ended_runs_once_more() {
         1
     );
     assert_eq!(fx.log().unwrap().get_str("action_taken"), Some("rollback"));
+}
+
+/// Ends the watch as a failed task does, then has an operator retry it into `observe`.
+async fn fail_then_retry(fx: &Fx) {
+    fx.arm();
+    assert!(
+        fx.watch()
+            .mark_done("the task failed: the worker died 10 times")
+    );
+    fx.db
+        .store
+        .append_event(
+            NewEvent::new(
+                events::TASK_RETRIED,
+                "retried at stage observe by an operator",
+            )
+            .task(fx.task.id)
+            .data(serde_json::json!({"from": "failed", "to": "observe"}).to_string()),
+        )
+        .await
+        .unwrap();
+}
+
+/// A task that failed in `observe`, retried while its revision is still live, is watched again
+/// from the start: a fresh watch, polls, a verdict, the log.
+#[tokio::test]
+async fn a_retried_watch_watches_the_live_revision_again() {
+    let fx = Fx::new().await;
+    fail_then_retry(&fx).await;
+    fx.drive(&exec(), no_change).await;
+    assert_eq!(fx.events_of(events::POST_DEPLOY_REARMED).await.len(), 1);
+    assert!(!fx.ticks().is_empty(), "polled again");
+    let verdicts = fx.events_of(events::POST_DEPLOY_VERDICT).await;
+    assert_eq!(verdicts.len(), 1);
+    assert!(verdicts[0].message.contains("HEALTHY"), "{verdicts:?}");
+    let log = fx.log().expect("the log is written");
+    assert_eq!(log.get_str("post_deploy_status"), Some("HEALTHY"));
+    // A later job of the same visit (a duplicate, a crash after the verdict) does nothing more.
+    let run = fx.run(fx.first_content()).await;
+    assert!(matches!(
+        exec().execute(&run).await.unwrap(),
+        StageEffect::Produced { outcome: None }
+    ));
+    assert_eq!(fx.events_of(events::POST_DEPLOY_REARMED).await.len(), 1);
+}
+
+/// Retried after another revision went live (a later deploy): nothing of this item can be
+/// watched; the visit ends DEGRADED saying what is live, without polling or rolling back.
+#[tokio::test]
+async fn a_retried_watch_whose_revision_is_gone_ends_degraded() {
+    let mut fx = Fx::new().await;
+    fx.repo.rollback = Some(NO_FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fail_then_retry(&fx).await;
+    std::fs::write(fx.ctl.join("live_rev"), "feedfacefeed").unwrap();
+    std::fs::write(fx.ctl.join("health"), "500").unwrap();
+    fx.drive(&exec(), no_change).await;
+    assert!(fx.events_of(events::POST_DEPLOY_REARMED).await.is_empty());
+    assert!(fx.ticks().is_empty(), "nothing polled");
+    let verdicts = fx.events_of(events::POST_DEPLOY_VERDICT).await;
+    assert_eq!(verdicts.len(), 1);
+    assert!(
+        verdicts[0].message.contains("DEGRADED") && verdicts[0].message.contains("feedfacefeed"),
+        "{verdicts:?}"
+    );
+    assert_eq!(
+        fx.log().expect("the log").get_str("post_deploy_status"),
+        Some("DEGRADED")
+    );
+    assert!(!fx.ctl.join("rolled_back").exists(), "no rollback");
 }

@@ -2,8 +2,9 @@
 //! store: the holder is the task at a track stage (with its hold, if any); the waiters are the
 //! tasks whose latest `release.waiting` belongs to their current stage visit.
 
+use orch_domain::control::events;
 use orch_domain::pipeline::Pipeline;
-use orch_runner::release::{self, events};
+use orch_runner::release;
 use orch_store::testing::TestDb;
 use orch_store::{AdvanceStage, Fence, NewEvent, NewTask, Store, Task, WorkItemSpec};
 
@@ -47,7 +48,7 @@ async fn holders_holds_and_waiters_per_repo() {
     event(
         s,
         &waiter,
-        events::WAITING,
+        events::RELEASE_WAITING,
         serde_json::json!({"seq": waiter.stage_seq}),
     )
     .await;
@@ -55,7 +56,7 @@ async fn holders_holds_and_waiters_per_repo() {
     event(
         s,
         &moved_on,
-        events::WAITING,
+        events::RELEASE_WAITING,
         serde_json::json!({"seq": moved_on.stage_seq}),
     )
     .await;
@@ -72,7 +73,7 @@ async fn holders_holds_and_waiters_per_repo() {
     event(
         s,
         &holder,
-        events::HELD,
+        events::RELEASE_HELD,
         serde_json::json!({"repo": "svc", "reason": "a conflicting revert"}),
     )
     .await;
@@ -99,7 +100,7 @@ async fn holders_holds_and_waiters_per_repo() {
     event(
         s,
         &holder,
-        events::UNHELD,
+        events::RELEASE_UNHELD,
         serde_json::json!({"repo": "svc"}),
     )
     .await;

@@ -14,13 +14,14 @@ use std::sync::Arc;
 
 use orch_domain::artifact::{Artifact, Frontmatter, Value};
 use orch_domain::config::{MergeStrategy, RepoConfig};
+use orch_domain::control::markers;
 use orch_domain::gate::{MergeStatus, parse_merge_status};
 use orch_domain::staging::rfc3339_utc;
 use orch_exec::{Cmd, Git, Pathspec};
 use orch_runner::counters::Counters;
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_runner::stages::MergeGateExecutor;
-use orch_runner::stages::merge_gate::{INFRA_RETRY_LIMIT, infra_retry_marker};
+use orch_runner::stages::merge_gate::INFRA_RETRY_LIMIT;
 use orch_store::testing::T0;
 use orch_store::{NewEvent, NewJob, NewTask, WorkItemSpec};
 
@@ -611,7 +612,7 @@ async fn earlier_retries(f: &Fixture, n: u32, seq: i64) {
             stage: "merge".into(),
             seq,
         }
-        .with_marker(&infra_retry_marker(seq));
+        .with_marker(&markers::merge_infra_retry(seq));
         f.run
             .store
             .enqueue(
@@ -657,7 +658,7 @@ async fn a_failed_fetch_is_retried_a_bounded_number_of_times_counted_from_the_qu
                         reason,
                     } => {
                         assert_eq!(delay_s, want, "earlier {earlier}");
-                        assert_eq!(marker, infra_retry_marker(seq));
+                        assert_eq!(marker, markers::merge_infra_retry(seq));
                         assert!(reason.contains("reading `main`"), "{reason}");
                         assert!(reason.contains("cannot fetch `origin`"), "{reason}");
                         assert!(
@@ -721,7 +722,7 @@ async fn a_default_branch_that_does_not_exist_is_an_infrastructure_error() {
             reason,
         } => {
             assert_eq!(delay_s, 30);
-            assert_eq!(marker, infra_retry_marker(f.run.task.stage_seq));
+            assert_eq!(marker, markers::merge_infra_retry(f.run.task.stage_seq));
             assert!(reason.contains("reading `trunk`"), "{reason}");
             assert!(reason.contains("has no commit"), "{reason}");
         }

@@ -10,8 +10,9 @@ use std::sync::Arc;
 
 use orch_domain::artifact::{Artifact, Value};
 use orch_domain::config::{RepoConfig, StepConfig};
+use orch_domain::control::markers;
 use orch_domain::gate::{StagingStatus, parse_staging_status};
-use orch_domain::staging::{defer_marker, rfc3339_utc};
+use orch_domain::staging::rfc3339_utc;
 use orch_runner::counters::Counters;
 use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 use orch_runner::stages::StagingExecutor;
@@ -55,7 +56,7 @@ async fn earlier_defers(run: &StageRun, n: u32, seq: i64) {
             stage: "staging".into(),
             seq,
         }
-        .with_marker(&defer_marker(seq));
+        .with_marker(&markers::staging_defer(seq));
         run.store
             .enqueue(
                 NewJob::new("deployer", content)
@@ -133,7 +134,7 @@ async fn check(
                     reason: r,
                 } => {
                     assert_eq!(d, delay_s, "{case}");
-                    assert_eq!(marker, defer_marker(f.run.task.stage_seq));
+                    assert_eq!(marker, markers::staging_defer(f.run.task.stage_seq));
                     assert_eq!(marker, "[orch:staging-tool-error-defer seq=0]");
                     assert!(r.contains(reason), "{case}: {r}");
                 }
@@ -251,7 +252,7 @@ async fn a_missing_tool_is_deferred_with_the_marker() {
         .count_jobs(&JobCount {
             task_id: f.run.task.id,
             agent: "deployer".into(),
-            content_contains: Some(defer_marker(f.run.task.stage_seq)),
+            content_contains: Some(markers::staging_defer(f.run.task.stage_seq)),
         })
         .await
         .unwrap();

@@ -1,6 +1,7 @@
 //! Small pieces both drivers share: error texts, the retry-at-limit rule, row decoding of
 //! aggregate rows, and input checks.
 
+use orch_domain::control::{self, events};
 use sqlx::Row;
 
 use crate::error::{Result, StoreError};
@@ -10,23 +11,19 @@ use crate::model::*;
 /// change it says `from`/`to` (and the outcome contract's `outcome`/`stage`/`reason`).
 pub(crate) fn stranded_event(task: &Task, job_id: i64, error: &str) -> NewEvent {
     NewEvent::new(
-        "task.failed",
+        events::TASK_FAILED,
         format!("job {job_id} failed for good and the task had no other live job: {error}"),
     )
     .task(task.id)
     .job(job_id)
     .data(
         serde_json::json!({
-            "from": task.stage, "to": "failed", "outcome": "failed",
+            "from": task.stage, "to": control::FAILED, "outcome": control::FAILED,
             "stage": task.stage, "reason": error,
         })
         .to_string(),
     )
 }
-
-/// The event kind that records an attempt lost to a dead worker (a crash rescue). Its count
-/// per job is the restart-safe crash counter (no column).
-pub const RESCUED_KIND: &str = "job.rescued";
 
 /// What a rescue does with one expired lease.
 pub(crate) struct RescuePlan {
@@ -72,13 +69,15 @@ pub(crate) fn rescue_plan(
             ),
         )
     };
-    let mut event = NewEvent::new(RESCUED_KIND, message).job(job_id).data(
-        serde_json::json!({
-            "attempt": attempt, "worker": worker, "crashes": crashes,
-            "crash_limit": rescue.max_crashes, "gave_up": give_up,
-        })
-        .to_string(),
-    );
+    let mut event = NewEvent::new(events::JOB_RESCUED, message)
+        .job(job_id)
+        .data(
+            serde_json::json!({
+                "attempt": attempt, "worker": worker, "crashes": crashes,
+                "crash_limit": rescue.max_crashes, "gave_up": give_up,
+            })
+            .to_string(),
+        );
     event.task_id = task_id;
     RescuePlan {
         give_up,

@@ -15,12 +15,13 @@
 
 use std::sync::Arc;
 
+use orch_domain::control::{self, events};
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, FromRow, IntoArguments, Row, Type};
 
 use crate::common::*;
 use crate::driver::{Driver, Statements};
 use crate::error::{Result, StoreError};
-use crate::migrate::{self, MIGRATED_KIND, MigrateReport};
+use crate::migrate::{self, MigrateReport};
 use crate::model::*;
 use crate::{Clock, sql, stage_job_key};
 
@@ -88,7 +89,7 @@ where
             sqlx::query(sql::INSERT_EVENT)
                 .bind(None::<i64>)
                 .bind(None::<i64>)
-                .bind(MIGRATED_KIND)
+                .bind(events::SCHEMA_MIGRATED)
                 .bind(None::<String>)
                 .bind(format!("applied schema migration {}", m.name))
                 .bind(migrate::event_data(m))
@@ -113,7 +114,7 @@ where
             return Ok(0);
         }
         let rows: Vec<String> = sqlx::query_scalar(sql::EVENT_DATA_OF_KIND)
-            .bind(MIGRATED_KIND)
+            .bind(events::SCHEMA_MIGRATED)
             .fetch_all(&mut *conn)
             .await?;
         Ok(rows
@@ -757,7 +758,7 @@ where
             return Ok(false);
         }
         let event = stranded_event(&current, job_id, error);
-        Self::write_stage(conn, &current, "failed", event, now).await?;
+        Self::write_stage(conn, &current, control::FAILED, event, now).await?;
         Ok(true)
     }
 

@@ -35,7 +35,6 @@ pub mod testing;
 use std::sync::Arc;
 
 pub use clock::{Clock, ManualClock, SystemClock};
-pub use common::RESCUED_KIND;
 pub use error::{Result, StoreError, redact_url};
 pub use migrate::{MigrateReport, SCHEMA_VERSION};
 pub use model::*;

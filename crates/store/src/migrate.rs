@@ -27,9 +27,6 @@ pub const POSTGRES: &[Migration] = &[Migration {
 /// The schema version this binary was built for.
 pub const SCHEMA_VERSION: i64 = 1;
 
-/// The event kind that records an applied migration.
-pub const MIGRATED_KIND: &str = "schema.migrated";
-
 /// What `migrate` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MigrateReport {

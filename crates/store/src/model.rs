@@ -9,7 +9,7 @@ pub type Millis = i64;
 /// The stages that end a task (`orch_domain::control`). The store knows them only to keep
 /// finished tasks' jobs collectable and to refuse work on a finished task; its SQL spells
 /// them in `sql::FAIL_TASK` and `sql::CLEANUP_FINISHED`.
-pub use orch_domain::control::{TERMINAL_STAGES, is_terminal_stage};
+use orch_domain::control::is_terminal_stage;
 
 /// The lifecycle of a job row.
 ///

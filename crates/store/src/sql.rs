@@ -109,7 +109,8 @@ pub const LIVE_JOBS_OF_TASK: &str =
     "SELECT count(*) FROM jobs WHERE task_id = $1 AND state IN ('queued', 'running')";
 
 /// `$1 job_id` → how many times the job was rescued after its worker died (its
-/// `job.rescued` events): the restart-safe crash counter.
+/// `orch_domain::control::events::JOB_RESCUED` events, spelled in the statement so that it
+/// stays one prepared text; a unit test holds the two equal): the restart-safe crash counter.
 pub const CRASHES_OF_JOB: &str =
     "SELECT count(*) FROM events WHERE kind = 'job.rescued' AND job_id = $1";
 
@@ -219,4 +220,13 @@ pub fn select_jobs(where_clause: &str) -> String {
 
 pub fn select_tasks(where_clause: &str) -> String {
     format!("SELECT {TASK_COLUMNS} FROM tasks {where_clause}")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_crash_count_reads_the_rescue_event_kind() {
+        let kind = orch_domain::control::events::JOB_RESCUED;
+        assert!(super::CRASHES_OF_JOB.contains(&format!("kind = '{kind}'")));
+    }
 }

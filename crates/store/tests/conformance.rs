@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use orch_domain::control::events;
 use orch_store::testing::{T0, TestDb};
 use orch_store::*;
 
@@ -171,7 +172,7 @@ async fn expired_lease_is_rescued_exactly_once(db: TestDb) {
             .unwrap_or_default()
             .contains("stopped heartbeating (crash)")
     );
-    let lost = s.events_by_kind(RESCUED_KIND, 0, 10).await.unwrap();
+    let lost = s.events_by_kind(events::JOB_RESCUED, 0, 10).await.unwrap();
     assert_eq!(lost.len(), 1, "one lost attempt recorded once");
     assert_eq!(
         job.available_at,
@@ -522,7 +523,10 @@ async fn crash_rescues_do_not_spend_attempts(db: TestDb) {
         "the second handler failure is the last"
     );
     let events = s.task_events(task.id).await.unwrap();
-    let lost: Vec<&Event> = events.iter().filter(|e| e.kind == RESCUED_KIND).collect();
+    let lost: Vec<&Event> = events
+        .iter()
+        .filter(|e| e.kind == events::JOB_RESCUED)
+        .collect();
     assert_eq!(lost.len(), 5);
     assert!(
         lost[0].message.starts_with(

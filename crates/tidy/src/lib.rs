@@ -31,6 +31,11 @@
 //!   contracts).
 //! - **`machine-path`**: no file carries an absolute path of a machine (under the work, home or
 //!   root directories, `MACHINE_ROOTS`); examples use `/tmp`, `~` or relative paths.
+//! - **`control-words`**: the strings orch stores and reads back to decide (event kinds, job
+//!   markers) are spelled once, in `crates/domain/src/control.rs` (`CONTROL`). Elsewhere, no
+//!   shipped code line (comments aside) holds a string literal equal to a known event kind (the
+//!   `pub const NAME: &str = "group.name";` lines of that file, read from the tree) or one that
+//!   starts a marker (`"[orch:`). Tests may spell them: they check the stored contract.
 //!
 //! An exception that no longer matches anything is itself a failure, so the list only shrinks.
 
@@ -70,12 +75,6 @@ pub const EXCEPTIONS: &[Exception] = &[
         path: "crates/bench/src/",
         reason: "the benchmarks start the orch binary under measurement and pgbench as real \
                  processes; they are not shipped",
-    },
-    Exception {
-        rule: "wire-json",
-        path: "crates/orch/src/cmd/",
-        reason: "debt: `orch --json` output is still shaped in the commands (tasks, queue, init); \
-                 the CLI work (issue 13) builds it from orch_api's DTOs; delete this entry then",
     },
     Exception {
         rule: "wire-json",
@@ -159,8 +158,35 @@ const MACHINE_ROOTS: &[&str] = &[
     concat!("/Use", "rs/"),
 ];
 
-/// The violations of one file's text (`path` is its repository path, `/`-separated).
+/// The file that spells every control word (see the `control-words` rule).
+pub const CONTROL: &str = "crates/domain/src/control.rs";
+const MARKER_LITERAL: &str = concat!("\"[or", "ch:");
+
+/// The event kinds [`CONTROL`] defines: the values of its `pub const NAME: &str = "a.b";`
+/// lines (a dotted lower-case word; the terminal stages have no dot).
+pub fn event_kinds(control: &str) -> Vec<String> {
+    control
+        .lines()
+        .filter_map(|line| {
+            let rest = line.trim().strip_prefix("pub const ")?;
+            let (_, value) = rest.split_once(": &str = \"")?;
+            let kind = value.strip_suffix("\";")?;
+            let (group, name) = kind.split_once('.')?;
+            let word =
+                |w: &str| !w.is_empty() && w.chars().all(|c| c.is_ascii_lowercase() || c == '_');
+            (word(group) && word(name)).then(|| kind.to_owned())
+        })
+        .collect()
+}
+
+/// The violations of one file's text (`path` is its repository path, `/`-separated), with no
+/// event kinds known (see [`check_file_with`]).
 pub fn check_file(path: &str, text: &str) -> Vec<Violation> {
+    check_file_with(path, text, &[])
+}
+
+/// [`check_file`], with the event kinds of [`CONTROL`] for the `control-words` rule.
+pub fn check_file_with(path: &str, text: &str, kinds: &[String]) -> Vec<Violation> {
     let mut out = Vec::new();
     let mut push = |rule: &'static str, line: usize, text: &str| {
         out.push(Violation {
@@ -220,6 +246,14 @@ pub fn check_file(path: &str, text: &str) -> Vec<Violation> {
         let shapes_json = line.contains(concat!("json", "!(")) || names_serialize(line);
         if shipped && !in_crate("api") && (names_axum || (in_crate("orch") && shapes_json)) {
             push("wire-json", n, line);
+        }
+        if shipped
+            && path != CONTROL
+            && !line.trim_start().starts_with("//")
+            && (line.contains(MARKER_LITERAL)
+                || kinds.iter().any(|k| line.contains(&format!("\"{k}\""))))
+        {
+            push("control-words", n, line);
         }
     }
     out
@@ -292,6 +326,15 @@ pub fn check_tree_with(root: &Path, exceptions: &[Exception]) -> std::io::Result
         ..Report::default()
     };
     let mut used = vec![false; exceptions.len()];
+    let kinds = event_kinds(&std::fs::read_to_string(root.join(CONTROL)).unwrap_or_default());
+    if kinds.is_empty() {
+        report.violations.push(Violation {
+            rule: "control-words",
+            path: CONTROL.to_owned(),
+            line: 0,
+            text: "no event kinds found: the file moved or their constants changed shape".into(),
+        });
+    }
     for (rel, abs) in files {
         let Ok(bytes) = std::fs::read(&abs) else {
             continue;
@@ -299,7 +342,7 @@ pub fn check_tree_with(root: &Path, exceptions: &[Exception]) -> std::io::Result
         let Ok(text) = String::from_utf8(bytes) else {
             continue; // not text
         };
-        for v in check_file(&rel, &text) {
+        for v in check_file_with(&rel, &text, &kinds) {
             match exceptions
                 .iter()
                 .position(|e| (e.rule == v.rule || e.rule == "*") && v.path.starts_with(e.path))
@@ -470,6 +513,41 @@ mod tests {
     }
 
     #[test]
+    fn control_words_outside_their_module_are_caught_in_shipped_code() {
+        let control = planted(&[
+            "pub mod events {\n    pub const TASK_DONE: &str = \"task",
+            ".done\";\n    pub const RELEASE_WAITING: &str = \"release",
+            ".waiting\";\n}\npub const DONE: &str = \"done\";\n",
+        ]);
+        let kinds = event_kinds(&control);
+        assert_eq!(kinds, ["task.done", "release.waiting"]);
+        let rules = |path: &str, text: &str| -> Vec<&'static str> {
+            check_file_with(path, text, &kinds)
+                .into_iter()
+                .map(|v| v.rule)
+                .collect()
+        };
+        let kind = planted(&["if e.kind == \"release", ".waiting\" {}"]);
+        assert_eq!(rules("crates/api/src/story.rs", &kind), ["control-words"]);
+        let marker = planted(&["let m = format!(\"[or", "ch:release-hold seq={seq}]\");"]);
+        assert_eq!(rules("crates/runner/src/x.rs", &marker), ["control-words"]);
+        assert!(rules(CONTROL, &kind).is_empty(), "the one place");
+        assert!(rules("crates/runner/tests/x.rs", &kind).is_empty(), "tests");
+        let in_unit_tests = format!("fn f() {{}}\n#[cfg(test)]\nmod tests {{\n{kind}\n}}\n");
+        assert!(rules("crates/api/src/story.rs", &in_unit_tests).is_empty());
+        let comment = planted(&["// a `\"release", ".waiting\"` event"]);
+        assert!(rules("crates/api/src/story.rs", &comment).is_empty());
+        // Not a known kind: failpoints, file names, prefixes.
+        for other in [
+            "hit(\"release.after_promote\")",
+            "\"task.\"",
+            "\"orch.toml\"",
+        ] {
+            assert!(rules("crates/runner/src/x.rs", other).is_empty(), "{other}");
+        }
+    }
+
+    #[test]
     fn exceptions_cover_their_rule_and_path_and_stale_ones_fail() {
         let dir = std::env::temp_dir().join(format!("orch-tidy-{}", std::process::id()));
         let src = dir.join("crates/orch/src");
@@ -479,6 +557,9 @@ mod tests {
             planted(&["fn a() { serde_json::", "json!({}); }\n"]),
         )
         .unwrap();
+        let control = dir.join(CONTROL);
+        std::fs::create_dir_all(control.parent().unwrap()).unwrap();
+        std::fs::write(&control, planted(&["pub const A: &str = \"a", ".b\";\n"])).unwrap();
         let covered = [Exception {
             rule: "wire-json",
             path: "crates/orch/src/a.rs",

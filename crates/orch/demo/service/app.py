@@ -42,7 +42,14 @@ class Handler(BaseHTTPRequestHandler):
 
 def main():
     port = int(sys.argv[1])
-    ThreadingHTTPServer(("127.0.0.1", port), Handler).serve_forever()
+    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    # The moment this release starts serving is the deploy's (or rollback's) effect: logged by
+    # the service itself, so a deploy script killed after starting it still counts once.
+    effect, log = os.environ.get("APP_EFFECT"), os.environ.get("APP_EFFECT_LOG")
+    if effect and log:
+        with open(log, "a") as f:
+            f.write(f"{effect} {ENV} {REVISION}\n")
+    server.serve_forever()
 
 
 if __name__ == "__main__":

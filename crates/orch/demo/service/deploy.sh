@@ -1,7 +1,7 @@
 #!/bin/sh
 # deploy.sh ENV PORT STATE_DIR: run this checkout's revision as the ENV instance on PORT.
 # Keeps each release in STATE_DIR/releases/<rev> and remembers the previous one for rollback.
-# Every completed deploy appends `deploy ENV REV` to STATE_DIR/effects.log.
+# The release it starts appends `deploy ENV REV` to STATE_DIR/effects.log once it serves.
 set -eu
 env="$1"; port="$2"; state="$3"
 # Every run is logged with its start and end (ns since the epoch), so overlaps can be checked.
@@ -19,12 +19,11 @@ if [ -f "$state/run/$env.rev" ] && [ "$(cat "$state/run/$env.rev")" != "$rev" ];
 fi
 sh "$(dirname "$0")/stop.sh" "$env" "$state"
 cd "$state/releases/$rev"
-APP_REVISION="$rev" APP_ENV="$env" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
+APP_REVISION="$rev" APP_ENV="$env" APP_EFFECT=deploy APP_EFFECT_LOG="$state/effects.log" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
 echo $! > "$state/run/$env.pid"
 echo "$rev" > "$state/run/$env.rev"
 for _ in $(seq 1 50); do
     if python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/revision', timeout=1)" 2>/dev/null; then
-        echo "deploy $env $rev" >> "$state/effects.log"
         echo "deployed $rev to $env on port $port"; exit 0
     fi
     sleep 0.1

@@ -1,6 +1,6 @@
 #!/bin/sh
 # rollback.sh ENV PORT STATE_DIR: bring back the release that ran before the current one.
-# Every completed rollback appends `rollback ENV REV` to STATE_DIR/effects.log.
+# The release it starts appends `rollback ENV REV` to STATE_DIR/effects.log once it serves.
 set -eu
 env="$1"; port="$2"; state="$3"
 # Every run is logged with its start and end (ns since the epoch), so overlaps can be checked.
@@ -12,12 +12,11 @@ rev="$prev"
 log_run start
 sh "$(dirname "$0")/stop.sh" "$env" "$state"
 cd "$state/releases/$prev"
-APP_REVISION="$prev" APP_ENV="$env" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
+APP_REVISION="$prev" APP_ENV="$env" APP_EFFECT=rollback APP_EFFECT_LOG="$state/effects.log" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
 echo $! > "$state/run/$env.pid"
 echo "$prev" > "$state/run/$env.rev"
 for _ in $(seq 1 50); do
     if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; then
-        echo "rollback $env $prev" >> "$state/effects.log"
         echo "rolled $env back to $prev"; exit 0
     fi
     sleep 0.1

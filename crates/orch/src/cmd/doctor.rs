@@ -129,15 +129,24 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
     }
     let failed = r.checks.iter().filter(|c| c.status == Status::Fail).count();
     if cx.json {
-        crate::output::print_json(&serde_json::json!({
-            "ok": failed == 0,
-            "problems": failed,
-            "checks": r.checks.iter().map(|c| serde_json::json!({
-                "status": match c.status { Status::Ok => "ok", Status::Note => "note", Status::Fail => "fail" },
-                "what": c.what,
-                "fix": (!c.fix.is_empty()).then_some(&c.fix),
-            })).collect::<Vec<_>>(),
-        }));
+        let doc = orch_api::dto::DoctorReport {
+            ok: failed == 0,
+            problems: failed,
+            checks: r
+                .checks
+                .iter()
+                .map(|c| orch_api::dto::DoctorCheck {
+                    status: match c.status {
+                        Status::Ok => "ok",
+                        Status::Note => "note",
+                        Status::Fail => "fail",
+                    },
+                    what: c.what.clone(),
+                    fix: (!c.fix.is_empty()).then(|| c.fix.clone()),
+                })
+                .collect(),
+        };
+        crate::output::print_json(&orch_api::dto::to_json(&doc));
     } else {
         for c in &r.checks {
             let label = match c.status {

@@ -44,13 +44,14 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
     let report = store.migrate().await?;
     store.close().await;
     if cx.json {
-        crate::output::print_json(&serde_json::json!({
-            "config": cx.config_path.display().to_string(),
-            "config_written": config_written,
-            "database": cx.database_url,
-            "schema_version": report.to,
-            "gitignore": ignored.as_ref().map(|p| p.display().to_string()),
-        }));
+        let doc = orch_api::dto::Initialized {
+            config: cx.config_path.display().to_string(),
+            config_written,
+            database: cx.database_url.clone(),
+            schema_version: report.to,
+            gitignore: ignored.as_ref().map(|p| p.display().to_string()),
+        };
+        crate::output::print_json(&orch_api::dto::to_json(&doc));
     } else {
         let verb = if config_written {
             "wrote"

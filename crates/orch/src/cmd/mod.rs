@@ -20,11 +20,14 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         // These two make their own context (the demo writes its config first).
         Command::Demo(args) => return crate::demo::run(&cli.global, args).await,
         Command::DemoAgent { .. } => return crate::demo::agent::run(),
+        Command::DemoModelServer => return crate::demo::serve_model().await,
         other => other,
     };
     let cx = Context::new(&cli.global)?;
     match command {
-        Command::Demo(_) | Command::DemoAgent { .. } => Ok(ExitCode::SUCCESS),
+        Command::Demo(_) | Command::DemoAgent { .. } | Command::DemoModelServer => {
+            Ok(ExitCode::SUCCESS)
+        }
         Command::Init(args) => init::run(&cx, args).await,
         Command::Migrate => migrate(&cx).await,
         Command::Serve(args) => worker::serve(&cx, args).await,
@@ -45,12 +48,8 @@ async fn migrate(cx: &Context) -> Result<ExitCode> {
     let store = cx.open_store_with(ConnectOptions::default(), false).await?;
     let report = store.migrate().await?;
     if cx.json {
-        crate::output::print_json(&serde_json::json!({
-            "database": store.target(),
-            "from": report.from,
-            "to": report.to,
-            "applied": report.applied,
-        }));
+        let doc = orch_api::dto::Migrated::of(store.target(), &report);
+        crate::output::print_json(&orch_api::dto::to_json(&doc));
     } else if report.applied.is_empty() {
         println!(
             "{}: schema is up to date (version {})",

@@ -3,13 +3,32 @@
 use std::collections::BTreeMap;
 use std::process::ExitCode;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
+use orch_api::dto;
 
 use crate::context::Context;
 use crate::output::{age, print_json, table};
 
 pub async fn run(cx: &Context) -> Result<ExitCode> {
     let store = cx.open_store().await?;
+    if cx.json {
+        // The `GET /queue` document, as a process that runs no worker sees it.
+        let (observations, tracks) = match &cx.config {
+            Some(config) => {
+                let pipeline = config.pipeline().context("the configured pipeline")?;
+                (
+                    crate::api_ops::active_observations(cx.repos_dir(config)).await,
+                    crate::api_ops::release_tracks(&store, &pipeline).await,
+                )
+            }
+            None => (Vec::new(), Vec::new()),
+        };
+        let queue =
+            dto::Queue::read_store(&store, env!("CARGO_PKG_VERSION"), observations, tracks).await;
+        store.close().await;
+        print_json(&dto::to_json(&queue.context("reading the queue")?));
+        return Ok(ExitCode::SUCCESS);
+    }
     let stats = store.queue_stats().await?;
     let stages = store.count_tasks_by_stage().await?;
     store.close().await;
@@ -24,20 +43,6 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
             .or_default() += c.count;
     }
     let oldest_ms = stats.oldest_ready_at.map(|at| (stats.now - at).max(0));
-    if cx.json {
-        print_json(&serde_json::json!({
-            "jobs_by_state": by_state,
-            "jobs_by_agent": by_agent,
-            "oldest_queued_age_s": oldest_ms.map(|ms| ms as f64 / 1000.0),
-            "tasks_by_stage": stages.iter().cloned().collect::<BTreeMap<String, i64>>(),
-            "leases": stats.leases.iter().map(|l| serde_json::json!({
-                "job_id": l.job_id, "task_id": l.task_id, "agent": l.agent,
-                "worker": l.worker, "attempt": l.attempt,
-                "expires_in_s": l.expires_at.map(|at| (at - stats.now) as f64 / 1000.0),
-            })).collect::<Vec<_>>(),
-        }));
-        return Ok(ExitCode::SUCCESS);
-    }
     let states = ["queued", "running", "done", "failed", "cancelled"];
     let summary: Vec<String> = states
         .iter()

@@ -5,7 +5,9 @@ use std::io::Read as _;
 use std::process::ExitCode;
 
 use anyhow::{Context as _, Result};
+use orch_api::dto::{self, Action};
 use orch_domain::MAX_REQUEST_BYTES;
+use orch_domain::control::events;
 use orch_store::{AgentRun, Event, Store, Task, TaskFilter};
 
 use crate::cli::{StatusArgs, SubmitArgs};
@@ -41,7 +43,7 @@ pub async fn submit(cx: &Context, args: SubmitArgs) -> Result<ExitCode> {
     let task = rt.ops.submit(&args.repo, &args.title, &body).await?;
     store.close().await;
     if cx.json {
-        print_json(&task_json(&task));
+        print_json(&dto::to_json(&dto::Submitted::of(&task)));
     } else {
         println!(
             "{} submitted (repo {}, branch {}); it starts when a worker is running (`orch serve`)",
@@ -80,37 +82,23 @@ pub enum Op {
 
 pub async fn operate(cx: &Context, op: Op, id: &str) -> Result<ExitCode> {
     let (store, rt) = runtime(cx).await?;
-    let (task, verb) = match op {
-        Op::Approve => (rt.ops.approve(id).await?, "approved"),
-        Op::Retry => (rt.ops.retry(id).await?, "retried"),
-        Op::Cancel => (rt.ops.cancel(id).await?, "cancelled"),
+    let (task, verb, action) = match op {
+        Op::Approve => (rt.ops.approve(id).await?, "approved", Action::Approve),
+        Op::Retry => (rt.ops.retry(id).await?, "retried", Action::Retry),
+        Op::Cancel => (rt.ops.cancel(id).await?, "cancelled", Action::Cancel),
     };
     store.close().await;
     if cx.json {
-        print_json(&task_json(&task));
+        print_json(&dto::to_json(&dto::ActionDone::of(&task, action)));
     } else {
         println!("{} {verb}; now at stage {}", task.work_item_id, task.stage);
     }
     Ok(ExitCode::SUCCESS)
 }
 
-/// Agent runs whose cost is not known (the tool reported none and no price applied, or its
-/// output could not be read).
-fn unknown_cost_runs(runs: &[AgentRun]) -> usize {
-    runs.iter()
-        .filter(|r| {
-            r.cost_usd.is_none()
-                && serde_json::from_str::<serde_json::Value>(&r.data).is_ok_and(|d| {
-                    d.get("cost_unknown") == Some(&serde_json::Value::Bool(true))
-                        || d.get("usage_unknown") == Some(&serde_json::Value::Bool(true))
-                })
-        })
-        .count()
-}
-
 /// `cost $X`, `cost $X + unknown (N runs)`, or `cost unknown` when no run's cost is known.
 fn cost_text(runs: &[AgentRun], total: f64) -> String {
-    let unknown = unknown_cost_runs(runs);
+    let unknown = dto::unknown_cost_runs(runs);
     let known = runs.iter().filter(|r| r.cost_usd.is_some()).count();
     match (known, unknown) {
         (0, n) if n > 0 => "cost unknown".to_owned(),
@@ -124,56 +112,52 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
     let store = cx.open_store().await?;
     if let Some(id) = &args.id {
         let task = find(&store, id).await?;
+        if cx.json {
+            let detail = dto::TaskDetail::read(&store, &task).await;
+            store.close().await;
+            let detail = detail.with_context(|| format!("reading {}", task.work_item_id))?;
+            print_json(&dto::to_json(&detail));
+            return Ok(ExitCode::SUCCESS);
+        }
         let events = store.task_events(task.id).await?;
         let runs = store.task_agent_runs(task.id).await?;
         let usage = store.task_usage(task.id).await?;
         let outcome = orch_api::task_outcome(&task, &events);
-        if cx.json {
-            let mut v = task_json(&task);
-            v["outcome"] = outcome.as_ref().map_or(serde_json::Value::Null, |o| {
-                serde_json::json!({"outcome": o.outcome.as_str(), "stage": o.stage, "reason": o.reason})
-            });
-            v["events"] = events.iter().map(event_json).collect();
-            v["agent_runs"] = runs.iter().map(run_json).collect();
-            v["usage"] = serde_json::json!({"runs": usage.runs, "input_tokens": usage.input_tokens, "output_tokens": usage.output_tokens, "cost_usd": usage.cost_usd, "unknown_cost_runs": unknown_cost_runs(&runs)});
-            print_json(&v);
-        } else {
-            println!("{}  {}", task.work_item_id, task.title);
-            println!(
-                "repo {}  branch {}  stage {}",
-                task.repo, task.branch, task.stage
-            );
-            if let Some(o) = &outcome {
-                let at = o
-                    .stage
-                    .as_deref()
-                    .map(|s| format!(" at {s}"))
-                    .unwrap_or_default();
-                let why = o
-                    .reason
-                    .as_deref()
-                    .map(|r| format!(": {r}"))
-                    .unwrap_or_default();
-                println!("outcome {}{at}{why}", o.outcome);
-            }
-            println!(
-                "agent runs {}  tokens in {} out {}  {}",
-                usage.runs,
-                usage.input_tokens,
-                usage.output_tokens,
-                cost_text(&runs, usage.cost_usd)
-            );
-            let stage_events: Vec<&Event> = events
-                .iter()
-                .filter(|e| {
-                    e.kind.starts_with("stage.advanced")
-                        || e.kind.starts_with("stage.loop_back")
-                        || e.kind.starts_with("task.")
-                        || e.kind == "stage.approved"
-                })
-                .collect();
-            print!("\n{}", timeline(&stage_events, task.created_at));
+        println!("{}  {}", task.work_item_id, task.title);
+        println!(
+            "repo {}  branch {}  stage {}",
+            task.repo, task.branch, task.stage
+        );
+        if let Some(o) = &outcome {
+            let at = o
+                .stage
+                .as_deref()
+                .map(|s| format!(" at {s}"))
+                .unwrap_or_default();
+            let why = o
+                .reason
+                .as_deref()
+                .map(|r| format!(": {r}"))
+                .unwrap_or_default();
+            println!("outcome {}{at}{why}", o.outcome);
         }
+        println!(
+            "agent runs {}  tokens in {} out {}  {}",
+            usage.runs,
+            usage.input_tokens,
+            usage.output_tokens,
+            cost_text(&runs, usage.cost_usd)
+        );
+        let stage_events: Vec<&Event> = events
+            .iter()
+            .filter(|e| {
+                e.kind.starts_with(events::STAGE_ADVANCED)
+                    || e.kind.starts_with(events::STAGE_LOOP_BACK)
+                    || e.kind.starts_with("task.")
+                    || e.kind == events::STAGE_APPROVED
+            })
+            .collect();
+        print!("\n{}", timeline(&stage_events, task.created_at));
     } else {
         let tasks = store
             .list_tasks(&TaskFilter {
@@ -185,9 +169,11 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
             .await?;
         let now = store.now_ms();
         if cx.json {
-            print_json(&serde_json::Value::Array(
-                tasks.iter().map(task_json).collect(),
-            ));
+            let list = dto::TaskList::read(&store, &tasks).await;
+            store.close().await;
+            let list = list.context("reading the tasks' outcomes")?;
+            print_json(&dto::to_json(&list));
+            return Ok(ExitCode::SUCCESS);
         } else if tasks.is_empty() {
             println!("no tasks yet: `orch submit --repo R --title ...`");
         } else {
@@ -219,17 +205,16 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
 pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
     let store = cx.open_store().await?;
     let task = find(&store, id).await?;
+    if cx.json {
+        let detail = dto::TaskDetail::read(&store, &task).await;
+        store.close().await;
+        let detail = detail.with_context(|| format!("reading {}", task.work_item_id))?;
+        print_json(&dto::to_json(&detail));
+        return Ok(ExitCode::SUCCESS);
+    }
     let events = store.task_events(task.id).await?;
     let runs = store.task_agent_runs(task.id).await?;
     store.close().await;
-    if cx.json {
-        print_json(&serde_json::json!({
-            "task": task_json(&task),
-            "events": events.iter().map(event_json).collect::<Vec<_>>(),
-            "agent_runs": runs.iter().map(run_json).collect::<Vec<_>>(),
-        }));
-        return Ok(ExitCode::SUCCESS);
-    }
     println!(
         "{}  {}  (stage {})\n",
         task.work_item_id, task.title, task.stage
@@ -324,31 +309,6 @@ pub fn timeline(events: &[&Event], t0: i64) -> String {
         })
         .collect();
     table_fit(&["at", "stage", "why"], &rows, width())
-}
-
-fn task_json(t: &Task) -> serde_json::Value {
-    serde_json::json!({
-        "id": t.work_item_id, "task_id": t.id, "repo": t.repo, "title": t.title,
-        "stage": t.stage, "stage_seq": t.stage_seq, "branch": t.branch,
-        "created_at_ms": t.created_at, "updated_at_ms": t.updated_at,
-    })
-}
-
-fn event_json(e: &Event) -> serde_json::Value {
-    serde_json::json!({
-        "id": e.id, "at_ms": e.created_at, "kind": e.kind, "stage": e.stage, "job_id": e.job_id,
-        "message": e.message,
-        "data": serde_json::from_str::<serde_json::Value>(&e.data).unwrap_or(serde_json::Value::Null),
-    })
-}
-
-fn run_json(r: &AgentRun) -> serde_json::Value {
-    serde_json::json!({
-        "stage": r.stage, "agent": r.agent, "backend": r.backend, "model": r.model,
-        "attempt": r.attempt, "started_at_ms": r.started_at, "finished_at_ms": r.finished_at,
-        "outcome": r.outcome, "exit_code": r.exit_code, "input_tokens": r.input_tokens,
-        "output_tokens": r.output_tokens, "cost_usd": r.cost_usd, "error": r.error,
-    })
 }
 
 #[cfg(test)]

@@ -82,6 +82,33 @@ impl ClaudeDemo {
     }
 }
 
+/// `orch demo-model-server`: the demo model alone, for a Claude Code configured by hand (the
+/// README's walkthrough test). Prints the URL on stdout, then serves until SIGTERM, Ctrl-C or
+/// the end of stdin.
+pub(crate) async fn serve_model() -> Result<std::process::ExitCode> {
+    use std::io::Write as _;
+    let server = ModelServer::start(demo_brain)
+        .await
+        .context("cannot start the demo's model server")?;
+    let mut out = std::io::stdout();
+    writeln!(out, "{}", server.url()).context("cannot print the model server's URL")?;
+    out.flush().context("cannot print the model server's URL")?;
+    let (stop, _hard) = crate::signals::shutdown_tokens()?;
+    // A plain thread (not a blocking task, which the runtime would wait for at exit).
+    let (closed, stdin_closed) = tokio::sync::oneshot::channel::<()>();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin(), &mut std::io::sink());
+        let _ = closed.send(());
+    });
+    tokio::select! {
+        () = stop.cancelled() => {}
+        _ = stdin_closed => {}
+    }
+    eprintln!("served {} model requests", server.requests().len());
+    drop(server);
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
 /// The demo model: the scripted agent's work as `Write` calls (after `Read` calls for the
 /// existing files it changes, as Claude Code requires); then done.
 fn demo_brain(turn: &Turn) -> Reply {

@@ -8,6 +8,8 @@
 pub mod agent;
 mod claude;
 
+pub(crate) use claude::serve_model;
+
 use std::collections::HashMap;
 use std::io::IsTerminal as _;
 use std::path::{Path, PathBuf};
@@ -16,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
+use orch_domain::control::events;
 use orch_exec::git::{Git, Pathspec};
 use orch_runner::worker::{Worker, WorkerConfig};
 use orch_store::{ConnectOptions, Store, Task};
@@ -54,7 +57,24 @@ const ITEMS: &[(&str, &str)] = &[
     ),
 ];
 
+/// Under `--json` the demo's running commentary goes to stderr and stdout carries one JSON
+/// document at the end (the outcomes and the deploy history).
+static COMMENTARY_ON_STDERR: std::sync::atomic::AtomicBool =
+    std::sync::atomic::AtomicBool::new(false);
+
+/// `println!` for the demo's commentary (see [`COMMENTARY_ON_STDERR`]).
+macro_rules! say {
+    ($($arg:tt)*) => {
+        if COMMENTARY_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
+            eprintln!($($arg)*)
+        } else {
+            println!($($arg)*)
+        }
+    };
+}
+
 pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
+    COMMENTARY_ON_STDERR.store(global.json, std::sync::atomic::Ordering::Relaxed);
     for tool in ["git", "python3", "setsid", "tar"] {
         if which(tool).is_none() {
             anyhow::bail!(
@@ -80,9 +100,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         dir.display()
     );
     let exe = std::env::current_exe().context("cannot find the orch executable")?;
-    let prod_port = free_port()?;
-    let staging_port = free_port()?;
-    let api_port = free_port()?;
+    let [prod_port, staging_port, api_port] = free_ports()?;
     let state = dir.join("service-state");
     std::fs::create_dir_all(&state)?;
     let git = Git::new();
@@ -125,21 +143,27 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     store.migrate().await?;
     let runtime = Arc::new(Runtime::new(&cx, &config, &store)?);
     if args.setup_only {
+        if global.json {
+            let doc = orch_api::demo_report_json(&store, "service", &dir, None, None, None).await?;
+            crate::output::print_json(&doc);
+        }
         store.close().await;
-        println!("{}", dir.display());
+        if !global.json {
+            println!("{}", dir.display());
+        }
         return Ok(ExitCode::SUCCESS);
     }
 
-    println!("orch demo in {}", dir.display());
+    say!("orch demo in {}", dir.display());
     if let Some(c) = &claude {
-        println!(
+        say!(
             "  LLM stages: the real Claude Code ({}) against the demo's model server",
             c.program.display()
         );
     }
-    println!("  sample service repo: {}", service.display());
-    println!("  dashboard while it runs: http://127.0.0.1:{api_port}/");
-    println!(
+    say!("  sample service repo: {}", service.display());
+    say!("  dashboard while it runs: http://127.0.0.1:{api_port}/");
+    say!(
         "  the sample service while it runs: production http://127.0.0.1:{prod_port}/health, staging http://127.0.0.1:{staging_port}/health (stopped when the demo exits)\n"
     );
     // Stops the service's instances on every way out: return, error, Ctrl-C, SIGTERM.
@@ -192,10 +216,10 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     let mut ids = Vec::new();
     for (title, body) in ITEMS {
         let t = runtime.ops.submit("service", title, body).await?;
-        println!("submitted {}: {title}", t.work_item_id);
+        say!("submitted {}: {title}", t.work_item_id);
         ids.push(t.work_item_id);
     }
-    println!();
+    say!();
     let started = Instant::now();
     let mut finished = watch_progress(&store, &ids, started, Duration::from_secs(300)).await;
     // The loop closes: a third request's analyst gets the rollback lesson in its prompt. It is
@@ -224,7 +248,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         let _ = orch_exec::run(&stop_cmd).await;
     }
     let tasks = finished?;
-    summary(
+    let doc = summary(
         &store,
         &tasks,
         &dir,
@@ -233,6 +257,9 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         lesson_seen.as_deref(),
     )
     .await?;
+    if global.json {
+        crate::output::print_json(&doc);
+    }
     store.close().await;
     let all_ended = tasks.iter().all(|t| t.is_terminal());
     Ok(if all_ended {
@@ -253,7 +280,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
             "Some load balancers probe `/healthz`; answer it like `/health`.",
         )
         .await?;
-    println!(
+    say!(
         "  +  ---   {:6}  submitted after APP-2's rollback, to show the lesson reach a prompt",
         t.work_item_id
     );
@@ -273,7 +300,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let cancelled = runtime.ops.cancel(&t.work_item_id).await?;
-    println!(
+    say!(
         "  +  ---   {:6}  cancelled by an operator after analysis",
         t.work_item_id
     );
@@ -300,9 +327,17 @@ fn which(tool: &str) -> Option<PathBuf> {
     })
 }
 
-fn free_port() -> Result<u16> {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
-    Ok(l.local_addr()?.port())
+/// `N` distinct free ports on 127.0.0.1: all are held at once while they are picked, so two
+/// of them can never be the same port (picking them one by one could).
+fn free_ports<const N: usize>() -> Result<[u16; N]> {
+    let mut held = Vec::with_capacity(N);
+    let mut ports = [0u16; N];
+    for port in &mut ports {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").context("cannot find a free port")?;
+        *port = l.local_addr()?.port();
+        held.push(l);
+    }
+    Ok(ports)
 }
 
 async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
@@ -424,8 +459,8 @@ async fn watch_progress(
                     .rev()
                     .find(|e| {
                         e.kind.starts_with("stage.")
-                            && e.kind != "stage.started"
-                            && e.kind != "stage.requeued"
+                            && e.kind != events::STAGE_STARTED
+                            && e.kind != events::STAGE_REQUEUED
                             || e.kind.starts_with("task.")
                     })
                     .map(|e| e.message)
@@ -440,7 +475,7 @@ async fn watch_progress(
                 if tty {
                     mp.println(&line).ok();
                 } else {
-                    println!("{line}");
+                    say!("{line}");
                 }
                 if let Some(b) = bars.get(id) {
                     let pos = stages
@@ -480,8 +515,8 @@ async fn summary(
     config: &Path,
     started: Instant,
     lesson_seen: Option<&str>,
-) -> Result<()> {
-    println!("\nfinished in {:.0}s\n", started.elapsed().as_secs_f64());
+) -> Result<serde_json::Value> {
+    say!("\nfinished in {:.0}s\n", started.elapsed().as_secs_f64());
     for t in tasks {
         let events = store.task_events(t.id).await?;
         let runs = store.task_agent_runs(t.id).await?;
@@ -492,27 +527,27 @@ async fn summary(
             .find(|e| {
                 matches!(
                     e.kind.as_str(),
-                    "task.done" | "task.failed" | "task.cancelled"
+                    events::TASK_DONE | events::TASK_FAILED | events::TASK_CANCELLED
                 )
             })
             .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
             .and_then(|v| v["outcome"].as_str().map(str::to_owned))
             .unwrap_or_else(|| t.stage.clone());
-        println!("{}  {}  → {outcome}", t.work_item_id, t.title);
+        say!("{}  {}  → {outcome}", t.work_item_id, t.title);
         let rows: Vec<Vec<String>> = events
             .iter()
             .filter(|e| {
                 matches!(
                     e.kind.as_str(),
-                    "stage.advanced"
-                        | "stage.loop_back"
-                        | "task.done"
-                        | "task.failed"
-                        | "post_deploy.verdict"
-                        | "deploy.confirmed"
-                        | "release.waiting"
-                        | "release.promoted"
-                        | "release.reverted"
+                    events::STAGE_ADVANCED
+                        | events::STAGE_LOOP_BACK
+                        | events::TASK_DONE
+                        | events::TASK_FAILED
+                        | events::POST_DEPLOY_VERDICT
+                        | events::DEPLOY_CONFIRMED
+                        | events::RELEASE_WAITING
+                        | events::RELEASE_PROMOTED
+                        | events::RELEASE_REVERTED
                 )
             })
             .map(|e| {
@@ -530,32 +565,32 @@ async fn summary(
             })
             .collect();
         for line in table(&["at", "event", "what"], &rows).lines() {
-            println!("    {line}");
+            say!("    {line}");
         }
-        println!(
+        say!(
             "    agent runs: {}  tokens in/out: {}/{}  cost: ${:.4}",
             runs.len(),
             usage.input_tokens,
             usage.output_tokens,
             usage.cost_usd
         );
-        if let Some(v) = events
+        let verdict = events
             .iter()
             .rev()
-            .find(|e| e.kind == "post_deploy.verdict")
-        {
-            let data: serde_json::Value = serde_json::from_str(&v.data).unwrap_or_default();
-            println!(
+            .find(|e| e.kind == events::POST_DEPLOY_VERDICT)
+            .map(|v| serde_json::from_str::<serde_json::Value>(&v.data).unwrap_or_default());
+        if let Some(data) = &verdict {
+            say!(
                 "    post-deploy watch: {} → action: {}",
                 data["verdict"].as_str().unwrap_or("?"),
                 data["action"].as_str().unwrap_or("?")
             );
         }
-        println!();
+        say!();
     }
-    println!("deploy history of repo service (what each production deploy shipped):");
+    say!("deploy history of repo service (what each production deploy shipped):");
     let deploys = store
-        .events_by_kind(orch_runner::release::events::DEPLOYED, 0, 1000)
+        .events_by_kind(events::RELEASE_DEPLOYED, 0, 1000)
         .await?;
     for e in &deploys {
         let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
@@ -573,7 +608,7 @@ async fn summary(
                     .collect()
             })
             .unwrap_or_default();
-        println!(
+        say!(
             "    {:.12}  {}  ships: {}",
             v["revision"].as_str().unwrap_or("?"),
             if v["confirmed"] == true {
@@ -589,20 +624,20 @@ async fn summary(
         );
     }
     for e in store
-        .events_by_kind(orch_runner::release::events::REVERTED, 0, 1000)
+        .events_by_kind(events::RELEASE_REVERTED, 0, 1000)
         .await?
     {
-        println!("    {}", e.message);
+        say!("    {}", e.message);
     }
-    println!();
+    say!();
     if let Some(lines) = lesson_seen {
-        println!(
+        say!(
             "the lesson reaches a later prompt: APP-3's analyst was given the repo's lessons and wrote"
         );
         for l in lines.lines() {
-            println!("    {l}");
+            say!("    {l}");
         }
-        println!();
+        say!();
     }
     // The commands as printed must run: `orch` is this very binary (after `cargo run` it is
     // not on PATH), named by its full path unless PATH finds the same file.
@@ -614,28 +649,36 @@ async fn summary(
         shell_quote(&exe.display().to_string())
     };
     let cfg = shell_quote(&config.display().to_string());
-    println!("look around:");
-    println!("  {orch} --config {cfg} status APP-1        # stage timeline, usage");
-    println!("  {orch} --config {cfg} logs APP-2          # every event, agent runs");
-    println!(
+    say!("look around:");
+    say!("  {orch} --config {cfg} status APP-1        # stage timeline, usage");
+    say!("  {orch} --config {cfg} logs APP-2          # every event, agent runs");
+    say!(
         "  git -C {} log --oneline --graph --all   # the artifact trail on orch/APP-* branches",
         shell_quote(&dir.join(".orch/repos/service").display().to_string())
     );
-    println!(
+    say!(
         "  git -C {} log --format='%h %s' main  # main: the releases, APP-2's revert, the audit commits",
         shell_quote(&dir.join(".orch/repos/service").display().to_string())
     );
-    println!(
+    say!(
         "  ls {}  # every item's whole trail, in the sample service's own checkout",
         shell_quote(&dir.join("service/docs/work-items").display().to_string())
     );
-    println!("  {orch} --config {cfg} serve               # the dashboard again, on the same data");
+    say!("  {orch} --config {cfg} serve               # the dashboard again, on the same data");
     if !on_path {
-        println!(
+        say!(
             "(to have `orch` on PATH: `cargo install --path crates/orch --locked` in orch's source tree)"
         );
     }
-    Ok(())
+    Ok(orch_api::demo_report_json(
+        store,
+        "service",
+        dir,
+        Some(config),
+        Some(started.elapsed().as_secs()),
+        lesson_seen,
+    )
+    .await?)
 }
 
 /// `s` quoted for a POSIX shell when it needs it.

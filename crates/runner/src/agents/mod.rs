@@ -522,7 +522,7 @@ impl AgentExecutor {
             .collect::<Vec<_>>()
             .join(", ");
         let mut event = orch_store::NewEvent::new(
-            "agent.permission_denied",
+            orch_domain::control::events::AGENT_PERMISSION_DENIED,
             bound_text(
                 &format!("agent {} was denied: {text}", p.agent),
                 MAX_ERROR_BYTES,

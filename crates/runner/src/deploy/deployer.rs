@@ -20,6 +20,7 @@ use anyhow::{Context as _, anyhow, bail};
 use orch_deploystate::{
     ArmOutcome, ArmedRecord, DeployResult, DeployState, MARKER_INITIATED, WatchState,
 };
+use orch_domain::control::markers;
 use orch_domain::gate::GateOutcome;
 use orch_domain::monitor::{Reaction, Verdict as MonitorVerdict, reaction};
 use orch_exec::process::ExitKind;
@@ -88,12 +89,13 @@ impl StageExecutor for DeployerExecutor {
                 && run.repo.deploy.is_some()
                 && let Some(revision) = initiated_revision(&state)
                 && !live_now(run, &revision).await
-                && !redeployed(run, seq).await?
+                && !finalizing_began(run, seq).await?
             {
                 // The command never ended: orch stopped while it ran (and a restarted orch stops
                 // what its dead incarnation left running). The revision is not live, so the
                 // deploy did not happen: run it once more (at most once per visit, so a deploy
-                // that itself restarts orch cannot loop).
+                // that itself restarts orch cannot loop; never once the finalizer judged it,
+                // since a rollback it started makes the revision not live on purpose).
                 record(
                     run,
                     seq,
@@ -239,14 +241,21 @@ async fn live_now(run: &StageRun, revision: &str) -> bool {
         .is_some_and(|live| revision_matches(revision, &live))
 }
 
-/// Whether this visit already ran its deploy command a second time.
-async fn redeployed(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
-    Ok(run
-        .store
-        .task_events(run.task.id)
-        .await?
-        .iter()
-        .any(|e| e.kind == events::DEPLOY_REDEPLOYED && event_seq(e) == Some(seq)))
+/// Whether this visit already ran its deploy command a second time, or the finalizer already
+/// judged the deploy (deferred it, or began rolling it back): from then on a revision that is
+/// not live is the finalizer's business, never a reason to deploy again.
+async fn finalizing_began(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    Ok(run.store.task_events(run.task.id).await?.iter().any(|e| {
+        event_seq(e) == Some(seq)
+            && matches!(
+                e.kind.as_str(),
+                events::DEPLOY_REDEPLOYED
+                    | events::DEPLOY_DEFERRED
+                    | events::DEPLOY_ROLLBACK_STARTED
+                    | events::DEPLOY_ROLLED_BACK
+                    | events::DEPLOY_ROLLBACK_FAILED
+            )
+    }))
 }
 
 /// The outcome of a visit already recorded (a re-run after the markers were cleared).
@@ -487,7 +496,7 @@ impl DeployerExecutor {
                 .await;
         }
         let problem = problems.join("; ");
-        let prefix = super::finalize_marker_prefix(seq);
+        let prefix = markers::deploy_finalize_prefix(seq);
         let defers = run
             .store
             .count_jobs(&JobCount {
@@ -516,7 +525,7 @@ impl DeployerExecutor {
             .await?;
             return Ok(StageEffect::Requeue {
                 delay_s: self.finalize_delay_s,
-                marker: super::finalize_marker(seq, n),
+                marker: markers::deploy_finalize(seq, n),
                 reason,
             });
         }
@@ -555,39 +564,67 @@ impl DeployerExecutor {
             return Ok(why);
         };
         let recorded = run.store.task_events(run.task.id).await?;
-        let started_before = recorded
-            .iter()
-            .any(|e| e.kind == events::DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq));
-        if started_before {
-            tracing::warn!(work_item = %run.work_item, "deploy: rollback of the unconfirmed deploy already started in this visit (a re-run): verifying only");
-        } else {
-            let live = match &run.repo.revision_url {
-                Some(url) => live_revision(url, timeout).await,
-                None => None,
-            };
-            if let Reaction::AlertOnly { reason: why } =
-                reaction(MonitorVerdict::Failed, revision, live.as_deref())
-            {
-                let why = format!("{reason}; not rolled back: {why}");
-                record(
-                    run,
-                    seq,
-                    events::DEPLOY_ROLLBACK_FAILED,
-                    &why,
-                    data([("revision", json!(revision)), ("attempted", json!(false))]),
-                )
-                .await?;
-                self.alert(run, seq, "alert", revision, &why).await?;
-                return Ok(why);
-            }
+        let this_visit = |kinds: &[&str]| {
+            recorded
+                .iter()
+                .any(|e| event_seq(e) == Some(seq) && kinds.contains(&e.kind.as_str()))
+        };
+        let started_before = this_visit(&[events::DEPLOY_ROLLBACK_STARTED]);
+        let ended_before =
+            this_visit(&[events::DEPLOY_ROLLED_BACK, events::DEPLOY_ROLLBACK_FAILED]);
+        let rerun_before = this_visit(&[events::DEPLOY_ROLLBACK_RERUN]);
+        let run_it = if !started_before {
+            true
+        } else if !ended_before
+            && !rerun_before
+            && !super::monitor::rolled_back_now(run, revision).await
+        {
+            // The first run never ended (orch died while it ran, or before it began: the event
+            // is recorded first) and production is not back: run it once more (at most once
+            // per visit).
             record(
                 run,
                 seq,
-                events::DEPLOY_ROLLBACK_STARTED,
-                format!("rolling back the unconfirmed `{revision}` with `{command}`"),
+                events::DEPLOY_ROLLBACK_RERUN,
+                format!("the rollback of the unconfirmed `{revision}` was interrupted and production is not back: running `{command}` once more"),
                 data([("revision", json!(revision)), ("command", json!(command))]),
             )
             .await?;
+            true
+        } else {
+            tracing::warn!(work_item = %run.work_item, "deploy: rollback of the unconfirmed deploy already started in this visit (a re-run): verifying only");
+            false
+        };
+        if run_it {
+            if !started_before {
+                let live = match &run.repo.revision_url {
+                    Some(url) => live_revision(url, timeout).await,
+                    None => None,
+                };
+                if let Reaction::AlertOnly { reason: why } =
+                    reaction(MonitorVerdict::Failed, revision, live.as_deref())
+                {
+                    let why = format!("{reason}; not rolled back: {why}");
+                    record(
+                        run,
+                        seq,
+                        events::DEPLOY_ROLLBACK_FAILED,
+                        &why,
+                        data([("revision", json!(revision)), ("attempted", json!(false))]),
+                    )
+                    .await?;
+                    self.alert(run, seq, "alert", revision, &why).await?;
+                    return Ok(why);
+                }
+                record(
+                    run,
+                    seq,
+                    events::DEPLOY_ROLLBACK_STARTED,
+                    format!("rolling back the unconfirmed `{revision}` with `{command}`"),
+                    data([("revision", json!(revision)), ("command", json!(command))]),
+                )
+                .await?;
+            }
             let out = run_repo_command(run, &command, revision).await;
             let failed = match &out {
                 Ok(o) if o.success() => None,

@@ -20,6 +20,7 @@ use std::path::{Component, Path};
 
 use orch_deploystate::WatchState;
 use orch_domain::artifact::{Artifact, Frontmatter, MODEL_NOT_APPLICABLE};
+use orch_domain::control::markers;
 use orch_domain::staging::rfc3339_utc;
 use orch_exec::process::{Cmd, run as run_process};
 use orch_store::{Event, JobState};
@@ -100,7 +101,7 @@ impl StageExecutor for LessonsExecutor {
             // operator approves or cancels the item.
             return Ok(StageEffect::Requeue {
                 delay_s: HOLD_RECHECK_S,
-                marker: format!("[orch:release-hold seq={seq}]"),
+                marker: markers::release_hold(seq),
                 reason: format!(
                     "repo {} is held ({reason}): waiting for `orch approve {}` or `orch cancel {}`",
                     run.repo_name, run.work_item, run.work_item

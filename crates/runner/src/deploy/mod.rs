@@ -36,6 +36,9 @@ pub mod probe;
 use std::time::Duration;
 
 use orch_domain::config::PostDeployConfig;
+// The deploy tail writes `DEPLOY_*`, `POST_DEPLOY_*` and `LESSONS_RECORDED` (each event's data
+// is a JSON object with `seq`); its submodules take `events` from here.
+use orch_domain::control::events;
 use orch_domain::monitor::WatchParams;
 use orch_exec::process::{Cmd, Output, SpawnError, run as run_process};
 use orch_store::{Event, NewEvent};
@@ -54,66 +57,6 @@ pub const DEPLOYER_AGENT: &str = "deployer";
 pub const MONITOR_AGENT: &str = "post-deploy-monitor";
 /// The job kind of the `lessons` stage.
 pub const LESSONS_AGENT: &str = "lessons";
-
-/// Event kinds written by the deploy tail. Each event's data is a JSON object with `seq`.
-pub mod events {
-    /// The deploy command is about to run.
-    pub const DEPLOY_STARTED: &str = "deploy.started";
-    /// The deploy command is run once more: its first run was interrupted by orch stopping
-    /// (a crash, a kill) before it ended, and the revision is not live (recorded first: a
-    /// visit re-runs it at most once).
-    pub const DEPLOY_REDEPLOYED: &str = "deploy.redeployed";
-    /// The visit's deploy markers were not on this node (it took the visit over from a node
-    /// that is gone, design.md §10): rebuilt from the events before going on.
-    pub const DEPLOY_MARKERS_RESTORED: &str = "deploy.markers_restored";
-    /// Deploy markers on this node belonged to another visit of the item (left when this node
-    /// went away and its visit was taken over): cleared before this visit deploys.
-    pub const DEPLOY_STALE_MARKERS_CLEARED: &str = "deploy.stale_markers_cleared";
-    /// The watch's files were not on this node (it took the watch over from a node that is
-    /// gone): re-armed from the deploy's `deploy.confirmed`, its polls so far marked lost.
-    pub const POST_DEPLOY_REARMED: &str = "post_deploy.rearmed";
-    /// No deploy command is configured.
-    pub const DEPLOY_SKIPPED: &str = "deploy.skipped";
-    /// The deploy command failed (non-zero exit, timeout, cannot start).
-    pub const DEPLOY_FAILED: &str = "deploy.failed";
-    /// The finalizer could not confirm yet and deferred.
-    pub const DEPLOY_DEFERRED: &str = "deploy.deferred";
-    /// The finalizer gave up: the deploy was not confirmed within its bound.
-    pub const DEPLOY_UNCONFIRMED: &str = "deploy.unconfirmed";
-    /// The deploy is confirmed (health reachable, revision live) and the watch armed.
-    pub const DEPLOY_CONFIRMED: &str = "deploy.confirmed";
-    /// The monitor found its sentinel state missing or broken, or could not store a poll.
-    pub const POST_DEPLOY_EVIDENCE_LOST: &str = "post_deploy.evidence_lost";
-    /// The alert: a DEGRADED watch, a FAILED one that may not roll back, a failed rollback.
-    pub const POST_DEPLOY_ALERT: &str = "post_deploy.alert";
-    /// An alert was delivered to one channel (`command` or `webhook`, in `data.channel`).
-    pub const POST_DEPLOY_ALERT_SENT: &str = "post_deploy.alert_sent";
-    /// An alert could not be delivered to one channel (failed, timed out, refused).
-    pub const POST_DEPLOY_ALERT_FAILED: &str = "post_deploy.alert_failed";
-    /// A watch ended early because a newer deploy of the same repo armed its own watch.
-    pub const POST_DEPLOY_SUPERSEDED: &str = "post_deploy.superseded";
-    /// An unconfirmed deploy is being rolled back (recorded first: a re-run never rolls
-    /// back twice).
-    pub const DEPLOY_ROLLBACK_STARTED: &str = "deploy.rollback_started";
-    /// An unconfirmed deploy was rolled back and the rollback verified.
-    pub const DEPLOY_ROLLED_BACK: &str = "deploy.rolled_back";
-    /// An unconfirmed deploy's rollback failed, was not verified, or was not attempted
-    /// because another revision is live.
-    pub const DEPLOY_ROLLBACK_FAILED: &str = "deploy.rollback_failed";
-    /// The rollback command is about to run (recorded first: a re-run never rolls back twice).
-    pub const POST_DEPLOY_ROLLBACK_STARTED: &str = "post_deploy.rollback_started";
-    /// The rollback command is run once more: its first run was interrupted by orch stopping
-    /// and production is not back (recorded first: at most once per visit).
-    pub const POST_DEPLOY_ROLLBACK_RERUN: &str = "post_deploy.rollback_rerun";
-    /// The rollback's result (ran, verified or not).
-    pub const POST_DEPLOY_ROLLBACK: &str = "post_deploy.rollback";
-    /// The watch's verdict and the action taken.
-    pub const POST_DEPLOY_VERDICT: &str = "post_deploy.verdict";
-    /// The recovery sweep re-enqueued a tick for a stranded watch.
-    pub const POST_DEPLOY_RECOVERED: &str = "post_deploy.recovered";
-    /// The lessons of a work item were recorded.
-    pub const LESSONS_RECORDED: &str = "lessons.recorded";
-}
 
 /// In-process counter groups of the deploy tail (read-only in `GET /queue`, never persisted,
 /// like the staging runner's, seed ORCH-115 D-4): `(group, names)`.
@@ -142,37 +85,6 @@ pub fn declare_counters(counters: &crate::counters::Counters) {
     for (group, names) in COUNTERS {
         counters.declare(group, names);
     }
-}
-
-/// The marker of a finalizer defer of stage visit `seq`, numbered `n` (1-based). Counting jobs
-/// whose content contains [`finalize_marker_prefix`] gives the defers so far.
-pub fn finalize_marker(seq: i64, n: u32) -> String {
-    format!("{} n={n}", finalize_marker_prefix(seq))
-}
-
-/// `[orch:deploy-finalize seq=<seq>]`: the substring counted for the finalizer's defers.
-pub fn finalize_marker_prefix(seq: i64) -> String {
-    format!("[orch:deploy-finalize seq={seq}]")
-}
-
-/// The marker of the monitor job for tick `tick` of stage visit `seq`.
-pub fn tick_marker(seq: i64, tick: u32) -> String {
-    format!("{} tick={tick}", tick_marker_prefix(seq))
-}
-
-/// `[orch:monitor-tick seq=<seq>]`: the substring counted for the monitor's ticks (design.md §7).
-pub fn tick_marker_prefix(seq: i64) -> String {
-    format!("[orch:monitor-tick seq={seq}]")
-}
-
-/// The marker of the `n`-th (1-based) wait before the first poll slot; it consumes no tick.
-pub fn wait_marker(seq: i64, n: u32) -> String {
-    format!("{} n={n}", wait_marker_prefix(seq))
-}
-
-/// `[orch:monitor-wait seq=<seq>]`: jobs that only wait for the first slot.
-pub fn wait_marker_prefix(seq: i64) -> String {
-    format!("[orch:monitor-wait seq={seq}]")
 }
 
 /// The watch parameters configured for a repo (frozen into `armed` when the watch is armed).

@@ -20,6 +20,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use orch_deploystate::{ArmedRead, ArmedRecord, WatchState, list_active};
+use orch_domain::control::markers;
 use orch_domain::monitor::{
     ActionTaken, CheckOutcome, Decision, Poll, PostDeployLog, Reaction, Verdict, WatchParams,
     decide, planned_polls, reaction, render_post_deploy_log, tick_at_ms,
@@ -32,7 +33,7 @@ use super::alert::Alert;
 use super::probe::{check_health, check_revision, live_revision, revision_matches};
 use super::{
     MONITOR_AGENT, OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command,
-    tick_marker, tick_marker_prefix, wait_marker, wait_marker_prefix, watch_params,
+    watch_params,
 };
 use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 
@@ -120,6 +121,9 @@ impl StageExecutor for MonitorExecutor {
             run.work_item.as_str(),
         );
         if ws.is_done() {
+            if let Some(effect) = self.retried(run, &ws, seq).await? {
+                return Ok(effect);
+            }
             tracing::info!(work_item = %run.work_item, "post-deploy watch already done; nothing to do");
             return Ok(StageEffect::Produced { outcome: None });
         }
@@ -136,6 +140,94 @@ impl StageExecutor for MonitorExecutor {
 }
 
 impl MonitorExecutor {
+    /// A visit that an operator's retry started after the watch had ended with the task's
+    /// failure: the newest of the task's `task.retried`, `post_deploy.verdict` and
+    /// `post_deploy.rearmed` events is the retry. The item's revision still live: a fresh watch
+    /// of it (`post_deploy.rearmed`), then ticks as usual. Another revision live (a later deploy,
+    /// a rollback): nothing of this item can be watched, the visit ends DEGRADED saying so.
+    /// `None` when this visit is not such a retry.
+    async fn retried(
+        &self,
+        run: &StageRun,
+        ws: &WatchState,
+        seq: i64,
+    ) -> anyhow::Result<Option<StageEffect>> {
+        let history = run.store.task_events(run.task.id).await?;
+        let newest = history.iter().rev().find(|e| {
+            matches!(
+                e.kind.as_str(),
+                events::TASK_RETRIED | events::POST_DEPLOY_VERDICT | events::POST_DEPLOY_REARMED
+            )
+        });
+        if newest.is_none_or(|e| e.kind != events::TASK_RETRIED) {
+            return Ok(None);
+        }
+        let old = match ws.armed() {
+            ArmedRead::Present(armed) => armed,
+            ArmedRead::Absent => return self.without_watch(run, ws, seq, None).await.map(Some),
+            ArmedRead::Corrupt(why) => {
+                return self.without_watch(run, ws, seq, Some(why)).await.map(Some);
+            }
+        };
+        let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+        let live = match &run.repo.revision_url {
+            Some(url) => live_revision(url, timeout).await,
+            None => None,
+        };
+        let params = watch_params(&run.repo.post_deploy);
+        let still_live = live
+            .as_deref()
+            .is_some_and(|live| revision_matches(&old.revision, live));
+        if !still_live {
+            let now = run.store.now_ms();
+            let live = live.map_or("unknown (no revision_url answer)".to_owned(), |l| {
+                format!("`{l}`")
+            });
+            let ending = Ending {
+                verdict: Verdict::Degraded,
+                reason: format!(
+                    "retried after the watch had ended: `{}` is no longer live (live: {live}), \
+                     so nothing of {} can be watched",
+                    old.revision, run.work_item
+                ),
+                action: ActionTaken::None,
+                action_detail: String::new(),
+            };
+            return finish(run, ws, seq, &params, now, &old.revision, &[], None, ending)
+                .await
+                .map(Some);
+        }
+        let armed = ArmedRecord::new(params, run.store.now_ms(), old.revision.clone());
+        if !ws.clear() {
+            anyhow::bail!(
+                "post-deploy watch of {}: cannot clear the ended watch to watch it again",
+                run.work_item
+            );
+        }
+        match ws.arm(&armed) {
+            orch_deploystate::ArmOutcome::Armed => {}
+            orch_deploystate::ArmOutcome::AlreadyArmed(_) => {}
+            orch_deploystate::ArmOutcome::Failed(why) => {
+                anyhow::bail!(
+                    "post-deploy watch of {}: cannot arm it again: {why}",
+                    run.work_item
+                )
+            }
+        }
+        record(
+            run,
+            seq,
+            events::POST_DEPLOY_REARMED,
+            format!(
+                "retried by an operator: `{}` is still live, watching it again",
+                armed.revision
+            ),
+            data([("revision", json!(armed.revision))]),
+        )
+        .await?;
+        self.tick(run, ws, seq, &armed).await.map(Some)
+    }
+
     /// One tick of an armed watch.
     async fn tick(
         &self,
@@ -153,20 +245,20 @@ impl MonitorExecutor {
         let now = run.store.now_ms();
         let first = tick_at_ms(&params, armed.armed_at_ms, 0);
         if now < first {
-            let waits = count(run, &wait_marker_prefix(seq)).await?;
+            let waits = count(run, &markers::monitor_wait_prefix(seq)).await?;
             let delay_s = u64::try_from(first - now)
                 .unwrap_or(0)
                 .div_ceil(1_000)
                 .max(1);
             return Ok(StageEffect::Requeue {
                 delay_s,
-                marker: wait_marker(seq, waits.saturating_add(1)),
+                marker: markers::monitor_wait(seq, waits.saturating_add(1)),
                 reason: format!("post-deploy watch: first poll in {delay_s}s"),
             });
         }
 
         // The slot to poll for: the queue's tick count, never behind the clock.
-        let tick_jobs = count(run, &tick_marker_prefix(seq)).await?;
+        let tick_jobs = count(run, &markers::monitor_tick_prefix(seq)).await?;
         let interval_ms =
             i64::try_from(params.interval_s.max(1).saturating_mul(1_000)).unwrap_or(i64::MAX);
         let slot_now = u32::try_from((now - first) / interval_ms).unwrap_or(u32::MAX);
@@ -193,7 +285,7 @@ impl MonitorExecutor {
         match decide(&series.polls, &params, armed.armed_at_ms, now) {
             Decision::Continue { next_delay_s } => Ok(StageEffect::Requeue {
                 delay_s: next_delay_s.max(1),
-                marker: tick_marker(seq, tick.saturating_add(1)),
+                marker: markers::monitor_tick(seq, tick.saturating_add(1)),
                 reason: format!("post-deploy watch: tick {tick} polled; next in {next_delay_s}s"),
             }),
             Decision::Final(verdict, reason) => {
@@ -665,7 +757,7 @@ pub(crate) async fn verify_rollback(
 /// `series` files stayed on that node's disk. Re-arms the watch here from the deploy's
 /// `deploy.confirmed` event (its revision; armed when it was recorded; this node's watch
 /// parameters), so its ticks go on against the original deadline, and marks the polls taken
-/// there as lost (`lost`, a `post_deploy.rearmed` event): lost evidence never ends HEALTHY.
+/// there as lost (`lost`, a `post_deploy.taken_over` event): lost evidence never ends HEALTHY.
 /// `None` when this is no takeover or the events hold no armed deploy (then the watch's
 /// state is missing, as before).
 async fn rearm_after_takeover(
@@ -675,7 +767,7 @@ async fn rearm_after_takeover(
 ) -> anyhow::Result<Option<ArmedRecord>> {
     let history = run.store.task_events(run.task.id).await?;
     let Some(takeover) = history.iter().rev().find(|e| {
-        e.kind == crate::engine::TAKEOVER_KIND
+        e.kind == events::NODE_TAKEOVER
             && event_seq(e) == Some(seq)
             && super::event_str(e, "to").as_deref() == Some(run.node.as_str())
     }) else {
@@ -724,7 +816,7 @@ async fn record_rearmed(
     record(
         run,
         seq,
-        events::POST_DEPLOY_REARMED,
+        events::POST_DEPLOY_TAKEN_OVER,
         format!(
             "post-deploy watch of `{revision}` re-armed on node {} from the events: {lost}",
             run.node
@@ -827,7 +919,7 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) {
     let already_held = release::open_hold(&history).is_some();
     let rolled_back_recorded = history
         .iter()
-        .any(|e| e.kind == release::events::ROLLED_BACK);
+        .any(|e| e.kind == events::RELEASE_ROLLED_BACK);
     let held = |reason: String| async move {
         if !already_held {
             release::hold(run, &reason).await;
@@ -918,7 +1010,7 @@ async fn rollback_rerun(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
 
 /// True when production looks rolled back from `revision` now: health passes and (when the
 /// service names its revision) `revision` is no longer the live one. Unknown is false.
-async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
+pub(crate) async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
     let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
     let healthy = match &run.repo.health_url {
         Some(url) => check_health(url, timeout).await.outcome == CheckOutcome::Pass,
@@ -1089,7 +1181,7 @@ async fn recover_one(
         .count_jobs(&JobCount {
             task_id: task.id,
             agent: MONITOR_AGENT.to_owned(),
-            content_contains: Some(tick_marker_prefix(seq)),
+            content_contains: Some(markers::monitor_tick_prefix(seq)),
         })
         .await?;
     let n = u32::try_from(ticks).unwrap_or(u32::MAX).saturating_add(1);
@@ -1099,10 +1191,13 @@ async fn recover_one(
     };
     let enqueued = store
         .enqueue(
-            NewJob::new(MONITOR_AGENT, payload.with_marker(&tick_marker(seq, n)))
-                .task(task.id)
-                .dedupe(format!("monitor-recover:{}:{seq}:{n}", task.id))
-                .node(node),
+            NewJob::new(
+                MONITOR_AGENT,
+                payload.with_marker(&markers::monitor_tick(seq, n)),
+            )
+            .task(task.id)
+            .dedupe(format!("monitor-recover:{}:{seq}:{n}", task.id))
+            .node(node),
         )
         .await?;
     if !enqueued.duplicate {

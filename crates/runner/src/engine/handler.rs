@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use orch_domain::config::Config;
+use orch_domain::control::{self, dedupe, events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
 use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
 use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
@@ -25,9 +26,6 @@ use crate::worker::{JobContext, JobHandler, Outcome, Registry};
 pub const INTAKE: &str = "intake";
 /// Attempts of one stage job before its task fails.
 pub const STAGE_ATTEMPTS: i64 = 3;
-/// The event a node writes when it takes over a job pinned to a node gone longer than the
-/// grace (design.md §10); `data`: `from`, `to`, `last_seen_ms`, `seq`, `stage`, `job`.
-pub const TAKEOVER_KIND: &str = "node.takeover";
 /// Stages whose jobs must run where the deploy's local state lives (design.md §10).
 const PINNED_STAGES: &[&str] = &["deploy", "observe"];
 
@@ -206,7 +204,7 @@ impl Engine {
         };
         match self.prepare(&cx, &task, taken_over).await {
             // The stage's work is done and committed; only entering the release track waits.
-            Ok(run) if crate::release::is_wait(&cx.job.task_content) => {
+            Ok(run) if markers::is_release_wait(&cx.job.task_content) => {
                 self.finish_stage(&cx, run, None).await
             }
             Ok(run) => self.run_stage(&cx, sj, run).await,
@@ -243,7 +241,7 @@ impl Engine {
             task.work_item_id, sj.stage, cx.job.id, sj.seq
         );
         tracing::warn!(work_item = %task.work_item_id, job = cx.job.id, %from, %to, "{message}");
-        let event = NewEvent::new(TAKEOVER_KIND, message)
+        let event = NewEvent::new(events::NODE_TAKEOVER, message)
             .task(task.id)
             .job(cx.job.id)
             .stage(task.stage.clone())
@@ -335,15 +333,14 @@ impl Engine {
     /// the visit it started.
     async fn loops_and_feedback(&self, task_id: i64) -> Result<(u32, Option<ArtifactName>)> {
         let events = self.store.task_events(task_id).await?;
-        let mut loops = 0;
+        let loops = control::loops_used(events.iter().map(|e| e.kind.as_str()));
         let mut feedback = None;
         for e in &events {
-            if e.kind == "stage.loop_back" {
-                loops += 1;
+            if e.kind == events::STAGE_LOOP_BACK {
                 feedback = serde_json::from_str::<serde_json::Value>(&e.data)
                     .ok()
                     .and_then(|v| v["feedback"].as_str().and_then(|f| f.parse().ok()));
-            } else if e.kind == "stage.advanced" {
+            } else if e.kind == events::STAGE_ADVANCED {
                 feedback = None;
             }
         }
@@ -358,7 +355,7 @@ impl Engine {
         };
         self.event(
             &run,
-            "stage.started",
+            events::STAGE_STARTED,
             &format!("{} attempt {}", sj.stage, cx.lease.attempt),
             None,
         )
@@ -377,14 +374,14 @@ impl Engine {
                     .task(run.task.id)
                     .delay_s(i64::try_from(delay_s).unwrap_or(i64::MAX / 1000))
                     .max_attempts(STAGE_ATTEMPTS)
-                    .dedupe(format!("requeue-of:{}", cx.job.id));
+                    .dedupe(dedupe::requeue_of(cx.job.id));
                 if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
                     job = job.node(self.cfg.node.clone());
                 }
                 self.store.enqueue(job).await?;
                 self.event(
                     &run,
-                    "stage.requeued",
+                    events::STAGE_REQUEUED,
                     &reason,
                     Some(serde_json::json!({
                         "delay_s": delay_s, "marker": marker,
@@ -416,7 +413,8 @@ impl Engine {
                     run.work_item.artifact_dir(),
                     outside.join(", ")
                 );
-                self.event(&run, "artifact.rejected", &reason, None).await;
+                self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+                    .await;
                 anyhow::bail!(reason);
             }
         }
@@ -429,12 +427,14 @@ impl Engine {
                 "files were changed in the repo's main checkout (outside the worktree): {}; reverted",
                 files.join(", ")
             );
-            self.event(&run, "artifact.rejected", &reason, None).await;
+            self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+                .await;
             anyhow::bail!(reason);
         }
         let refused = artifacts::refuse_unsafe(&self.git, &run.worktree, &run.artifact_dir).await?;
         for r in &refused {
-            self.event(&run, "artifact.rejected", &r.reason, None).await;
+            self.event(&run, events::ARTIFACT_REJECTED, &r.reason, None)
+                .await;
         }
         let commit = self.commit(&run, "result").await?;
         let gate = match outcome {
@@ -453,7 +453,8 @@ impl Engine {
                 true => format!("artifact rejected: {}", gate.reason),
                 false => format!("artifact rejected: {}; {}", refused.join("; "), gate.reason),
             };
-            self.event(&run, "artifact.rejected", &reason, None).await;
+            self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+                .await;
             anyhow::bail!(reason);
         }
         let decision = match self.cfg.pipeline.decide(&run.stage.name, &gate, run.loops) {
@@ -479,15 +480,11 @@ impl Engine {
             })
         };
         let kind = if decision.loop_back {
-            "stage.loop_back"
+            events::STAGE_LOOP_BACK
         } else if decision.next_stage.is_terminal() {
-            match next.as_str() {
-                "done" => "task.done",
-                "cancelled" => "task.cancelled",
-                _ => "task.failed",
-            }
+            control::terminal_event(next.as_str()).unwrap_or(events::TASK_FAILED)
         } else {
-            "stage.advanced"
+            events::STAGE_ADVANCED
         };
         let mut data = serde_json::json!({
             "from": run.stage.name.as_str(),
@@ -502,15 +499,15 @@ impl Engine {
             // The final outcome, for every view of the task (the gate's value stays `result`).
             data["result"] = data["outcome"].take();
             data["outcome"] = match next.as_str() {
-                "done" => {
-                    let events = self.store.task_events(run.task.id).await?;
-                    crate::release::done_outcome(&events).into()
+                control::DONE => {
+                    let history = self.store.task_events(run.task.id).await?;
+                    crate::release::done_outcome(&history).into()
                 }
-                "cancelled" => "cancelled".into(),
+                control::CANCELLED => control::CANCELLED.into(),
                 _ => {
                     data["stage"] = run.stage.name.as_str().into();
                     data["reason"] = decision.reason.clone().into();
-                    "failed".into()
+                    control::FAILED.into()
                 }
             };
         }
@@ -620,7 +617,7 @@ impl Engine {
         holder_stage: &str,
     ) -> Result<Outcome> {
         let seq = run.task.stage_seq;
-        let marker = crate::release::wait_marker(seq);
+        let marker = markers::release_wait(seq);
         let content = if cx.job.task_content.contains(&marker) {
             cx.job.task_content.clone()
         } else {
@@ -632,15 +629,15 @@ impl Engine {
             .task(run.task.id)
             .delay_s(i64::try_from(crate::release::WAIT_S).unwrap_or(3))
             .max_attempts(STAGE_ATTEMPTS)
-            .dedupe(format!("requeue-of:{}", cx.job.id));
+            .dedupe(dedupe::requeue_of(cx.job.id));
         if let Some(node) = &cx.job.node {
             job = job.node(node.clone());
         }
         self.store.enqueue(job).await?;
-        if !crate::release::is_wait(&cx.job.task_content) {
+        if !markers::is_release_wait(&cx.job.task_content) {
             self.event(
                 run,
-                crate::release::events::WAITING,
+                events::RELEASE_WAITING,
                 &format!(
                     "waiting for repo {}'s release track, held by {holder} (at {holder_stage}); one release at a time",
                     run.repo_name
@@ -662,14 +659,14 @@ impl Engine {
             .advance_stage(AdvanceStage {
                 task_id: task.id,
                 expected_stage: task.stage.clone(),
-                new_stage: "failed".into(),
+                new_stage: control::FAILED.into(),
                 fence: Fence::Job(cx.lease),
-                event: NewEvent::new("task.failed", reason.to_owned())
+                event: NewEvent::new(events::TASK_FAILED, reason.to_owned())
                     .job(cx.job.id)
                     .data(
                         serde_json::json!({
-                            "from": task.stage, "to": "failed",
-                            "outcome": "failed", "stage": task.stage, "reason": reason,
+                            "from": task.stage, "to": control::FAILED,
+                            "outcome": control::FAILED, "stage": task.stage, "reason": reason,
                         })
                         .to_string(),
                     ),

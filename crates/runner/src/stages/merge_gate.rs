@@ -12,7 +12,7 @@
 //! Infrastructure errors (git failing to run, a failed fetch) are retried a bounded number of
 //! times, counted from the jobs queue exactly like the staging defers (seed ORCH-115 D-2:
 //! restart-safe, no column): each retry is a fresh `merge-gate` job carrying
-//! [`infra_retry_marker`]`(stage_seq)`; past [`INFRA_RETRY_LIMIT`] the result is `FAILED` with
+//! `markers::merge_infra_retry(stage_seq)`; past [`INFRA_RETRY_LIMIT`] the result is `FAILED` with
 //! `failure_kind: infra_exhausted`.
 //!
 //! Restart safety: the candidate is rebuilt from the committed branch on every attempt; a
@@ -25,6 +25,7 @@ use std::sync::Arc;
 use anyhow::Context as _;
 use orch_domain::artifact::{Artifact, Value};
 use orch_domain::config::MergeStrategy as RepoMergeStrategy;
+use orch_domain::control::markers;
 use orch_domain::gate::{MergeStatus, TestStatus};
 use orch_exec::{Git, MergeResult};
 use orch_store::JobCount;
@@ -47,16 +48,10 @@ pub const COUNTER_GROUP: &str = "merge_gate";
 const COUNTER_NAMES: [&str; 5] = ["runs", "merged", "conflict", "failed", "infra_retry"];
 
 /// Infrastructure retries allowed per merge visit; the infrastructure error after the last one
-/// is `FAILED` / `infra_exhausted`.
+/// is `FAILED` / `infra_exhausted`. The retries so far are this task's `merge-gate` jobs whose
+/// content carries `markers::merge_infra_retry(stage_seq)` (the D-2 scheme of the staging
+/// defers).
 pub const INFRA_RETRY_LIMIT: u32 = 3;
-
-/// The marker a retry job of the merge gate carries in its `task_content`: the retry count of
-/// a merge visit is the number of that task's `merge-gate` jobs containing it (the D-2 scheme
-/// of the staging defers). Scoped to the stage visit by `stage_seq`; the closing `]` keeps
-/// `seq=1]` from matching inside `seq=12]`.
-pub fn infra_retry_marker(stage_seq: i64) -> String {
-    format!("[orch:merge-infra-retry seq={stage_seq}]")
-}
 
 /// The delay before retry number `attempt` (1-based): 30 s, 60 s, 120 s, … at most 300 s.
 pub fn infra_retry_delay_s(attempt: u32) -> u64 {
@@ -156,7 +151,7 @@ impl StageExecutor for MergeGateExecutor {
             Ok(report) => report,
             Err(Interrupted::Stopped(e)) => return Err(e),
             Err(Interrupted::Infra(reason)) => {
-                let marker = infra_retry_marker(run.task.stage_seq);
+                let marker = markers::merge_infra_retry(run.task.stage_seq);
                 let so_far = run
                     .store
                     .count_jobs(&JobCount {
@@ -215,7 +210,7 @@ async fn count_retries(run: &StageRun) -> u32 {
     let q = JobCount {
         task_id: run.task.id,
         agent: AGENT.to_owned(),
-        content_contains: Some(infra_retry_marker(run.task.stage_seq)),
+        content_contains: Some(markers::merge_infra_retry(run.task.stage_seq)),
     };
     match run.store.count_jobs(&q).await {
         Ok(n) => u32::try_from(n.max(0)).unwrap_or(u32::MAX),
@@ -507,9 +502,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn retry_markers_and_delays() {
-        assert_eq!(infra_retry_marker(7), "[orch:merge-infra-retry seq=7]");
-        assert!(!infra_retry_marker(12).contains(&infra_retry_marker(1)));
+    fn retry_delays() {
         let delays: Vec<u64> = (1..=6).map(infra_retry_delay_s).collect();
         assert_eq!(delays, [30, 60, 120, 240, 300, 300]);
         assert_eq!(infra_retry_delay_s(0), 30);

@@ -6,17 +6,18 @@
 //! `parse_staging_status` gate.
 //!
 //! What lives where (D-1, NFR-1: no table, column or migration): the defer count is the number
-//! of this task's `deployer` jobs whose `task_content` carries `defer_marker(stage_seq)`; the
-//! deferred job itself is enqueued by the engine from [`StageEffect::Requeue`]; the stage is
+//! of this task's `deployer` jobs whose `task_content` carries
+//! `markers::staging_defer(stage_seq)`; the deferred job itself is enqueued by the engine from [`StageEffect::Requeue`]; the stage is
 //! changed only by the engine's fenced `advance_stage`; the counters are in-process (D-4).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use orch_domain::control::markers;
 use orch_domain::staging::{
     Classification, DeferPolicy, StagingDecision, StagingEnvironment, StagingLog, StagingPlan,
-    StagingVerdict, StepExit, StepResult, classify, decide_after, defer_marker, render_staging_log,
+    StagingVerdict, StepExit, StepResult, classify, decide_after, render_staging_log,
 };
 use orch_exec::{ExitKind, SpawnError};
 use orch_store::JobCount;
@@ -140,7 +141,7 @@ impl StageExecutor for StagingExecutor {
 
         // D-2: the defer count is the number of this task's deployer jobs carrying the marker
         // of this stage visit (the running job included when it is itself a deferred one).
-        let marker = defer_marker(run.task.stage_seq);
+        let marker = markers::staging_defer(run.task.stage_seq);
         let defers = run
             .store
             .count_jobs(&JobCount {
