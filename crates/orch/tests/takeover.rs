@@ -237,6 +237,18 @@ async fn node_dies_and_the_other_takes_over(death: Death) {
     common::stop_service(&dir);
     reap_orphans();
 
+    // `orch queue` names both nodes with how long ago each was seen.
+    let queue = orch_db(&dir, &url, &["queue"]);
+    assert!(queue.contains("last seen ago"), "{queue}");
+    for node in ["a", "b"] {
+        assert!(
+            queue
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(node)),
+            "{queue}"
+        );
+    }
+
     let history = events(&store, &id).await;
     let summary: Vec<String> = history
         .iter()
