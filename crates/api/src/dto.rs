@@ -528,6 +528,31 @@ pub struct Queue {
     pub active_observations: Vec<ObservationDto>,
     /// One release at a time per repo: the holder of each busy track and who waits for it.
     pub release_tracks: Vec<ReleaseTrackDto>,
+    /// Every node a worker ran on, with when it was last seen (its heartbeat beacon).
+    pub nodes: Vec<NodeDto>,
+    /// The latest jobs taken over from a node gone longer than the grace, newest last.
+    pub takeovers: Vec<TakeoverDto>,
+}
+
+/// A node in `GET /queue`.
+#[derive(Debug, Serialize)]
+pub struct NodeDto {
+    pub node: String,
+    pub first_seen_ms: i64,
+    pub last_seen_ms: i64,
+    pub last_seen_age_s: f64,
+}
+
+/// A takeover in `GET /queue` (a `node.takeover` event).
+#[derive(Debug, Serialize)]
+pub struct TakeoverDto {
+    pub at_ms: i64,
+    pub task_id: Option<i64>,
+    pub job_id: Option<i64>,
+    pub from: Option<String>,
+    pub to: Option<String>,
+    pub stage: Option<String>,
+    pub message: String,
 }
 
 /// A repo's release track in `GET /queue`.
@@ -598,14 +623,20 @@ impl Queue {
         observations: Vec<Observation>,
         tracks: Vec<ReleaseTrack>,
     ) -> Result<Queue, orch_store::StoreError> {
-        let (stats, tasks_by_stage) =
-            tokio::try_join!(store.queue_stats(), store.count_tasks_by_stage())?;
+        let (stats, tasks_by_stage, nodes, takeovers) = tokio::try_join!(
+            store.queue_stats(),
+            store.count_tasks_by_stage(),
+            store.nodes(),
+            crate::snapshot::latest_takeovers(store)
+        )?;
         Ok(Queue::new(&QueueSnapshot {
             stats,
             tasks_by_stage,
             runners: Vec::new(),
             observations,
             tracks,
+            nodes,
+            takeovers,
             version: version.to_owned(),
             uptime_ms: 0,
         }))
@@ -664,6 +695,33 @@ impl Queue {
                     holder_stage: t.holder.as_ref().map(|h| h.1.clone()),
                     held: t.held.clone(),
                     waiting: t.waiting.clone(),
+                })
+                .collect(),
+            nodes: s
+                .nodes
+                .iter()
+                .map(|n| NodeDto {
+                    node: n.node.clone(),
+                    first_seen_ms: n.first_seen_ms,
+                    last_seen_ms: n.last_seen_ms,
+                    last_seen_age_s: secs(s.node_age_ms(n)),
+                })
+                .collect(),
+            takeovers: s
+                .takeovers
+                .iter()
+                .map(|e| {
+                    let d: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
+                    let text = |k: &str| d[k].as_str().map(str::to_owned);
+                    TakeoverDto {
+                        at_ms: e.created_at,
+                        task_id: e.task_id,
+                        job_id: e.job_id,
+                        from: text("from"),
+                        to: text("to"),
+                        stage: text("stage"),
+                        message: e.message.clone(),
+                    }
                 })
                 .collect(),
         }

@@ -33,6 +33,8 @@ pub(crate) struct StoreFacts {
     pub oldest_queued_age_s: f64,
     /// Live leases by agent.
     pub leases_by_agent: BTreeMap<String, u64>,
+    /// Seconds since each node was last seen (its beacon), by node.
+    pub node_ages: Vec<(String, f64)>,
     pub tasks_by_stage: Vec<(String, i64)>,
     /// Finished tasks by outcome (every outcome, zeros included).
     pub tasks_by_outcome: Vec<(&'static str, i64)>,
@@ -75,6 +77,11 @@ impl Scrape {
                 .collect(),
             oldest_queued_age_s: snap.oldest_queued_age_ms().unwrap_or(0) as f64 / 1000.0,
             leases_by_agent,
+            node_ages: snap
+                .nodes
+                .iter()
+                .map(|n| (n.node.clone(), snap.node_age_ms(n) as f64 / 1000.0))
+                .collect(),
             tasks_by_stage: snap.tasks_by_stage.clone(),
             tasks_by_outcome: orch_domain::outcome::Outcome::ALL
                 .iter()
@@ -298,6 +305,17 @@ impl Collector for Scrape {
             )?;
             for (agent, n) in &s.leases_by_agent {
                 f.gauge(&[("agent", agent)], *n)?;
+            }
+            let mut f = family(
+                &mut enc,
+                "orch_node_last_seen_age",
+                "Time since a worker on each node was last seen (its heartbeat beacon); past \
+                 node_grace_s the node's pinned jobs are taken over by another node.",
+                Some(&seconds),
+                MetricType::Gauge,
+            )?;
+            for (node, age) in &s.node_ages {
+                f.gauge(&[("node", node)], *age)?;
             }
             let mut f = family(
                 &mut enc,

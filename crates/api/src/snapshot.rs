@@ -1,7 +1,7 @@
 //! One read of "the queue at a glance" (store stats, tasks by stage, in-process counters and
 //! watches), shared by `GET /queue`, `GET /metrics` and the dashboard so the three never disagree.
 
-use orch_store::{QueueStats, StoreError};
+use orch_store::{Event, NodeSeen, QueueStats, Store, StoreError};
 
 use crate::ApiState;
 use crate::ops::{Observation, ReleaseTrack, RunnerCounters};
@@ -14,6 +14,10 @@ pub(crate) struct QueueSnapshot {
     pub runners: Vec<RunnerCounters>,
     pub observations: Vec<Observation>,
     pub tracks: Vec<ReleaseTrack>,
+    /// Every node's beacon (when a worker on it was last seen), by name.
+    pub nodes: Vec<NodeSeen>,
+    /// The latest takeovers of a gone node's jobs (`node.takeover` events), newest last.
+    pub takeovers: Vec<Event>,
     pub version: String,
     pub uptime_ms: i64,
 }
@@ -26,6 +30,8 @@ impl QueueSnapshot {
             state.store.queue_stats(),
             state.store.count_tasks_by_stage()
         )?;
+        let (nodes, takeovers) =
+            tokio::try_join!(state.store.nodes(), latest_takeovers(&state.store))?;
         let runners = state.ops.runner_counters().await;
         let observations = state.ops.active_observations().await;
         let tracks = state.ops.release_tracks().await;
@@ -36,8 +42,15 @@ impl QueueSnapshot {
             runners,
             observations,
             tracks,
+            nodes,
+            takeovers,
             version: state.version.clone(),
         })
+    }
+
+    /// How long ago node `n` was last seen (never negative).
+    pub fn node_age_ms(&self, n: &NodeSeen) -> i64 {
+        self.stats.now.saturating_sub(n.last_seen_ms).max(0)
     }
 
     /// How long the oldest ready-but-unclaimed job has waited (never negative).
@@ -55,5 +68,31 @@ impl QueueSnapshot {
             .filter(|c| c.state == state)
             .map(|c| c.count)
             .sum()
+    }
+}
+
+/// How many takeovers the queue views list.
+pub(crate) const TAKEOVERS_SHOWN: usize = 20;
+
+/// The last [`TAKEOVERS_SHOWN`] `node.takeover` events (rare: one per job a gone node held).
+pub(crate) async fn latest_takeovers(store: &Store) -> Result<Vec<Event>, StoreError> {
+    const PAGE: u32 = 500;
+    let mut out: Vec<Event> = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = store
+            .events_by_kind(orch_domain::control::events::NODE_TAKEOVER, after, PAGE)
+            .await?;
+        let full = page.len() == PAGE as usize;
+        if let Some(last) = page.last() {
+            after = last.id;
+        }
+        out.extend(page);
+        if out.len() > TAKEOVERS_SHOWN {
+            out.drain(..out.len() - TAKEOVERS_SHOWN);
+        }
+        if !full {
+            return Ok(out);
+        }
     }
 }

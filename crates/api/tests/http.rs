@@ -350,6 +350,7 @@ async fn busy_queue() -> (Harness, Task) {
                 lease_ms: 30_000,
                 kinds: vec!["analyst".into()],
                 node: None,
+                node_grace_ms: None,
             })
             .await
             .unwrap();
@@ -384,6 +385,49 @@ async fn queue_shows_jobs_leases_stages_counters_and_observations() {
     assert_eq!(obs[0]["work_item_id"], "ORCH-7");
     assert_eq!(obs[0]["revision"], "abc123");
     assert_eq!(obs[0]["remaining_s"], json!(535.0));
+}
+
+#[tokio::test]
+async fn queue_shows_nodes_and_takeovers() {
+    let h = Harness::new(None).await;
+    let t = h.task("ORCH-1", "first", "svc", Some("deployer")).await;
+    h.db.store.node_seen("box-a").await.unwrap();
+    h.db.clock.advance_ms(7_000);
+    h.db.store.node_seen("box-b").await.unwrap();
+    h.db.store
+        .append_event(
+            NewEvent::new("node.takeover", "node box-b took over ORCH-1's deploy job")
+                .task(t.id)
+                .job(9)
+                .data(json!({"from": "box-a", "to": "box-b", "stage": "deploy"}).to_string()),
+        )
+        .await
+        .unwrap();
+    let v = h.get("/queue", StatusCode::OK).await.json();
+    let nodes = v["nodes"].as_array().unwrap();
+    assert_eq!(nodes.len(), 2, "{v}");
+    assert_eq!(nodes[0]["node"], "box-a");
+    assert_eq!(nodes[0]["last_seen_age_s"], json!(7.0));
+    assert_eq!(nodes[1]["node"], "box-b");
+    assert_eq!(nodes[1]["last_seen_age_s"], json!(0.0));
+    let takeovers = v["takeovers"].as_array().unwrap();
+    assert_eq!(takeovers.len(), 1);
+    assert_eq!(takeovers[0]["from"], "box-a");
+    assert_eq!(takeovers[0]["to"], "box-b");
+    assert_eq!(takeovers[0]["stage"], "deploy");
+    assert_eq!(takeovers[0]["job_id"], 9);
+    assert_eq!(takeovers[0]["task_id"], json!(t.id));
+    // A beacon is a finished job row of its own kind, never a queued or running one.
+    assert_eq!(v["jobs"]["by_agent"]["node-beacon"]["done"], 2);
+    let m = h.get("/metrics", StatusCode::OK).await.text;
+    assert!(
+        m.contains("orch_node_last_seen_age_seconds{node=\"box-a\"} 7.0"),
+        "{m}"
+    );
+    assert!(
+        m.contains("orch_node_last_seen_age_seconds{node=\"box-b\"} 0.0"),
+        "{m}"
+    );
 }
 
 /// One parsed exposition line: name, labels, value.

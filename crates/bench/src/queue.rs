@@ -486,6 +486,7 @@ async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<JobMix> 
         lease_ms: 3_600_000,
         kinds: AGENTS.iter().map(|a| (*a).to_owned()).collect(),
         node: None,
+        node_grace_ms: None,
     };
     let mut claimed = Vec::with_capacity(to_claim);
     while claimed.len() < to_claim {

@@ -163,6 +163,10 @@ pub struct Settings {
     pub agent_timeout_s: u64,
     /// This machine's node name, for job affinity; unset means the host name.
     pub node: Option<String>,
+    /// Seconds a node may go unseen (no worker heartbeat from it) before the jobs pinned to it
+    /// (deploys, watches) may be taken over by another node (design.md §10). At least
+    /// `lease_s`. Default 300.
+    pub node_grace_s: u64,
 }
 
 impl Default for Settings {
@@ -183,6 +187,7 @@ impl Default for Settings {
             unknown_run_tokens: None,
             agent_timeout_s: 1800,
             node: None,
+            node_grace_s: DEFAULT_NODE_GRACE_S,
         }
     }
 }
@@ -487,6 +492,9 @@ fn invalid(section: impl Into<String>, key: &str, reason: impl Into<String>) -> 
     }
 }
 
+/// The default of `[settings] node_grace_s`.
+pub const DEFAULT_NODE_GRACE_S: u64 = 300;
+
 /// The agents of deterministic stages: built into orch, not configured in `[agents]`.
 pub const BUILT_IN_AGENTS: [&str; 5] = [
     "tester",
@@ -531,6 +539,7 @@ impl Config {
         }
         env_number(&get, "ORCH_WORKERS", &mut s.workers)?;
         env_number(&get, "ORCH_LEASE_S", &mut s.lease_s)?;
+        env_number(&get, "ORCH_NODE_GRACE_S", &mut s.node_grace_s)?;
         env_number(&get, "ORCH_POLL_INTERVAL_MS", &mut s.poll_interval_ms)?;
         env_number(&get, "ORCH_AGENT_CONCURRENCY", &mut s.agent_concurrency)?;
         env_number(&get, "ORCH_AGENT_TIMEOUT_S", &mut s.agent_timeout_s)?;
@@ -606,6 +615,16 @@ impl Config {
             if value == 0 {
                 return Err(invalid("settings", key, "must be at least 1"));
             }
+        }
+        if s.node_grace_s < s.lease_s {
+            return Err(invalid(
+                "settings",
+                "node_grace_s",
+                format!(
+                    "must be at least lease_s ({}): a node is judged gone only after its leases could have expired",
+                    s.lease_s
+                ),
+            ));
         }
         if s.repos_dir.trim().is_empty() {
             return Err(invalid("settings", "repos_dir", "must not be empty"));
@@ -1095,6 +1114,8 @@ agent_timeout_s = 1800
 # unknown_run_tokens = 200000
 # This machine's name for job affinity (default: the host name).
 # node = "build-1"
+# Seconds a node may go unseen before its pinned jobs (deploys, watches) move to another node.
+# node_grace_s = 300
 
 # One section per managed repo. Work item ids are <prefix>-<n>, e.g. APP-1.
 # [repos.app]
@@ -1438,6 +1459,10 @@ interval_s = 10
                 Err("[settings] max_cost_usd_per_item"),
             ),
             ("[settings]\nnode = \"a b\"\n", Err("[settings] node")),
+            (
+                "[settings]\nlease_s = 60\nnode_grace_s = 30\n",
+                Err("[settings] node_grace_s"),
+            ),
             (
                 "[repos.app]\nprefix = \"APP\"\n",
                 Err("[repos.app] path: set `path`"),

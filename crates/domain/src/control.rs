@@ -134,6 +134,21 @@ pub mod events {
     /// The lessons of a work item were recorded.
     pub const LESSONS_RECORDED: &str = "lessons.recorded";
 
+    // Nodes (design.md §10).
+    /// A node took over a job pinned to a node gone longer than the grace, and re-pinned it:
+    /// `{from, to, last_seen_ms, seq, stage, job, agent}`.
+    pub const NODE_TAKEOVER: &str = "node.takeover";
+    /// The visit's deploy markers were not on this node (it took the visit over from a node
+    /// that is gone): rebuilt from the events before going on: `{revision, ended_well, node}`.
+    pub const DEPLOY_MARKERS_RESTORED: &str = "deploy.markers_restored";
+    /// Deploy markers on this node belonged to another visit of the item (left when this node
+    /// went away and that visit was taken over): cleared before this visit deploys:
+    /// `{revision, node}`.
+    pub const DEPLOY_STALE_MARKERS_CLEARED: &str = "deploy.stale_markers_cleared";
+    /// A watch taken over from a node that is gone, re-armed here from the deploy's
+    /// `deploy.confirmed`, the polls taken there marked lost: `{revision, from, armed_at_ms}`.
+    pub const POST_DEPLOY_TAKEN_OVER: &str = "post_deploy.taken_over";
+
     // The release train.
     /// A task could not enter the release track: `{repo, holder, holder_stage}`.
     pub const RELEASE_WAITING: &str = "release.waiting";
@@ -199,6 +214,10 @@ pub mod events {
         POST_DEPLOY_RECOVERED,
         POST_DEPLOY_REARMED,
         LESSONS_RECORDED,
+        NODE_TAKEOVER,
+        DEPLOY_MARKERS_RESTORED,
+        DEPLOY_STALE_MARKERS_CLEARED,
+        POST_DEPLOY_TAKEN_OVER,
         RELEASE_WAITING,
         RELEASE_STAGED,
         RELEASE_PROMOTING,

@@ -166,7 +166,8 @@ pub struct WorkerArgs {
     /// Seconds running jobs get to finish on shutdown before their leases are released.
     #[arg(long, default_value_t = 30)]
     pub grace_s: u64,
-    /// This machine's node name (jobs pinned to a node run only there).
+    /// This machine's node name: deploy and watch jobs are pinned to the node that runs them,
+    /// and move to another node only once it has not been seen for `node_grace_s`.
     #[arg(long, env = "ORCH_NODE")]
     pub node: Option<String>,
     /// Worker id recorded on claimed jobs (default: host-pid-random).

@@ -45,6 +45,17 @@ pub fn node_name(config: &Config) -> String {
 
 impl Runtime {
     pub fn new(cx: &Context, config: &Config, store: &Store) -> Result<Runtime> {
+        Runtime::new_on_node(cx, config, store, None)
+    }
+
+    /// [`Runtime::new`] for the node `node` (`orch worker --node`), else [`node_name`]: the
+    /// node the engine pins deploy and watch jobs to must be the one the worker claims as.
+    pub fn new_on_node(
+        cx: &Context,
+        config: &Config,
+        store: &Store,
+        node: Option<&str>,
+    ) -> Result<Runtime> {
         let pipeline = config.pipeline().context("invalid pipeline in orch.toml")?;
         let repos_dir = cx.repos_dir(config);
         let counters = Arc::new(Counters::new());
@@ -58,7 +69,7 @@ impl Runtime {
                 pipeline: Arc::new(pipeline),
                 root: cx.root.clone(),
                 repos_dir: repos_dir.clone(),
-                node: node_name(&config),
+                node: node.map_or_else(|| node_name(&config), str::to_owned),
             },
             counters.clone(),
         );

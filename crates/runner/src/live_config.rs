@@ -106,6 +106,7 @@ fn restart_needed(old: &Config, new: &Config) -> Vec<String> {
         "settings.poll_interval_ms",
     );
     check(a.node != b.node, "settings.node");
+    check(a.node_grace_s != b.node_grace_s, "settings.node_grace_s");
     check(old.pipeline != new.pipeline, "pipeline");
     keys
 }

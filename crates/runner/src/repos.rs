@@ -211,6 +211,45 @@ pub async fn release_checkout(git: &Git, paths: &RepoPaths, rev: &str) -> Result
     Ok(dir)
 }
 
+/// Before a stage runs where work branches are shared, or after this node took over a work
+/// item from a node that is gone (design.md §10): fetches `origin` so the revisions and the
+/// `orch/<id>` branch other nodes pushed are here, and fast-forwards a local `orch/<id>` left
+/// behind by an earlier stage this node ran (never moving it backwards or across a
+/// divergence). Without it a node that ran an earlier stage of the item works on its stale
+/// branch: the three-host test saw a review loop until the bound because the reviewer never
+/// saw the new implementation. Nothing to do without a remote.
+pub async fn catch_up_work_branch(
+    git: &Git,
+    paths: &RepoPaths,
+    work_item: &WorkItemId,
+) -> Result<()> {
+    let repo_dir = &paths.repo_dir;
+    if !git.fetch(repo_dir, ORIGIN).await.with_context(|| {
+        format!(
+            "cannot fetch `{ORIGIN}` in {} after a takeover",
+            repo_dir.display()
+        )
+    })? {
+        return Ok(());
+    }
+    let branch = work_item.branch_name();
+    let local = git
+        .rev_parse(repo_dir, &format!("refs/heads/{branch}"))
+        .await?;
+    let remote = git
+        .rev_parse(repo_dir, &format!("refs/remotes/{ORIGIN}/{branch}"))
+        .await?;
+    if let (Some(local), Some(remote)) = (local, remote)
+        && local != remote
+        && git.is_ancestor(repo_dir, &local, &remote).await?
+    {
+        git.update_branch(repo_dir, &branch, &remote, Some(&local))
+            .await
+            .with_context(|| format!("cannot fast-forward `{branch}` to `{remote:.12}`"))?;
+    }
+    Ok(())
+}
+
 /// Creates (or reuses, or repairs) the work item's worktree and resets it to the branch's
 /// committed state, so a crashed attempt's leftovers never leak into the next attempt.
 pub async fn prepare_worktree(

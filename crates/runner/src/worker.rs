@@ -116,8 +116,12 @@ pub struct WorkerConfig {
     pub poll_interval: Duration,
     /// On shutdown, running jobs get this long to finish before their leases are released.
     pub shutdown_grace: Duration,
-    /// This machine's node name, for jobs pinned to it.
+    /// This machine's node name, for jobs pinned to it. When set, the heartbeat also records
+    /// the node as seen (`Store::node_seen`) every beat, busy or idle.
     pub node: Option<String>,
+    /// Jobs pinned to another node become claimable here once they have been ready, and that
+    /// node unseen, for this long (design.md §10). `None`: never take over.
+    pub node_grace: Option<Duration>,
 }
 
 impl WorkerConfig {
@@ -130,11 +134,17 @@ impl WorkerConfig {
             poll_interval: Duration::from_secs(1),
             shutdown_grace: Duration::from_secs(30),
             node: None,
+            node_grace: None,
         }
     }
 
     fn lease_ms(&self) -> i64 {
         i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX)
+    }
+
+    fn node_grace_ms(&self) -> Option<i64> {
+        self.node_grace
+            .map(|g| i64::try_from(g.as_millis()).unwrap_or(i64::MAX).max(1))
     }
 }
 
@@ -292,7 +302,8 @@ impl Worker {
     }
 }
 
-/// Extends every held lease every lease/3; cancels the handlers of leases that were lost.
+/// Extends every held lease every lease/3; cancels the handlers of leases that were lost; and
+/// records this node as seen (its beacon), so other nodes know its pinned jobs are still its.
 async fn heartbeat_loop(
     store: Store,
     config: WorkerConfig,
@@ -301,11 +312,21 @@ async fn heartbeat_loop(
     stop: CancellationToken,
 ) {
     let every = (config.lease / 3).max(Duration::from_millis(50));
+    let beacon = || async {
+        if let Some(node) = &config.node
+            && let Err(e) = store.node_seen(node).await
+        {
+            stats.store_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(error = %e, %node, "could not record this node as seen; retrying at the next beat");
+        }
+    };
+    beacon().await;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
+        beacon().await;
         let snapshot = held_snapshot(&held);
         if snapshot.is_empty() {
             continue;
@@ -397,6 +418,7 @@ impl Fetcher {
                     lease_ms: self.config.lease_ms(),
                     kinds: kinds.clone(),
                     node: self.config.node.clone(),
+                    node_grace_ms: self.config.node_grace_ms(),
                 });
                 let started = Instant::now();
                 match self

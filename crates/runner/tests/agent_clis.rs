@@ -114,6 +114,7 @@ impl Fx {
                 lease_ms: 600_000,
                 kinds: vec![agent.into()],
                 node: None,
+                node_grace_ms: None,
             })
             .await
             .unwrap()

@@ -81,6 +81,7 @@ impl Fx {
                 lease_ms: 600_000,
                 kinds: vec!["analyst".into()],
                 node: None,
+                node_grace_ms: None,
             })
             .await
             .unwrap();

@@ -1040,3 +1040,105 @@ async fn an_unconfirmed_deploys_interrupted_rollback_runs_once_more() {
         );
     }
 }
+
+// ----- a visit taken over from a node that is gone (design.md §10) ------------------------------
+
+impl Fx {
+    /// Records that a deploy of `revision` began in visit `seq` (on some node).
+    async fn started_elsewhere(&self, seq: i64, revision: &str) {
+        self.db
+            .store
+            .append_event(
+                NewEvent::new(events::DEPLOY_STARTED, format!("deploying `{revision}`"))
+                    .task(self.task.id)
+                    .data(serde_json::json!({"seq": seq, "revision": revision}).to_string()),
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// The gone node ran the deploy command and its revision is live; this node has no markers:
+/// they are rebuilt from `deploy.started` and the deploy is confirmed, never run again.
+#[tokio::test]
+async fn a_visit_begun_on_a_gone_node_whose_revision_is_live_is_confirmed_not_deployed() {
+    let fx = Fx::new().await;
+    fx.started_elsewhere(fx.task.stage_seq, &fx.revision).await;
+    std::fs::write(fx.ctl.join("live_rev"), &fx.revision).unwrap();
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{}", outcome.reason);
+    assert_eq!(fx.runs(), 0, "the live deploy was not applied again");
+    let kinds = fx.event_kinds().await;
+    assert!(
+        kinds.contains(&events::DEPLOY_MARKERS_RESTORED.to_owned()),
+        "{kinds:?}"
+    );
+    assert!(!kinds.contains(&events::DEPLOY_REDEPLOYED.to_owned()));
+}
+
+/// The gone node recorded `deploy.started` but its revision is not live (it died before or
+/// during the command): the deploy runs once more here, once.
+#[tokio::test]
+async fn a_visit_begun_on_a_gone_node_whose_revision_is_not_live_is_deployed_once() {
+    let fx = Fx::new().await;
+    fx.started_elsewhere(fx.task.stage_seq, &fx.revision).await;
+    std::fs::write(fx.ctl.join("live_rev"), "0ld0ld0ld0ld\n").unwrap();
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{}", outcome.reason);
+    assert_eq!(fx.runs(), 1);
+    let kinds = fx.event_kinds().await;
+    assert!(kinds.contains(&events::DEPLOY_MARKERS_RESTORED.to_owned()));
+    assert_eq!(
+        kinds
+            .iter()
+            .filter(|k| *k == events::DEPLOY_REDEPLOYED)
+            .count(),
+        1
+    );
+}
+
+/// Markers left on this node by another visit of the item (this node went away, the visit was
+/// taken over and finished elsewhere, the item was retried): this visit deploys its own
+/// revision instead of finalizing the stale one.
+#[tokio::test]
+async fn markers_of_another_visit_are_cleared_before_this_visit_deploys() {
+    let fx = Fx::new().await;
+    fx.started_elsewhere(fx.task.stage_seq - 1, "5ta1e5ta1e5ta1e")
+        .await;
+    assert!(
+        fx.deploy_state()
+            .write_marker(MARKER_INITIATED, "5ta1e5ta1e5ta1e")
+    );
+    std::fs::write(fx.ctl.join("live_rev"), "5ta1e5ta1e5ta1e\n").unwrap();
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{}", outcome.reason);
+    assert_eq!(fx.runs(), 1, "this visit's deploy ran");
+    assert_eq!(read(&fx.ctl.join("live_rev")).trim(), fx.revision);
+    let kinds = fx.event_kinds().await;
+    assert!(
+        kinds.contains(&events::DEPLOY_STALE_MARKERS_CLEARED.to_owned()),
+        "{kinds:?}"
+    );
+}
+
+/// A watch of the same revision armed before this visit began (another visit's, left on this
+/// node when the visit was taken over elsewhere) is replaced, not reused with its old window.
+#[tokio::test]
+async fn a_watch_armed_before_this_visit_is_replaced_not_reused() {
+    let fx = Fx::new().await;
+    let stale = orch_deploystate::ArmedRecord::new(
+        orch_runner::deploy::watch_params(&fx.repo.post_deploy),
+        fx.task.updated_at - 3_600_000,
+        fx.revision.as_str(),
+    );
+    assert!(matches!(
+        fx.watch().arm(&stale),
+        orch_deploystate::ArmOutcome::Armed
+    ));
+    let (outcome, _) = fx.drive(&DeployerExecutor::default()).await;
+    assert!(passed(&outcome), "{}", outcome.reason);
+    match fx.watch().armed() {
+        ArmedRead::Present(rec) => assert_eq!(rec.armed_at_ms, fx.db.store.now_ms()),
+        other => panic!("watch not armed: {other:?}"),
+    }
+}

@@ -367,6 +367,7 @@ async fn lessons_carry_provenance_and_are_appended_once() {
             lease_ms: 60_000,
             kinds: vec!["developer".into()],
             node: None,
+            node_grace_ms: None,
         })
         .await
         .unwrap();

@@ -263,6 +263,58 @@ where
         Ok(report)
     }
 
+    pub async fn node_seen(&self, node: &str) -> Result<()> {
+        sqlx::query(sql::NODE_SEEN)
+            .bind(node)
+            .bind(self.now())
+            .execute(self.d.writer())
+            .await?;
+        Ok(())
+    }
+
+    pub async fn nodes(&self) -> Result<Vec<NodeSeen>> {
+        sqlx::query(sql::NODES)
+            .fetch_all(self.d.reader())
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(NodeSeen {
+                    node: row.try_get(0)?,
+                    first_seen_ms: row.try_get(1)?,
+                    last_seen_ms: row.try_get(2)?,
+                })
+            })
+            .collect()
+    }
+
+    pub async fn take_over_job(&self, lease: Lease, node: &str, event: NewEvent) -> Result<()> {
+        let now = self.now();
+        let mut tx = self.d.begin().await?;
+        let row = sqlx::query(self.sql.job_state_locked.as_str())
+            .bind(lease.job_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let Some(row) = row else {
+            return Err(StoreError::JobNotFound(lease.job_id));
+        };
+        let state: String = row.try_get(0)?;
+        let attempt: i64 = row.try_get(1)?;
+        if state != "running" || attempt != lease.attempt {
+            return Err(lease_lost(lease, &state, attempt));
+        }
+        let res = sqlx::query(sql::TAKE_OVER_JOB)
+            .bind(lease.job_id)
+            .bind(lease.attempt)
+            .bind(node)
+            .execute(&mut *tx)
+            .await?;
+        if D::rows_affected(&res) == 0 {
+            return Err(lease_lost(lease, &state, attempt));
+        }
+        Self::insert_event(&mut tx, &event, now).await?;
+        self.d.commit(tx, false).await
+    }
+
     pub async fn cancel_job(&self, job_id: i64) -> Result<bool> {
         let res = sqlx::query(sql::CANCEL_JOB)
             .bind(job_id)

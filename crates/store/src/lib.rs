@@ -38,6 +38,7 @@ pub use clock::{Clock, ManualClock, SystemClock};
 pub use error::{Result, StoreError, redact_url};
 pub use migrate::{MigrateReport, SCHEMA_VERSION};
 pub use model::*;
+pub use sql::{NODE_BEACON_KIND, NODE_BEACON_PREFIX};
 
 /// Which database a store talks to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -288,6 +289,31 @@ impl Store {
         dispatch!(self, rescue_expired(rescue))
     }
 
+    /// Records that a worker on `node` is alive now: the node's beacon (a `done` job row of kind
+    /// [`NODE_BEACON_KIND`] with dedupe key `node-beacon:<node>`, no new table or column), whose
+    /// `finished_at` is the last time it was seen. Workers call it from their heartbeat; a claim
+    /// with [`Claim::node_grace_ms`] takes jobs pinned to a node not seen for that long.
+    pub async fn node_seen(&self, node: &str) -> Result<()> {
+        if node.is_empty() || node.len() > 256 || node.contains('\0') {
+            return Err(StoreError::Invalid(format!(
+                "node name {node:?} must be 1-256 bytes without NUL"
+            )));
+        }
+        dispatch!(self, node_seen(node))
+    }
+
+    /// Every node that has a beacon, with when it was first and last seen, by name.
+    pub async fn nodes(&self) -> Result<Vec<NodeSeen>> {
+        dispatch!(self, nodes())
+    }
+
+    /// Re-pins a running job to `node` (the node that took it over from a node gone longer than
+    /// the grace) and appends `event`, in one transaction. Fenced: a stale attempt gets
+    /// [`StoreError::LeaseLost`] and nothing changes.
+    pub async fn take_over_job(&self, lease: Lease, node: &str, event: NewEvent) -> Result<()> {
+        dispatch!(self, take_over_job(lease, node, event))
+    }
+
     /// Cancels a queued or running job. A running job's worker loses its lease.
     /// Returns false when the job had already ended.
     pub async fn cancel_job(&self, job_id: i64) -> Result<bool> {
@@ -514,6 +540,12 @@ fn validate_claim(claim: &Claim) -> Result<()> {
         return Err(StoreError::Invalid(format!(
             "lease must be positive, got {} ms",
             claim.lease_ms
+        )));
+    }
+    if claim.node_grace_ms.is_some_and(|g| g <= 0) {
+        return Err(StoreError::Invalid(format!(
+            "node grace must be positive, got {:?} ms",
+            claim.node_grace_ms
         )));
     }
     if claim.worker_id.is_empty() {

@@ -196,6 +196,10 @@ pub struct Claim {
     pub kinds: Vec<String>,
     /// This worker's node: it may claim jobs pinned to it and unpinned jobs.
     pub node: Option<String>,
+    /// The node grace: a job pinned to another node becomes claimable here once it has been
+    /// ready for longer than this and that node has not been seen ([`crate::Store::node_seen`])
+    /// for longer than this, or never. `None`: never take over another node's jobs.
+    pub node_grace_ms: Option<i64>,
 }
 
 /// How a running job ended, as decided by its handler.
@@ -496,6 +500,14 @@ pub struct KindCount {
     pub agent: String,
     pub state: JobState,
     pub count: i64,
+}
+
+/// A node's beacon: when a worker on it was first and last seen (`Store::node_seen`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeSeen {
+    pub node: String,
+    pub first_seen_ms: Millis,
+    pub last_seen_ms: Millis,
 }
 
 /// A running job's lease as shown in `GET /queue`.

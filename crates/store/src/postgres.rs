@@ -127,18 +127,19 @@ static COMPLETE_AND_CLAIM: LazyLock<String> = LazyLock::new(|| {
             UPDATE jobs j SET state = 'running', attempt = j.attempt + 1, \
                 lease_expires_at = $1 + $7, locked_by = $8, started_at = $1 \
             WHERE j.id = ANY(ARRAY( \
-                SELECT id FROM jobs \
-                WHERE state = 'queued' AND available_at <= $1 \
-                  AND (cardinality($5::text[]) = 0 OR agent = ANY($5::text[])) \
-                  AND (node IS NULL OR node = $6::text) \
-                ORDER BY priority DESC, available_at, id \
+                SELECT q.id FROM jobs q \
+                WHERE q.state = 'queued' AND q.available_at <= $1 \
+                  AND (cardinality($5::text[]) = 0 OR q.agent = ANY($5::text[])) \
+                  AND (q.node IS NULL OR q.node = $6::text OR {gone}) \
+                ORDER BY q.priority DESC, q.available_at, q.id \
                 LIMIT $4 \
-                FOR UPDATE SKIP LOCKED)) \
+                FOR UPDATE OF q SKIP LOCKED)) \
             RETURNING {cols} \
          ) \
          SELECT d.done_ids, c.* \
          FROM (SELECT coalesce(array_agg(id), '{{}}'::bigint[]) AS done_ids FROM done) d \
          LEFT JOIN claimed c ON true",
+        gone = crate::sql::node_gone("$1", "$9::bigint"),
         cols = JOB_COLUMNS
             .split(", ")
             .map(|c| format!("j.{}", c.trim()))
@@ -335,6 +336,7 @@ impl Db<PgDriver> {
             .bind(claim.and_then(|c| c.node.as_deref()))
             .bind(claim.map_or(0, |c| c.lease_ms))
             .bind(claim.map_or("", |c| c.worker_id.as_str()))
+            .bind(claim.and_then(|c| c.node_grace_ms))
             .fetch_all(&self.d.pool)
             .await?;
         let mut done_ids: Vec<i64> = Vec::new();

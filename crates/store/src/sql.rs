@@ -23,6 +23,48 @@ pub const INSERT_JOB: &str = "INSERT INTO jobs (task_id, agent, task_content, st
      ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO NOTHING \
      RETURNING id";
 
+/// The job kind of a node's beacon: one `done` row per node, task-less, whose `finished_at` is
+/// when a worker on the node was last seen and `created_at` when first seen. Its dedupe key is
+/// [`NODE_BEACON_PREFIX`] + the node. It is never queued, so it is never claimed; cleanup
+/// deletes it only once the node has been gone longer than the retention.
+pub const NODE_BEACON_KIND: &str = "node-beacon";
+/// The dedupe key of node `n`'s beacon is `node-beacon:<n>`.
+pub const NODE_BEACON_PREFIX: &str = "node-beacon:";
+
+/// `$1 node, $2 now`: inserts or refreshes the node's beacon (last seen = now, never backwards).
+pub const NODE_SEEN: &str = "INSERT INTO jobs (task_id, agent, task_content, state, priority, \
+     attempt, max_attempts, available_at, dedupe_key, node, created_at, finished_at) \
+     VALUES (NULL, 'node-beacon', '', 'done', 0, 0, 1, $2, 'node-beacon:' || CAST($1 AS TEXT), \
+     $1, $2, $2) \
+     ON CONFLICT (dedupe_key) WHERE dedupe_key IS NOT NULL DO UPDATE \
+     SET finished_at = CASE WHEN jobs.finished_at > excluded.finished_at \
+         THEN jobs.finished_at ELSE excluded.finished_at END";
+
+/// Every node's beacon: `node, first seen, last seen`, by node.
+pub const NODES: &str = "SELECT node, created_at, finished_at FROM jobs \
+     WHERE state = 'done' AND agent = 'node-beacon' AND node IS NOT NULL \
+     AND finished_at IS NOT NULL ORDER BY node";
+
+/// `$1 id, $2 attempt, $3 node`: re-pins a running job to the node that took it over (fenced).
+pub const TAKE_OVER_JOB: &str =
+    "UPDATE jobs SET node = $3 WHERE id = $1 AND attempt = $2 AND state = 'running'";
+
+/// The condition under which a queued job `q` pinned to another node may be claimed by a
+/// worker whose node grace is `{grace}` (a parameter, NULL: never): the job has been ready for
+/// longer than the grace, and its node has not been seen (its beacon) for longer than the grace
+/// before `{now}`, or never. The cheap test on `available_at` comes first, so the beacon is
+/// looked up only for jobs that have waited that long (docs/benchmarks.md: 10,000 ready jobs
+/// pinned to a live node ahead in the claim order cost a lookup each, 1.4 → 13 ms per claim,
+/// without the test). The beacon is read as a scalar subquery (one `jobs_dedupe` lookup):
+/// written as `NOT EXISTS`, PostgreSQL's generic plan hashed a sequential scan of `jobs`.
+pub fn node_gone(now: &str, grace: &str) -> String {
+    format!(
+        "({grace} IS NOT NULL AND q.available_at < {now} - {grace} \
+         AND coalesce((SELECT b.finished_at FROM jobs b \
+         WHERE b.dedupe_key = 'node-beacon:' || q.node), q.available_at) < {now} - {grace})"
+    )
+}
+
 pub const JOB_ID_BY_DEDUPE: &str = "SELECT id FROM jobs WHERE dedupe_key = $1";
 
 /// `$1 task_id, $2 job_id, $3 kind, $4 stage, $5 message, $6 data, $7 created_at` → `id`.

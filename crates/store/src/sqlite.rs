@@ -100,7 +100,7 @@ impl SqliteDriver {
 /// running row (5,000 completions with 80,000 rows running: seconds per statement).
 ///
 /// `$1 now, $2 lease_ms, $3 worker_id, $4 kinds (JSON array), $5 node, $6 limit (0: no claim),
-/// $7 completions (JSON array of [id, attempt])`.
+/// $7 completions (JSON array of [id, attempt]), $8 node grace in ms (NULL: no takeover)`.
 static COMPLETE_AND_CLAIM: LazyLock<String> = LazyLock::new(|| {
     format!(
         "UPDATE jobs SET \
@@ -114,13 +114,14 @@ static COMPLETE_AND_CLAIM: LazyLock<String> = LazyLock::new(|| {
             SELECT json_extract(value, '$[0]') AS jid, json_extract(value, '$[1]') AS jattempt, \
                 'running' AS was FROM json_each($7) \
           UNION ALL \
-            SELECT id, attempt, 'queued' FROM (SELECT id, attempt FROM jobs \
-                WHERE state = 'queued' AND available_at <= $1 \
-                AND ($4 = '[]' OR agent IN (SELECT value FROM json_each($4))) \
-                AND (node IS NULL OR node = $5) \
-                ORDER BY priority DESC, available_at, id LIMIT $6)) AS t \
+            SELECT id, attempt, 'queued' FROM (SELECT q.id, q.attempt FROM jobs q \
+                WHERE q.state = 'queued' AND q.available_at <= $1 \
+                AND ($4 = '[]' OR q.agent IN (SELECT value FROM json_each($4))) \
+                AND (q.node IS NULL OR q.node = $5 OR {gone}) \
+                ORDER BY q.priority DESC, q.available_at, q.id LIMIT $6)) AS t \
          WHERE jobs.id = t.jid AND jobs.attempt = t.jattempt AND jobs.state = t.was \
-         RETURNING {JOB_COLUMNS}"
+         RETURNING {JOB_COLUMNS}",
+        gone = crate::sql::node_gone("$1", "$8"),
     )
 });
 
@@ -304,6 +305,7 @@ impl Db<SqliteDriver> {
             .bind(claim.and_then(|c| c.node.as_deref()))
             .bind(claim.map_or(0, |c| i64::from(c.limit)))
             .bind(done_json)
+            .bind(claim.and_then(|c| c.node_grace_ms))
             .fetch_all(&self.d.write)
             .await?;
         let (completed, claimed): (Vec<Job>, Vec<Job>) = rows

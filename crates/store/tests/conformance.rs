@@ -64,6 +64,11 @@ conformance!(
     target_names_the_database_and_close_ends_the_store,
     exclusive_stages_admit_one_task_per_repo,
     racing_exclusive_changes_admit_exactly_one,
+    jobs_of_a_gone_node_are_claimable_after_the_grace_not_before,
+    a_live_nodes_jobs_are_never_taken_over,
+    a_never_seen_node_counts_from_when_its_job_became_ready,
+    a_gone_nodes_job_waits_the_grace_once_ready,
+    take_over_repins_the_job_fenced_by_its_lease,
 );
 
 const LEASE: i64 = 30_000;
@@ -75,6 +80,7 @@ fn claim(worker: &str, limit: u32) -> Claim {
         lease_ms: LEASE,
         kinds: Vec::new(),
         node: None,
+        node_grace_ms: None,
     }
 }
 
@@ -1122,6 +1128,7 @@ async fn bulk_enqueue_skips_duplicates(db: TestDb) {
     let got = s
         .claim(&Claim {
             node: Some("node-1".into()),
+            node_grace_ms: None,
             ..claim("w", 10)
         })
         .await
@@ -1540,4 +1547,198 @@ async fn racing_exclusive_changes_admit_exactly_one(db: TestDb) {
         .await
         .unwrap();
     assert_eq!(in_track.len(), 1);
+}
+
+// ----- node affinity and takeover (design.md §10) ---------------------------------------
+
+const GRACE: i64 = 5_000;
+
+fn claim_on(node: &str, grace: Option<i64>) -> Claim {
+    let mut c = claim(&format!("w-{node}"), 10);
+    c.node = Some(node.to_owned());
+    c.node_grace_ms = grace;
+    c
+}
+
+async fn jobs_of_a_gone_node_are_claimable_after_the_grace_not_before(db: TestDb) {
+    let s = &db.store;
+    s.node_seen("box-a").await.unwrap();
+    s.enqueue(NewJob::new("noop", "a's").node("box-a"))
+        .await
+        .unwrap();
+    // box-a stops being seen at T0.
+    db.clock.advance_ms(GRACE);
+    assert!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty(),
+        "box-a was seen exactly the grace ago: not gone yet"
+    );
+    db.clock.advance_ms(1);
+    assert!(
+        s.claim(&claim_on("box-b", None)).await.unwrap().is_empty(),
+        "a worker without a node grace never takes another node's job"
+    );
+    let mut unpinned = claim("w-none", 10);
+    unpinned.node_grace_ms = None;
+    assert!(s.claim(&unpinned).await.unwrap().is_empty());
+    let got = s.claim(&claim_on("box-b", Some(GRACE))).await.unwrap();
+    assert_eq!(
+        got.len(),
+        1,
+        "box-a gone longer than the grace: box-b takes its job"
+    );
+    assert_eq!(
+        got[0].job.node.as_deref(),
+        Some("box-a"),
+        "still pinned to a until re-pinned"
+    );
+    // The beacon is listed and is never claimed, counted as live or left running.
+    let nodes = s.nodes().await.unwrap();
+    assert_eq!(nodes.len(), 1);
+    assert_eq!(
+        (
+            nodes[0].node.as_str(),
+            nodes[0].first_seen_ms,
+            nodes[0].last_seen_ms
+        ),
+        ("box-a", T0, T0)
+    );
+    s.complete_and_claim(&[got[0].lease], None).await.unwrap();
+    assert!(
+        !s.has_live_jobs().await.unwrap(),
+        "a beacon is not a live job"
+    );
+    assert!(
+        s.claim(&claim_on("box-a", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+async fn a_live_nodes_jobs_are_never_taken_over(db: TestDb) {
+    let s = &db.store;
+    s.node_seen("box-a").await.unwrap();
+    s.enqueue(NewJob::new("noop", "a's").node("box-a"))
+        .await
+        .unwrap();
+    for _ in 0..10 {
+        db.clock.advance_ms(GRACE / 2);
+        s.node_seen("box-a").await.unwrap();
+        assert!(
+            s.claim(&claim_on("box-b", Some(GRACE)))
+                .await
+                .unwrap()
+                .is_empty(),
+            "box-a is seen every half grace: its job stays its own"
+        );
+    }
+    let nodes = s.nodes().await.unwrap();
+    assert_eq!(nodes[0].first_seen_ms, T0);
+    assert_eq!(nodes[0].last_seen_ms, T0 + 5 * GRACE);
+    // A beacon written with an older clock never moves "last seen" backwards.
+    db.clock.advance_ms(-GRACE);
+    s.node_seen("box-a").await.unwrap();
+    assert_eq!(s.nodes().await.unwrap()[0].last_seen_ms, T0 + 5 * GRACE);
+    db.clock.advance_ms(GRACE);
+    assert_eq!(
+        s.claim(&claim_on("box-a", Some(GRACE)))
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "box-a itself claims it"
+    );
+}
+
+async fn a_never_seen_node_counts_from_when_its_job_became_ready(db: TestDb) {
+    let s = &db.store;
+    s.enqueue(NewJob::new("noop", "x's").node("box-x").delay_s(10))
+        .await
+        .unwrap();
+    db.clock.advance_ms(10_000 + GRACE);
+    assert!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty(),
+        "ready for exactly the grace: box-x may still come"
+    );
+    db.clock.advance_ms(1);
+    assert_eq!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
+}
+
+async fn take_over_repins_the_job_fenced_by_its_lease(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, false).await;
+    s.enqueue(NewJob::new("noop", "a's").node("box-a").task(task.id))
+        .await
+        .unwrap();
+    db.clock.advance_ms(GRACE + 1);
+    let got = s.claim(&claim_on("box-b", Some(GRACE))).await.unwrap();
+    assert_eq!(got.len(), 1);
+    let lease = got[0].lease;
+    let event = || NewEvent::new("node.takeover", "box-b took over").task(task.id);
+    let stale = Lease {
+        job_id: lease.job_id,
+        attempt: lease.attempt + 1,
+    };
+    assert!(matches!(
+        s.take_over_job(stale, "box-b", event()).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    s.take_over_job(lease, "box-b", event()).await.unwrap();
+    let job = s.get_job(lease.job_id).await.unwrap().unwrap();
+    assert_eq!(job.node.as_deref(), Some("box-b"));
+    let kinds: Vec<String> = s
+        .task_events(task.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.kind)
+        .collect();
+    assert_eq!(
+        kinds.iter().filter(|k| *k == "node.takeover").count(),
+        1,
+        "the refused takeover wrote nothing: {kinds:?}"
+    );
+    // Once the job has ended, a takeover is refused too.
+    s.complete_and_claim(&[lease], None).await.unwrap();
+    assert!(matches!(
+        s.take_over_job(lease, "box-c", event()).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+}
+
+async fn a_gone_nodes_job_waits_the_grace_once_ready(db: TestDb) {
+    let s = &db.store;
+    s.node_seen("box-a").await.unwrap();
+    // box-a left a job that becomes ready long after box-a was last seen.
+    s.enqueue(NewJob::new("noop", "a's later").node("box-a").delay_s(60))
+        .await
+        .unwrap();
+    db.clock.advance_ms(60_000 + GRACE);
+    assert!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .is_empty(),
+        "box-a is gone, but its job has been ready for only the grace"
+    );
+    db.clock.advance_ms(1);
+    assert_eq!(
+        s.claim(&claim_on("box-b", Some(GRACE)))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
 }

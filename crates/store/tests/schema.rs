@@ -142,7 +142,7 @@ async fn plan_shapes_hold_under_generic_plans() {
         .unwrap();
     assert_eq!(mode, "force_generic_plan");
     let prepare = format!(
-        "PREPARE cc(bigint, bigint[], bigint[], bigint, text[], text, bigint, text) AS {}",
+        "PREPARE cc(bigint, bigint[], bigint[], bigint, text[], text, bigint, text, bigint) AS {}",
         complete_and_claim_sql()
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(prepare))
@@ -150,8 +150,8 @@ async fn plan_shapes_hold_under_generic_plans() {
         .await
         .unwrap();
     for args in [
-        "1, '{}', '{}', 1, '{}', NULL, 1000, 'w'",
-        "9000000000000000, '{1,2,3}', '{1,1,1}', 100, '{a}', 'n1', 1000, 'w'",
+        "1, '{}', '{}', 1, '{}', NULL, 1000, 'w', NULL",
+        "9000000000000000, '{1,2,3}', '{1,1,1}', 100, '{a}', 'n1', 1000, 'w', 300000",
     ] {
         let rows: Vec<String> =
             sqlx::raw_sql(sqlx::AssertSqlSafe(format!("EXPLAIN EXECUTE cc({args})")))

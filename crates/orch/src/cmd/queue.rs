@@ -31,6 +31,7 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
     }
     let stats = store.queue_stats().await?;
     let stages = store.count_tasks_by_stage().await?;
+    let nodes = store.nodes().await?;
     store.close().await;
     let mut by_state: BTreeMap<&str, i64> = BTreeMap::new();
     let mut by_agent: BTreeMap<&str, BTreeMap<&str, i64>> = BTreeMap::new();
@@ -97,6 +98,14 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
             "\n{}",
             table(&["job", "agent", "worker", "attempt", "expires in"], &rows)
         );
+    }
+    if !nodes.is_empty() {
+        // Each node's heartbeat beacon: its pinned jobs move once it is unseen for the grace.
+        let rows: Vec<Vec<String>> = nodes
+            .iter()
+            .map(|n| vec![n.node.clone(), age((stats.now - n.last_seen_ms).max(0))])
+            .collect();
+        print!("\n{}", table(&["node", "last seen ago"], &rows));
     }
     Ok(ExitCode::SUCCESS)
 }

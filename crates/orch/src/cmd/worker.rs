@@ -25,7 +25,7 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let (registry, passes) = match &cx.config {
         Some(c) => {
             stop_dead_children(&cx.repos_dir(c));
-            let rt = Runtime::new(cx, c, &store)?;
+            let rt = Runtime::new_on_node(cx, c, &store, config.node.as_deref())?;
             reloader = Some(crate::reload::spawn(
                 cx.config_path.clone(),
                 cx.state_dir(),
@@ -59,7 +59,12 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     let (stop, hard) = crate::signals::shutdown_tokens()?;
     let (store, wconfig) = open(cx, &args.worker).await?;
     stop_dead_children(&cx.repos_dir(&config));
-    let runtime = Arc::new(Runtime::new(cx, &config, &store)?);
+    let runtime = Arc::new(Runtime::new_on_node(
+        cx,
+        &config,
+        &store,
+        wconfig.node.as_deref(),
+    )?);
     let worker = Worker::new(store.clone(), runtime.registry(), wconfig.clone());
     let reloader = crate::reload::spawn(
         cx.config_path.clone(),
@@ -179,6 +184,14 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
                     .map(crate::runtime::node_name)
                     .unwrap_or_else(|| "localhost".into())
             }),
+    );
+    config.node_grace = Some(Duration::from_secs(settings.node_grace_s));
+    anyhow::ensure!(
+        settings.node_grace_s.saturating_mul(1000)
+            >= u64::try_from(config.lease.as_millis()).unwrap_or(u64::MAX),
+        "[settings] node_grace_s ({} s) must be at least the lease ({} ms): a node is judged gone only after its leases could have expired",
+        settings.node_grace_s,
+        config.lease.as_millis()
     );
     let opts = ConnectOptions {
         max_connections: u32::try_from(config.concurrency + 6).unwrap_or(16),

@@ -79,6 +79,12 @@ impl StageExecutor for DeployerExecutor {
             run.work_item.as_str(),
         );
         if state.has_marker(MARKER_INITIATED) {
+            clear_stale_markers(run, &state, seq).await?;
+        }
+        if !state.has_marker(MARKER_INITIATED) {
+            restore_markers(run, &state, seq).await?;
+        }
+        if state.has_marker(MARKER_INITIATED) {
             if state.read_result().is_none()
                 && run.repo.deploy.is_some()
                 && let Some(revision) = initiated_revision(&state)
@@ -105,6 +111,120 @@ impl StageExecutor for DeployerExecutor {
         }
         self.deploy(run, &state, seq).await
     }
+}
+
+/// Whether `e` says a visit's deploy got past writing its markers: `deploy.started`, or a
+/// confirming `deploy.skipped` (no command, the revision taken as deployed).
+fn began(e: &orch_store::Event) -> bool {
+    e.kind == events::DEPLOY_STARTED
+        || (e.kind == events::DEPLOY_SKIPPED
+            && super::event_str(e, "outcome").as_deref() == Some("confirm"))
+}
+
+/// `INITIATED` is on this node's disk, but the events say no deploy of this visit began (the
+/// command runs only after `deploy.started` is recorded) while another visit's did: the markers
+/// are that visit's, left here when this node went away and another node took the visit over
+/// (design.md §10), and this visit is a later one (a retry). They are cleared, so this visit
+/// deploys its own revision instead of finalizing another's (`deploy.stale_markers_cleared`).
+async fn clear_stale_markers(run: &StageRun, state: &DeployState, seq: i64) -> anyhow::Result<()> {
+    let history = run.store.task_events(run.task.id).await?;
+    let here = history
+        .iter()
+        .any(|e| began(e) && event_seq(e) == Some(seq));
+    let elsewhere = history
+        .iter()
+        .rev()
+        .find(|e| began(e) && event_seq(e).is_some_and(|s| s != seq));
+    let (false, Some(other)) = (here, elsewhere) else {
+        return Ok(());
+    };
+    let stale = initiated_revision(state).unwrap_or_else(|| "unknown".to_owned());
+    if !state.clear_state() {
+        bail!(
+            "deploy: cannot clear the stale markers (of `{stale}`, visit {:?}) of {}",
+            event_seq(other),
+            run.work_item
+        );
+    }
+    record(
+        run,
+        seq,
+        events::DEPLOY_STALE_MARKERS_CLEARED,
+        format!(
+            "the deploy markers on node {} (of `{stale}`) belong to visit {} of this item, not to this one: cleared",
+            run.node,
+            event_seq(other).unwrap_or_default()
+        ),
+        data([("revision", json!(stale)), ("node", json!(run.node))]),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The markers of this visit are not on this node's disk, but the events say the deploy got
+/// past writing them: the visit began on a node that is gone and this node took it over
+/// (design.md §10), or the disk lost them. Rebuilds them from the events, so the ordinary
+/// rules apply and the deploy is never applied twice: `deploy.started` (the command was
+/// about to run) restores `INITIATED` with its revision; a `deploy.deferred` or a confirming
+/// `deploy.skipped` of the visit (the command had ended well, the finalizer was waiting)
+/// restores a successful `result` too. Without such an event the deploy never began here or
+/// anywhere, and it runs as usual.
+async fn restore_markers(run: &StageRun, state: &DeployState, seq: i64) -> anyhow::Result<()> {
+    let history = run.store.task_events(run.task.id).await?;
+    let mine: Vec<_> = history
+        .iter()
+        .filter(|e| event_seq(e) == Some(seq))
+        .collect();
+    let started = mine.iter().rev().find(|e| began(e));
+    let Some(started) = started else {
+        return Ok(());
+    };
+    let Some(revision) = super::event_str(started, "revision") else {
+        bail!(
+            "deploy: event {} ({}) of this visit names no revision; cannot rebuild the deploy's markers",
+            started.id,
+            started.kind
+        );
+    };
+    let ended_well = started.kind == events::DEPLOY_SKIPPED
+        || mine.iter().any(|e| e.kind == events::DEPLOY_DEFERRED);
+    if !state.write_marker(MARKER_INITIATED, &revision) {
+        bail!(
+            "deploy: cannot rebuild the {MARKER_INITIATED} marker for {} (refusing to go on: the deploy could run twice)",
+            run.work_item
+        );
+    }
+    if ended_well
+        && !state.write_result(&DeployResult {
+            success: true,
+            revision: Some(revision.clone()),
+            finished_at_ms: started.created_at,
+            detail: "rebuilt from the events: the deploy command had ended well".to_owned(),
+        })
+    {
+        tracing::warn!(work_item = %run.work_item, "deploy: cannot rebuild the result marker; the finalizer confirms by health and revision");
+    }
+    let what = if ended_well {
+        "its command had ended well"
+    } else {
+        "its command's end was not recorded"
+    };
+    record(
+        run,
+        seq,
+        events::DEPLOY_MARKERS_RESTORED,
+        format!(
+            "the deploy of `{revision}` began elsewhere ({}, event {}) and its markers are not on node {}: rebuilt from the events ({what})",
+            started.kind, started.id, run.node
+        ),
+        data([
+            ("revision", json!(revision)),
+            ("ended_well", json!(ended_well)),
+            ("node", json!(run.node)),
+        ]),
+    )
+    .await?;
+    Ok(())
 }
 
 /// True when the service says `revision` is live (`revision_url`). Health is not asked: a
@@ -658,12 +778,18 @@ fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
     }
     match ws.arm(&record) {
         ArmOutcome::Armed => Ok(()),
-        ArmOutcome::AlreadyArmed(existing) if revision_matches(revision, &existing.revision) => {
+        // Armed in this visit (it began when the task entered the stage): a retried arm. Armed
+        // before it, the watch is another visit's, left here when this node went away and that
+        // visit was taken over (design.md §10): replaced, not reused.
+        ArmOutcome::AlreadyArmed(existing)
+            if revision_matches(revision, &existing.revision)
+                && existing.armed_at_ms >= run.task.updated_at =>
+        {
             tracing::info!(work_item = %run.work_item, "deploy: watch already armed for this revision (a retried arm)");
             Ok(())
         }
         ArmOutcome::AlreadyArmed(existing) => {
-            tracing::warn!(work_item = %run.work_item, old = %existing.revision, new = revision, "deploy: replacing a watch armed for another revision");
+            tracing::warn!(work_item = %run.work_item, old = %existing.revision, new = revision, armed_at = existing.armed_at_ms, "deploy: replacing a watch armed for another revision or by an earlier visit");
             ws.clear();
             match ws.arm(&record) {
                 ArmOutcome::Armed => Ok(()),

@@ -129,7 +129,10 @@ impl StageExecutor for MonitorExecutor {
         }
         let armed = match ws.armed() {
             ArmedRead::Present(armed) => armed,
-            ArmedRead::Absent => return self.without_watch(run, &ws, seq, None).await,
+            ArmedRead::Absent => match rearm_after_takeover(run, &ws, seq).await? {
+                Some(armed) => armed,
+                None => return self.without_watch(run, &ws, seq, None).await,
+            },
             ArmedRead::Corrupt(why) => return self.without_watch(run, &ws, seq, Some(why)).await,
         };
         self.tick(run, &ws, seq, &armed).await
@@ -747,6 +750,84 @@ pub(crate) async fn verify_rollback(
         }
     }
     (false, last)
+}
+
+/// The watch of this visit ran on a node that is gone, and this node took its job over
+/// (a `node.takeover` event of this visit naming this node, design.md §10): the `armed` and
+/// `series` files stayed on that node's disk. Re-arms the watch here from the deploy's
+/// `deploy.confirmed` event (its revision; armed when it was recorded; this node's watch
+/// parameters), so its ticks go on against the original deadline, and marks the polls taken
+/// there as lost (`lost`, a `post_deploy.taken_over` event): lost evidence never ends HEALTHY.
+/// `None` when this is no takeover or the events hold no armed deploy (then the watch's
+/// state is missing, as before).
+async fn rearm_after_takeover(
+    run: &StageRun,
+    ws: &WatchState,
+    seq: i64,
+) -> anyhow::Result<Option<ArmedRecord>> {
+    let history = run.store.task_events(run.task.id).await?;
+    let Some(takeover) = history.iter().rev().find(|e| {
+        e.kind == events::NODE_TAKEOVER
+            && event_seq(e) == Some(seq)
+            && super::event_str(e, "to").as_deref() == Some(run.node.as_str())
+    }) else {
+        return Ok(None);
+    };
+    let from = super::event_str(takeover, "from").unwrap_or_else(|| "?".to_owned());
+    let Some(confirmed) = history.iter().rev().find(|e| {
+        e.kind == events::DEPLOY_CONFIRMED
+            && serde_json::from_str::<serde_json::Value>(&e.data)
+                .is_ok_and(|v| v["armed"] == json!(true))
+    }) else {
+        return Ok(None);
+    };
+    let Some(revision) = super::event_str(confirmed, "revision") else {
+        return Ok(None);
+    };
+    let record = ArmedRecord::new(
+        watch_params(&run.repo.post_deploy),
+        confirmed.created_at,
+        revision.as_str(),
+    );
+    match ws.arm(&record) {
+        orch_deploystate::ArmOutcome::Armed => {}
+        orch_deploystate::ArmOutcome::AlreadyArmed(existing) => return Ok(Some(existing)),
+        orch_deploystate::ArmOutcome::Failed(e) => {
+            anyhow::bail!("post-deploy watch: cannot re-arm after the takeover: {e}")
+        }
+    }
+    let lost = format!(
+        "the watch ran on node {from} until that node was gone; the polls it took there are lost with it (re-armed on node {})",
+        run.node
+    );
+    ws.mark_lost(&lost);
+    record_rearmed(run, seq, &revision, &from, &lost, confirmed.created_at).await?;
+    Ok(Some(record))
+}
+
+async fn record_rearmed(
+    run: &StageRun,
+    seq: i64,
+    revision: &str,
+    from: &str,
+    lost: &str,
+    armed_at: i64,
+) -> anyhow::Result<()> {
+    record(
+        run,
+        seq,
+        events::POST_DEPLOY_TAKEN_OVER,
+        format!(
+            "post-deploy watch of `{revision}` re-armed on node {} from the events: {lost}",
+            run.node
+        ),
+        data([
+            ("revision", json!(revision)),
+            ("from", json!(from)),
+            ("armed_at_ms", json!(armed_at)),
+        ]),
+    )
+    .await
 }
 
 /// Writes the log (best effort), marks the watch done and records the verdict.

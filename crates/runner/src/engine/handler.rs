@@ -192,7 +192,17 @@ impl Engine {
                 "stale stage job (the task has moved on); nothing to do");
             return Ok(Outcome::Done);
         }
-        match self.prepare(&cx, &task).await {
+        // A job pinned to another node reached this one only because that node has been gone
+        // longer than the grace (the claim's rule): take it over before touching anything.
+        let taken_over = match cx.job.node.as_deref().filter(|n| *n != self.cfg.node) {
+            Some(from) => match self.take_over(&cx, &task, &sj, from).await {
+                Ok(()) => true,
+                Err(StoreError::LeaseLost { .. }) => return Ok(Outcome::Marked),
+                Err(e) => return Err(e).context("cannot take the job over"),
+            },
+            None => false,
+        };
+        match self.prepare(&cx, &task, taken_over).await {
             // The stage's work is done and committed; only entering the release track waits.
             Ok(run) if markers::is_release_wait(&cx.job.task_content) => {
                 self.finish_stage(&cx, run, None).await
@@ -203,7 +213,54 @@ impl Engine {
         }
     }
 
-    async fn prepare(&self, cx: &JobContext, task: &Task) -> Result<StageRun, Prep> {
+    /// Re-pins the job to this node and records `node.takeover` (one fenced transaction). The
+    /// executors then rebuild what the gone node kept on its disk from the events (the deploy's
+    /// markers, the watch), see `deploy::deployer` and `deploy::monitor`.
+    async fn take_over(
+        &self,
+        cx: &JobContext,
+        task: &Task,
+        sj: &StageJob,
+        from: &str,
+    ) -> std::result::Result<(), StoreError> {
+        let now = self.store.now_ms();
+        let last_seen = self
+            .store
+            .nodes()
+            .await?
+            .into_iter()
+            .find(|n| n.node == from)
+            .map(|n| n.last_seen_ms);
+        let seen = match last_seen {
+            Some(at) => format!("last seen {:.1} s ago", (now - at) as f64 / 1000.0),
+            None => "never seen (no beacon)".to_owned(),
+        };
+        let to = &self.cfg.node;
+        let message = format!(
+            "node {to} took over {}'s {} job {} (visit {}) from node {from}, {seen}; what {from} kept on its disk is rebuilt from the events",
+            task.work_item_id, sj.stage, cx.job.id, sj.seq
+        );
+        tracing::warn!(work_item = %task.work_item_id, job = cx.job.id, %from, %to, "{message}");
+        let event = NewEvent::new(events::NODE_TAKEOVER, message)
+            .task(task.id)
+            .job(cx.job.id)
+            .stage(task.stage.clone())
+            .data(
+                serde_json::json!({
+                    "from": from, "to": to, "last_seen_ms": last_seen, "seq": sj.seq,
+                    "stage": sj.stage, "job": cx.job.id, "agent": cx.job.agent,
+                })
+                .to_string(),
+            );
+        self.store.take_over_job(cx.lease, to, event).await
+    }
+
+    async fn prepare(
+        &self,
+        cx: &JobContext,
+        task: &Task,
+        taken_over: bool,
+    ) -> Result<StageRun, Prep> {
         let work_item: WorkItemId = task
             .work_item_id
             .parse()
@@ -231,6 +288,13 @@ impl Engine {
         repos::ensure_clone(&self.git, &self.cfg.root, &paths, &repo_name, &repo)
             .await
             .map_err(Prep::Transient)?;
+        // The branch is the hand-off between machines (design.md §10): where work branches are
+        // shared, another node may have moved it since this node last worked on the item.
+        if taken_over || repos::shares_work_branches(&self.git, &paths.repo_dir, &repo).await {
+            repos::catch_up_work_branch(&self.git, &paths, &work_item)
+                .await
+                .map_err(Prep::Transient)?;
+        }
         let worktree = repos::prepare_worktree(&self.git, &paths, &work_item, &repo.default_branch)
             .await
             .map_err(Prep::Transient)?;

@@ -159,6 +159,7 @@ async fn claimed_task(db: &TestDb, stage: &str, agent: &str) -> (Task, Job, Leas
             lease_ms: 60_000,
             kinds: vec![agent.into()],
             node: None,
+            node_grace_ms: None,
         })
         .await
         .unwrap()
