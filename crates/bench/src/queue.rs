@@ -210,7 +210,8 @@ pub(crate) async fn throughput(
     let done: i64 = stats
         .counts
         .iter()
-        .filter(|c| c.state == JobState::Done)
+        // Only the drained kind: a worker with a node name also keeps a `node-beacon` row.
+        .filter(|c| c.state == JobState::Done && c.agent == builtin::NOOP)
         .map(|c| c.count)
         .sum();
     anyhow::ensure!(

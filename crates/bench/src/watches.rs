@@ -75,7 +75,7 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
         window_s: args.window_s,
         interval_s: args.interval_s.max(1),
         // Time to enqueue the first jobs and start the worker before the first slot.
-        initial_delay_s: 3,
+        initial_delay_s: 5,
         poll_timeout_s: 2,
     };
     // The repo as orch.toml declares it (its defaults for everything else).
