@@ -285,7 +285,7 @@ async fn tick(shared: &Shared, cx: JobContext) -> Result<Outcome> {
     let run = StageRun {
         store: shared.store.clone(),
         job: cx.job.clone(),
-        lease: cx.lease.clone(),
+        lease: cx.lease,
         cancel: cx.cancel.clone(),
         task,
         work_item: work_item.clone(),
