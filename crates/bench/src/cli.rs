@@ -29,7 +29,76 @@ pub enum Command {
         /// Start-ups to measure.
         #[arg(long, default_value_t = 5)]
         runs: usize,
+        /// The project served: the demo's (`orch demo --setup-only`: its repo, pipeline and
+        /// in-process workers) or an empty `orch init` one.
+        #[arg(long, value_enum, default_value = "demo")]
+        project: ServeProject,
+        /// Seconds idle before the resident memory is read.
+        #[arg(long, default_value_t = 3)]
+        idle_s: u64,
     },
+    /// Queue throughput with 1, 2, 4… real `orch worker` processes on one PostgreSQL, each
+    /// count's ratio to one process taken in the same round.
+    Workers(BenchWorkersArgs),
+    /// Many concurrent post-deploy watches against one loopback service: CPU, memory and poll
+    /// lateness of the monitor (in-process worker running the real `observe` executor).
+    Watches(BenchWatchesArgs),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum ServeProject {
+    Demo,
+    Init,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchWorkersArgs {
+    /// PostgreSQL server (any database on it: it is the admin connection); every run gets a
+    /// fresh database `orch_bench_<pid>_<n>` on it, dropped afterwards.
+    #[arg(
+        long,
+        env = "ORCH_TEST_PG_URL",
+        default_value = "postgres://root@127.0.0.1:5432/postgres"
+    )]
+    pub pg_url: String,
+    /// Worker process counts to compare (the first is the reference of the ratio).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
+    pub processes: Vec<usize>,
+    /// Concurrency of each worker process.
+    #[arg(long, default_value_t = 4)]
+    pub concurrency: usize,
+    /// Jobs claimed per statement (1 = per-job: one claim and one completion per job).
+    #[arg(long, value_delimiter = ',', default_value = "1,100")]
+    pub claim_batch: Vec<u32>,
+    /// Jobs per drain.
+    #[arg(long, default_value_t = 20_000)]
+    pub jobs: usize,
+    /// Rounds; each round measures every process count once, and the figures are medians.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchWatchesArgs {
+    /// Watches armed at once (one task at stage `observe` each).
+    #[arg(long, default_value_t = 1_000)]
+    pub watches: usize,
+    /// Poll interval of every watch, seconds.
+    #[arg(long, default_value_t = 1)]
+    pub interval_s: u64,
+    /// Watch window, seconds (the run lasts about this long after the first slot).
+    #[arg(long, default_value_t = 60)]
+    pub window_s: u64,
+    /// Jobs the worker runs at once.
+    #[arg(long, default_value_t = 64)]
+    pub concurrency: usize,
+    /// Jobs claimed per statement.
+    #[arg(long, default_value_t = 16)]
+    pub claim_batch: u32,
+    /// Spread the watches' arming over this many milliseconds (0: all armed at one instant,
+    /// so every slot is a burst of `watches` polls).
+    #[arg(long, default_value_t = 1_000)]
+    pub spread_ms: u64,
 }
 
 #[derive(Debug, Args)]

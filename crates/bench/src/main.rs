@@ -9,6 +9,8 @@
 mod cli;
 mod pgbench;
 mod queue;
+mod scale;
+mod watches;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -66,7 +68,13 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Queue(args) => queue::queue(&cx, args).await,
         Command::QueueApi(args) => queue::queue_api(&cx, args).await,
-        Command::Serve { runs } => queue::serve(&cx, runs).await,
+        Command::Serve {
+            runs,
+            project,
+            idle_s,
+        } => queue::serve(&cx, runs, project, idle_s).await,
+        Command::Workers(args) => scale::workers(&cx, args).await,
+        Command::Watches(args) => watches::watches(&cx, args).await,
     }
 }
 
