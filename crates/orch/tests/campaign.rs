@@ -306,6 +306,29 @@ fn effects(dir: &Path, kind: &str) -> Vec<String> {
         .collect()
 }
 
+/// How long the first kill waits for a process that holds a lease before it picks at random.
+const FIRST_KILL_WAIT: Duration = Duration::from_secs(60);
+
+/// The index of a running process that holds a running job's lease (its pid is part of the
+/// default worker id, `host-pid-salt`).
+async fn lease_holder(store: &Store, running: &[Proc]) -> Option<usize> {
+    let mut holders = Vec::new();
+    for id in ITEMS {
+        let Ok(Some(t)) = store.get_task_by_work_item(id).await else {
+            continue;
+        };
+        for j in store.task_jobs(t.id).await.unwrap_or_default() {
+            if matches!(j.state, orch_store::JobState::Running) {
+                holders.extend(j.locked_by);
+            }
+        }
+    }
+    running.iter().position(|p| {
+        let pid = p.incarnation.split('-').next().unwrap_or_default();
+        holders.iter().any(|h| h.contains(&format!("-{pid}-")))
+    })
+}
+
 async fn all_terminal(store: &Store) -> bool {
     for id in ITEMS {
         match store.get_task_by_work_item(id).await {
@@ -369,7 +392,21 @@ async fn run(
             outcomes_so_far(&store).await
         );
         if done_kills < kills && Instant::now() >= next_kill {
-            let i = rng.random_range(0..running.len());
+            // The first kill waits for a process that holds a lease, so that at least one
+            // attempt is always lost to a crash (with several processes a random kill may hit
+            // an idle one every time); the rest pick their victim at random.
+            let i = if done_kills == 0 {
+                match lease_holder(&store, &running).await {
+                    Some(i) => i,
+                    None if t0.elapsed() < FIRST_KILL_WAIT => {
+                        tokio::time::sleep(Duration::from_millis(20)).await;
+                        continue;
+                    }
+                    None => rng.random_range(0..running.len()),
+                }
+            } else {
+                rng.random_range(0..running.len())
+            };
             let victim = running.swap_remove(i);
             let what = victim.what.clone();
             dead.push(victim.kill9().await);
