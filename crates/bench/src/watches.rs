@@ -305,11 +305,11 @@ async fn tick(shared: &Shared, cx: JobContext) -> Result<Outcome> {
     };
     match shared.executor.execute(&run).await? {
         StageEffect::Requeue {
-            delay_s, marker, ..
+            delay_ms, marker, ..
         } => {
             let job = NewJob::new(MONITOR_AGENT, sj.with_marker(&marker))
                 .task(task_id)
-                .delay_s(i64::try_from(delay_s).unwrap_or(i64::MAX / 1000))
+                .delay_ms(i64::try_from(delay_ms).unwrap_or(i64::MAX))
                 .max_attempts(STAGE_ATTEMPTS)
                 .dedupe(dedupe::requeue_of(cx.job.id))
                 .node(NODE);

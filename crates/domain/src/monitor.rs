@@ -339,10 +339,11 @@ impl Verdict {
 /// What a monitor tick concludes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Decision {
-    /// Keep watching: enqueue the next tick after this many seconds.
+    /// Keep watching: enqueue the next tick after this many milliseconds, at the next slot's
+    /// instant (not rounded up to a whole second: rounding would make every poll late).
     Continue {
-        /// The `available_at_delay_s` of the next `post-deploy-monitor` job.
-        next_delay_s: u64,
+        /// The delay of the next `post-deploy-monitor` job.
+        next_delay_ms: u64,
     },
     /// The watch is over with this verdict and reason.
     Final(Verdict, String),
@@ -390,7 +391,7 @@ pub fn decide(series: &[Poll], params: &WatchParams, armed_at_ms: i64, now_ms: i
         .min(deadline);
         let wait_ms = u64::try_from(next.saturating_sub(now_ms)).unwrap_or(0);
         return Decision::Continue {
-            next_delay_s: wait_ms.div_ceil(1_000),
+            next_delay_ms: wait_ms,
         };
     }
     let valid = stats.valid();
@@ -870,18 +871,24 @@ mod tests {
     fn continue_waits_for_the_next_slot() {
         let p = WatchParams::default();
         let cont = |now_s: i64| match decide(&[], &p, ARMED, ARMED + now_s * 1_000) {
-            Decision::Continue { next_delay_s } => next_delay_s,
+            Decision::Continue { next_delay_ms } => next_delay_ms,
             other => panic!("{other:?}"),
         };
-        assert_eq!(cont(0), 30, "first poll after the initial delay");
-        assert_eq!(cont(30), 30, "a poll just ran at slot 0: next is slot 1");
-        assert_eq!(cont(31), 29);
-        assert_eq!(cont(575), 25, "the last slot is the deadline");
+        assert_eq!(cont(0), 30_000, "first poll after the initial delay");
+        assert_eq!(
+            cont(30),
+            30_000,
+            "a poll just ran at slot 0: next is slot 1"
+        );
+        assert_eq!(cont(31), 29_000);
+        assert_eq!(cont(575), 25_000, "the last slot is the deadline");
         let at_ms = ARMED + 30_500;
         assert_eq!(
             decide(&[], &p, ARMED, at_ms),
-            Decision::Continue { next_delay_s: 30 },
-            "rounded up"
+            Decision::Continue {
+                next_delay_ms: 29_500
+            },
+            "aimed at the next slot's instant, not rounded to a second"
         );
     }
 

@@ -199,15 +199,13 @@ impl Fx {
             match exec.execute(&run).await.unwrap() {
                 StageEffect::Produced { outcome: Some(o) } => return (o, requeues),
                 StageEffect::Requeue {
-                    delay_s, marker, ..
+                    delay_ms, marker, ..
                 } => {
-                    self.db
-                        .clock
-                        .advance_ms(i64::try_from(delay_s).unwrap() * 1000);
+                    self.db.clock.advance_ms(i64::try_from(delay_ms).unwrap());
                     content = StageJob::from_content(&content)
                         .unwrap()
                         .with_marker(&marker);
-                    requeues.push((delay_s, marker));
+                    requeues.push((delay_ms, marker));
                 }
                 other => panic!("unexpected effect {other:?}"),
             }
@@ -440,7 +438,7 @@ async fn check(
     );
     assert_eq!(fx.runs(), 1, "{case}: deployed exactly once");
     for (i, (delay, marker)) in requeues.iter().enumerate() {
-        assert_eq!(*delay, exec.finalize_delay_s);
+        assert_eq!(*delay, exec.finalize_delay_s * 1000);
         assert!(
             marker.starts_with(&markers::deploy_finalize_prefix(fx.task.stage_seq)),
             "{marker}"

@@ -528,11 +528,9 @@ async fn drive(
         let run = fx.run(agent, content.clone()).await;
         match exec.execute(&run).await.unwrap() {
             StageEffect::Requeue {
-                delay_s, marker, ..
+                delay_ms, marker, ..
             } => {
-                fx.db
-                    .clock
-                    .advance_ms(i64::try_from(delay_s).unwrap() * 1000);
+                fx.db.clock.advance_ms(i64::try_from(delay_ms).unwrap());
                 content = StageJob::from_content(&content)
                     .unwrap()
                     .with_marker(&marker);

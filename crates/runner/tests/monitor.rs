@@ -210,15 +210,13 @@ impl Fx {
             match exec.execute(&run).await.unwrap() {
                 StageEffect::Produced { outcome: None } => return requeues,
                 StageEffect::Requeue {
-                    delay_s, marker, ..
+                    delay_ms, marker, ..
                 } => {
-                    self.db
-                        .clock
-                        .advance_ms(i64::try_from(delay_s).unwrap() * 1000);
+                    self.db.clock.advance_ms(i64::try_from(delay_ms).unwrap());
                     content = StageJob::from_content(&content)
                         .unwrap()
                         .with_marker(&marker);
-                    requeues.push((delay_s, marker));
+                    requeues.push((delay_ms, marker));
                 }
                 other => panic!("unexpected effect {other:?}"),
             }
@@ -461,14 +459,12 @@ async fn check(s: Scenario) {
         "{name}: {requeues:?}"
     );
     assert_eq!(
-        requeues[0].0, 30,
+        requeues[0].0, 30_000,
         "{name}: first poll after the initial delay"
     );
     assert!(
-        requeues[1..]
-            .iter()
-            .all(|(d, m)| *d == 30
-                && m.starts_with(&markers::monitor_tick_prefix(fx.task.stage_seq))),
+        requeues[1..].iter().all(|(d, m)| *d == 30_000
+            && m.starts_with(&markers::monitor_tick_prefix(fx.task.stage_seq))),
         "{name}: {requeues:?}"
     );
     assert_eq!(
@@ -844,9 +840,9 @@ async fn the_first_poll_waits_for_its_slot_without_consuming_a_tick() {
     let run = fx.run(fx.first_content()).await;
     let marker = match exec().execute(&run).await.unwrap() {
         StageEffect::Requeue {
-            delay_s, marker, ..
+            delay_ms, marker, ..
         } => {
-            assert_eq!(delay_s, 20, "the rest of the initial delay");
+            assert_eq!(delay_ms, 20_000, "the rest of the initial delay");
             marker
         }
         other => panic!("{other:?}"),
@@ -864,9 +860,9 @@ async fn the_first_poll_waits_for_its_slot_without_consuming_a_tick() {
         .await;
     match exec().execute(&run).await.unwrap() {
         StageEffect::Requeue {
-            delay_s, marker, ..
+            delay_ms, marker, ..
         } => {
-            assert_eq!(delay_s, 30);
+            assert_eq!(delay_ms, 30_000);
             assert_eq!(
                 marker,
                 format!("{} tick=1", markers::monitor_tick_prefix(seq))
@@ -909,15 +905,15 @@ async fn ticks_are_recovered_from_the_queue_neither_lost_nor_repeated() {
     let again = fx.run_of(j1_id).await;
     let StageEffect::Requeue {
         marker: m2b,
-        delay_s,
+        delay_ms,
         ..
     } = exec().execute(&again).await.unwrap()
     else {
         panic!()
     };
     assert_eq!(
-        (m2b.as_str(), delay_s),
-        (m2.as_str(), 20),
+        (m2b.as_str(), delay_ms),
+        (m2.as_str(), 20_000),
         "same next tick, at its slot"
     );
     assert_eq!(fx.ticks(), vec![0, 1], "tick 1 not polled twice");
@@ -927,7 +923,7 @@ async fn ticks_are_recovered_from_the_queue_neither_lost_nor_repeated() {
     let j2 = fx.run(with(&m2)).await;
     let StageEffect::Requeue {
         marker: m3,
-        delay_s,
+        delay_ms,
         ..
     } = exec().execute(&j2).await.unwrap()
     else {
@@ -938,7 +934,7 @@ async fn ticks_are_recovered_from_the_queue_neither_lost_nor_repeated() {
         vec![0, 1, 5],
         "slots 2-4 skipped (missed), slot 5 = now"
     );
-    assert_eq!(delay_s, 25, "next at slot 6 (210 s)");
+    assert_eq!(delay_ms, 25_000, "next at slot 6 (210 s)");
     assert_eq!(m3, format!("{} tick=6", markers::monitor_tick_prefix(seq)));
 
     // Finish: slots 6..9 then the deadline.
@@ -1031,14 +1027,12 @@ async fn the_recovery_sweep_reenqueues_a_stranded_watch_once_pinned_to_this_node
     // Slot 0 was polled; its follow-up tick job was then lost: the watch is stranded.
     let first = fx.run(fx.first_content()).await; // waits
     let StageEffect::Requeue {
-        delay_s, marker, ..
+        delay_ms, marker, ..
     } = exec().execute(&first).await.unwrap()
     else {
         panic!()
     };
-    fx.db
-        .clock
-        .advance_ms(i64::try_from(delay_s).unwrap() * 1000);
+    fx.db.clock.advance_ms(i64::try_from(delay_ms).unwrap());
     let tick0 = fx
         .run(
             StageJob::from_content(&fx.first_content())

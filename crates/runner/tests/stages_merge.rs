@@ -653,11 +653,11 @@ async fn a_failed_fetch_is_retried_a_bounded_number_of_times_counted_from_the_qu
             Some(want) => {
                 match effect {
                     StageEffect::Requeue {
-                        delay_s,
+                        delay_ms,
                         marker,
                         reason,
                     } => {
-                        assert_eq!(delay_s, want, "earlier {earlier}");
+                        assert_eq!(delay_ms, want * 1000, "earlier {earlier}");
                         assert_eq!(marker, markers::merge_infra_retry(seq));
                         assert!(reason.contains("reading `main`"), "{reason}");
                         assert!(reason.contains("cannot fetch `origin`"), "{reason}");
@@ -717,11 +717,11 @@ async fn a_default_branch_that_does_not_exist_is_an_infrastructure_error() {
     let branch_head = commit(&f.run.git, &f.run.worktree, "feature.txt", "x\n").await;
     match execute(&f).await {
         StageEffect::Requeue {
-            delay_s,
+            delay_ms,
             marker,
             reason,
         } => {
-            assert_eq!(delay_s, 30);
+            assert_eq!(delay_ms, 30_000);
             assert_eq!(marker, markers::merge_infra_retry(f.run.task.stage_seq));
             assert!(reason.contains("reading `trunk`"), "{reason}");
             assert!(reason.contains("has no commit"), "{reason}");

@@ -129,11 +129,11 @@ async fn check(
         Expect::Defer { delay_s, reason } => {
             match effect {
                 StageEffect::Requeue {
-                    delay_s: d,
+                    delay_ms: d,
                     marker,
                     reason: r,
                 } => {
-                    assert_eq!(d, delay_s, "{case}");
+                    assert_eq!(d, delay_s * 1000, "{case}");
                     assert_eq!(marker, markers::staging_defer(f.run.task.stage_seq));
                     assert_eq!(marker, "[orch:staging-tool-error-defer seq=0]");
                     assert!(r.contains(reason), "{case}: {r}");
@@ -322,7 +322,7 @@ async fn defers_of_another_stage_visit_do_not_count() {
     earlier_defers(&f.run, 5, f.run.task.stage_seq + 1).await;
     let runner = StagingExecutor::new(f.counters.clone());
     match runner.execute(&f.run).await.unwrap() {
-        StageEffect::Requeue { delay_s, .. } => assert_eq!(delay_s, 60),
+        StageEffect::Requeue { delay_ms, .. } => assert_eq!(delay_ms, 60_000),
         other => panic!("{other:?}"),
     }
 }

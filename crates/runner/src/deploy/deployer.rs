@@ -524,7 +524,7 @@ impl DeployerExecutor {
             )
             .await?;
             return Ok(StageEffect::Requeue {
-                delay_s: self.finalize_delay_s,
+                delay_ms: self.finalize_delay_s.saturating_mul(1000),
                 marker: markers::deploy_finalize(seq, n),
                 reason,
             });

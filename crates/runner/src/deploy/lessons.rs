@@ -100,7 +100,7 @@ impl StageExecutor for LessonsExecutor {
             // The repo's releases stay held (this task keeps the release track) until an
             // operator approves or cancels the item.
             return Ok(StageEffect::Requeue {
-                delay_s: HOLD_RECHECK_S,
+                delay_ms: HOLD_RECHECK_S * 1000,
                 marker: markers::release_hold(seq),
                 reason: format!(
                     "repo {} is held ({reason}): waiting for `orch approve {}` or `orch cancel {}`",

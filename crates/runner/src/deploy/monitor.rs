@@ -76,6 +76,15 @@ pub fn supersede_others(
 }
 
 /// `(work item, revision)` of the deploy that superseded this watch, if any.
+/// A delay for a message: `30s`, or `0.97s` when not a whole second.
+fn seconds(ms: u64) -> String {
+    if ms.is_multiple_of(1000) {
+        format!("{}s", ms / 1000)
+    } else {
+        format!("{:.2}s", ms as f64 / 1000.0)
+    }
+}
+
 fn superseded_by(ws: &WatchState) -> Option<(String, String)> {
     let path = ws.dir()?.join(SUPERSEDED_FILE);
     let text = std::fs::read_to_string(&path).ok()?;
@@ -246,14 +255,11 @@ impl MonitorExecutor {
         let first = tick_at_ms(&params, armed.armed_at_ms, 0);
         if now < first {
             let waits = count(run, &markers::monitor_wait_prefix(seq)).await?;
-            let delay_s = u64::try_from(first - now)
-                .unwrap_or(0)
-                .div_ceil(1_000)
-                .max(1);
+            let delay_ms = u64::try_from(first - now).unwrap_or(0).max(1);
             return Ok(StageEffect::Requeue {
-                delay_s,
+                delay_ms,
                 marker: markers::monitor_wait(seq, waits.saturating_add(1)),
-                reason: format!("post-deploy watch: first poll in {delay_s}s"),
+                reason: format!("post-deploy watch: first poll in {}", seconds(delay_ms)),
             });
         }
 
@@ -283,10 +289,13 @@ impl MonitorExecutor {
 
         let series = ws.series();
         match decide(&series.polls, &params, armed.armed_at_ms, now) {
-            Decision::Continue { next_delay_s } => Ok(StageEffect::Requeue {
-                delay_s: next_delay_s.max(1),
+            Decision::Continue { next_delay_ms } => Ok(StageEffect::Requeue {
+                delay_ms: next_delay_ms.max(1),
                 marker: markers::monitor_tick(seq, tick.saturating_add(1)),
-                reason: format!("post-deploy watch: tick {tick} polled; next in {next_delay_s}s"),
+                reason: format!(
+                    "post-deploy watch: tick {tick} polled; next in {}",
+                    seconds(next_delay_ms)
+                ),
             }),
             Decision::Final(verdict, reason) => {
                 let (verdict, reason) = match (&series.lost, verdict) {

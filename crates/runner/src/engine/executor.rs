@@ -75,11 +75,12 @@ pub enum StageEffect {
     /// it is the outcome used for the decision.
     Produced { outcome: Option<GateOutcome> },
     /// Come back later within the same stage visit: the engine enqueues a job of the same kind
-    /// after `delay_s` whose content carries `marker` (restart-safe counting of defers and
+    /// after `delay_ms` whose content carries `marker` (restart-safe counting of defers and
     /// ticks: the count is the number of such jobs, seed ORCH-115 D-2), commits any files the
     /// executor wrote, marks this job done, and leaves the stage unchanged.
     Requeue {
-        delay_s: u64,
+        /// Milliseconds until the next job is available (a watch aims at its slot's instant).
+        delay_ms: u64,
         marker: String,
         reason: String,
     },

@@ -365,14 +365,14 @@ impl Engine {
         match effect {
             StageEffect::Failed { reason } => self.fail_task(cx, &run.task, &reason).await,
             StageEffect::Requeue {
-                delay_s,
+                delay_ms,
                 marker,
                 reason,
             } => {
                 self.commit(&run, "progress").await?;
                 let mut job = NewJob::new(kind, sj.with_marker(&marker))
                     .task(run.task.id)
-                    .delay_s(i64::try_from(delay_s).unwrap_or(i64::MAX / 1000))
+                    .delay_ms(i64::try_from(delay_ms).unwrap_or(i64::MAX))
                     .max_attempts(STAGE_ATTEMPTS)
                     .dedupe(dedupe::requeue_of(cx.job.id));
                 if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
@@ -384,7 +384,7 @@ impl Engine {
                     events::STAGE_REQUEUED,
                     &reason,
                     Some(serde_json::json!({
-                        "delay_s": delay_s, "marker": marker,
+                        "delay_ms": delay_ms, "marker": marker,
                     })),
                 )
                 .await;

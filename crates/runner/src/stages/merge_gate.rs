@@ -171,7 +171,7 @@ impl StageExecutor for MergeGateExecutor {
                     );
                     tracing::warn!(work_item = %run.work_item, %reason, "merge deferred");
                     return Ok(StageEffect::Requeue {
-                        delay_s,
+                        delay_ms: delay_s.saturating_mul(1000),
                         marker,
                         reason,
                     });

@@ -178,7 +178,7 @@ impl StageExecutor for StagingExecutor {
                 );
                 tracing::warn!(work_item = %run.work_item, %reason, "staging deferred");
                 Ok(StageEffect::Requeue {
-                    delay_s,
+                    delay_ms: delay_s.saturating_mul(1000),
                     marker,
                     reason,
                 })
