@@ -39,6 +39,12 @@ pub struct Db<D> {
 /// The connection type of a driver's database.
 type Conn<D> = <<D as Driver>::DB as Database>::Connection;
 
+/// What [`Db::lock_running`] reads of a job its lease still holds.
+struct RunningJob {
+    max_attempts: i64,
+    task_id: Option<i64>,
+}
+
 impl<D, DB> Db<D>
 where
     D: Driver<DB = DB>,
@@ -134,20 +140,11 @@ where
     ) -> Result<()> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
-        let row = sqlx::query(self.sql.job_outcome_locked.as_str())
-            .bind(lease.job_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let Some(row) = row else {
-            return Err(StoreError::JobNotFound(lease.job_id));
-        };
-        let state: String = row.try_get(0)?;
-        let attempt: i64 = row.try_get(1)?;
-        let max_attempts: i64 = row.try_get(2)?;
-        let task_id: Option<i64> = row.try_get(3)?;
-        if state != "running" || attempt != lease.attempt {
-            return Err(lease_lost(lease, &state, attempt));
-        }
+        let RunningJob {
+            max_attempts,
+            task_id,
+        } = self.lock_running(&mut tx, lease).await?;
+        let attempt = lease.attempt;
         let outcome = retry_or_fail(outcome, attempt, max_attempts);
         match &outcome {
             JobOutcome::Done => {
@@ -290,18 +287,7 @@ where
     pub async fn take_over_job(&self, lease: Lease, node: &str, event: NewEvent) -> Result<()> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
-        let row = sqlx::query(self.sql.job_state_locked.as_str())
-            .bind(lease.job_id)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let Some(row) = row else {
-            return Err(StoreError::JobNotFound(lease.job_id));
-        };
-        let state: String = row.try_get(0)?;
-        let attempt: i64 = row.try_get(1)?;
-        if state != "running" || attempt != lease.attempt {
-            return Err(lease_lost(lease, &state, attempt));
-        }
+        self.lock_running(&mut tx, lease).await?;
         let res = sqlx::query(sql::TAKE_OVER_JOB)
             .bind(lease.job_id)
             .bind(lease.attempt)
@@ -309,7 +295,7 @@ where
             .execute(&mut *tx)
             .await?;
         if D::rows_affected(&res) == 0 {
-            return Err(lease_lost(lease, &state, attempt));
+            return Err(lease_lost(lease, "running", lease.attempt));
         }
         Self::insert_event(&mut tx, &event, now).await?;
         self.d.commit(tx, false).await
@@ -706,28 +692,38 @@ where
             }),
             Fence::Seq(_) => Ok(()),
             Fence::Job(lease) => {
-                let row = sqlx::query(self.sql.job_state_locked.as_str())
-                    .bind(lease.job_id)
-                    .fetch_optional(&mut *conn)
-                    .await?;
-                let Some(row) = row else {
-                    return Err(StoreError::JobNotFound(lease.job_id));
-                };
-                let state: String = row.try_get(0)?;
-                let attempt: i64 = row.try_get(1)?;
-                let task_id: Option<i64> = row.try_get(2)?;
-                if task_id != Some(current.id) {
+                let job = self.lock_running(conn, lease).await?;
+                if job.task_id != Some(current.id) {
                     return Err(StoreError::Invalid(format!(
                         "job {} does not belong to task {}",
                         lease.job_id, current.id
                     )));
                 }
-                if state != "running" || attempt != lease.attempt {
-                    return Err(lease_lost(lease, &state, attempt));
-                }
                 Ok(())
             }
         }
+    }
+
+    /// The fence of every change to a running job: locks the job's row (until the transaction
+    /// ends) and checks that `lease` still holds it — the job is running under the lease's
+    /// attempt. Anything else is `LeaseLost` naming what the job is now.
+    async fn lock_running(&self, conn: &mut Conn<D>, lease: Lease) -> Result<RunningJob> {
+        let row = sqlx::query(self.sql.job_locked.as_str())
+            .bind(lease.job_id)
+            .fetch_optional(&mut *conn)
+            .await?;
+        let Some(row) = row else {
+            return Err(StoreError::JobNotFound(lease.job_id));
+        };
+        let state: String = row.try_get(0)?;
+        let attempt: i64 = row.try_get(1)?;
+        if state != "running" || attempt != lease.attempt {
+            return Err(lease_lost(lease, &state, attempt));
+        }
+        Ok(RunningJob {
+            max_attempts: row.try_get(2)?,
+            task_id: row.try_get(3)?,
+        })
     }
 
     /// A task whose last live job failed would be stranded: move it to `failed`, with an event

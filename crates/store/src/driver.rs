@@ -99,10 +99,9 @@ pub trait Driver: Send + Sync + 'static {
 pub struct Statements {
     /// `$1 task_id`, locking the row: the read of `advance_stage`.
     pub task_by_id_locked: String,
-    /// `$1 job_id` → `state, attempt, task_id`, locking the row: the fence of `advance_stage`.
-    pub job_state_locked: String,
-    /// `$1 job_id` → `state, attempt, max_attempts, task_id`, locking the row: `mark_job`.
-    pub job_outcome_locked: String,
+    /// `$1 job_id` → `state, attempt, max_attempts, task_id`, locking the row: the fence of a
+    /// running job's lease (`Db::lock_running`).
+    pub job_locked: String,
     /// `$1 now, $2 limit` → `id, attempt, max_attempts, task_id, locked_by` of expired leases.
     pub expired_leases: String,
     pub list_tasks: String,
@@ -112,8 +111,7 @@ impl Statements {
     pub fn new<D: Driver>() -> Statements {
         Statements {
             task_by_id_locked: sql::select_tasks(&format!("WHERE id = $1{}", D::FOR_UPDATE)),
-            job_state_locked: format!("{}{}", sql::JOB_STATE, D::FOR_UPDATE),
-            job_outcome_locked: format!(
+            job_locked: format!(
                 "SELECT state, attempt, max_attempts, task_id FROM jobs WHERE id = $1{}",
                 D::FOR_UPDATE
             ),

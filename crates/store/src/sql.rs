@@ -92,9 +92,6 @@ pub const RELEASE: &str = "UPDATE jobs SET state = 'queued', available_at = $3, 
      last_error = 'released at shutdown' \
      WHERE id = $1 AND attempt = $2 AND state = 'running'";
 
-/// `$1 job_id`.
-pub const JOB_STATE: &str = "SELECT state, attempt, task_id FROM jobs WHERE id = $1";
-
 /// `$1 id, $2 now`.
 pub const CANCEL_JOB: &str = "UPDATE jobs SET state = 'cancelled', finished_at = $2, \
      lease_expires_at = NULL WHERE id = $1 AND state IN ('queued', 'running')";
