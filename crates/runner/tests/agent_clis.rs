@@ -28,39 +28,9 @@ use serde_json::Value;
 
 // --- the installed CLIs ----------------------------------------------------------------------
 
-/// The installed `tool`, or `None` after printing why it is skipped (or panicking when
-/// `ORCH_REQUIRE_AGENT_CLIS=1`).
-fn cli(tool: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("ORCH_AGENT_CLI_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/orch-agent-clis"))
-        });
-    let reason = match &cache {
-        None => "neither ORCH_AGENT_CLI_CACHE nor HOME is set".to_owned(),
-        Some(cache) => {
-            let bin = cache.join("bin").join(tool);
-            let status =
-                std::fs::read_to_string(cache.join("status").join(tool)).unwrap_or_default();
-            if bin.exists() && status.starts_with("ok") {
-                return Some(bin);
-            }
-            if status.trim().is_empty() {
-                format!(
-                    "{tool} is not installed in {} (run scripts/install-agent-clis)",
-                    cache.display()
-                )
-            } else {
-                format!("{tool} could not be installed: {}", status.trim())
-            }
-        }
-    };
-    if std::env::var("ORCH_REQUIRE_AGENT_CLIS").as_deref() == Ok("1") {
-        panic!("ORCH_REQUIRE_AGENT_CLIS=1 but {reason}");
-    }
-    println!("SKIPPED: {reason}");
-    None
-}
+#[path = "support/agent_cli.rs"]
+mod agent_cli;
+use agent_cli::agent_cli as cli;
 
 // --- fixture ---------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -242,36 +242,7 @@ pub fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
         .expect("spawn orch worker")
 }
 
-/// The installed `tool`, or `None` after printing why its test is skipped (a panic when
-/// `ORCH_REQUIRE_AGENT_CLIS=1`).
-pub fn agent_cli(tool: &str) -> Option<PathBuf> {
-    let cache = std::env::var_os("ORCH_AGENT_CLI_CACHE")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/orch-agent-clis"))
-        });
-    let reason = match &cache {
-        None => "neither ORCH_AGENT_CLI_CACHE nor HOME is set".to_owned(),
-        Some(cache) => {
-            let bin = cache.join("bin").join(tool);
-            let status =
-                std::fs::read_to_string(cache.join("status").join(tool)).unwrap_or_default();
-            if bin.exists() && status.starts_with("ok") {
-                return Some(bin);
-            }
-            if status.trim().is_empty() {
-                format!(
-                    "{tool} is not installed in {} (run scripts/install-agent-clis)",
-                    cache.display()
-                )
-            } else {
-                format!("{tool} could not be installed: {}", status.trim())
-            }
-        }
-    };
-    if std::env::var("ORCH_REQUIRE_AGENT_CLIS").as_deref() == Ok("1") {
-        panic!("ORCH_REQUIRE_AGENT_CLIS=1 but {reason}");
-    }
-    println!("SKIPPED: {reason}");
-    None
-}
+#[path = "../../../runner/tests/support/agent_cli.rs"]
+mod agent_cli_support;
+#[allow(unused_imports)] // not every test binary runs an agent CLI
+pub use agent_cli_support::agent_cli;
