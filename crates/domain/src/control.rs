@@ -138,6 +138,9 @@ pub mod events {
     /// A node took over a job pinned to a node gone longer than the grace, and re-pinned it:
     /// `{from, to, last_seen_ms, seq, stage, job, agent}`.
     pub const NODE_TAKEOVER: &str = "node.takeover";
+    /// The remote's `orch/<id>` held commits the lease holder had not seen (a stale attempt's
+    /// push); the holder's branch replaced them by compare-and-swap.
+    pub const WORK_BRANCH_REPLACED: &str = "work_branch.replaced";
     /// The visit's deploy markers were not on this node (it took the visit over from a node
     /// that is gone): rebuilt from the events before going on: `{revision, ended_well, node}`.
     pub const DEPLOY_MARKERS_RESTORED: &str = "deploy.markers_restored";
@@ -215,6 +218,7 @@ pub mod events {
         POST_DEPLOY_REARMED,
         LESSONS_RECORDED,
         NODE_TAKEOVER,
+        WORK_BRANCH_REPLACED,
         DEPLOY_MARKERS_RESTORED,
         DEPLOY_STALE_MARKERS_CLEARED,
         POST_DEPLOY_TAKEN_OVER,

@@ -579,23 +579,6 @@ impl Git {
         Ok(true)
     }
 
-    /// Pushes `new` to `branch` on `remote` only if the remote's branch is at `old` now (a
-    /// compare-and-swap on the remote; never a blind force).
-    pub async fn push_lease(
-        &self,
-        dir: &Path,
-        remote: &str,
-        branch: &str,
-        old: &str,
-        new: &str,
-    ) -> Result<(), GitError> {
-        let lease = format!("--force-with-lease=refs/heads/{branch}:{old}");
-        let refspec = format!("{new}:refs/heads/{branch}");
-        self.run(dir, args(["push", "--quiet", &lease, remote, &refspec]))
-            .await?;
-        Ok(())
-    }
-
     /// Fetches `remote` (pruning deleted branches). Returns false (and does nothing) when there
     /// is no such remote.
     pub async fn fetch(&self, dir: &Path, remote: &str) -> Result<bool, GitError> {

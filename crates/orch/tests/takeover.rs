@@ -29,6 +29,17 @@ fn repos_dir(dir: &Path, name: &str) -> PathBuf {
 /// An `orch worker --node <name>` of the demo in `dir` on `url`, with its own `repos_dir`, its
 /// own process group, 2 s leases, a 3 s node grace, and `failpoints` (empty: none).
 fn spawn_node(dir: &Path, url: &str, name: &str, failpoints: &str) -> tokio::process::Child {
+    spawn_node_with(dir, url, name, failpoints, 50)
+}
+
+/// [`spawn_node`] whose scripted agent thinks `agent_ms` per run.
+fn spawn_node_with(
+    dir: &Path,
+    url: &str,
+    name: &str,
+    failpoints: &str,
+    agent_ms: u64,
+) -> tokio::process::Child {
     tokio::process::Command::new(ORCH)
         .arg("--config")
         .arg(dir.join("orch.toml"))
@@ -40,7 +51,7 @@ fn spawn_node(dir: &Path, url: &str, name: &str, failpoints: &str) -> tokio::pro
         .env("ORCH_LOG", "warn")
         .env("ORCH_LEASE_S", LEASE_S)
         .env("ORCH_NODE_GRACE_S", GRACE_S)
-        .env("ORCH_DEMO_AGENT_SLEEP_MS", "50")
+        .env("ORCH_DEMO_AGENT_SLEEP_MS", agent_ms.to_string())
         .env("ORCH_FAILPOINTS", failpoints)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
@@ -364,4 +375,144 @@ async fn a_dead_nodes_deploy_is_taken_over_and_applied_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_nodes_watch_is_taken_over_and_rearmed_with_its_loss_said() {
     node_dies_and_the_other_takes_over(Death::DuringWatch).await;
+}
+
+/// A TCP relay to PostgreSQL that the test can cut, as a network cut between one node and the
+/// database (its git remote stays reachable): every relayed connection is dropped and new ones
+/// are closed at once.
+struct DbLink {
+    addr: std::net::SocketAddr,
+    cut: tokio_util::sync::CancellationToken,
+}
+
+impl DbLink {
+    async fn start(upstream: String) -> DbLink {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let cut = tokio_util::sync::CancellationToken::new();
+        let token = cut.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut client, _)) = listener.accept().await else {
+                    return;
+                };
+                if token.is_cancelled() {
+                    continue; // dropped: the connection is refused
+                }
+                let token = token.clone();
+                let upstream = upstream.clone();
+                tokio::spawn(async move {
+                    let Ok(mut server) = tokio::net::TcpStream::connect(&upstream).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut client, &mut server) => {}
+                        _ = token.cancelled() => {}
+                    }
+                });
+            }
+        });
+        DbLink { addr, cut }
+    }
+
+    /// `url` with its `host:port` replaced by this relay's.
+    fn url(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").unwrap();
+        let (auth, tail) = rest.split_once('/').unwrap();
+        let user = auth
+            .rsplit_once('@')
+            .map(|(u, _)| format!("{u}@"))
+            .unwrap_or_default();
+        format!("{scheme}://{user}{}/{tail}", self.addr)
+    }
+}
+
+/// `host:port` of a `postgres://` URL.
+fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").unwrap().1;
+    let auth = rest.split_once('/').unwrap().0;
+    let hp = auth.rsplit_once('@').map_or(auth, |(_, hp)| hp);
+    if hp.contains(':') {
+        hp.to_owned()
+    } else {
+        format!("{hp}:5432")
+    }
+}
+
+/// A node cut off from the database in the middle of a stage must not push what it finished
+/// after its lease was lost: the attempt that replaced it (on another node) owns `orch/<id>`.
+/// Node a reaches PostgreSQL through a relay; the relay is cut while a's agent works on the
+/// analysis (3 s); a's agent then finishes and a commits, while node b, on a direct link,
+/// rescues the stage after the lease (2 s) and redoes it (its agent takes 4 s). Whenever a
+/// would push, it is before b's: the remote's `orch/<id>` would then carry a's stale
+/// "analysis result (attempt 1)" under b's work. The lease is renewed before every push, so a
+/// never pushes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_cut_from_the_database_never_pushes_its_stale_branch() {
+    if !python_available() {
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let url = setup(&dir).await;
+    let store = Store::connect(&url, ConnectOptions::default())
+        .await
+        .unwrap();
+    let link = DbLink::start(host_port(&url)).await;
+    let id = submit(&dir, &url);
+    let mut a = spawn_node_with(&dir, &link.url(&url), "a", "", 3_000);
+    until(Duration::from_secs(120), "node a's analysis", || async {
+        events(&store, &id)
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.started" && e.message == "analysis attempt 1")
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    link.cut.cancel();
+    let b = spawn_node_with(&dir, &url, "b", "", 4_000);
+    until(Duration::from_secs(120), "node b's analysis", || async {
+        events(&store, &id)
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.advanced" && e.message.starts_with("analysis:"))
+    })
+    .await;
+    // a's agent ended long ago (3 s); give its worker time to try.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    // SAFETY: signalling our own children's process groups.
+    unsafe { libc::kill(-(a.id().unwrap() as i32), libc::SIGKILL) };
+    let _ = a.wait().await;
+    common::terminate(b).await;
+    common::stop_service(&dir);
+    reap_orphans();
+
+    let history = events(&store, &id).await;
+    let summary: Vec<String> = history
+        .iter()
+        .map(|e| format!("{} {}", e.kind, e.message))
+        .collect();
+    assert!(
+        summary
+            .iter()
+            .any(|e| e.starts_with("stage.started analysis attempt 2")),
+        "b redid the analysis: {summary:#?}"
+    );
+    let log = std::process::Command::new("git")
+        .args(["--git-dir", "service.git", "log", "--format=%s"])
+        .arg(format!("orch/{id}"))
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    assert!(log.status.success(), "{log:?}");
+    let log = String::from_utf8_lossy(&log.stdout);
+    assert!(
+        log.contains("analysis result (attempt 2)"),
+        "b's analysis is on the remote: {log}"
+    );
+    assert!(
+        !log.contains("analysis result (attempt 1)"),
+        "a's stale analysis was pushed: {log}"
+    );
 }

@@ -414,7 +414,7 @@ impl Published {
 }
 
 /// The remote orch's clone publishes to.
-const ORIGIN: &str = "origin";
+pub(crate) const ORIGIN: &str = "origin";
 
 /// Moves the default branch of the repository `repo` declares (orch's clone's `origin`) from
 /// exactly `old` to `new` (`old` empty: the branch must not exist yet), then records `new` as

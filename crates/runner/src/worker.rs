@@ -45,8 +45,34 @@ pub struct JobContext {
     pub lease: Lease,
     pub store: Store,
     pub worker_id: String,
+    /// The lease duration this worker claims and heartbeats with.
+    pub lease_ms: i64,
     /// Cancelled when the lease is lost or a hard shutdown begins: stop and return.
     pub cancel: CancellationToken,
+}
+
+impl JobContext {
+    /// Renews this job's lease now, for a whole lease duration: the fence before an effect
+    /// outside the database that a stale attempt must never make (pushing a branch other
+    /// nodes continue from). An error when the lease is lost (the job was rescued and runs
+    /// elsewhere) or the store cannot say.
+    pub async fn renew(&self) -> anyhow::Result<()> {
+        let lost = self
+            .store
+            .heartbeat(&self.worker_id, &[self.lease], self.lease_ms)
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!("cannot renew the lease of job {}: {e}", self.lease.job_id)
+            })?;
+        if !lost.is_empty() {
+            anyhow::bail!(
+                "lease lost: job {} attempt {} runs elsewhere now",
+                self.lease.job_id,
+                self.lease.attempt
+            );
+        }
+        Ok(())
+    }
 }
 
 /// Runs jobs of one or more kinds.
@@ -534,6 +560,7 @@ impl Fetcher {
                 lease: c.lease,
                 store: self.store.clone(),
                 worker_id: self.config.worker_id.clone(),
+                lease_ms: self.config.lease_ms(),
                 cancel: token,
             };
             running.spawn(execute(entry, cx, self.stats.clone()));

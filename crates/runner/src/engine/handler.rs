@@ -369,7 +369,7 @@ impl Engine {
                 marker,
                 reason,
             } => {
-                self.commit(&run, "progress").await?;
+                self.commit(cx, &run, "progress").await?;
                 let mut job = NewJob::new(kind, sj.with_marker(&marker))
                     .task(run.task.id)
                     .delay_ms(i64::try_from(delay_ms).unwrap_or(i64::MAX))
@@ -436,7 +436,7 @@ impl Engine {
             self.event(&run, events::ARTIFACT_REJECTED, &r.reason, None)
                 .await;
         }
-        let commit = self.commit(&run, "result").await?;
+        let commit = self.commit(cx, &run, "result").await?;
         let gate = match outcome {
             Some(o) => o,
             None => {
@@ -578,7 +578,7 @@ impl Engine {
 
     /// Commits whatever the stage left in the worktree and pushes the branch when the repo
     /// has a remote (the hand-off to other machines, design.md §10).
-    async fn commit(&self, run: &StageRun, what: &str) -> Result<Option<String>> {
+    async fn commit(&self, cx: &JobContext, run: &StageRun, what: &str) -> Result<Option<String>> {
         let message = format!(
             "orch: {} {} {what} (attempt {})\n\nWork-Item: {}\nStage: {}",
             run.work_item, run.stage.name, run.lease.attempt, run.work_item, run.stage.name
@@ -590,14 +590,59 @@ impl Engine {
             .context("cannot commit the stage's changes")?;
         if commit.is_some()
             && repos::shares_work_branches(&self.git, &run.repo_dir, &run.repo).await
-            && let Err(e) = self
-                .git
-                .push(&run.worktree, "origin", &run.work_item.branch_name())
-                .await
         {
-            tracing::warn!(work_item = %run.work_item, error = %e, "could not push the work item's branch");
+            self.push_work_branch(cx, run).await?;
         }
         Ok(commit)
+    }
+
+    /// Publishes `orch/<id>` for the node that runs the next stage, fenced by the lease: an
+    /// attempt whose lease was lost (a node cut off, then back) never pushes, so it cannot put
+    /// its stale commits under the work of the attempt that replaced it. Should the remote hold
+    /// commits this worktree has not seen (pushed by a stale attempt in the instant before its
+    /// lease ran out), the lease holder's branch replaces them by compare-and-swap. A remote
+    /// that cannot be reached is a warning: the stage's work is committed here either way.
+    async fn push_work_branch(&self, cx: &JobContext, run: &StageRun) -> Result<()> {
+        let branch = run.work_item.branch_name();
+        cx.renew()
+            .await
+            .with_context(|| format!("not pushing `{branch}`"))?;
+        let Err(e) = self.git.push(&run.worktree, repos::ORIGIN, &branch).await else {
+            return Ok(());
+        };
+        let ours = self
+            .git
+            .rev_parse(&run.worktree, &format!("refs/heads/{branch}"))
+            .await?;
+        let theirs = self
+            .git
+            .ls_remote_branch(&run.worktree, repos::ORIGIN, &branch)
+            .await;
+        let (Some(ours), Ok(Some(theirs))) = (ours, theirs) else {
+            tracing::warn!(work_item = %run.work_item, error = %e, "could not push the work item's branch");
+            return Ok(());
+        };
+        cx.renew()
+            .await
+            .with_context(|| format!("not replacing `{branch}` on the remote"))?;
+        match self
+            .git
+            .push_with_lease(&run.worktree, repos::ORIGIN, &branch, Some(&theirs), &ours)
+            .await
+        {
+            Ok(()) => {
+                let message = format!(
+                    "`{branch}` on the remote held {theirs:.12}, a commit this attempt had not seen (a stale attempt's push); replaced by this attempt's {ours:.12}"
+                );
+                tracing::warn!(work_item = %run.work_item, %message, "work branch replaced");
+                self.event(run, events::WORK_BRANCH_REPLACED, &message, None)
+                    .await;
+            }
+            Err(e) => {
+                tracing::warn!(work_item = %run.work_item, error = %e, "could not push the work item's branch");
+            }
+        }
+        Ok(())
     }
 
     async fn remove_worktree(&self, run: &StageRun) {
