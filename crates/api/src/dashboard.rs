@@ -15,6 +15,7 @@ use axum::http::request::Parts;
 use axum::response::{Html, IntoResponse, Response};
 use orch_domain::control::{self, events};
 use orch_domain::outcome::Outcome;
+use orch_domain::text::civil_from_days;
 
 use crate::ApiState;
 use crate::extract::ApiQuery;
@@ -1083,20 +1084,6 @@ fn fmt_time(ms: i64) -> String {
         (rem % 3600) / 60,
         rem % 60
     )
-}
-
-/// Days since 1970-01-01 to a proleptic Gregorian date (H. Hinnant's algorithm).
-fn civil_from_days(z: i64) -> (i64, i64, i64) {
-    let z = z + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let y = yoe + era * 400;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    (if m <= 2 { y + 1 } else { y }, m, d)
 }
 
 /// A duration in ms for humans: `850ms`, `4.2s`, `3m 05s`, `2h 07m`, `3d 04h`.

@@ -26,6 +26,20 @@ mod fsx;
 mod selfdeploy;
 mod watch;
 
+/// Writes `bytes` to `path` so that a reader sees the old file or the whole new one, also
+/// after a crash (unique temp file in the same directory, fsync, rename, directory fsync;
+/// creates the directory): orch's one atomic file writer. The error names the operation and
+/// the path, and keeps the I/O error's kind.
+pub fn write_file_atomic(path: &std::path::Path, bytes: &[u8]) -> std::io::Result<()> {
+    fsx::write_atomic(path, bytes).map_err(|e| {
+        let kind = match &e {
+            fsx::StateError::Io { source, .. } => source.kind(),
+            _ => std::io::ErrorKind::Other,
+        };
+        std::io::Error::new(kind, e.to_string())
+    })
+}
+
 pub use selfdeploy::{
     DEPLOY_STATE_DIR_PREFIX, DeployResult, DeployState, MARKER_INITIATED, RESULT_FILE,
 };

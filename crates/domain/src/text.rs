@@ -66,13 +66,21 @@ pub fn md_cell(s: &str, max_chars: usize) -> String {
     out
 }
 
-/// Collapses text to one Markdown line (for summaries and list items).
+/// Collapses text to one line: every run of whitespace (line breaks included) becomes one
+/// space, none at either end (for summaries, list items and messages).
 pub fn one_line(s: &str) -> String {
-    s.split(['\n', '\r'])
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .collect::<Vec<_>>()
-        .join(" ")
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// [`one_line`], at most `max` characters: a longer text ends in `…` within the bound.
+pub fn one_line_max(s: &str, max: usize) -> String {
+    let flat = one_line(s);
+    if flat.chars().count() <= max {
+        return flat;
+    }
+    let mut cut: String = flat.chars().take(max.saturating_sub(1)).collect();
+    cut.push('…');
+    cut
 }
 
 #[cfg(test)]
@@ -86,6 +94,9 @@ mod tests {
         assert_eq!(civil_from_days(-1), (1969, 12, 31));
         assert_eq!(civil_from_days(59), (1970, 3, 1));
         assert_eq!(one_line("a\n  b\r\n\nc"), "a b c");
+        assert_eq!(one_line("  a \t b  "), "a b");
+        assert_eq!(one_line_max("a  b", 3), "a b");
+        assert_eq!(one_line_max("abcd", 3), "ab…");
         assert_eq!(md_cell("x|y\nz", 100), "x\\|y<br>z");
         assert_eq!(md_cell("", 10), "—");
     }

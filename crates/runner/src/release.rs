@@ -33,6 +33,7 @@ use std::path::Path;
 use anyhow::{Context as _, Result, bail};
 use orch_domain::control::events;
 use orch_domain::pipeline::Pipeline;
+use orch_domain::text::one_line;
 use orch_exec::RevertResult;
 use orch_store::{Event, Exclusive, Store};
 use serde_json::json;
@@ -724,8 +725,4 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
 /// The paths of this repo on this machine.
 pub fn paths(run: &StageRun) -> RepoPaths {
     RepoPaths::new(&run.repos_dir, &run.repo_name)
-}
-
-fn one_line(s: &str) -> String {
-    s.split_whitespace().collect::<Vec<_>>().join(" ")
 }

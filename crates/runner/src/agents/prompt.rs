@@ -19,6 +19,7 @@ use orch_domain::artifact::{Artifact, Value};
 use orch_domain::gate::{ArtifactPattern, ArtifactSpec};
 use orch_domain::ids::{AgentName, ArtifactName, StageName, WorkItemId};
 use orch_domain::pipeline::StageDef;
+use orch_domain::text::one_line;
 
 /// The largest prompt [`render`] produces, in bytes.
 pub(crate) const MAX_PROMPT_BYTES: usize = 200 * 1024;
@@ -845,10 +846,6 @@ fn floor_line_boundary(text: &str, max: usize) -> usize {
         Some(i) if cut - i < 2048 => i + 1,
         _ => cut,
     }
-}
-
-fn one_line(text: &str) -> String {
-    text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
 fn truncate_chars(text: &str, max: usize) -> String {

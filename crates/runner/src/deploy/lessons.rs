@@ -630,14 +630,7 @@ fn first_line(body: &str) -> String {
 
 /// `s` on one line, at most 300 characters.
 fn one_line(s: &str) -> String {
-    let flat = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    if flat.chars().count() > 300 {
-        let mut cut: String = flat.chars().take(299).collect();
-        cut.push('…');
-        cut
-    } else {
-        flat
-    }
+    orch_domain::text::one_line_max(s, 300)
 }
 
 #[cfg(test)]

@@ -27,6 +27,7 @@ use orch_domain::artifact::{Artifact, Value};
 use orch_domain::config::MergeStrategy as RepoMergeStrategy;
 use orch_domain::control::markers;
 use orch_domain::gate::{MergeStatus, TestStatus};
+use orch_domain::text::one_line;
 use orch_exec::{Git, MergeResult};
 use orch_store::JobCount;
 
@@ -486,15 +487,6 @@ fn render_merge_log(run: &StageRun, r: &MergeReport, trail: &Trail, retries: u32
         }
     }
     Artifact::new(fm, body).render()
-}
-
-/// Text collapsed to one Markdown line.
-fn one_line(s: &str) -> String {
-    s.split(['\n', '\r'])
-        .map(str::trim)
-        .filter(|p| !p.is_empty())
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 #[cfg(test)]
