@@ -1317,3 +1317,54 @@ async fn a_retried_watch_whose_revision_is_gone_ends_degraded() {
     );
     assert!(!fx.ctl.join("rolled_back").exists(), "no rollback");
 }
+
+// ---- the control probe -------------------------------------------------------------------
+
+/// With a control endpoint configured, a monitor that cannot reach anything (the service and
+/// the control both refuse connections) is blind: its polls are ERROR, never FAIL, and the
+/// watch ends DEGRADED (not enough evidence) with an alert, never a rollback. With the control
+/// answering, the same unreachable service is the service's failure: FAILED.
+#[tokio::test]
+async fn a_blind_monitor_is_error_never_fail_and_never_rolls_back() {
+    let mut fx = Fx::new().await;
+    fx.repo.health_url = Some(closed_port_url("/health").await);
+    fx.repo.revision_url = Some(closed_port_url("/revision").await);
+    fx.repo.control_url = Some(closed_port_url("/status").await);
+    fx.with_alert_hooks();
+    fx.arm();
+    fx.drive(&exec(), no_change).await;
+    let fm = fx.log().expect("the watch wrote its log");
+    assert_eq!(fm.get_str("post_deploy_status"), Some("DEGRADED"), "{fm:?}");
+    assert_eq!(fm.get_str("action_taken"), Some("alert"), "{fm:?}");
+    let polls = fx.watch().series().polls;
+    assert!(!polls.is_empty());
+    for p in &polls {
+        assert_eq!(p.status(), CheckOutcome::Error, "{p:?}");
+        assert!(
+            p.checks
+                .iter()
+                .any(|c| c.name == "control" && c.outcome == CheckOutcome::Error),
+            "{p:?}"
+        );
+        assert!(
+            p.checks.iter().all(|c| c.outcome != CheckOutcome::Fail),
+            "{p:?}"
+        );
+    }
+    assert!(fx.events_of(events::POST_DEPLOY_ROLLBACK).await.is_empty());
+
+    let mut fx = Fx::new().await;
+    fx.repo.health_url = Some(closed_port_url("/health").await);
+    fx.repo.control_url = Some(format!("{}/health", fx.base));
+    fx.arm();
+    fx.drive(&exec(), no_change).await;
+    let fm = fx.log().expect("the watch wrote its log");
+    assert_eq!(fm.get_str("post_deploy_status"), Some("FAILED"), "{fm:?}");
+    let polls = fx.watch().series().polls;
+    assert!(
+        polls
+            .iter()
+            .all(|p| p.checks.iter().all(|c| c.name != "control")),
+        "a control check that answers is not recorded: {polls:?}"
+    );
+}
