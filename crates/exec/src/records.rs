@@ -90,6 +90,74 @@ fn record_path(pgid: i32) -> Option<PathBuf> {
         .map(|d| d.join(format!("{}.{pgid}", incarnation())))
 }
 
+/// The suffix of the file naming an incarnation's worker id (`<incarnation>.worker`).
+const WORKER_SUFFIX: &str = "worker";
+
+/// Records that this incarnation claims jobs as `worker_id` (in the directory of
+/// [`record_children_in`]), so that once it is dead a restarted orch on this node can free its
+/// leases at once ([`dead_workers`]) instead of waiting for them to expire.
+pub fn record_worker(worker_id: &str) -> std::io::Result<()> {
+    let Some(dir) = DIR.get() else {
+        return Ok(());
+    };
+    std::fs::write(
+        dir.join(format!("{}.{WORKER_SUFFIX}", incarnation())),
+        worker_id,
+    )
+}
+
+/// A dead incarnation's worker id, found by [`dead_workers`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadWorker {
+    pub incarnation: String,
+    pub worker_id: String,
+    record: PathBuf,
+}
+
+impl DeadWorker {
+    /// Forgets the record (once its leases were freed).
+    pub fn forget(&self) {
+        let _ = std::fs::remove_file(&self.record);
+    }
+}
+
+/// The worker ids of incarnations in `dir` that are no longer alive, except ids that a live
+/// incarnation also uses (a restart that kept its `--worker-id`). Their leases can be freed
+/// now: the process that held them is gone for certain (its pid and start time say so).
+pub fn dead_workers(dir: &Path) -> Vec<DeadWorker> {
+    let me = incarnation();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    let mut dead = Vec::new();
+    let mut live_ids = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        let Some((owner, WORKER_SUFFIX)) = name.rsplit_once('.') else {
+            continue;
+        };
+        let Ok(id) = std::fs::read_to_string(entry.path()) else {
+            continue;
+        };
+        let id = id.trim().to_owned();
+        if owner == me {
+            // This process has claimed nothing yet: an id it shares with a dead one is free.
+            continue;
+        }
+        if alive(owner) {
+            live_ids.push(id);
+        } else if !id.is_empty() {
+            dead.push(DeadWorker {
+                incarnation: owner.to_owned(),
+                worker_id: id,
+                record: entry.path(),
+            });
+        }
+    }
+    dead.retain(|d| !live_ids.contains(&d.worker_id));
+    dead
+}
+
 /// A group was spawned: record it (best effort; a failure is logged). `run` is set for a run
 /// whose escaped daemons must be killed too if orch dies while it runs.
 pub(crate) fn spawned(pgid: i32, run: Option<u64>) {

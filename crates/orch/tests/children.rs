@@ -330,3 +330,79 @@ async fn kill_9_during_an_agent_run_stops_the_agents_setsid_daemon() {
     }
     reap_orphans();
 }
+
+/// A restarted orch ends the leases its dead predecessor on this machine held (it knows the
+/// process is gone, by pid and start time, and which worker id it claimed as), so the job it
+/// was running runs again right after the restart instead of after the lease: a process that
+/// keeps crashing loses seconds per crash, not a lease each time. Here the lease is 60 s and
+/// the rescue must come well before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_ends_the_dead_processs_leases_at_once() {
+    if !python_available() {
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let out = std::process::Command::new(common::ORCH)
+        .arg("--config")
+        .arg(dir.join("orch.toml"))
+        .args([
+            "submit", "--repo", "service", "--title", "A note", "--body", "x",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let store = open(&dir).await;
+    let serve = |agent_ms: &str| {
+        let mut cmd = Serve::command(&dir, "127.0.0.1:0");
+        cmd.env("ORCH_LEASE_S", "60")
+            .env("ORCH_DEMO_AGENT_SLEEP_MS", agent_ms);
+        Serve::spawn(cmd)
+    };
+    let first = serve("30000");
+    let started = |kind: &'static str, text: &'static str| {
+        let store = store.clone();
+        async move {
+            let t = common::task(&store, "APP-1").await;
+            store
+                .task_events(t.id)
+                .await
+                .unwrap()
+                .iter()
+                .any(|e| e.kind == kind && e.message.starts_with(text))
+        }
+    };
+    let t0 = Instant::now();
+    while !started("stage.started", "analysis attempt 1").await {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "the analysis never started"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    first.kill_group().await;
+    let restarted = Instant::now();
+    let second = serve("50");
+    while !started("stage.started", "analysis attempt 2").await {
+        assert!(
+            restarted.elapsed() < Duration::from_secs(40),
+            "the dead process's job was not rescued before its lease ran out"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let rescued_after = restarted.elapsed();
+    assert!(started("job.rescued", "attempt 1 lost").await);
+    second.kill_group().await;
+    stop_service(&dir);
+    reap_orphans();
+    eprintln!(
+        "the dead process's job ran again {:.1} s after the restart (lease 60 s)",
+        rescued_after.as_secs_f64()
+    );
+}

@@ -301,6 +301,15 @@ where
         self.d.commit(tx, false).await
     }
 
+    pub async fn expire_leases_of(&self, worker_id: &str) -> Result<u64> {
+        let res = sqlx::query(sql::EXPIRE_LEASES_OF)
+            .bind(worker_id)
+            .bind(self.now().saturating_sub(1))
+            .execute(self.d.writer())
+            .await?;
+        Ok(D::rows_affected(&res))
+    }
+
     pub async fn cancel_job(&self, job_id: i64) -> Result<bool> {
         let res = sqlx::query(sql::CANCEL_JOB)
             .bind(job_id)

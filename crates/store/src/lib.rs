@@ -314,6 +314,17 @@ impl Store {
         dispatch!(self, take_over_job(lease, node, event))
     }
 
+    /// Ends now the leases of the running jobs `worker_id` holds: the caller knows that worker
+    /// is dead (a process on the same machine that is gone, by pid and start time), so its jobs
+    /// need not wait for their leases to run out; the next [`Store::rescue_expired`] requeues
+    /// them as any crash (`job.rescued`, no attempt spent). Returns how many leases ended.
+    pub async fn expire_leases_of(&self, worker_id: &str) -> Result<u64> {
+        if worker_id.is_empty() {
+            return Err(StoreError::Invalid("worker id must not be empty".into()));
+        }
+        dispatch!(self, expire_leases_of(worker_id))
+    }
+
     /// Cancels a queued or running job. A running job's worker loses its lease.
     /// Returns false when the job had already ended.
     pub async fn cancel_job(&self, job_id: i64) -> Result<bool> {

@@ -111,6 +111,10 @@ pub const LIVE_JOBS_OF_TASK: &str =
 pub const CRASHES_OF_JOB: &str =
     "SELECT count(*) FROM events WHERE kind = 'job.rescued' AND job_id = $1";
 
+/// `$1 worker_id, $2 an instant just past`: the leases of a worker known to be dead end now.
+pub const EXPIRE_LEASES_OF: &str = "UPDATE jobs SET lease_expires_at = $2 \
+     WHERE state = 'running' AND locked_by = $1 AND lease_expires_at > $2";
+
 /// `$1 id, $2 attempt, $3 available_at, $4 error`: back to the queue after a crash rescue,
 /// without spending an attempt (the limit moves with the attempt, as in `RELEASE`).
 pub const RESCUE_REQUEUE: &str = "UPDATE jobs SET state = 'queued', available_at = $3, \

@@ -32,6 +32,7 @@ macro_rules! conformance {
 conformance!(
     stale_attempt_cannot_mark_done,
     expired_lease_is_rescued_exactly_once,
+    a_dead_workers_leases_end_at_once,
     concurrent_claimers_run_every_job_exactly_once,
     advance_stage_with_wrong_expected_stage_changes_nothing,
     advance_stage_with_a_lost_lease_changes_nothing,
@@ -182,6 +183,49 @@ async fn expired_lease_is_rescued_exactly_once(db: TestDb) {
     // A second pass finds nothing.
     let again = s.rescue_expired(Rescue::default()).await.unwrap();
     assert!(again.requeued.is_empty() && again.failed.is_empty());
+}
+
+async fn a_dead_workers_leases_end_at_once(db: TestDb) {
+    let s = &db.store;
+    let dead = s.enqueue(NewJob::new("noop", "a")).await.unwrap().job_id;
+    claim_one(s, "w-dead").await;
+    let live = s.enqueue(NewJob::new("noop", "b")).await.unwrap().job_id;
+    let held = claim_one(s, "w-live").await;
+    assert_eq!(held.job.id, live);
+    // Before the lease runs out: nothing to rescue.
+    assert!(
+        s.rescue_expired(Rescue::default())
+            .await
+            .unwrap()
+            .requeued
+            .is_empty()
+    );
+    assert_eq!(s.expire_leases_of("w-dead").await.unwrap(), 1);
+    assert_eq!(
+        s.expire_leases_of("w-dead").await.unwrap(),
+        0,
+        "already ended"
+    );
+    assert_eq!(s.expire_leases_of("w-nobody").await.unwrap(), 0);
+    assert!(s.expire_leases_of("").await.is_err());
+    let report = s.rescue_expired(Rescue::default()).await.unwrap();
+    assert_eq!(report.requeued, vec![dead], "only the dead worker's job");
+    let job = s.get_job(dead).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Queued);
+    assert_eq!(
+        s.events_by_kind(events::JOB_RESCUED, 0, 10)
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "a crash like any other: job.rescued, no attempt spent"
+    );
+    let other = s.get_job(live).await.unwrap().unwrap();
+    assert_eq!(
+        other.state,
+        JobState::Running,
+        "the live worker keeps its lease"
+    );
 }
 
 async fn concurrent_claimers_run_every_job_exactly_once(db: TestDb) {

@@ -24,7 +24,7 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let mut reloader = None;
     let (registry, passes) = match &cx.config {
         Some(c) => {
-            stop_dead_children(&cx.repos_dir(c));
+            recover_from_dead_incarnations(&cx.repos_dir(c), &store, &config.worker_id).await;
             let rt = Runtime::new_on_node(cx, c, &store, config.node.as_deref())?;
             reloader = Some(crate::reload::spawn(
                 cx.config_path.clone(),
@@ -58,7 +58,7 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     let config = cx.require_config()?.clone();
     let (stop, hard) = crate::signals::shutdown_tokens()?;
     let (store, wconfig) = open(cx, &args.worker).await?;
-    stop_dead_children(&cx.repos_dir(&config));
+    recover_from_dead_incarnations(&cx.repos_dir(&config), &store, &wconfig.worker_id).await;
     let runtime = Arc::new(Runtime::new_on_node(
         cx,
         &config,
@@ -112,21 +112,45 @@ pub fn children_dir(repos_dir: &std::path::Path) -> std::path::PathBuf {
     repos_dir.join(".orch-children")
 }
 
-/// Before claiming anything: record this process's children from now on, and stop what dead
-/// orch processes on this node left running (their recorded groups and escaped daemons), so
-/// a re-run stage never races the previous run of itself.
-fn stop_dead_children(repos_dir: &std::path::Path) {
+/// Before claiming anything: record this process's children (and its worker id) from now on,
+/// stop what dead orch processes on this node left running (their recorded groups and escaped
+/// daemons), so a re-run stage never races the previous run of itself, and end the leases
+/// those dead processes held, so their jobs run again now instead of after the lease: a
+/// process that keeps crashing loses seconds per crash, not a lease each time.
+async fn recover_from_dead_incarnations(
+    repos_dir: &std::path::Path,
+    store: &Store,
+    worker_id: &str,
+) {
+    use orch_exec::records;
     let dir = children_dir(repos_dir);
-    if let Err(e) = orch_exec::records::record_children_in(&dir) {
+    if let Err(e) = records::record_children_in(&dir) {
         tracing::warn!(dir = %dir.display(), error = %e,
             "cannot record child processes; a crash may leave them running");
         return;
     }
-    let done = orch_exec::records::stop_dead_incarnations(&dir);
+    let done = records::stop_dead_incarnations(&dir);
     if !done.incarnations.is_empty() {
         tracing::warn!(incarnations = ?done.incarnations, groups = ?done.groups_killed,
             escaped = ?done.escaped_killed,
             "stopped what dead orch processes on this node left running");
+    }
+    for dead in records::dead_workers(&dir) {
+        match store.expire_leases_of(&dead.worker_id).await {
+            Ok(n) => {
+                if n > 0 {
+                    tracing::warn!(worker = %dead.worker_id, incarnation = %dead.incarnation,
+                        leases = n, "ended the leases of a dead orch process on this node");
+                }
+                dead.forget();
+            }
+            Err(e) => tracing::warn!(worker = %dead.worker_id, error = %e,
+                "cannot end a dead orch process's leases; they expire on their own"),
+        }
+    }
+    if let Err(e) = records::record_worker(worker_id) {
+        tracing::warn!(dir = %dir.display(), error = %e,
+            "cannot record this process's worker id; after a crash its leases expire on their own");
     }
 }
 
