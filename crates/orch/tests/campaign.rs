@@ -309,23 +309,26 @@ fn effects(dir: &Path, kind: &str) -> Vec<String> {
 /// How long the first kill waits for a process that holds a lease before it picks at random.
 const FIRST_KILL_WAIT: Duration = Duration::from_secs(60);
 
-/// The index of a running process that holds a running job's lease (its pid is part of the
-/// default worker id, `host-pid-salt`).
-async fn lease_holder(store: &Store, running: &[Proc]) -> Option<usize> {
+/// A running process that holds a running job's lease (its pid is part of the default
+/// worker id, `host-pid-salt`): its index, and the job id and attempt it holds.
+async fn lease_holder(store: &Store, running: &[Proc]) -> Option<(usize, (i64, i64))> {
     let mut holders = Vec::new();
     for id in ITEMS {
         let Ok(Some(t)) = store.get_task_by_work_item(id).await else {
             continue;
         };
         for j in store.task_jobs(t.id).await.unwrap_or_default() {
-            if matches!(j.state, orch_store::JobState::Running) {
-                holders.extend(j.locked_by);
+            if let (orch_store::JobState::Running, Some(by)) = (&j.state, &j.locked_by) {
+                holders.push((by.clone(), (j.id, j.attempt)));
             }
         }
     }
-    running.iter().position(|p| {
+    running.iter().enumerate().find_map(|(i, p)| {
         let pid = p.incarnation.split('-').next().unwrap_or_default();
-        holders.iter().any(|h| h.contains(&format!("-{pid}-")))
+        holders
+            .iter()
+            .find(|(by, _)| by.contains(&format!("-{pid}-")))
+            .map(|(_, lease)| (i, *lease))
     })
 }
 
@@ -380,6 +383,7 @@ async fn run(
     let mut submitted = false;
     let t0 = Instant::now();
     let mut done_kills = 0;
+    let mut hit_a_lease = false;
     let mut next_kill = Instant::now() + Duration::from_millis(rng.random_range(300..2500));
     loop {
         submit_rest_when_ready(s, &store, &mut submitted).await;
@@ -392,24 +396,32 @@ async fn run(
             outcomes_so_far(&store).await
         );
         if done_kills < kills && Instant::now() >= next_kill {
-            // The first kill waits for a process that holds a lease, so that at least one
-            // attempt is always lost to a crash (with several processes a random kill may hit
-            // an idle one every time); the rest pick their victim at random.
-            let i = if done_kills == 0 {
+            // Until a kill is seen to hit a running job, kills wait for a process that holds a
+            // lease (the first waits up to FIRST_KILL_WAIT), so that an attempt is lost to a
+            // crash in every run (with several processes, random kills alone may hit idle ones
+            // every time); the others pick their victim at random, busy or idle.
+            let (i, held) = if hit_a_lease {
+                (rng.random_range(0..running.len()), None)
+            } else {
                 match lease_holder(&store, &running).await {
-                    Some(i) => i,
-                    None if t0.elapsed() < FIRST_KILL_WAIT => {
+                    Some((i, lease)) => (i, Some(lease)),
+                    None if done_kills == 0 && t0.elapsed() < FIRST_KILL_WAIT => {
                         tokio::time::sleep(Duration::from_millis(20)).await;
                         continue;
                     }
-                    None => rng.random_range(0..running.len()),
+                    None => (rng.random_range(0..running.len()), None),
                 }
-            } else {
-                rng.random_range(0..running.len())
             };
             let victim = running.swap_remove(i);
             let what = victim.what.clone();
             dead.push(victim.kill9().await);
+            if let Some((job_id, attempt)) = held
+                && let Ok(Some(j)) = store.get_job(job_id).await
+            {
+                // Still running under the killed attempt: its lease can only expire (or be
+                // ended by the restart), so the attempt is lost to this kill.
+                hit_a_lease |= j.state == orch_store::JobState::Running && j.attempt == attempt;
+            }
             done_kills += 1;
             // Restart after a short random pause (sometimes at once).
             tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;

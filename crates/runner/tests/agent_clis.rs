@@ -170,7 +170,7 @@ fn config(backend: Backend, program: &Path, endpoint: String, model: &str) -> Ag
         model: Some(model.into()),
         endpoint: Some(endpoint),
         api_key_env: Some(KEY_VAR.into()),
-        timeout_s: Some(60),
+        timeout_s: Some(240), // aider alone takes 10-20 s to start; a loaded machine triples it
         allowed_tools: None,
         disallowed_tools: None,
         max_turns: None,
