@@ -4,11 +4,70 @@
 
 use std::sync::Arc;
 
+use orch_domain::MAX_REQUEST_BYTES;
+use orch_domain::config::Config;
 use orch_domain::control::{self, events};
 use orch_domain::ids::{RepoName, WorkItemId};
+use orch_domain::pipeline::Pipeline;
 use orch_store::{AdvanceStage, Fence, NewEvent, NewTask, Store, StoreError, Task, WorkItemSpec};
 
-use crate::engine::{Engine, StageJob};
+use crate::engine::{Engine, StageJob, first_job};
+
+/// Creates a task for a new work item of `repo` with its first stage's job, in one
+/// transaction: all a submit needs is the config and the store (the CLI's `orch submit`
+/// builds no engine). The body is bounded by [`MAX_REQUEST_BYTES`], as the API's.
+pub async fn submit(
+    store: &Store,
+    config: &Config,
+    pipeline: &Pipeline,
+    repo: &str,
+    title: &str,
+    body: &str,
+) -> OpsResult<Task> {
+    let repo_name: RepoName = repo
+        .parse()
+        .map_err(|e| OpsError::Invalid(format!("{e}")))?;
+    let Some(repo_cfg) = config.repos.get(&repo_name) else {
+        let known: Vec<&str> = config.repos.keys().map(|r| r.as_str()).collect();
+        return Err(OpsError::Invalid(format!(
+            "repo {repo} is not declared in orch.toml (declared: {})",
+            if known.is_empty() {
+                "none".to_owned()
+            } else {
+                known.join(", ")
+            }
+        )));
+    };
+    let title = title.trim();
+    if title.is_empty() || title.len() > 200 || title.contains('\n') {
+        return Err(OpsError::Invalid(
+            "the title must be one line of 1 to 200 characters".into(),
+        ));
+    }
+    if body.len() > MAX_REQUEST_BYTES {
+        return Err(OpsError::Invalid(format!(
+            "the body is {} bytes, over the {} KiB limit",
+            body.len(),
+            MAX_REQUEST_BYTES / 1024
+        )));
+    }
+    let (stage, first) = first_job(pipeline);
+    let task = store
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Next {
+                prefix: repo_cfg.prefix.as_str().to_owned(),
+            },
+            repo: repo_name.as_str().to_owned(),
+            title: title.to_owned(),
+            body: body.to_owned(),
+            stage,
+            branch_prefix: "orch/".into(),
+            event: NewEvent::new(events::TASK_SUBMITTED, format!("submitted: {title}")),
+            first_job: Some(first),
+        })
+        .await?;
+    Ok(task)
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum OpsError {
@@ -54,49 +113,9 @@ impl Ops {
 
     /// Creates a task for a new work item of `repo`, with its intake job.
     pub async fn submit(&self, repo: &str, title: &str, body: &str) -> OpsResult<Task> {
-        let repo_name: RepoName = repo
-            .parse()
-            .map_err(|e| OpsError::Invalid(format!("{e}")))?;
         let config = self.engine.config().live.current();
-        let Some(repo_cfg) = config.repos.get(&repo_name) else {
-            let known: Vec<&str> = config.repos.keys().map(|r| r.as_str()).collect();
-            return Err(OpsError::Invalid(format!(
-                "repo {repo} is not declared in orch.toml (declared: {})",
-                if known.is_empty() {
-                    "none".to_owned()
-                } else {
-                    known.join(", ")
-                }
-            )));
-        };
-        let title = title.trim();
-        if title.is_empty() || title.len() > 200 || title.contains('\n') {
-            return Err(OpsError::Invalid(
-                "the title must be one line of 1 to 200 characters".into(),
-            ));
-        }
-        if body.len() > 256 * 1024 {
-            return Err(OpsError::Invalid("the body is larger than 256 KiB".into()));
-        }
-        let first = self.engine.first_job();
-        let task = self
-            .store
-            .create_task(NewTask {
-                work_item: WorkItemSpec::Next {
-                    prefix: repo_cfg.prefix.as_str().to_owned(),
-                },
-                repo: repo_name.as_str().to_owned(),
-                title: title.to_owned(),
-                body: body.to_owned(),
-                stage: StageJob::from_content(&first.task_content)
-                    .map(|j| j.stage)
-                    .unwrap_or_else(|_| "intake".into()),
-                branch_prefix: "orch/".into(),
-                event: NewEvent::new(events::TASK_SUBMITTED, format!("submitted: {title}")),
-                first_job: Some(first),
-            })
-            .await?;
-        Ok(task)
+        let pipeline = &self.engine.config().pipeline;
+        submit(&self.store, &config, pipeline, repo, title, body).await
     }
 
     pub async fn task(&self, id: &str) -> OpsResult<Task> {

@@ -39,9 +39,14 @@ pub async fn submit(cx: &Context, args: SubmitArgs) -> Result<ExitCode> {
         }
         (None, None) => String::new(),
     };
-    let (store, rt) = runtime(cx).await?;
-    let task = rt.ops.submit(&args.repo, &args.title, &body).await?;
+    // One row and its first job: no engine, no executors.
+    let config = cx.require_config()?;
+    let pipeline = config.pipeline().context("invalid pipeline in orch.toml")?;
+    let store = cx.open_store().await?;
+    let task =
+        orch_runner::ops::submit(&store, config, &pipeline, &args.repo, &args.title, &body).await;
     store.close().await;
+    let task = task?;
     if cx.json {
         print_json(&dto::to_json(&dto::Submitted::of(&task)));
     } else {

@@ -57,6 +57,25 @@ pub struct Engine {
     task_locks: std::sync::Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
 }
 
+/// A new task's first stage and the job that runs it (visit 0). Needs only the pipeline: a
+/// submit inserts one row and builds no engine.
+pub fn first_job(pipeline: &Pipeline) -> (String, NewJob) {
+    let (stage, kind) = pipeline.stages.first().map_or_else(
+        || (INTAKE.to_owned(), INTAKE.to_owned()),
+        |s| (s.name.to_string(), job_kind(s)),
+    );
+    let job = NewJob::new(
+        kind,
+        StageJob {
+            stage: stage.clone(),
+            seq: 0,
+        }
+        .to_content(),
+    )
+    .max_attempts(STAGE_ATTEMPTS);
+    (stage, job)
+}
+
 /// The job kind of a stage: its agent, or `intake`.
 pub fn job_kind(stage: &StageDef) -> String {
     stage
@@ -114,28 +133,8 @@ impl Engine {
     }
 
     /// The first job of a new task (stage `intake`, visit 0).
-    pub fn first_job(&self) -> NewJob {
-        let first = self
-            .cfg
-            .pipeline
-            .stages
-            .first()
-            .map_or_else(|| INTAKE.to_owned(), |s| s.name.to_string());
-        let kind = self
-            .cfg
-            .pipeline
-            .stages
-            .first()
-            .map_or_else(|| INTAKE.to_owned(), job_kind);
-        NewJob::new(
-            kind,
-            StageJob {
-                stage: first,
-                seq: 0,
-            }
-            .to_content(),
-        )
-        .max_attempts(STAGE_ATTEMPTS)
+    pub fn first_job(&self) -> (String, NewJob) {
+        first_job(&self.cfg.pipeline)
     }
 
     /// The job that runs `stage` for visit `seq`, or `None` for a terminal stage.

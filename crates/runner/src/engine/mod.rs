@@ -10,7 +10,7 @@ mod handler;
 pub mod intake;
 
 pub use executor::{StageEffect, StageExecutor, StageRun};
-pub use handler::{Engine, EngineConfig, INTAKE, STAGE_ATTEMPTS, job_kind};
+pub use handler::{Engine, EngineConfig, INTAKE, STAGE_ATTEMPTS, first_job, job_kind};
 
 /// The payload of a stage job: which stage visit it belongs to. Markers (defers, ticks) are
 /// appended after the first line, so counting them is a substring count (seed ORCH-115 D-2).
