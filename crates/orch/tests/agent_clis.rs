@@ -40,8 +40,7 @@ async fn drive(preset: &str, model: &str, past: &[&str]) {
         return;
     };
     if !python_available() {
-        println!("SKIPPED: python3 is not installed (the sample service's tests need it)");
-        return;
+        return common::skip("python3 is not installed (the sample service's tests need it)");
     }
     become_subreaper();
     let server = ModelServer::start(artifact_writer(Vec::new()))
@@ -165,8 +164,7 @@ async fn demo_with_the_real_claude_code() {
         return;
     };
     if !python_available() {
-        println!("SKIPPED: python3 is not installed (the demo's sample service needs it)");
-        return;
+        return common::skip("python3 is not installed (the demo's sample service needs it)");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();

@@ -361,8 +361,7 @@ fn submit_all(dir: &Path, url: &str) -> Vec<String> {
 
 async fn three_items_one_repo(pg: bool) {
     if !python_available() {
-        eprintln!("SKIPPED: python3 is not installed: the demo's sample service cannot run");
-        return;
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
@@ -419,8 +418,7 @@ impl Rng {
 
 async fn killed_at_random(pg: bool) {
     if !python_available() {
-        eprintln!("SKIPPED: python3 is not installed: the demo's sample service cannot run");
-        return;
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let seed: u64 = std::env::var("ORCH_TRAIN_SEED")
@@ -553,8 +551,7 @@ fn submit(dir: &Path, url: &str, title: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cancel_during_deploy_and_observe_releases_the_repo() {
     if !python_available() {
-        eprintln!("SKIPPED: python3 is not installed: the demo's sample service cannot run");
-        return;
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
@@ -634,8 +631,7 @@ async fn cancel_during_deploy_and_observe_releases_the_repo() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hold_keeps_the_repo_until_an_operator_approves() {
     if !python_available() {
-        eprintln!("SKIPPED: python3 is not installed: the demo's sample service cannot run");
-        return;
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
@@ -724,8 +720,7 @@ async fn hold_keeps_the_repo_until_an_operator_approves() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_a_failed_deploy_never_ships_the_reverted_change() {
     if !python_available() {
-        eprintln!("SKIPPED: python3 is not installed: the demo's sample service cannot run");
-        return;
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
     }
     become_subreaper();
     let tmp = tempfile::tempdir().unwrap();
