@@ -52,17 +52,7 @@ exit 0"#,
         "Write outside the folder",
         "Write nothing at all",
     ] {
-        let out = std::process::Command::new(ORCH)
-            .arg("--config")
-            .arg(&config_path)
-            .args(["submit", "--repo", "service", "--title", title])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::submit(&config_path, title);
     }
     let mut serve = tokio::process::Command::new(ORCH)
         .arg("--config")

@@ -103,25 +103,7 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
         1,
     );
     std::fs::write(&config_path, config).unwrap();
-    let out = std::process::Command::new(common::ORCH)
-        .arg("--config")
-        .arg(&config_path)
-        .args([
-            "submit",
-            "--repo",
-            "service",
-            "--title",
-            "Add a note",
-            "--body",
-            "x",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::submit(&config_path, "Add a note");
 
     let mut first = Serve::start(&dir, 20);
     until(
@@ -266,25 +248,7 @@ async fn kill_9_during_an_agent_run_stops_the_agents_setsid_daemon() {
         &rest[after..]
     );
     std::fs::write(&config_path, config).unwrap();
-    let out = std::process::Command::new(common::ORCH)
-        .arg("--config")
-        .arg(&config_path)
-        .args([
-            "submit",
-            "--repo",
-            "service",
-            "--title",
-            "Add a note",
-            "--body",
-            "x",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::submit(&config_path, "Add a note");
 
     let mut first = Serve::start(&dir, 20);
     until("the agent to start", Duration::from_secs(120), || {
@@ -345,19 +309,7 @@ async fn a_restart_ends_the_dead_processs_leases_at_once() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("demo");
     demo_setup(&dir);
-    let out = std::process::Command::new(common::ORCH)
-        .arg("--config")
-        .arg(dir.join("orch.toml"))
-        .args([
-            "submit", "--repo", "service", "--title", "A note", "--body", "x",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    common::submit(&dir.join("orch.toml"), "A note");
     let store = open(&dir).await;
     let serve = |agent_ms: &str| {
         let mut cmd = Serve::command(&dir, "127.0.0.1:0");

@@ -66,17 +66,7 @@ exit 0"#,
     );
     std::fs::write(&config_path, config).unwrap();
     for title in ["Pass a symlink off", "Write a huge artifact"] {
-        let out = std::process::Command::new(ORCH)
-            .arg("--config")
-            .arg(&config_path)
-            .args(["submit", "--repo", "service", "--title", title])
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        common::submit(&config_path, title);
     }
     let mut serve = tokio::process::Command::new(ORCH)
         .arg("--config")

@@ -203,6 +203,22 @@ impl Serve {
     }
 }
 
+/// `orch --config <config> submit --repo service --title <title>` (the demo's repo), which
+/// must succeed.
+pub fn submit(config: &Path, title: &str) {
+    let out = std::process::Command::new(ORCH)
+        .arg("--config")
+        .arg(config)
+        .args(["submit", "--repo", "service", "--title", title])
+        .output()
+        .expect("run orch submit");
+    assert!(
+        out.status.success(),
+        "orch submit {title:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 /// `orch --config <dir>/orch.toml --database-url <url> <args>`, which must succeed; its stdout.
 pub fn orch_db(dir: &Path, url: &str, args: &[&str]) -> String {
     let out = std::process::Command::new(ORCH)
