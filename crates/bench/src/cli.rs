@@ -43,6 +43,53 @@ pub enum Command {
     /// Many concurrent post-deploy watches against one loopback service: CPU, memory and poll
     /// lateness of the monitor (in-process worker running the real `observe` executor).
     Watches(BenchWatchesArgs),
+    /// Many work items in flight at once on one repo through a real `orch serve` of the demo:
+    /// orch's own time per stage visit (agent and test time excluded), `GET /queue`, dashboard
+    /// and task page latency meanwhile, memory, CPU and worktree disk.
+    Items(BenchItemsArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchItemsArgs {
+    /// Work items submitted (all to the demo's one repo, each a "note" change that merges
+    /// without conflicts).
+    #[arg(long, default_value_t = 200)]
+    pub items: usize,
+    /// Jobs `orch serve` runs at once (`ORCH_WORKERS`). Default: one per item (at most 80 on
+    /// PostgreSQL, whose stock server takes 100 connections).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Agent runs at once (`ORCH_AGENT_CONCURRENCY`). Default: the workers, so no stage waits
+    /// for an agent slot.
+    #[arg(long)]
+    pub agent_concurrency: Option<u32>,
+    /// Think time of the scripted agent per run, milliseconds (`ORCH_DEMO_AGENT_SLEEP_MS`).
+    #[arg(long, default_value_t = 0)]
+    pub think_ms: u64,
+    /// Period of the samples (`GET /queue`, `GET /`, a task page, /proc), milliseconds.
+    #[arg(long, default_value_t = 250)]
+    pub sample_ms: u64,
+    /// Run until every item has ended (the whole release track, one item at a time: about
+    /// 15 s per item in the demo) instead of until every item has passed verification.
+    #[arg(long)]
+    pub to_end: bool,
+    /// Stop measuring after this many seconds even if the items are not there yet (the
+    /// figures then say how far they got).
+    #[arg(long, default_value_t = 1800)]
+    pub limit_s: u64,
+    /// Run on a fresh database `orch_bench_<pid>_1` on this PostgreSQL server (dropped
+    /// afterwards) instead of the demo's embedded SQLite.
+    #[arg(long)]
+    pub pg_url: Option<String>,
+    /// Keep the demo project (its repo, worktrees, database and `orch serve`'s log) and print
+    /// where it is, instead of removing it.
+    #[arg(long)]
+    pub keep: bool,
+    /// Time every git command orch runs (a bash wrapper first on `orch serve`'s PATH logs
+    /// start, end and arguments) and report where git's time goes. The wrapper costs a bash
+    /// start per git command, so the other figures of such a run are not the plain ones.
+    #[arg(long)]
+    pub trace_git: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -310,30 +310,7 @@ pub async fn serve(
     let exe = &cx.orch;
     let tmp = tempfile::tempdir().context("cannot create a temp dir")?;
     let dir = tmp.path().join("project");
-    std::fs::create_dir_all(&dir).context("cannot create the project dir")?;
-    let setup = match project {
-        ServeProject::Init => {
-            tokio::process::Command::new(exe)
-                .arg("init")
-                .current_dir(&dir)
-                .output()
-                .await?
-        }
-        ServeProject::Demo => {
-            tokio::process::Command::new(exe)
-                .args(["-q", "demo", "--setup-only", "--dir"])
-                .arg(&dir)
-                .current_dir(&dir)
-                .env_remove("ORCH_DATABASE_URL")
-                .output()
-                .await?
-        }
-    };
-    anyhow::ensure!(
-        setup.status.success(),
-        "the {project:?} project setup failed: {}",
-        String::from_utf8_lossy(&setup.stderr)
-    );
+    setup_project(exe, &dir, project).await?;
     let mut startup_ms = Vec::new();
     let mut rss_kib = Vec::new();
     for _ in 0..runs.max(1) {
@@ -350,15 +327,7 @@ pub async fn serve(
             .stderr(std::process::Stdio::null())
             .kill_on_drop(true)
             .spawn()?;
-        let mut up = false;
-        while t0.elapsed() < Duration::from_secs(30) {
-            if healthz(port).await {
-                up = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-        anyhow::ensure!(up, "orch serve did not answer /healthz within 30 s");
+        wait_healthy(port, t0, Duration::from_secs(30)).await?;
         startup_ms.push(t0.elapsed().as_secs_f64() * 1000.0);
         tokio::time::sleep(Duration::from_secs(idle_s)).await;
         if let Some(pid) = child.id() {
@@ -394,18 +363,146 @@ pub async fn serve(
     Ok(ExitCode::SUCCESS)
 }
 
-async fn healthz(port: u16) -> bool {
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-    let Ok(mut s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await else {
-        return false;
+/// Creates a fresh project in `dir` (created if missing) with the `orch` binary `exe`: the
+/// demo's (`orch demo --setup-only`: its config, sample repo and SQLite database) or an empty
+/// `orch init` one.
+pub(crate) async fn setup_project(
+    exe: &std::path::Path,
+    dir: &std::path::Path,
+    project: ServeProject,
+) -> Result<()> {
+    std::fs::create_dir_all(dir)
+        .with_context(|| format!("cannot create the project dir {}", dir.display()))?;
+    let mut cmd = tokio::process::Command::new(exe);
+    match project {
+        ServeProject::Init => cmd.arg("init"),
+        ServeProject::Demo => cmd
+            .args(["-q", "demo", "--setup-only", "--dir"])
+            .arg(dir)
+            .env_remove("ORCH_DATABASE_URL"),
     };
-    let req = b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n";
-    if s.write_all(req).await.is_err() {
-        return false;
+    let setup = cmd
+        .current_dir(dir)
+        .output()
+        .await
+        .with_context(|| format!("cannot run {} for the {project:?} project", exe.display()))?;
+    anyhow::ensure!(
+        setup.status.success(),
+        "the {project:?} project setup failed: {}",
+        String::from_utf8_lossy(&setup.stderr)
+    );
+    Ok(())
+}
+
+/// Polls `GET /healthz` on 127.0.0.1:`port` every 2 ms until it answers 200; an error once
+/// `limit` has passed since `since`.
+pub(crate) async fn wait_healthy(port: u16, since: Instant, limit: Duration) -> Result<()> {
+    while since.elapsed() < limit {
+        if healthz(port).await {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    let mut buf = Vec::new();
-    let _ = tokio::time::timeout(Duration::from_secs(2), s.read_to_end(&mut buf)).await;
-    buf.starts_with(b"HTTP/1.1 200")
+    anyhow::bail!(
+        "orch serve did not answer /healthz within {} s",
+        limit.as_secs()
+    )
+}
+
+async fn healthz(port: u16) -> bool {
+    http(port, "GET", "/healthz", None, None, Duration::from_secs(2))
+        .await
+        .is_ok_and(|r| r.status == 200)
+}
+
+/// An HTTP answer: status and body (de-chunked).
+pub(crate) struct HttpAnswer {
+    pub(crate) status: u16,
+    pub(crate) body: Vec<u8>,
+}
+
+/// One HTTP/1.1 request to 127.0.0.1:`port` on a new connection (`Connection: close`), as a
+/// client without keep-alive makes it: connect, send, read the whole answer, all within
+/// `timeout`. `token` is sent as a bearer token; `json` as an `application/json` body.
+pub(crate) async fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    json: Option<&str>,
+    timeout: Duration,
+) -> Result<HttpAnswer> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .with_context(|| format!("cannot connect to 127.0.0.1:{port}"))?;
+        let mut req =
+            format!("{method} {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nConnection: close\r\n");
+        if let Some(t) = token {
+            req.push_str(&format!("Authorization: Bearer {t}\r\n"));
+        }
+        if let Some(b) = json {
+            req.push_str(&format!(
+                "Content-Type: application/json\r\nContent-Length: {}\r\n",
+                b.len()
+            ));
+        }
+        req.push_str("\r\n");
+        req.push_str(json.unwrap_or_default());
+        s.write_all(req.as_bytes())
+            .await
+            .with_context(|| format!("cannot send {method} {path}"))?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf)
+            .await
+            .with_context(|| format!("cannot read the answer to {method} {path}"))?;
+        anyhow::Ok(buf)
+    };
+    let buf = tokio::time::timeout(timeout, exchange)
+        .await
+        .with_context(|| format!("{method} {path} took over {} s", timeout.as_secs_f64()))??;
+    parse_answer(&buf).with_context(|| format!("the answer to {method} {path}"))
+}
+
+fn parse_answer(buf: &[u8]) -> Result<HttpAnswer> {
+    let split = buf
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .context("no end of the headers")?;
+    let head = String::from_utf8_lossy(&buf[..split]);
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse::<u16>().ok())
+        .with_context(|| format!("no status in {:?}", head.lines().next().unwrap_or_default()))?;
+    let raw = &buf[split + 4..];
+    let chunked = head.lines().any(|l| {
+        let l = l.to_ascii_lowercase();
+        l.starts_with("transfer-encoding:") && l.contains("chunked")
+    });
+    let body = if chunked { dechunk(raw)? } else { raw.to_vec() };
+    Ok(HttpAnswer { status, body })
+}
+
+fn dechunk(mut raw: &[u8]) -> Result<Vec<u8>> {
+    let mut body = Vec::with_capacity(raw.len());
+    loop {
+        let eol = raw
+            .windows(2)
+            .position(|w| w == b"\r\n")
+            .context("a chunk size line without an end")?;
+        let size_text = String::from_utf8_lossy(&raw[..eol]);
+        let size = usize::from_str_radix(size_text.split(';').next().unwrap_or("").trim(), 16)
+            .with_context(|| format!("a bad chunk size {size_text:?}"))?;
+        raw = &raw[eol + 2..];
+        if size == 0 {
+            return Ok(body);
+        }
+        anyhow::ensure!(raw.len() >= size + 2, "a chunk cut short");
+        body.extend_from_slice(&raw[..size]);
+        raw = &raw[size + 2..];
+    }
 }
 
 /// `orch bench queue-api`: fills a fresh store per backend with `tasks` tasks and `jobs` jobs

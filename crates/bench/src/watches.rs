@@ -390,25 +390,31 @@ async fn answer(mut s: tokio::net::TcpStream) {
 
 /// utime + stime (clock ticks) of a `/proc/…/stat` file; 0 when unreadable.
 fn cpu_ticks(path: &str) -> u64 {
+    proc_cpu_ticks(path).0
+}
+
+/// From a `/proc/…/stat` file, in clock ticks: utime + stime (the process's own CPU time) and
+/// cutime + cstime (that of its children it has waited for); zeros when unreadable.
+pub(crate) fn proc_cpu_ticks(path: &str) -> (u64, u64) {
     let Ok(text) = std::fs::read_to_string(path) else {
-        return 0;
+        return (0, 0);
     };
     // The fields after the command name (which may hold spaces) start after the last ')'.
     let Some((_, rest)) = text.rsplit_once(')') else {
-        return 0;
+        return (0, 0);
     };
     let fields: Vec<&str> = rest.split_whitespace().collect();
-    // rest starts at field 3 (state); utime and stime are fields 14 and 15.
+    // rest starts at field 3 (state); utime, stime, cutime and cstime are fields 14 to 17.
     let get = |i: usize| {
         fields
             .get(i - 3)
             .and_then(|v| v.parse::<u64>().ok())
             .unwrap_or(0)
     };
-    get(14) + get(15)
+    (get(14) + get(15), get(16) + get(17))
 }
 
-fn clock_ticks() -> f64 {
+pub(crate) fn clock_ticks() -> f64 {
     // SAFETY: sysconf has no preconditions.
     let t = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
     if t > 0 { t as f64 } else { 100.0 }
@@ -416,7 +422,12 @@ fn clock_ticks() -> f64 {
 
 /// A `/proc/self/status` line's value in KiB (`VmRSS:`, `VmHWM:`); 0 when unreadable.
 fn status_kib(key: &str) -> u64 {
-    std::fs::read_to_string("/proc/self/status")
+    proc_status_kib("/proc/self/status", key)
+}
+
+/// A `/proc/…/status` line's value in KiB (`VmRSS:`, `VmHWM:`); 0 when unreadable.
+pub(crate) fn proc_status_kib(path: &str, key: &str) -> u64 {
+    std::fs::read_to_string(path)
         .ok()
         .and_then(|s| {
             s.lines()
