@@ -7,6 +7,7 @@
 //! (`target/release/orch` beside `target/release/orch-bench`), or `--orch PATH`.
 
 mod cli;
+mod peers;
 mod pgbench;
 mod queue;
 mod scale;
@@ -75,6 +76,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         } => queue::serve(&cx, runs, project, idle_s).await,
         Command::Workers(args) => scale::workers(&cx, args).await,
         Command::Watches(args) => watches::watches(&cx, args).await,
+        Command::Peers(args) => peers::peers(&cx, args).await,
     }
 }
 

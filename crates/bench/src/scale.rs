@@ -74,7 +74,7 @@ pub async fn workers(cx: &Context, args: BenchWorkersArgs) -> Result<ExitCode> {
 }
 
 /// A fresh database on the server of `admin_url`, named for this process and `seq`.
-async fn fresh_database(admin_url: &str, seq: usize) -> Result<(Target, String)> {
+pub(crate) async fn fresh_database(admin_url: &str, seq: usize) -> Result<(Target, String)> {
     let name = format!("orch_bench_{}_{seq}", std::process::id());
     orch_store::testing::ensure_database(admin_url, &name).await?;
     let base = admin_url
@@ -91,7 +91,7 @@ async fn fresh_database(admin_url: &str, seq: usize) -> Result<(Target, String)>
     ))
 }
 
-async fn drop_database(admin_url: &str, name: &str) {
+pub(crate) async fn drop_database(admin_url: &str, name: &str) {
     if let Err(e) = orch_store::testing::drop_database(admin_url, name).await {
         eprintln!("orch-bench: cannot drop the scratch database {name}: {e}");
     }
