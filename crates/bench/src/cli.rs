@@ -47,6 +47,10 @@ pub enum Command {
     /// orch's own time per stage visit (agent and test time excluded), `GET /queue`, dashboard
     /// and task page latency meanwhile, memory, CPU and worktree disk.
     Items(BenchItemsArgs),
+    /// orch's queue and peer job queues (graphile-worker, Node and Rust) in the same run:
+    /// interleaved rounds of drains and pickup latency, with orch/peer ratios per round.
+    /// `scripts/bench-peers` installs the peers and runs this.
+    Peers(BenchPeersArgs),
 }
 
 #[derive(Debug, Args)]
@@ -123,6 +127,43 @@ pub struct BenchWorkersArgs {
     /// Rounds; each round measures every process count once, and the figures are medians.
     #[arg(long, default_value_t = 3)]
     pub rounds: usize,
+}
+
+#[derive(Debug, Args)]
+pub struct BenchPeersArgs {
+    /// PostgreSQL server (any database on it: it is the admin connection); every drain and
+    /// latency run gets a fresh database `orch_bench_<pid>_<n>` on it, dropped afterwards.
+    #[arg(
+        long,
+        env = "ORCH_TEST_PG_URL",
+        default_value = "postgres://root@127.0.0.1:5432/postgres"
+    )]
+    pub pg_url: String,
+    /// Node 22 or later, to run the graphile-worker peer program.
+    #[arg(long, default_value = "node")]
+    pub node: std::path::PathBuf,
+    /// The graphile-worker peer program (bench/peers/graphile-worker/peer.mjs, installed beside
+    /// its node_modules); without it only orch is measured.
+    #[arg(long)]
+    pub graphile_worker: Option<std::path::PathBuf>,
+    /// The graphile-worker-rs peer binary (bench/peers/graphile-worker-rs, release build).
+    #[arg(long)]
+    pub graphile_worker_rs: Option<std::path::PathBuf>,
+    /// Rounds; each measures every system once per mode, and the figures are medians.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: usize,
+    /// Jobs per drain.
+    #[arg(long, default_value_t = 20_000)]
+    pub jobs: usize,
+    /// Concurrency of the one worker process of each drain.
+    #[arg(long, default_value_t = 8)]
+    pub concurrency: usize,
+    /// orch's claim batch in the batched mode (the peers' local queues hold 100).
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(2..=1000))]
+    pub claim_batch: u32,
+    /// Samples of each pickup latency run (single enqueues into an idle queue).
+    #[arg(long, default_value_t = 200)]
+    pub latency_jobs: usize,
 }
 
 #[derive(Debug, Args)]

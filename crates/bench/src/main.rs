@@ -8,6 +8,7 @@
 
 mod cli;
 mod items;
+mod peers;
 mod pgbench;
 mod queue;
 mod scale;
@@ -77,6 +78,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Workers(args) => scale::workers(&cx, args).await,
         Command::Watches(args) => watches::watches(&cx, args).await,
         Command::Items(args) => items::items(&cx, args).await,
+        Command::Peers(args) => peers::peers(&cx, args).await,
     }
 }
 

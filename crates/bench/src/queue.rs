@@ -230,14 +230,14 @@ pub(crate) async fn throughput(
     })
 }
 
-struct Latency {
-    p50: f64,
-    p95: f64,
-    p99: f64,
-    enqueue_p50: f64,
+pub(crate) struct Latency {
+    pub(crate) p50: f64,
+    pub(crate) p95: f64,
+    pub(crate) p99: f64,
+    pub(crate) enqueue_p50: f64,
 }
 
-async fn latency(target: &Target, samples: usize) -> Result<Latency> {
+pub(crate) async fn latency(target: &Target, samples: usize) -> Result<Latency> {
     let store = open(target, 4).await?;
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<Instant>();
     let mut registry = Registry::new();
