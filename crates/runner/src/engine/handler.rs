@@ -132,11 +132,6 @@ impl Engine {
         }
     }
 
-    /// The first job of a new task (stage `intake`, visit 0).
-    pub fn first_job(&self) -> (String, NewJob) {
-        first_job(&self.cfg.pipeline)
-    }
-
     /// The job that runs `stage` for visit `seq`, or `None` for a terminal stage.
     pub fn stage_job(&self, stage: &str, seq: i64) -> Option<NewJob> {
         let def = self
