@@ -227,12 +227,35 @@ impl Default for WorkerStats {
     }
 }
 
-/// Leases this process holds, with the token that stops their handler.
-type Held = Arc<Mutex<HashMap<i64, (Lease, CancellationToken)>>>;
+/// A lease this process holds: the token that stops its handler, and the instant until which
+/// the lease is certainly still this process's. That instant is measured here, from when the
+/// claim or the last successful renewal was *sent*, so it is never later than the expiry the
+/// database set (see [`heartbeat_loop`]: past it, the handler is stopped without asking).
+#[derive(Clone)]
+struct HeldLease {
+    lease: Lease,
+    token: CancellationToken,
+    valid_until: Instant,
+    /// Stopped here because its renewal could not reach the database before `valid_until`:
+    /// its result is not recorded; the lease is given back if it is still ours.
+    given_up: bool,
+}
 
-fn held_insert(held: &Held, lease: Lease, token: CancellationToken) {
+/// The leases this process holds, by job id.
+type Held = Arc<Mutex<HashMap<i64, HeldLease>>>;
+
+fn held_insert(held: &Held, lease: Lease, valid_until: Instant) {
     if let Ok(mut map) = held.lock() {
-        map.insert(lease.job_id, (lease, token));
+        let token = CancellationToken::new();
+        map.insert(
+            lease.job_id,
+            HeldLease {
+                lease,
+                token,
+                valid_until,
+                given_up: false,
+            },
+        );
     }
 }
 
@@ -242,16 +265,65 @@ fn held_remove(held: &Held, job_id: i64) {
     }
 }
 
-fn held_contains(held: &Held, lease: &Lease) -> bool {
+/// The entry of `lease` if this process still holds exactly that lease.
+fn held_get(held: &Held, lease: &Lease) -> Option<HeldLease> {
     held.lock()
-        .map(|m| m.get(&lease.job_id).is_some_and(|(l, _)| l == lease))
-        .unwrap_or(false)
+        .ok()?
+        .get(&lease.job_id)
+        .filter(|h| h.lease == *lease)
+        .cloned()
 }
 
-fn held_snapshot(held: &Held) -> Vec<(Lease, CancellationToken)> {
+fn held_contains(held: &Held, lease: &Lease) -> bool {
+    held_get(held, lease).is_some()
+}
+
+fn held_snapshot(held: &Held) -> Vec<HeldLease> {
     held.lock()
         .map(|m| m.values().cloned().collect())
         .unwrap_or_default()
+}
+
+/// A successful renewal sent at `sent`: each lease renewed is certain until `sent + lease`.
+fn held_renewed(held: &Held, renewed: &[Lease], sent: Instant, lease: Duration) {
+    if let Ok(mut map) = held.lock() {
+        for l in renewed {
+            if let Some(h) = map
+                .get_mut(&l.job_id)
+                .filter(|h| h.lease == *l && !h.given_up)
+            {
+                h.valid_until = h.valid_until.max(sent + lease);
+            }
+        }
+    }
+}
+
+/// Self-fencing: every lease whose certain validity has run out (its renewals did not reach the
+/// database in time: a cut link, a database down or too slow) is given up here. Its handler is
+/// stopped (its children killed) at once rather than when the database is reachable again:
+/// by then the job may be running elsewhere. Returns the leases given up.
+fn held_expire(held: &Held, now: Instant) -> Vec<Lease> {
+    let Ok(mut map) = held.lock() else {
+        return Vec::new();
+    };
+    map.values_mut()
+        .filter(|h| !h.given_up && h.valid_until <= now)
+        .map(|h| {
+            h.given_up = true;
+            h.token.cancel();
+            h.lease
+        })
+        .collect()
+}
+
+/// The earliest instant a held lease stops being certain.
+fn held_deadline(held: &Held) -> Option<Instant> {
+    held.lock()
+        .ok()?
+        .values()
+        .filter(|h| !h.given_up)
+        .map(|h| h.valid_until)
+        .min()
 }
 
 /// A running worker process's job side.
@@ -330,6 +402,11 @@ impl Worker {
 
 /// Extends every held lease every lease/3; cancels the handlers of leases that were lost; and
 /// records this node as seen (its beacon), so other nodes know its pinned jobs are still its.
+///
+/// A renewal that cannot reach the database is not waited for past the moment a held lease
+/// stops being certain (`valid_until`): there every such lease is given up and its handler
+/// stopped, without waiting for the database to say so (a worker cut off from the database
+/// must not keep running, and spawning, what another worker is about to take over).
 async fn heartbeat_loop(
     store: Store,
     config: WorkerConfig,
@@ -338,31 +415,58 @@ async fn heartbeat_loop(
     stop: CancellationToken,
 ) {
     let every = (config.lease / 3).max(Duration::from_millis(50));
-    let beacon = || async {
-        if let Some(node) = &config.node
-            && let Err(e) = store.node_seen(node).await
-        {
-            stats.store_errors.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(error = %e, %node, "could not record this node as seen; retrying at the next beat");
+    let beacon = |until: Instant| {
+        let store = store.clone();
+        let stats = stats.clone();
+        let node = config.node.clone();
+        async move {
+            let Some(node) = node else { return };
+            match tokio::time::timeout_at(until.into(), store.node_seen(&node)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => {
+                    stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(error = %e, %node, "could not record this node as seen; retrying at the next beat");
+                }
+                Err(_) => {
+                    stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(%node, "recording this node as seen timed out; retrying at the next beat");
+                }
+            }
         }
     };
-    beacon().await;
+    // How long one database call of the beat may take: until the next beat, or until the
+    // first held lease stops being certain, whichever comes first.
+    let bound = |held: &Held| {
+        let next = Instant::now() + every;
+        held_deadline(held).map_or(next, |d| d.min(next))
+    };
+    beacon(bound(&held)).await;
     loop {
         tokio::select! {
             _ = stop.cancelled() => return,
             _ = tokio::time::sleep(every) => {}
         }
-        beacon().await;
-        let snapshot = held_snapshot(&held);
+        give_up_expired(&held, &stats, config.lease);
+        beacon(bound(&held)).await;
+        let snapshot: Vec<HeldLease> = held_snapshot(&held)
+            .into_iter()
+            .filter(|h| !h.given_up)
+            .collect();
         if snapshot.is_empty() {
             continue;
         }
-        let leases: Vec<Lease> = snapshot.iter().map(|(l, _)| *l).collect();
-        match store
-            .heartbeat(&config.worker_id, &leases, config.lease_ms())
-            .await
-        {
-            Ok(lost) => {
+        let leases: Vec<Lease> = snapshot.iter().map(|h| h.lease).collect();
+        let sent = Instant::now();
+        let until = held_deadline(&held).unwrap_or(sent + config.lease);
+        let renewal = store.heartbeat(&config.worker_id, &leases, config.lease_ms());
+        match tokio::time::timeout_at(until.into(), renewal).await {
+            Ok(Ok(lost)) => {
+                let renewed: Vec<Lease> = leases
+                    .iter()
+                    .filter(|l| !lost.contains(l))
+                    .copied()
+                    .collect();
+                held_renewed(&held, &renewed, sent, config.lease);
                 for lease in lost {
                     // Completions committed between the snapshot and the heartbeat also look
                     // "lost"; only leases still held are.
@@ -375,17 +479,38 @@ async fn heartbeat_loop(
                         "lease lost (rescued, cancelled or taken over); stopping its handler"
                     );
                     stats.leases_lost.fetch_add(1, Ordering::Relaxed);
-                    if let Some((_, token)) = snapshot.iter().find(|(l, _)| *l == lease) {
-                        token.cancel();
+                    if let Some(h) = snapshot.iter().find(|h| h.lease == lease) {
+                        h.token.cancel();
                     }
                     held_remove(&held, lease.job_id);
                 }
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 stats.store_errors.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(error = %e, "heartbeat failed; retrying at the next beat");
             }
+            Err(_) => {
+                stats.store_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(
+                    waited_ms = sent.elapsed().as_millis() as u64,
+                    "heartbeat got no answer from the database before a lease ran out"
+                );
+            }
         }
+        give_up_expired(&held, &stats, config.lease);
+    }
+}
+
+/// Gives up (and stops the handlers of) the held leases no renewal has kept certain.
+fn give_up_expired(held: &Held, stats: &WorkerStats, lease: Duration) {
+    for l in held_expire(held, Instant::now()) {
+        stats.leases_lost.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            job = l.job_id,
+            attempt = l.attempt,
+            lease_ms = lease.as_millis() as u64,
+            "lease lost here: no renewal reached the database within the lease; stopping its handler (another worker may run the job now)"
+        );
     }
 }
 
@@ -460,7 +585,7 @@ impl Fetcher {
                         self.settle_done(&pending_done, &out.fenced);
                         pending_done.clear();
                         let got = out.claimed.len();
-                        self.accept(out.claimed, &mut buffer);
+                        self.accept(out.claimed, &mut buffer, started);
                         self.start_buffered(&mut buffer, &mut running);
                         if want > 0 && got == want {
                             // The queue had at least as much as we asked for: ask again soon.
@@ -526,7 +651,9 @@ impl Fetcher {
         }
     }
 
-    fn accept(&self, claimed: Vec<ClaimedJob>, buffer: &mut VecDeque<ClaimedJob>) {
+    /// Takes claimed jobs into the buffer; `sent` is when the claim went out (the leases are
+    /// certain for a lease from then).
+    fn accept(&self, claimed: Vec<ClaimedJob>, buffer: &mut VecDeque<ClaimedJob>, sent: Instant) {
         let now = self.store.now_ms();
         for c in claimed {
             self.stats.claimed.fetch_add(1, Ordering::Relaxed);
@@ -534,7 +661,7 @@ impl Fetcher {
             self.stats
                 .claim_wait
                 .observe(Duration::from_millis(u64::try_from(waited).unwrap_or(0)));
-            held_insert(&self.held, c.lease, CancellationToken::new());
+            held_insert(&self.held, c.lease, sent + self.config.lease);
             buffer.push_back(c);
         }
     }
@@ -542,13 +669,16 @@ impl Fetcher {
     fn start_buffered(&self, buffer: &mut VecDeque<ClaimedJob>, running: &mut JoinSet<Finished>) {
         while running.len() < self.slots {
             let Some(c) = buffer.pop_front() else { return };
-            let token = match self.held.lock() {
-                Ok(map) => match map.get(&c.lease.job_id) {
-                    Some((l, t)) if *l == c.lease => t.clone(),
-                    // Lost while waiting in the buffer: do not run it.
-                    _ => continue,
-                },
-                Err(_) => continue,
+            let token = match held_get(&self.held, &c.lease) {
+                Some(h) if !h.given_up => h.token,
+                // Lost (or given up) while waiting in the buffer: do not run it.
+                Some(_) => {
+                    let (store, held, stats) =
+                        (self.store.clone(), self.held.clone(), self.stats.clone());
+                    tokio::spawn(async move { give_back(&store, &held, &stats, c.lease).await });
+                    continue;
+                }
+                None => continue,
             };
             let Some(entry) = self.registry.entries.get(&c.job.agent).cloned() else {
                 // Claimed only registered kinds; a missing entry is a bug, not input.
@@ -581,9 +711,16 @@ impl Fetcher {
                 return;
             }
         };
-        if !held_contains(&self.held, &lease) {
+        match held_get(&self.held, &lease) {
             // The lease was lost while the handler ran; whatever it returned cannot be recorded.
-            return;
+            None => return,
+            // Given up here (no renewal reached the database in time): the handler was stopped,
+            // so what it returned is not the job's result either.
+            Some(h) if h.given_up => {
+                give_back(&self.store, &self.held, &self.stats, lease).await;
+                return;
+            }
+            Some(_) => {}
         }
         let outcome = match result {
             Ok(o) => o,
@@ -680,10 +817,10 @@ impl Fetcher {
         // Out of time: stop the handlers and release their leases.
         let leases: Vec<Lease> = held_snapshot(&self.held)
             .into_iter()
-            .filter(|(l, _)| !pending_done.contains(l))
-            .map(|(l, t)| {
-                t.cancel();
-                l
+            .filter(|h| !pending_done.contains(&h.lease))
+            .map(|h| {
+                h.token.cancel();
+                h.lease
             })
             .collect();
         running.abort_all();
@@ -713,6 +850,36 @@ impl Fetcher {
             held_remove(&self.held, l.job_id);
         }
     }
+}
+
+/// A lease given up by self-fencing, once its handler has stopped: given back to the queue (no
+/// attempt spent) if it is still this process's; when the fence refuses, the job was rescued
+/// and runs elsewhere, and nothing of this attempt is recorded.
+async fn give_back(store: &Store, held: &Held, stats: &WorkerStats, lease: Lease) {
+    match store.release(&[lease]).await {
+        Ok(0) => {
+            stats.fenced.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(
+                job = lease.job_id,
+                attempt = lease.attempt,
+                "the stopped attempt's lease was lost: the job was rescued and runs elsewhere; nothing of this attempt is recorded"
+            );
+        }
+        Ok(n) => {
+            stats.released.fetch_add(n, Ordering::Relaxed);
+            tracing::info!(
+                job = lease.job_id,
+                attempt = lease.attempt,
+                "gave the stopped job back to the queue (no attempt spent)"
+            );
+        }
+        Err(e) => {
+            stats.store_errors.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(job = lease.job_id, error = %e,
+                "could not give the stopped job back; its lease will expire and it will be rescued");
+        }
+    }
+    held_remove(held, lease.job_id);
 }
 
 /// Runs one job: the handler races its timeout and its cancellation; a panic is caught and

@@ -464,3 +464,228 @@ async fn kinds_without_a_handler_are_never_claimed(db: TestDb) {
     assert_eq!(job.state, JobState::Queued);
     assert_eq!(job.attempt, 0, "never claimed");
 }
+
+/// A TCP relay to PostgreSQL that can be cut like a network link: while cut nothing crosses it
+/// (bytes wait, as TCP keeps retransmitting them, and arrive when the link is back) and new
+/// connections are accepted but not answered (a link that is down, not a server that refuses).
+struct Link {
+    port: u16,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Link {
+    async fn to_postgres() -> Link {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let cut = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let c = cut.clone();
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let cut = c.clone();
+                tokio::spawn(async move {
+                    wait_while_cut(&cut).await;
+                    let Ok(outbound) = tokio::net::TcpStream::connect("127.0.0.1:5432").await
+                    else {
+                        return;
+                    };
+                    let (ri, wi) = inbound.into_split();
+                    let (ro, wo) = outbound.into_split();
+                    tokio::join!(pump(ri, wo, cut.clone()), pump(ro, wi, cut));
+                });
+            }
+        });
+        Link { port, cut }
+    }
+
+    fn set_cut(&self, cut: bool) {
+        self.cut.store(cut, Ordering::SeqCst);
+    }
+}
+
+async fn wait_while_cut(cut: &std::sync::atomic::AtomicBool) {
+    while cut.load(Ordering::SeqCst) {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Copies `from` to `to`, holding what arrives while the link is cut until it is back.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    cut: Arc<std::sync::atomic::AtomicBool>,
+) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        wait_while_cut(&cut).await;
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+fn alive(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    unsafe { libc::kill(pid, 0) == 0 }
+}
+
+/// A worker cut off from the database (its link drops everything, as a down network link does)
+/// stops its handler, and the child process the handler runs, once the lease it could not renew
+/// has run out — while it is still cut off, not when the link comes back. Another worker rescues
+/// and finishes the job; when the link is back, the cut worker's attempt is refused by its
+/// fence and nothing of it is recorded. PostgreSQL only: SQLite is a file, it has no link.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_cut_off_from_the_database_stops_its_children_within_the_lease() {
+    let url = orch_store::testing::fresh_pg_schema().await;
+    let direct = Store::connect(&url, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+    direct.migrate().await.unwrap();
+    let link = Link::to_postgres().await;
+    let relayed = url.replacen("127.0.0.1:5432", &format!("127.0.0.1:{}", link.port), 1);
+    assert_ne!(relayed, url, "the test database is at 127.0.0.1:5432");
+    let cut_store = Store::connect(&relayed, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+
+    let tmp = tempfile::tempdir().unwrap();
+    let pid_file = tmp.path().join("child.pid");
+    let ran_elsewhere = Arc::new(AtomicU64::new(0));
+    // The cut worker's handler runs a real child until it is cancelled.
+    let mut r = Registry::new();
+    {
+        let pid_file = pid_file.clone();
+        r.register(
+            "long",
+            Duration::from_secs(300),
+            handler_fn(move |cx| {
+                let pid_file = pid_file.clone();
+                async move {
+                    let cmd = orch_exec::Cmd::new("sh")
+                        .args([
+                            "-c",
+                            &format!("echo $$ > {}; exec sleep 120", pid_file.display()),
+                        ])
+                        .kill_grace(Duration::from_millis(500))
+                        .cancel_on(cx.cancel.clone());
+                    let out = orch_exec::run(&cmd).await?;
+                    Ok(if out.success() {
+                        Outcome::Done
+                    } else {
+                        Outcome::Fail {
+                            error: "the child was stopped".into(),
+                        }
+                    })
+                }
+            }),
+        );
+    }
+    let id = direct
+        .enqueue(NewJob::new("long", "x"))
+        .await
+        .unwrap()
+        .job_id;
+    let mut c = config(1, 1);
+    c.worker_id = "cut-off".into();
+    c.lease = Duration::from_millis(1500);
+    let cut_worker = Worker::new(cut_store, r, c);
+    let stats = cut_worker.stats();
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(cut_worker.run(stop.clone(), CancellationToken::new()));
+
+    eventually("the child started", || {
+        let pid_file = pid_file.clone();
+        async move { std::fs::read_to_string(&pid_file).is_ok_and(|p| p.trim().parse::<i32>().is_ok()) }
+    })
+    .await;
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(alive(pid));
+    // Several renewals go through: the handler is not stopped while the link is up.
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert!(
+        alive(pid),
+        "the child was stopped while the lease was being renewed"
+    );
+    assert_eq!(stats.leases_lost.load(Ordering::SeqCst), 0);
+
+    link.set_cut(true);
+    eventually("the cut-off worker stops its child", || async move {
+        !alive(pid)
+    })
+    .await;
+    assert_eq!(stats.leases_lost.load(Ordering::SeqCst), 1);
+    // Still cut off: the database has not been told anything.
+    let job = direct.get_job(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Running, "{job:?}");
+    assert_eq!(job.locked_by.as_deref(), Some("cut-off"));
+
+    // Another worker rescues the job once its lease has expired, and finishes it.
+    eventually("the expired lease rescued", || {
+        let direct = direct.clone();
+        async move {
+            let report = direct
+                .rescue_expired(Rescue {
+                    backoff_base_ms: 0,
+                    backoff_max_ms: 0,
+                    limit: 10,
+                    ..Rescue::default()
+                })
+                .await
+                .unwrap();
+            report.requeued.contains(&id)
+        }
+    })
+    .await;
+    let mut r2 = Registry::new();
+    {
+        let ran = ran_elsewhere.clone();
+        r2.register(
+            "long",
+            Duration::from_secs(60),
+            handler_fn(move |_cx| {
+                let ran = ran.clone();
+                async move {
+                    ran.fetch_add(1, Ordering::SeqCst);
+                    Ok(Outcome::Done)
+                }
+            }),
+        );
+    }
+    let mut c2 = config(1, 1);
+    c2.worker_id = "elsewhere".into();
+    let other = Running::start(&direct, r2, c2);
+    eventually("the job done elsewhere", || {
+        let direct = direct.clone();
+        async move { direct.get_job(id).await.unwrap().unwrap().state == JobState::Done }
+    })
+    .await;
+
+    // The link comes back: the cut-off worker's attempt is refused by the fence.
+    link.set_cut(false);
+    eventually("the stopped attempt refused by its fence", || {
+        let stats = stats.clone();
+        async move { stats.fenced.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("the cut-off worker stops")
+        .unwrap();
+    other.shutdown().await;
+    let job = direct.get_job(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Done);
+    assert_eq!(job.locked_by.as_deref(), Some("elsewhere"));
+    assert_eq!(job.attempt, 2, "{job:?}");
+    assert_eq!(ran_elsewhere.load(Ordering::SeqCst), 1);
+    assert_eq!(stats.done.load(Ordering::SeqCst), 0);
+    assert_eq!(stats.released.load(Ordering::SeqCst), 0);
+}
