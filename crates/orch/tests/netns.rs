@@ -1,7 +1,7 @@
 //! Several hosts for real: network namespaces, one per host, each running `orch worker` with
 //! its own `repos_dir`, on a bridge to the test's (root) namespace, which holds what the hosts
-//! share: PostgreSQL (the real server on 127.0.0.1, reached through a TCP relay on the bridge
-//! address, since a namespace cannot reach another namespace's loopback), the repo's remote
+//! share: PostgreSQL (a server the test starts with its own data directory, listening on the
+//! bridge's address), the repo's remote
 //! (`git daemon` serving a bare repository over `git://`) and production (the demo's sample
 //! service: deployed into the root namespace with `nsenter`, its health and revision reached
 //! through a relay). Staging runs inside each host's own namespace.
@@ -11,15 +11,19 @@
 //! is reported as skipped (`common::skip`).
 //!
 //! Scenarios:
-//! - `a_host_that_dies_holding_a_watch_is_taken_over` (issue 16 (c)): three hosts, one item; the
-//!   host that holds the item's post-deploy watch dies for good (kill -9 of its orch, its link
-//!   down); after the grace another host takes the watch over and the item ends as in a clean
-//!   run, its deploy applied once.
+//! - `a_host_dies_mid_deploy_and_the_host_that_took_over_dies_mid_watch` (issue 16 (c)): three
+//!   hosts, one item; the host running its production deploy dies for good right after the
+//!   deploy command (a failpoint abort, its link down); after the grace another host takes the
+//!   deploy over (markers rebuilt from the events, the live revision confirmed, not deployed
+//!   again) and holds the watch; that host dies too (kill -9, link down) and the last one takes
+//!   the watch over. The item ends as in a clean run, its deploy applied once.
 //! - `three_hosts_release_three_items_one_at_a_time_through_a_cut_link` (issue 16 (a), (b), (d)):
-//!   three hosts, three items (shipped, reverted, failed); one host's link is cut while it holds
-//!   a running job and restored after its lease expired: another host finishes the job, the cut
-//!   host's late writes are refused by their fences; production deploys and staging runs never
-//!   overlap (the release track across hosts), each production deploy applied once.
+//!   three hosts, three items (shipped, reverted, failed); one host's link is cut while its
+//!   agent runs: the host stops the agent itself once its lease has run out, while still cut
+//!   off; another host finishes the job; the link comes back and the cut host's attempt is
+//!   refused by its fence. No two items are ever on the release track at once (the stage
+//!   changes the database accepted, from all three hosts), production deploys and staging runs
+//!   never overlap, each production deploy is applied once.
 
 mod common;
 
@@ -166,17 +170,151 @@ fn free_port(ip: Ipv4Addr) -> u16 {
         .port()
 }
 
+/// A PostgreSQL server of the test's own, on the host side (the root namespace), listening on
+/// the bridge's address so the hosts reach it as a database across a network: its own data
+/// directory (`initdb`), trust authentication for the bridge's /24, stopped on drop. It runs as
+/// the `postgres` system user (PostgreSQL refuses to run as root).
+struct PgServer {
+    child: std::process::Child,
+    bin: PathBuf,
+    data: PathBuf,
+    url: String,
+    _dir: tempfile::TempDir,
+}
+
+impl PgServer {
+    /// Err: the server cannot be started here (the reason, for the skip).
+    fn start(listen: Ipv4Addr, prefix: &str) -> Result<PgServer, String> {
+        let bin = std::fs::read_dir("/usr/lib/postgresql")
+            .map_err(|e| format!("no PostgreSQL server binaries under /usr/lib/postgresql: {e}"))?
+            .filter_map(|e| e.ok().map(|e| e.path().join("bin")))
+            .find(|b| b.join("initdb").exists() && b.join("postgres").exists())
+            .ok_or("no initdb/postgres under /usr/lib/postgresql/*/bin")?;
+        let user = "postgres";
+        if !sh(&["id", "-u", user]).status.success() {
+            return Err(format!("no `{user}` system user to run PostgreSQL as"));
+        }
+        let dir = tempfile::Builder::new()
+            .prefix("orch-netns-pg-")
+            .tempdir()
+            .map_err(|e| format!("cannot create the server's directory: {e}"))?;
+        // The postgres user must reach its data directory and socket directory.
+        let run_as = |args: &[&str]| -> Result<(), String> {
+            let mut all = vec!["runuser", "-u", user, "--"];
+            all.extend_from_slice(args);
+            let out = sh(&all);
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "`{}` failed: {}",
+                    args.join(" "),
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ))
+            }
+        };
+        use std::os::unix::fs::PermissionsExt as _;
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))
+            .map_err(|e| format!("chmod: {e}"))?;
+        let data = dir.path().join("data");
+        let sock = dir.path().join("sock");
+        for d in [&data, &sock] {
+            std::fs::create_dir(d).map_err(|e| format!("mkdir {}: {e}", d.display()))?;
+            let own = sh(&["chown", &format!("{user}:"), d.to_str().unwrap()]);
+            if !own.status.success() {
+                return Err(format!("chown {}: {own:?}", d.display()));
+            }
+        }
+        run_as(&[
+            bin.join("initdb").to_str().unwrap(),
+            "-D",
+            data.to_str().unwrap(),
+            "-A",
+            "trust",
+            "-U",
+            "root",
+            "--no-sync",
+            "--no-instructions",
+        ])?;
+        let hba = data.join("pg_hba.conf");
+        let mut conf = std::fs::read_to_string(&hba).map_err(|e| format!("pg_hba.conf: {e}"))?;
+        conf.push_str(&format!("host all all {prefix}.0/24 trust\n"));
+        std::fs::write(&hba, conf).map_err(|e| format!("pg_hba.conf: {e}"))?;
+        let port = free_port(listen);
+        let child = std::process::Command::new("runuser")
+            .args(["-u", user, "--"])
+            .arg(bin.join("postgres"))
+            .arg("-D")
+            .arg(&data)
+            .args(["-c", &format!("listen_addresses={listen}")])
+            .args(["-c", &format!("port={port}")])
+            .args(["-c", &format!("unix_socket_directories={}", sock.display())])
+            .args(["-c", "max_connections=300", "-c", "fsync=off"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("cannot start postgres: {e}"))?;
+        let server = PgServer {
+            child,
+            bin,
+            data,
+            url: format!("postgres://root@{listen}:{port}/postgres"),
+            _dir: dir,
+        };
+        let t0 = Instant::now();
+        while !sh(&[
+            server.bin.join("pg_isready").to_str().unwrap(),
+            "-q",
+            "-h",
+            &listen.to_string(),
+            "-p",
+            &port.to_string(),
+        ])
+        .status
+        .success()
+        {
+            if t0.elapsed() > Duration::from_secs(60) {
+                return Err(format!(
+                    "the test's PostgreSQL never listened on {listen}:{port}"
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Ok(server)
+    }
+}
+
+impl Drop for PgServer {
+    fn drop(&mut self) {
+        let _ = sh(&[
+            "runuser",
+            "-u",
+            "postgres",
+            "--",
+            self.bin.join("pg_ctl").to_str().unwrap(),
+            "stop",
+            "-m",
+            "immediate",
+            "-D",
+            self.data.to_str().unwrap(),
+        ]);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        reap_orphans();
+    }
+}
+
 /// Everything a scenario runs on.
 struct Cluster {
     net: Net,
     dir: PathBuf,
-    /// The database URL as the hosts reach it.
+    /// The database URL, the same from every host and from the test: the bridge's address.
     url: String,
-    /// The database URL from the root namespace.
-    local_url: String,
     store: Store,
     git_daemon: std::process::Child,
     workers: BTreeMap<usize, tokio::process::Child>,
+    pg: Option<PgServer>,
     _tmp: tempfile::TempDir,
 }
 
@@ -284,27 +422,27 @@ impl Cluster {
             .unwrap();
         assert!(out.status.success(), "{out:?}");
 
-        // PostgreSQL through a relay on the bridge.
-        let local_url = orch_store::testing::fresh_pg_schema().await;
-        orch_db(&dir, &local_url, &["migrate"]);
-        let pg_port = relay(
-            SocketAddr::from((gw, 0)),
-            SocketAddr::from(([127, 0, 0, 1], 5432)),
-        )
-        .await;
-        let url = local_url.replace("127.0.0.1:5432", &format!("{gw}:{pg_port}"));
-        assert_ne!(url, local_url, "the test database is on 127.0.0.1:5432");
-        let store = Store::connect(&local_url, ConnectOptions::default())
+        // The shared database: a PostgreSQL server of this test's own on the bridge.
+        let pg = match PgServer::start(gw, &net.prefix) {
+            Ok(pg) => pg,
+            Err(why) => {
+                common::skip(&format!("cannot start the test's own PostgreSQL: {why}"));
+                return None;
+            }
+        };
+        let url = pg.url.clone();
+        orch_db(&dir, &url, &["migrate"]);
+        let store = Store::connect(&url, ConnectOptions::default())
             .await
             .unwrap();
         Some(Cluster {
             net,
             dir,
             url,
-            local_url,
             store,
             git_daemon,
             workers: BTreeMap::new(),
+            pg: Some(pg),
             _tmp: tmp,
         })
     }
@@ -316,6 +454,11 @@ impl Cluster {
     /// `orch worker --node h<i>` inside host `i`'s namespace, with its own `repos_dir`; its log
     /// (warnings) in `<dir>/h<i>.log`.
     fn start_worker(&mut self, i: usize, agent_sleep_ms: u64) {
+        self.start_worker_with(i, agent_sleep_ms, "");
+    }
+
+    /// [`Cluster::start_worker`] with `failpoints` (`ORCH_FAILPOINTS`) active.
+    fn start_worker_with(&mut self, i: usize, agent_sleep_ms: u64, failpoints: &str) {
         let log = std::fs::File::create(self.dir.join(format!("h{i}.log"))).unwrap();
         let child = tokio::process::Command::new("ip")
             .args(["netns", "exec", &self.net.hosts[i - 1], ORCH])
@@ -330,7 +473,7 @@ impl Cluster {
             .env("ORCH_LEASE_S", LEASE_S)
             .env("ORCH_NODE_GRACE_S", GRACE_S)
             .env("ORCH_DEMO_AGENT_SLEEP_MS", agent_sleep_ms.to_string())
-            .env_remove("ORCH_FAILPOINTS")
+            .env("ORCH_FAILPOINTS", failpoints)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -353,6 +496,41 @@ impl Cluster {
         }
     }
 
+    /// The pid of host `i`'s orch (`ip netns exec` execs it), while it runs.
+    fn worker_pid(&self, i: usize) -> Option<i32> {
+        self.workers
+            .get(&i)?
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+    }
+
+    /// Every process in host `i`'s namespace with its command line.
+    fn processes(&self, i: usize) -> Vec<(i32, String)> {
+        let out = sh(&["ip", "netns", "pids", &self.net.hosts[i - 1]]);
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .filter_map(|p| p.parse::<i32>().ok())
+            .filter_map(|pid| {
+                let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+                let cmd: Vec<String> = cmd
+                    .split(|b| *b == 0)
+                    .filter(|a| !a.is_empty())
+                    .map(|a| String::from_utf8_lossy(a).into_owned())
+                    .collect();
+                Some((pid, cmd.join(" ")))
+            })
+            .collect()
+    }
+
+    /// The demo agents running on host `i`.
+    fn agents(&self, i: usize) -> Vec<i32> {
+        self.processes(i)
+            .into_iter()
+            .filter(|(_, cmd)| cmd.contains(" demo-agent"))
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
     fn log(&self, i: usize) -> String {
         std::fs::read_to_string(self.dir.join(format!("h{i}.log"))).unwrap_or_default()
     }
@@ -360,7 +538,7 @@ impl Cluster {
     fn submit(&self, title: &str) -> String {
         let out = orch_db(
             &self.dir,
-            &self.local_url,
+            &self.url,
             &[
                 "submit",
                 "--repo",
@@ -390,6 +568,8 @@ impl Cluster {
         common::stop_service(&self.dir);
         let _ = self.git_daemon.kill();
         let _ = self.git_daemon.wait();
+        self.store.close().await;
+        drop(self.pg.take());
         reap_orphans();
     }
 }
@@ -419,57 +599,97 @@ where
     }
 }
 
+/// What a scenario's item went through, for a failure message.
+async fn story(store: &Store, id: &str) -> Vec<String> {
+    let t = common::task(store, id).await;
+    store
+        .task_events(t.id)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| format!("{} {}", e.kind, e.message))
+        .collect()
+}
+
+/// The hosts that died, and what was left when they did: host 1 alone runs the item until its
+/// production deploy command has run and dies right after it (a failpoint abort: the deploy
+/// is live, its markers on host 1's disk say INITIATED and nothing more), its link cut for
+/// good. Hosts 2 and 3 start; after the grace one of them takes the deploy over, rebuilds the
+/// markers from the events, confirms the live revision without deploying it again and arms the
+/// watch on its own node. Once that watch has polled twice its host dies too (kill -9, link
+/// down), and the last host takes the watch over after the grace. The item ends as in a
+/// one-host run: done, shipped, the production deploy applied once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_host_that_dies_holding_a_watch_is_taken_over() {
+async fn a_host_dies_mid_deploy_and_the_host_that_took_over_dies_mid_watch() {
     let Some(mut c) = Cluster::start(3).await else {
         return;
     };
     let before = production_deploys(&c.dir).len();
     let id = c.submit("Add a /version endpoint");
-    for i in 1..=3 {
-        c.start_worker(i, 50);
-    }
     let store = c.store.clone();
-    // The host whose worker holds the watch, once it has polled twice.
+
+    // Host 1 alone, until it dies right after the production deploy command.
+    c.start_worker_with(1, 50, "deploy.after_command");
+    let mut h1 = c.workers.remove(&1).unwrap();
+    match tokio::time::timeout(Duration::from_secs(300), h1.wait()).await {
+        Ok(status) => assert!(!status.unwrap().success(), "host 1 died at its failpoint"),
+        Err(_) => panic!(
+            "host 1 never reached its deploy: {:#?}\n{}",
+            story(&store, &id).await,
+            c.log(1)
+        ),
+    }
+    reap_orphans();
+    c.net.set_link(1, false);
+    assert!(
+        c.log(1).contains("failpoint deploy.after_command hit"),
+        "{}",
+        c.log(1)
+    );
+    let deployed = production_deploys(&c.dir);
+    assert_eq!(
+        deployed.len(),
+        before + 1,
+        "host 1's deploy ran: {deployed:?}"
+    );
+    let t = common::task(&store, &id).await;
+    assert_eq!(t.stage, "deploy", "{:#?}", story(&store, &id).await);
+
+    // The deploy is taken over, confirmed, and watched on a surviving host.
+    c.start_worker(2, 50);
+    c.start_worker(3, 50);
     let t0 = Instant::now();
-    let holder = loop {
-        let t = common::task(&store, &id).await;
-        if t.stage == "observe" {
-            let jobs = store.task_jobs(t.id).await.unwrap();
-            let polled = jobs
-                .iter()
-                .filter(|j| j.agent == "post-deploy-monitor" && j.state == JobState::Done)
-                .count();
-            let live = jobs
-                .iter()
-                .rev()
-                .find(|j| j.agent == "post-deploy-monitor" && j.state.is_live())
-                .and_then(|j| j.node.clone());
-            if polled >= 2
-                && let Some(node) = live
-            {
-                break Some(node);
-            }
+    let watcher = loop {
+        let jobs = store.task_jobs(t.id).await.unwrap();
+        let polled = jobs
+            .iter()
+            .filter(|j| j.agent == "post-deploy-monitor" && j.state == JobState::Done)
+            .count();
+        let live = jobs
+            .iter()
+            .rev()
+            .find(|j| j.agent == "post-deploy-monitor" && j.state.is_live())
+            .and_then(|j| j.node.clone());
+        if polled >= 2
+            && let Some(node) = live
+        {
+            break node;
         }
-        if t.is_terminal() || t0.elapsed() > Duration::from_secs(300) {
-            let events = store.task_events(t.id).await.unwrap();
-            let logs: Vec<String> = (1..=3).map(|i| c.log(i)).collect();
-            panic!(
-                "no two polls of the watch (at {}): {:#?}\nlogs: {logs:#?}",
-                t.stage,
-                events
-                    .iter()
-                    .map(|e| format!("{} {}", e.kind, e.message))
-                    .collect::<Vec<_>>()
-            );
-        }
+        let now = common::task(&store, &id).await;
+        assert!(
+            !now.is_terminal() && t0.elapsed() < Duration::from_secs(240),
+            "no two polls of the watch after the deploy's takeover (at {}): {:#?}\nlogs: {:#?}",
+            now.stage,
+            story(&store, &id).await,
+            (2..=3).map(|i| c.log(i)).collect::<Vec<_>>()
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    let holder = holder.unwrap();
-    let i: usize = holder.trim_start_matches('h').parse().unwrap();
-    // The host dies for good: its orch is killed and its link goes down.
-    c.kill_worker(i).await;
-    c.net.set_link(i, false);
+    assert_ne!(watcher, "h1");
+    let w: usize = watcher.trim_start_matches('h').parse().unwrap();
+    // The host that took the deploy over and holds the watch dies for good.
+    c.kill_worker(w).await;
+    c.net.set_link(w, false);
     let died = Instant::now();
 
     let t = common::wait_terminal(&store, &id, Duration::from_secs(240)).await;
@@ -480,6 +700,9 @@ async fn a_host_that_dies_holding_a_watch_is_taken_over() {
         .map(|e| format!("{} {}", e.kind, e.message))
         .collect();
     let deploys = production_deploys(&c.dir);
+    let last = 5 - w;
+    let left = c.processes(last);
+    let jobs = live_jobs(&store, t.id).await;
     c.stop().await;
 
     assert_eq!(t.stage, "done", "{summary:#?}");
@@ -489,17 +712,36 @@ async fn a_host_that_dies_holding_a_watch_is_taken_over() {
         .find(|e| e.kind == "task.done")
         .unwrap();
     assert_eq!(data(done)["outcome"], "shipped", "{summary:#?}");
-    let takeovers: Vec<&Event> = history
+    let takeovers: Vec<serde_json::Value> = history
         .iter()
         .filter(|e| e.kind == "node.takeover")
+        .map(|e| {
+            let mut d = data(e);
+            d["at"] = e.created_at.into();
+            d
+        })
         .collect();
-    assert_eq!(takeovers.len(), 1, "{summary:#?}");
-    let d = data(takeovers[0]);
-    assert_eq!(d["from"], holder.as_str());
-    assert_ne!(d["to"], holder.as_str());
-    assert_eq!(d["stage"], "observe");
-    let last_seen = d["last_seen_ms"].as_i64().unwrap();
-    assert!(takeovers[0].created_at - last_seen > 4_000, "{d}");
+    assert_eq!(takeovers.len(), 2, "{summary:#?}");
+    // First the deploy, from host 1, by the host that then watched.
+    assert_eq!(takeovers[0]["stage"], "deploy", "{takeovers:?}");
+    assert_eq!(takeovers[0]["from"], "h1");
+    assert_eq!(takeovers[0]["to"], watcher.as_str());
+    // Then the watch, from that host, by the last one.
+    assert_eq!(takeovers[1]["stage"], "observe", "{takeovers:?}");
+    assert_eq!(takeovers[1]["from"], watcher.as_str());
+    assert_eq!(takeovers[1]["to"], Cluster::node(last).as_str());
+    for t in &takeovers {
+        let waited = t["at"].as_i64().unwrap() - t["last_seen_ms"].as_i64().unwrap();
+        assert!(waited > 4_000, "taken over within the grace: {t}");
+    }
+    assert!(
+        history.iter().any(|e| e.kind == "deploy.markers_restored"),
+        "{summary:#?}"
+    );
+    assert!(
+        !history.iter().any(|e| e.kind == "deploy.redeployed"),
+        "the live revision was deployed again: {summary:#?}"
+    );
     assert!(
         history.iter().any(|e| e.kind == "post_deploy.taken_over"),
         "{summary:#?}"
@@ -511,7 +753,7 @@ async fn a_host_that_dies_holding_a_watch_is_taken_over() {
     assert!(
         data(verdict)["evidence_lost"]
             .as_str()
-            .is_some_and(|l| l.contains(&format!("node {holder}"))),
+            .is_some_and(|l| l.contains(&format!("node {watcher}"))),
         "{}",
         verdict.data
     );
@@ -525,11 +767,35 @@ async fn a_host_that_dies_holding_a_watch_is_taken_over() {
         1,
         "production deploys: {deploys:?}"
     );
+    assert_eq!(deploys.len(), before + 1, "production deploys: {deploys:?}");
+    // Nothing of the item left running on the last host.
+    assert!(
+        !left.iter().any(|(_, cmd)| cmd.contains(" demo-agent")),
+        "{left:?}"
+    );
+    assert!(jobs.is_empty(), "live jobs left: {jobs:?}");
     eprintln!(
-        "netns takeover: {holder} died holding the watch; taken over {:.1} s after it was last seen; item done {:.1} s after",
-        (takeovers[0].created_at - last_seen) as f64 / 1000.0,
+        "netns takeover: h1 died after its deploy command, {watcher} took the deploy over {:.1} s after h1 was last seen and died holding the watch; h{last} took the watch over {:.1} s after {watcher} was last seen; item done {:.1} s after the second death",
+        (takeovers[0]["at"].as_i64().unwrap() - takeovers[0]["last_seen_ms"].as_i64().unwrap())
+            as f64
+            / 1000.0,
+        (takeovers[1]["at"].as_i64().unwrap() - takeovers[1]["last_seen_ms"].as_i64().unwrap())
+            as f64
+            / 1000.0,
         took.as_secs_f64()
     );
+}
+
+/// The jobs of `task` still queued or running.
+async fn live_jobs(store: &Store, task: i64) -> Vec<(i64, String, JobState)> {
+    store
+        .task_jobs(task)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|j| j.state.is_live())
+        .map(|j| (j.id, j.agent, j.state))
+        .collect()
 }
 
 const ITEMS: [(&str, &str); 3] = [
@@ -613,8 +879,8 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
     }
     let store = c.store.clone();
     let t0 = Instant::now();
-    // (b) Cut the link of a host running an agent stage.
-    let (host, job, attempt) = loop {
+    // (b) Cut the link of a host while it runs an agent stage (its agent process is up).
+    let (host, job, attempt, agents) = loop {
         let stats = store.queue_stats().await.unwrap();
         let found = stats.leases.iter().find_map(|l| {
             let host: usize = l
@@ -627,8 +893,11 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
                 .contains(&l.agent.as_str())
                 .then_some((host, l.job_id, l.attempt))
         });
-        if let Some(f) = found {
-            break f;
+        if let Some((host, job, attempt)) = found {
+            let agents = c.agents(host);
+            if !agents.is_empty() {
+                break (host, job, attempt, agents);
+            }
         }
         assert!(
             t0.elapsed() < Duration::from_secs(120),
@@ -638,6 +907,29 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
     };
     c.net.set_link(host, false);
     let cut = Instant::now();
+    // Cut off, the host cannot renew its lease: once the lease has run out it stops the stage
+    // on its own, its agent killed, while the link is still down (not when it comes back).
+    let orch_pid = c.worker_pid(host).expect("the cut host's orch runs");
+    until(
+        Duration::from_secs(30),
+        "the cut host's agent stopped while it is cut off",
+        || {
+            let left: Vec<i32> = c.agents(host);
+            let gone = agents.iter().all(|a| !left.contains(a)) && left.is_empty();
+            async move { gone }
+        },
+    )
+    .await;
+    let stopped_after = cut.elapsed();
+    assert!(
+        c.processes(host).iter().any(|(p, _)| *p == orch_pid),
+        "the cut host's orch itself keeps running"
+    );
+    assert!(
+        c.log(host).contains("lease lost here"),
+        "h{host} says why it stopped:\n{}",
+        c.log(host)
+    );
     // Its lease expires, another host rescues the job and runs it.
     until(
         Duration::from_secs(60),
@@ -678,6 +970,7 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
     let cut_log = c.log(host);
     let mut chains = Vec::new();
     let mut workers = std::collections::BTreeSet::new();
+    let mut merged_on = std::collections::BTreeSet::new();
     for id in &ids {
         let t = common::task(&store, id).await;
         chains.push((id.clone(), store.task_events(t.id).await.unwrap()));
@@ -688,6 +981,9 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
                 "job {} of {id} still running",
                 j.id
             );
+            if j.agent == "merge-gate" {
+                merged_on.extend(j.locked_by.clone());
+            }
             workers.extend(j.locked_by);
         }
     }
@@ -739,13 +1035,54 @@ async fn three_hosts_release_three_items_one_at_a_time_through_a_cut_link() {
     for ((kind, rev), n) in counted {
         assert_eq!(n, 1, "production {kind} of {rev:.12} ran {n} times");
     }
+    // (d) The release track itself, from the stage changes the database accepted: no two items
+    // were ever on it (merge … lessons) at once, whichever host moved them. Ordered by event
+    // id, not time: an entry is written after the check that saw the previous holder's exit
+    // committed, so its id is the larger (times are stamped before the transaction waits).
+    let track = ["merge", "staging", "deploy", "observe", "lessons"];
+    let mut held: Vec<(i64, i64, String)> = Vec::new();
+    for (id, events) in &chains {
+        let mut entered: Option<i64> = None;
+        for e in events {
+            let d = data(e);
+            let Some(to) = d["to"].as_str() else { continue };
+            if d["from"].as_str().is_none() {
+                continue;
+            }
+            match (entered, track.contains(&to)) {
+                (None, true) => entered = Some(e.id),
+                (Some(at), false) => {
+                    held.push((at, e.id, id.clone()));
+                    entered = None;
+                }
+                _ => {}
+            }
+        }
+        assert!(entered.is_none(), "{id} ended on the release track");
+    }
+    held.sort();
+    for pair in held.windows(2) {
+        assert!(
+            pair[1].0 >= pair[0].1,
+            "{} entered the release track (event {}) while {} held it (until event {})",
+            pair[1].2,
+            pair[1].0,
+            pair[0].2,
+            pair[0].1
+        );
+    }
+    assert!(
+        held.len() >= ITEMS.len() - 1,
+        "the items that reached the track: {held:?}"
+    );
     assert_eq!(
         workers.len(),
         3,
         "the items' jobs ran on all three hosts: {workers:?}"
     );
     eprintln!(
-        "netns release: h{host}'s link cut; its job ran elsewhere {:.1} s after the cut (lease {LEASE_S} s); outcomes {got:?}",
+        "netns release: h{host}'s link cut; its agent stopped {:.1} s and its job ran elsewhere {:.1} s after the cut (lease {LEASE_S} s); outcomes {got:?}; merges ran on {merged_on:?}",
+        stopped_after.as_secs_f64(),
         moved_after.as_secs_f64()
     );
 }
