@@ -527,6 +527,22 @@ where
         Ok(Advanced { task, next_job_id })
     }
 
+    pub async fn track_holder(
+        &self,
+        repo: &str,
+        task_id: i64,
+        exclusive: &Exclusive,
+    ) -> Result<Option<(String, String)>> {
+        let stages = serde_json::to_string(&exclusive.stages)
+            .map_err(|e| StoreError::Invalid(e.to_string()))?;
+        Ok(sqlx::query_as(D::TRACK_HOLDER)
+            .bind(repo)
+            .bind(task_id)
+            .bind(stages)
+            .fetch_optional(self.d.reader())
+            .await?)
+    }
+
     // ----- events and agent runs ----------------------------------------------------------
 
     pub async fn append_event(&self, event: NewEvent) -> Result<i64> {

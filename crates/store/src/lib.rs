@@ -425,6 +425,20 @@ impl Store {
         dispatch!(self, advance_stage(adv, Some(exclusive)))
     }
 
+    /// The task of `repo` (other than `task_id`) at one of `exclusive`'s stages, as
+    /// `(work_item_id, stage)`: who holds the track that task would enter. A read, not an
+    /// admission: only [`Store::advance_stage_exclusive`] decides, in its transaction. A waiting
+    /// task asks this first, so that a wait costs one indexed read instead of redoing its
+    /// stage's finish.
+    pub async fn track_holder(
+        &self,
+        repo: &str,
+        task_id: i64,
+        exclusive: &Exclusive,
+    ) -> Result<Option<(String, String)>> {
+        dispatch!(self, track_holder(repo, task_id, exclusive))
+    }
+
     /// Cancels every live job of a task except `keep` (used with operator stage changes).
     pub async fn cancel_task_jobs(&self, task_id: i64, keep: Option<i64>) -> Result<u64> {
         dispatch!(self, cancel_task_jobs(task_id, keep))

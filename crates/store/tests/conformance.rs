@@ -1496,6 +1496,13 @@ async fn exclusive_stages_admit_one_task_per_repo(db: TestDb) {
         .await
         .expect("the track is free")
         .task;
+    // The holder, as a waiting task reads it; a task does not wait for itself.
+    assert_eq!(
+        s.track_holder("svc", b.id, &track()).await.unwrap(),
+        Some((a.work_item_id.clone(), "merge".to_owned()))
+    );
+    assert_eq!(s.track_holder("svc", a.id, &track()).await.unwrap(), None);
+    assert_eq!(s.track_holder("other", b.id, &track()).await.unwrap(), None);
     // B cannot enter while A is anywhere in the track, and nothing of B changes.
     let busy = s
         .advance_stage_exclusive(to_stage(&b, "intake", "merge"), &track())
@@ -1550,6 +1557,7 @@ async fn exclusive_stages_admit_one_task_per_repo(db: TestDb) {
     s.advance_stage(to_stage(&a, "staging", "done"))
         .await
         .unwrap();
+    assert_eq!(s.track_holder("svc", b.id, &track()).await.unwrap(), None);
     let b = s
         .advance_stage_exclusive(to_stage(&b, "intake", "merge"), &track())
         .await

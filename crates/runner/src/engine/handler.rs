@@ -196,6 +196,23 @@ impl Engine {
             },
             None => false,
         };
+        // A job waiting for the release track asks the database first: while another task
+        // holds the track it waits again at the cost of one read, with no git at all (with many
+        // items waiting, redoing each one's stage finish every few seconds kept the repo busy).
+        if markers::is_release_wait(&cx.job.task_content)
+            && self
+                .store
+                .track_holder(
+                    &task.repo,
+                    task.id,
+                    &crate::release::track(&self.cfg.pipeline),
+                )
+                .await?
+                .is_some()
+        {
+            self.requeue_for_track(&cx, task.id, task.stage_seq).await?;
+            return Ok(Outcome::Done);
+        }
         match self.prepare(&cx, &task, taken_over).await {
             // The stage's work is done and committed; only entering the release track waits.
             Ok(run) if markers::is_release_wait(&cx.job.task_content) => {
@@ -656,23 +673,7 @@ impl Engine {
         holder_stage: &str,
     ) -> Result<Outcome> {
         let seq = run.task.stage_seq;
-        let marker = markers::release_wait(seq);
-        let content = if cx.job.task_content.contains(&marker) {
-            cx.job.task_content.clone()
-        } else {
-            StageJob::from_content(&cx.job.task_content)
-                .map(|sj| sj.with_marker(&marker))
-                .unwrap_or_else(|_| cx.job.task_content.clone())
-        };
-        let mut job = NewJob::new(cx.job.agent.clone(), content)
-            .task(run.task.id)
-            .delay_s(i64::try_from(crate::release::WAIT_S).unwrap_or(3))
-            .max_attempts(STAGE_ATTEMPTS)
-            .dedupe(dedupe::requeue_of(cx.job.id));
-        if let Some(node) = &cx.job.node {
-            job = job.node(node.clone());
-        }
-        self.store.enqueue(job).await?;
+        self.requeue_for_track(cx, run.task.id, seq).await?;
         if !markers::is_release_wait(&cx.job.task_content) {
             self.event(
                 run,
@@ -689,6 +690,31 @@ impl Engine {
             .await;
         }
         Ok(Outcome::Done)
+    }
+
+    /// Enqueues the job that tries entering the release track again after
+    /// [`crate::release::WAIT_S`]: this job's payload with `[orch:release-wait seq=N]`, once per
+    /// job (its dedupe key). A job pinned to a node stays pinned, to this node: it is this
+    /// node's, or this node has just taken it over.
+    async fn requeue_for_track(&self, cx: &JobContext, task_id: i64, seq: i64) -> Result<()> {
+        let marker = markers::release_wait(seq);
+        let content = if cx.job.task_content.contains(&marker) {
+            cx.job.task_content.clone()
+        } else {
+            StageJob::from_content(&cx.job.task_content)
+                .map(|sj| sj.with_marker(&marker))
+                .unwrap_or_else(|_| cx.job.task_content.clone())
+        };
+        let mut job = NewJob::new(cx.job.agent.clone(), content)
+            .task(task_id)
+            .delay_s(i64::try_from(crate::release::WAIT_S).unwrap_or(3))
+            .max_attempts(STAGE_ATTEMPTS)
+            .dedupe(dedupe::requeue_of(cx.job.id));
+        if cx.job.node.is_some() {
+            job = job.node(self.cfg.node.clone());
+        }
+        self.store.enqueue(job).await?;
+        Ok(())
     }
 
     /// Moves the task to `failed` (fenced by this job) with `reason`.
