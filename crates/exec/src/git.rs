@@ -309,6 +309,13 @@ impl Git {
     ) -> Result<WorktreeAdd, GitError> {
         // git runs in `repo`: a relative path must mean the same to git and to this code.
         let path = &absolute(path);
+        // The common case (every job of a work item after its first): a healthy worktree of
+        // `branch`, registered and excluded. It is recognised from this worktree alone, without
+        // the repository's lock, so that the jobs of many work items do not queue behind each
+        // other's `git worktree list` (which reads every worktree of the repository).
+        if self.reusable_unlocked(repo, path, branch).await {
+            return Ok(WorktreeAdd::Reused);
+        }
         let lock = repo_lock(repo);
         let _held = lock.lock().await;
         let target = normalize(path);
@@ -1066,26 +1073,64 @@ impl Git {
         }
     }
 
-    async fn try_exclude_nested(&self, repo: &Path, path: &Path) -> Result<(), GitError> {
+    /// Whether the worktree `path` of `repo` can be reused as it is, decided by reads only and
+    /// without the repository's lock: registered in `repo` and not prunable (read from the
+    /// files `git worktree list` reads), a working worktree whose top level is `path`, on
+    /// `branch`, and already excluded from the main checkout. `false` on any doubt: the locked
+    /// path of [`Git::worktree_add`] then decides (and repairs).
+    async fn reusable_unlocked(&self, repo: &Path, path: &Path, branch: &str) -> bool {
+        registered_in(repo, path)
+            && self.is_toplevel(path).await
+            && self
+                .current_branch(path)
+                .await
+                .is_ok_and(|b| b.as_deref() == Some(branch))
+            && self.excluded(repo, path).await
+    }
+
+    /// Whether `repo`'s `info/exclude` already keeps the worktree `path` out of the main
+    /// checkout (true when `path` is not inside it); false when that cannot be read.
+    async fn excluded(&self, repo: &Path, path: &Path) -> bool {
+        match self.exclude_entry(repo, path).await {
+            Ok(None) => true,
+            Ok(Some((file, line))) => std::fs::read_to_string(file)
+                .is_ok_and(|content| content.lines().any(|l| l.trim() == line)),
+            Err(_) => false,
+        }
+    }
+
+    /// `repo`'s `info/exclude` file and the line that keeps the worktree `path` out of the
+    /// main checkout; `None` when `path` does not lie inside `repo`'s working tree.
+    async fn exclude_entry(
+        &self,
+        repo: &Path,
+        path: &Path,
+    ) -> Result<Option<(PathBuf, String)>, GitError> {
         let top = self
             .text(repo, args(["rev-parse", "--show-toplevel"]))
             .await?;
         let target = normalize(path);
         let Ok(rel) = target.strip_prefix(normalize(Path::new(top.trim()))) else {
-            return Ok(());
+            return Ok(None);
         };
         let dir = rel
             .parent()
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or(rel);
         let Some(dir) = dir.to_str().filter(|d| !d.is_empty()) else {
-            return Ok(());
+            return Ok(None);
         };
         let line = format!("/{dir}/");
         let exclude = self
             .text(repo, args(["rev-parse", "--git-path", "info/exclude"]))
             .await?;
-        let exclude = repo.join(exclude.trim());
+        Ok(Some((repo.join(exclude.trim()), line)))
+    }
+
+    async fn try_exclude_nested(&self, repo: &Path, path: &Path) -> Result<(), GitError> {
+        let Some((exclude, line)) = self.exclude_entry(repo, path).await? else {
+            return Ok(());
+        };
         let mut content = std::fs::read_to_string(&exclude).unwrap_or_default();
         if content.lines().any(|l| l.trim() == line) {
             return Ok(());
@@ -1454,6 +1499,28 @@ fn normalize(path: &Path) -> PathBuf {
             .unwrap_or(abs.clone()),
         _ => abs,
     }
+}
+
+/// Whether `path` is a linked worktree that `repo` has registered and would not prune, read
+/// from the files `git worktree list` reads: `path/.git` is a file naming an administrative
+/// directory `<repo>/.git/worktrees/<id>`, whose `gitdir` file names `path/.git` back.
+fn registered_in(repo: &Path, path: &Path) -> bool {
+    let named = |file: &Path, prefix: &str| -> Option<PathBuf> {
+        let text = std::fs::read_to_string(file).ok()?;
+        let value = text.lines().next()?.strip_prefix(prefix)?.trim().to_owned();
+        // A relative path is relative to the directory holding the file.
+        Some(normalize(&file.parent()?.join(value)))
+    };
+    let Some(admin) = named(&path.join(".git"), "gitdir:") else {
+        return false;
+    };
+    let in_repo = admin.parent().is_some_and(|worktrees| {
+        worktrees.file_name() == Some(std::ffi::OsStr::new("worktrees"))
+            && worktrees
+                .parent()
+                .is_some_and(|common| common == normalize(&repo.join(".git")))
+    });
+    in_repo && named(&admin.join("gitdir"), "") == Some(normalize(&path.join(".git")))
 }
 
 /// The in-process lock that serializes worktree changes of one repository.

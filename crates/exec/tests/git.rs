@@ -297,6 +297,43 @@ async fn worktree_add_is_idempotent_and_repairs_leftovers() {
 }
 
 #[tokio::test]
+async fn a_copied_worktree_is_not_reused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let git = Git::new();
+    let repo = repo(tmp.path()).await;
+    let wt = repo.join("worktrees/A-1");
+    git.worktree_add(&repo, &wt, "orch/A-1", "main")
+        .await
+        .unwrap();
+    // A copy under another name works as a checkout of A-1's branch (its .git file names
+    // A-1's registration) but git has not registered it: it is not a healthy worktree.
+    let copy = repo.join("worktrees/B-2");
+    let status = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(&wt)
+        .arg(&copy)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    assert_eq!(
+        git.current_branch(&copy).await.unwrap().as_deref(),
+        Some("orch/A-1")
+    );
+    let got = git.worktree_add(&repo, &copy, "orch/A-1", "main").await;
+    assert!(
+        !matches!(got, Ok(WorktreeAdd::Reused)),
+        "an unregistered copy was reused: {got:?}"
+    );
+    // The registered one still is.
+    assert_eq!(
+        git.worktree_add(&repo, &wt, "orch/A-1", "main")
+            .await
+            .unwrap(),
+        WorktreeAdd::Reused
+    );
+}
+
+#[tokio::test]
 async fn worktree_add_refuses_to_delete_a_repository() {
     let tmp = tempfile::tempdir().unwrap();
     let git = Git::new();

@@ -75,6 +75,14 @@ pub async fn ensure_clone(
     name: &RepoName,
     repo: &RepoConfig,
 ) -> Result<()> {
+    // Every stage job comes here first: a clone already there with its HEAD detached (as orch
+    // keeps it) needs nothing, and is seen without queueing for the lock behind the other jobs
+    // of the repo. Only reads; anything else takes the lock below.
+    if paths.repo_dir.join(".git").exists()
+        && matches!(git.current_branch(&paths.repo_dir).await, Ok(None))
+    {
+        return Ok(());
+    }
     let lock = clone_lock(&paths.repo_dir);
     let _held = lock.lock().await;
     if paths.repo_dir.join(".git").exists() {
