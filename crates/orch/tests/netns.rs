@@ -426,6 +426,9 @@ impl Cluster {
         let pg = match PgServer::start(gw, &net.prefix) {
             Ok(pg) => pg,
             Err(why) => {
+                let mut git_daemon = git_daemon;
+                let _ = git_daemon.kill();
+                let _ = git_daemon.wait();
                 common::skip(&format!("cannot start the test's own PostgreSQL: {why}"));
                 return None;
             }
