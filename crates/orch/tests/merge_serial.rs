@@ -81,6 +81,29 @@ async fn two_worker_processes_merge_four_items_without_losing_one() {
         if stages.iter().all(|(_, s)| s == "done") {
             break stages;
         }
+        // An item that ended otherwise will not be released: say why at once.
+        if let Some((id, stage)) = stages
+            .iter()
+            .find(|(_, s)| s == "failed" || s == "cancelled")
+        {
+            let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+            let story: Vec<String> = store
+                .task_events(t.id)
+                .await
+                .unwrap()
+                .iter()
+                .map(|e| format!("{} {} {}", e.kind, e.message, e.data))
+                .collect();
+            for w in workers {
+                terminate(w).await;
+            }
+            common::stop_service(&dir);
+            panic!(
+                "{id} ended {stage}, not released: {stages:?}\n{story:#?}\nworker a:\n{}\nworker b:\n{}",
+                common::worker_log(&dir, "merge-serial-a", 60),
+                common::worker_log(&dir, "merge-serial-b", 60)
+            );
+        }
         if t0.elapsed() > Duration::from_secs(600) {
             for w in workers {
                 terminate(w).await;

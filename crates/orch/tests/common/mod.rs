@@ -240,6 +240,10 @@ pub fn orch_db(dir: &Path, url: &str, args: &[&str]) -> String {
 /// An `orch worker` of the demo in `dir` on `url`: its own process group, 2 s leases, 50 ms
 /// demo agents, no failpoints, silent.
 pub fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
+    // Its warnings go to `<dir>/<id>.log` (see `worker_log`), for a failing test to show.
+    let log = std::fs::File::create(dir.join(format!("{id}.log")))
+        .map(Stdio::from)
+        .unwrap_or_else(|_| Stdio::null());
     tokio::process::Command::new(ORCH)
         .arg("--config")
         .arg(dir.join("orch.toml"))
@@ -251,11 +255,18 @@ pub fn spawn_worker(dir: &Path, url: &str, id: &str) -> tokio::process::Child {
         .env_remove("ORCH_FAILPOINTS")
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(log)
         .process_group(0)
         .kill_on_drop(true)
         .spawn()
         .expect("spawn orch worker")
+}
+
+/// The last `lines` lines a [`spawn_worker`] worker `id` logged.
+pub fn worker_log(dir: &Path, id: &str, lines: usize) -> String {
+    let text = std::fs::read_to_string(dir.join(format!("{id}.log"))).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    all[all.len().saturating_sub(lines)..].join("\n")
 }
 
 #[path = "../../../runner/tests/support/agent_cli.rs"]
