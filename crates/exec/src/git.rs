@@ -319,14 +319,21 @@ impl Git {
         let lock = repo_lock(repo);
         let _held = lock.lock().await;
         let target = normalize(path);
-        let registered = self
-            .worktrees(repo)
-            .await?
-            .into_iter()
-            .find(|w| normalize(&w.path) == target);
+        // Whether `path` is registered (and prunable), from the registration files when the
+        // repo is an ordinary clone (`git worktree list` would read every worktree of it under
+        // the lock, each creation slower than the last), else from git.
+        let registered: Option<bool> = match registrations_naming(repo, path) {
+            Some(found) => found.first().map(|r| r.prunable),
+            None => self
+                .worktrees(repo)
+                .await?
+                .into_iter()
+                .find(|w| normalize(&w.path) == target)
+                .map(|w| w.prunable),
+        };
         let mut repaired = false;
-        if let Some(found) = &registered {
-            if !found.prunable && path.join(".git").is_file() && self.is_toplevel(path).await {
+        if let Some(prunable) = registered {
+            if !prunable && path.join(".git").is_file() && self.is_toplevel(path).await {
                 return match self.current_branch(path).await? {
                     Some(current) if current == branch => {
                         self.exclude_nested(repo, path).await;
@@ -348,8 +355,8 @@ impl Git {
                 tracing::debug!(stderr = %out.stderr_lossy(), "worktree remove of a broken worktree failed; pruning");
             }
             repaired = true;
+            self.run(repo, args(["worktree", "prune"])).await?;
         }
-        self.run(repo, args(["worktree", "prune"])).await?;
         if is_non_empty(path) {
             tracing::warn!(path = %path.display(), "a directory git does not know is in the worktree's place; deleting it");
             remove_stray(repo, path)?;
@@ -374,7 +381,17 @@ impl Git {
             argv.push(path.into());
             argv.push(base.into());
         }
-        self.run(repo, argv).await?;
+        if let Err(first) = self.run(repo, argv.clone()).await {
+            // A stale registration elsewhere (a worktree of this branch whose directory is
+            // gone) makes git refuse: prune what git would prune, then try once more.
+            tracing::debug!(error = %first, "worktree add failed; pruning stale registrations and retrying");
+            self.run(repo, args(["worktree", "prune"])).await?;
+            if is_non_empty(path) {
+                remove_stray(repo, path)?;
+            }
+            self.run(repo, argv).await?;
+            repaired = true;
+        }
         self.exclude_nested(repo, path).await;
         Ok(if repaired {
             WorktreeAdd::Repaired
@@ -1079,13 +1096,14 @@ impl Git {
     /// `branch`, and already excluded from the main checkout. `false` on any doubt: the locked
     /// path of [`Git::worktree_add`] then decides (and repairs).
     async fn reusable_unlocked(&self, repo: &Path, path: &Path, branch: &str) -> bool {
-        registered_in(repo, path)
-            && self.is_toplevel(path).await
-            && self
-                .current_branch(path)
-                .await
-                .is_ok_and(|b| b.as_deref() == Some(branch))
-            && self.excluded(repo, path).await
+        let Some(admin) = registration(repo, path).filter(|r| !r.prunable) else {
+            return false;
+        };
+        // The branch as the worktree's HEAD file names it (what `symbolic-ref` reads); a HEAD
+        // that is not a plain branch ref leaves the decision to the locked path.
+        let on_branch = std::fs::read_to_string(admin.dir.join("HEAD"))
+            .is_ok_and(|head| head.trim().strip_prefix("ref: refs/heads/") == Some(branch));
+        on_branch && self.is_toplevel(path).await && self.excluded(repo, path).await
     }
 
     /// Whether `repo`'s `info/exclude` already keeps the worktree `path` out of the main
@@ -1106,11 +1124,19 @@ impl Git {
         repo: &Path,
         path: &Path,
     ) -> Result<Option<(PathBuf, String)>, GitError> {
-        let top = self
-            .text(repo, args(["rev-parse", "--show-toplevel"]))
-            .await?;
+        // An ordinary clone (`<repo>/.git` a directory, as orch's clones are) is its own top
+        // level and keeps `info/exclude` in it: no git needed. Anything else asks git.
+        let plain = repo.join(".git");
+        let (top, exclude) = if plain.is_dir() {
+            (normalize(repo), Some(plain.join("info").join("exclude")))
+        } else {
+            let top = self
+                .text(repo, args(["rev-parse", "--show-toplevel"]))
+                .await?;
+            (normalize(Path::new(top.trim())), None)
+        };
         let target = normalize(path);
-        let Ok(rel) = target.strip_prefix(normalize(Path::new(top.trim()))) else {
+        let Ok(rel) = target.strip_prefix(&top) else {
             return Ok(None);
         };
         let dir = rel
@@ -1121,10 +1147,16 @@ impl Git {
             return Ok(None);
         };
         let line = format!("/{dir}/");
-        let exclude = self
-            .text(repo, args(["rev-parse", "--git-path", "info/exclude"]))
-            .await?;
-        Ok(Some((repo.join(exclude.trim()), line)))
+        let exclude = match exclude {
+            Some(file) => file,
+            None => {
+                let file = self
+                    .text(repo, args(["rev-parse", "--git-path", "info/exclude"]))
+                    .await?;
+                repo.join(file.trim())
+            }
+        };
+        Ok(Some((exclude, line)))
     }
 
     async fn try_exclude_nested(&self, repo: &Path, path: &Path) -> Result<(), GitError> {
@@ -1501,26 +1533,65 @@ fn normalize(path: &Path) -> PathBuf {
     }
 }
 
-/// Whether `path` is a linked worktree that `repo` has registered and would not prune, read
-/// from the files `git worktree list` reads: `path/.git` is a file naming an administrative
-/// directory `<repo>/.git/worktrees/<id>`, whose `gitdir` file names `path/.git` back.
-fn registered_in(repo: &Path, path: &Path) -> bool {
-    let named = |file: &Path, prefix: &str| -> Option<PathBuf> {
-        let text = std::fs::read_to_string(file).ok()?;
-        let value = text.lines().next()?.strip_prefix(prefix)?.trim().to_owned();
-        // A relative path is relative to the directory holding the file.
-        Some(normalize(&file.parent()?.join(value)))
-    };
-    let Some(admin) = named(&path.join(".git"), "gitdir:") else {
-        return false;
-    };
+/// A linked worktree's registration in its repository: the administrative directory
+/// `<repo>/.git/worktrees/<id>` and whether git would prune it (its worktree's `.git` is gone).
+#[derive(Debug)]
+struct Registration {
+    dir: PathBuf,
+    prunable: bool,
+}
+
+/// Where `repo` has registered the linked worktree `path`, read from the files `git worktree
+/// list` reads: `path/.git` is a file naming `<repo>/.git/worktrees/<id>`, whose `gitdir`
+/// file names `path/.git` back. `None` when `path` does not name a registration of `repo`.
+fn registration(repo: &Path, path: &Path) -> Option<Registration> {
+    let admin = named_path(&path.join(".git"), "gitdir:")?;
     let in_repo = admin.parent().is_some_and(|worktrees| {
         worktrees.file_name() == Some(std::ffi::OsStr::new("worktrees"))
             && worktrees
                 .parent()
                 .is_some_and(|common| common == normalize(&repo.join(".git")))
     });
-    in_repo && named(&admin.join("gitdir"), "") == Some(normalize(&path.join(".git")))
+    let back = named_path(&admin.join("gitdir"), "")?;
+    (in_repo && back == normalize(&path.join(".git"))).then(|| Registration {
+        prunable: !back.exists(),
+        dir: admin,
+    })
+}
+
+/// Every registration of `repo` whose `gitdir` names `path/.git`, found by reading
+/// `<repo>/.git/worktrees/*/gitdir` (the registrations `git worktree list` lists). `None` when
+/// `repo` is not an ordinary clone (its `.git` not a directory): then only git can tell.
+fn registrations_naming(repo: &Path, path: &Path) -> Option<Vec<Registration>> {
+    let common = repo.join(".git");
+    if !common.is_dir() {
+        return None;
+    }
+    let target = normalize(&path.join(".git"));
+    let entries = match std::fs::read_dir(common.join("worktrees")) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Some(Vec::new()),
+        Err(_) => return None,
+    };
+    let mut found = Vec::new();
+    for entry in entries {
+        let dir = entry.ok()?.path();
+        if named_path(&dir.join("gitdir"), "").as_ref() == Some(&target) {
+            found.push(Registration {
+                prunable: !target.exists(),
+                dir,
+            });
+        }
+    }
+    Some(found)
+}
+
+/// The path the first line of `file` names after `prefix` (relative to the file's directory
+/// when relative), normalized; `None` when it cannot be read.
+fn named_path(file: &Path, prefix: &str) -> Option<PathBuf> {
+    let text = std::fs::read_to_string(file).ok()?;
+    let value = text.lines().next()?.strip_prefix(prefix)?.trim().to_owned();
+    Some(normalize(&file.parent()?.join(value)))
 }
 
 /// The in-process lock that serializes worktree changes of one repository.

@@ -835,3 +835,43 @@ async fn commit_files_onto_and_revert_onto_touch_no_working_tree() {
         other => panic!("expected a conflict, got {other:?}"),
     }
 }
+
+#[tokio::test]
+async fn a_branch_left_registered_at_a_gone_path_is_added_at_a_new_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let git = Git::new();
+    let repo = repo(tmp.path()).await;
+    let old = repo.join("worktrees/A-1");
+    git.worktree_add(&repo, &old, "orch/A-1", "main")
+        .await
+        .unwrap();
+    let work = commit(&old, "docs/work-items/A-1/02.md", "req\n").await;
+    // The directory is gone but git still has it registered with the branch checked out: a
+    // plain `git worktree add` of that branch elsewhere is refused until it is pruned.
+    std::fs::remove_dir_all(&old).unwrap();
+    let elsewhere = repo.join("worktrees/moved/A-1");
+    let got = git
+        .worktree_add(&repo, &elsewhere, "orch/A-1", "main")
+        .await
+        .unwrap();
+    assert!(
+        matches!(got, WorktreeAdd::Created | WorktreeAdd::Repaired),
+        "{got:?}"
+    );
+    assert_eq!(
+        git.current_branch(&elsewhere).await.unwrap().as_deref(),
+        Some("orch/A-1")
+    );
+    assert_eq!(
+        head(&elsewhere).await,
+        work,
+        "the branch's work is checked out"
+    );
+    // Reused from then on, without the lock.
+    assert_eq!(
+        git.worktree_add(&repo, &elsewhere, "orch/A-1", "main")
+            .await
+            .unwrap(),
+        WorktreeAdd::Reused
+    );
+}
