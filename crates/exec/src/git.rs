@@ -323,7 +323,12 @@ impl Git {
         // repo is an ordinary clone (`git worktree list` would read every worktree of it under
         // the lock, each creation slower than the last), else from git.
         let registered: Option<bool> = match registrations_naming(repo, path) {
-            Some(found) => found.first().map(|r| r.prunable),
+            // A live registration wins over stale ones naming the same path.
+            Some(found) => found
+                .iter()
+                .find(|r| !r.prunable)
+                .or(found.first())
+                .map(|r| r.prunable),
             None => self
                 .worktrees(repo)
                 .await?
@@ -382,13 +387,19 @@ impl Git {
             argv.push(base.into());
         }
         if let Err(first) = self.run(repo, argv.clone()).await {
-            // A stale registration elsewhere (a worktree of this branch whose directory is
-            // gone) makes git refuse: prune what git would prune, then try once more.
-            tracing::debug!(error = %first, "worktree add failed; pruning stale registrations and retrying");
-            self.run(repo, args(["worktree", "prune"])).await?;
-            if is_non_empty(path) {
-                remove_stray(repo, path)?;
+            // A stale registration (this branch or this path still registered for a worktree
+            // whose directory is gone) makes git refuse: prune what git would prune, then try
+            // once more. Any other failure, or a path that is now a live worktree (another
+            // process sharing this repos_dir made it), is the error as it is.
+            let stale = matches!(&first, GitError::Failed { stderr, .. }
+                if stderr.contains("already used by worktree")
+                    || stderr.contains("already checked out")
+                    || stderr.contains("missing but"));
+            if !stale || registration(repo, path).is_some_and(|r| !r.prunable) {
+                return Err(first);
             }
+            tracing::debug!(error = %first, "worktree add refused by a stale registration; pruning and retrying");
+            self.run(repo, args(["worktree", "prune"])).await?;
             self.run(repo, argv).await?;
             repaired = true;
         }

@@ -229,8 +229,9 @@ impl Default for WorkerStats {
 
 /// A lease this process holds: the token that stops its handler, and the instant until which
 /// the lease is certainly still this process's. That instant is measured here, from when the
-/// claim or the last successful renewal was *sent*, so it is never later than the expiry the
-/// database set (see [`heartbeat_loop`]: past it, the handler is stopped without asking).
+/// claim or the last successful renewal was *sent*, less a tenth of the lease
+/// ([`certain_for`]), so on this machine's clock it comes before the expiry the database
+/// recorded (see [`heartbeat_loop`]: past it, the handler is stopped without asking).
 #[derive(Clone)]
 struct HeldLease {
     lease: Lease,
@@ -259,9 +260,13 @@ fn held_insert(held: &Held, lease: Lease, valid_until: Instant) {
     }
 }
 
-fn held_remove(held: &Held, job_id: i64) {
-    if let Ok(mut map) = held.lock() {
-        map.remove(&job_id);
+/// Forgets `lease`, and only that attempt: a newer attempt of the same job claimed by another
+/// loop of this process in the meantime keeps its entry (its renewals and its fence).
+fn held_remove(held: &Held, lease: &Lease) {
+    if let Ok(mut map) = held.lock()
+        && map.get(&lease.job_id).is_some_and(|h| h.lease == *lease)
+    {
+        map.remove(&lease.job_id);
     }
 }
 
@@ -284,7 +289,16 @@ fn held_snapshot(held: &Held) -> Vec<HeldLease> {
         .unwrap_or_default()
 }
 
-/// A successful renewal sent at `sent`: each lease renewed is certain until `sent + lease`.
+/// How long a lease is certain from the instant its claim or renewal was sent: the lease less a
+/// tenth, so that a worker cut off stops before the database's expiry (and before any rescue,
+/// which also waits for a sweep), allowing for the scheduling of this process and small clock
+/// differences between machines.
+fn certain_for(lease: Duration) -> Duration {
+    lease.saturating_sub(lease / 10)
+}
+
+/// A successful renewal sent at `sent`: each lease renewed is certain until
+/// `sent + certain_for(lease)`.
 fn held_renewed(held: &Held, renewed: &[Lease], sent: Instant, lease: Duration) {
     if let Ok(mut map) = held.lock() {
         for l in renewed {
@@ -292,7 +306,7 @@ fn held_renewed(held: &Held, renewed: &[Lease], sent: Instant, lease: Duration) 
                 .get_mut(&l.job_id)
                 .filter(|h| h.lease == *l && !h.given_up)
             {
-                h.valid_until = h.valid_until.max(sent + lease);
+                h.valid_until = h.valid_until.max(sent + certain_for(lease));
             }
         }
     }
@@ -442,9 +456,12 @@ async fn heartbeat_loop(
     };
     beacon(bound(&held)).await;
     loop {
+        // The next beat, or sooner the moment a held lease stops being certain (a slow call
+        // may have eaten into the time since its renewal was sent).
+        let wake = bound(&held);
         tokio::select! {
             _ = stop.cancelled() => return,
-            _ = tokio::time::sleep(every) => {}
+            _ = tokio::time::sleep_until(wake.into()) => {}
         }
         give_up_expired(&held, &stats, config.lease);
         beacon(bound(&held)).await;
@@ -457,7 +474,7 @@ async fn heartbeat_loop(
         }
         let leases: Vec<Lease> = snapshot.iter().map(|h| h.lease).collect();
         let sent = Instant::now();
-        let until = held_deadline(&held).unwrap_or(sent + config.lease);
+        let until = held_deadline(&held).unwrap_or(sent + certain_for(config.lease));
         let renewal = store.heartbeat(&config.worker_id, &leases, config.lease_ms());
         match tokio::time::timeout_at(until.into(), renewal).await {
             Ok(Ok(lost)) => {
@@ -482,7 +499,7 @@ async fn heartbeat_loop(
                     if let Some(h) = snapshot.iter().find(|h| h.lease == lease) {
                         h.token.cancel();
                     }
-                    held_remove(&held, lease.job_id);
+                    held_remove(&held, &lease);
                 }
             }
             Ok(Err(e)) => {
@@ -661,7 +678,7 @@ impl Fetcher {
             self.stats
                 .claim_wait
                 .observe(Duration::from_millis(u64::try_from(waited).unwrap_or(0)));
-            held_insert(&self.held, c.lease, sent + self.config.lease);
+            held_insert(&self.held, c.lease, sent + certain_for(self.config.lease));
             buffer.push_back(c);
         }
     }
@@ -717,7 +734,11 @@ impl Fetcher {
             // Given up here (no renewal reached the database in time): the handler was stopped,
             // so what it returned is not the job's result either.
             Some(h) if h.given_up => {
-                give_back(&self.store, &self.held, &self.stats, lease).await;
+                // Off this loop: the database was unreachable a moment ago and may still be,
+                // and this loop has other handlers to join and its shutdown to honour.
+                let (store, held, stats) =
+                    (self.store.clone(), self.held.clone(), self.stats.clone());
+                tokio::spawn(async move { give_back(&store, &held, &stats, lease).await });
                 return;
             }
             Some(_) => {}
@@ -738,7 +759,7 @@ impl Fetcher {
                 return;
             }
             Outcome::Marked => {
-                held_remove(&self.held, lease.job_id);
+                held_remove(&self.held, &lease);
                 return;
             }
             Outcome::Retry { error, delay } => (
@@ -769,12 +790,12 @@ impl Fetcher {
                     "could not record the job's failure; its lease will expire and it will be rescued");
             }
         }
-        held_remove(&self.held, lease.job_id);
+        held_remove(&self.held, &lease);
     }
 
     fn settle_done(&self, done: &[Lease], fenced: &[Lease]) {
         for lease in done {
-            held_remove(&self.held, lease.job_id);
+            held_remove(&self.held, lease);
             if fenced.contains(lease) {
                 self.stats.fenced.fetch_add(1, Ordering::Relaxed);
                 tracing::warn!(
@@ -847,7 +868,7 @@ impl Fetcher {
             }
         }
         for l in leases {
-            held_remove(&self.held, l.job_id);
+            held_remove(&self.held, l);
         }
     }
 }
@@ -879,7 +900,7 @@ async fn give_back(store: &Store, held: &Held, stats: &WorkerStats, lease: Lease
                 "could not give the stopped job back; its lease will expire and it will be rescued");
         }
     }
-    held_remove(held, lease.job_id);
+    held_remove(held, &lease);
 }
 
 /// Runs one job: the handler races its timeout and its cancellation; a panic is caught and

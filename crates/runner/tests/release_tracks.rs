@@ -177,9 +177,14 @@ async fn a_waiting_job_waits_again_without_touching_the_repo_while_the_track_is_
         Worker::new(store.clone(), registry, wc).run(stop.clone(), CancellationToken::new()),
     );
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    // The follow-up is enqueued by the handler, the job's completion comes after it (batched):
+    // wait for both.
     let follow_up = loop {
         let jobs = store.task_jobs(waiter.id).await.unwrap();
-        if let Some(next) = jobs.iter().find(|j| j.id != first) {
+        let done = jobs
+            .iter()
+            .any(|j| j.id == first && j.state == JobState::Done);
+        if let Some(next) = jobs.iter().find(|j| j.id != first).filter(|_| done) {
             break next.clone();
         }
         assert!(

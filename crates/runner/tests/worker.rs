@@ -533,13 +533,14 @@ fn alive(pid: i32) -> bool {
     unsafe { libc::kill(pid, 0) == 0 }
 }
 
-/// A worker cut off from the database (its link drops everything, as a down network link does)
+/// A worker cut off from the database (nothing crosses its link, as with a down network link)
 /// stops its handler, and the child process the handler runs, once the lease it could not renew
-/// has run out — while it is still cut off, not when the link comes back. Another worker rescues
-/// and finishes the job; when the link is back, the cut worker's attempt is refused by its
-/// fence and nothing of it is recorded. PostgreSQL only: SQLite is a file, it has no link.
+/// is no longer certain — while it is still cut off, not when the link comes back: the database
+/// still shows the job running under it. Another worker rescues and finishes the job; when the
+/// link is back, the cut worker's give-back is refused by its fence and nothing of its attempt
+/// is recorded. PostgreSQL only: SQLite is a file, it has no link.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_cut_off_from_the_database_stops_its_children_within_the_lease() {
+async fn a_worker_cut_off_from_the_database_stops_its_children_while_still_cut_off() {
     let url = orch_store::testing::fresh_pg_schema().await;
     let direct = Store::connect(&url, orch_store::ConnectOptions::default())
         .await
@@ -555,35 +556,7 @@ async fn a_worker_cut_off_from_the_database_stops_its_children_within_the_lease(
     let tmp = tempfile::tempdir().unwrap();
     let pid_file = tmp.path().join("child.pid");
     let ran_elsewhere = Arc::new(AtomicU64::new(0));
-    // The cut worker's handler runs a real child until it is cancelled.
-    let mut r = Registry::new();
-    {
-        let pid_file = pid_file.clone();
-        r.register(
-            "long",
-            Duration::from_secs(300),
-            handler_fn(move |cx| {
-                let pid_file = pid_file.clone();
-                async move {
-                    let cmd = orch_exec::Cmd::new("sh")
-                        .args([
-                            "-c",
-                            &format!("echo $$ > {}; exec sleep 120", pid_file.display()),
-                        ])
-                        .kill_grace(Duration::from_millis(500))
-                        .cancel_on(cx.cancel.clone());
-                    let out = orch_exec::run(&cmd).await?;
-                    Ok(if out.success() {
-                        Outcome::Done
-                    } else {
-                        Outcome::Fail {
-                            error: "the child was stopped".into(),
-                        }
-                    })
-                }
-            }),
-        );
-    }
+    let r = long_child(&pid_file);
     let id = direct
         .enqueue(NewJob::new("long", "x"))
         .await
@@ -591,7 +564,7 @@ async fn a_worker_cut_off_from_the_database_stops_its_children_within_the_lease(
         .job_id;
     let mut c = config(1, 1);
     c.worker_id = "cut-off".into();
-    c.lease = Duration::from_millis(1500);
+    c.lease = Duration::from_secs(3);
     let cut_worker = Worker::new(cut_store, r, c);
     let stats = cut_worker.stats();
     let stop = CancellationToken::new();
@@ -688,4 +661,104 @@ async fn a_worker_cut_off_from_the_database_stops_its_children_within_the_lease(
     assert_eq!(ran_elsewhere.load(Ordering::SeqCst), 1);
     assert_eq!(stats.done.load(Ordering::SeqCst), 0);
     assert_eq!(stats.released.load(Ordering::SeqCst), 0);
+}
+
+/// Kind `long`: a handler that runs a real child (`sleep 120`, its pid in `pid_file`) until it
+/// is cancelled.
+fn long_child(pid_file: &std::path::Path) -> Registry {
+    let mut r = Registry::new();
+    let pid_file = pid_file.to_path_buf();
+    r.register(
+        "long",
+        Duration::from_secs(300),
+        handler_fn(move |cx| {
+            let pid_file = pid_file.clone();
+            async move {
+                let cmd = orch_exec::Cmd::new("sh")
+                    .args([
+                        "-c",
+                        &format!("echo $$ > {}; exec sleep 120", pid_file.display()),
+                    ])
+                    .kill_grace(Duration::from_millis(500))
+                    .cancel_on(cx.cancel.clone());
+                let out = orch_exec::run(&cmd).await?;
+                Ok(if out.success() {
+                    Outcome::Done
+                } else {
+                    Outcome::Fail {
+                        error: "the child was stopped".into(),
+                    }
+                })
+            }
+        }),
+    );
+    r
+}
+
+/// The pid a [`long_child`] handler wrote, once it has.
+async fn child_pid(pid_file: &std::path::Path) -> i32 {
+    let read = || {
+        std::fs::read_to_string(pid_file)
+            .ok()
+            .and_then(|p| p.trim().parse::<i32>().ok())
+    };
+    eventually("the child started", || async { read().is_some() }).await;
+    read().unwrap()
+}
+
+/// The same cut, but the link comes back before anyone rescued the job: the stopped attempt's
+/// lease is still the worker's, so it is given back (no attempt spent, no failure recorded) and
+/// the job runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_attempt_whose_lease_was_not_taken_is_given_back() {
+    let url = orch_store::testing::fresh_pg_schema().await;
+    let direct = Store::connect(&url, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+    direct.migrate().await.unwrap();
+    let link = Link::to_postgres().await;
+    let relayed = url.replacen("127.0.0.1:5432", &format!("127.0.0.1:{}", link.port), 1);
+    let cut_store = Store::connect(&relayed, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let pid_file = tmp.path().join("child.pid");
+    let id = direct
+        .enqueue(NewJob::new("long", "x").max_attempts(1))
+        .await
+        .unwrap()
+        .job_id;
+    let mut c = config(1, 1);
+    c.worker_id = "cut-off".into();
+    c.lease = Duration::from_secs(3);
+    let worker = Worker::new(cut_store, long_child(&pid_file), c);
+    let stats = worker.stats();
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(worker.run(stop.clone(), CancellationToken::new()));
+    let pid = child_pid(&pid_file).await;
+    link.set_cut(true);
+    eventually("the cut-off worker stops its child", || async move {
+        !alive(pid)
+    })
+    .await;
+    let _ = std::fs::remove_file(&pid_file);
+    link.set_cut(false);
+    eventually("the stopped attempt given back", || {
+        let stats = stats.clone();
+        async move { stats.released.load(Ordering::SeqCst) == 1 }
+    })
+    .await;
+    // Given back, not failed: the one attempt it had is not spent, and it runs again here.
+    let again = child_pid(&pid_file).await;
+    assert_ne!(again, pid);
+    assert_eq!(stats.fenced.load(Ordering::SeqCst), 0);
+    assert_eq!(stats.failed.load(Ordering::SeqCst), 0);
+    let job = direct.get_job(id).await.unwrap().unwrap();
+    assert_eq!(job.state, JobState::Running, "{job:?}");
+    assert_eq!(job.attempt, 2, "{job:?}");
+    stop.cancel();
+    tokio::time::timeout(Duration::from_secs(60), handle)
+        .await
+        .expect("the worker stops")
+        .unwrap();
 }
