@@ -46,6 +46,23 @@ fn sh(args: &[&str]) -> std::process::Output {
         .unwrap_or_else(|e| panic!("run {args:?}: {e}"))
 }
 
+/// Runs `args`; Err names the command and its stderr (a reason a test can print as a skip).
+fn try_run(args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| format!("cannot run {}: {e}", args[0]))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "`{}` failed: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
 fn must(args: &[&str]) {
     let out = sh(args);
     assert!(out.status.success(), "{args:?}: {out:?}");
@@ -71,21 +88,6 @@ impl Net {
             prefix,
             bridge: format!("ob{tag}"),
             hosts: Vec::new(),
-        };
-        let try_run = |args: &[&str]| -> Result<(), String> {
-            let out = std::process::Command::new(args[0])
-                .args(&args[1..])
-                .output()
-                .map_err(|e| format!("cannot run {}: {e}", args[0]))?;
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "`{}` failed: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ))
-            }
         };
         try_run(&["ip", "link", "add", &net.bridge, "type", "bridge"])?;
         let addr = format!("{}.1/24", net.prefix);
@@ -202,16 +204,7 @@ impl PgServer {
         let run_as = |args: &[&str]| -> Result<(), String> {
             let mut all = vec!["runuser", "-u", user, "--"];
             all.extend_from_slice(args);
-            let out = sh(&all);
-            if out.status.success() {
-                Ok(())
-            } else {
-                Err(format!(
-                    "`{}` failed: {}",
-                    args.join(" "),
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ))
-            }
+            try_run(&all)
         };
         use std::os::unix::fs::PermissionsExt as _;
         std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755))

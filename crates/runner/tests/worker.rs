@@ -528,6 +528,23 @@ async fn pump(
     }
 }
 
+/// A fresh PostgreSQL schema opened twice: directly (the rest of the cluster) and through a
+/// [`Link`] that the test can cut (the worker under test).
+async fn cut_off_database() -> (Store, Link, Store) {
+    let url = orch_store::testing::fresh_pg_schema().await;
+    let direct = Store::connect(&url, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+    direct.migrate().await.unwrap();
+    let link = Link::to_postgres().await;
+    let relayed = url.replacen("127.0.0.1:5432", &format!("127.0.0.1:{}", link.port), 1);
+    assert_ne!(relayed, url, "the test database is at 127.0.0.1:5432");
+    let relayed = Store::connect(&relayed, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+    (direct, link, relayed)
+}
+
 fn alive(pid: i32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
     unsafe { libc::kill(pid, 0) == 0 }
@@ -541,17 +558,7 @@ fn alive(pid: i32) -> bool {
 /// is recorded. PostgreSQL only: SQLite is a file, it has no link.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_cut_off_from_the_database_stops_its_children_while_still_cut_off() {
-    let url = orch_store::testing::fresh_pg_schema().await;
-    let direct = Store::connect(&url, orch_store::ConnectOptions::default())
-        .await
-        .unwrap();
-    direct.migrate().await.unwrap();
-    let link = Link::to_postgres().await;
-    let relayed = url.replacen("127.0.0.1:5432", &format!("127.0.0.1:{}", link.port), 1);
-    assert_ne!(relayed, url, "the test database is at 127.0.0.1:5432");
-    let cut_store = Store::connect(&relayed, orch_store::ConnectOptions::default())
-        .await
-        .unwrap();
+    let (direct, link, cut_store) = cut_off_database().await;
 
     let tmp = tempfile::tempdir().unwrap();
     let pid_file = tmp.path().join("child.pid");
@@ -570,16 +577,7 @@ async fn a_worker_cut_off_from_the_database_stops_its_children_while_still_cut_o
     let stop = CancellationToken::new();
     let handle = tokio::spawn(cut_worker.run(stop.clone(), CancellationToken::new()));
 
-    eventually("the child started", || {
-        let pid_file = pid_file.clone();
-        async move { std::fs::read_to_string(&pid_file).is_ok_and(|p| p.trim().parse::<i32>().is_ok()) }
-    })
-    .await;
-    let pid: i32 = std::fs::read_to_string(&pid_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let pid = child_pid(&pid_file).await;
     assert!(alive(pid));
     // Several renewals go through: the handler is not stopped while the link is up.
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -711,16 +709,7 @@ async fn child_pid(pid_file: &std::path::Path) -> i32 {
 /// the job runs again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_attempt_whose_lease_was_not_taken_is_given_back() {
-    let url = orch_store::testing::fresh_pg_schema().await;
-    let direct = Store::connect(&url, orch_store::ConnectOptions::default())
-        .await
-        .unwrap();
-    direct.migrate().await.unwrap();
-    let link = Link::to_postgres().await;
-    let relayed = url.replacen("127.0.0.1:5432", &format!("127.0.0.1:{}", link.port), 1);
-    let cut_store = Store::connect(&relayed, orch_store::ConnectOptions::default())
-        .await
-        .unwrap();
+    let (direct, link, cut_store) = cut_off_database().await;
     let tmp = tempfile::tempdir().unwrap();
     let pid_file = tmp.path().join("child.pid");
     let id = direct
