@@ -454,7 +454,18 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
             .commit_messages(&run.repo_dir, &format!("{new}..{main}"))
             .await?;
         if let Some((sha, _)) = since.iter().find(|(_, m)| m.contains(&trailer)) {
+            // Already on the default branch: an earlier attempt published it. That attempt may
+            // have died before recording it, so the record is made here unless it exists.
             write_revert_log(run, &old, &new, sha, why)?;
+            let recorded = run
+                .store
+                .task_events(run.task.id)
+                .await?
+                .iter()
+                .any(|e| e.kind == events::RELEASE_REVERTED);
+            if !recorded {
+                record_reverted(run, &old, &new, sha, why).await;
+            }
             return Ok(Reverted::Reverted {
                 commit: sha.clone(),
             });
@@ -497,20 +508,8 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
             Ok(published) => {
                 note_unpublished(run, &published).await;
                 write_revert_log(run, &old, &new, &sha, why)?;
-                record(
-                    run,
-                    events::RELEASE_REVERTED,
-                    format!(
-                        "{} reverted on `{branch}` by `{sha}` ({})",
-                        run.work_item,
-                        one_line(why)
-                    ),
-                    json!({
-                        "repo": run.repo_name.as_str(), "work_item": run.work_item.as_str(),
-                        "revert_commit": sha, "reverted_from": old, "reverted_to": new,
-                    }),
-                )
-                .await;
+                crate::failpoint::hit("release.after_revert_published");
+                record_reverted(run, &old, &new, &sha, why).await;
                 return Ok(Reverted::Reverted { commit: sha });
             }
             Err(e) if attempt < 2 => {
@@ -523,6 +522,25 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
         "the revert of {} kept losing the race for `{branch}`",
         run.work_item
     )
+}
+
+/// Records `release.reverted`: the item's change `old..new` taken out by `sha`.
+async fn record_reverted(run: &StageRun, old: &str, new: &str, sha: &str, why: &str) {
+    record(
+        run,
+        events::RELEASE_REVERTED,
+        format!(
+            "{} reverted on `{}` by `{sha}` ({})",
+            run.work_item,
+            run.repo.default_branch,
+            one_line(why)
+        ),
+        json!({
+            "repo": run.repo_name.as_str(), "work_item": run.work_item.as_str(),
+            "revert_commit": sha, "reverted_from": old, "reverted_to": new,
+        }),
+    )
+    .await;
 }
 
 /// Runs the repo's test command on a checkout of exactly `sha`; `Some(why)` when it does not

@@ -845,3 +845,75 @@ async fn a_revert_is_verified_before_it_reaches_main() {
         }
     }
 }
+
+/// A revert an earlier attempt published on the default branch but died before recording
+/// (the commit with its `Orch-Revert:` trailer is there, `release.reverted` is not): the next
+/// attempt finds it, makes no second revert, and records it, once however often it runs.
+#[tokio::test]
+async fn a_published_revert_that_was_never_recorded_is_recorded_once() {
+    let fx = Fx::new("observe").await;
+    let before = git_out(&fx.repo_dir, &["rev-parse", "main"]);
+    let commit = |file: &str, message: &str| {
+        std::fs::write(fx.repo_dir.join(file), "x\n").unwrap();
+        git_out(&fx.repo_dir, &["add", file]);
+        git_out(
+            &fx.repo_dir,
+            &[
+                "-c",
+                "user.name=t",
+                "-c",
+                "user.email=t@t",
+                "commit",
+                "-q",
+                "-m",
+                message,
+            ],
+        );
+        git_out(&fx.repo_dir, &["rev-parse", "main"])
+    };
+    let merged = commit("feature.txt", "change\n\nWork-Item: ORCH-3");
+    fx.db
+        .store
+        .append_event(
+            NewEvent::new("release.promoted", "test").task(fx.task.id).data(
+                serde_json::json!({"repo": "app", "old": before, "new": merged, "seq": fx.task.stage_seq})
+                    .to_string(),
+            ),
+        )
+        .await
+        .unwrap();
+    let published = commit(
+        "revert.txt",
+        "Revert ORCH-3: the change\n\nWork-Item: ORCH-3\nOrch-Revert: ORCH-3",
+    );
+    let run = fx.run("post-deploy-monitor", fx.content()).await;
+    for _ in 0..2 {
+        let got = orch_runner::release::revert(&run, "health failed")
+            .await
+            .unwrap();
+        match got {
+            orch_runner::release::Reverted::Reverted { commit } => assert_eq!(commit, published),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(
+        git_out(&fx.repo_dir, &["rev-parse", "main"]),
+        published,
+        "no second revert"
+    );
+    let recorded = fx
+        .db
+        .store
+        .task_events(fx.task.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind == "release.reverted")
+        .collect::<Vec<_>>();
+    assert_eq!(recorded.len(), 1, "{recorded:?}");
+    assert!(
+        recorded[0].data.contains(&published),
+        "{}",
+        recorded[0].data
+    );
+}
