@@ -187,6 +187,10 @@ pub struct BenchWatchesArgs {
     /// so every slot is a burst of `watches` polls).
     #[arg(long, default_value_t = 1_000)]
     pub spread_ms: u64,
+    /// Prepare every tick's worktree and commit its progress, as the engine did before the
+    /// monitor deferred its worktree (the same run's baseline for that change).
+    #[arg(long)]
+    pub eager_worktree: bool,
 }
 
 #[derive(Debug, Args)]

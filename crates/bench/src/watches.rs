@@ -1,33 +1,36 @@
 //! `orch-bench watches`: many post-deploy watches at once (issue 16). N tasks at stage
-//! `observe` in a fresh SQLite store, each with an armed watch (`WatchState::arm`, as the deploy
-//! finalizer arms it) on one loopback health/revision service, and a first
-//! `post-deploy-monitor` job each. An in-process worker (the real `Worker` and the real
-//! `MonitorExecutor`: probes, sentinel files, tick counts from the jobs table) runs the ticks;
-//! a requeue is enqueued as the engine enqueues it (same payload marker, delay, dedupe key, node
-//! pin), but the engine's own per-job work (stage events, the worktree commit) is not run.
+//! `observe` in a fresh SQLite store, each with its worktree in a real clone of a real git repo
+//! and an armed watch (`WatchState::arm`, as the deploy finalizer arms it) on one loopback
+//! health/revision service, and a first `post-deploy-monitor` job each. An in-process worker
+//! runs the ticks through the real engine (`Engine`'s job handler: the task and stage checks,
+//! the clone check, stage events, the requeue) with the real `MonitorExecutor` (probes,
+//! sentinel files, tick counts from the jobs table): what one `orch worker` does per tick.
+//! `--eager-worktree` prepares the worktree on every tick and commits its progress, as the
+//! engine did before the monitor deferred it.
 //!
-//! Figures: CPU time of this process over the run's wall time (fraction of one core, from
-//! `/proc/self/stat`), the loopback service's own thread reported apart; peak resident memory;
-//! poll lateness = a poll's `at_ms` (in `series`) minus its slot's scheduled time; slots never
-//! polled (the monitor skips a slot it reaches late rather than polling it late).
+//! Figures: CPU time of this process and of the git processes it waited for, over the run's
+//! wall time (fraction of one core, from `/proc/self/stat`), the loopback service's own thread
+//! reported apart; peak resident memory; poll lateness = a poll's `at_ms` (in `series`) minus
+//! its slot's scheduled time; slots never polled (the monitor skips a slot it reaches late
+//! rather than polling it late).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::Path;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result};
 use orch_deploystate::{ArmOutcome, ArmedRecord, WatchState};
-use orch_domain::config::{RepoConfig, Settings};
-use orch_domain::control::dedupe;
+use orch_domain::config::Config;
 use orch_domain::monitor::{WatchParams, planned_polls, tick_at_ms};
-use orch_domain::pipeline::{Pipeline, StageDef};
 use orch_runner::counters::Counters;
 use orch_runner::deploy::{MONITOR_AGENT, MonitorExecutor};
-use orch_runner::engine::{StageEffect, StageExecutor, StageJob, StageRun};
-use orch_runner::worker::{JobContext, Outcome, Registry, Worker, WorkerConfig, handler_fn};
-use orch_store::{ConnectOptions, NewEvent, NewJob, NewTask, Store, Task, WorkItemSpec};
+use orch_runner::engine::{Engine, EngineConfig, StageEffect, StageExecutor, StageJob, StageRun};
+use orch_runner::live_config::LiveConfig;
+use orch_runner::repos::{self, RepoPaths};
+use orch_runner::worker::{Registry, Worker, WorkerConfig};
+use orch_store::{ConnectOptions, NewEvent, NewJob, NewTask, Store, WorkItemSpec};
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::BenchWatchesArgs;
@@ -40,26 +43,14 @@ const NODE: &str = "bench-node";
 /// Attempts of a stage job, as the engine gives them.
 const STAGE_ATTEMPTS: i64 = 3;
 
-/// What every tick needs, shared by the handler.
-struct Shared {
-    store: Store,
-    tasks: HashMap<i64, Task>,
-    stage: StageDef,
-    repo: RepoConfig,
-    repos_dir: PathBuf,
-    counters: Arc<Counters>,
-    git: orch_exec::Git,
-    executor: MonitorExecutor,
-}
-
 pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let n = args.watches.max(1);
     let tmp = tempfile::tempdir().context("cannot create a temp dir for the bench")?;
     let (base, server_tid) = start_service()?;
     let repos_dir = tmp.path().join("repos");
-    let repo_dir = repos_dir.join(REPO);
-    std::fs::create_dir_all(&repo_dir).context("cannot create the bench repos dir")?;
+    let source = tmp.path().join("service");
+    init_source(&source)?;
     let url = format!("sqlite://{}", tmp.path().join("bench.db").display());
     let store = Store::connect(
         &url,
@@ -78,20 +69,30 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
         initial_delay_s: 5,
         poll_timeout_s: 2,
     };
-    // The repo as orch.toml declares it (its defaults for everything else).
-    let repo: RepoConfig = serde_json::from_value(serde_json::json!({
-        "path": repo_dir.display().to_string(),
-        "prefix": "BENCH",
-        "health_url": format!("{base}/health"),
-        "revision_url": format!("{base}/revision"),
-        "post_deploy": {
-            "window_s": params.window_s,
-            "interval_s": params.interval_s,
-            "initial_delay_s": params.initial_delay_s,
-            "poll_timeout_s": params.poll_timeout_s,
-        },
-    }))
-    .context("the bench repo's config")?;
+    // orch.toml as a user writes it: the four agents of the default pipeline, and the repo
+    // with its probes and watch (its defaults for everything else).
+    let toml = format!(
+        "[agents.analyst]\nbackend = \"claude\"\n[agents.architect]\nbackend = \"claude\"\n\
+         [agents.developer]\nbackend = \"claude\"\n[agents.reviewer]\nbackend = \"claude\"\n\
+         [repos.{REPO}]\npath = \"service\"\nprefix = \"BENCH\"\n\
+         health_url = \"{base}/health\"\nrevision_url = \"{base}/revision\"\n\
+         [repos.{REPO}.post_deploy]\nwindow_s = {}\ninterval_s = {}\ninitial_delay_s = {}\n\
+         poll_timeout_s = {}\n",
+        params.window_s, params.interval_s, params.initial_delay_s, params.poll_timeout_s
+    );
+    let config = Arc::new(
+        Config::from_toml_str(&toml, &|_: &str| None)
+            .map_err(|e| anyhow::anyhow!("the bench's orch.toml: {e}"))?,
+    );
+    let repo_name: orch_domain::ids::RepoName = REPO.parse()?;
+    let repo = config
+        .repos
+        .get(&repo_name)
+        .context("the bench's orch.toml has no repo")?
+        .clone();
+    let git = orch_exec::Git::new();
+    let paths = RepoPaths::new(&repos_dir, &repo_name);
+    repos::ensure_clone(&git, tmp.path(), &paths, &repo_name, &repo).await?;
 
     let t_setup = Instant::now();
     let mut tasks = HashMap::with_capacity(n);
@@ -113,6 +114,16 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
         order.push(task.id);
         tasks.insert(task.id, task);
     }
+    // Every item's worktree, as the stages before `observe` left it.
+    let t_worktrees = Instant::now();
+    for id in &order {
+        let work_item: orch_domain::ids::WorkItemId = tasks[id].work_item_id.parse()?;
+        repos::prepare_worktree(&git, &paths, &work_item, &repo.default_branch).await?;
+    }
+    eprintln!(
+        "{n} worktrees created in {:.1} s",
+        t_worktrees.elapsed().as_secs_f64()
+    );
     // Arm every watch (spread over `spread_ms`), then enqueue each one's first job.
     let armed_base = store.now_ms();
     let mut armed = Vec::with_capacity(n);
@@ -147,41 +158,39 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
     let setup_s = t_setup.elapsed().as_secs_f64();
     eprintln!("{n} tasks created, watches armed and first jobs enqueued in {setup_s:.1} s");
 
-    let stage = Pipeline::default_pipeline()
-        .stage(&"observe".parse()?)
-        .context("the default pipeline has no observe stage")?
-        .clone();
-    let shared = Arc::new(Shared {
-        store: store.clone(),
-        tasks,
-        stage,
-        repo,
-        repos_dir: repos_dir.clone(),
-        counters: Arc::new(Counters::new()),
-        git: orch_exec::Git::new(),
-        executor: MonitorExecutor::default(),
-    });
-    let mut registry = Registry::new();
-    let handler_shared = shared.clone();
-    registry.register(
-        MONITOR_AGENT,
-        Duration::from_secs(60),
-        handler_fn(move |cx| {
-            let shared = handler_shared.clone();
-            async move { tick(&shared, cx).await }
-        }),
+    let pipeline = Arc::new(config.pipeline().context("the bench's pipeline")?);
+    let mut engine = Engine::new(
+        store.clone(),
+        EngineConfig {
+            config: config.clone(),
+            live: LiveConfig::new(config.clone(), store.now_ms()),
+            pipeline,
+            root: tmp.path().to_path_buf(),
+            repos_dir: repos_dir.clone(),
+            node: NODE.to_owned(),
+        },
+        Arc::new(Counters::new()),
     );
-    let mut config = WorkerConfig::new("bench-watches");
-    config.concurrency = args.concurrency.max(1);
-    config.claim_batch = args.claim_batch.max(1);
-    config.node = Some(NODE.to_owned());
+    let monitor: Arc<dyn StageExecutor> = if args.eager_worktree {
+        Arc::new(Eager(MonitorExecutor::default()))
+    } else {
+        Arc::new(MonitorExecutor::default())
+    };
+    engine.set_executor(MONITOR_AGENT, monitor);
+    let engine = Arc::new(engine);
+    let mut registry = Registry::new();
+    engine.register(&mut registry, Duration::from_secs(60));
+    let mut wc = WorkerConfig::new("bench-watches");
+    wc.concurrency = args.concurrency.max(1);
+    wc.claim_batch = args.claim_batch.max(1);
+    wc.node = Some(NODE.to_owned());
     let stop = CancellationToken::new();
 
-    let cpu0 = cpu_ticks("/proc/self/stat");
+    let (cpu0, children0) = proc_cpu_ticks("/proc/self/stat");
     let srv0 = cpu_ticks(&format!("/proc/self/task/{server_tid}/stat"));
     let t0 = Instant::now();
     let worker = tokio::spawn(
-        Worker::new(store.clone(), registry, config).run(stop.clone(), CancellationToken::new()),
+        Worker::new(store.clone(), registry, wc).run(stop.clone(), CancellationToken::new()),
     );
     let deadline_ms = armed
         .iter()
@@ -201,7 +210,9 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
         );
     }
     let wall_s = t0.elapsed().as_secs_f64();
-    let cpu_s = (cpu_ticks("/proc/self/stat") - cpu0) as f64 / clock_ticks();
+    let (cpu1, children1) = proc_cpu_ticks("/proc/self/stat");
+    let cpu_s = (cpu1 - cpu0) as f64 / clock_ticks();
+    let git_s = (children1 - children0) as f64 / clock_ticks();
     let srv_s =
         (cpu_ticks(&format!("/proc/self/task/{server_tid}/stat")) - srv0) as f64 / clock_ticks();
     stop.cancel();
@@ -224,16 +235,22 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
         percentile(&mut late_ms, 0.99),
         percentile(&mut late_ms, 1.0),
     );
-    let orch_core = (cpu_s - srv_s) / wall_s;
+    let orch_core = (cpu_s - srv_s + git_s) / wall_s;
     eprintln!(
         "{n} watches, {} s interval, {} s window ({planned} slots each), worker concurrency {} \
          claim batch {}, arming spread over {} ms:",
         params.interval_s, params.window_s, args.concurrency, args.claim_batch, args.spread_ms
     );
     eprintln!(
-        "  wall {wall_s:.1} s; CPU {cpu_s:.1} s = {:.2} of one core (loopback service thread \
-         {srv_s:.1} s; without it {orch_core:.2})",
-        cpu_s / wall_s
+        "  wall {wall_s:.1} s; CPU {cpu_s:.1} s in the process = {:.2} of one core (loopback \
+         service thread {srv_s:.1} s), git and other children {git_s:.1} s; orch in all \
+         (process without the service, plus children) {orch_core:.2} of one core{}",
+        cpu_s / wall_s,
+        if args.eager_worktree {
+            " [--eager-worktree]"
+        } else {
+            ""
+        }
     );
     eprintln!(
         "  resident memory: max sampled {:.1} MiB, peak (VmHWM) {:.1} MiB",
@@ -259,7 +276,8 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
             "concurrency": args.concurrency, "claim_batch": args.claim_batch,
             "spread_ms": args.spread_ms, "wall_s": round2(wall_s), "cpu_s": round2(cpu_s),
             "cores": round2(cpu_s / wall_s), "service_cpu_s": round2(srv_s),
-            "cores_without_service": round2(orch_core),
+            "children_cpu_s": round2(git_s), "eager_worktree": args.eager_worktree,
+            "cores_orch_with_children": round2(orch_core),
             "max_rss_mib": round2(max_rss_kib as f64 / 1024.0),
             "vm_hwm_mib": round2(hwm_kib as f64 / 1024.0),
             "polls": polls, "planned": planned as usize * n, "skipped": skipped,
@@ -270,55 +288,42 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// One `post-deploy-monitor` job: the real executor, then the engine's requeue.
-async fn tick(shared: &Shared, cx: JobContext) -> Result<Outcome> {
-    let task_id = cx.job.task_id.context("a monitor job without a task")?;
-    let task = shared
-        .tasks
-        .get(&task_id)
-        .context("a monitor job of an unknown task")?
-        .clone();
-    let sj = StageJob::from_content(&cx.job.task_content).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let work_item: orch_domain::ids::WorkItemId = task.work_item_id.parse()?;
-    let repo_dir = shared.repos_dir.join(REPO);
-    let worktree = repo_dir.join("worktrees").join(&task.work_item_id);
-    let run = StageRun {
-        store: shared.store.clone(),
-        job: cx.job.clone(),
-        lease: cx.lease,
-        cancel: cx.cancel.clone(),
-        task,
-        work_item: work_item.clone(),
-        stage: shared.stage.clone(),
-        repo_name: REPO.parse()?,
-        repo: shared.repo.clone(),
-        settings: Settings::default(),
-        repos_dir: shared.repos_dir.clone(),
-        repo_dir,
-        artifact_dir: worktree.join(work_item.artifact_dir()),
-        worktree,
-        feedback: None,
-        loops: 0,
-        git: shared.git.clone(),
-        counters: shared.counters.clone(),
-        node: NODE.to_owned(),
-    };
-    match shared.executor.execute(&run).await? {
-        StageEffect::Requeue {
-            delay_ms, marker, ..
-        } => {
-            let job = NewJob::new(MONITOR_AGENT, sj.with_marker(&marker))
-                .task(task_id)
-                .delay_ms(i64::try_from(delay_ms).unwrap_or(i64::MAX))
-                .max_attempts(STAGE_ATTEMPTS)
-                .dedupe(dedupe::requeue_of(cx.job.id))
-                .node(NODE);
-            shared.store.enqueue(job).await?;
-            Ok(Outcome::Done)
-        }
-        StageEffect::Produced { .. } => Ok(Outcome::Done),
-        StageEffect::Failed { reason } => Ok(Outcome::Fail { error: reason }),
+/// The monitor as the engine ran it before it deferred the worktree: prepared (and the
+/// progress committed) on every tick. The same run's baseline for `--eager-worktree`.
+struct Eager(MonitorExecutor);
+
+#[async_trait::async_trait]
+impl StageExecutor for Eager {
+    async fn execute(&self, run: &StageRun) -> Result<StageEffect> {
+        self.0.execute(run).await
     }
+}
+
+/// The sample service's repository: one commit on `main`.
+fn init_source(dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    std::fs::write(dir.join("README.md"), "the watched service\n")?;
+    for argv in [
+        &["init", "-q", "-b", "main"][..],
+        &["add", "-A"],
+        &[
+            "-c",
+            "user.name=bench",
+            "-c",
+            "user.email=bench@localhost",
+            "commit",
+            "-qm",
+            "the service",
+        ],
+    ] {
+        let status = std::process::Command::new("git")
+            .args(argv)
+            .current_dir(dir)
+            .status()
+            .context("cannot run git")?;
+        anyhow::ensure!(status.success(), "git {argv:?} failed in {}", dir.display());
+    }
+    Ok(())
 }
 
 /// The loopback service: `/revision` answers the watched revision, anything else 200 `ok`;

@@ -78,9 +78,7 @@ pub async fn ensure_clone(
     // Every stage job comes here first: a clone already there with its HEAD detached (as orch
     // keeps it) needs nothing, and is seen without queueing for the lock behind the other jobs
     // of the repo. Only reads; anything else takes the lock below.
-    if paths.repo_dir.join(".git").exists()
-        && matches!(git.current_branch(&paths.repo_dir).await, Ok(None))
-    {
+    if head_detached(&paths.repo_dir) {
         return Ok(());
     }
     let lock = clone_lock(&paths.repo_dir);
@@ -109,6 +107,16 @@ pub async fn ensure_clone(
         .await
         .with_context(|| format!("cannot clone repo {name} from {source}"))?;
     detach(git, &paths.repo_dir).await
+}
+
+/// Whether `repo_dir` is a clone (a `.git` directory) whose `HEAD` file holds a commit id
+/// rather than a branch ref: read from the file `git symbolic-ref` reads, so the check of every
+/// stage job starts no process. False on any doubt (the locked path then decides).
+fn head_detached(repo_dir: &Path) -> bool {
+    std::fs::read_to_string(repo_dir.join(".git").join("HEAD")).is_ok_and(|head| {
+        let head = head.trim();
+        matches!(head.len(), 40 | 64) && head.bytes().all(|b| b.is_ascii_hexdigit())
+    })
 }
 
 /// orch's clone keeps a detached `HEAD`: its branches move only by compare-and-swap of their
@@ -664,18 +672,46 @@ async fn publish_to_checkout(
 /// Whether the work items' `orch/<id>` branches are pushed to `origin`: yes for a remote URL
 /// and a bare repository (other machines continue from them), no for an ordinary checkout (a
 /// user's checkout is not a hand-off point; its branch list stays the user's).
+///
+/// Asked by every stage job (twice when it commits), so the answer for a `path` repo is kept
+/// for [`SHARES_TTL`] per clone and declared path: it changes only when someone turns the
+/// repository at that path into another kind, and costs two or three git processes to learn.
 pub async fn shares_work_branches(git: &Git, repo_dir: &Path, repo: &RepoConfig) -> bool {
     if repo.url.is_some() {
         return true;
     }
-    match git.remote_url(repo_dir, ORIGIN).await {
+    let key = (repo_dir.to_path_buf(), repo.path.clone());
+    let now = std::time::Instant::now();
+    if let Ok(known) = SHARES.lock()
+        && let Some((at, shares)) = known.get(&key)
+        && now.duration_since(*at) < SHARES_TTL
+    {
+        return *shares;
+    }
+    let shares = match git.remote_url(repo_dir, ORIGIN).await {
         Ok(Some(url)) => matches!(
             local_setup(git, Path::new(&url)).await,
             Ok(Setup::Bare { .. })
         ),
-        _ => false,
+        Ok(None) => false,
+        // Not learnt (no clone yet, git failing): not kept either.
+        Err(_) => return false,
+    };
+    if let Ok(mut known) = SHARES.lock() {
+        if known.len() > 1024 {
+            known.clear();
+        }
+        known.insert(key, (now, shares));
     }
+    shares
 }
+
+/// How long [`shares_work_branches`] keeps what it learnt about a `path` repo.
+const SHARES_TTL: std::time::Duration = std::time::Duration::from_secs(30);
+
+type SharesKey = (PathBuf, Option<String>);
+static SHARES: LazyLock<Mutex<HashMap<SharesKey, (std::time::Instant, bool)>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
 
 #[cfg(test)]
 mod tests {

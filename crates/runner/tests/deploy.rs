@@ -168,6 +168,7 @@ impl Fx {
             git: self.git.clone(),
             counters: self.counters.clone(),
             node: "node-a".into(),
+            prep: Default::default(),
             ..run.await
         }
     }

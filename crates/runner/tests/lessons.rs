@@ -153,6 +153,7 @@ impl Fx {
             loops: self.loops,
             git: self.git.clone(),
             node: "node-a".into(),
+            prep: Default::default(),
             ..common::stage_run(
                 &self.db,
                 &self.task,

@@ -194,6 +194,7 @@ impl Fx {
         StageRun {
             counters: self.counters.clone(),
             node: "node-a".into(),
+            prep: Default::default(),
             ..run.await
         }
     }

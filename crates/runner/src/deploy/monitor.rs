@@ -146,6 +146,12 @@ impl StageExecutor for MonitorExecutor {
         };
         self.tick(run, &ws, seq, &armed).await
     }
+
+    /// A tick polls and writes only the watch's state files, outside the worktree: the
+    /// worktree is prepared for the post-deploy log at the end, not on every tick.
+    fn defers_worktree(&self) -> bool {
+        true
+    }
 }
 
 impl MonitorExecutor {
@@ -867,6 +873,8 @@ async fn finish(
     });
     // What the watched deploy shipped (deploy causality), under the series.
     let doc = format!("{doc}{}", crate::release::shipped_section(run).await);
+    // The ticks left the worktree alone (`defers_worktree`); the log is the first write.
+    run.ensure_worktree().await?;
     let path = run.artifact_path(POST_DEPLOY_LOG);
     let written =
         std::fs::create_dir_all(&run.artifact_dir).and_then(|()| std::fs::write(&path, doc));

@@ -6,6 +6,8 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use futures::future::BoxFuture;
+
 use orch_domain::config::{RepoConfig, Settings};
 use orch_domain::gate::GateOutcome;
 use orch_domain::ids::{ArtifactName, RepoName, WorkItemId};
@@ -37,7 +39,8 @@ pub struct StageRun {
     /// The repo's main checkout, on its default branch (`<repos_dir>/<repo>`).
     pub repo_dir: PathBuf,
     /// The work item's own worktree (`<repos_dir>/<repo>/worktrees/<id>`), on branch
-    /// `orch/<id>`, already created and up to date.
+    /// `orch/<id>`, already created and up to date — unless the executor defers it
+    /// ([`StageExecutor::defers_worktree`]): then [`StageRun::ensure_worktree`] first.
     pub worktree: PathBuf,
     /// `docs/work-items/<id>` inside the worktree.
     pub artifact_dir: PathBuf,
@@ -49,12 +52,51 @@ pub struct StageRun {
     pub counters: Arc<Counters>,
     /// This machine's node name (for jobs pinned to local state).
     pub node: String,
+    /// Whether the worktree is still to be prepared (a deferring executor's job).
+    pub prep: WorktreePrep,
+}
+
+/// The worktree's preparation: done before the executor runs (the default), or deferred to
+/// its first [`StageRun::ensure_worktree`].
+#[derive(Clone, Default)]
+pub struct WorktreePrep(Option<Arc<Deferred>>);
+
+struct Deferred {
+    prepare: Box<dyn Fn() -> BoxFuture<'static, anyhow::Result<()>> + Send + Sync>,
+    done: tokio::sync::OnceCell<()>,
+}
+
+impl WorktreePrep {
+    /// A preparation run by `prepare` on first use, at most once (until it succeeds).
+    pub fn deferred(
+        prepare: impl Fn() -> BoxFuture<'static, anyhow::Result<()>> + Send + Sync + 'static,
+    ) -> WorktreePrep {
+        WorktreePrep(Some(Arc::new(Deferred {
+            prepare: Box::new(prepare),
+            done: tokio::sync::OnceCell::new(),
+        })))
+    }
+
+    /// True once the worktree is ready (always, unless deferred and not yet used).
+    pub fn is_ready(&self) -> bool {
+        self.0.as_ref().is_none_or(|d| d.done.initialized())
+    }
 }
 
 impl StageRun {
     /// The path of artifact `name` in the worktree.
     pub fn artifact_path(&self, name: &str) -> PathBuf {
         self.artifact_dir.join(name)
+    }
+
+    /// Makes sure the worktree is prepared (created, reset to the branch's committed state,
+    /// caught up with a shared branch) before the executor writes into it. A no-op when the
+    /// engine prepared it before the run, and after the first success.
+    pub async fn ensure_worktree(&self) -> anyhow::Result<()> {
+        let Some(d) = &self.prep.0 else {
+            return Ok(());
+        };
+        d.done.get_or_try_init(|| (d.prepare)()).await.map(|_| ())
     }
 
     /// This job's payload without any markers: what a re-enqueued job of the same stage visit
@@ -95,4 +137,12 @@ pub trait StageExecutor: Send + Sync + 'static {
     /// Runs one attempt. An `Err` is a transient failure: the job is retried with backoff
     /// (a new attempt) until its attempt limit, then the task fails with the error.
     async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect>;
+
+    /// True for an executor whose jobs mostly leave the worktree alone (a watch's ticks): the
+    /// engine then prepares it only when the executor calls [`StageRun::ensure_worktree`] (which
+    /// it must before writing there) or produces its result, and commits a requeue's progress
+    /// only when it was prepared. Saves the git work of every such job.
+    fn defers_worktree(&self) -> bool {
+        false
+    }
 }

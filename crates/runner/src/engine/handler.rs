@@ -17,7 +17,7 @@ use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
 use orch_store::{AdvanceStage, Fence, JobState, NewEvent, NewJob, Store, StoreError, Task};
 
-use super::{StageEffect, StageExecutor, StageJob, StageRun, artifacts};
+use super::{StageEffect, StageExecutor, StageJob, StageRun, WorktreePrep, artifacts};
 use crate::counters::Counters;
 use crate::repos::{self, RepoPaths};
 use crate::worker::{JobContext, JobHandler, Outcome, Registry};
@@ -299,22 +299,41 @@ impl Engine {
         repos::ensure_clone(&self.git, &self.cfg.root, &paths, &repo_name, &repo)
             .await
             .map_err(Prep::Transient)?;
-        // The branch is the hand-off between machines (design.md §10): where work branches are
-        // shared, another node may have moved it since this node last worked on the item.
-        if taken_over || repos::shares_work_branches(&self.git, &paths.repo_dir, &repo).await {
-            repos::catch_up_work_branch(&self.git, &paths, &work_item)
-                .await
-                .map_err(Prep::Transient)?;
-        }
-        let worktree = repos::prepare_worktree(&self.git, &paths, &work_item, &repo.default_branch)
-            .await
-            .map_err(Prep::Transient)?;
+        let worktree = paths.worktree(&work_item);
+        // A job that only retries entering the release track finishes at once: never deferred.
+        let defers = !markers::is_release_wait(&cx.job.task_content)
+            && self
+                .executors
+                .get(&job_kind(&stage))
+                .is_some_and(|e| e.defers_worktree());
+        let prep = {
+            let (git, paths, work_item, repo) = (
+                self.git.clone(),
+                paths.clone(),
+                work_item.clone(),
+                repo.clone(),
+            );
+            move || {
+                let (git, paths, work_item, repo) =
+                    (git.clone(), paths.clone(), work_item.clone(), repo.clone());
+                Box::pin(async move {
+                    ready_worktree(&git, &paths, &work_item, &repo, taken_over).await
+                }) as futures::future::BoxFuture<'static, Result<()>>
+            }
+        };
+        let prep = if defers {
+            WorktreePrep::deferred(prep)
+        } else {
+            prep().await.map_err(Prep::Transient)?;
+            WorktreePrep::default()
+        };
         let artifact_dir = worktree.join(work_item.artifact_dir());
         let (loops, feedback_name) = self
             .loops_and_feedback(task.id)
             .await
             .map_err(Prep::Transient)?;
-        let feedback = feedback_name.and_then(|name| {
+        // A deferred worktree is not reset yet: nothing is read from it.
+        let feedback = feedback_name.filter(|_| prep.is_ready()).and_then(|name| {
             artifacts::read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c))
         });
         Ok(StageRun {
@@ -337,6 +356,7 @@ impl Engine {
             git: self.git.clone(),
             counters: self.counters.clone(),
             node: self.cfg.node.clone(),
+            prep,
         })
     }
 
@@ -380,7 +400,10 @@ impl Engine {
                 marker,
                 reason,
             } => {
-                self.commit(cx, &run, "progress").await?;
+                // A deferred worktree nobody prepared holds nothing of this job's.
+                if run.prep.is_ready() {
+                    self.commit(cx, &run, "progress").await?;
+                }
                 let mut job = NewJob::new(kind, sj.with_marker(&marker))
                     .task(run.task.id)
                     .delay_ms(i64::try_from(delay_ms).unwrap_or(i64::MAX))
@@ -412,6 +435,7 @@ impl Engine {
         run: StageRun,
         outcome: Option<GateOutcome>,
     ) -> Result<Outcome> {
+        run.ensure_worktree().await?;
         // Only the developer changes code; other agents write their artifacts and nothing else.
         if run.stage.kind == StageKind::Llm && run.stage.name.as_str() != "implementation" {
             let outside = self
@@ -781,6 +805,24 @@ impl Engine {
             .iter()
             .any(|j| matches!(j.state, JobState::Queued | JobState::Running)))
     }
+}
+
+/// Brings the work item's worktree to where a stage starts from: the branch caught up with
+/// what another node pushed (design.md §10: where work branches are shared, another node may
+/// have moved it since this node last worked on the item, and always after a takeover), then
+/// the worktree created, reused or repaired and reset to the branch's committed state.
+async fn ready_worktree(
+    git: &Git,
+    paths: &RepoPaths,
+    work_item: &WorkItemId,
+    repo: &orch_domain::config::RepoConfig,
+    taken_over: bool,
+) -> Result<()> {
+    if taken_over || repos::shares_work_branches(git, &paths.repo_dir, repo).await {
+        repos::catch_up_work_branch(git, paths, work_item).await?;
+    }
+    repos::prepare_worktree(git, paths, work_item, &repo.default_branch).await?;
+    Ok(())
 }
 
 enum Prep {

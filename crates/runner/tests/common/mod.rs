@@ -96,6 +96,7 @@ pub fn stage_run(
         git: Git::new(),
         counters: Arc::new(Counters::new()),
         node: "test-node".into(),
+        prep: Default::default(),
     }
 }
 
