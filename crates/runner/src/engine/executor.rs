@@ -46,7 +46,8 @@ pub struct StageRun {
     pub artifact_dir: PathBuf,
     /// The failing artifact when this visit is a loop back (its name and content).
     pub feedback: Option<(ArtifactName, String)>,
-    /// Loops back to implementation so far.
+    /// Loops back to implementation so far (0 for a deferring executor's run: the engine reads
+    /// them when it decides).
     pub loops: u32,
     pub git: Git,
     pub counters: Arc<Counters>,
@@ -75,6 +76,11 @@ impl WorktreePrep {
             prepare: Box::new(prepare),
             done: tokio::sync::OnceCell::new(),
         })))
+    }
+
+    /// True when the executor defers the worktree ([`StageExecutor::defers_worktree`]).
+    pub fn is_deferred(&self) -> bool {
+        self.0.is_some()
     }
 
     /// True once the worktree is ready (always, unless deferred and not yet used).

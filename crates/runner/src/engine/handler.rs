@@ -328,14 +328,20 @@ impl Engine {
             WorktreePrep::default()
         };
         let artifact_dir = worktree.join(work_item.artifact_dir());
-        let (loops, feedback_name) = self
-            .loops_and_feedback(task.id)
-            .await
-            .map_err(Prep::Transient)?;
-        // A deferred worktree is not reset yet: nothing is read from it.
-        let feedback = feedback_name.filter(|_| prep.is_ready()).and_then(|name| {
-            artifacts::read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c))
-        });
+        // A deferring executor's job (a watch's tick) reads no history and no feedback: the
+        // loops are read when the stage is decided, and its worktree is not reset yet.
+        let (loops, feedback) = if prep.is_deferred() {
+            (0, None)
+        } else {
+            let (loops, name) = self
+                .loops_and_feedback(task.id)
+                .await
+                .map_err(Prep::Transient)?;
+            let feedback = name.and_then(|name| {
+                artifacts::read_bounded(&artifact_dir.join(name.as_str())).map(|c| (name, c))
+            });
+            (loops, feedback)
+        };
         Ok(StageRun {
             store: self.store.clone(),
             job: cx.job.clone(),
@@ -384,14 +390,20 @@ impl Engine {
             let reason = format!("no executor for agent {kind} in this process");
             return self.fail_task(cx, &run.task, &reason).await;
         };
-        self.event(
-            &run,
-            events::STAGE_STARTED,
-            &format!("{} attempt {}", sj.stage, cx.lease.attempt),
-            None,
-        )
-        .await;
-        self.close_abandoned_runs(&run).await;
+        // A watch's ticks (a deferring executor's follow-up jobs) say what they did in their own
+        // events; a `stage.started` for each would only bury them.
+        if !run.prep.is_deferred() || markers::parse(&cx.job.task_content).is_empty() {
+            self.event(
+                &run,
+                events::STAGE_STARTED,
+                &format!("{} attempt {}", sj.stage, cx.lease.attempt),
+                None,
+            )
+            .await;
+        }
+        if cx.lease.attempt > 1 {
+            self.close_abandoned_runs(&run).await;
+        }
         let effect = executor.execute(&run).await?;
         match effect {
             StageEffect::Failed { reason } => self.fail_task(cx, &run.task, &reason).await,
@@ -492,7 +504,11 @@ impl Engine {
                 .await;
             anyhow::bail!(reason);
         }
-        let decision = match self.cfg.pipeline.decide(&run.stage.name, &gate, run.loops) {
+        let loops = match run.prep.is_deferred() {
+            true => self.loops_and_feedback(run.task.id).await?.0,
+            false => run.loops,
+        };
+        let decision = match self.cfg.pipeline.decide(&run.stage.name, &gate, loops) {
             Ok(d) => d,
             Err(e) => {
                 return self
