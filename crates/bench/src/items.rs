@@ -1021,7 +1021,10 @@ fn visit(
                     && e.kind == events::STAGE_STARTED
             })
             .map(|e| e.created_at)
-            .min();
+            .min()
+            // A watch's ticks record no `stage.started` (their worktree is deferred): they start
+            // their work at the claim.
+            .or_else(|| (job.agent == orch_runner::deploy::MONITOR_AGENT).then_some(started));
         let ended = end_event(job, evs);
         let add = |acc: Option<f64>, x: Option<f64>| Some(acc? + x?);
         prepare = add(prepare, began.map(|b| (b - started) as f64));

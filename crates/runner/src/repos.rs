@@ -113,7 +113,12 @@ pub async fn ensure_clone(
 /// rather than a branch ref: read from the file `git symbolic-ref` reads, so the check of every
 /// stage job starts no process. False on any doubt (the locked path then decides).
 fn head_detached(repo_dir: &Path) -> bool {
-    std::fs::read_to_string(repo_dir.join(".git").join("HEAD")).is_ok_and(|head| {
+    let head = repo_dir.join(".git").join("HEAD");
+    // A symbolic link (`core.preferSymlinkRefs`) is an attached HEAD whose target holds an id.
+    if !std::fs::symlink_metadata(&head).is_ok_and(|m| m.file_type().is_file()) {
+        return false;
+    }
+    std::fs::read_to_string(head).is_ok_and(|head| {
         let head = head.trim();
         matches!(head.len(), 40 | 64) && head.bytes().all(|b| b.is_ascii_hexdigit())
     })
@@ -689,10 +694,10 @@ pub async fn shares_work_branches(git: &Git, repo_dir: &Path, repo: &RepoConfig)
         return *shares;
     }
     let shares = match git.remote_url(repo_dir, ORIGIN).await {
-        Ok(Some(url)) => matches!(
-            local_setup(git, Path::new(&url)).await,
-            Ok(Setup::Bare { .. })
-        ),
+        Ok(Some(url)) => match local_setup(git, Path::new(&url)).await {
+            Ok(setup) => matches!(setup, Setup::Bare { .. }),
+            Err(_) => return false,
+        },
         Ok(None) => false,
         // Not learnt (no clone yet, git failing): not kept either.
         Err(_) => return false,
@@ -716,6 +721,27 @@ static SHARES: LazyLock<Mutex<HashMap<SharesKey, (std::time::Instant, bool)>>> =
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_plain_head_file_holding_an_id_is_detached() {
+        let tmp = tempfile::tempdir().unwrap();
+        let git_dir = tmp.path().join(".git");
+        std::fs::create_dir_all(git_dir.join("refs/heads")).unwrap();
+        let id = "4f2a9c1e0b7d3a5f6e8c9b0a1d2e3f4a5b6c7d8e";
+        let head = git_dir.join("HEAD");
+        std::fs::write(&head, format!("{id}\n")).unwrap();
+        assert!(head_detached(tmp.path()));
+        std::fs::write(&head, "ref: refs/heads/main\n").unwrap();
+        assert!(!head_detached(tmp.path()));
+        std::fs::write(&head, "not an id\n").unwrap();
+        assert!(!head_detached(tmp.path()));
+        // core.preferSymlinkRefs: HEAD links to the branch, whose file holds an id.
+        std::fs::remove_file(&head).unwrap();
+        std::fs::write(git_dir.join("refs/heads/main"), format!("{id}\n")).unwrap();
+        std::os::unix::fs::symlink("refs/heads/main", &head).unwrap();
+        assert!(!head_detached(tmp.path()));
+        assert!(!head_detached(&tmp.path().join("missing")));
+    }
 
     #[test]
     fn urls_lose_their_passwords() {

@@ -304,6 +304,10 @@ impl MonitorExecutor {
                 ),
             }),
             Decision::Final(verdict, reason) => {
+                // The worktree the log goes into is prepared before anything is acted on: should
+                // that fail, the retry starts over with nothing half done (no rollback run whose
+                // bookkeeping waits behind a git failure).
+                run.ensure_worktree().await?;
                 let (verdict, reason) = match (&series.lost, verdict) {
                     (Some(lost), Verdict::Healthy) => (
                         Verdict::Degraded,
@@ -341,6 +345,8 @@ impl MonitorExecutor {
         by: &str,
         by_revision: &str,
     ) -> anyhow::Result<StageEffect> {
+        // As before any final action: prepared first (see `tick`).
+        run.ensure_worktree().await?;
         let series = ws.series();
         let (verdict, why) = match decide(
             &series.polls,
@@ -660,6 +666,8 @@ impl MonitorExecutor {
         seq: i64,
         corrupt: Option<String>,
     ) -> anyhow::Result<StageEffect> {
+        // As before any final action: prepared first (see `tick`).
+        run.ensure_worktree().await?;
         let params = watch_params(&run.repo.post_deploy);
         let now = run.store.now_ms();
         let series = ws.series();
@@ -873,7 +881,8 @@ async fn finish(
     });
     // What the watched deploy shipped (deploy causality), under the series.
     let doc = format!("{doc}{}", crate::release::shipped_section(run).await);
-    // The ticks left the worktree alone (`defers_worktree`); the log is the first write.
+    // The ticks left the worktree alone (`defers_worktree`); every path here prepared it
+    // before acting (a no-op then), and the log is the first write into it.
     run.ensure_worktree().await?;
     let path = run.artifact_path(POST_DEPLOY_LOG);
     let written =
