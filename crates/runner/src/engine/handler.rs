@@ -306,20 +306,19 @@ impl Engine {
                 .executors
                 .get(&job_kind(&stage))
                 .is_some_and(|e| e.defers_worktree());
-        let prep = {
-            let (git, paths, work_item, repo) = (
-                self.git.clone(),
-                paths.clone(),
-                work_item.clone(),
-                repo.clone(),
-            );
-            move || {
-                let (git, paths, work_item, repo) =
-                    (git.clone(), paths.clone(), work_item.clone(), repo.clone());
-                Box::pin(async move {
-                    ready_worktree(&git, &paths, &work_item, &repo, taken_over).await
-                }) as futures::future::BoxFuture<'static, Result<()>>
-            }
+        // What the preparation needs, shared by the (possibly deferred) calls of it.
+        let inputs = Arc::new((
+            self.git.clone(),
+            paths.clone(),
+            work_item.clone(),
+            repo.clone(),
+        ));
+        let prep = move || {
+            let inputs = inputs.clone();
+            Box::pin(async move {
+                let (git, paths, work_item, repo) = &*inputs;
+                ready_worktree(git, paths, work_item, repo, taken_over).await
+            }) as futures::future::BoxFuture<'static, Result<()>>
         };
         let prep = if defers {
             WorktreePrep::deferred(prep)
