@@ -116,6 +116,28 @@ async fn unfinished(store: &Store) -> i64 {
         .sum()
 }
 
+/// Jobs queued before each kill round: more than a worker finishes before its kill.
+const BACKLOG: usize = 400;
+
+/// Whether `worker` holds a running job's lease now, waiting up to `within` for it to.
+async fn holds_a_lease(store: &Store, worker: &str, within: Duration) -> bool {
+    let t0 = Instant::now();
+    loop {
+        let stats = store.queue_stats().await.expect("queue stats");
+        if stats
+            .leases
+            .iter()
+            .any(|l| l.worker.as_deref() == Some(worker))
+        {
+            return true;
+        }
+        if t0.elapsed() >= within {
+            return false;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 async fn wait_drained(store: &Store, within: Duration) {
     let t0 = Instant::now();
     while unfinished(store).await > 0 {
@@ -189,10 +211,15 @@ async fn kill_loop(db: TestDb) {
     let mut ids = enqueue(&store, 2000, &mut rng).await;
     let mut kills_mid_run = 0;
     for round in 0..50 {
+        // A backlog that outlasts the round: a worker that drained the queue before its kill
+        // would be killed idle, and the round would test nothing.
+        let backlog = usize::try_from(unfinished(&store).await).unwrap_or(0);
+        ids.extend(enqueue(&store, BACKLOG.saturating_sub(backlog).max(60), &mut rng).await);
         let batch = if rng.random_bool(0.5) { "1" } else { "8" };
+        let worker_id = format!("crash-{round}");
         let w = Proc::worker(
             &db.url,
-            &format!("crash-{round}"),
+            &worker_id,
             &[
                 "--concurrency",
                 "4",
@@ -204,13 +231,12 @@ async fn kill_loop(db: TestDb) {
             None,
         );
         tokio::time::sleep(Duration::from_millis(rng.random_range(60..400))).await;
-        let running_before = unfinished(&store).await;
-        w.kill9().await;
-        if running_before > 0 {
+        // The kill is meant to land while this worker holds a lease (a start-up slower than
+        // the pause, on a loaded machine, is waited out, at most a few seconds).
+        if holds_a_lease(&store, &worker_id, Duration::from_secs(5)).await {
             kills_mid_run += 1;
         }
-        // Keep the queue busy: thousands of jobs run across the kills.
-        ids.extend(enqueue(&store, 60, &mut rng).await);
+        w.kill9().await;
     }
     // Exact instants: die right before and right after the effect's commit.
     for (i, fp) in ["effect.before_mark", "effect.after_mark"]
@@ -238,7 +264,7 @@ async fn kill_loop(db: TestDb) {
     last.terminate().await;
     assert!(
         kills_mid_run >= 45,
-        "most kills landed while jobs were running ({kills_mid_run}/50)"
+        "most kills landed while the killed worker held a lease ({kills_mid_run}/50)"
     );
     assert_exactly_once(&store, &ids).await;
     let rescued = {
@@ -251,7 +277,7 @@ async fn kill_loop(db: TestDb) {
         n
     };
     eprintln!(
-        "{} jobs, 50 kills + 6 failpoint aborts, {rescued} jobs re-run after a crash",
+        "{} jobs, 50 kills ({kills_mid_run} holding a lease) + 6 failpoint aborts, {rescued} jobs re-run after a crash",
         ids.len()
     );
     assert!(
