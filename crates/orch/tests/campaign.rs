@@ -3,8 +3,9 @@
 //! after deploy so it is rolled back — while `orch serve` (and, on PostgreSQL, `orch worker`
 //! processes sharing the database) is killed -9 at seeded random instants, at least 30 times.
 //!
-//! The expected outcomes are not written down here: the same items first run once without kills,
-//! and the killed run must end with the same per-item outcomes, the same production deploys and
+//! The expected outcomes are not written down here: the same items run once without kills, beside
+//! the killed run (in its own demo dir and database), and the killed run must end with the same
+//! per-item outcomes, the same production deploys and
 //! rollbacks (each applied once: the sample service's scripts log every completed one), no job
 //! left running, no agent run left open, and no process of a dead incarnation left alive.
 //! `ORCH_CAMPAIGN_SEED` replays a run; `ORCH_CAMPAIGN_KILLS` sets the number of kills.
@@ -16,7 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use common::{ORCH, become_subreaper, demo_setup, python_available, reap_orphans, stop_service};
+use common::{
+    ORCH, become_subreaper, demo_setup, python_available, reap_adopted, reap_orphans, stop_service,
+};
 use orch_domain::control::events;
 use orch_store::{ConnectOptions, Store};
 use rand::{Rng as _, SeedableRng as _};
@@ -157,7 +160,7 @@ impl Proc {
     async fn kill9(mut self) -> String {
         let _ = self.child.start_kill();
         let _ = self.child.wait().await;
-        reap_orphans();
+        reap_adopted();
         self.incarnation
     }
 
@@ -172,7 +175,7 @@ impl Proc {
             "orch {} stops cleanly on SIGTERM: {status:?}",
             self.what
         );
-        reap_orphans();
+        reap_adopted();
         self.incarnation
     }
 }
@@ -426,9 +429,9 @@ async fn run(
             // Restart after a short random pause (sometimes at once).
             tokio::time::sleep(Duration::from_millis(rng.random_range(0..500))).await;
             running.push(s.spawn(&what));
-            next_kill = Instant::now() + Duration::from_millis(rng.random_range(300..4000));
+            next_kill = Instant::now() + Duration::from_millis(rng.random_range(300..2500));
         }
-        reap_orphans();
+        reap_adopted();
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     let mut all = dead;
@@ -457,7 +460,7 @@ async fn run(
     }
     store.close().await;
     stop_service(&s.dir);
-    reap_orphans();
+    reap_adopted();
     (result, all)
 }
 
@@ -493,11 +496,20 @@ async fn campaign(postgres: bool, procs: &[&str]) {
     }
     become_subreaper();
     let seed = seed();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let tmp = tempfile::tempdir().unwrap();
 
+    // The reference run and the killed run side by side: each has its own demo dir, database,
+    // sample service ports and processes, and the killed run's instants come from the seed.
     let clean = Setup::new(tmp.path(), "clean", postgres).await;
-    let (expected, _) = run(&clean, procs, 0, &mut rng).await;
+    let killed = Setup::new(tmp.path(), "killed", postgres).await;
+    let n = kills();
+    let mut clean_rng = rand::rngs::StdRng::seed_from_u64(seed ^ 0x5eed);
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let ((expected, _), (got, incarnations)) = tokio::join!(
+        run(&clean, procs, 0, &mut clean_rng),
+        run(&killed, procs, n, &mut rng)
+    );
+    reap_orphans();
     assert_eq!(expected.items.len(), ITEMS.len());
     // The clean run is the reference; it must at least be the three kinds of item.
     let stages: Vec<&str> = expected.items.values().map(|o| o.stage.as_str()).collect();
@@ -513,9 +525,6 @@ async fn campaign(postgres: bool, procs: &[&str]) {
         "one item is rolled back: {expected:?}"
     );
 
-    let killed = Setup::new(tmp.path(), "killed", postgres).await;
-    let n = kills();
-    let (got, incarnations) = run(&killed, procs, n, &mut rng).await;
     assert!(incarnations.len() > n, "{n} kills happened");
     if got.items != expected.items
         || got.prod_deploys.len() != expected.prod_deploys.len()

@@ -40,6 +40,36 @@ pub fn reap_orphans() {
     }
 }
 
+/// Reaps the exited orphans this process adopted as subreaper, and only them: children in the
+/// test's own process group (the `orch` processes it spawned and waits for, the commands whose
+/// output it collects) are left to their waiters, so two runs side by side in one test never
+/// take each other's exit statuses. Everything orch starts leads a process group of its own.
+pub fn reap_adopted() {
+    // SAFETY: getpgrp cannot fail and touches no memory.
+    let own = unsafe { libc::getpgrp() };
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return;
+    };
+    let children: Vec<i32> = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|list| {
+            list.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    for pid in children {
+        // SAFETY: getpgid has no memory-safety preconditions.
+        let pgid = unsafe { libc::getpgid(pid) };
+        if pgid < 0 || pgid == own {
+            continue;
+        }
+        // SAFETY: a null status pointer is allowed; WNOHANG leaves a running child alone.
+        unsafe { libc::waitpid(pid, std::ptr::null_mut(), libc::WNOHANG) };
+    }
+}
+
 /// Stops the demo's sample service in both environments.
 pub fn stop_service(dir: &Path) {
     for env in ["production", "staging"] {
