@@ -556,6 +556,10 @@ impl Fetcher {
         let mut pending_done: Vec<Lease> = Vec::new();
         let mut next_poll = Instant::now();
         let mut error_backoff = Duration::from_millis(50);
+        // Whether this turn claims: after a job ended, the poll timer, a wake-up for a job due
+        // now, an error or a full claim; not after a wake-up for a job due later (a watch's next
+        // tick), which only moves the timer up (a claim then would find nothing).
+        let mut look = true;
         // Stagger loops a little so per-job loops do not claim in lockstep.
         if self.index > 0 {
             tokio::time::sleep(Duration::from_millis(self.index as u64)).await;
@@ -564,10 +568,11 @@ impl Fetcher {
             let stopping = stop.is_cancelled();
             while let Some(res) = running.try_join_next() {
                 self.finish(res, &mut pending_done).await;
+                look = true;
             }
             self.start_buffered(&mut buffer, &mut running);
             let capacity = self.slots + self.prefetch;
-            let want = if stopping || kinds.is_empty() {
+            let want = if stopping || kinds.is_empty() || !look {
                 0
             } else {
                 let have = running.len() + buffer.len();
@@ -631,22 +636,37 @@ impl Fetcher {
                     .await;
                 continue;
             }
+            look = false;
             tokio::select! {
                 res = running.join_next(), if !running.is_empty() => {
                     if let Some(res) = res {
                         self.finish(res, &mut pending_done).await;
                     }
+                    look = true;
                 }
                 changed = wake.changed() => {
                     if changed.is_err() {
                         // The store's wake-up source is gone; rely on polling.
                         wake = self.store.wakeups();
+                        look = true;
+                    } else {
+                        let due_at = wake.borrow_and_update().due_at;
+                        let wait = due_at.saturating_sub(self.store.now_ms());
+                        if wait <= 0 {
+                            look = true;
+                        } else {
+                            let wait = Duration::from_millis(u64::try_from(wait).unwrap_or(0));
+                            next_poll = next_poll.min(Instant::now() + wait);
+                        }
                     }
                 }
                 _ = tokio::time::sleep_until(next_poll.into()) => {
                     next_poll = Instant::now() + self.config.poll_interval;
+                    look = true;
                 }
-                _ = stop.cancelled() => {}
+                _ = stop.cancelled() => {
+                    look = true;
+                }
             }
         }
     }

@@ -157,7 +157,7 @@ impl Store {
     /// A receiver that changes whenever jobs may have become available: an in-process signal on
     /// SQLite, LISTEN/NOTIFY on PostgreSQL (it also changes after a listener reconnect, because
     /// notifications are lost across reconnects). Polling remains the fallback.
-    pub fn wakeups(&self) -> tokio::sync::watch::Receiver<u64> {
+    pub fn wakeups(&self) -> tokio::sync::watch::Receiver<Wake> {
         match self {
             Store::Sqlite(s) => s.wakeups(),
             Store::Postgres(s) => s.wakeups(),

@@ -531,3 +531,39 @@ pub struct QueueStats {
     pub leases: Vec<LiveLease>,
     pub now: Millis,
 }
+
+/// A wake-up of the store's workers ([`crate::Store::wakeups`]): `seq` moves on with every one,
+/// and `due_at` is the soonest time (epoch ms) at which a job announced since the last due one
+/// becomes available: `i64::MIN` when it is available now or the store cannot tell (a stage
+/// change, a NOTIFY from another process). A worker woken for a job due later only moves its
+/// next poll up to that time instead of claiming at once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Wake {
+    pub seq: u64,
+    pub due_at: Millis,
+}
+
+impl Default for Wake {
+    fn default() -> Self {
+        Wake {
+            seq: 0,
+            due_at: Millis::MIN,
+        }
+    }
+}
+
+impl Wake {
+    /// The next wake-up: one more, for a job due at `due_at` (`Millis::MIN`: now), announced
+    /// at `now`. An earlier announcement still in the future is kept if it is sooner.
+    pub fn next(self, due_at: Millis, now: Millis) -> Wake {
+        let due_at = if self.due_at > now {
+            self.due_at.min(due_at)
+        } else {
+            due_at
+        };
+        Wake {
+            seq: self.seq.wrapping_add(1),
+            due_at,
+        }
+    }
+}

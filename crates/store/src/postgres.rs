@@ -34,7 +34,7 @@ const MIGRATE_LOCK: i64 = 0x006f_7263_686d_6967; // "orchmig"
 #[derive(Debug, Clone)]
 pub struct PgDriver {
     pool: PgPool,
-    wake: Arc<watch::Sender<u64>>,
+    wake: Arc<watch::Sender<Wake>>,
     listener: Arc<OnceLock<()>>,
 }
 
@@ -185,7 +185,7 @@ impl Db<PgDriver> {
                 target: target.clone(),
                 reason: describe_connect_error(&e),
             })?;
-        let (wake, _) = watch::channel(0);
+        let (wake, _) = watch::channel(Wake::default());
         Ok(Db {
             d: PgDriver {
                 pool,
@@ -203,7 +203,7 @@ impl Db<PgDriver> {
     }
 
     /// Starts the LISTEN task on first use.
-    pub fn wakeups(&self) -> watch::Receiver<u64> {
+    pub fn wakeups(&self) -> watch::Receiver<Wake> {
         let rx = self.d.wake.subscribe();
         self.d.listener.get_or_init(|| {
             tokio::spawn(listen(self.d.pool.clone(), Arc::downgrade(&self.d.wake)));
@@ -388,17 +388,32 @@ impl Db<PgDriver> {
         kinds: &[String],
         node: Option<&str>,
     ) -> Result<Option<Millis>> {
-        Ok(sqlx::query_scalar(
-            "SELECT min(available_at) FROM jobs WHERE state = 'queued' \
-             AND (cardinality($1::text[]) = 0 OR agent = ANY($1::text[])) \
-             AND (node IS NULL OR node = $2::text)",
-        )
-        .bind(kinds)
-        .bind(node)
-        .fetch_one(&self.d.pool)
-        .await?)
+        Ok(sqlx::query_scalar(NEXT_AVAILABLE_AT)
+            .bind(kinds)
+            .bind(node)
+            .fetch_one(&self.d.pool)
+            .await?)
     }
 }
+
+/// `$1 kinds (empty: any), $2 node` → when the first queued job this worker may run becomes
+/// due. `jobs_ready` is ordered by priority, then due time: the statement steps from one
+/// priority present to the next (an index seek each) and takes, per priority, the first row in
+/// due order that fits, so it reads a few index entries, not every queued row.
+pub const NEXT_AVAILABLE_AT: &str = "WITH RECURSIVE p(priority) AS ( \
+        SELECT (SELECT priority FROM jobs WHERE state = 'queued' \
+                ORDER BY priority DESC LIMIT 1) \
+      UNION ALL \
+        SELECT (SELECT q.priority FROM jobs q \
+                WHERE q.state = 'queued' AND q.priority < p.priority \
+                ORDER BY q.priority DESC LIMIT 1) \
+        FROM p WHERE p.priority IS NOT NULL) \
+     SELECT min((SELECT j.available_at FROM jobs j \
+                 WHERE j.state = 'queued' AND j.priority = p.priority \
+                 AND (cardinality($1::text[]) = 0 OR j.agent = ANY($1::text[])) \
+                 AND (j.node IS NULL OR j.node = $2::text) \
+                 ORDER BY j.available_at LIMIT 1)) \
+     FROM p WHERE p.priority IS NOT NULL";
 
 fn describe_connect_error(e: &sqlx::Error) -> String {
     let text = e.to_string();
@@ -419,10 +434,10 @@ async fn current_schema(pool: &PgPool) -> Result<String> {
 
 /// The LISTEN loop: every notification or reconnect bumps the wake-up counter. Ends when the
 /// store is gone or its pool is closed.
-async fn listen(pool: PgPool, wake: std::sync::Weak<watch::Sender<u64>>) {
-    let bump = |wake: &std::sync::Weak<watch::Sender<u64>>| match wake.upgrade() {
+async fn listen(pool: PgPool, wake: std::sync::Weak<watch::Sender<Wake>>) {
+    let bump = |wake: &std::sync::Weak<watch::Sender<Wake>>| match wake.upgrade() {
         Some(tx) => {
-            tx.send_modify(|n| *n = n.wrapping_add(1));
+            tx.send_modify(|w| *w = w.next(Millis::MIN, Millis::MIN));
             true
         }
         None => false,

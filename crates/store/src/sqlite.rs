@@ -30,7 +30,7 @@ pub struct SqliteDriver {
     /// on the file lock.
     write: SqlitePool,
     read: SqlitePool,
-    wake: Arc<watch::Sender<u64>>,
+    wake: Arc<watch::Sender<Wake>>,
 }
 
 /// The store on SQLite.
@@ -76,16 +76,17 @@ impl Driver for SqliteDriver {
     async fn commit(&self, tx: Transaction<'static, sqlx::Sqlite>, wake: bool) -> Result<()> {
         tx.commit().await?;
         if wake {
-            self.notify();
+            self.notify(Millis::MIN, Millis::MIN);
         }
         Ok(())
     }
 }
 
 impl SqliteDriver {
-    /// The in-process wake-up: jobs may have become available.
-    fn notify(&self) {
-        self.wake.send_modify(|n| *n = n.wrapping_add(1));
+    /// The in-process wake-up: a job became available, or will at `due_at` (`Millis::MIN`:
+    /// now or unknown), as announced at `now`.
+    fn notify(&self, due_at: Millis, now: Millis) {
+        self.wake.send_modify(|w| *w = w.next(due_at, now));
     }
 }
 
@@ -124,6 +125,27 @@ static COMPLETE_AND_CLAIM: LazyLock<String> = LazyLock::new(|| {
         gone = crate::sql::node_gone("$1", "$8"),
     )
 });
+
+/// `$1 kinds (JSON array, '[]': any), $2 node` → when the first queued job this worker may run
+/// becomes due. `jobs_ready` is ordered by priority, then due time: the statement steps from
+/// one priority present to the next (an index seek each) and takes, per priority, the first row
+/// in due order that fits, so it reads a few index entries, not every queued row (with 1,000
+/// watches queued and a tick due every millisecond, reading them all was a third of a worker's
+/// CPU).
+pub const NEXT_AVAILABLE_AT: &str = "WITH RECURSIVE p(priority) AS ( \
+        SELECT (SELECT priority FROM jobs INDEXED BY jobs_ready WHERE state = 'queued' \
+                ORDER BY priority DESC LIMIT 1) \
+      UNION ALL \
+        SELECT (SELECT q.priority FROM jobs q INDEXED BY jobs_ready \
+                WHERE q.state = 'queued' AND q.priority < p.priority \
+                ORDER BY q.priority DESC LIMIT 1) \
+        FROM p WHERE p.priority IS NOT NULL) \
+     SELECT min((SELECT j.available_at FROM jobs j INDEXED BY jobs_ready \
+                 WHERE j.state = 'queued' AND j.priority = p.priority \
+                 AND ($1 = '[]' OR j.agent IN (SELECT value FROM json_each($1))) \
+                 AND (j.node IS NULL OR j.node = $2) \
+                 ORDER BY j.available_at LIMIT 1)) \
+     FROM p WHERE p.priority IS NOT NULL";
 
 /// `$1` a JSON array of `[task_id, agent, task_content, priority, max_attempts, available_at,
 /// dedupe_key, node]` rows, `$2 now`. Rows whose dedupe key exists are skipped.
@@ -171,6 +193,7 @@ impl Db<SqliteDriver> {
         let write = SqlitePoolOptions::new()
             .max_connections(1)
             .min_connections(1)
+            .after_connect(|conn, _| Box::pin(stable_plans(conn)))
             .acquire_timeout(opts.connect_timeout.max(std::time::Duration::from_secs(30)))
             .connect_with(base.clone())
             .await
@@ -183,11 +206,12 @@ impl Db<SqliteDriver> {
             .map_err(|e| connect_err(describe_open_error(&e)))?;
         let read = SqlitePoolOptions::new()
             .max_connections(4)
+            .after_connect(|conn, _| Box::pin(stable_plans(conn)))
             .acquire_timeout(opts.connect_timeout.max(std::time::Duration::from_secs(30)))
             .connect_with(base)
             .await
             .map_err(|e| connect_err(describe_open_error(&e)))?;
-        let (wake, _) = watch::channel(0);
+        let (wake, _) = watch::channel(Wake::default());
         Ok(Db {
             d: SqliteDriver {
                 write,
@@ -200,7 +224,7 @@ impl Db<SqliteDriver> {
         })
     }
 
-    pub fn wakeups(&self) -> watch::Receiver<u64> {
+    pub fn wakeups(&self) -> watch::Receiver<Wake> {
         self.d.wake.subscribe()
     }
 
@@ -236,10 +260,16 @@ impl Db<SqliteDriver> {
         // transaction costs three more). After a dedupe conflict the id is looked up in a second
         // statement; should cleanup delete that long-finished row in between, the lookup fails
         // with an error, never a wrong id.
+        let now = self.now();
         let mut conn = self.d.write.acquire().await?;
-        let out = Self::insert_job(&mut conn, &job, self.now()).await?;
+        let out = Self::insert_job(&mut conn, &job, now).await?;
         if !out.duplicate {
-            self.d.notify();
+            // A delayed job (a watch's next tick) only tells the workers when to look next.
+            let due_at = match job.delay_ms {
+                d if d > 0 => now.saturating_add(d),
+                _ => Millis::MIN,
+            };
+            self.d.notify(due_at, now);
         }
         Ok(out)
     }
@@ -281,7 +311,7 @@ impl Db<SqliteDriver> {
         tx.commit().await?;
         self.refresh_job_statistics(inserted).await;
         if inserted > 0 {
-            self.d.notify();
+            self.d.notify(Millis::MIN, Millis::MIN);
         }
         Ok(inserted)
     }
@@ -349,15 +379,11 @@ impl Db<SqliteDriver> {
         node: Option<&str>,
     ) -> Result<Option<Millis>> {
         let kinds = serde_json::to_string(kinds).unwrap_or_else(|_| "[]".into());
-        let at: Option<i64> = sqlx::query_scalar(
-            "SELECT min(available_at) FROM jobs WHERE state = 'queued' \
-             AND ($1 = '[]' OR agent IN (SELECT value FROM json_each($1))) \
-             AND (node IS NULL OR node = $2)",
-        )
-        .bind(kinds)
-        .bind(node)
-        .fetch_one(&self.d.read)
-        .await?;
+        let at: Option<i64> = sqlx::query_scalar(NEXT_AVAILABLE_AT)
+            .bind(kinds)
+            .bind(node)
+            .fetch_one(&self.d.read)
+            .await?;
         Ok(at)
     }
 }
@@ -372,4 +398,32 @@ fn describe_open_error(e: &sqlx::Error) -> String {
     } else {
         text
     }
+}
+
+/// Plans that do not depend on bound values (SQLite's query planner stability guarantee, the
+/// counterpart of PostgreSQL's `force_generic_plan` here): without it SQLite re-prepares a
+/// statement whenever a bound value that could change its plan changes, such as the claim's
+/// `LIMIT $n` from one claim to the next, and parsing and planning the claim again was a tenth
+/// of the CPU of a worker ticking 1,000 watches a second. Every hot statement is written so
+/// its one plan is right for any values (literals where a partial index must match).
+async fn stable_plans(conn: &mut sqlx::SqliteConnection) -> std::result::Result<(), sqlx::Error> {
+    let mut handle = conn.lock_handle().await?;
+    let db = handle.as_raw_handle().as_ptr();
+    // SAFETY: `db` is the open connection `handle` keeps locked for this call; the option
+    // takes an int (1: on) and an int pointer for the new setting, which may be null.
+    let rc = unsafe {
+        libsqlite3_sys::sqlite3_db_config(
+            db,
+            libsqlite3_sys::SQLITE_DBCONFIG_ENABLE_QPSG,
+            1 as std::ffi::c_int,
+            std::ptr::null_mut::<std::ffi::c_int>(),
+        )
+    };
+    if rc != libsqlite3_sys::SQLITE_OK {
+        tracing::warn!(
+            rc,
+            "SQLite refused the query planner stability guarantee; statements may be re-planned per execution"
+        );
+    }
+    Ok(())
 }

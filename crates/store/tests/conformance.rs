@@ -40,6 +40,7 @@ conformance!(
     operator_fence_is_the_stage_seq,
     dedupe_key_allows_one_job_ever,
     delayed_job_is_invisible_before_its_time,
+    next_available_at_is_the_soonest_job_this_worker_may_run,
     attempt_limit_ends_in_failed_and_fails_the_stranded_task,
     crash_rescues_do_not_spend_attempts,
     crash_loop_ends_the_job_with_a_clear_reason,
@@ -454,6 +455,74 @@ async fn delayed_job_is_invisible_before_its_time(db: TestDb) {
     assert!(s.claim(&claim("w", 10)).await.unwrap().is_empty());
     db.clock.advance_ms(1);
     assert_eq!(s.claim(&claim("w", 10)).await.unwrap().len(), 1);
+}
+
+async fn next_available_at_is_the_soonest_job_this_worker_may_run(db: TestDb) {
+    let s = &db.store;
+    assert_eq!(s.next_available_at(&[], None).await.unwrap(), None);
+    let kinds = |k: &[&str]| k.iter().map(|k| (*k).to_owned()).collect::<Vec<_>>();
+    // Across priorities: the soonest is a low-priority job, behind a later high-priority one.
+    s.enqueue(NewJob::new("a", "high, later").priority(5).delay_s(50))
+        .await
+        .unwrap();
+    s.enqueue(NewJob::new("a", "low, sooner").priority(-1).delay_s(20))
+        .await
+        .unwrap();
+    s.enqueue(NewJob::new("a", "default").delay_s(30))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.next_available_at(&[], None).await.unwrap(),
+        Some(T0 + 20_000)
+    );
+    // Only the kinds this worker runs, and only jobs it may run (unpinned or its node's).
+    s.enqueue(NewJob::new("b", "other kind, soonest").delay_s(1))
+        .await
+        .unwrap();
+    s.enqueue(
+        NewJob::new("a", "other node, soonest")
+            .delay_s(2)
+            .node("n2"),
+    )
+    .await
+    .unwrap();
+    s.enqueue(NewJob::new("a", "this node").delay_s(15).node("n1"))
+        .await
+        .unwrap();
+    assert_eq!(
+        s.next_available_at(&kinds(&["a"]), Some("n1"))
+            .await
+            .unwrap(),
+        Some(T0 + 15_000)
+    );
+    assert_eq!(
+        s.next_available_at(&kinds(&["a"]), None).await.unwrap(),
+        Some(T0 + 20_000)
+    );
+    assert_eq!(
+        s.next_available_at(&kinds(&["a", "b"]), Some("n2"))
+            .await
+            .unwrap(),
+        Some(T0 + 1_000)
+    );
+    assert_eq!(
+        s.next_available_at(&kinds(&["c"]), None).await.unwrap(),
+        None
+    );
+    // A job already due counts (its time is in the past): the worker should not sleep.
+    db.clock.advance_ms(25_000);
+    assert_eq!(
+        s.next_available_at(&kinds(&["a"]), None).await.unwrap(),
+        Some(T0 + 20_000)
+    );
+    // Claimed jobs are no longer queued.
+    let mut c = claim("w", 10);
+    c.kinds = kinds(&["a"]);
+    assert_eq!(s.claim(&c).await.unwrap().len(), 1);
+    assert_eq!(
+        s.next_available_at(&kinds(&["a"]), None).await.unwrap(),
+        Some(T0 + 30_000)
+    );
 }
 
 async fn attempt_limit_ends_in_failed_and_fails_the_stranded_task(db: TestDb) {
@@ -1039,6 +1108,28 @@ async fn wakeups_fire_on_enqueue(db: TestDb) {
                 .await
                 .expect("in-process wake-up")
                 .unwrap();
+            assert_eq!(own.borrow_and_update().due_at, i64::MIN, "due now");
+            // A delayed job says when it is due, and the soonest announced one is kept.
+            let now = other.now_ms();
+            for delay in [20_000, 10_000, 30_000] {
+                other
+                    .enqueue(NewJob::new("noop", format!("in {delay}")).delay_ms(delay))
+                    .await
+                    .unwrap();
+            }
+            own.changed().await.unwrap();
+            assert_eq!(own.borrow_and_update().due_at, now + 10_000);
+            // Once that time has passed, the next announcement replaces it.
+            db.clock.advance_ms(15_000);
+            other
+                .enqueue(NewJob::new("noop", "in 40 s").delay_ms(40_000))
+                .await
+                .unwrap();
+            own.changed().await.unwrap();
+            assert_eq!(own.borrow_and_update().due_at, now + 55_000);
+            other.enqueue(NewJob::new("noop", "now")).await.unwrap();
+            own.changed().await.unwrap();
+            assert_eq!(own.borrow_and_update().due_at, i64::MIN, "due now wins");
         }
     }
 }

@@ -175,3 +175,70 @@ async fn plan_shapes_hold_under_generic_plans() {
         assert!(!plan.contains("jobs_state_agent"), "{args}:\n{plan}");
     }
 }
+
+/// `next_available_at` runs after every claim that comes back short (how long an idle worker
+/// may sleep): it must seek through `jobs_ready`, never read every queued row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn next_available_at_seeks_the_ready_index_on_both_backends() {
+    use sqlx::Row as _;
+    let db = TestDb::sqlite().await;
+    let path = db.url.trim_start_matches("sqlite://").to_owned();
+    let mut conn =
+        <sqlx::SqliteConnection as sqlx::Connection>::connect(&format!("sqlite://{path}"))
+            .await
+            .unwrap();
+    let plan: Vec<String> = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN QUERY PLAN {}",
+        orch_store::sqlite::NEXT_AVAILABLE_AT
+    )))
+    .fetch_all(&mut conn)
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get::<String, _>(3))
+    .collect();
+    // Every read of `jobs` (as jobs, q or j) goes through `jobs_ready`, in its order.
+    let reads: Vec<&String> = plan
+        .iter()
+        .filter(|l| {
+            ["jobs", "q", "j"]
+                .iter()
+                .any(|t| l.contains(&format!(" {t} ")))
+        })
+        .collect();
+    assert_eq!(reads.len(), 3, "{plan:#?}");
+    assert!(
+        reads.iter().all(|l| l.contains("INDEX jobs_ready")),
+        "{plan:#?}"
+    );
+    assert!(!plan.iter().any(|l| l.contains("TEMP B-TREE")), "{plan:#?}");
+
+    let db = TestDb::postgres().await;
+    let pg = orch_store::postgres::PgStore::connect(&db.url, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+    let jobs: Vec<orch_store::NewJob> = (0..20_000)
+        .map(|i| orch_store::NewJob::new("a", "").delay_s(i % 100))
+        .collect();
+    db.store.enqueue_many(jobs).await.unwrap();
+    let mut conn = pg.pool().acquire().await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "PREPARE na(text[], text) AS {}",
+        orch_store::postgres::NEXT_AVAILABLE_AT
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let plan: Vec<String> = sqlx::raw_sql(sqlx::AssertSqlSafe(
+        "EXPLAIN EXECUTE na('{a}', 'n1')".to_owned(),
+    ))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get::<String, _>(0))
+    .collect();
+    let plan = plan.join("\n");
+    assert!(!plan.contains("Seq Scan on jobs"), "{plan}");
+    assert!(plan.contains("jobs_ready"), "{plan}");
+}
