@@ -1,6 +1,7 @@
 //! The file primitives every sentinel helper is built on: refusing hostile path components,
 //! bounded JSON reads that tell "absent" from "unusable", atomic writes (temp file + fsync +
-//! rename + directory fsync) and an advisory per-directory lock. These return errors with
+//! rename + directory fsync; for the per-poll series, a swap with a sibling file and no fsync)
+//! and an advisory per-directory lock. These return errors with
 //! context; the public helpers turn them into fallbacks and warnings.
 
 use std::fs::{self, File, OpenOptions};
@@ -114,7 +115,7 @@ pub(crate) fn read_json<T: DeserializeOwned>(path: &Path) -> Read<T> {
     }
 }
 
-/// Encodes `value` as JSON and writes it atomically to `path`.
+/// Encodes `value` as JSON and writes it atomically and durably to `path`.
 pub(crate) fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), StateError> {
     let bytes = serde_json::to_vec_pretty(value).map_err(|source| StateError::Encode {
         path: path.to_path_buf(),
@@ -123,10 +124,99 @@ pub(crate) fn write_json<T: Serialize>(path: &Path, value: &T) -> Result<(), Sta
     write_atomic(path, &bytes)
 }
 
+/// Encodes `value` as compact JSON and replaces `path` with it atomically but without an
+/// fsync: for a file rewritten every second by every watch (the poll series), where two
+/// fsyncs per write would be most of the cost and, on a real disk, the limit. A crash of the
+/// process loses nothing (the rename is atomic and the page cache outlives the process); a
+/// crash of the machine may leave the older file, or one that no longer parses, which every
+/// reader treats as lost evidence, never as health (the database itself commits without an
+/// fsync per transaction too, SQLite's `synchronous = NORMAL`).
+///
+/// Once the file exists, the new content goes into a sibling `.<name>.next`, written in place,
+/// and the two names are swapped in one atomic rename (`RENAME_EXCHANGE`): no inode is created
+/// or freed per write (a temp file per write costs the filesystem an inode allocation each
+/// time, which on ext4 without a journal grew with the inodes freed in the last seconds and
+/// became the largest single cost of 1,000 watches). `.<name>.next` then holds the previous
+/// content, which nothing reads. Where the swap is not available, a temp file and a rename.
+/// The caller holds the directory's lock ([`lock_dir`]).
+pub(crate) fn replace_json<T: Serialize>(path: &Path, value: &T) -> Result<(), StateError> {
+    let bytes = serde_json::to_vec(value).map_err(|source| StateError::Encode {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    match exchange_into(path, &bytes) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            if e.kind() != io::ErrorKind::NotFound {
+                tracing::debug!(path = %path.display(), error = %e, "swap not available; writing a temp file");
+            }
+            write_atomic_with(path, &bytes, false)
+        }
+    }
+}
+
+/// Writes `bytes` to `<dir>/.<name>.next` and swaps it with the existing `path` atomically.
+/// `NotFound` when `path` does not exist yet (the first write creates it the plain way).
+#[cfg(target_os = "linux")]
+fn exchange_into(path: &Path, bytes: &[u8]) -> io::Result<()> {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt as _;
+    if !fs::symlink_metadata(path)?.is_file() {
+        return Err(io::Error::other("not a regular file"));
+    }
+    let dir = path.parent().unwrap_or_else(|| Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let next = dir.join(format!(".{name}.next"));
+    if fs::symlink_metadata(&next).is_ok_and(|m| !m.is_file()) {
+        return Err(io::Error::other(format!(
+            "{} is not a regular file",
+            next.display()
+        )));
+    }
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(&next)?;
+    f.write_all(bytes)?;
+    drop(f);
+    let c = |p: &Path| CString::new(p.as_os_str().as_bytes()).map_err(io::Error::other);
+    let (from, to) = (c(&next)?, c(path)?);
+    // SAFETY: two NUL-terminated paths that live across the call; AT_FDCWD resolves them as
+    // given; RENAME_EXCHANGE swaps two existing names atomically or fails and changes nothing.
+    let rc = unsafe {
+        libc::renameat2(
+            libc::AT_FDCWD,
+            from.as_ptr(),
+            libc::AT_FDCWD,
+            to.as_ptr(),
+            libc::RENAME_EXCHANGE,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn exchange_into(_path: &Path, _bytes: &[u8]) -> io::Result<()> {
+    Err(io::Error::new(
+        io::ErrorKind::Unsupported,
+        "no atomic swap here",
+    ))
+}
+
 /// Writes `bytes` to `path` so that a reader sees either the old file or the whole new one,
 /// also after a crash: a unique temp file in the same directory, fsync, rename over `path`,
 /// then fsync the directory so the rename itself is durable. Creates the directory.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
+    write_atomic_with(path, bytes, true)
+}
+
+/// [`write_atomic`], with the two fsyncs only when `durable`.
+fn write_atomic_with(path: &Path, bytes: &[u8], durable: bool) -> Result<(), StateError> {
     static SEQ: AtomicU64 = AtomicU64::new(0);
     let dir = path.parent().unwrap_or_else(|| Path::new("."));
     fs::create_dir_all(dir).map_err(|e| StateError::io("create directory", dir, e))?;
@@ -144,14 +234,18 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> 
             .map_err(|e| StateError::io("create", &tmp, e))?;
         f.write_all(bytes)
             .map_err(|e| StateError::io("write", &tmp, e))?;
-        f.sync_all().map_err(|e| StateError::io("fsync", &tmp, e))?;
+        if durable {
+            f.sync_all().map_err(|e| StateError::io("fsync", &tmp, e))?;
+        }
         fs::rename(&tmp, path).map_err(|e| StateError::io("rename into place", path, e))
     })();
     if written.is_err() {
         let _ = fs::remove_file(&tmp);
     }
     written?;
-    sync_dir(dir);
+    if durable {
+        sync_dir(dir);
+    }
     Ok(())
 }
 
@@ -234,6 +328,55 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["file"]);
+    }
+
+    fn list(path: &Path) -> Option<Vec<i32>> {
+        match read_json(path) {
+            Read::Found(v) => Some(v),
+            _ => None,
+        }
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn replace_json_swaps_two_files_and_creates_no_inode_per_write() {
+        use std::os::unix::fs::MetadataExt as _;
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("series");
+        let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+        replace_json(&path, &vec![1]).unwrap();
+        replace_json(&path, &vec![1, 2]).unwrap();
+        let next = tmp.path().join(".series.next");
+        let inodes = [ino(&path), ino(&next)];
+        for n in 3..8 {
+            let want: Vec<i32> = (1..=n).collect();
+            replace_json(&path, &want).unwrap();
+            assert_eq!(list(&path), Some(want));
+            assert!(inodes.contains(&ino(&path)) && inodes.contains(&ino(&next)));
+            assert_ne!(ino(&path), ino(&next));
+        }
+        // The sibling holds the previous content; no temp file is left.
+        assert_eq!(list(&next), Some((1..=6).collect()));
+        let mut names: Vec<_> = fs::read_dir(tmp.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, [".series.next", "series"]);
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn replace_json_never_writes_through_a_planted_link() {
+        let tmp = tempfile::tempdir().unwrap();
+        let path = tmp.path().join("series");
+        let victim = tmp.path().join("victim");
+        fs::write(&victim, b"keep").unwrap();
+        replace_json(&path, &vec![1]).unwrap();
+        std::os::unix::fs::symlink(&victim, tmp.path().join(".series.next")).unwrap();
+        replace_json(&path, &vec![1, 2]).unwrap();
+        assert_eq!(fs::read(&victim).unwrap(), b"keep");
+        assert_eq!(list(&path), Some(vec![1, 2]));
     }
 
     #[test]

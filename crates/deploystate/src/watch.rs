@@ -1,4 +1,4 @@
-//! The post-deploy watch's sentinel state (ORCH-021, design.md §7, design.md §7): the files `armed`,
+//! The post-deploy watch's sentinel state (ORCH-021, design.md §7): the files `armed`,
 //! `series` and `done` under `<repos_dir>/.post-deploy-state-<repo>/<work_item_id>/`, kept on
 //! disk instead of in tables (no migration: design.md §7, AC-12). Every access is never-raise
 //! (design.md §7): a missing or broken file gives a conservative fallback — never evidence that is
@@ -6,7 +6,8 @@
 //!
 //! Besides the seed's three files the directory holds `lost` (why evidence was lost, one line
 //! per incident, so a loss is never silent), `series.corrupt` (the last unreadable series,
-//! kept for inspection), `.lock` (the writers' lock) and transient `.<name>.tmp.*` files.
+//! kept for inspection), `.lock` (the writers' lock), `.series.next` (the series before the
+//! last poll: each poll is written there and swapped in) and transient `.<name>.tmp.*` files.
 
 use std::fs;
 use std::io::{self, Write as _};
@@ -224,7 +225,7 @@ impl WatchState {
             return true;
         }
         polls.push(poll.clone());
-        match fsx::write_json(&path, &polls) {
+        match fsx::replace_json(&path, &polls) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(error = %e, "post-deploy state: cannot append a poll");
