@@ -258,18 +258,22 @@ pub mod markers {
     pub const MONITOR_TICK: &str = "monitor-tick";
     /// Monitor waits before the first poll, `post-deploy-monitor` jobs (numbered ` n=`).
     pub const MONITOR_WAIT: &str = "monitor-wait";
+    /// The job that acts on a watch's final verdict (the log, a rollback, the stage change),
+    /// after the tick that reached it: `post-deploy-monitor` jobs.
+    pub const MONITOR_END: &str = "monitor-end";
     /// A job that waits for the repo's release track (its stage's work is done).
     pub const RELEASE_WAIT: &str = "release-wait";
     /// A lessons job that waits while the repo's releases are held.
     pub const RELEASE_HOLD: &str = "release-hold";
 
     /// Every marker name above.
-    pub const ALL: [&str; 7] = [
+    pub const ALL: [&str; 8] = [
         STAGING_DEFER,
         MERGE_INFRA_RETRY,
         DEPLOY_FINALIZE,
         MONITOR_TICK,
         MONITOR_WAIT,
+        MONITOR_END,
         RELEASE_WAIT,
         RELEASE_HOLD,
     ];
@@ -322,6 +326,11 @@ pub mod markers {
     /// The marker of the `n`-th (1-based) wait before the first poll slot.
     pub fn monitor_wait(seq: i64, n: u32) -> String {
         format!("{} n={n}", monitor_wait_prefix(seq))
+    }
+
+    /// `[orch:monitor-end seq=<seq>]`: the job that ends visit `seq`'s watch.
+    pub fn monitor_end(seq: i64) -> String {
+        prefix(MONITOR_END, seq)
     }
 
     /// `[orch:release-wait seq=<seq>]`.

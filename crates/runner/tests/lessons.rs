@@ -536,6 +536,11 @@ async fn drive(
                     .unwrap()
                     .with_marker(&marker);
             }
+            StageEffect::Yield { marker, .. } => {
+                content = StageJob::from_content(&content)
+                    .unwrap()
+                    .with_marker(&marker);
+            }
             done => return done,
         }
     }

@@ -269,13 +269,23 @@ impl MonitorExecutor {
             });
         }
 
-        // The slot to poll for: the queue's tick count, never behind the clock.
-        let tick_jobs = count(run, &markers::monitor_tick_prefix(seq)).await?;
+        // The job that acts on the verdict a tick reached polls nothing more: the verdict
+        // stands on the polls that were made (and is decided again from them, below).
+        let ending = run.job.task_content.contains(&markers::monitor_end(seq));
+        // The slot to poll for: the number of this visit's tick jobs up to this one, never
+        // behind the clock. A tick job carries it in its marker (the queue keeps it with the
+        // job: a rescued job reads the same number, so no slot is polled twice); a job without
+        // one (the first, an ending) counts the visit's tick jobs in the queue. Counting on
+        // every tick would read every earlier tick job: O(ticks) per poll.
+        let tick_jobs = match own_tick(run, seq) {
+            Some(n) => n,
+            None => count(run, &markers::monitor_tick_prefix(seq)).await?,
+        };
         let interval_ms =
             i64::try_from(params.interval_s.max(1).saturating_mul(1_000)).unwrap_or(i64::MAX);
         let slot_now = u32::try_from((now - first) / interval_ms).unwrap_or(u32::MAX);
         let tick = tick_jobs.max(slot_now);
-        if tick < planned_polls(&params) {
+        if !ending && tick < planned_polls(&params) {
             run.counters.incr("post_deploy_monitor", "ticks");
             let poll = self.poll(run, &params, &armed.revision, tick, now).await;
             crate::failpoint::hit("monitor.before_append");
@@ -301,6 +311,18 @@ impl MonitorExecutor {
                 reason: format!(
                     "post-deploy watch: tick {tick} polled; next in {}",
                     seconds(next_delay_ms)
+                ),
+            }),
+            // The tick that reached the verdict gives its worker's slot back at once: the
+            // ending (the worktree, a rollback, the log's commit, the stage change) is a job of
+            // its own that waits behind every poll due now, so watches ending together never
+            // make the others miss their slots. It decides again from the same polls: a
+            // verdict only ever stands or comes later, never changes.
+            Decision::Final(verdict, reason) if !ending => Ok(StageEffect::Yield {
+                marker: markers::monitor_end(seq),
+                reason: format!(
+                    "post-deploy watch: {} after tick {tick} ({reason}); acting on it next",
+                    verdict.as_str()
                 ),
             }),
             Decision::Final(verdict, reason) => {
@@ -1059,6 +1081,14 @@ async fn rollback_started(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
 }
 
 /// This visit's jobs of this run's kind whose content contains `marker`.
+/// The tick number this job's own `monitor-tick` marker of visit `seq` carries.
+fn own_tick(run: &StageRun, seq: i64) -> Option<u32> {
+    markers::parse(&run.job.task_content)
+        .into_iter()
+        .find(|m| m.name == markers::MONITOR_TICK && m.seq == seq)
+        .and_then(|m| m.n)
+}
+
 async fn count(run: &StageRun, marker: &str) -> anyhow::Result<u32> {
     let n = run
         .store

@@ -132,10 +132,18 @@ pub enum StageEffect {
         marker: String,
         reason: String,
     },
+    /// Go on at once, but behind every job that is due: like `Requeue` with no delay, at
+    /// [`YIELD_PRIORITY`]. For heavy work that must not hold a worker's slot while lighter,
+    /// time-bound jobs wait for one (a watch's ending, its git commit and its reaction, behind
+    /// the polls of the other watches due in the same instant).
+    Yield { marker: String, reason: String },
     /// The attempt cannot succeed and retrying will not help (over budget, misconfigured
     /// stage): the job fails for good and the task goes to `failed` with `reason`.
     Failed { reason: String },
 }
+
+/// The priority of a [`StageEffect::Yield`] job: below every job enqueued at the default (0).
+pub const YIELD_PRIORITY: i64 = -1;
 
 /// Does the work of one kind of stage.
 #[async_trait::async_trait]

@@ -411,33 +411,74 @@ impl Engine {
                 marker,
                 reason,
             } => {
-                // A deferred worktree nobody prepared holds nothing of this job's.
-                if run.prep.is_ready() {
-                    self.commit(cx, &run, "progress").await?;
-                }
-                let mut job = NewJob::new(kind, sj.with_marker(&marker))
-                    .task(run.task.id)
-                    .delay_ms(i64::try_from(delay_ms).unwrap_or(i64::MAX))
-                    .max_attempts(STAGE_ATTEMPTS)
-                    .dedupe(dedupe::requeue_of(cx.job.id));
-                if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
-                    job = job.node(self.cfg.node.clone());
-                }
-                self.store.enqueue(job).await?;
-                self.event(
-                    &run,
-                    events::STAGE_REQUEUED,
-                    &reason,
-                    Some(serde_json::json!({
-                        "delay_ms": delay_ms, "marker": marker,
-                    })),
-                )
-                .await;
-                crate::failpoint::hit("engine.after_requeue");
-                Ok(Outcome::Done)
+                let again = Again {
+                    delay_ms,
+                    priority: 0,
+                    marker,
+                    reason,
+                };
+                self.come_back(cx, &run, sj, &kind, again).await
+            }
+            StageEffect::Yield { marker, reason } => {
+                let again = Again {
+                    delay_ms: 0,
+                    priority: super::YIELD_PRIORITY,
+                    marker,
+                    reason,
+                };
+                self.come_back(cx, &run, sj, &kind, again).await
             }
             StageEffect::Produced { outcome } => self.finish_stage(cx, run, outcome).await,
         }
+    }
+
+    /// Ends this job with a follow-up of the same stage visit (`Requeue`, `Yield`): commits
+    /// what the executor wrote, enqueues the follow-up (once per job: its dedupe key) and says
+    /// so in a `stage.requeued`, except for the routine follow-ups of an executor that defers
+    /// its worktree (a watch's ticks: one event per poll would bury the rest of the history;
+    /// the polls are in the watch's series and its log).
+    async fn come_back(
+        &self,
+        cx: &JobContext,
+        run: &StageRun,
+        sj: StageJob,
+        kind: &str,
+        again: Again,
+    ) -> Result<Outcome> {
+        let Again {
+            delay_ms,
+            priority,
+            marker,
+            reason,
+        } = again;
+        // A deferred worktree nobody prepared holds nothing of this job's.
+        if run.prep.is_ready() {
+            self.commit(cx, run, "progress").await?;
+        }
+        let routine = run.prep.is_deferred() && !markers::parse(&cx.job.task_content).is_empty();
+        let mut job = NewJob::new(kind, sj.with_marker(&marker))
+            .task(run.task.id)
+            .delay_ms(i64::try_from(delay_ms).unwrap_or(i64::MAX))
+            .priority(priority)
+            .max_attempts(STAGE_ATTEMPTS)
+            .dedupe(dedupe::requeue_of(cx.job.id));
+        if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
+            job = job.node(self.cfg.node.clone());
+        }
+        self.store.enqueue(job).await?;
+        if !routine || priority != 0 {
+            self.event(
+                run,
+                events::STAGE_REQUEUED,
+                &reason,
+                Some(serde_json::json!({
+                    "delay_ms": delay_ms, "marker": marker, "priority": priority,
+                })),
+            )
+            .await;
+        }
+        crate::failpoint::hit("engine.after_requeue");
+        Ok(Outcome::Done)
     }
 
     async fn finish_stage(
@@ -838,6 +879,14 @@ async fn ready_worktree(
     }
     repos::prepare_worktree(git, paths, work_item, &repo.default_branch).await?;
     Ok(())
+}
+
+/// A follow-up job of the same stage visit (see [`Engine::come_back`]).
+struct Again {
+    delay_ms: u64,
+    priority: i64,
+    marker: String,
+    reason: String,
 }
 
 enum Prep {

@@ -9,7 +9,7 @@ pub mod executor;
 mod handler;
 pub mod intake;
 
-pub use executor::{StageEffect, StageExecutor, StageRun, WorktreePrep};
+pub use executor::{StageEffect, StageExecutor, StageRun, WorktreePrep, YIELD_PRIORITY};
 pub use handler::{Engine, EngineConfig, INTAKE, STAGE_ATTEMPTS, first_job, job_kind};
 
 /// The payload of a stage job: which stage visit it belongs to. Markers (defers, ticks) are
