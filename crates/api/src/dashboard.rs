@@ -708,18 +708,14 @@ pub(crate) async fn index(
         let points = state.ops.observation_series(&o.work_item_id).await;
         series.insert(o.work_item_id.clone(), points);
     }
+    let mut events = events_of(&state, &tasks).await;
     let mut rows = Vec::with_capacity(tasks.len());
     let mut repos: Vec<String> = Vec::new();
     for t in &tasks {
-        // Only for the visit/loop counts and the outcome: a failed read draws the row without.
-        let events = state.store.task_events(t.id).await.unwrap_or_else(|e| {
-            tracing::warn!(error = %e, task_id = t.id, "dashboard: cannot read a task's events");
-            Vec::new()
-        });
         if !repos.contains(&t.repo) {
             repos.push(t.repo.clone());
         }
-        rows.push(TaskRow::new(t, &events));
+        rows.push(TaskRow::new(t, &events.remove(&t.id).unwrap_or_default()));
     }
     repos.sort();
     let page = IndexPage {
@@ -743,6 +739,23 @@ pub(crate) async fn index(
         process_started: fmt_time(state.started_at_ms),
     };
     Ok(render(&page))
+}
+
+/// The events of the listed tasks, read at once (a read per row made a page of 200 tasks 200
+/// queries). Only for the rows' visit/loop counts and outcomes: a failed read draws the rows
+/// without them.
+async fn events_of(
+    state: &ApiState,
+    tasks: &[orch_store::Task],
+) -> std::collections::HashMap<i64, Vec<orch_store::Event>> {
+    let ids: Vec<i64> = tasks.iter().map(|t| t.id).collect();
+    match state.store.events_of_tasks(&ids, &[]).await {
+        Ok(events) => orch_store::group_by_task(events),
+        Err(e) => {
+            tracing::warn!(error = %e, "dashboard: cannot read the tasks' events");
+            std::collections::HashMap::new()
+        }
+    }
 }
 
 /// The `{id}` of a dashboard path, validated; failures become an HTML page.
@@ -930,11 +943,12 @@ pub(crate) async fn repo_page(
                 format!("no task for repo {repo}"),
             )
         })?;
-    let mut in_flight = Vec::new();
-    for t in &story.in_flight {
-        let events = state.store.task_events(t.id).await.unwrap_or_default();
-        in_flight.push(TaskRow::new(t, &events));
-    }
+    let mut events = events_of(&state, &story.in_flight).await;
+    let in_flight = story
+        .in_flight
+        .iter()
+        .map(|t| TaskRow::new(t, &events.remove(&t.id).unwrap_or_default()))
+        .collect();
     let finished = story
         .finished
         .iter()

@@ -686,30 +686,10 @@ pub type TrackView = (
 pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>> {
     use std::collections::BTreeMap;
     let mut by_repo: BTreeMap<String, TrackView> = BTreeMap::new();
-    for stage in pipeline.release_track() {
-        let tasks = store
-            .list_tasks(&orch_store::TaskFilter {
-                stage: Some(stage.as_str().to_owned()),
-                repo: None,
-                limit: 1000,
-                offset: 0,
-            })
-            .await?;
-        for t in tasks {
-            let events = store.task_events(t.id).await?;
-            let entry = by_repo
-                .entry(t.repo.clone())
-                .or_insert_with(|| (t.repo.clone(), None, None, Vec::new()));
-            entry.1 = Some((t.work_item_id.clone(), t.stage.clone()));
-            entry.2 = open_hold(&events);
-        }
-    }
-    // The waiters: tasks off the track (a refused entry leaves a task at the stage it
-    // finished) whose current visit was refused. Read per task in flight, so the cost follows
-    // what is in flight, not every wait the database ever recorded.
     let track = pipeline.release_track();
-    let mut waiting: BTreeMap<i64, (String, String)> = BTreeMap::new();
-    for stage in pipeline.stages.iter().filter(|s| !track.contains(&s.name)) {
+    let mut holders = Vec::new();
+    let mut others = Vec::new();
+    for stage in &pipeline.stages {
         let tasks = store
             .list_tasks(&orch_store::TaskFilter {
                 stage: Some(stage.name.as_str().to_owned()),
@@ -718,16 +698,45 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
                 offset: 0,
             })
             .await?;
-        for t in tasks {
-            let refused = store
-                .task_events(t.id)
-                .await?
-                .iter()
-                .rev()
-                .any(|e| e.kind == events::RELEASE_WAITING && seq_of(e) == Some(t.stage_seq));
-            if refused {
-                waiting.insert(t.id, (t.repo.clone(), t.work_item_id.clone()));
-            }
+        match track.contains(&stage.name) {
+            true => holders.extend(tasks),
+            false => others.extend(tasks),
+        }
+    }
+    // One read for all holders' holds and one for every other task's waits: with hundreds of
+    // items in flight, a read per task made each `GET /queue` hundreds of queries.
+    let ids = |tasks: &[orch_store::Task]| tasks.iter().map(|t| t.id).collect::<Vec<_>>();
+    let mut holds = orch_store::group_by_task(
+        store
+            .events_of_tasks(
+                &ids(&holders),
+                &[events::RELEASE_HELD, events::RELEASE_UNHELD],
+            )
+            .await?,
+    );
+    for t in holders {
+        let hold = open_hold(&holds.remove(&t.id).unwrap_or_default());
+        let entry = by_repo
+            .entry(t.repo.clone())
+            .or_insert_with(|| (t.repo.clone(), None, None, Vec::new()));
+        entry.1 = Some((t.work_item_id.clone(), t.stage.clone()));
+        entry.2 = hold;
+    }
+    // The waiters: tasks off the track (a refused entry leaves a task at the stage it
+    // finished) whose current visit was refused. Only the waits of tasks in flight are read,
+    // so the cost follows what is in flight, not every wait the database ever recorded.
+    let waits = orch_store::group_by_task(
+        store
+            .events_of_tasks(&ids(&others), &[events::RELEASE_WAITING])
+            .await?,
+    );
+    let mut waiting: BTreeMap<i64, (String, String)> = BTreeMap::new();
+    for t in others {
+        let refused = waits
+            .get(&t.id)
+            .is_some_and(|evs| evs.iter().any(|e| seq_of(e) == Some(t.stage_seq)));
+        if refused {
+            waiting.insert(t.id, (t.repo.clone(), t.work_item_id.clone()));
         }
     }
     for (repo, id) in waiting.into_values() {

@@ -23,7 +23,7 @@ use crate::driver::{Driver, Statements};
 use crate::error::{Result, StoreError};
 use crate::migrate::{self, MigrateReport};
 use crate::model::*;
-use crate::{Clock, sql, stage_job_key};
+use crate::{Clock, EVENTS_OF_TASKS_CHUNK, sql, stage_job_key};
 
 /// A store on one database: the shared rules over the driver `D`.
 #[derive(Debug, Clone)]
@@ -555,6 +555,21 @@ where
             .bind(task_id)
             .fetch_all(self.d.reader())
             .await?)
+    }
+
+    pub async fn events_of_tasks(&self, task_ids: &[i64], kinds: &[&str]) -> Result<Vec<Event>> {
+        let kinds = serde_json::to_string(kinds).map_err(|e| StoreError::Invalid(e.to_string()))?;
+        let mut events = Vec::new();
+        for ids in task_ids.chunks(EVENTS_OF_TASKS_CHUNK) {
+            let ids = serde_json::to_string(ids).map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let chunk: Vec<Event> = sqlx::query_as(self.sql.events_of_tasks.as_str())
+                .bind(ids)
+                .bind(&kinds)
+                .fetch_all(self.d.reader())
+                .await?;
+            events.extend(chunk);
+        }
+        Ok(events)
     }
 
     pub async fn events_by_kind(

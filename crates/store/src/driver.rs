@@ -35,6 +35,9 @@ pub trait Driver: Send + Sync + 'static {
     /// `$1 repo, $2 task_id, $3 stages (a JSON array of strings)` → `work_item_id, stage` of
     /// another task of the repo at one of the stages (`advance_stage_exclusive`).
     const TRACK_HOLDER: &'static str;
+    /// The `WHERE` of `events_of_tasks`: `$1 task ids, $2 kinds` (both JSON arrays; no kinds:
+    /// every kind).
+    const EVENTS_OF_TASKS_WHERE: &'static str;
     /// → whether the orch schema exists (its `events` table), as a boolean.
     const SCHEMA_EXISTS: &'static str;
     /// This backend's migrations, oldest first.
@@ -105,6 +108,8 @@ pub struct Statements {
     /// `$1 now, $2 limit` → `id, attempt, max_attempts, task_id, locked_by` of expired leases.
     pub expired_leases: String,
     pub list_tasks: String,
+    /// `$1 task ids, $2 kinds` (JSON arrays) → their events, by task then oldest first.
+    pub events_of_tasks: String,
 }
 
 impl Statements {
@@ -122,6 +127,11 @@ impl Statements {
                 D::FOR_UPDATE_SKIP_LOCKED
             ),
             list_tasks: sql::select_tasks(D::LIST_TASKS_WHERE),
+            events_of_tasks: format!(
+                "SELECT {} FROM events {} ORDER BY task_id, id",
+                sql::EVENT_COLUMNS,
+                D::EVENTS_OF_TASKS_WHERE
+            ),
         }
     }
 }

@@ -455,6 +455,14 @@ impl Store {
         dispatch!(self, task_events(task_id))
     }
 
+    /// The events of many tasks in one read per [`EVENTS_OF_TASKS_CHUNK`] tasks (a page
+    /// listing tasks reads them all at once instead of one task at a time), by task in the
+    /// order of `task_ids`' chunks, each task's oldest first; only the `kinds` given, or every
+    /// kind when none is. Group them with [`group_by_task`].
+    pub async fn events_of_tasks(&self, task_ids: &[i64], kinds: &[&str]) -> Result<Vec<Event>> {
+        dispatch!(self, events_of_tasks(task_ids, kinds))
+    }
+
     /// Events of one kind (any task), oldest first, after `after_id`.
     pub async fn events_by_kind(
         &self,
@@ -502,6 +510,20 @@ impl Store {
 
 /// Largest `task_content` accepted (1 MiB): payloads are references, not documents.
 pub const MAX_TASK_CONTENT: usize = 1 << 20;
+
+/// Tasks whose events [`Store::events_of_tasks`] reads in one statement.
+pub const EVENTS_OF_TASKS_CHUNK: usize = 500;
+
+/// Events (as [`Store::events_of_tasks`] returns them) by task id, each task's oldest first.
+pub fn group_by_task(events: Vec<Event>) -> std::collections::HashMap<i64, Vec<Event>> {
+    let mut by_task: std::collections::HashMap<i64, Vec<Event>> = std::collections::HashMap::new();
+    for e in events {
+        if let Some(task_id) = e.task_id {
+            by_task.entry(task_id).or_default().push(e);
+        }
+    }
+    by_task
+}
 
 fn validate_new_job(job: &NewJob) -> Result<()> {
     let bad = |msg: String| Err(StoreError::Invalid(msg));

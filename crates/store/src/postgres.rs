@@ -58,6 +58,9 @@ impl Driver for PgDriver {
          length($1::text) + 2) AS BIGINT)) \
          FROM tasks WHERE substr(work_item_id, 1, length($1::text) + 1) = $1::text || '-' \
          AND substr(work_item_id, length($1::text) + 2) ~ '^[0-9]{1,18}$'";
+    const EVENTS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN \
+         (SELECT jsonb_array_elements_text($1::text::jsonb)::bigint) \
+         AND ($2::text = '[]' OR kind IN (SELECT jsonb_array_elements_text($2::text::jsonb)))";
     const SCHEMA_EXISTS: &'static str = "SELECT to_regclass('events') IS NOT NULL";
     const MIGRATIONS: &'static [Migration] = migrate::POSTGRES;
 

@@ -53,6 +53,9 @@ impl Driver for SqliteDriver {
          length($1) + 2) AS INTEGER)) FROM tasks \
          WHERE substr(work_item_id, 1, length($1) + 1) = $1 || '-' \
          AND substr(work_item_id, length($1) + 2) NOT GLOB '*[^0-9]*'";
+    const EVENTS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN \
+         (SELECT value FROM json_each($1)) \
+         AND ($2 = '[]' OR kind IN (SELECT value FROM json_each($2)))";
     const SCHEMA_EXISTS: &'static str = "SELECT EXISTS (SELECT 1 FROM sqlite_master \
          WHERE type = 'table' AND name = 'events')";
     const MIGRATIONS: &'static [Migration] = migrate::SQLITE;

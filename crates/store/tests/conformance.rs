@@ -58,6 +58,7 @@ conformance!(
     queue_stats_counts_kinds_and_leases,
     migrate_is_idempotent_and_versioned,
     wakeups_fire_on_enqueue,
+    events_of_many_tasks_are_read_at_once_per_task_oldest_first,
     agent_runs_and_usage,
     bulk_enqueue_skips_duplicates,
     list_tasks_filters_and_pages_newest_first,
@@ -1538,6 +1539,71 @@ async fn appended_events_are_read_back_by_task_and_by_kind(db: TestDb) {
         vec![first]
     );
     assert!(s.events_by_kind("none", 0, 10).await.unwrap().is_empty());
+}
+
+async fn events_of_many_tasks_are_read_at_once_per_task_oldest_first(db: TestDb) {
+    let s = &db.store;
+    // More tasks than one statement reads, so the chunks are joined in order.
+    let n = EVENTS_OF_TASKS_CHUNK + 3;
+    let mut tasks = Vec::with_capacity(n);
+    for _ in 0..n {
+        tasks.push(new_task(s, false).await);
+    }
+    for (i, t) in tasks.iter().enumerate() {
+        s.append_event(NewEvent::new("note", format!("note {i}")).task(t.id))
+            .await
+            .unwrap();
+        if i % 2 == 0 {
+            s.append_event(NewEvent::new("probe.result", format!("probe {i}")).task(t.id))
+                .await
+                .unwrap();
+        }
+    }
+    let unrelated = new_task(s, false).await;
+    s.append_event(NewEvent::new("note", "not asked for").task(unrelated.id))
+        .await
+        .unwrap();
+
+    let ids: Vec<i64> = tasks.iter().map(|t| t.id).collect();
+    let all = s.events_of_tasks(&ids, &[]).await.unwrap();
+    assert_eq!(
+        all.len(),
+        n * 2 + n.div_ceil(2),
+        "submitted, note, and every other probe"
+    );
+    assert!(all.iter().all(|e| e.task_id != Some(unrelated.id)));
+    let by_task = group_by_task(all);
+    for (i, t) in tasks.iter().enumerate() {
+        let own = &by_task[&t.id];
+        assert_eq!(
+            own,
+            &s.task_events(t.id).await.unwrap(),
+            "as task_events reads them"
+        );
+        let kinds: Vec<&str> = own.iter().map(|e| e.kind.as_str()).collect();
+        let want = match i % 2 {
+            0 => vec!["task.submitted", "note", "probe.result"],
+            _ => vec!["task.submitted", "note"],
+        };
+        assert_eq!(kinds, want, "task {i}: oldest first");
+    }
+
+    let probes = s.events_of_tasks(&ids, &["probe.result"]).await.unwrap();
+    assert_eq!(probes.len(), n.div_ceil(2));
+    assert!(probes.iter().all(|e| e.kind == "probe.result"));
+    let two_kinds = s
+        .events_of_tasks(&ids[..4], &["probe.result", "task.submitted"])
+        .await
+        .unwrap();
+    assert_eq!(two_kinds.len(), 4 + 2);
+    assert!(s.events_of_tasks(&[], &[]).await.unwrap().is_empty());
+    assert!(
+        s.events_of_tasks(&[-1, i64::MAX], &[])
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(s.events_of_tasks(&ids, &["none"]).await.unwrap().is_empty());
 }
 
 async fn target_names_the_database_and_close_ends_the_store(db: TestDb) {
