@@ -70,6 +70,15 @@ pub struct BenchItemsArgs {
     /// Think time of the scripted agent per run, milliseconds (`ORCH_DEMO_AGENT_SLEEP_MS`).
     #[arg(long, default_value_t = 0)]
     pub think_ms: u64,
+    /// Up to this many milliseconds more per agent run, drawn per run
+    /// (`ORCH_DEMO_AGENT_SLEEP_JITTER_MS`): real agents never take the same time, so items
+    /// submitted together drift apart instead of reaching every stage in the same second.
+    #[arg(long, default_value_t = 0)]
+    pub think_jitter_ms: u64,
+    /// Spread the submissions evenly over this many seconds (0: one right after the other,
+    /// so all items arrive in a burst).
+    #[arg(long, default_value_t = 0.0)]
+    pub submit_over_s: f64,
     /// Period of the samples (`GET /queue`, `GET /`, a task page, /proc), milliseconds.
     #[arg(long, default_value_t = 250)]
     pub sample_ms: u64,

@@ -205,6 +205,7 @@ impl Serve {
         workers: usize,
         agent_slots: u32,
         think_ms: u64,
+        think_jitter_ms: u64,
         path_first: Option<&Path>,
     ) -> Result<Serve> {
         let log_file = std::fs::File::create(log)
@@ -229,6 +230,10 @@ impl Serve {
             .env("ORCH_WORKERS", workers.to_string())
             .env("ORCH_AGENT_CONCURRENCY", agent_slots.to_string())
             .env("ORCH_DEMO_AGENT_SLEEP_MS", think_ms.to_string())
+            .env(
+                "ORCH_DEMO_AGENT_SLEEP_JITTER_MS",
+                think_jitter_ms.to_string(),
+            )
             .env_remove("ORCH_DATABASE_URL")
             .env_remove("ORCH_FAILPOINTS")
             .stdin(Stdio::null())
@@ -452,11 +457,15 @@ async fn submit_all(
     token: String,
     repo: String,
     n: usize,
+    over: Duration,
     ids: tokio::sync::mpsc::UnboundedSender<String>,
 ) -> Result<Submits> {
     let t0 = Instant::now();
     let mut ms = Vec::with_capacity(n);
     for i in 1..=n {
+        // Paced: item i goes at its share of `over` (none when `over` is zero).
+        let at = t0 + over.mul_f64((i - 1) as f64 / n.max(1) as f64);
+        tokio::time::sleep_until(at.into()).await;
         let body = serde_json::json!({
             "repo": repo,
             "title": format!("Add a note ({i} of {n})"),
@@ -545,6 +554,7 @@ async fn run(
         workers,
         agent_slots,
         args.think_ms,
+        args.think_jitter_ms,
         git_trace.as_ref().map(|g| g.dir.as_path()),
     )?;
     if let Err(e) = queue::wait_healthy(port, t_start, Duration::from_secs(30)).await {
@@ -558,8 +568,14 @@ async fn run(
     };
     eprintln!(
         "orch serve up on 127.0.0.1:{port} ({backend}): {workers} workers, {agent_slots} agent \
-         slots, agent think time {} ms; submitting {n} items",
-        args.think_ms
+         slots, agent think time {} ms + up to {} ms; submitting {n} items{}",
+        args.think_ms,
+        args.think_jitter_ms,
+        if args.submit_over_s > 0.0 {
+            format!(" over {:.0} s", args.submit_over_s)
+        } else {
+            String::new()
+        }
     );
 
     let (id_tx, mut id_rx) = tokio::sync::mpsc::unbounded_channel();
@@ -568,6 +584,7 @@ async fn run(
         project.token.clone(),
         project.repo.clone(),
         n,
+        Duration::from_secs_f64(args.submit_over_s.max(0.0)),
         id_tx,
     )));
     let mut submits = None;
@@ -695,6 +712,8 @@ async fn run(
         workers,
         agent_slots,
         think_ms: args.think_ms,
+        think_jitter_ms: args.think_jitter_ms,
+        submit_over_s: args.submit_over_s,
         sample_ms: args.sample_ms,
         backend,
         to_end: args.to_end,
@@ -1048,6 +1067,8 @@ struct Report<'a> {
     workers: usize,
     agent_slots: u32,
     think_ms: u64,
+    think_jitter_ms: u64,
+    submit_over_s: f64,
     sample_ms: u64,
     backend: &'static str,
     to_end: bool,
@@ -1090,13 +1111,15 @@ impl Report<'_> {
             "every item passed verification"
         };
         eprintln!(
-            "\n{} items on one repo, {} backend, {} workers, {} agent slots, think time {} ms: \
-             {} after {:.1} s{}",
+            "\n{} items on one repo, {} backend, {} workers, {} agent slots, think time {} ms \
+             + up to {} ms, submitted over {:.0} s: {} after {:.1} s{}",
             self.n,
             self.backend,
             self.workers,
             self.agent_slots,
             self.think_ms,
+            self.think_jitter_ms,
+            self.submit_over_s,
             if self.limited { "limit reached" } else { what },
             self.wall_s,
             if self.limited {
@@ -1291,7 +1314,8 @@ impl Report<'_> {
         to_track_j["unit"] = "ms".into();
         serde_json::json!({
             "items": self.n, "workers": self.workers, "agent_concurrency": self.agent_slots,
-            "think_ms": self.think_ms, "backend": self.backend,
+            "think_ms": self.think_ms, "think_jitter_ms": self.think_jitter_ms,
+            "submit_over_s": self.submit_over_s, "backend": self.backend,
             "until": if self.to_end { "ended" } else { "past verification" },
             "limit_reached": self.limited, "wall_s": round2(self.wall_s),
             "past_verification": self.progress.passed, "ended": self.progress.ended,

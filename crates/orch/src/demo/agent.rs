@@ -55,7 +55,23 @@ pub fn run() -> Result<ExitCode> {
         .and_then(|v| v.parse::<u64>().ok())
         .unwrap_or(300)
         .min(600_000);
-    std::thread::sleep(std::time::Duration::from_millis(think_ms));
+    // Up to this much more, drawn per run (benchmarks: real agents never take the same time,
+    // so items submitted together do not stay in lockstep).
+    let jitter_ms = std::env::var("ORCH_DEMO_AGENT_SLEEP_JITTER_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .unwrap_or(0)
+        .min(600_000);
+    let extra_ms = match jitter_ms {
+        0 => 0,
+        j => {
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| u64::from(d.subsec_nanos()));
+            (nanos ^ u64::from(std::process::id()).wrapping_mul(0x9e37_79b9_7f4a_7c15)) % j
+        }
+    };
+    std::thread::sleep(std::time::Duration::from_millis(think_ms + extra_ms));
     let written = produce(&e, &request, &prompt, scenario)?;
     let input_tokens = (prompt.len() / 4) as u64 + 120;
     let output_tokens = (written / 4) as u64 + 40;
