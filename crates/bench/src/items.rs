@@ -230,6 +230,14 @@ impl Serve {
             .env("ORCH_WORKERS", workers.to_string())
             .env("ORCH_AGENT_CONCURRENCY", agent_slots.to_string())
             .env("ORCH_DEMO_AGENT_SLEEP_MS", think_ms.to_string())
+            // The demo's 60 s agent limit would kill a slower scripted agent mid-run and fail
+            // its item: the limit is the longest think time and a minute more.
+            .env(
+                "ORCH_AGENT_TIMEOUT_S",
+                ((think_ms + think_jitter_ms) / 1000 + 60)
+                    .max(60)
+                    .to_string(),
+            )
             .env(
                 "ORCH_DEMO_AGENT_SLEEP_JITTER_MS",
                 think_jitter_ms.to_string(),
@@ -386,6 +394,9 @@ struct Progress {
     /// Past the last stage before the release track: waiting for the track, on it, or ended.
     passed: usize,
     ended: usize,
+    /// Ended failed or cancelled (a clean run has none: the figures of a run with some are not
+    /// those of the work the items were meant to do).
+    failed: usize,
     /// Before the track and not waiting for it.
     before_track: usize,
 }
@@ -412,6 +423,10 @@ impl Progress {
         let tasks = all_tasks(store).await?;
         self.tasks = tasks.len();
         self.ended = tasks.iter().filter(|t| t.is_terminal()).count();
+        self.failed = tasks
+            .iter()
+            .filter(|t| t.is_terminal() && t.stage != orch_domain::control::DONE)
+            .count();
         self.passed = tasks
             .iter()
             .filter(|t| {
@@ -1105,10 +1120,10 @@ impl Report<'_> {
     fn print(self) -> serde_json::Value {
         let s = self.sampled;
         let a = self.analysis;
-        let what = if self.to_end {
-            "every item ended"
-        } else {
-            "every item passed verification"
+        let what = match (self.to_end, self.progress.failed) {
+            (true, _) => "every item ended".to_owned(),
+            (false, 0) => "every item passed verification".to_owned(),
+            (false, n) => format!("every item passed verification or ended ({n} failed)"),
         };
         eprintln!(
             "\n{} items on one repo, {} backend, {} workers, {} agent slots, think time {} ms \
@@ -1120,7 +1135,11 @@ impl Report<'_> {
             self.think_ms,
             self.think_jitter_ms,
             self.submit_over_s,
-            if self.limited { "limit reached" } else { what },
+            if self.limited {
+                "limit reached"
+            } else {
+                what.as_str()
+            },
             self.wall_s,
             if self.limited {
                 format!(
@@ -1131,6 +1150,14 @@ impl Report<'_> {
                 String::new()
             }
         );
+        if self.progress.failed > 0 {
+            eprintln!(
+                "  WARNING: {} items failed or were cancelled (see `orch serve`'s log with \
+                 --keep): they left the pipeline early, so this run does not measure the work \
+                 they were meant to do",
+                self.progress.failed
+            );
+        }
         let mut submit_ms = self.submits.ms.clone();
         eprintln!(
             "  submit: {} items in {:.2} s ({:.0}/s), POST /tasks p50 {:.1} ms p99 {:.1} ms",
@@ -1319,6 +1346,7 @@ impl Report<'_> {
             "until": if self.to_end { "ended" } else { "past verification" },
             "limit_reached": self.limited, "wall_s": round2(self.wall_s),
             "past_verification": self.progress.passed, "ended": self.progress.ended,
+            "failed": self.progress.failed,
             "submit": {
                 "seconds": round2(self.submits.seconds),
                 "post_ms": stats(&mut submit_ms),

@@ -371,9 +371,11 @@ fn write_agent_script(dir: &Path, exe: &Path) -> Result<PathBuf> {
 fn demo_config(agent: &Path, state: &Path, prod: u16, staging: u16, api: u16) -> String {
     let exe = toml_str(&agent.display().to_string());
     let st = state.display().to_string();
+    // The agents' time limit is `[settings] agent_timeout_s` (60 s), so `ORCH_AGENT_TIMEOUT_S`
+    // can raise it (a benchmark's slower scripted agents).
     let agent = |name: &str| {
         format!(
-            "[agents.{name}]\nbackend = \"claude\"\ncommand = {exe}\nmodel = \"demo-scripted-1\"\ntimeout_s = 60\n\n"
+            "[agents.{name}]\nbackend = \"claude\"\ncommand = {exe}\nmodel = \"demo-scripted-1\"\n\n"
         )
     };
     let mut s = format!(
