@@ -550,6 +550,42 @@ where
         Self::insert_event(&mut conn, &event, self.now()).await
     }
 
+    /// [`Store::append_event`] on behalf of a running job: written only while `lease` still
+    /// holds (the job is running in that attempt), else `StoreError::LeaseLost` and nothing is
+    /// written. What a job's attempt records (a release held, a rollback, a deploy's result) is
+    /// state later jobs act on: an attempt that lost its job must not leave it behind.
+    pub async fn append_event_fenced(&self, lease: Lease, event: NewEvent) -> Result<i64> {
+        let now = self.now();
+        let mut tx = self.d.begin().await?;
+        self.lock_running(&mut tx, lease).await?;
+        let id = Self::insert_event(&mut tx, &event, now).await?;
+        self.d.commit(tx, false).await?;
+        Ok(id)
+    }
+
+    /// Test support (`orch_store::testing::start_job`): job `job_id` as a claim by `worker`
+    /// would leave it, whatever its queue position or due time: running, its attempt bumped
+    /// (kept when it is already running: a test re-running the same attempt), leased for
+    /// `lease_ms`. Executors under test then hold a real lease, so their fenced writes are
+    /// checked as in a worker.
+    #[cfg(feature = "testing")]
+    pub async fn start_job(&self, job_id: i64, worker: &str, lease_ms: i64) -> Result<Lease> {
+        let now = self.now();
+        let attempt: Option<i64> = sqlx::query_scalar(
+            "UPDATE jobs SET attempt = CASE WHEN state = 'running' THEN attempt ELSE attempt + 1 END, \
+             state = 'running', locked_by = $2, started_at = $3, lease_expires_at = $4 \
+             WHERE id = $1 AND state IN ('queued', 'running') RETURNING attempt",
+        )
+        .bind(job_id)
+        .bind(worker)
+        .bind(now)
+        .bind(now + lease_ms)
+        .fetch_optional(self.d.writer())
+        .await?;
+        let attempt = attempt.ok_or(StoreError::JobNotFound(job_id))?;
+        Ok(Lease { job_id, attempt })
+    }
+
     pub async fn task_events(&self, task_id: i64) -> Result<Vec<Event>> {
         Ok(sqlx::query_as(sql::TASK_EVENTS.as_str())
             .bind(task_id)

@@ -450,6 +450,12 @@ impl Store {
         dispatch!(self, append_event(event))
     }
 
+    /// An event a running job records, written only while `lease` holds; `StoreError::LeaseLost`
+    /// (nothing written) once the job was rescued, cancelled, taken over or finished.
+    pub async fn append_event_fenced(&self, lease: Lease, event: NewEvent) -> Result<i64> {
+        dispatch!(self, append_event_fenced(lease, event))
+    }
+
     /// A task's events, oldest first.
     pub async fn task_events(&self, task_id: i64) -> Result<Vec<Event>> {
         dispatch!(self, task_events(task_id))

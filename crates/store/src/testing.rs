@@ -8,7 +8,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::{Backend, ConnectOptions, ManualClock, Store, StoreError};
+use crate::{Backend, ConnectOptions, Lease, ManualClock, Store, StoreError};
 
 /// Where the tests' PostgreSQL lives.
 pub fn pg_admin_url() -> String {
@@ -229,4 +229,18 @@ pub async fn drop_database(admin_url: &str, name: &str) -> Result<(), StoreError
     .await?;
     pool.close().await;
     Ok(())
+}
+
+/// Job `job_id` of `store` started as a claim by worker `test` would start it (see
+/// `Db::start_job`): running, leased for ten minutes, its lease returned. For tests that run an
+/// executor on a chosen job without a worker: the executor's fenced writes need a live lease.
+pub async fn start_job(store: &Store, job_id: i64) -> Lease {
+    let started = match store {
+        Store::Sqlite(s) => s.start_job(job_id, "test", 600_000).await,
+        Store::Postgres(s) => s.start_job(job_id, "test", 600_000).await,
+    };
+    match started {
+        Ok(lease) => lease,
+        Err(e) => panic!("cannot start job {job_id} for the test: {e}"),
+    }
 }

@@ -59,6 +59,7 @@ conformance!(
     migrate_is_idempotent_and_versioned,
     wakeups_fire_on_enqueue,
     events_of_many_tasks_are_read_at_once_per_task_oldest_first,
+    a_jobs_fenced_event_is_written_only_while_its_lease_holds,
     agent_runs_and_usage,
     bulk_enqueue_skips_duplicates,
     list_tasks_filters_and_pages_newest_first,
@@ -1539,6 +1540,58 @@ async fn appended_events_are_read_back_by_task_and_by_kind(db: TestDb) {
         vec![first]
     );
     assert!(s.events_by_kind("none", 0, 10).await.unwrap().is_empty());
+}
+
+async fn a_jobs_fenced_event_is_written_only_while_its_lease_holds(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, false).await;
+    s.enqueue(NewJob::new("monitor", "end").task(task.id))
+        .await
+        .unwrap();
+    let first = claim_one(s, "w1").await;
+    let held = NewEvent::new(events::RELEASE_HELD, "held by the first attempt").task(task.id);
+    s.append_event_fenced(first.lease, held.clone())
+        .await
+        .expect("the running attempt writes its event");
+    // The first attempt's worker is gone; the job runs again as attempt 2.
+    db.clock.advance_ms(LEASE + 1);
+    s.rescue_expired(Rescue::default()).await.unwrap();
+    let late = NewEvent::new(events::RELEASE_HELD, "held by the lost attempt").task(task.id);
+    let err = s
+        .append_event_fenced(first.lease, late.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::LeaseLost { .. }), "{err}");
+    db.clock.advance_ms(Rescue::default().backoff_ms(1));
+    let second = claim_one(s, "w2").await;
+    let err = s
+        .append_event_fenced(first.lease, late.clone())
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::LeaseLost { .. }), "{err}");
+    s.append_event_fenced(
+        second.lease,
+        NewEvent::new(events::RELEASE_UNHELD, "go on").task(task.id),
+    )
+    .await
+    .expect("the attempt that holds the job writes");
+    s.mark_job(second.lease, JobOutcome::Done, None)
+        .await
+        .unwrap();
+    let err = s.append_event_fenced(second.lease, late).await.unwrap_err();
+    assert!(
+        matches!(err, StoreError::LeaseLost { .. }),
+        "a finished job fences too: {err}"
+    );
+    let messages: Vec<String> = s
+        .task_events(task.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .filter(|e| e.kind.starts_with("release."))
+        .map(|e| e.message)
+        .collect();
+    assert_eq!(messages, ["held by the first attempt", "go on"]);
 }
 
 async fn events_of_many_tasks_are_read_at_once_per_task_oldest_first(db: TestDb) {

@@ -112,10 +112,12 @@ pub async fn enqueue(db: &TestDb, task: &Task, agent: &str, content: String) -> 
     first_lease(db, job_id).await
 }
 
-/// Job `job_id` with the lease its first claim gives it (attempt 1).
+/// Job `job_id` started as a claim starts it (running, attempt bumped, leased), with its lease:
+/// the executors' fenced writes hold as they do in a worker.
 pub async fn first_lease(db: &TestDb, job_id: i64) -> (Job, Lease) {
+    let lease = orch_store::testing::start_job(&db.store, job_id).await;
     let job = db.store.get_job(job_id).await.unwrap().unwrap();
-    (job, Lease { job_id, attempt: 1 })
+    (job, lease)
 }
 
 /// The `StageRun` of the existing job `job_id` of `task` under its first lease: the one fixture
