@@ -77,7 +77,7 @@ async fn record(run: &StageRun, kind: &str, message: String, data: serde_json::V
         .job(run.job.id)
         .stage(run.stage.name.as_str())
         .data(data.to_string());
-    if let Err(e) = run.store.append_event(event).await {
+    if let Err(e) = run.store.append_event_fenced(run.lease, event).await {
         tracing::warn!(work_item = %run.work_item, kind, error = %e, "could not append a release event");
     }
 }
@@ -569,8 +569,18 @@ async fn verify_revert(run: &StageRun, sha: &str) -> Result<Option<String>> {
     let out = orch_exec::run(&cmd)
         .await
         .with_context(|| format!("cannot run the test command `{command}` on the revert"))?;
-    if out.status == orch_exec::ExitKind::Cancelled {
-        bail!("cancelled while verifying the revert of {}", run.work_item);
+    match out.status {
+        // No verdict on the revert: the run is stopping, or the tests never finished. An error
+        // retries the job; only its last attempt holds the repo (see `deploy::monitor`).
+        orch_exec::ExitKind::Cancelled => {
+            bail!("cancelled while verifying the revert of {}", run.work_item)
+        }
+        orch_exec::ExitKind::TimedOut | orch_exec::ExitKind::Signaled(_) => bail!(
+            "`{command}` on the revert of {} {} before it gave a verdict",
+            run.work_item,
+            out.status
+        ),
+        orch_exec::ExitKind::Exited(_) => {}
     }
     Ok((!out.success()).then(|| {
         format!(
@@ -606,18 +616,26 @@ fn write_revert_log(run: &StageRun, old: &str, new: &str, commit: &str, why: &st
     crate::fsutil::write_atomic(&run.artifact_path(REVERT_LOG), &doc)
 }
 
-/// Holds the repo's releases with this task (rule 4). Never raises.
-pub async fn hold(run: &StageRun, reason: &str) {
-    record(
-        run,
+/// Holds the repo's releases with this task (rule 4), fenced by the job's lease: an attempt
+/// that lost its job (or could not write) holds nothing and says so, and the job's next
+/// attempt decides again.
+pub async fn hold(run: &StageRun, reason: &str) -> Result<()> {
+    let event = orch_store::NewEvent::new(
         events::RELEASE_HELD,
         format!(
             "repo {} is held: {reason}; later releases wait until an operator runs `orch approve {}` (go on) or `orch cancel {}`",
             run.repo_name, run.work_item, run.work_item
         ),
-        json!({"repo": run.repo_name.as_str(), "reason": reason}),
     )
-    .await;
+    .task(run.task.id)
+    .job(run.job.id)
+    .stage(run.stage.name.as_str())
+    .data(json!({"repo": run.repo_name.as_str(), "reason": reason}).to_string());
+    run.store
+        .append_event_fenced(run.lease, event)
+        .await
+        .with_context(|| format!("cannot hold repo {}", run.repo_name))?;
+    Ok(())
 }
 
 /// The hold this task's events still carry (a `release.held` without a later

@@ -305,6 +305,93 @@ async fn deploys_the_merged_revision_once_confirms_it_and_arms_the_watch() {
     assert_eq!(fx.runs(), 1, "never deployed twice");
 }
 
+/// A failed deploy takes its change out of the default branch. When the revert cannot give a
+/// verdict (here the repo's tests hang past their timeout), the attempt fails before anything
+/// is recorded, so the job's next attempt finds the failure unrecorded and reverts again (a
+/// recorded failure would be replayed without a revert); the last attempt records the failure
+/// with the revert's error, once.
+#[tokio::test]
+async fn a_failed_deploys_revert_that_cannot_run_is_retried_before_the_failure_is_recorded() {
+    let mut fx = Fx::new().await;
+    fx.repo.deploy = Some(format!("echo run >> {}/runs; exit 3", fx.ctl.display()));
+    fx.repo.test = Some("sleep 30".into());
+    fx.repo.test_timeout_s = 1;
+    std::fs::write(fx.repo_dir.join("change.txt"), "the change\n").unwrap();
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(&fx.repo_dir)
+            .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    git(&["add", "change.txt"]);
+    git(&[
+        "commit",
+        "-q",
+        "-m",
+        &format!("change\n\nWork-Item: {ITEM}"),
+    ]);
+    let merged = git(&["rev-parse", "main"]);
+    fx.db
+        .store
+        .append_event(
+            NewEvent::new(events::RELEASE_PROMOTED, "promoted")
+                .task(fx.task.id)
+                .data(
+                    serde_json::json!({
+                        "repo": "app", "old": fx.revision, "new": merged, "seq": fx.task.stage_seq,
+                    })
+                    .to_string(),
+                ),
+        )
+        .await
+        .unwrap();
+    let job = |max_attempts: i64| {
+        NewJob::new("deployer", fx.first_content())
+            .task(fx.task.id)
+            .max_attempts(max_attempts)
+    };
+    let first = fx.db.store.enqueue(job(3)).await.unwrap().job_id;
+    let run = fx.run_of(first).await;
+    let err = format!(
+        "{:#}",
+        DeployerExecutor::default().execute(&run).await.unwrap_err()
+    );
+    assert!(err.contains("did not finish (attempt 1 of 3)"), "{err}");
+    assert!(err.contains("timed out"), "{err}");
+    let kinds = fx.event_kinds().await;
+    assert!(
+        !kinds.iter().any(|k| k == events::DEPLOY_FAILED),
+        "nothing recorded yet: {kinds:?}"
+    );
+    assert_eq!(git(&["rev-parse", "main"]), merged, "nothing published");
+
+    let last = fx.db.store.enqueue(job(1)).await.unwrap().job_id;
+    let run = fx.run_of(last).await;
+    let outcome = match DeployerExecutor::default().execute(&run).await.unwrap() {
+        StageEffect::Produced { outcome: Some(o) } => o,
+        other => panic!("{other:?}"),
+    };
+    assert!(!passed(&outcome));
+    assert!(
+        outcome.reason.contains("the revert failed"),
+        "{}",
+        outcome.reason
+    );
+    let failed = fx
+        .db
+        .store
+        .events_by_kind(events::DEPLOY_FAILED, 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(fx.runs(), 1, "the failed deploy command is never run again");
+}
+
 #[tokio::test]
 async fn a_failing_deploy_command_fails_the_stage_with_its_output_tail() {
     let mut fx = Fx::new().await;

@@ -793,15 +793,24 @@ async fn the_trail_and_lessons_reach_the_default_branch_in_one_commit() {
 
 /// The revert of a rolled-back change goes through verification like a merge: the repo's test
 /// command runs on exactly the revert commit; when it fails, nothing is published and the repo
-/// holds with the reason.
+/// holds with the reason. Tests that never finish (timed out) are no verdict: an error, which
+/// the caller retries, and nothing published.
 #[tokio::test]
 async fn a_revert_is_verified_before_it_reaches_main() {
-    for (test, reverted) in [
-        ("test ! -f feature.txt", true),
-        ("test -f feature.txt", false),
+    #[derive(Debug, PartialEq)]
+    enum Want {
+        Reverted,
+        Held,
+        NoVerdict,
+    }
+    for (test, want) in [
+        ("test ! -f feature.txt", Want::Reverted),
+        ("test -f feature.txt", Want::Held),
+        ("sleep 30", Want::NoVerdict),
     ] {
         let mut fx = Fx::new("observe").await;
         fx.repo.test = Some(test.into());
+        fx.repo.test_timeout_s = 1;
         let before = git_out(&fx.repo_dir, &["rev-parse", "main"]);
         std::fs::write(fx.repo_dir.join("feature.txt"), "the change\n").unwrap();
         git_out(&fx.repo_dir, &["add", "feature.txt"]);
@@ -830,26 +839,56 @@ async fn a_revert_is_verified_before_it_reaches_main() {
             .await
             .unwrap();
         let run = fx.run("post-deploy-monitor", fx.content()).await;
-        let got = orch_runner::release::revert(&run, "health failed")
-            .await
-            .unwrap();
+        let got = orch_runner::release::revert(&run, "health failed").await;
         let main_now = git_out(&fx.repo_dir, &["rev-parse", "main"]);
-        if reverted {
-            assert!(
-                matches!(got, orch_runner::release::Reverted::Reverted { .. }),
-                "{got:?}"
-            );
-            assert_ne!(main_now, merged);
-        } else {
-            match got {
-                orch_runner::release::Reverted::Held { reason } => {
-                    assert!(reason.contains("fails verification"), "{reason}")
-                }
-                other => panic!("{other:?}"),
+        match (&want, got) {
+            (Want::Reverted, Ok(orch_runner::release::Reverted::Reverted { .. })) => {
+                assert_ne!(main_now, merged);
             }
-            assert_eq!(main_now, merged, "an unverified revert is not published");
+            (Want::Held, Ok(orch_runner::release::Reverted::Held { reason })) => {
+                assert!(reason.contains("fails verification"), "{reason}");
+                assert_eq!(main_now, merged, "an unverified revert is not published");
+            }
+            (Want::NoVerdict, Err(e)) => {
+                let e = format!("{e:#}");
+                assert!(e.contains("timed out before it gave a verdict"), "{e}");
+                assert_eq!(main_now, merged, "an unverified revert is not published");
+            }
+            (want, got) => panic!("`{test}`: wanted {want:?}, got {got:?}"),
         }
     }
+}
+
+/// A hold is fenced by the job's lease: an attempt whose job was rescued (its worker looked
+/// dead) writes no `release.held`, and says so; the attempt that holds the job does.
+#[tokio::test]
+async fn an_attempt_that_lost_its_job_holds_nothing() {
+    let fx = Fx::new("observe").await;
+    let run = fx.run("post-deploy-monitor", fx.content()).await;
+    fx.db.clock.advance_ms(11 * 60 * 1000);
+    let rescued = fx
+        .db
+        .store
+        .rescue_expired(orch_store::Rescue::default())
+        .await
+        .unwrap();
+    assert_eq!(rescued.requeued, vec![run.lease.job_id]);
+    let err = orch_runner::release::hold(&run, "the revert conflicts")
+        .await
+        .unwrap_err();
+    assert!(format!("{err:#}").contains("lease"), "{err:#}");
+    let held = |events: Vec<orch_store::Event>| {
+        events
+            .into_iter()
+            .filter(|e| e.kind == events::RELEASE_HELD)
+            .count()
+    };
+    assert_eq!(held(fx.db.store.task_events(fx.task.id).await.unwrap()), 0);
+    let next = fx.run("post-deploy-monitor", fx.content()).await;
+    orch_runner::release::hold(&next, "the revert conflicts")
+        .await
+        .unwrap();
+    assert_eq!(held(fx.db.store.task_events(fx.task.id).await.unwrap()), 1);
 }
 
 /// A revert an earlier attempt published on the default branch but died before recording

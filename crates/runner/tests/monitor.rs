@@ -1236,34 +1236,138 @@ async fn a_newer_deploy_of_the_repo_supersedes_the_watch_without_a_rollback() {
 }
 
 /// A rollback killed with orch before it ended (no result recorded) and production not back:
-/// the re-run runs it once more, and only once.
+/// the re-run runs it again — also after earlier reruns that orch's death interrupted too — up
+/// to `ROLLBACK_RERUNS` times per visit, never more (a rollback that kills orch cannot loop).
 #[tokio::test]
-async fn a_rollback_interrupted_before_it_ended_runs_once_more() {
+async fn an_interrupted_rollback_runs_again_a_bounded_number_of_times() {
+    for earlier_reruns in [
+        0,
+        orch_runner::deploy::ROLLBACK_RERUNS - 1,
+        orch_runner::deploy::ROLLBACK_RERUNS,
+    ] {
+        let mut fx = Fx::new().await;
+        std::fs::write(fx.ctl.join("health"), "500").unwrap();
+        fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
+        fx.arm();
+        // The first run was recorded as started and then died with orch (no command effect),
+        // and so did `earlier_reruns` reruns.
+        let seq = serde_json::json!({"seq": fx.task.stage_seq}).to_string();
+        let mut interrupted = vec![events::POST_DEPLOY_ROLLBACK_STARTED];
+        interrupted.extend((0..earlier_reruns).map(|_| events::POST_DEPLOY_ROLLBACK_RERUN));
+        for kind in interrupted {
+            fx.db
+                .store
+                .append_event(
+                    NewEvent::new(kind, "interrupted")
+                        .task(fx.task.id)
+                        .data(seq.clone()),
+                )
+                .await
+                .unwrap();
+        }
+        fx.drive(&exec(), no_change).await;
+        let runs = read(&fx.ctl.join("rolled_back")).lines().count();
+        let reruns = fx.events_of(events::POST_DEPLOY_ROLLBACK_RERUN).await;
+        let action = fx.log().unwrap().get_str("action_taken").map(str::to_owned);
+        if earlier_reruns < orch_runner::deploy::ROLLBACK_RERUNS {
+            assert_eq!(runs, 1, "run again after {earlier_reruns} earlier reruns");
+            assert_eq!(reruns.len(), earlier_reruns as usize + 1);
+            let last = reruns.last().unwrap();
+            assert!(
+                last.message
+                    .contains(&format!("rerun {} of at most", earlier_reruns + 1)),
+                "{}",
+                last.message
+            );
+            assert_eq!(action.as_deref(), Some("rollback"));
+        } else {
+            assert_eq!(runs, 0, "the bound: verified only");
+            assert_eq!(reruns.len(), earlier_reruns as usize);
+            assert_eq!(action.as_deref(), Some("rollback_failed"));
+        }
+    }
+}
+
+/// A FAILED watch whose change cannot be reverted because the revert itself cannot run (here:
+/// no git repository where orch's clone should be) has no verdict on the revert: the ending's
+/// attempt fails and holds nothing, so the job's next attempt tries again; only the job's last
+/// attempt holds the repo, naming the error. (A hold waits for an operator: one written by an
+/// attempt that merely hit a transient error stopped every later release of the repo.)
+#[tokio::test]
+async fn a_revert_that_cannot_run_holds_the_repo_only_on_the_last_attempt() {
     let mut fx = Fx::new().await;
     std::fs::write(fx.ctl.join("health"), "500").unwrap();
     fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
     fx.arm();
-    // The first run was recorded as started and then died with orch: no command effect.
     fx.db
         .store
         .append_event(
-            orch_store::NewEvent::new(events::POST_DEPLOY_ROLLBACK_STARTED, "started")
+            NewEvent::new(events::RELEASE_PROMOTED, "promoted")
                 .task(fx.task.id)
-                .data(serde_json::json!({"seq": fx.task.stage_seq}).to_string()),
+                .data(
+                    serde_json::json!({
+                        "repo": "app", "old": "0".repeat(40), "new": REV, "seq": fx.task.stage_seq,
+                    })
+                    .to_string(),
+                ),
         )
         .await
         .unwrap();
-    fx.drive(&exec(), no_change).await;
+    // The ticks, up to the verdict's ending job.
+    let mut content = fx.first_content();
+    loop {
+        let run = fx.run(content.clone()).await;
+        match exec().execute(&run).await.unwrap() {
+            StageEffect::Requeue {
+                delay_ms, marker, ..
+            } => {
+                fx.db.clock.advance_ms(i64::try_from(delay_ms).unwrap());
+                content = StageJob::from_content(&content)
+                    .unwrap()
+                    .with_marker(&marker);
+            }
+            StageEffect::Yield { marker, .. } => {
+                content = StageJob::from_content(&content)
+                    .unwrap()
+                    .with_marker(&marker);
+                break;
+            }
+            other => panic!("unexpected effect {other:?}"),
+        }
+    }
+    let ending = |max_attempts: i64| {
+        NewJob::new(AGENT, content.clone())
+            .task(fx.task.id)
+            .max_attempts(max_attempts)
+    };
+    // Attempt 1 of 3: an error, nothing held, the watch not ended.
+    let job = fx.db.store.enqueue(ending(3)).await.unwrap().job_id;
+    let run = fx.run_of(job).await;
+    let err = format!("{:#}", exec().execute(&run).await.unwrap_err());
+    assert!(err.contains("did not finish (attempt 1 of 3)"), "{err}");
+    assert!(fx.events_of(events::RELEASE_HELD).await.is_empty());
+    assert!(!fx.watch().is_done(), "the next attempt ends the watch");
+    assert_eq!(fx.events_of(events::POST_DEPLOY_ROLLBACK).await.len(), 1);
+    // The job's last attempt: the repo holds, with the error, and the watch ends.
+    let job = fx.db.store.enqueue(ending(1)).await.unwrap().job_id;
+    let run = fx.run_of(job).await;
+    match exec().execute(&run).await.unwrap() {
+        StageEffect::Produced { outcome: None } => {}
+        other => panic!("unexpected effect {other:?}"),
+    }
+    let held = fx.events_of(events::RELEASE_HELD).await;
+    assert_eq!(held.len(), 1, "{held:?}");
+    assert!(
+        held[0].message.contains("failed in all 1 attempts"),
+        "{}",
+        held[0].message
+    );
+    assert!(fx.watch().is_done());
     assert_eq!(
         read(&fx.ctl.join("rolled_back")).lines().count(),
         1,
-        "run once more"
+        "the rollback ran once: the second attempt verified it"
     );
-    assert_eq!(
-        fx.events_of(events::POST_DEPLOY_ROLLBACK_RERUN).await.len(),
-        1
-    );
-    assert_eq!(fx.log().unwrap().get_str("action_taken"), Some("rollback"));
 }
 
 /// Ends the watch as a failed task does, then has an operator retry it into `observe`.

@@ -572,22 +572,34 @@ impl DeployerExecutor {
         let started_before = this_visit(&[events::DEPLOY_ROLLBACK_STARTED]);
         let ended_before =
             this_visit(&[events::DEPLOY_ROLLED_BACK, events::DEPLOY_ROLLBACK_FAILED]);
-        let rerun_before = this_visit(&[events::DEPLOY_ROLLBACK_RERUN]);
+        let reruns = recorded
+            .iter()
+            .filter(|e| event_seq(e) == Some(seq) && e.kind == events::DEPLOY_ROLLBACK_RERUN)
+            .count();
+        let reruns = u32::try_from(reruns).unwrap_or(u32::MAX);
         let run_it = if !started_before {
             true
         } else if !ended_before
-            && !rerun_before
+            && reruns < super::ROLLBACK_RERUNS
             && !super::monitor::rolled_back_now(run, revision).await
         {
-            // The first run never ended (orch died while it ran, or before it began: the event
-            // is recorded first) and production is not back: run it once more (at most once
-            // per visit).
+            // The last run never ended (orch died while it ran, or before it began: the event
+            // is recorded first) and production is not back: run it again, a bounded number
+            // of times per visit.
             record(
                 run,
                 seq,
                 events::DEPLOY_ROLLBACK_RERUN,
-                format!("the rollback of the unconfirmed `{revision}` was interrupted and production is not back: running `{command}` once more"),
-                data([("revision", json!(revision)), ("command", json!(command))]),
+                format!(
+                    "the rollback of the unconfirmed `{revision}` was interrupted and production is not back: running `{command}` again (rerun {} of at most {})",
+                    reruns + 1,
+                    super::ROLLBACK_RERUNS
+                ),
+                data([
+                    ("revision", json!(revision)),
+                    ("command", json!(command)),
+                    ("rerun", json!(reruns + 1)),
+                ]),
             )
             .await?;
             true
@@ -660,7 +672,7 @@ impl DeployerExecutor {
             self.verify_interval,
             timeout,
         )
-        .await;
+        .await?;
         if verified {
             let why = format!("{reason}; rolled back `{revision}`, verified: {detail}");
             record(
@@ -800,7 +812,11 @@ fn arm(run: &StageRun, revision: &str) -> anyhow::Result<()> {
     }
 }
 
-/// Records a failed visit, clears the markers and fails the stage.
+/// Records a failed visit, clears the markers and fails the stage. The revert comes first: a
+/// revert that could not run (git, the tests, a stopping run) fails this attempt before
+/// anything is recorded, so the job's next attempt finds the visit unrecorded and tries again
+/// (a recorded failure is replayed, never reverted again). Only the last attempt records a
+/// failure whose revert failed.
 async fn fail(
     run: &StageRun,
     state: &DeployState,
@@ -809,6 +825,29 @@ async fn fail(
     reason: String,
     revision: &str,
 ) -> anyhow::Result<StageEffect> {
+    // A change that never ran healthy in production leaves the default branch, whatever
+    // `on_failure` says (hold is for changes that deployed and then failed their watch).
+    let reverted = match crate::release::revert(run, &reason).await {
+        Err(e) if run.cancel.is_cancelled() || run.job.attempt < run.job.max_attempts => {
+            return Err(e.context(format!(
+                "the revert of {} did not finish (attempt {} of {})",
+                run.work_item, run.job.attempt, run.job.max_attempts
+            )));
+        }
+        other => other,
+    };
+    let reason = match reverted {
+        Ok(crate::release::Reverted::Reverted { commit }) => {
+            format!(
+                "{reason}; reverted on `{}` by `{commit}`",
+                run.repo.default_branch
+            )
+        }
+        Ok(crate::release::Reverted::Held { reason: why }) => {
+            format!("{reason}; not reverted: {why}")
+        }
+        Err(e) => format!("{reason}; the revert failed: {e:#}"),
+    };
     record(
         run,
         seq,
@@ -824,20 +863,6 @@ async fn fail(
     };
     run.counters.incr("deployer", counter);
     crate::release::record_deployed(run, seq, revision, false).await;
-    // A change that never ran healthy in production leaves the default branch, whatever
-    // `on_failure` says (hold is for changes that deployed and then failed their watch).
-    let reason = match crate::release::revert(run, &reason).await {
-        Ok(crate::release::Reverted::Reverted { commit }) => {
-            format!(
-                "{reason}; reverted on `{}` by `{commit}`",
-                run.repo.default_branch
-            )
-        }
-        Ok(crate::release::Reverted::Held { reason: why }) => {
-            format!("{reason}; not reverted: {why}")
-        }
-        Err(e) => format!("{reason}; the revert failed: {e:#}"),
-    };
     if !state.clear_state() {
         tracing::warn!(work_item = %run.work_item, "deploy: the markers could not be cleared");
     }

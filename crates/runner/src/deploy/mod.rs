@@ -18,14 +18,21 @@
 //!   defer count always was; the watch lives in the `orch-deploystate` sentinel files.
 //! - **Restart-safe side effects.** The deploy command completes at most once per stage visit
 //!   (`INITIATED` is on disk before it starts; a run interrupted by orch's death before the
-//!   revision went live is run once more, `deploy.redeployed`); a rollback runs at most once per visit (a
-//!   `post_deploy.rollback_started` event is recorded before it starts); an outcome once
-//!   recorded as an event is replayed, never redone.
+//!   revision went live is run once more, `deploy.redeployed`); a rollback starts once per
+//!   visit (a `post_deploy.rollback_started` event is recorded before it starts) and a run
+//!   that orch's death interrupted before production was back runs again, at most
+//!   [`ROLLBACK_RERUNS`] times (`*.rollback_rerun`); an outcome once recorded as an event is
+//!   replayed, never redone.
 //! - **Local state pins jobs.** The sentinel files live in this machine's `repos_dir`: the
 //!   `observe` and `deploy` jobs must carry `NewJob.node = run.node` (the engine copies the
 //!   node onto requeued jobs; [`monitor::recover_watches`] sets it).
 //! - Every event carries the stage visit (`seq`) in its data, so replays and lessons can tell
 //!   visits apart.
+
+/// How many times one visit runs an interrupted rollback again. Each rerun needs orch to have
+/// died while the previous one ran and production still not back; the bound stops a rollback
+/// that itself kills orch from looping.
+pub const ROLLBACK_RERUNS: u32 = 3;
 
 pub mod alert;
 pub mod deployer;
@@ -104,7 +111,8 @@ pub fn visit_seq(run: &StageRun) -> i64 {
         .unwrap_or(run.task.stage_seq)
 }
 
-/// Appends an event for this run's task and job, with `seq` added to `data`.
+/// Appends an event for this run's task and job, with `seq` added to `data`, fenced by the
+/// job's lease (an attempt that lost its job records nothing: `StoreError::LeaseLost`).
 pub(crate) async fn record(
     run: &StageRun,
     seq: i64,
@@ -118,7 +126,7 @@ pub(crate) async fn record(
         .job(run.job.id)
         .stage(run.stage.name.as_str())
         .data(serde_json::Value::Object(data).to_string());
-    run.store.append_event(event).await?;
+    run.store.append_event_fenced(run.lease, event).await?;
     Ok(())
 }
 

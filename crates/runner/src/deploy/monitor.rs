@@ -577,19 +577,29 @@ impl MonitorExecutor {
             )
             .await?;
             true
-        } else if !rollback_ended(run, seq).await?
+        } else if let reruns = rollback_reruns(run, seq).await?
+            && reruns < super::ROLLBACK_RERUNS
+            && !rollback_ended(run, seq).await?
             && !rolled_back_now(run, revision).await
-            && !rollback_rerun(run, seq).await?
         {
-            // The first run never ended (orch died while it ran, and a restarted orch stops
-            // what its dead incarnation left running) and production is not back: run it once
-            // more (at most once per visit).
+            // The last run never ended (orch died while it ran, and a restarted orch stops
+            // what its dead incarnation left running) and production is not back: run it
+            // again, a bounded number of times per visit (a rollback that itself kills orch
+            // cannot loop; one interrupted by repeated crashes still gets production back).
             record(
                 run,
                 seq,
                 events::POST_DEPLOY_ROLLBACK_RERUN,
-                format!("the rollback of `{revision}` was interrupted and production is not back: running `{command}` once more"),
-                data([("revision", json!(revision)), ("command", json!(command))]),
+                format!(
+                    "the rollback of `{revision}` was interrupted and production is not back: running `{command}` again (rerun {} of at most {})",
+                    reruns + 1,
+                    super::ROLLBACK_RERUNS
+                ),
+                data([
+                    ("revision", json!(revision)),
+                    ("command", json!(command)),
+                    ("rerun", json!(reruns + 1)),
+                ]),
             )
             .await?;
             true
@@ -635,7 +645,7 @@ impl MonitorExecutor {
                 return Ok((ActionTaken::RollbackFailed, why));
             }
         }
-        let (verified, detail) = self.verify(run, armed).await;
+        let (verified, detail) = self.verify(run, armed).await?;
         let message = if verified {
             format!("rolled back `{revision}`; verified: {detail}")
         } else {
@@ -666,7 +676,7 @@ impl MonitorExecutor {
     }
 
     /// Verifies a rollback by polls ([`verify_rollback`]).
-    async fn verify(&self, run: &StageRun, armed: &ArmedRecord) -> (bool, String) {
+    async fn verify(&self, run: &StageRun, armed: &ArmedRecord) -> anyhow::Result<(bool, String)> {
         let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
         verify_rollback(
             run,
@@ -752,23 +762,26 @@ impl MonitorExecutor {
 
 /// Verifies a rollback of `revision`: up to `polls` polls, each after `interval`; verified by
 /// the first one where health passes and the live revision is no longer `revision` (when a
-/// revision endpoint is configured).
+/// revision endpoint is configured). A run cancelled meanwhile is an error, never "not
+/// verified": a stopping attempt has no verdict to record.
 pub(crate) async fn verify_rollback(
     run: &StageRun,
     revision: &str,
     polls: u32,
     interval: Duration,
     timeout: Duration,
-) -> (bool, String) {
+) -> anyhow::Result<(bool, String)> {
     let mut last = "no verification poll ran".to_owned();
     for i in 1..=polls.max(1) {
         tokio::select! {
             () = tokio::time::sleep(interval) => {}
-            () = run.cancel.cancelled() => return (false, format!("cancelled before verification poll {i}")),
+            () = run.cancel.cancelled() => anyhow::bail!(
+                "cancelled before rollback verification poll {i} (lease lost or shutdown)"
+            ),
         }
         let health = match &run.repo.health_url {
             Some(url) => check_health(url, timeout).await,
-            None => return (false, "no health_url to verify by".to_owned()),
+            None => return Ok((false, "no health_url to verify by".to_owned())),
         };
         if health.outcome != CheckOutcome::Pass {
             last = format!(
@@ -779,13 +792,13 @@ pub(crate) async fn verify_rollback(
             continue;
         }
         match &run.repo.revision_url {
-            None => return (true, format!("poll {i}: health PASS")),
+            None => return Ok((true, format!("poll {i}: health PASS"))),
             Some(url) => match live_revision(url, timeout).await {
                 Some(live) if !revision_matches(revision, &live) => {
-                    return (
+                    return Ok((
                         true,
                         format!("poll {i}: health PASS, live revision `{live}`"),
-                    );
+                    ));
                 }
                 Some(live) => last = format!("poll {i}: health PASS but `{live}` is still live"),
                 None => {
@@ -794,7 +807,7 @@ pub(crate) async fn verify_rollback(
             },
         }
     }
-    (false, last)
+    Ok((false, last))
 }
 
 /// The watch of this visit ran on a node that is gone, and this node took its job over
@@ -930,7 +943,7 @@ async fn finish(
         ActionTaken::Alert | ActionTaken::None => {}
     }
     if ending.verdict == Verdict::Failed {
-        release_reaction(run, revision, &ending).await;
+        release_reaction(run, revision, &ending).await?;
     }
     if !ws.mark_done(&summary) {
         tracing::warn!(work_item = %run.work_item, "post-deploy watch: `done` not written; a later job repeats the ending, not the reaction");
@@ -961,25 +974,26 @@ async fn finish(
 /// crash completes it; each step is idempotent): a verified rollback is recorded and the change
 /// reverted on the default branch (`on_failure = "revert"`), or the repo is held — also when
 /// production could not be rolled back, since then nobody should ship on top of it.
-async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) {
+async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) -> anyhow::Result<()> {
     use crate::release::{self, Reverted};
-    let history = run.store.task_events(run.task.id).await.unwrap_or_default();
+    let history = run.store.task_events(run.task.id).await?;
     let already_held = release::open_hold(&history).is_some();
     let rolled_back_recorded = history
         .iter()
         .any(|e| e.kind == events::RELEASE_ROLLED_BACK);
     let held = |reason: String| async move {
-        if !already_held {
-            release::hold(run, &reason).await;
+        if already_held {
+            Ok(())
+        } else {
+            release::hold(run, &reason).await
         }
     };
     if ending.action != ActionTaken::Rollback {
-        held(format!(
+        return held(format!(
             "{}'s watch ended FAILED and production was not rolled back ({})",
             run.work_item, ending.action_detail
         ))
         .await;
-        return;
     }
     if !rolled_back_recorded {
         let mut live = release::previous_of_deploy(run).await;
@@ -998,13 +1012,28 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) {
                 "on_failure = \"hold\": {}'s rolled-back change stays on `{}`",
                 run.work_item, run.repo.default_branch
             ))
-            .await;
+            .await
         }
         orch_domain::config::OnFailure::Revert => {
             match release::revert(run, &ending.reason).await {
-                Ok(Reverted::Reverted { .. }) => {}
+                Ok(Reverted::Reverted { .. }) => Ok(()),
+                // A verdict: the revert conflicts or fails the repo's tests.
                 Ok(Reverted::Held { reason }) => held(reason).await,
-                Err(e) => held(format!("the revert of {} failed: {e:#}", run.work_item)).await,
+                // No verdict (git or the tests could not run, the run is stopping): the job runs
+                // again, and only the last attempt holds the repo — a hold waits for an operator.
+                Err(e) if run.cancel.is_cancelled() || run.job.attempt < run.job.max_attempts => {
+                    Err(e.context(format!(
+                        "the revert of {} did not finish (attempt {} of {})",
+                        run.work_item, run.job.attempt, run.job.max_attempts
+                    )))
+                }
+                Err(e) => {
+                    held(format!(
+                        "the revert of {} failed in all {} attempts: {e:#}",
+                        run.work_item, run.job.max_attempts
+                    ))
+                    .await
+                }
             }
         }
     }
@@ -1035,7 +1064,6 @@ async fn alert(
     .await
 }
 
-/// Whether this visit's rollback already started (its event is recorded before the command).
 /// Whether this visit's rollback recorded how it ended (`post_deploy.rollback`).
 async fn rollback_ended(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
     Ok(run
@@ -1046,14 +1074,16 @@ async fn rollback_ended(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
         .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK && event_seq(e) == Some(seq)))
 }
 
-/// Whether this visit already ran its rollback a second time.
-async fn rollback_rerun(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
-    Ok(run
+/// How many times this visit ran its rollback again after an interrupted run.
+async fn rollback_reruns(run: &StageRun, seq: i64) -> anyhow::Result<u32> {
+    let n = run
         .store
         .task_events(run.task.id)
         .await?
         .iter()
-        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_RERUN && event_seq(e) == Some(seq)))
+        .filter(|e| e.kind == events::POST_DEPLOY_ROLLBACK_RERUN && event_seq(e) == Some(seq))
+        .count();
+    Ok(u32::try_from(n).unwrap_or(u32::MAX))
 }
 
 /// True when production looks rolled back from `revision` now: health passes and (when the
@@ -1073,6 +1103,7 @@ pub(crate) async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
     healthy && moved
 }
 
+/// Whether this visit's rollback already started (its event is recorded before the command).
 async fn rollback_started(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
     let recorded = run.store.task_events(run.task.id).await?;
     Ok(recorded
