@@ -377,13 +377,15 @@ async fn three_items_one_repo(pg: bool) {
     ];
     let t0 = Instant::now();
     while !all_terminal(&store, &ids).await {
-        if t0.elapsed() > Duration::from_secs(600) {
+        let held = held_items(&store, &ids).await;
+        if t0.elapsed() > Duration::from_secs(600) || !held.is_empty() {
             let got = outcomes(&store, &ids).await;
             for w in workers {
                 terminate(w).await;
             }
             stop_services(&dir);
-            panic!("not every item ended within 600 s: {got:?}");
+            let report = common::stuck_report(&store, &ids).await;
+            panic!("not every item ended within 600 s (held: {held:?}): {got:?}\n{report}");
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -457,13 +459,42 @@ async fn killed_at_random(pg: bool) {
             "seed {seed}: 30 kills did not fit in 900 s"
         );
     }
-    let s = serve(&dir);
+    // The last serve's warnings go to `serve.log`, for a failure to show.
+    let mut last = Serve::command(&dir, "127.0.0.1:0");
+    last.env("ORCH_DATABASE_URL", &url);
+    if let Ok(log) = std::fs::File::create(dir.join("serve.log")) {
+        last.stderr(log);
+    }
+    let mut s = Serve::spawn(last);
     while !all_terminal(&store, &ids).await {
-        if t0.elapsed() > Duration::from_secs(1200) {
+        if let Ok(Some(status)) = s.child.try_wait() {
+            let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+            stop_services(&dir);
+            panic!(
+                "seed {seed}: the last orch serve exited ({status}) before every item ended:\n{log}"
+            );
+        }
+        // No item of this run may hold the repo (that waits for an operator): say so at once
+        // rather than when the time is up.
+        let held = held_items(&store, &ids).await;
+        if t0.elapsed() > Duration::from_secs(1200) || !held.is_empty() {
             let got = outcomes(&store, &ids).await;
             s.terminate().await;
             stop_services(&dir);
-            panic!("seed {seed}: not every item ended after {kills} kills: {got:?}");
+            let report = common::stuck_report(&store, &ids).await;
+            let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
+            let tail: Vec<&str> = log
+                .lines()
+                .rev()
+                .take(40)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            panic!(
+                "seed {seed}: not every item ended after {kills} kills (held: {held:?}): {got:?}\n{report}\nthe last serve's log:\n{}",
+                tail.join("\n")
+            );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -512,6 +543,19 @@ async fn stage_of(store: &Store, id: &str) -> String {
         .unwrap()
         .unwrap()
         .stage
+}
+
+/// The items among `ids` that hold their repo's releases (a `release.held` not released).
+async fn held_items(store: &Store, ids: &[String]) -> Vec<String> {
+    let mut held = Vec::new();
+    for id in ids {
+        if has_event(store, id, events::RELEASE_HELD).await
+            && !has_event(store, id, events::RELEASE_UNHELD).await
+        {
+            held.push(id.clone());
+        }
+    }
+    held
 }
 
 async fn has_event(store: &Store, id: &str, kind: &str) -> bool {

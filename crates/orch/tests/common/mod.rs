@@ -141,6 +141,46 @@ pub async fn wait_for_task(
     }
 }
 
+/// Where the work items `ids` that have not ended stand, for a failing test to print: each
+/// one's stage, its last 8 jobs (state, attempt, when due, node, lease holder, error, markers)
+/// and its last 12 events.
+pub async fn stuck_report(store: &Store, ids: &[String]) -> String {
+    let now = store.now_ms();
+    let mut out = String::new();
+    for id in ids {
+        let Ok(Some(t)) = store.get_task_by_work_item(id).await else {
+            out.push_str(&format!("{id}: no task\n"));
+            continue;
+        };
+        if t.is_terminal() {
+            continue;
+        }
+        out.push_str(&format!("{id}: stage {} seq {}\n", t.stage, t.stage_seq));
+        let jobs = store.task_jobs(t.id).await.unwrap_or_default();
+        for j in jobs.iter().rev().take(8) {
+            let markers: String = j.task_content.chars().take(160).collect();
+            out.push_str(&format!(
+                "  job {} {} {:?} attempt {}/{} due {:+} ms node {:?} locked_by {:?} error {:?} content {:?}\n",
+                j.id,
+                j.agent,
+                j.state,
+                j.attempt,
+                j.max_attempts,
+                j.available_at - now,
+                j.node,
+                j.locked_by,
+                j.last_error,
+                markers
+            ));
+        }
+        let events = store.task_events(t.id).await.unwrap_or_default();
+        for e in events.iter().rev().take(12).rev() {
+            out.push_str(&format!("  event {} {} {}\n", e.id, e.kind, e.message));
+        }
+    }
+    out
+}
+
 /// [`wait_for_task`] until the task is in a terminal stage (`done`, `failed`, `cancelled`).
 pub async fn wait_terminal(store: &Store, id: &str, limit: Duration) -> Task {
     wait_for_task(store, id, limit, "terminal stage", Task::is_terminal).await
