@@ -163,7 +163,18 @@ async fn check_release(dir: &Path, store: &Store, ids: &[String], killed: bool) 
         .zip(ITEMS)
         .map(|(id, (_, o))| (id.clone(), o.to_owned()))
         .collect();
-    assert_eq!(got, want, "outcomes");
+    if got != want {
+        let wrong: Vec<String> = got
+            .iter()
+            .filter(|(id, o)| want.get(*id) != Some(*o))
+            .map(|(id, _)| id.clone())
+            .collect();
+        let report = common::items_report(store, &wrong, true, 60).await;
+        assert_eq!(
+            got, want,
+            "outcomes; how the wrong ones got there:\n{report}"
+        );
+    }
 
     let app_at = |rev: &str| git(&clone, &["show", &format!("{rev}:app.py")]).unwrap_or_default();
     let state = state_dir(dir);

@@ -145,6 +145,12 @@ pub async fn wait_for_task(
 /// one's stage, its last 8 jobs (state, attempt, when due, node, lease holder, error, markers)
 /// and its last 12 events.
 pub async fn stuck_report(store: &Store, ids: &[String]) -> String {
+    items_report(store, ids, false, 12).await
+}
+
+/// [`stuck_report`] of the items `ids` (also those that ended when `ended` is true) with their
+/// last `events` events: for a failing test to show how each item got where it is.
+pub async fn items_report(store: &Store, ids: &[String], ended: bool, events: usize) -> String {
     let now = store.now_ms();
     let mut out = String::new();
     for id in ids {
@@ -152,7 +158,7 @@ pub async fn stuck_report(store: &Store, ids: &[String]) -> String {
             out.push_str(&format!("{id}: no task\n"));
             continue;
         };
-        if t.is_terminal() {
+        if t.is_terminal() && !ended {
             continue;
         }
         out.push_str(&format!("{id}: stage {} seq {}\n", t.stage, t.stage_seq));
@@ -173,8 +179,8 @@ pub async fn stuck_report(store: &Store, ids: &[String]) -> String {
                 markers
             ));
         }
-        let events = store.task_events(t.id).await.unwrap_or_default();
-        for e in events.iter().rev().take(12).rev() {
+        let all = store.task_events(t.id).await.unwrap_or_default();
+        for e in all.iter().rev().take(events).rev() {
             out.push_str(&format!("  event {} {} {}\n", e.id, e.kind, e.message));
         }
     }
