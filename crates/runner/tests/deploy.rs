@@ -336,20 +336,7 @@ async fn a_failed_deploys_revert_that_cannot_run_is_retried_before_the_failure_i
         &format!("change\n\nWork-Item: {ITEM}"),
     ]);
     let merged = git(&["rev-parse", "main"]);
-    fx.db
-        .store
-        .append_event(
-            NewEvent::new(events::RELEASE_PROMOTED, "promoted")
-                .task(fx.task.id)
-                .data(
-                    serde_json::json!({
-                        "repo": "app", "old": fx.revision, "new": merged, "seq": fx.task.stage_seq,
-                    })
-                    .to_string(),
-                ),
-        )
-        .await
-        .unwrap();
+    common::record_promoted(&fx.db, &fx.task, &fx.revision, &merged).await;
     let job = |max_attempts: i64| {
         NewJob::new("deployer", fx.first_content())
             .task(fx.task.id)

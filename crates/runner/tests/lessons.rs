@@ -828,16 +828,7 @@ async fn a_revert_is_verified_before_it_reaches_main() {
             ],
         );
         let merged = git_out(&fx.repo_dir, &["rev-parse", "main"]);
-        fx.db
-            .store
-            .append_event(
-                NewEvent::new("release.promoted", "test").task(fx.task.id).data(
-                    serde_json::json!({"repo": "app", "old": before, "new": merged, "seq": fx.task.stage_seq})
-                        .to_string(),
-                ),
-            )
-            .await
-            .unwrap();
+        common::record_promoted(&fx.db, &fx.task, &before, &merged).await;
         let run = fx.run("post-deploy-monitor", fx.content()).await;
         let got = orch_runner::release::revert(&run, "health failed").await;
         let main_now = git_out(&fx.repo_dir, &["rev-parse", "main"]);
@@ -917,16 +908,7 @@ async fn a_published_revert_that_was_never_recorded_is_recorded_once() {
         git_out(&fx.repo_dir, &["rev-parse", "main"])
     };
     let merged = commit("feature.txt", "change\n\nWork-Item: ORCH-3");
-    fx.db
-        .store
-        .append_event(
-            NewEvent::new("release.promoted", "test").task(fx.task.id).data(
-                serde_json::json!({"repo": "app", "old": before, "new": merged, "seq": fx.task.stage_seq})
-                    .to_string(),
-            ),
-        )
-        .await
-        .unwrap();
+    common::record_promoted(&fx.db, &fx.task, &before, &merged).await;
     let published = commit(
         "revert.txt",
         "Revert ORCH-3: the change\n\nWork-Item: ORCH-3\nOrch-Revert: ORCH-3",

@@ -203,13 +203,32 @@ impl Fx {
     /// far, ctl)` may change the service; each requeue advances the clock by its delay and
     /// enqueues the marker job. Returns the requeues `(delay, marker)`.
     async fn drive(&self, exec: &MonitorExecutor, hook: fn(usize, &Path)) -> Vec<(u64, String)> {
+        let (ending, requeues) = self.to_the_ending(exec, hook).await;
+        if let Some(content) = ending {
+            hook(self.watch().series().polls.len(), &self.ctl);
+            let run = self.run(content).await;
+            match exec.execute(&run).await.unwrap() {
+                StageEffect::Produced { outcome: None } => {}
+                other => panic!("unexpected effect of the ending job {other:?}"),
+            }
+        }
+        requeues
+    }
+
+    /// [`Fx::drive`] up to the job that acts on the verdict, which is not run: its content
+    /// (`None` when the watch ended without one), and the requeues.
+    async fn to_the_ending(
+        &self,
+        exec: &MonitorExecutor,
+        hook: fn(usize, &Path),
+    ) -> (Option<String>, Vec<(u64, String)>) {
         let mut content = self.first_content();
         let mut requeues = Vec::new();
         for _ in 0..100 {
             hook(self.watch().series().polls.len(), &self.ctl);
             let run = self.run(content.clone()).await;
             match exec.execute(&run).await.unwrap() {
-                StageEffect::Produced { outcome: None } => return requeues,
+                StageEffect::Produced { outcome: None } => return (None, requeues),
                 StageEffect::Requeue {
                     delay_ms, marker, ..
                 } => {
@@ -223,9 +242,10 @@ impl Fx {
                 StageEffect::Yield { marker, .. } => {
                     assert_eq!(marker, markers::monitor_end(self.task.stage_seq));
                     assert!(!content.contains(&marker), "one ending job per watch");
-                    content = StageJob::from_content(&content)
+                    let ending = StageJob::from_content(&content)
                         .unwrap()
                         .with_marker(&marker);
+                    return (Some(ending), requeues);
                 }
                 other => panic!("unexpected effect {other:?}"),
             }
@@ -1299,42 +1319,9 @@ async fn a_revert_that_cannot_run_holds_the_repo_only_on_the_last_attempt() {
     std::fs::write(fx.ctl.join("health"), "500").unwrap();
     fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
     fx.arm();
-    fx.db
-        .store
-        .append_event(
-            NewEvent::new(events::RELEASE_PROMOTED, "promoted")
-                .task(fx.task.id)
-                .data(
-                    serde_json::json!({
-                        "repo": "app", "old": "0".repeat(40), "new": REV, "seq": fx.task.stage_seq,
-                    })
-                    .to_string(),
-                ),
-        )
-        .await
-        .unwrap();
-    // The ticks, up to the verdict's ending job.
-    let mut content = fx.first_content();
-    loop {
-        let run = fx.run(content.clone()).await;
-        match exec().execute(&run).await.unwrap() {
-            StageEffect::Requeue {
-                delay_ms, marker, ..
-            } => {
-                fx.db.clock.advance_ms(i64::try_from(delay_ms).unwrap());
-                content = StageJob::from_content(&content)
-                    .unwrap()
-                    .with_marker(&marker);
-            }
-            StageEffect::Yield { marker, .. } => {
-                content = StageJob::from_content(&content)
-                    .unwrap()
-                    .with_marker(&marker);
-                break;
-            }
-            other => panic!("unexpected effect {other:?}"),
-        }
-    }
+    common::record_promoted(&fx.db, &fx.task, &"0".repeat(40), REV).await;
+    let (content, _) = fx.to_the_ending(&exec(), no_change).await;
+    let content = content.expect("a FAILED watch has an ending job");
     let ending = |max_attempts: i64| {
         NewJob::new(AGENT, content.clone())
             .task(fx.task.id)

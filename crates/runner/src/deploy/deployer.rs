@@ -586,20 +586,14 @@ impl DeployerExecutor {
             // The last run never ended (orch died while it ran, or before it began: the event
             // is recorded first) and production is not back: run it again, a bounded number
             // of times per visit.
-            record(
+            super::record_rollback_rerun(
                 run,
                 seq,
                 events::DEPLOY_ROLLBACK_RERUN,
-                format!(
-                    "the rollback of the unconfirmed `{revision}` was interrupted and production is not back: running `{command}` again (rerun {} of at most {})",
-                    reruns + 1,
-                    super::ROLLBACK_RERUNS
-                ),
-                data([
-                    ("revision", json!(revision)),
-                    ("command", json!(command)),
-                    ("rerun", json!(reruns + 1)),
-                ]),
+                &format!("the rollback of the unconfirmed `{revision}`"),
+                revision,
+                &command,
+                reruns,
             )
             .await?;
             true

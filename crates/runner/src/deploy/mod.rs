@@ -130,6 +130,35 @@ pub(crate) async fn record(
     Ok(())
 }
 
+/// Records that an interrupted rollback runs again — `kind` is the deployer's or the monitor's
+/// `*.rollback_rerun`, `subject` names the rollback — as rerun `done + 1` of at most
+/// [`ROLLBACK_RERUNS`].
+pub(crate) async fn record_rollback_rerun(
+    run: &StageRun,
+    seq: i64,
+    kind: &str,
+    subject: &str,
+    revision: &str,
+    command: &str,
+    done: u32,
+) -> anyhow::Result<()> {
+    record(
+        run,
+        seq,
+        kind,
+        format!(
+            "{subject} was interrupted and production is not back: running `{command}` again (rerun {} of at most {ROLLBACK_RERUNS})",
+            done + 1
+        ),
+        data([
+            ("revision", serde_json::json!(revision)),
+            ("command", serde_json::json!(command)),
+            ("rerun", serde_json::json!(done + 1)),
+        ]),
+    )
+    .await
+}
+
 /// A JSON object from pairs, for event data.
 pub(crate) fn data<const N: usize>(
     pairs: [(&str, serde_json::Value); N],

@@ -586,20 +586,14 @@ impl MonitorExecutor {
             // what its dead incarnation left running) and production is not back: run it
             // again, a bounded number of times per visit (a rollback that itself kills orch
             // cannot loop; one interrupted by repeated crashes still gets production back).
-            record(
+            super::record_rollback_rerun(
                 run,
                 seq,
                 events::POST_DEPLOY_ROLLBACK_RERUN,
-                format!(
-                    "the rollback of `{revision}` was interrupted and production is not back: running `{command}` again (rerun {} of at most {})",
-                    reruns + 1,
-                    super::ROLLBACK_RERUNS
-                ),
-                data([
-                    ("revision", json!(revision)),
-                    ("command", json!(command)),
-                    ("rerun", json!(reruns + 1)),
-                ]),
+                &format!("the rollback of `{revision}`"),
+                revision,
+                &command,
+                reruns,
             )
             .await?;
             true

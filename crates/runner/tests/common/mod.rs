@@ -231,3 +231,18 @@ pub async fn listen(app: axum::Router) -> String {
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     format!("http://{addr}")
 }
+
+/// Records that `task`'s change moved repo `app`'s default branch from `old` to `new` in its
+/// current stage visit (`release.promoted`), as a deploy's promotion does: what a revert
+/// takes out.
+pub async fn record_promoted(db: &TestDb, task: &Task, old: &str, new: &str) {
+    let data = serde_json::json!({"repo": "app", "old": old, "new": new, "seq": task.stage_seq});
+    db.store
+        .append_event(
+            NewEvent::new(orch_domain::control::events::RELEASE_PROMOTED, "promoted")
+                .task(task.id)
+                .data(data.to_string()),
+        )
+        .await
+        .unwrap();
+}
