@@ -81,6 +81,37 @@ impl Pass for CleanupPass {
     }
 }
 
+/// Fails the tasks a job failure left with no live job (`Store::fail_stranded_tasks`): the
+/// failure could not end such a task because another of its jobs was live, and that job later
+/// ended without moving it on. Without this the task would sit in its stage forever, holding
+/// the repo's release track if it was on it. `grace`: how long after the failure.
+pub struct StrandedPass {
+    pub every: Duration,
+    pub grace: Duration,
+}
+
+#[async_trait::async_trait]
+impl Pass for StrandedPass {
+    fn name(&self) -> &'static str {
+        "stranded-tasks"
+    }
+
+    fn every(&self) -> Duration {
+        self.every
+    }
+
+    async fn run(&self, store: &Store) -> anyhow::Result<()> {
+        let grace = i64::try_from(self.grace.as_millis()).unwrap_or(i64::MAX);
+        let failed = store
+            .fail_stranded_tasks(store.now_ms().saturating_sub(grace), 100)
+            .await?;
+        if !failed.is_empty() {
+            tracing::warn!(tasks = ?failed, "failed tasks that a job failure had left with no job to run");
+        }
+        Ok(())
+    }
+}
+
 /// Re-enqueues a tick for every armed post-deploy watch on this node that has none queued
 /// (design.md §7: a stale `armed` without `done` after a crash is completed by a restored job).
 pub struct WatchRecoveryPass {
@@ -128,6 +159,10 @@ pub fn default_passes(lease: Duration, retention: Duration) -> Vec<Arc<dyn Pass>
             every: Duration::from_secs(600),
             retention,
         }),
+        Arc::new(StrandedPass {
+            every: Duration::from_secs(60),
+            grace: Duration::from_secs(60),
+        }),
     ]
 }
 
@@ -151,4 +186,71 @@ pub async fn run(store: Store, passes: Vec<Arc<dyn Pass>>, stop: CancellationTok
         });
     }
     while tasks.join_next().await.is_some() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orch_store::testing::TestDb;
+    use orch_store::{Claim, JobOutcome, NewEvent, NewJob, NewTask, WorkItemSpec};
+
+    /// The pass fails a task a job failure left without a live job, once its grace is over.
+    #[tokio::test]
+    async fn the_stranded_pass_ends_a_task_left_without_a_job_after_its_grace() {
+        let db = TestDb::sqlite().await;
+        let s = &db.store;
+        let task = s
+            .create_task(NewTask {
+                work_item: WorkItemSpec::Next {
+                    prefix: "ORCH".into(),
+                },
+                repo: "svc".into(),
+                title: "t".into(),
+                body: String::new(),
+                stage: "review".into(),
+                branch_prefix: "orch/".into(),
+                event: NewEvent::new(orch_domain::control::events::TASK_SUBMITTED, "submitted"),
+                first_job: Some(NewJob::new("reviewer", "review")),
+            })
+            .await
+            .unwrap();
+        s.enqueue(NewJob::new("reviewer", "an older visit's").task(task.id))
+            .await
+            .unwrap();
+        let claim = Claim {
+            worker_id: "w".into(),
+            kinds: vec![],
+            limit: 1,
+            lease_ms: 30_000,
+            node: None,
+            node_grace_ms: None,
+        };
+        let first = s.claim(&claim).await.unwrap().remove(0);
+        s.mark_job(
+            first.lease,
+            JobOutcome::Failed {
+                error: "boom".into(),
+            },
+            None,
+        )
+        .await
+        .unwrap();
+        let other = s.claim(&claim).await.unwrap().remove(0);
+        s.mark_job(other.lease, JobOutcome::Done, None)
+            .await
+            .unwrap();
+        let pass = StrandedPass {
+            every: Duration::from_secs(60),
+            grace: Duration::from_secs(60),
+        };
+        pass.run(s).await.unwrap();
+        let stage = |s: &Store| {
+            let s = s.clone();
+            async move { s.get_task(task.id).await.unwrap().unwrap().stage }
+        };
+        assert_eq!(stage(s).await, "review", "within the grace");
+        db.clock.advance_ms(60_001);
+        pass.run(s).await.unwrap();
+        assert_eq!(stage(s).await, "failed");
+    }
 }

@@ -333,6 +333,41 @@ where
         Ok(D::rows_affected(&res))
     }
 
+    /// Ends the tasks [`sql::STRANDED_TASKS`] finds (`task.failed`, naming the job that failed
+    /// and its error), each re-checked under its row lock as the failure itself checks. Returns
+    /// the tasks failed.
+    pub async fn fail_stranded_tasks(
+        &self,
+        finished_before: Millis,
+        limit: u32,
+    ) -> Result<Vec<i64>> {
+        let now = self.now();
+        let mut tx = self.d.begin().await?;
+        let rows = sqlx::query(sql::STRANDED_TASKS)
+            .bind(finished_before)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut failed = Vec::new();
+        for row in rows {
+            let task_id: i64 = row.try_get(0)?;
+            let job_id: i64 = row.try_get(1)?;
+            let error: Option<String> = row.try_get(2)?;
+            let error = format!(
+                "{}; the task's other jobs ended later without moving it on",
+                error.unwrap_or_else(|| "no error recorded".to_owned())
+            );
+            if self
+                .fail_stranded_task(&mut tx, task_id, job_id, &error, now)
+                .await?
+            {
+                failed.push(task_id);
+            }
+        }
+        self.d.commit(tx, false).await?;
+        Ok(failed)
+    }
+
     pub async fn cleanup_finished(&self, older_than: Millis, limit: u32) -> Result<u64> {
         let res = sqlx::query(sql::CLEANUP_FINISHED)
             .bind(older_than)

@@ -439,6 +439,17 @@ impl Store {
         dispatch!(self, track_holder(repo, task_id, exclusive))
     }
 
+    /// Fails the tasks left with no live job after one of their jobs failed for good
+    /// (`finished_before` that instant; at most `limit`): the failure could not end them then,
+    /// since another job was live, and nothing would move them now. Returns their ids.
+    pub async fn fail_stranded_tasks(
+        &self,
+        finished_before: Millis,
+        limit: u32,
+    ) -> Result<Vec<i64>> {
+        dispatch!(self, fail_stranded_tasks(finished_before, limit))
+    }
+
     /// Cancels every live job of a task except `keep` (used with operator stage changes).
     pub async fn cancel_task_jobs(&self, task_id: i64, keep: Option<i64>) -> Result<u64> {
         dispatch!(self, cancel_task_jobs(task_id, keep))

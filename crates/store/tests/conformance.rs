@@ -60,6 +60,7 @@ conformance!(
     wakeups_fire_on_enqueue,
     events_of_many_tasks_are_read_at_once_per_task_oldest_first,
     a_jobs_fenced_event_is_written_only_while_its_lease_holds,
+    a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep,
     agent_runs_and_usage,
     bulk_enqueue_skips_duplicates,
     list_tasks_filters_and_pages_newest_first,
@@ -1592,6 +1593,76 @@ async fn a_jobs_fenced_event_is_written_only_while_its_lease_holds(db: TestDb) {
         .map(|e| e.message)
         .collect();
     assert_eq!(messages, ["held by the first attempt", "go on"]);
+}
+
+async fn a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep(db: TestDb) {
+    const GRACE: i64 = 60_000;
+    let s = &db.store;
+    let task = new_task(s, true).await;
+    // A second job of the task is live while the first fails for good: the failure cannot end
+    // the task then.
+    s.enqueue(NewJob::new("analyst", "an older visit's job").task(task.id))
+        .await
+        .unwrap();
+    let first = claim_one(s, "w1").await;
+    s.mark_job(
+        first.lease,
+        JobOutcome::Failed {
+            error: "the agent broke".into(),
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(s.get_task(task.id).await.unwrap().unwrap().stage, "intake");
+    // A healthy task (its job live) is never touched.
+    let healthy = new_task(s, true).await;
+    db.clock.advance_ms(GRACE + 1);
+    assert!(
+        s.fail_stranded_tasks(s.now_ms() - GRACE, 100)
+            .await
+            .unwrap()
+            .is_empty(),
+        "the other job is still live"
+    );
+    // The other job ends without moving the task on (its visit was over): nothing would.
+    let other = claim_one(s, "w1").await;
+    assert_eq!(other.job.task_id, Some(task.id));
+    s.mark_job(other.lease, JobOutcome::Done, None)
+        .await
+        .unwrap();
+    let failed = s
+        .fail_stranded_tasks(s.now_ms() - GRACE, 100)
+        .await
+        .unwrap();
+    assert_eq!(failed, vec![task.id]);
+    let t = s.get_task(task.id).await.unwrap().unwrap();
+    assert_eq!(t.stage, "failed");
+    let ended = s
+        .task_events(task.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .rfind(|e| e.kind == events::TASK_FAILED)
+        .expect("task.failed");
+    assert_eq!(ended.job_id, Some(first.lease.job_id));
+    assert!(
+        ended.message.contains("the agent broke")
+            && ended.message.contains("ended later without moving it on"),
+        "{}",
+        ended.message
+    );
+    assert!(
+        s.fail_stranded_tasks(s.now_ms() - GRACE, 100)
+            .await
+            .unwrap()
+            .is_empty(),
+        "once"
+    );
+    assert_eq!(
+        s.get_task(healthy.id).await.unwrap().unwrap().stage,
+        "intake"
+    );
 }
 
 async fn events_of_many_tasks_are_read_at_once_per_task_oldest_first(db: TestDb) {
