@@ -334,37 +334,44 @@ where
     }
 
     /// Ends the tasks [`sql::STRANDED_TASKS`] finds (`task.failed`, naming the job that failed
-    /// and its error), each re-checked under its row lock as the failure itself checks. Returns
-    /// the tasks failed.
+    /// and its error). The search reads without the write lock; each task is then re-checked in
+    /// its own short transaction, under its row lock and at the stage visit the search saw
+    /// (an operator's approve or retry in between wins). Returns the tasks failed.
     pub async fn fail_stranded_tasks(
         &self,
         finished_before: Millis,
         limit: u32,
     ) -> Result<Vec<i64>> {
-        let now = self.now();
-        let mut tx = self.d.begin().await?;
         let rows = sqlx::query(sql::STRANDED_TASKS)
             .bind(finished_before)
             .bind(i64::from(limit))
-            .fetch_all(&mut *tx)
+            .fetch_all(self.d.reader())
             .await?;
         let mut failed = Vec::new();
         for row in rows {
             let task_id: i64 = row.try_get(0)?;
-            let job_id: i64 = row.try_get(1)?;
-            let error: Option<String> = row.try_get(2)?;
+            let seq: i64 = row.try_get(1)?;
+            let job_id: i64 = row.try_get(2)?;
+            let error: Option<String> = row.try_get(3)?;
             let error = format!(
                 "{}; the task's other jobs ended later without moving it on",
                 error.unwrap_or_else(|| "no error recorded".to_owned())
             );
-            if self
-                .fail_stranded_task(&mut tx, task_id, job_id, &error, now)
-                .await?
+            let now = self.now();
+            let mut tx = self.d.begin().await?;
+            let current = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
+                .bind(task_id)
+                .fetch_optional(&mut *tx)
+                .await?;
+            if current.is_some_and(|t| t.stage_seq == seq)
+                && self
+                    .fail_stranded_task(&mut tx, task_id, job_id, &error, now)
+                    .await?
             {
                 failed.push(task_id);
             }
+            self.d.commit(tx, false).await?;
         }
-        self.d.commit(tx, false).await?;
         Ok(failed)
     }
 

@@ -105,14 +105,17 @@ pub const CANCEL_TASK_JOBS: &str = "UPDATE jobs SET state = 'cancelled', finishe
 pub const LIVE_JOBS_OF_TASK: &str =
     "SELECT count(*) FROM jobs WHERE task_id = $1 AND state IN ('queued', 'running')";
 
-/// `$1 finished before, $2 limit` → `(task id, job id, last_error)`: tasks in a stage that is
-/// not terminal with no live job at all, one of whose jobs failed for good before `$1` (the
-/// latest such job). Nothing will ever move such a task: its failure did not end it because
-/// another job was live then, and that job later ended without moving it on.
-pub const STRANDED_TASKS: &str = "SELECT t.id, f.id, f.last_error FROM tasks t \
+/// `$1 finished before, $2 limit` → `(task id, stage_seq, job id, last_error)`: tasks in a
+/// stage that is not terminal with no live job at all, whose latest job that failed for good
+/// failed in the current stage visit (after the task's last stage change) and before `$1`.
+/// Nothing will ever move such a task: its failure did not end it because another job was
+/// live then, and that job later ended without moving it on. (A task waiting at an approval
+/// stage has no job either, but no job of its visit failed.)
+pub const STRANDED_TASKS: &str = "SELECT t.id, t.stage_seq, f.id, f.last_error FROM tasks t \
      JOIN jobs f ON f.id = (SELECT j.id FROM jobs j WHERE j.task_id = t.id AND j.state = 'failed' \
      ORDER BY j.finished_at DESC, j.id DESC LIMIT 1) \
      WHERE t.stage NOT IN ('done', 'failed', 'cancelled') AND f.finished_at < $1 \
+     AND f.finished_at >= t.updated_at \
      AND NOT EXISTS (SELECT 1 FROM jobs l WHERE l.task_id = t.id AND l.state IN ('queued', 'running')) \
      ORDER BY t.id LIMIT $2";
 

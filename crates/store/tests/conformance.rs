@@ -1663,6 +1663,57 @@ async fn a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep(db: Te
         s.get_task(healthy.id).await.unwrap().unwrap().stage,
         "intake"
     );
+
+    // A task that waits at an approval stage has no job either; a job that failed before it
+    // got there is history, not a stranding.
+    let waiting = new_task(s, true).await;
+    s.enqueue(NewJob::new("analyst", "a second").task(waiting.id))
+        .await
+        .unwrap();
+    let failed_job = loop {
+        let c = claim_one(s, "w1").await;
+        if c.job.task_id == Some(waiting.id) {
+            break c;
+        }
+        s.mark_job(c.lease, JobOutcome::Done, None).await.unwrap();
+    };
+    s.mark_job(
+        failed_job.lease,
+        JobOutcome::Failed {
+            error: "an earlier failure".into(),
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let second = claim_one(s, "w1").await;
+    assert_eq!(second.job.task_id, Some(waiting.id));
+    db.clock.advance_ms(1);
+    s.advance_stage(AdvanceStage {
+        task_id: waiting.id,
+        expected_stage: "intake".into(),
+        new_stage: "approval".into(),
+        fence: Fence::Job(second.lease),
+        event: NewEvent::new(events::STAGE_ADVANCED, "to the approval"),
+        next_job: None,
+    })
+    .await
+    .unwrap();
+    s.mark_job(second.lease, JobOutcome::Done, None)
+        .await
+        .unwrap();
+    db.clock.advance_ms(GRACE + 1);
+    assert!(
+        s.fail_stranded_tasks(s.now_ms() - GRACE, 100)
+            .await
+            .unwrap()
+            .is_empty(),
+        "a task waiting for approval is not stranded"
+    );
+    assert_eq!(
+        s.get_task(waiting.id).await.unwrap().unwrap().stage,
+        "approval"
+    );
 }
 
 async fn events_of_many_tasks_are_read_at_once_per_task_oldest_first(db: TestDb) {
