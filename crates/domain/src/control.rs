@@ -99,9 +99,13 @@ pub mod events {
     /// An unconfirmed deploy is being rolled back (recorded first: a re-run never rolls
     /// back twice).
     pub const DEPLOY_ROLLBACK_STARTED: &str = "deploy.rollback_started";
-    /// An unconfirmed deploy's rollback is run once more: its first run was interrupted by
-    /// orch stopping and production is not back (recorded first: at most once per visit).
+    /// An unconfirmed deploy's rollback is run again: its last run was interrupted by orch
+    /// stopping before its command ended and production is not back (recorded first; a
+    /// bounded number of times per visit).
     pub const DEPLOY_ROLLBACK_RERUN: &str = "deploy.rollback_rerun";
+    /// An unconfirmed deploy's rollback command exited successfully (before it is verified):
+    /// from then on a re-run only verifies, never runs the command again.
+    pub const DEPLOY_ROLLBACK_RAN: &str = "deploy.rollback_ran";
     /// An unconfirmed deploy was rolled back and the rollback verified.
     pub const DEPLOY_ROLLED_BACK: &str = "deploy.rolled_back";
     /// An unconfirmed deploy's rollback failed, was not verified, or was not attempted
@@ -119,9 +123,13 @@ pub mod events {
     pub const POST_DEPLOY_SUPERSEDED: &str = "post_deploy.superseded";
     /// The rollback command is about to run (recorded first: a re-run never rolls back twice).
     pub const POST_DEPLOY_ROLLBACK_STARTED: &str = "post_deploy.rollback_started";
-    /// The rollback command is run once more: its first run was interrupted by orch stopping
-    /// and production is not back (recorded first: at most once per visit).
+    /// The rollback command is run again: its last run was interrupted by orch stopping
+    /// before it ended and production is not back (recorded first; a bounded number of times
+    /// per visit).
     pub const POST_DEPLOY_ROLLBACK_RERUN: &str = "post_deploy.rollback_rerun";
+    /// The rollback command exited successfully (before it is verified): from then on a
+    /// re-run only verifies, never runs the command again.
+    pub const POST_DEPLOY_ROLLBACK_RAN: &str = "post_deploy.rollback_ran";
     /// The rollback's result (ran, verified or not).
     pub const POST_DEPLOY_ROLLBACK: &str = "post_deploy.rollback";
     /// The watch's verdict and the action taken.
@@ -203,6 +211,7 @@ pub mod events {
         DEPLOY_CONFIRMED,
         DEPLOY_ROLLBACK_STARTED,
         DEPLOY_ROLLBACK_RERUN,
+        DEPLOY_ROLLBACK_RAN,
         DEPLOY_ROLLED_BACK,
         DEPLOY_ROLLBACK_FAILED,
         POST_DEPLOY_EVIDENCE_LOST,
@@ -212,6 +221,7 @@ pub mod events {
         POST_DEPLOY_SUPERSEDED,
         POST_DEPLOY_ROLLBACK_STARTED,
         POST_DEPLOY_ROLLBACK_RERUN,
+        POST_DEPLOY_ROLLBACK_RAN,
         POST_DEPLOY_ROLLBACK,
         POST_DEPLOY_VERDICT,
         POST_DEPLOY_RECOVERED,

@@ -70,14 +70,27 @@ fn seq_of(e: &Event) -> Option<i64> {
     value(e).get("seq")?.as_i64()
 }
 
-/// Appends a release event to the run's task.
-async fn record(run: &StageRun, kind: &str, message: String, data: serde_json::Value) {
+/// Appends a release event to the run's task, fenced by the job's lease ([`record`] logs a
+/// failure; a write that must precede an effect propagates it).
+async fn record_fenced(
+    run: &StageRun,
+    kind: &str,
+    message: String,
+    data: serde_json::Value,
+) -> Result<()> {
     let event = orch_store::NewEvent::new(kind, message)
         .task(run.task.id)
         .job(run.job.id)
         .stage(run.stage.name.as_str())
         .data(data.to_string());
-    if let Err(e) = run.store.append_event_fenced(run.lease, event).await {
+    run.store.append_event_fenced(run.lease, event).await?;
+    Ok(())
+}
+
+/// [`record_fenced`] for an event that records what was done: a failure is logged (the job's
+/// next attempt finds the effect and records it then).
+async fn record(run: &StageRun, kind: &str, message: String, data: serde_json::Value) {
+    if let Err(e) = record_fenced(run, kind, message, data).await {
         tracing::warn!(work_item = %run.work_item, kind, error = %e, "could not append a release event");
     }
 }
@@ -150,13 +163,15 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     if !run.git.is_ancestor(&run.repo_dir, &main, &staged).await? {
         return Ok(Promotion::Moved { main, staged });
     }
-    record(
+    // Written ahead of the move: an attempt that lost its job (or cannot write) moves nothing.
+    record_fenced(
         run,
         events::RELEASE_PROMOTING,
         format!("moving `{branch}` from `{main}` to the staged `{staged}`"),
         json!({"repo": run.repo_name.as_str(), "old": main, "new": staged, "seq": seq}),
     )
-    .await;
+    .await
+    .context("cannot record the promotion's intent; the default branch was not moved")?;
     let published =
         repos::move_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &staged).await?;
     note_unpublished(run, &published).await;
@@ -620,22 +635,17 @@ fn write_revert_log(run: &StageRun, old: &str, new: &str, commit: &str, why: &st
 /// that lost its job (or could not write) holds nothing and says so, and the job's next
 /// attempt decides again.
 pub async fn hold(run: &StageRun, reason: &str) -> Result<()> {
-    let event = orch_store::NewEvent::new(
+    record_fenced(
+        run,
         events::RELEASE_HELD,
         format!(
             "repo {} is held: {reason}; later releases wait until an operator runs `orch approve {}` (go on) or `orch cancel {}`",
             run.repo_name, run.work_item, run.work_item
         ),
+        json!({"repo": run.repo_name.as_str(), "reason": reason}),
     )
-    .task(run.task.id)
-    .job(run.job.id)
-    .stage(run.stage.name.as_str())
-    .data(json!({"repo": run.repo_name.as_str(), "reason": reason}).to_string());
-    run.store
-        .append_event_fenced(run.lease, event)
-        .await
-        .with_context(|| format!("cannot hold repo {}", run.repo_name))?;
-    Ok(())
+    .await
+    .with_context(|| format!("cannot hold repo {}", run.repo_name))
 }
 
 /// The hold this task's events still carry (a `release.held` without a later

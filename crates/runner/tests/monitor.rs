@@ -1308,6 +1308,45 @@ async fn an_interrupted_rollback_runs_again_a_bounded_number_of_times() {
     }
 }
 
+/// A rollback whose command already ended successfully (`post_deploy.rollback_ran`) and whose
+/// verification orch's death interrupted is never run again, even while production is not
+/// back (a rollback such as `rollout undo` run twice would put the bad revision back): the
+/// re-run only verifies.
+#[tokio::test]
+async fn a_rollback_that_ran_is_only_verified_again() {
+    let mut fx = Fx::new().await;
+    std::fs::write(fx.ctl.join("health"), "500").unwrap();
+    fx.repo.rollback = Some(FIX.replace("$CTL", &fx.ctl.display().to_string()));
+    fx.arm();
+    let seq = serde_json::json!({"seq": fx.task.stage_seq}).to_string();
+    for kind in [
+        events::POST_DEPLOY_ROLLBACK_STARTED,
+        events::POST_DEPLOY_ROLLBACK_RAN,
+    ] {
+        fx.db
+            .store
+            .append_event(
+                NewEvent::new(kind, "earlier")
+                    .task(fx.task.id)
+                    .data(seq.clone()),
+            )
+            .await
+            .unwrap();
+    }
+    fx.drive(&exec(), no_change).await;
+    assert_eq!(read(&fx.ctl.join("rolled_back")).lines().count(), 0);
+    assert!(
+        fx.events_of(events::POST_DEPLOY_ROLLBACK_RERUN)
+            .await
+            .is_empty()
+    );
+    assert_eq!(
+        fx.log().unwrap().get_str("action_taken"),
+        Some("rollback_failed"),
+        "production is not back and the command is not run again"
+    );
+}
+
 /// A FAILED watch whose change cannot be reverted because the revert itself cannot run (here:
 /// no git repository where orch's clone should be) has no verdict on the revert: the ending's
 /// attempt fails and holds nothing, so the job's next attempt tries again; only the job's last
@@ -1353,7 +1392,12 @@ async fn a_revert_that_cannot_run_holds_the_repo_only_on_the_last_attempt() {
     assert_eq!(
         read(&fx.ctl.join("rolled_back")).lines().count(),
         1,
-        "the rollback ran once: the second attempt verified it"
+        "the rollback ran once"
+    );
+    assert_eq!(
+        fx.events_of(events::POST_DEPLOY_ROLLBACK).await.len(),
+        1,
+        "the second attempt replays the rollback's recorded outcome, never verifies again"
     );
 }
 

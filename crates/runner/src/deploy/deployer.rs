@@ -569,9 +569,18 @@ impl DeployerExecutor {
                 .iter()
                 .any(|e| event_seq(e) == Some(seq) && kinds.contains(&e.kind.as_str()))
         };
+        // An outcome this visit already recorded (a re-run after a crash, or after the revert
+        // that follows it failed) is replayed, never verified or alerted again.
+        if let Some(ended) = recorded.iter().rev().find(|e| {
+            event_seq(e) == Some(seq)
+                && matches!(
+                    e.kind.as_str(),
+                    events::DEPLOY_ROLLED_BACK | events::DEPLOY_ROLLBACK_FAILED
+                )
+        }) {
+            return Ok(ended.message.clone());
+        }
         let started_before = this_visit(&[events::DEPLOY_ROLLBACK_STARTED]);
-        let ended_before =
-            this_visit(&[events::DEPLOY_ROLLED_BACK, events::DEPLOY_ROLLBACK_FAILED]);
         let reruns = recorded
             .iter()
             .filter(|e| event_seq(e) == Some(seq) && e.kind == events::DEPLOY_ROLLBACK_RERUN)
@@ -579,8 +588,8 @@ impl DeployerExecutor {
         let reruns = u32::try_from(reruns).unwrap_or(u32::MAX);
         let run_it = if !started_before {
             true
-        } else if !ended_before
-            && reruns < super::ROLLBACK_RERUNS
+        } else if reruns < super::ROLLBACK_RERUNS
+            && !this_visit(&[events::DEPLOY_ROLLBACK_RAN])
             && !super::monitor::rolled_back_now(run, revision).await
         {
             // The last run never ended (orch died while it ran, or before it began: the event
@@ -633,7 +642,17 @@ impl DeployerExecutor {
             }
             let out = run_repo_command(run, &command, revision).await;
             let failed = match &out {
-                Ok(o) if o.success() => None,
+                Ok(o) if o.success() => {
+                    record(
+                        run,
+                        seq,
+                        events::DEPLOY_ROLLBACK_RAN,
+                        format!("`{command}` ended successfully; verifying the rollback of the unconfirmed `{revision}`"),
+                        data([("revision", json!(revision)), ("command", json!(command))]),
+                    )
+                    .await?;
+                    None
+                }
                 Ok(o) if o.status == ExitKind::Cancelled => bail!(
                     "deploy: rollback `{command}` cancelled (lease lost or shutdown); the re-run verifies it"
                 ),

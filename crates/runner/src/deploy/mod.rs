@@ -20,9 +20,10 @@
 //!   (`INITIATED` is on disk before it starts; a run interrupted by orch's death before the
 //!   revision went live is run once more, `deploy.redeployed`); a rollback starts once per
 //!   visit (a `post_deploy.rollback_started` event is recorded before it starts) and a run
-//!   that orch's death interrupted before production was back runs again, at most
-//!   [`ROLLBACK_RERUNS`] times (`*.rollback_rerun`); an outcome once recorded as an event is
-//!   replayed, never redone.
+//!   that orch's death interrupted before its command ended and production was back runs
+//!   again, at most [`ROLLBACK_RERUNS`] times (`*.rollback_rerun`); a command that ended
+//!   successfully (`*.rollback_ran`) is only verified again, never rerun; an outcome once
+//!   recorded as an event (the rollback's too) is replayed, never redone.
 //! - **Local state pins jobs.** The sentinel files live in this machine's `repos_dir`: the
 //!   `observe` and `deploy` jobs must carry `NewJob.node = run.node` (the engine copies the
 //!   node onto requeued jobs; [`monitor::recover_watches`] sets it).

@@ -566,6 +566,16 @@ impl MonitorExecutor {
             .await?;
             return Ok((ActionTaken::Alert, why));
         };
+        // An outcome this visit already recorded (a re-run after a crash, or after the revert
+        // that follows it failed) is replayed, never verified or alerted again.
+        if let Some((verified, message)) = recorded_rollback(run, seq).await? {
+            let action = if verified {
+                ActionTaken::Rollback
+            } else {
+                ActionTaken::RollbackFailed
+            };
+            return Ok((action, message));
+        }
         let started = rollback_started(run, seq).await?;
         let run_it = if !started {
             record(
@@ -579,7 +589,7 @@ impl MonitorExecutor {
             true
         } else if let reruns = rollback_reruns(run, seq).await?
             && reruns < super::ROLLBACK_RERUNS
-            && !rollback_ended(run, seq).await?
+            && !rollback_ran(run, seq).await?
             && !rolled_back_now(run, revision).await
         {
             // The last run never ended (orch died while it ran, and a restarted orch stops
@@ -605,7 +615,19 @@ impl MonitorExecutor {
             let out = run_repo_command(run, &command, revision).await;
             crate::failpoint::hit("monitor.after_rollback");
             let failed = match &out {
-                Ok(o) if o.success() => None,
+                Ok(o) if o.success() => {
+                    record(
+                        run,
+                        seq,
+                        events::POST_DEPLOY_ROLLBACK_RAN,
+                        format!(
+                            "`{command}` ended successfully; verifying the rollback of `{revision}`"
+                        ),
+                        data([("revision", json!(revision)), ("command", json!(command))]),
+                    )
+                    .await?;
+                    None
+                }
                 Ok(o) if o.status == ExitKind::Cancelled => {
                     anyhow::bail!(
                         "rollback `{command}` cancelled (lease lost or shutdown); the re-run verifies it"
@@ -1058,14 +1080,33 @@ async fn alert(
     .await
 }
 
-/// Whether this visit's rollback recorded how it ended (`post_deploy.rollback`).
-async fn rollback_ended(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+/// How this visit's rollback ended, when it recorded that (`post_deploy.rollback`): verified
+/// or not, and the message.
+async fn recorded_rollback(run: &StageRun, seq: i64) -> anyhow::Result<Option<(bool, String)>> {
     Ok(run
         .store
         .task_events(run.task.id)
         .await?
         .iter()
-        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK && event_seq(e) == Some(seq)))
+        .rev()
+        .find(|e| e.kind == events::POST_DEPLOY_ROLLBACK && event_seq(e) == Some(seq))
+        .map(|e| {
+            let verified = serde_json::from_str::<serde_json::Value>(&e.data)
+                .ok()
+                .and_then(|v| v.get("verified").and_then(serde_json::Value::as_bool))
+                .unwrap_or(false);
+            (verified, e.message.clone())
+        }))
+}
+
+/// Whether this visit's rollback command already exited successfully.
+async fn rollback_ran(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    Ok(run
+        .store
+        .task_events(run.task.id)
+        .await?
+        .iter()
+        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_RAN && event_seq(e) == Some(seq)))
 }
 
 /// How many times this visit ran its rollback again after an interrupted run.
