@@ -599,7 +599,13 @@ where
     pub async fn append_event_fenced(&self, lease: Lease, event: NewEvent) -> Result<i64> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
-        self.lock_running(&mut tx, lease).await?;
+        if let Err(e) = self.lock_running(&mut tx, lease).await {
+            // Rolled back now, not when the dropped transaction's connection is next used:
+            // PostgreSQL would keep the job row locked meanwhile, and a claim (`SKIP LOCKED`)
+            // would pass the job over.
+            let _ = tx.rollback().await;
+            return Err(e);
+        }
         let id = Self::insert_event(&mut tx, &event, now).await?;
         self.d.commit(tx, false).await?;
         Ok(id)
