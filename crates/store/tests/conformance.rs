@@ -1598,6 +1598,12 @@ async fn a_jobs_fenced_event_is_written_only_while_its_lease_holds(db: TestDb) {
 async fn a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep(db: TestDb) {
     const GRACE: i64 = 60_000;
     let s = &db.store;
+    let sweep = || async {
+        s.fail_stranded_tasks(s.now_ms() - GRACE, 100)
+            .await
+            .unwrap()
+    };
+    let stage = |id: i64| async move { s.get_task(id).await.unwrap().unwrap().stage };
     let task = new_task(s, true).await;
     // A second job of the task is live while the first fails for good: the failure cannot end
     // the task then.
@@ -1614,30 +1620,19 @@ async fn a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep(db: Te
     )
     .await
     .unwrap();
-    assert_eq!(s.get_task(task.id).await.unwrap().unwrap().stage, "intake");
+    assert_eq!(stage(task.id).await, "intake");
     // A healthy task (its job live) is never touched.
     let healthy = new_task(s, true).await;
     db.clock.advance_ms(GRACE + 1);
-    assert!(
-        s.fail_stranded_tasks(s.now_ms() - GRACE, 100)
-            .await
-            .unwrap()
-            .is_empty(),
-        "the other job is still live"
-    );
+    assert!(sweep().await.is_empty(), "the other job is still live");
     // The other job ends without moving the task on (its visit was over): nothing would.
     let other = claim_one(s, "w1").await;
     assert_eq!(other.job.task_id, Some(task.id));
     s.mark_job(other.lease, JobOutcome::Done, None)
         .await
         .unwrap();
-    let failed = s
-        .fail_stranded_tasks(s.now_ms() - GRACE, 100)
-        .await
-        .unwrap();
-    assert_eq!(failed, vec![task.id]);
-    let t = s.get_task(task.id).await.unwrap().unwrap();
-    assert_eq!(t.stage, "failed");
+    assert_eq!(sweep().await, vec![task.id]);
+    assert_eq!(stage(task.id).await, "failed");
     let ended = s
         .task_events(task.id)
         .await
@@ -1652,17 +1647,8 @@ async fn a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep(db: Te
         "{}",
         ended.message
     );
-    assert!(
-        s.fail_stranded_tasks(s.now_ms() - GRACE, 100)
-            .await
-            .unwrap()
-            .is_empty(),
-        "once"
-    );
-    assert_eq!(
-        s.get_task(healthy.id).await.unwrap().unwrap().stage,
-        "intake"
-    );
+    assert!(sweep().await.is_empty(), "once");
+    assert_eq!(stage(healthy.id).await, "intake");
 
     // A task that waits at an approval stage has no job either; a job that failed before it
     // got there is history, not a stranding.
@@ -1704,16 +1690,10 @@ async fn a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep(db: Te
         .unwrap();
     db.clock.advance_ms(GRACE + 1);
     assert!(
-        s.fail_stranded_tasks(s.now_ms() - GRACE, 100)
-            .await
-            .unwrap()
-            .is_empty(),
+        sweep().await.is_empty(),
         "a task waiting for approval is not stranded"
     );
-    assert_eq!(
-        s.get_task(waiting.id).await.unwrap().unwrap().stage,
-        "approval"
-    );
+    assert_eq!(stage(waiting.id).await, "approval");
 }
 
 async fn events_of_many_tasks_are_read_at_once_per_task_oldest_first(db: TestDb) {

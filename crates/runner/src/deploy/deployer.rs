@@ -581,11 +581,7 @@ impl DeployerExecutor {
             return Ok(ended.message.clone());
         }
         let started_before = this_visit(&[events::DEPLOY_ROLLBACK_STARTED]);
-        let reruns = recorded
-            .iter()
-            .filter(|e| event_seq(e) == Some(seq) && e.kind == events::DEPLOY_ROLLBACK_RERUN)
-            .count();
-        let reruns = u32::try_from(reruns).unwrap_or(u32::MAX);
+        let reruns = super::rollback_reruns(&recorded, seq, events::DEPLOY_ROLLBACK_RERUN);
         let run_it = if !started_before {
             true
         } else if reruns < super::ROLLBACK_RERUNS
@@ -643,12 +639,13 @@ impl DeployerExecutor {
             let out = run_repo_command(run, &command, revision).await;
             let failed = match &out {
                 Ok(o) if o.success() => {
-                    record(
+                    super::record_rollback_ran(
                         run,
                         seq,
                         events::DEPLOY_ROLLBACK_RAN,
-                        format!("`{command}` ended successfully; verifying the rollback of the unconfirmed `{revision}`"),
-                        data([("revision", json!(revision)), ("command", json!(command))]),
+                        &format!("the rollback of the unconfirmed `{revision}`"),
+                        revision,
+                        &command,
                     )
                     .await?;
                     None

@@ -168,6 +168,46 @@ pub(crate) fn data<const N: usize>(
 }
 
 /// The `seq` in an event's data, if any.
+/// The events of kind `kind` recorded in stage visit `seq`, oldest first.
+pub(crate) fn of_visit<'a>(
+    events: &'a [Event],
+    seq: i64,
+    kind: &'a str,
+) -> impl DoubleEndedIterator<Item = &'a Event> + 'a {
+    events
+        .iter()
+        .filter(move |e| e.kind == kind && event_seq(e) == Some(seq))
+}
+
+/// How many times visit `seq` ran its rollback again (`kind`: the deployer's or the monitor's
+/// `*.rollback_rerun`).
+pub(crate) fn rollback_reruns(events: &[Event], seq: i64, kind: &str) -> u32 {
+    u32::try_from(of_visit(events, seq, kind).count()).unwrap_or(u32::MAX)
+}
+
+/// Records that the rollback command ended successfully (`kind`: `*.rollback_ran`): from then
+/// on a re-run only verifies it.
+pub(crate) async fn record_rollback_ran(
+    run: &StageRun,
+    seq: i64,
+    kind: &str,
+    subject: &str,
+    revision: &str,
+    command: &str,
+) -> anyhow::Result<()> {
+    record(
+        run,
+        seq,
+        kind,
+        format!("`{command}` ended successfully; verifying {subject}"),
+        data([
+            ("revision", serde_json::json!(revision)),
+            ("command", serde_json::json!(command)),
+        ]),
+    )
+    .await
+}
+
 pub(crate) fn event_seq(event: &Event) -> Option<i64> {
     serde_json::from_str::<serde_json::Value>(&event.data)
         .ok()?

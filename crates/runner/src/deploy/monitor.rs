@@ -566,18 +566,24 @@ impl MonitorExecutor {
             .await?;
             return Ok((ActionTaken::Alert, why));
         };
+        let history = run.store.task_events(run.task.id).await?;
+        let recorded = |kind| super::of_visit(&history, seq, kind).next_back();
         // An outcome this visit already recorded (a re-run after a crash, or after the revert
         // that follows it failed) is replayed, never verified or alerted again.
-        if let Some((verified, message)) = recorded_rollback(run, seq).await? {
+        if let Some(e) = recorded(events::POST_DEPLOY_ROLLBACK) {
+            let verified = serde_json::from_str::<serde_json::Value>(&e.data)
+                .ok()
+                .and_then(|v| v.get("verified").and_then(serde_json::Value::as_bool))
+                .unwrap_or(false);
             let action = if verified {
                 ActionTaken::Rollback
             } else {
                 ActionTaken::RollbackFailed
             };
-            return Ok((action, message));
+            return Ok((action, e.message.clone()));
         }
-        let started = rollback_started(run, seq).await?;
-        let run_it = if !started {
+        let reruns = super::rollback_reruns(&history, seq, events::POST_DEPLOY_ROLLBACK_RERUN);
+        let run_it = if recorded(events::POST_DEPLOY_ROLLBACK_STARTED).is_none() {
             record(
                 run,
                 seq,
@@ -587,9 +593,8 @@ impl MonitorExecutor {
             )
             .await?;
             true
-        } else if let reruns = rollback_reruns(run, seq).await?
-            && reruns < super::ROLLBACK_RERUNS
-            && !rollback_ran(run, seq).await?
+        } else if reruns < super::ROLLBACK_RERUNS
+            && recorded(events::POST_DEPLOY_ROLLBACK_RAN).is_none()
             && !rolled_back_now(run, revision).await
         {
             // The last run never ended (orch died while it ran, and a restarted orch stops
@@ -616,14 +621,13 @@ impl MonitorExecutor {
             crate::failpoint::hit("monitor.after_rollback");
             let failed = match &out {
                 Ok(o) if o.success() => {
-                    record(
+                    super::record_rollback_ran(
                         run,
                         seq,
                         events::POST_DEPLOY_ROLLBACK_RAN,
-                        format!(
-                            "`{command}` ended successfully; verifying the rollback of `{revision}`"
-                        ),
-                        data([("revision", json!(revision)), ("command", json!(command))]),
+                        &format!("the rollback of `{revision}`"),
+                        revision,
+                        &command,
                     )
                     .await?;
                     None
@@ -1080,47 +1084,6 @@ async fn alert(
     .await
 }
 
-/// How this visit's rollback ended, when it recorded that (`post_deploy.rollback`): verified
-/// or not, and the message.
-async fn recorded_rollback(run: &StageRun, seq: i64) -> anyhow::Result<Option<(bool, String)>> {
-    Ok(run
-        .store
-        .task_events(run.task.id)
-        .await?
-        .iter()
-        .rev()
-        .find(|e| e.kind == events::POST_DEPLOY_ROLLBACK && event_seq(e) == Some(seq))
-        .map(|e| {
-            let verified = serde_json::from_str::<serde_json::Value>(&e.data)
-                .ok()
-                .and_then(|v| v.get("verified").and_then(serde_json::Value::as_bool))
-                .unwrap_or(false);
-            (verified, e.message.clone())
-        }))
-}
-
-/// Whether this visit's rollback command already exited successfully.
-async fn rollback_ran(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
-    Ok(run
-        .store
-        .task_events(run.task.id)
-        .await?
-        .iter()
-        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_RAN && event_seq(e) == Some(seq)))
-}
-
-/// How many times this visit ran its rollback again after an interrupted run.
-async fn rollback_reruns(run: &StageRun, seq: i64) -> anyhow::Result<u32> {
-    let n = run
-        .store
-        .task_events(run.task.id)
-        .await?
-        .iter()
-        .filter(|e| e.kind == events::POST_DEPLOY_ROLLBACK_RERUN && event_seq(e) == Some(seq))
-        .count();
-    Ok(u32::try_from(n).unwrap_or(u32::MAX))
-}
-
 /// True when production looks rolled back from `revision` now: health passes and (when the
 /// service names its revision) `revision` is no longer the live one. Unknown is false.
 pub(crate) async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
@@ -1141,9 +1104,11 @@ pub(crate) async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
 /// Whether this visit's rollback already started (its event is recorded before the command).
 async fn rollback_started(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
     let recorded = run.store.task_events(run.task.id).await?;
-    Ok(recorded
-        .iter()
-        .any(|e| e.kind == events::POST_DEPLOY_ROLLBACK_STARTED && event_seq(e) == Some(seq)))
+    Ok(
+        super::of_visit(&recorded, seq, events::POST_DEPLOY_ROLLBACK_STARTED)
+            .next()
+            .is_some(),
+    )
 }
 
 /// This visit's jobs of this run's kind whose content contains `marker`.
