@@ -726,9 +726,10 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
                 offset: 0,
             })
             .await?;
-        match track.contains(&stage.name) {
-            true => holders.extend(tasks),
-            false => others.extend(tasks),
+        if track.contains(&stage.name) {
+            holders.extend(tasks);
+        } else {
+            others.extend(tasks);
         }
     }
     // One read for all holders' holds and one for every other task's waits: with hundreds of
