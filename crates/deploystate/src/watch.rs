@@ -197,7 +197,23 @@ impl WatchState {
     /// An unreadable-but-present series is moved to `series.corrupt`, the loss is noted in
     /// `lost`, and a new series starts with this poll. Returns whether the poll is on disk.
     pub fn append_poll(&self, poll: &Poll) -> bool {
-        let Ok(dir) = &self.dir else { return false };
+        self.append(poll).is_some()
+    }
+
+    /// [`WatchState::append_poll`], returning what [`WatchState::series`] would read right
+    /// after it (the series as written, and the `lost` notes), so a tick does not read back
+    /// the file it has just written. `None` when the poll is not on disk.
+    pub fn record_poll(&self, poll: &Poll) -> Option<SeriesRead> {
+        let polls = self.append(poll)?;
+        Some(SeriesRead {
+            polls,
+            lost: self.lost_notes(Vec::new()),
+        })
+    }
+
+    /// The series on disk after appending `poll` (see [`WatchState::append_poll`]).
+    fn append(&self, poll: &Poll) -> Option<Vec<Poll>> {
+        let Ok(dir) = &self.dir else { return None };
         let path = dir.join(SERIES_FILE);
         let _lock = fsx::lock_dir(dir);
         let mut polls = match fsx::read_json::<Vec<Poll>>(&path) {
@@ -211,25 +227,25 @@ impl WatchState {
                 tracing::warn!(path = %path.display(), "post-deploy state: {why}");
                 if let Err(e) = self.set_series_aside(&why) {
                     tracing::warn!(error = %e, "post-deploy state: cannot set the corrupt series aside");
-                    return false;
+                    return None;
                 }
                 Vec::new()
             }
             Read::Unusable(e) => {
                 tracing::warn!(error = %e, "post-deploy state: cannot append a poll");
-                return false;
+                return None;
             }
         };
         if polls.iter().any(|p| p.tick == poll.tick) {
             tracing::info!(tick = poll.tick, path = %path.display(), "post-deploy state: tick already recorded");
-            return true;
+            return Some(polls);
         }
         polls.push(poll.clone());
         match fsx::replace_json(&path, &polls) {
-            Ok(()) => true,
+            Ok(()) => Some(polls),
             Err(e) => {
                 tracing::warn!(error = %e, "post-deploy state: cannot append a poll");
-                false
+                None
             }
         }
     }
@@ -312,6 +328,15 @@ impl WatchState {
                 Vec::new()
             }
         };
+        SeriesRead {
+            polls,
+            lost: self.lost_notes(lost),
+        }
+    }
+
+    /// `lost` (what was noted so far, then every line of the `lost` file), joined; `None`
+    /// when there is nothing.
+    fn lost_notes(&self, mut lost: Vec<String>) -> Option<String> {
         if let Ok(dir) = &self.dir {
             match fsx::read_bytes(&dir.join(LOST_FILE)) {
                 Read::Found(bytes) => lost.extend(
@@ -324,10 +349,7 @@ impl WatchState {
                 Read::Unusable(e) => lost.push(e.to_string()),
             }
         }
-        SeriesRead {
-            polls,
-            lost: (!lost.is_empty()).then(|| lost.join("; ")),
-        }
+        (!lost.is_empty()).then(|| lost.join("; "))
     }
 
     /// Writes `done` with a one-line summary (design.md §7, §5). Returns whether it is on disk.

@@ -174,6 +174,27 @@ fn concurrent_appends_lose_nothing() {
 }
 
 #[test]
+fn recording_a_poll_returns_what_a_read_would_see() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = state(tmp.path());
+    let first = s.record_poll(&poll(0, CheckOutcome::Pass)).unwrap();
+    assert_eq!(first, s.series());
+    assert!(first.lost.is_none());
+    // a repeated tick returns the series as it stands; a loss noted earlier comes with it
+    assert!(s.mark_lost("a node went away"));
+    let again = s.record_poll(&poll(0, CheckOutcome::Fail)).unwrap();
+    assert_eq!(again, s.series());
+    assert_eq!(again.polls.len(), 1);
+    assert_eq!(again.lost.as_deref(), Some("a node went away"));
+    let second = s.record_poll(&poll(1, CheckOutcome::Fail)).unwrap();
+    assert_eq!(second, s.series());
+    assert_eq!(second.polls.iter().map(|p| p.tick).collect::<Vec<_>>(), [0, 1]);
+    // a series that cannot be written returns nothing
+    let refused = WatchState::new(tmp.path(), "shop", "../x");
+    assert_eq!(refused.record_poll(&poll(0, CheckOutcome::Pass)), None);
+}
+
+#[test]
 fn a_repeated_tick_is_recorded_once() {
     let tmp = tempfile::tempdir().unwrap();
     let s = state(tmp.path());

@@ -30,7 +30,7 @@ use orch_store::{JobCount, NewEvent, NewJob, Store};
 use serde_json::json;
 
 use super::alert::Alert;
-use super::probe::{check_health, check_revision, live_revision, revision_matches};
+use super::probe::{Probe, check_health, live_revision, revision_matches};
 use super::{
     MONITOR_AGENT, OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command,
     watch_params,
@@ -285,11 +285,15 @@ impl MonitorExecutor {
             i64::try_from(params.interval_s.max(1).saturating_mul(1_000)).unwrap_or(i64::MAX);
         let slot_now = u32::try_from((now - first) / interval_ms).unwrap_or(u32::MAX);
         let tick = tick_jobs.max(slot_now);
+        // The series as this tick left it: returned by the append, read only when nothing
+        // was appended (an ending) or the append failed.
+        let mut recorded = None;
         if !ending && tick < planned_polls(&params) {
             run.counters.incr("post_deploy_monitor", "ticks");
             let poll = self.poll(run, &params, &armed.revision, tick, now).await;
             crate::failpoint::hit("monitor.before_append");
-            if !ws.append_poll(&poll) {
+            recorded = ws.record_poll(&poll);
+            if recorded.is_none() {
                 let why = format!("poll of tick {tick} could not be stored in the series");
                 ws.mark_lost(&why);
                 record(
@@ -303,7 +307,7 @@ impl MonitorExecutor {
             }
         }
 
-        let series = ws.series();
+        let series = recorded.unwrap_or_else(|| ws.series());
         match decide(&series.polls, &params, armed.armed_at_ms, now) {
             Decision::Continue { next_delay_ms } => Ok(StageEffect::Requeue {
                 delay_ms: next_delay_ms.max(1),
@@ -459,16 +463,17 @@ impl MonitorExecutor {
         tick: u32,
         now: i64,
     ) -> Poll {
-        let timeout = Duration::from_secs(params.poll_timeout_s.max(1));
+        // One probe for the poll: its checks share a connection where they can.
+        let mut probe = Probe::new(Duration::from_secs(params.poll_timeout_s.max(1)));
         let mut checks = Vec::new();
         if let Some(url) = &run.repo.health_url {
-            checks.push(check_health(url, timeout).await);
+            checks.push(probe.health(url).await);
         }
         if let Some(url) = &run.repo.revision_url {
-            checks.push(check_revision(url, watched, timeout).await.check);
+            checks.push(probe.revision(url, watched).await.check);
         }
         if let Some(url) = &run.repo.control_url {
-            let mut control = check_health(url, timeout).await;
+            let mut control = probe.health(url).await;
             control.name = "control".to_owned();
             if control.outcome != CheckOutcome::Pass {
                 // The monitor cannot see: what it could not reach is its blindness, not the

@@ -12,6 +12,9 @@
 
 use std::time::{Duration, Instant};
 
+use http_body_util::{BodyExt as _, Empty};
+use hyper::body::Bytes;
+
 use orch_domain::monitor::{Check, CheckOutcome, Reaction, Verdict, reaction};
 
 /// The name of the health check in a poll.
@@ -37,28 +40,34 @@ enum Fetched {
     CannotObserve { error: String },
 }
 
-/// GETs `url` within `timeout`, reading at most [`BODY_LIMIT`] bytes of the body.
-async fn fetch(url: &str, timeout: Duration) -> Fetched {
-    let parsed = match reqwest::Url::parse(url) {
-        Ok(u) if matches!(u.scheme(), "http" | "https") => u,
-        Ok(u) => {
-            return Fetched::CannotObserve {
-                error: format!("unsupported URL scheme `{}` in {url:?}", u.scheme()),
-            };
-        }
-        Err(e) => {
-            return Fetched::CannotObserve {
-                error: format!("invalid URL {url:?}: {e}"),
-            };
-        }
-    };
+/// Parses a probe URL: `http` or `https`, else the monitor cannot ask.
+fn parse_url(url: &str) -> Result<reqwest::Url, Fetched> {
+    match reqwest::Url::parse(url) {
+        Ok(u) if matches!(u.scheme(), "http" | "https") => Ok(u),
+        Ok(u) => Err(Fetched::CannotObserve {
+            error: format!("unsupported URL scheme `{}` in {url:?}", u.scheme()),
+        }),
+        Err(e) => Err(Fetched::CannotObserve {
+            error: format!("invalid URL {url:?}: {e}"),
+        }),
+    }
+}
+
+/// Milliseconds since `started`.
+fn elapsed_ms(started: Instant) -> u64 {
+    u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX)
+}
+
+/// GETs `parsed` with the shared reqwest client (TLS, redirects) within `timeout`, reading at
+/// most [`BODY_LIMIT`] bytes of the body: every `https` probe, and an `http` one the service
+/// redirects.
+async fn fetch_with_client(parsed: reqwest::Url, url: &str, timeout: Duration) -> Fetched {
     let client = match client(timeout) {
         Ok(c) => c,
         Err(error) => return Fetched::CannotObserve { error },
     };
     let started = Instant::now();
-    let elapsed =
-        |started: Instant| u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+    let elapsed = elapsed_ms;
     let mut resp = match client.get(parsed).send().await {
         Ok(r) => r,
         Err(e) if e.is_builder() => {
@@ -104,6 +113,246 @@ async fn fetch(url: &str, timeout: Duration) -> Fetched {
     }
 }
 
+/// The checks of one poll. A plain `http` check goes out on a connection of the probe's own:
+/// opened by the first check, reused by the next checks of the same poll to the same host and
+/// port (health and revision are usually one service), closed when the probe is dropped. So
+/// every poll still sees the service as it is now on a fresh connection (never an old process
+/// through a connection kept from an earlier poll), at the cost of one TCP connection per poll
+/// instead of one per check. The connection is driven inside the check's own future: no task,
+/// pool or timer per request (`orch-bench watches`: the HTTP client was a third of the CPU of
+/// 1,000 watches at 1 s). A check on a kept connection that the service closed in between is
+/// asked again on a new one. `https`, and an answer that redirects, go through the shared
+/// reqwest client ([`client`]), which speaks TLS and follows redirects.
+pub struct Probe {
+    timeout: Duration,
+    conn: Option<Conn>,
+}
+
+/// An open HTTP/1.1 connection of a [`Probe`] and the future that drives it.
+struct Conn {
+    /// `host[:port]` as the URL gave it (the `Host` header).
+    authority: String,
+    sender: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
+    driver: std::pin::Pin<Box<Driver>>,
+    /// The driver has ended (the connection is closed).
+    ended: bool,
+}
+
+type Driver =
+    hyper::client::conn::http1::Connection<hyper_util::rt::TokioIo<tokio::net::TcpStream>, Empty<Bytes>>;
+
+/// What one exchange on a [`Conn`] gave.
+struct Answer {
+    status: u16,
+    /// The answer is a redirect (a 3xx with `Location`).
+    redirect: bool,
+    body: Vec<u8>,
+    /// The body was read to its end (the connection can carry another request).
+    whole: bool,
+}
+
+/// How an exchange broke.
+enum Broke {
+    /// Before an answer arrived (refused, reset, closed).
+    Before(hyper::Error),
+    /// The status line arrived, then the body broke off.
+    Body { status: u16, error: hyper::Error },
+}
+
+impl Probe {
+    /// A probe whose every check must end within `timeout` (connect, request and body).
+    pub fn new(timeout: Duration) -> Probe {
+        Probe {
+            timeout,
+            conn: None,
+        }
+    }
+
+    /// [`check_health`] on this probe's connection.
+    pub async fn health(&mut self, url: &str) -> Check {
+        health_check(self.fetch(url).await)
+    }
+
+    /// [`check_revision`] on this probe's connection.
+    pub async fn revision(&mut self, url: &str, watched: &str) -> RevisionProbe {
+        revision_check(self.fetch(url).await, watched)
+    }
+
+    /// [`live_revision`] on this probe's connection.
+    pub async fn live_revision(&mut self, url: &str) -> Option<String> {
+        live_revision_of(url, self.fetch(url).await)
+    }
+
+    /// GETs `url` within the timeout, reading at most [`BODY_LIMIT`] bytes of the body.
+    async fn fetch(&mut self, url: &str) -> Fetched {
+        let parsed = match parse_url(url) {
+            Ok(u) => u,
+            Err(cannot) => return cannot,
+        };
+        if parsed.scheme() != "http" {
+            return fetch_with_client(parsed, url, self.timeout).await;
+        }
+        let Some(host) = parsed.host_str().map(str::to_owned) else {
+            return Fetched::CannotObserve {
+                error: format!("no host in {url:?}"),
+            };
+        };
+        let port = parsed.port_or_known_default().unwrap_or(80);
+        let authority = match parsed.port() {
+            Some(p) => format!("{host}:{p}"),
+            None => host.clone(),
+        };
+        let target = match parsed.query() {
+            Some(q) => format!("{}?{q}", parsed.path()),
+            None => parsed.path().to_owned(),
+        };
+        let request = || {
+            hyper::Request::get(target.as_str())
+                .header(hyper::header::HOST, authority.as_str())
+                .header(hyper::header::USER_AGENT, USER_AGENT)
+                .header(hyper::header::ACCEPT, "*/*")
+                .body(Empty::new())
+                .map_err(|e| format!("cannot build the request to {url}: {e}"))
+        };
+        if let Err(error) = request() {
+            return Fetched::CannotObserve { error };
+        }
+        let started = Instant::now();
+        let exchange = async {
+            // A kept connection the service has closed in the meantime is no evidence: the
+            // check is asked again on a new one.
+            if let Some(conn) = self.conn.as_mut().filter(|c| c.authority == authority)
+                && let Ok(answer) = conn.exchange(request()?).await
+            {
+                return Ok(answer);
+            }
+            self.conn = None;
+            let stream = connect(&host, port)
+                .await
+                .map_err(|e| format!("cannot connect ({url}): {e}"))?;
+            let (sender, driver) =
+                hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                    .await
+                    .map_err(|e| format!("the exchange failed ({url}): {}", chain(&e)))?;
+            let conn = self.conn.insert(Conn {
+                authority: authority.clone(),
+                sender,
+                driver: Box::pin(driver),
+                ended: false,
+            });
+            conn.exchange(request()?).await.map_err(|e| match e {
+                Broke::Before(e) => format!("the exchange failed ({url}): {}", chain(&e)),
+                Broke::Body { status, error } => format!(
+                    "HTTP {status}, then the body broke off: the exchange failed ({url}): {}",
+                    chain(&error)
+                ),
+            })
+        };
+        let answer = match tokio::time::timeout(self.timeout, exchange).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(error)) => {
+                self.conn = None;
+                return Fetched::Unreachable {
+                    latency_ms: elapsed_ms(started),
+                    error,
+                };
+            }
+            Err(_) => {
+                self.conn = None;
+                return Fetched::Unreachable {
+                    latency_ms: elapsed_ms(started),
+                    error: format!("no answer within the timeout ({url})"),
+                };
+            }
+        };
+        if !answer.whole {
+            self.conn = None;
+        }
+        if answer.redirect {
+            return fetch_with_client(parsed, url, self.timeout).await;
+        }
+        Fetched::Response {
+            status: answer.status,
+            latency_ms: elapsed_ms(started),
+            body: String::from_utf8_lossy(&answer.body).into_owned(),
+        }
+    }
+}
+
+impl Conn {
+    /// Sends `request` and reads the answer (at most [`BODY_LIMIT`] bytes of its body) while
+    /// driving the connection in this same future.
+    async fn exchange(&mut self, request: hyper::Request<Empty<Bytes>>) -> Result<Answer, Broke> {
+        let Conn {
+            sender,
+            driver,
+            ended,
+            ..
+        } = self;
+        let work = async move {
+            sender.ready().await.map_err(Broke::Before)?;
+            let response = sender.send_request(request).await.map_err(Broke::Before)?;
+            let status = response.status();
+            let redirect = status.is_redirection()
+                && response.headers().contains_key(hyper::header::LOCATION);
+            let status = status.as_u16();
+            let mut body = response.into_body();
+            let mut bytes = Vec::new();
+            let mut whole = true;
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|error| Broke::Body { status, error })?;
+                if let Ok(chunk) = frame.into_data() {
+                    let room = BODY_LIMIT.saturating_sub(bytes.len());
+                    bytes.extend_from_slice(&chunk[..chunk.len().min(room)]);
+                    if bytes.len() >= BODY_LIMIT {
+                        whole = false;
+                        break;
+                    }
+                }
+            }
+            Ok(Answer {
+                status,
+                redirect,
+                body: bytes,
+                whole,
+            })
+        };
+        tokio::pin!(work);
+        loop {
+            tokio::select! {
+                biased;
+                answer = &mut work => return answer,
+                // The connection's own work (writing the request, reading the answer); should
+                // it end first, the request fails with the reason, which `work` returns.
+                _ = driver.as_mut(), if !*ended => *ended = true,
+            }
+        }
+    }
+}
+
+/// Opens a TCP connection to `host` (a name, an IPv4 address or a bracketed IPv6 one).
+async fn connect(host: &str, port: u16) -> std::io::Result<tokio::net::TcpStream> {
+    let bare = host
+        .strip_prefix('[')
+        .and_then(|h| h.strip_suffix(']'))
+        .unwrap_or(host);
+    tokio::net::TcpStream::connect((bare, port)).await
+}
+
+/// An error and its sources, `: `-separated.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out = format!("{out}: {s}");
+        source = s.source();
+    }
+    out
+}
+
+/// The `User-Agent` of every probe.
+const USER_AGENT: &str = concat!("orch/", env!("CARGO_PKG_VERSION"), " post-deploy probe");
+
 /// An HTTP client with `timeout` for the whole exchange, built once per timeout and shared:
 /// building one loads the system's root certificates, which cost a poll about 10 ms of CPU
 /// (`orch-bench watches`: 1,000 watches at 1 s needed 1.6 cores, 1.0 with the shared client).
@@ -133,11 +382,7 @@ fn client_uncached(timeout: Duration) -> Result<reqwest::Client, String> {
             .connect_timeout(timeout)
             .pool_max_idle_per_host(0)
             .no_proxy()
-            .user_agent(concat!(
-                "orch/",
-                env!("CARGO_PKG_VERSION"),
-                " post-deploy probe"
-            ))
+            .user_agent(USER_AGENT)
             .build()
     };
     match std::panic::catch_unwind(build) {
@@ -181,6 +426,10 @@ fn excerpt(body: &str) -> String {
 /// the service does not answer (refused, reset, timed out); ERROR when the monitor cannot ask
 /// (invalid URL, no HTTP client). Records the status code and latency when there was an answer.
 pub async fn check_health(url: &str, timeout: Duration) -> Check {
+    Probe::new(timeout).health(url).await
+}
+
+fn health_check(fetched: Fetched) -> Check {
     let mut check = Check {
         name: HEALTH_CHECK.to_owned(),
         outcome: CheckOutcome::Error,
@@ -188,7 +437,7 @@ pub async fn check_health(url: &str, timeout: Duration) -> Check {
         latency_ms: None,
         detail: String::new(),
     };
-    match fetch(url, timeout).await {
+    match fetched {
         Fetched::Response {
             status,
             latency_ms,
@@ -228,7 +477,11 @@ fn parse_revision(body: &str) -> Option<String> {
 /// `"revision"` string of a JSON object. `None` when it cannot be told (no answer, non-2xx,
 /// empty body) — an unknown revision, never a guessed one.
 pub async fn live_revision(url: &str, timeout: Duration) -> Option<String> {
-    match fetch(url, timeout).await {
+    Probe::new(timeout).live_revision(url).await
+}
+
+fn live_revision_of(url: &str, fetched: Fetched) -> Option<String> {
+    match fetched {
         Fetched::Response { status, body, .. } if (200..300).contains(&status) => {
             parse_revision(&body)
         }
@@ -264,6 +517,10 @@ pub struct RevisionProbe {
 /// the watched deploy — the monitor cannot observe it any more); NODATA on an empty answer;
 /// FAIL when the service answers non-2xx or not at all; ERROR when the monitor cannot ask.
 pub async fn check_revision(url: &str, watched: &str, timeout: Duration) -> RevisionProbe {
+    Probe::new(timeout).revision(url, watched).await
+}
+
+fn revision_check(fetched: Fetched, watched: &str) -> RevisionProbe {
     let mut check = Check {
         name: REVISION_CHECK.to_owned(),
         outcome: CheckOutcome::Error,
@@ -272,7 +529,7 @@ pub async fn check_revision(url: &str, watched: &str, timeout: Duration) -> Revi
         detail: String::new(),
     };
     let mut live = None;
-    match fetch(url, timeout).await {
+    match fetched {
         Fetched::Response {
             status,
             latency_ms,
