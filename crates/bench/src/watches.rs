@@ -419,30 +419,39 @@ fn start_service() -> Result<(String, i32)> {
     Ok((format!("http://{addr}"), tid))
 }
 
+/// Answers the requests of one connection as an HTTP/1.1 service does (keep-alive: a probe's
+/// checks of one poll share a connection) until the client closes it.
 async fn answer(mut s: tokio::net::TcpStream) {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     loop {
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return,
-            Ok(k) => buf.extend_from_slice(&chunk[..k]),
-        }
-        if buf.windows(4).any(|w| w == b"\r\n\r\n") || buf.len() > 16 * 1024 {
-            break;
+        let end = loop {
+            if let Some(at) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                break at + 4;
+            }
+            if buf.len() > 16 * 1024 {
+                return;
+            }
+            match s.read(&mut chunk).await {
+                Ok(0) | Err(_) => return,
+                Ok(k) => buf.extend_from_slice(&chunk[..k]),
+            }
+        };
+        let body = if buf.starts_with(b"GET /revision") {
+            REVISION
+        } else {
+            "ok"
+        };
+        buf.drain(..end);
+        let reply = format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        if s.write_all(reply.as_bytes()).await.is_err() {
+            return;
         }
     }
-    let body = if buf.starts_with(b"GET /revision") {
-        REVISION
-    } else {
-        "ok"
-    };
-    let reply = format!(
-        "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    let _ = s.write_all(reply.as_bytes()).await;
-    let _ = s.shutdown().await;
 }
 
 /// utime + stime (clock ticks) of a `/proc/…/stat` file; 0 when unreadable.

@@ -43,6 +43,7 @@ both!(
     lost_lease_stops_the_handler_and_its_result_is_not_recorded,
     errors_panics_and_timeouts_become_retries,
     kinds_without_a_handler_are_never_claimed,
+    follow_ups_are_enqueued_once_with_their_jobs_completion,
 );
 
 fn config(concurrency: usize, batch: u32) -> WorkerConfig {
@@ -304,7 +305,9 @@ async fn lost_lease_stops_the_handler_and_its_result_is_not_recorded(db: TestDb)
                     let _guard = CountOnDrop(cancelled);
                     started.fetch_add(1, Ordering::SeqCst);
                     cx.cancel.cancelled().await;
-                    Ok(Outcome::Done)
+                    // What a stale attempt asks for is not done: not its completion, not its
+                    // follow-up (the rescued attempt asks again).
+                    Ok(Outcome::DoneThen(Box::new(NewJob::new("after", "x"))))
                 }
             }),
         );
@@ -351,6 +354,91 @@ async fn lost_lease_stops_the_handler_and_its_result_is_not_recorded(db: TestDb)
         "the stale handler's Done was not recorded: {job:?}"
     );
     assert_eq!(job.attempt, 1);
+    let stats = db.store.queue_stats().await.unwrap();
+    let after: Vec<_> = stats.counts.iter().filter(|c| c.agent == "after").collect();
+    assert!(after.is_empty(), "no follow-up of the stale attempt: {after:?}");
+}
+
+/// Chains of jobs, each link asking for the next as its follow-up (`Outcome::DoneThen`), some
+/// delayed, each with a dedupe key, as a watch's ticks are: in both claim shapes every link
+/// runs once, in order, and nothing is left queued or running.
+async fn follow_ups_are_enqueued_once_with_their_jobs_completion(db: TestDb) {
+    const CHAINS: u32 = 6;
+    const LINKS: u32 = 15;
+    type Ran = Arc<std::sync::Mutex<Vec<(u32, u32, u32)>>>;
+    let ran: Ran = Arc::default();
+    let mut r = Registry::new();
+    {
+        let ran = ran.clone();
+        r.register(
+            "link",
+            Duration::from_secs(60),
+            handler_fn(move |cx| {
+                let ran = ran.clone();
+                async move {
+                    let parts: Vec<u32> = cx
+                        .job
+                        .task_content
+                        .split(':')
+                        .map(str::parse)
+                        .collect::<Result<_, _>>()?;
+                    let [round, chain, link] = parts[..] else {
+                        anyhow::bail!("bad content {}", cx.job.task_content);
+                    };
+                    ran.lock().unwrap().push((round, chain, link));
+                    if link == LINKS {
+                        return Ok(Outcome::Done);
+                    }
+                    let next = NewJob::new("link", format!("{round}:{chain}:{}", link + 1))
+                        .delay_ms(if link % 3 == 0 { 40 } else { 0 })
+                        .dedupe(format!("link-{round}-{chain}-{}", link + 1));
+                    Ok(Outcome::DoneThen(Box::new(next)))
+                }
+            }),
+        );
+    }
+    for (round, shape) in [config(3, 1), config(4, 8)].into_iter().enumerate() {
+        let round = u32::try_from(round).unwrap();
+        for chain in 0..CHAINS {
+            db.store
+                .enqueue(NewJob::new("link", format!("{round}:{chain}:0")))
+                .await
+                .unwrap();
+        }
+        let worker = Running::start(&db.store, r.clone(), shape);
+        let seen = ran.clone();
+        let clock = db.clock.clone();
+        eventually("every chain ran to its end", || {
+            let seen = seen.clone();
+            // The store's clock is the test's: the delayed links come due as it moves.
+            clock.advance_ms(50);
+            async move {
+                let ran = seen.lock().unwrap();
+                ran.iter().filter(|(r, _, l)| *r == round && *l == LINKS).count() == CHAINS as usize
+            }
+        })
+        .await;
+        worker.shutdown().await;
+        let ran: Vec<(u32, u32)> = ran
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(r, _, _)| *r == round)
+            .map(|(_, c, l)| (*c, *l))
+            .collect();
+        assert_eq!(ran.len(), (CHAINS * (LINKS + 1)) as usize, "each link once: {ran:?}");
+        for chain in 0..CHAINS {
+            let links: Vec<u32> = ran.iter().filter(|(c, _)| *c == chain).map(|(_, l)| *l).collect();
+            assert_eq!(links, (0..=LINKS).collect::<Vec<_>>(), "chain {chain} in order");
+        }
+        let stats = db.store.queue_stats().await.unwrap();
+        let left: Vec<_> = stats
+            .counts
+            .iter()
+            .filter(|c| c.state != JobState::Done && c.count > 0)
+            .collect();
+        assert!(left.is_empty(), "every job done, none left: {left:?}");
+    }
 }
 
 async fn errors_panics_and_timeouts_become_retries(db: TestDb) {

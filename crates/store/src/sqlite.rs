@@ -314,7 +314,16 @@ impl Db<SqliteDriver> {
         tx.commit().await?;
         self.refresh_job_statistics(inserted).await;
         if inserted > 0 {
-            self.d.notify(Millis::MIN, Millis::MIN);
+            // Delayed jobs only (a batch of watch ticks) tell the workers when to look next.
+            let due_at = jobs
+                .iter()
+                .map(|j| match j.delay_ms {
+                    d if d > 0 => now.saturating_add(d),
+                    _ => Millis::MIN,
+                })
+                .min()
+                .unwrap_or(Millis::MIN);
+            self.d.notify(due_at, now);
         }
         Ok(inserted)
     }

@@ -133,9 +133,9 @@ struct Conn {
     /// `host[:port]` as the URL gave it (the `Host` header).
     authority: String,
     sender: hyper::client::conn::http1::SendRequest<Empty<Bytes>>,
-    driver: std::pin::Pin<Box<Driver>>,
-    /// The driver has ended (the connection is closed).
-    ended: bool,
+    /// Dropped when it ends (the connection is closed): only then does `sender` learn that the
+    /// connection can take no more requests.
+    driver: Option<std::pin::Pin<Box<Driver>>>,
 }
 
 type Driver =
@@ -237,8 +237,7 @@ impl Probe {
             let conn = self.conn.insert(Conn {
                 authority: authority.clone(),
                 sender,
-                driver: Box::pin(driver),
-                ended: false,
+                driver: Some(Box::pin(driver)),
             });
             conn.exchange(request()?).await.map_err(|e| match e {
                 Broke::Before(e) => format!("the exchange failed ({url}): {}", chain(&e)),
@@ -283,12 +282,7 @@ impl Conn {
     /// Sends `request` and reads the answer (at most [`BODY_LIMIT`] bytes of its body) while
     /// driving the connection in this same future.
     async fn exchange(&mut self, request: hyper::Request<Empty<Bytes>>) -> Result<Answer, Broke> {
-        let Conn {
-            sender,
-            driver,
-            ended,
-            ..
-        } = self;
+        let Conn { sender, driver, .. } = self;
         let work = async move {
             sender.ready().await.map_err(Broke::Before)?;
             let response = sender.send_request(request).await.map_err(Broke::Before)?;
@@ -319,12 +313,15 @@ impl Conn {
         };
         tokio::pin!(work);
         loop {
+            let Some(running) = driver.as_mut() else {
+                return work.await;
+            };
             tokio::select! {
                 biased;
                 answer = &mut work => return answer,
                 // The connection's own work (writing the request, reading the answer); should
                 // it end first, the request fails with the reason, which `work` returns.
-                _ = driver.as_mut(), if !*ended => *ended = true,
+                _ = running.as_mut() => *driver = None,
             }
         }
     }

@@ -465,6 +465,10 @@ impl Engine {
         if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
             job = job.node(self.cfg.node.clone());
         }
+        // A routine tick's follow-up goes with its completion, batched with other jobs'.
+        if routine && priority == 0 {
+            return Ok(Outcome::DoneThen(Box::new(job)));
+        }
         self.store.enqueue(job).await?;
         if !routine || priority != 0 {
             self.event(
