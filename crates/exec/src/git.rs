@@ -502,24 +502,32 @@ impl Git {
         add.extend(only.iter().cloned());
         self.run(dir, add).await?;
 
-        let mut staged = args(["diff", "--cached", "--quiet"]);
-        staged.extend(only.iter().cloned());
-        let out = self.output(dir, staged.clone(), None).await?;
-        match out.status {
-            ExitKind::Exited(0) => return Ok(None),
-            ExitKind::Exited(1) => {}
-            _ => return Err(failed(dir, &staged, &out)),
-        }
-
+        // Committed straight away: every stage commits something, so asking first whether
+        // anything is staged cost a process per commit. A commit that fails with status 1 is
+        // either "nothing to commit" or a real failure (a hook): only then is the index asked.
         let mut commit = args(["commit", "--quiet", "--file", "-"]);
-        commit.extend(only);
+        commit.extend(only.iter().cloned());
         let out = self
             .output(dir, commit.clone(), Some(message.as_bytes().to_vec()))
             .await?;
-        if !out.success() {
-            return Err(failed(dir, &commit, &out));
+        match out.status {
+            ExitKind::Exited(0) => {}
+            ExitKind::Exited(1) => {
+                let mut staged = args(["diff", "--cached", "--quiet"]);
+                staged.extend(only);
+                let check = self.output(dir, staged.clone(), None).await?;
+                return match check.status {
+                    ExitKind::Exited(0) => Ok(None),
+                    ExitKind::Exited(1) => Err(failed(dir, &commit, &out)),
+                    _ => Err(failed(dir, &staged, &check)),
+                };
+            }
+            _ => return Err(failed(dir, &commit, &out)),
         }
-        self.rev_parse(dir, "HEAD").await
+        match head_from_files(dir) {
+            Some(id) => Ok(Some(id)),
+            None => self.rev_parse(dir, "HEAD").await,
+        }
     }
 
     /// The changes in the working tree of `dir`: one entry per changed, added, deleted or
@@ -1603,6 +1611,42 @@ fn named_path(file: &Path, prefix: &str) -> Option<PathBuf> {
     let text = std::fs::read_to_string(file).ok()?;
     let value = text.lines().next()?.strip_prefix(prefix)?.trim().to_owned();
     Some(normalize(&file.parent()?.join(value)))
+}
+
+/// The commit `dir`'s `HEAD` points at, read from the files `git rev-parse HEAD` reads (the
+/// checkout's `HEAD`, and the branch's loose ref in the common directory): no process for the
+/// commit just made. `None` whenever that is not plainly so (packed or reftable refs, a
+/// symbolic link, anything unexpected): the caller then asks git.
+fn head_from_files(dir: &Path) -> Option<String> {
+    let dotgit = dir.join(".git");
+    let meta = std::fs::symlink_metadata(&dotgit).ok()?;
+    let gitdir = if meta.is_dir() {
+        normalize(&dotgit)
+    } else if meta.is_file() {
+        named_path(&dotgit, "gitdir:")?
+    } else {
+        return None;
+    };
+    let head = std::fs::read_to_string(gitdir.join("HEAD")).ok()?;
+    let head = head.trim();
+    let id = match head.strip_prefix("ref: ") {
+        Some(name) => {
+            let plain = name.starts_with("refs/heads/")
+                && !name.contains("..")
+                && !name.contains(['\\', '\0']);
+            if !plain {
+                return None;
+            }
+            let common = named_path(&gitdir.join("commondir"), "").unwrap_or(gitdir);
+            let file = common.join(name);
+            if !std::fs::symlink_metadata(&file).ok()?.is_file() {
+                return None;
+            }
+            std::fs::read_to_string(file).ok()?.trim().to_owned()
+        }
+        None => head.to_owned(),
+    };
+    (matches!(id.len(), 40 | 64) && id.bytes().all(|b| b.is_ascii_hexdigit())).then_some(id)
 }
 
 /// The in-process lock that serializes worktree changes of one repository.

@@ -289,7 +289,11 @@ pub async fn prepare_worktree(
         )
         .await
         .with_context(|| format!("cannot prepare the worktree of {work_item}"))?;
-    if added != WorktreeAdd::Created {
+    // A reused worktree is put back to its last commit, which is nearly always where the last
+    // job left it: one `status` says so (what it lists, untracked files included and ignored
+    // ones not, is exactly what `reset --hard` and `clean -d` would change), instead of running
+    // both on every stage job.
+    if added != WorktreeAdd::Created && !git.status_porcelain(&worktree).await?.is_empty() {
         git.reset_hard(&worktree, "HEAD").await?;
         git.clean(&worktree).await?;
     }
