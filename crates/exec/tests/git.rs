@@ -86,6 +86,26 @@ async fn init_commit_and_rev_parse() {
             .unwrap(),
         None
     );
+    // A commit that fails (a hook refuses it, exit 1 like "nothing to commit") is an error,
+    // and the commit id is read back right (from the ref files) when it succeeds.
+    let hook = dir.join(".git/hooks/pre-commit");
+    std::fs::create_dir_all(hook.parent().unwrap()).unwrap();
+    std::fs::write(&hook, "#!/bin/sh\necho refused by the hook >&2\nexit 1\n").unwrap();
+    std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    write(&dir, "b.txt", "b\n");
+    let err = git
+        .add_and_commit(&dir, &Pathspec::All, "refused")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("refused by the hook"), "{err}");
+    std::fs::remove_file(&hook).unwrap();
+    let second = git
+        .add_and_commit(&dir, &Pathspec::All, "add b")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(second, sha);
+    assert_eq!(head(&dir).await, second);
     assert_eq!(
         git.show_file(&dir, "HEAD", "a.txt")
             .await
@@ -95,7 +115,7 @@ async fn init_commit_and_rev_parse() {
     );
     // init on an existing repository keeps it.
     git.init_repo(&dir, "trunk").await.unwrap();
-    assert_eq!(head(&dir).await, sha);
+    assert_eq!(head(&dir).await, second);
     // The fixed identity is used.
     let out = orch_exec::run(
         &orch_exec::Cmd::new("git")
@@ -106,7 +126,7 @@ async fn init_commit_and_rev_parse() {
     .unwrap();
     assert_eq!(
         out.stdout_lossy().trim(),
-        "orch <orch@localhost>|orch <orch@localhost>|add a"
+        "orch <orch@localhost>|orch <orch@localhost>|add b"
     );
 }
 
@@ -614,6 +634,34 @@ async fn read_files_as_committed_on_a_branch() {
     check_files("docs/work-items/A-1", "main", vec![]).await;
     check_files("docs/work-items/A-1", "orch/no-such", vec![]).await;
     check_files("README.md", "orch/A-1", vec!["README.md"]).await;
+    // The same files with their contents, in a fixed number of processes.
+    assert_eq!(
+        git.files_at(&repo, "orch/A-1", "docs/work-items/A-1")
+            .await
+            .unwrap(),
+        vec![
+            (
+                "docs/work-items/A-1/01-request.md".to_owned(),
+                "request\n".to_owned()
+            ),
+            (
+                "docs/work-items/A-1/02-requirements.md".to_owned(),
+                "---\nstatus: ok\n---\n".to_owned()
+            ),
+        ]
+    );
+    assert!(
+        git.files_at(&repo, "orch/no-such", "docs/work-items/A-1")
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        git.files_at(&repo, "main", "docs/work-items/A-1")
+            .await
+            .unwrap()
+            .is_empty()
+    );
 
     let show = |rev: &'static str, path: &'static str| {
         let (git, repo) = (git.clone(), repo.clone());

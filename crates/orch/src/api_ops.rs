@@ -193,20 +193,16 @@ impl Operations for ApiOps {
         let git = self.runtime.engine.git();
         let dir = format!("docs/work-items/{}", task.work_item_id);
         let files = git
-            .log_files(&repo_dir, &task.branch, &dir)
+            .files_at(&repo_dir, &task.branch, &dir)
             .await
             .map_err(|e| OpError::Internal(e.to_string()))?;
-        let mut out = Vec::new();
-        for path in files {
-            if let Some(content) = git
-                .show_file(&repo_dir, &task.branch, &path)
-                .await
-                .map_err(|e| OpError::Internal(e.to_string()))?
-            {
+        let mut out: Vec<ArtifactFile> = files
+            .into_iter()
+            .map(|(path, content)| {
                 let name = path.rsplit('/').next().unwrap_or(&path).to_owned();
-                out.push(ArtifactFile { name, content });
-            }
-        }
+                ArtifactFile { name, content }
+            })
+            .collect();
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
