@@ -492,12 +492,25 @@ impl Engine {
         outcome: Option<GateOutcome>,
     ) -> Result<Outcome> {
         run.ensure_worktree().await?;
+        // The two checks of what the agent touched ask git at the same time.
+        let artifacts_only =
+            run.stage.kind == StageKind::Llm && run.stage.name.as_str() != "implementation";
+        let (outside, repo_status) = tokio::join!(
+            async {
+                match artifacts_only {
+                    true => {
+                        self.git
+                            .changed_files_outside(&run.worktree, &run.work_item.artifact_dir())
+                            .await
+                    }
+                    false => Ok(Vec::new()),
+                }
+            },
+            self.git.status_porcelain(&run.repo_dir)
+        );
         // Only the developer changes code; other agents write their artifacts and nothing else.
-        if run.stage.kind == StageKind::Llm && run.stage.name.as_str() != "implementation" {
-            let outside = self
-                .git
-                .changed_files_outside(&run.worktree, &run.work_item.artifact_dir())
-                .await?;
+        if artifacts_only {
+            let outside = outside?;
             if !outside.is_empty() {
                 let reason = format!(
                     "agent wrote outside {}: {}",
@@ -509,7 +522,7 @@ impl Engine {
                 anyhow::bail!(reason);
             }
         }
-        let repo_status = self.git.status_porcelain(&run.repo_dir).await?;
+        let repo_status = repo_status?;
         if !repo_status.is_empty() {
             let files: Vec<String> = repo_status.iter().map(|s| s.path.clone()).collect();
             self.git.reset_hard(&run.repo_dir, "HEAD").await?;
