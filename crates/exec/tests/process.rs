@@ -412,3 +412,22 @@ async fn a_child_that_outlives_its_killed_parent_can_still_print() {
         "done\n"
     );
 }
+
+#[tokio::test]
+async fn a_batch_run_and_what_it_starts_run_below_orchs_priority() {
+    // SAFETY: getpriority takes plain integers.
+    let own = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+    let want = (own + orch_exec::process::BATCH_NICE).min(19);
+    // `nice` prints its own niceness; the second one is a grandchild started by the shell.
+    let out = run(&sh("nice; sh -c nice").batch()).await.unwrap();
+    assert!(out.success(), "{out:?}");
+    let seen: Vec<i32> = out
+        .stdout_lossy()
+        .lines()
+        .map(|l| l.trim().parse().unwrap())
+        .collect();
+    assert_eq!(seen, [want, want], "child and grandchild");
+    // Without it, children keep orch's priority.
+    let out = run(&sh("nice")).await.unwrap();
+    assert_eq!(out.stdout_lossy().trim(), own.to_string());
+}

@@ -405,6 +405,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     let args: Vec<String> = plan.args.iter().map(|a| vars.substitute(a)).collect();
     let mut cmd = Cmd::new(&plan.program)
         .no_daemons()
+        .batch()
         .args(args)
         .cwd(inv.worktree)
         .timeout(inv.timeout)

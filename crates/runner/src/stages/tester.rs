@@ -178,6 +178,7 @@ pub(crate) async fn run_test_command(
 /// job is cancelled.
 pub(crate) fn shell_cmd(run: &StageRun, command: &str, timeout: Duration) -> Cmd {
     Cmd::new("sh")
+        .batch()
         .arg("-c")
         .arg(command)
         .cwd(&run.worktree)
