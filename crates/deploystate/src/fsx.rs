@@ -175,10 +175,14 @@ fn exchange_into(path: &Path, bytes: &[u8]) -> io::Result<()> {
     }
     // Written over in place, never truncated to zero first: ext4 (`auto_da_alloc`) flushes a
     // file that was truncated to zero and rewritten when it is closed, which made every poll
-    // wait for a disk write (`orch-bench watches`: a twentieth of a worker's CPU in `close`).
+    // wait for a disk write (`orch-bench watches`: a twentieth of the runtime's CPU was in `close`).
     // The series only grows, so the new content is longer than the old; should it be shorter,
     // the file is cut to its length, never to zero.
-    let mut f = OpenOptions::new().write(true).create(true).open(&next)?;
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&next)?;
     f.write_all(bytes)?;
     let len = u64::try_from(bytes.len()).unwrap_or(u64::MAX);
     if f.metadata()?.len() > len {

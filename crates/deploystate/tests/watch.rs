@@ -188,7 +188,10 @@ fn recording_a_poll_returns_what_a_read_would_see() {
     assert_eq!(again.lost.as_deref(), Some("a node went away"));
     let second = s.record_poll(&poll(1, CheckOutcome::Fail)).unwrap();
     assert_eq!(second, s.series());
-    assert_eq!(second.polls.iter().map(|p| p.tick).collect::<Vec<_>>(), [0, 1]);
+    assert_eq!(
+        second.polls.iter().map(|p| p.tick).collect::<Vec<_>>(),
+        [0, 1]
+    );
     // a series that cannot be written returns nothing
     let refused = WatchState::new(tmp.path(), "shop", "../x");
     assert_eq!(refused.record_poll(&poll(0, CheckOutcome::Pass)), None);

@@ -505,6 +505,18 @@ impl Git {
         // Committed straight away: every stage commits something, so asking first whether
         // anything is staged cost a process per commit. A commit that fails with status 1 is
         // either "nothing to commit" or a real failure (a hook): only then is the index asked.
+        // With a merge, cherry-pick or revert in progress git would commit even with nothing
+        // staged: then the index is asked first, as always before.
+        if self.operation_in_progress(dir) {
+            let mut staged = args(["diff", "--cached", "--quiet"]);
+            staged.extend(only.iter().cloned());
+            let out = self.output(dir, staged.clone(), None).await?;
+            match out.status {
+                ExitKind::Exited(0) => return Ok(None),
+                ExitKind::Exited(1) => {}
+                _ => return Err(failed(dir, &staged, &out)),
+            }
+        }
         let mut commit = args(["commit", "--quiet", "--file", "-"]);
         commit.extend(only.iter().cloned());
         let out = self
@@ -664,6 +676,17 @@ impl Git {
         Ok(files)
     }
 
+    /// Whether the checkout in `dir` has a merge, cherry-pick or revert in progress (the files
+    /// git leaves for one in the checkout's git directory). True when that cannot be told.
+    pub fn operation_in_progress(&self, dir: &Path) -> bool {
+        let Some(gitdir) = git_dir_of(dir) else {
+            return true;
+        };
+        ["MERGE_HEAD", "CHERRY_PICK_HEAD", "REVERT_HEAD"]
+            .iter()
+            .any(|f| std::fs::symlink_metadata(gitdir.join(f)).is_ok())
+    }
+
     /// Every file under `path` (relative to the root; a file or a directory) as committed on
     /// `branch`, sorted by path, with its content (invalid UTF-8 replaced): what
     /// [`Git::log_files`] lists, each read as [`Git::show_file`] would, in three git processes
@@ -722,7 +745,7 @@ impl Git {
             parse_batch(&out.stdout_tail, blobs.len()).ok_or_else(|| GitError::Failed {
                 dir: dir.to_owned(),
                 args: lossy(&argv),
-                exit: out.status.clone(),
+                exit: out.status,
                 stderr: "its answer does not parse as `cat-file --batch` output".to_owned(),
             })?;
         Ok(blobs
@@ -1697,20 +1720,26 @@ fn parse_batch(mut out: &[u8], count: usize) -> Option<Vec<String>> {
     Some(contents)
 }
 
+/// The git directory of the checkout whose top is `dir`: `dir/.git`, or the directory a
+/// linked worktree's `.git` file names. `None` when it is neither.
+fn git_dir_of(dir: &Path) -> Option<PathBuf> {
+    let dotgit = dir.join(".git");
+    let meta = std::fs::symlink_metadata(&dotgit).ok()?;
+    if meta.is_dir() {
+        Some(normalize(&dotgit))
+    } else if meta.is_file() {
+        named_path(&dotgit, "gitdir:")
+    } else {
+        None
+    }
+}
+
 /// The commit `dir`'s `HEAD` points at, read from the files `git rev-parse HEAD` reads (the
 /// checkout's `HEAD`, and the branch's loose ref in the common directory): no process for the
 /// commit just made. `None` whenever that is not plainly so (packed or reftable refs, a
 /// symbolic link, anything unexpected): the caller then asks git.
 fn head_from_files(dir: &Path) -> Option<String> {
-    let dotgit = dir.join(".git");
-    let meta = std::fs::symlink_metadata(&dotgit).ok()?;
-    let gitdir = if meta.is_dir() {
-        normalize(&dotgit)
-    } else if meta.is_file() {
-        named_path(&dotgit, "gitdir:")?
-    } else {
-        return None;
-    };
+    let gitdir = git_dir_of(dir)?;
     let head = std::fs::read_to_string(gitdir.join("HEAD")).ok()?;
     let head = head.trim();
     let id = match head.strip_prefix("ref: ") {

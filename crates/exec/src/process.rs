@@ -172,7 +172,7 @@ impl Cmd {
     }
 
     /// Runs the command below orch's CPU priority ([`BATCH_NICE`] lower): for the long,
-    /// CPU-hungry children that do the work (agents, tests, staging checks), so that when they
+    /// CPU-hungry children that do the work (agents, test runs), so that when they
     /// fill every core, orch's own short steps between them (the git of a stage, the queue, the
     /// dashboard) still get a CPU at once instead of waiting behind them. When the machine has
     /// a free core it changes nothing. `orch-bench items`: with 200 items in flight, orch's own
@@ -208,6 +208,15 @@ fn lower_priority(command: &mut Command, increment: i32) {
             Ok(())
         });
     }
+}
+
+/// Whether process `pid` is gone (no such process): for files named after the process that
+/// made them. False when it exists or that cannot be told.
+pub fn process_gone(pid: i32) -> bool {
+    // SAFETY: signal 0 sends nothing; it only asks whether the process exists.
+    pid > 0
+        && unsafe { libc::kill(pid, 0) } != 0
+        && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
 }
 
 /// The command line as a person would type it (lossy, for logs and reports).

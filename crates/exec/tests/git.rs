@@ -106,6 +106,18 @@ async fn init_commit_and_rev_parse() {
         .unwrap();
     assert_ne!(second, sha);
     assert_eq!(head(&dir).await, second);
+    // A merge left in progress with nothing staged: no commit (git would make a merge commit).
+    std::fs::write(dir.join(".git/MERGE_HEAD"), format!("{sha}\n")).unwrap();
+    assert!(git.operation_in_progress(&dir));
+    assert_eq!(
+        git.add_and_commit(&dir, &Pathspec::All, "nothing")
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(head(&dir).await, second);
+    std::fs::remove_file(dir.join(".git/MERGE_HEAD")).unwrap();
+    assert!(!git.operation_in_progress(&dir));
     assert_eq!(
         git.show_file(&dir, "HEAD", "a.txt")
             .await

@@ -192,10 +192,25 @@ impl Operations for ApiOps {
         }
         let git = self.runtime.engine.git();
         let dir = format!("docs/work-items/{}", task.work_item_id);
-        let files = git
-            .files_at(&repo_dir, &task.branch, &dir)
-            .await
-            .map_err(|e| OpError::Internal(e.to_string()))?;
+        let files = match git.files_at(&repo_dir, &task.branch, &dir).await {
+            Ok(files) => files,
+            // All at once failed (more than git's output limit in all, an object missing):
+            // file by file, skipping what cannot be read, as the page always did.
+            Err(e) => {
+                tracing::warn!(work_item = %task.work_item_id, error = %e, "cannot read the artifacts at once; reading them one by one");
+                let mut files = Vec::new();
+                let paths = git
+                    .log_files(&repo_dir, &task.branch, &dir)
+                    .await
+                    .map_err(|e| OpError::Internal(e.to_string()))?;
+                for path in paths {
+                    if let Ok(Some(content)) = git.show_file(&repo_dir, &task.branch, &path).await {
+                        files.push((path, content));
+                    }
+                }
+                files
+            }
+        };
         let mut out: Vec<ArtifactFile> = files
             .into_iter()
             .map(|(path, content)| {

@@ -99,14 +99,72 @@ pub async fn ensure_clone(
         }
         (None, None) => anyhow::bail!("[repos.{name}] has neither `path` nor `url`"),
     };
-    if let Some(parent) = paths.repo_dir.parent() {
-        std::fs::create_dir_all(parent)
-            .with_context(|| format!("cannot create {}", parent.display()))?;
+    let parent = paths
+        .repo_dir
+        .parent()
+        .with_context(|| format!("{} has no parent directory", paths.repo_dir.display()))?;
+    std::fs::create_dir_all(parent)
+        .with_context(|| format!("cannot create {}", parent.display()))?;
+    // Cloned beside the final place and moved there whole: a clone killed half-way (orch
+    // killed -9 during its checkout) never sits where the next job looks, where it would be a
+    // repository whose checkout cannot be detached. Leftovers of such clones are removed.
+    remove_dead_clones(parent, name.as_str());
+    let tmp = parent.join(format!("{CLONING_PREFIX}{name}.{}", std::process::id()));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)
+            .with_context(|| format!("cannot remove the unfinished clone {}", tmp.display()))?;
     }
-    git.clone_repo(&source, &paths.repo_dir)
+    git.clone_repo(&source, &tmp)
         .await
         .with_context(|| format!("cannot clone repo {name} from {source}"))?;
-    detach(git, &paths.repo_dir).await
+    detach(git, &tmp).await?;
+    match std::fs::rename(&tmp, &paths.repo_dir) {
+        Ok(()) => Ok(()),
+        // Another orch process on this machine finished its clone first: use that one.
+        Err(_) if paths.repo_dir.join(".git").exists() => {
+            let _ = std::fs::remove_dir_all(&tmp);
+            detach(git, &paths.repo_dir).await
+        }
+        Err(e) => Err(e).with_context(|| {
+            format!(
+                "cannot move the clone {} to {}",
+                tmp.display(),
+                paths.repo_dir.display()
+            )
+        }),
+    }
+}
+
+/// The prefix of a clone being made (`.cloning-<repo>.<pid>` beside the repo's directory).
+const CLONING_PREFIX: &str = ".cloning-";
+
+/// Removes the unfinished clones of `repo` in `parent` whose process is gone. Best effort.
+fn remove_dead_clones(parent: &Path, repo: &str) {
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return;
+    };
+    let prefix = format!("{CLONING_PREFIX}{repo}.");
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(&prefix))
+            .and_then(|p| p.parse::<i32>().ok())
+        else {
+            continue;
+        };
+        if orch_exec::process::process_gone(pid) {
+            let path = entry.path();
+            match std::fs::remove_dir_all(&path) {
+                Ok(()) => {
+                    tracing::info!(dir = %path.display(), "removed a clone left unfinished by a process that is gone")
+                }
+                Err(e) => {
+                    tracing::warn!(dir = %path.display(), error = %e, "cannot remove an unfinished clone")
+                }
+            }
+        }
+    }
 }
 
 /// Whether `repo_dir` is a clone (a `.git` directory) whose `HEAD` file holds a commit id
@@ -290,10 +348,13 @@ pub async fn prepare_worktree(
         .await
         .with_context(|| format!("cannot prepare the worktree of {work_item}"))?;
     // A reused worktree is put back to its last commit, which is nearly always where the last
-    // job left it: one `status` says so (what it lists, untracked files included and ignored
-    // ones not, is exactly what `reset --hard` and `clean -d` would change), instead of running
-    // both on every stage job.
-    if added != WorktreeAdd::Created && !git.status_porcelain(&worktree).await?.is_empty() {
+    // job left it: one `status` (changed, staged and untracked files; ignored ones are left
+    // alone either way) and a look for a merge, cherry-pick or revert left in progress say so,
+    // instead of running `reset --hard` and `clean -d` on every stage job.
+    if added != WorktreeAdd::Created
+        && (git.operation_in_progress(&worktree)
+            || !git.status_porcelain(&worktree).await?.is_empty())
+    {
         git.reset_hard(&worktree, "HEAD").await?;
         git.clean(&worktree).await?;
     }

@@ -19,9 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures::FutureExt;
-use orch_store::{
-    Claim, ClaimedJob, Job, JobOutcome, Lease, NewEvent, NewJob, Store, StoreError,
-};
+use orch_store::{Claim, ClaimedJob, Job, JobOutcome, Lease, NewEvent, NewJob, Store, StoreError};
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
@@ -592,8 +590,13 @@ impl Fetcher {
                     0
                 }
             };
+            // A follow-up (a watch's next tick) is not held back for a fuller batch: it is due
+            // at its own time, and other processes can only claim it once it is written.
             let flush = !pending_done.is_empty()
-                && (want > 0 || running.is_empty() || pending_done.len() >= self.batch.max(1));
+                && (want > 0
+                    || running.is_empty()
+                    || pending_done.len() >= self.batch.max(1)
+                    || !follow_ups.is_empty());
             if want > 0 || flush {
                 let claim = (want > 0).then(|| Claim {
                     worker_id: self.config.worker_id.clone(),

@@ -28,6 +28,8 @@ enum Reply {
     Drop,
     /// No answer at all.
     Hang,
+    /// 200 announcing ten bytes more than it sends, then the connection closed.
+    BrokenBody,
 }
 
 /// Which reply a request gets: `(path, index of the connection, index of the request on it)`.
@@ -40,7 +42,9 @@ struct Service {
 }
 
 impl Service {
-    async fn start(script: impl Fn(&str, usize, usize) -> Reply + Send + Sync + 'static) -> Service {
+    async fn start(
+        script: impl Fn(&str, usize, usize) -> Reply + Send + Sync + 'static,
+    ) -> Service {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let base = format!("http://{}", listener.local_addr().unwrap());
         let connections = Arc::new(AtomicUsize::new(0));
@@ -79,7 +83,14 @@ async fn serve(mut s: tokio::net::TcpStream, conn: usize, script: Arc<Script>) {
         };
         let head = String::from_utf8_lossy(&buf[..end]).into_owned();
         buf.drain(..end);
-        let path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+        let mut path = head.split_whitespace().nth(1).unwrap_or("/").to_owned();
+        // Basic authorization for `u:p`, as a client sends credentials from the URL.
+        if head
+            .to_ascii_lowercase()
+            .contains("\r\nauthorization: basic dtpw\r\n")
+        {
+            path.push_str("+auth");
+        }
         assert!(
             head.to_ascii_lowercase().contains("\r\nhost: 127.0.0.1:"),
             "every request names its host: {head}"
@@ -109,6 +120,12 @@ async fn serve(mut s: tokio::net::TcpStream, conn: usize, script: Arc<Script>) {
                 format!("HTTP/1.1 302 Found\r\nlocation: {to}\r\ncontent-length: 0\r\n\r\n")
             }
             Reply::Drop => return,
+            Reply::BrokenBody => {
+                let _ = s
+                    .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 12\r\n\r\nok")
+                    .await;
+                return;
+            }
             Reply::Hang => {
                 tokio::time::sleep(Duration::from_secs(30)).await;
                 return;
@@ -145,7 +162,10 @@ async fn the_checks_of_a_poll_share_one_connection_and_each_poll_opens_its_own()
         assert!(health.latency_ms.is_some());
         assert_eq!(revision.check.outcome, CheckOutcome::Pass, "{revision:?}");
         assert_eq!(revision.live.as_deref(), Some(REV));
-        assert_eq!(p.live_revision(&svc.url("/revision")).await.as_deref(), Some(REV));
+        assert_eq!(
+            p.live_revision(&svc.url("/revision")).await.as_deref(),
+            Some(REV)
+        );
         drop(p);
         assert_eq!(svc.connections(), poll, "one connection per poll");
     }
@@ -156,7 +176,10 @@ async fn a_service_that_closes_the_connection_is_asked_again_on_a_new_one_never_
     // Says `connection: close` with its answer.
     let svc = Service::start(|path, _, _| Reply::OkThenClose(usual(path))).await;
     let mut p = probe();
-    assert_eq!(p.health(&svc.url("/health")).await.outcome, CheckOutcome::Pass);
+    assert_eq!(
+        p.health(&svc.url("/health")).await.outcome,
+        CheckOutcome::Pass
+    );
     let rev = p.revision(&svc.url("/revision"), REV).await;
     assert_eq!(rev.check.outcome, CheckOutcome::Pass, "{rev:?}");
     assert_eq!(svc.connections(), 2);
@@ -171,7 +194,10 @@ async fn a_service_that_closes_the_connection_is_asked_again_on_a_new_one_never_
     })
     .await;
     let mut p = probe();
-    assert_eq!(p.health(&svc.url("/health")).await.outcome, CheckOutcome::Pass);
+    assert_eq!(
+        p.health(&svc.url("/health")).await.outcome,
+        CheckOutcome::Pass
+    );
     let rev = p.revision(&svc.url("/revision"), REV).await;
     assert_eq!(rev.check.outcome, CheckOutcome::Pass, "{rev:?}");
     assert_eq!(svc.connections(), 2, "asked again on a new connection");
@@ -206,7 +232,10 @@ async fn chunked_and_oversized_bodies_are_read_within_the_limit() {
     assert_eq!(big.outcome, CheckOutcome::Pass, "{big:?}");
     assert!(big.detail.ends_with('…'), "the detail quotes an excerpt");
     // the rest of that body was never read: the next check needs a new connection
-    assert_eq!(p.health(&svc.url("/health")).await.outcome, CheckOutcome::Pass);
+    assert_eq!(
+        p.health(&svc.url("/health")).await.outcome,
+        CheckOutcome::Pass
+    );
     assert_eq!(svc.connections(), 2);
 }
 
@@ -222,10 +251,17 @@ async fn a_redirect_is_followed_and_a_hung_answer_times_out() {
     let mut p = probe();
     let health = p.health(&svc.url("/health")).await;
     assert_eq!(health.outcome, CheckOutcome::Pass, "{health:?}");
-    assert_eq!(health.status_code, Some(200), "the redirect's target answered");
+    assert_eq!(
+        health.status_code,
+        Some(200),
+        "the redirect's target answered"
+    );
 
     let mut p = Probe::new(Duration::from_secs(1));
-    assert_eq!(p.health(&svc.url("/healthz")).await.outcome, CheckOutcome::Pass);
+    assert_eq!(
+        p.health(&svc.url("/healthz")).await.outcome,
+        CheckOutcome::Pass
+    );
     let hung = p.health(&svc.url("/hang")).await;
     assert_eq!(hung.outcome, CheckOutcome::Fail, "{hung:?}");
     assert!(
@@ -235,7 +271,10 @@ async fn a_redirect_is_followed_and_a_hung_answer_times_out() {
     assert!(hung.latency_ms.is_some_and(|ms| ms >= 900), "{hung:?}");
     // the hung connection is not reused
     let before = svc.connections();
-    assert_eq!(p.health(&svc.url("/healthz")).await.outcome, CheckOutcome::Pass);
+    assert_eq!(
+        p.health(&svc.url("/healthz")).await.outcome,
+        CheckOutcome::Pass
+    );
     assert_eq!(svc.connections(), before + 1);
 }
 
@@ -245,7 +284,10 @@ async fn checks_of_other_services_get_their_own_connections() {
     let b = Service::start(|path, _, _| Reply::Ok(usual(path))).await;
     let mut p = probe();
     for _ in 0..2 {
-        assert_eq!(p.health(&a.url("/health")).await.outcome, CheckOutcome::Pass);
+        assert_eq!(
+            p.health(&a.url("/health")).await.outcome,
+            CheckOutcome::Pass
+        );
         let rev = p.revision(&b.url("/revision"), REV).await;
         assert_eq!(rev.check.outcome, CheckOutcome::Pass, "{rev:?}");
     }
@@ -254,6 +296,42 @@ async fn checks_of_other_services_get_their_own_connections() {
     // a bad URL never touches the kept connection
     let bad = p.health("http://[::1").await;
     assert_eq!(bad.outcome, CheckOutcome::Error, "{bad:?}");
-    assert_eq!(p.health(&b.url("/health")).await.outcome, CheckOutcome::Pass);
+    assert_eq!(
+        p.health(&b.url("/health")).await.outcome,
+        CheckOutcome::Pass
+    );
     assert_eq!(b.connections(), 2, "the kept connection served it");
+}
+
+#[tokio::test]
+async fn credentials_in_the_url_are_sent_and_a_broken_answer_on_a_kept_connection_fails() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let svc = Service::start(|path, _, nth| match path {
+        "/health+auth" => Reply::Ok("ok".into()),
+        "/health" => Reply::Ok("who are you".into()),
+        _ if nth == 1 => Reply::BrokenBody,
+        _ => Reply::Ok("ok".into()),
+    })
+    .await;
+    let mut p = probe();
+    let with = svc.url("/health").replace("http://", "http://u:p@");
+    let health = p.health(&with).await;
+    assert_eq!(health.outcome, CheckOutcome::Pass, "{health:?}");
+    assert!(
+        health.detail.contains("HTTP 200: ok"),
+        "sent as Basic authorization: {health:?}"
+    );
+
+    // The second answer on a kept connection breaks off: the service's failure, not asked again.
+    let mut p = probe();
+    assert_eq!(p.health(&svc.url("/a")).await.outcome, CheckOutcome::Pass);
+    let before = svc.connections();
+    let broken = p.health(&svc.url("/b")).await;
+    assert_eq!(broken.outcome, CheckOutcome::Fail, "{broken:?}");
+    assert!(broken.detail.contains("body broke off"), "{broken:?}");
+    assert_eq!(
+        svc.connections(),
+        before,
+        "not asked again on a new connection"
+    );
 }

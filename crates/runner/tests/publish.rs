@@ -373,3 +373,39 @@ async fn merging_into_an_ordinary_checkout_is_not_refused() {
     let branches = sh_git(&user, &["branch", "--format=%(refname:short)"]).await;
     assert_eq!(branches, "main", "no orch/* branch in the user's checkout");
 }
+
+/// orch killed -9 while it cloned leaves a half-made clone; it is made beside the repo's
+/// directory and moved there whole, so the next job finds either nothing (and clones again,
+/// removing what the dead process left) or a whole clone, never a checkout it cannot detach.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clone_cut_short_by_a_kill_is_never_where_the_next_job_looks() {
+    let s = setup(Kind::Checkout).await;
+    let repos = s.clone.parent().unwrap().to_path_buf();
+    std::fs::remove_dir_all(&s.clone).unwrap();
+    // What a process killed mid-clone left: a gone process's and (pid reused) this one's.
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let gone_pid = gone.id();
+    gone.wait().unwrap();
+    for pid in [gone_pid, std::process::id()] {
+        let left = repos.join(format!(".cloning-demo.{pid}"));
+        std::fs::create_dir_all(left.join(".git")).unwrap();
+        std::fs::write(left.join("README.md"), "half a checkout\n").unwrap();
+    }
+    let paths = repos::RepoPaths::new(&repos, &"demo".parse().unwrap());
+    repos::ensure_clone(
+        &s.git,
+        s._tmp.path(),
+        &paths,
+        &"demo".parse().unwrap(),
+        &s.repo,
+    )
+    .await
+    .unwrap();
+    assert_eq!(rev(&s.clone, "HEAD").await, rev(&s.user, "main").await);
+    let left: Vec<String> = std::fs::read_dir(&repos)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .filter(|n| n.starts_with(".cloning-"))
+        .collect();
+    assert!(left.is_empty(), "no unfinished clone left: {left:?}");
+}

@@ -356,7 +356,10 @@ async fn lost_lease_stops_the_handler_and_its_result_is_not_recorded(db: TestDb)
     assert_eq!(job.attempt, 1);
     let stats = db.store.queue_stats().await.unwrap();
     let after: Vec<_> = stats.counts.iter().filter(|c| c.agent == "after").collect();
-    assert!(after.is_empty(), "no follow-up of the stale attempt: {after:?}");
+    assert!(
+        after.is_empty(),
+        "no follow-up of the stale attempt: {after:?}"
+    );
 }
 
 /// Chains of jobs, each link asking for the next as its follow-up (`Outcome::DoneThen`), some
@@ -414,7 +417,10 @@ async fn follow_ups_are_enqueued_once_with_their_jobs_completion(db: TestDb) {
             clock.advance_ms(50);
             async move {
                 let ran = seen.lock().unwrap();
-                ran.iter().filter(|(r, _, l)| *r == round && *l == LINKS).count() == CHAINS as usize
+                ran.iter()
+                    .filter(|(r, _, l)| *r == round && *l == LINKS)
+                    .count()
+                    == CHAINS as usize
             }
         })
         .await;
@@ -426,10 +432,22 @@ async fn follow_ups_are_enqueued_once_with_their_jobs_completion(db: TestDb) {
             .filter(|(r, _, _)| *r == round)
             .map(|(_, c, l)| (*c, *l))
             .collect();
-        assert_eq!(ran.len(), (CHAINS * (LINKS + 1)) as usize, "each link once: {ran:?}");
+        assert_eq!(
+            ran.len(),
+            (CHAINS * (LINKS + 1)) as usize,
+            "each link once: {ran:?}"
+        );
         for chain in 0..CHAINS {
-            let links: Vec<u32> = ran.iter().filter(|(c, _)| *c == chain).map(|(_, l)| *l).collect();
-            assert_eq!(links, (0..=LINKS).collect::<Vec<_>>(), "chain {chain} in order");
+            let links: Vec<u32> = ran
+                .iter()
+                .filter(|(c, _)| *c == chain)
+                .map(|(_, l)| *l)
+                .collect();
+            assert_eq!(
+                links,
+                (0..=LINKS).collect::<Vec<_>>(),
+                "chain {chain} in order"
+            );
         }
         let stats = db.store.queue_stats().await.unwrap();
         let left: Vec<_> = stats

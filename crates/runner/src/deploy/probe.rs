@@ -67,7 +67,6 @@ async fn fetch_with_client(parsed: reqwest::Url, url: &str, timeout: Duration) -
         Err(error) => return Fetched::CannotObserve { error },
     };
     let started = Instant::now();
-    let elapsed = elapsed_ms;
     let mut resp = match client.get(parsed).send().await {
         Ok(r) => r,
         Err(e) if e.is_builder() => {
@@ -77,7 +76,7 @@ async fn fetch_with_client(parsed: reqwest::Url, url: &str, timeout: Duration) -
         }
         Err(e) => {
             return Fetched::Unreachable {
-                latency_ms: elapsed(started),
+                latency_ms: elapsed_ms(started),
                 error: describe(&e, url),
             };
         }
@@ -97,7 +96,7 @@ async fn fetch_with_client(parsed: reqwest::Url, url: &str, timeout: Duration) -
             // The status line arrived but the body broke off: the service answered badly.
             Err(e) => {
                 return Fetched::Unreachable {
-                    latency_ms: elapsed(started),
+                    latency_ms: elapsed_ms(started),
                     error: format!(
                         "HTTP {status}, then the body broke off: {}",
                         describe(&e, url)
@@ -108,7 +107,7 @@ async fn fetch_with_client(parsed: reqwest::Url, url: &str, timeout: Duration) -
     }
     Fetched::Response {
         status,
-        latency_ms: elapsed(started),
+        latency_ms: elapsed_ms(started),
         body: String::from_utf8_lossy(&body).into_owned(),
     }
 }
@@ -118,9 +117,10 @@ async fn fetch_with_client(parsed: reqwest::Url, url: &str, timeout: Duration) -
 /// port (health and revision are usually one service), closed when the probe is dropped. So
 /// every poll still sees the service as it is now on a fresh connection (never an old process
 /// through a connection kept from an earlier poll), at the cost of one TCP connection per poll
-/// instead of one per check. The connection is driven inside the check's own future: no task,
-/// pool or timer per request (`orch-bench watches`: the HTTP client was a third of the CPU of
-/// 1,000 watches at 1 s). A check on a kept connection that the service closed in between is
+/// instead of one per check. The connection is driven inside the check's own future: no task
+/// or pool per request (`orch-bench watches`: with reqwest, two connections per poll were
+/// over a third of the runtime's CPU at 1,000 watches a second; a quarter now, a third of it the
+/// kernel's TCP handshake). A check on a kept connection that the service closed in between is
 /// asked again on a new one. `https`, and an answer that redirects, go through the shared
 /// reqwest client ([`client`]), which speaks TLS and follows redirects.
 pub struct Probe {
@@ -138,8 +138,10 @@ struct Conn {
     driver: Option<std::pin::Pin<Box<Driver>>>,
 }
 
-type Driver =
-    hyper::client::conn::http1::Connection<hyper_util::rt::TokioIo<tokio::net::TcpStream>, Empty<Bytes>>;
+type Driver = hyper::client::conn::http1::Connection<
+    hyper_util::rt::TokioIo<tokio::net::TcpStream>,
+    Empty<Bytes>,
+>;
 
 /// What one exchange on a [`Conn`] gave.
 struct Answer {
@@ -189,7 +191,10 @@ impl Probe {
             Ok(u) => u,
             Err(cannot) => return cannot,
         };
-        if parsed.scheme() != "http" {
+        // TLS, and credentials in the URL (reqwest sends them as Basic authorization), are
+        // the shared client's.
+        if parsed.scheme() != "http" || !parsed.username().is_empty() || parsed.password().is_some()
+        {
             return fetch_with_client(parsed, url, self.timeout).await;
         }
         let Some(host) = parsed.host_str().map(str::to_owned) else {
@@ -220,11 +225,19 @@ impl Probe {
         let started = Instant::now();
         let exchange = async {
             // A kept connection the service has closed in the meantime is no evidence: the
-            // check is asked again on a new one.
-            if let Some(conn) = self.conn.as_mut().filter(|c| c.authority == authority)
-                && let Ok(answer) = conn.exchange(request()?).await
-            {
-                return Ok(answer);
+            // check is asked again on a new one. An answer that arrived and then broke off is
+            // the service's (reported, not asked again).
+            if let Some(conn) = self.conn.as_mut().filter(|c| c.authority == authority) {
+                match conn.exchange(request()?).await {
+                    Ok(answer) => return Ok(answer),
+                    Err(Broke::Before(_)) => {}
+                    Err(Broke::Body { status, error }) => {
+                        return Err(format!(
+                            "HTTP {status}, then the body broke off: the exchange failed ({url}): {}",
+                            chain(&error)
+                        ));
+                    }
+                }
             }
             self.conn = None;
             let stream = connect(&host, port)
@@ -268,7 +281,9 @@ impl Probe {
             self.conn = None;
         }
         if answer.redirect {
-            return fetch_with_client(parsed, url, self.timeout).await;
+            // Followed within what is left of the check's time.
+            let left = self.timeout.saturating_sub(started.elapsed());
+            return fetch_with_client(parsed, url, left.max(Duration::from_millis(1))).await;
         }
         Fetched::Response {
             status: answer.status,
@@ -287,8 +302,8 @@ impl Conn {
             sender.ready().await.map_err(Broke::Before)?;
             let response = sender.send_request(request).await.map_err(Broke::Before)?;
             let status = response.status();
-            let redirect = status.is_redirection()
-                && response.headers().contains_key(hyper::header::LOCATION);
+            let redirect =
+                status.is_redirection() && response.headers().contains_key(hyper::header::LOCATION);
             let status = status.as_u16();
             let mut body = response.into_body();
             let mut bytes = Vec::new();

@@ -128,7 +128,9 @@ pub(crate) async fn run_test_command(
     command: &str,
     timeout_s: u64,
 ) -> Result<TestRun, TestRunError> {
-    let cmd = shell_cmd(run, command, Duration::from_secs(timeout_s));
+    // Below orch's priority: a test run is batch work (a staging step is not: the service it
+    // may start would keep the lower priority for good).
+    let cmd = shell_cmd(run, command, Duration::from_secs(timeout_s)).batch();
     let out = orch_exec::run(&cmd)
         .await
         .map_err(|source| TestRunError::Spawn {
@@ -178,7 +180,6 @@ pub(crate) async fn run_test_command(
 /// job is cancelled.
 pub(crate) fn shell_cmd(run: &StageRun, command: &str, timeout: Duration) -> Cmd {
     Cmd::new("sh")
-        .batch()
         .arg("-c")
         .arg(command)
         .cwd(&run.worktree)
