@@ -733,14 +733,7 @@ impl Git {
         if !out.success() {
             return Err(failed(dir, &argv, &out));
         }
-        if out.stdout_truncated() {
-            return Err(GitError::TooMuchOutput {
-                dir: dir.to_owned(),
-                args: lossy(&argv),
-                bytes: out.stdout_bytes,
-                limit: GIT_OUTPUT_LIMIT,
-            });
-        }
+        whole_stdout(dir, &argv, &out)?;
         let contents =
             parse_batch(&out.stdout_tail, blobs.len()).ok_or_else(|| GitError::Failed {
                 dir: dir.to_owned(),
@@ -1106,14 +1099,7 @@ impl Git {
     /// Runs git and returns its whole stdout; exit ≠ 0 or an over-long stdout is an error.
     async fn text(&self, dir: &Path, argv: Vec<OsString>) -> Result<String, GitError> {
         let out = self.run(dir, argv.clone()).await?;
-        if out.stdout_truncated() {
-            return Err(GitError::TooMuchOutput {
-                dir: dir.to_owned(),
-                args: lossy(&argv),
-                bytes: out.stdout_bytes,
-                limit: GIT_OUTPUT_LIMIT,
-            });
-        }
+        whole_stdout(dir, &argv, &out)?;
         Ok(out.stdout_lossy())
     }
 
@@ -1702,6 +1688,19 @@ fn named_path(file: &Path, prefix: &str) -> Option<PathBuf> {
     let text = std::fs::read_to_string(file).ok()?;
     let value = text.lines().next()?.strip_prefix(prefix)?.trim().to_owned();
     Some(normalize(&file.parent()?.join(value)))
+}
+
+/// An error when git printed more than orch keeps of one command's stdout.
+fn whole_stdout(dir: &Path, argv: &[OsString], out: &Output) -> Result<(), GitError> {
+    if out.stdout_truncated() {
+        return Err(GitError::TooMuchOutput {
+            dir: dir.to_owned(),
+            args: lossy(argv),
+            bytes: out.stdout_bytes,
+            limit: GIT_OUTPUT_LIMIT,
+        });
+    }
+    Ok(())
 }
 
 /// The contents of the `count` objects `cat-file --batch` printed: `<object> <type> <size>\n`,

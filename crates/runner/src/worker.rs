@@ -610,10 +610,8 @@ impl Fetcher {
                     match self.store.enqueue_many(follow_ups.clone()).await {
                         Ok(_) => follow_ups.clear(),
                         Err(e) => {
-                            self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
-                            tracing::warn!(error = %e, "enqueueing follow-up jobs failed; retrying with backoff");
-                            tokio::time::sleep(error_backoff).await;
-                            error_backoff = (error_backoff * 2).min(Duration::from_secs(5));
+                            self.back_off(&mut error_backoff, "enqueueing follow-up jobs", &e)
+                                .await;
                             continue;
                         }
                     }
@@ -644,10 +642,8 @@ impl Fetcher {
                         }
                     }
                     Err(e) => {
-                        self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
-                        tracing::warn!(error = %e, "claim/complete failed; retrying with backoff");
-                        tokio::time::sleep(error_backoff).await;
-                        error_backoff = (error_backoff * 2).min(Duration::from_secs(5));
+                        self.back_off(&mut error_backoff, "claim/complete", &e)
+                            .await;
                         continue;
                     }
                 }
@@ -699,6 +695,14 @@ impl Fetcher {
                 }
             }
         }
+    }
+
+    /// After a store error: counts it, says so and waits `backoff`, which doubles (at most 5 s).
+    async fn back_off(&self, backoff: &mut Duration, what: &str, e: &StoreError) {
+        self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(error = %e, "{what} failed; retrying with backoff");
+        tokio::time::sleep(*backoff).await;
+        *backoff = (*backoff * 2).min(Duration::from_secs(5));
     }
 
     /// How long to sleep when the queue had nothing: until the next delayed job, at most the
