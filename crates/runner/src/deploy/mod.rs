@@ -167,7 +167,6 @@ pub(crate) fn data<const N: usize>(
     pairs.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
 }
 
-/// The `seq` in an event's data, if any.
 /// The events of kind `kind` recorded in stage visit `seq`, oldest first.
 pub(crate) fn of_visit<'a>(
     events: &'a [Event],
@@ -208,6 +207,7 @@ pub(crate) async fn record_rollback_ran(
     .await
 }
 
+/// The `seq` in an event's data, if any.
 pub(crate) fn event_seq(event: &Event) -> Option<i64> {
     serde_json::from_str::<serde_json::Value>(&event.data)
         .ok()?
