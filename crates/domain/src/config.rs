@@ -145,6 +145,11 @@ pub struct Settings {
     pub lease_s: u64,
     /// Queue polling interval in milliseconds, the fallback to notifications. Default 1000.
     pub poll_interval_ms: u64,
+    /// Once the queue is drained, how long a worker gathers jobs that come due on their own
+    /// (a watch's ticks) and finished jobs before its next statement, in milliseconds: jobs due
+    /// a few milliseconds apart then share one claim. A job submitted to run now is claimed at
+    /// once. 0: a statement per due job. Default 10; at most a tenth of `lease_s`.
+    pub fetch_cooldown_ms: u64,
     /// Loops back to implementation allowed per work item. Default 3.
     pub max_loops: u32,
     /// Agent runs at once, across all work items. Default 2.
@@ -179,6 +184,7 @@ impl Default for Settings {
             workers: 4,
             lease_s: 60,
             poll_interval_ms: 1000,
+            fetch_cooldown_ms: DEFAULT_FETCH_COOLDOWN_MS,
             max_loops: crate::pipeline::DEFAULT_MAX_LOOPS,
             agent_concurrency: 2,
             max_tokens_per_item: None,
@@ -495,6 +501,11 @@ fn invalid(section: impl Into<String>, key: &str, reason: impl Into<String>) -> 
 /// The default of `[settings] node_grace_s`.
 pub const DEFAULT_NODE_GRACE_S: u64 = 300;
 
+/// `settings.fetch_cooldown_ms`'s default: 1,000 watches ticking each second are then about a
+/// hundred claims a second of ten jobs each, rather than a thousand of one (Oban's producers
+/// wait 5 ms between fetches, River's 100 ms); a tick is claimed at most this much later.
+pub const DEFAULT_FETCH_COOLDOWN_MS: u64 = 10;
+
 /// The agents of deterministic stages: built into orch, not configured in `[agents]`.
 pub const BUILT_IN_AGENTS: [&str; 5] = [
     "tester",
@@ -541,6 +552,7 @@ impl Config {
         env_number(&get, "ORCH_LEASE_S", &mut s.lease_s)?;
         env_number(&get, "ORCH_NODE_GRACE_S", &mut s.node_grace_s)?;
         env_number(&get, "ORCH_POLL_INTERVAL_MS", &mut s.poll_interval_ms)?;
+        env_number(&get, "ORCH_FETCH_COOLDOWN_MS", &mut s.fetch_cooldown_ms)?;
         env_number(&get, "ORCH_AGENT_CONCURRENCY", &mut s.agent_concurrency)?;
         env_number(&get, "ORCH_AGENT_TIMEOUT_S", &mut s.agent_timeout_s)?;
         if env_number(&get, "ORCH_MAX_LOOPS", &mut s.max_loops)? {
@@ -615,6 +627,16 @@ impl Config {
             if value == 0 {
                 return Err(invalid("settings", key, "must be at least 1"));
             }
+        }
+        if s.fetch_cooldown_ms.saturating_mul(10) > s.lease_s.saturating_mul(1000) {
+            return Err(invalid(
+                "settings",
+                "fetch_cooldown_ms",
+                format!(
+                    "must be at most a tenth of lease_s ({} s): finished jobs wait up to this long to be marked done, well within their lease",
+                    s.lease_s
+                ),
+            ));
         }
         if s.node_grace_s < s.lease_s {
             return Err(invalid(
@@ -1100,6 +1122,8 @@ token = @TOKEN@
 workers = 4
 lease_s = 60
 poll_interval_ms = 1000
+# Once the queue is drained, jobs coming due within this many ms share one claim (0: none).
+fetch_cooldown_ms = 10
 # Loops back to implementation allowed per work item before it fails.
 max_loops = 3
 # Agent runs at once, and the default timeout of one run (s).

@@ -105,6 +105,10 @@ fn restart_needed(old: &Config, new: &Config) -> Vec<String> {
         a.poll_interval_ms != b.poll_interval_ms,
         "settings.poll_interval_ms",
     );
+    check(
+        a.fetch_cooldown_ms != b.fetch_cooldown_ms,
+        "settings.fetch_cooldown_ms",
+    );
     check(a.node != b.node, "settings.node");
     check(a.node_grace_s != b.node_grace_s, "settings.node_grace_s");
     check(old.pipeline != new.pipeline, "pipeline");

@@ -154,6 +154,13 @@ pub struct WorkerConfig {
     /// Jobs pinned to another node become claimable here once they have been ready, and that
     /// node unseen, for this long (design.md §10). `None`: never take over.
     pub node_grace: Option<Duration>,
+    /// Once a claim finds the queue drained (fewer jobs due than it asked for), the next claim
+    /// for jobs that come due on their own (delayed jobs: a watch's ticks) waits at least this
+    /// long after it, and finished jobs are marked done within this long, so jobs due a few
+    /// milliseconds apart share one statement instead of one each. A job enqueued to run now
+    /// (a wake-up) and a backlog (a claim that came back full) are claimed at once. Zero: every
+    /// due job and every finish is a claim of its own.
+    pub fetch_cooldown: Duration,
 }
 
 impl WorkerConfig {
@@ -167,6 +174,7 @@ impl WorkerConfig {
             shutdown_grace: Duration::from_secs(30),
             node: None,
             node_grace: None,
+            fetch_cooldown: DEFAULT_FETCH_COOLDOWN,
         }
     }
 
@@ -174,11 +182,21 @@ impl WorkerConfig {
         i64::try_from(self.lease.as_millis()).unwrap_or(i64::MAX)
     }
 
+    /// The cooldown as the fetch loops apply it: at most a tenth of the lease, since finished
+    /// jobs wait up to this long to be marked done and must be well within their lease then.
+    fn cooldown(&self) -> Duration {
+        self.fetch_cooldown.min(self.lease / 10)
+    }
+
     fn node_grace_ms(&self) -> Option<i64> {
         self.node_grace
             .map(|g| i64::try_from(g.as_millis()).unwrap_or(i64::MAX).max(1))
     }
 }
+
+/// [`WorkerConfig::fetch_cooldown`]'s default (`settings.fetch_cooldown_ms`).
+pub const DEFAULT_FETCH_COOLDOWN: Duration =
+    Duration::from_millis(orch_domain::config::DEFAULT_FETCH_COOLDOWN_MS);
 
 /// A worker id unique enough across machines and restarts: `<host>-<pid>-<random>`.
 pub fn default_worker_id() -> String {
@@ -550,6 +568,24 @@ struct Fetcher {
     index: usize,
 }
 
+/// A follow-up job of a finished one (`Outcome::DoneThen`) waiting for its batch, with when
+/// its handler asked for it.
+type FollowUp = (Instant, NewJob);
+
+/// The follow-ups as they are to be inserted now: a delay counts from when the handler asked,
+/// so the time one waited for its batch is taken off it (a watch's tick stays on its slot).
+fn as_held(follow_ups: &[FollowUp]) -> Vec<NewJob> {
+    follow_ups
+        .iter()
+        .map(|(asked, job)| {
+            let held = i64::try_from(asked.elapsed().as_millis()).unwrap_or(i64::MAX);
+            let mut job = job.clone();
+            job.delay_ms = job.delay_ms.saturating_sub(held).max(0);
+            job
+        })
+        .collect()
+}
+
 /// A finished execution: its lease, the job's task (if any) and what the handler returned.
 type Finished = (Lease, Option<i64>, Result<Outcome, String>);
 
@@ -561,13 +597,21 @@ impl Fetcher {
         let mut buffer: VecDeque<ClaimedJob> = VecDeque::new();
         let mut pending_done: Vec<Lease> = Vec::new();
         // The follow-ups of finished jobs in `pending_done`, inserted just before them.
-        let mut follow_ups: Vec<NewJob> = Vec::new();
+        let mut follow_ups: Vec<FollowUp> = Vec::new();
         let mut next_poll = Instant::now();
         let mut error_backoff = Duration::from_millis(50);
-        // Whether this turn claims: after a job ended, the poll timer, a wake-up for a job due
-        // now, an error or a full claim; not after a wake-up for a job due later (a watch's next
-        // tick), which only moves the timer up (a claim then would find nothing).
+        // Whether this turn claims: after a job ended (unless the queue was drained), the poll
+        // timer, a wake-up for a job due now, an error or a full claim; not after a wake-up for
+        // a job due later (a watch's next tick), which only moves the timer up (a claim then
+        // would find nothing).
         let mut look = true;
+        let cooldown = self.config.cooldown();
+        // The last claim came back with fewer jobs than it asked for: nothing more was due.
+        // Until a wake-up or the timer says otherwise, a finished job is no reason to claim.
+        let mut drained = false;
+        let mut last_claim: Option<Instant> = None;
+        // When the finished jobs in `pending_done` are marked done at the latest.
+        let mut flush_at: Option<Instant> = None;
         // Stagger loops a little so per-job loops do not claim in lockstep.
         if self.index > 0 {
             tokio::time::sleep(Duration::from_millis(self.index as u64)).await;
@@ -576,7 +620,12 @@ impl Fetcher {
             let stopping = stop.is_cancelled();
             while let Some(res) = running.try_join_next() {
                 self.finish(res, &mut pending_done, &mut follow_ups).await;
-                look = true;
+                look |= !drained;
+            }
+            if pending_done.is_empty() {
+                flush_at = None;
+            } else if flush_at.is_none() {
+                flush_at = Some(Instant::now() + cooldown);
             }
             self.start_buffered(&mut buffer, &mut running);
             let capacity = self.slots + self.prefetch;
@@ -590,13 +639,14 @@ impl Fetcher {
                     0
                 }
             };
-            // A follow-up (a watch's next tick) is not held back for a fuller batch: it is due
-            // at its own time, and other processes can only claim it once it is written.
+            // Finished jobs ride with the next claim, or go when a batch is full, when the
+            // cooldown since the first of them has passed (a follow-up, a watch's next tick, is
+            // due at its own time: held back no longer), or at a stop.
             let flush = !pending_done.is_empty()
                 && (want > 0
-                    || running.is_empty()
+                    || stopping
                     || pending_done.len() >= self.batch.max(1)
-                    || !follow_ups.is_empty());
+                    || flush_at.is_some_and(|at| at <= Instant::now()));
             if want > 0 || flush {
                 let claim = (want > 0).then(|| Claim {
                     worker_id: self.config.worker_id.clone(),
@@ -607,7 +657,7 @@ impl Fetcher {
                     node_grace_ms: self.config.node_grace_ms(),
                 });
                 if !follow_ups.is_empty() {
-                    match self.store.enqueue_many(follow_ups.clone()).await {
+                    match self.store.enqueue_many(as_held(&follow_ups)).await {
                         Ok(_) => follow_ups.clear(),
                         Err(e) => {
                             self.back_off(&mut error_backoff, "enqueueing follow-up jobs", &e)
@@ -629,16 +679,24 @@ impl Fetcher {
                         error_backoff = Duration::from_millis(50);
                         self.settle_done(&pending_done, &out.fenced);
                         pending_done.clear();
+                        flush_at = None;
                         let got = out.claimed.len();
                         self.accept(out.claimed, &mut buffer, started);
                         self.start_buffered(&mut buffer, &mut running);
+                        if want > 0 {
+                            last_claim = Some(started);
+                            drained = got < want;
+                        }
                         if want > 0 && got == want {
                             // The queue had at least as much as we asked for: ask again soon.
                             next_poll = Instant::now();
                             continue;
                         }
                         if want > 0 {
-                            next_poll = Instant::now() + self.idle_sleep(&kinds).await;
+                            // Drained: the next claim when the next job comes due, but not
+                            // within the cooldown (what comes due meanwhile waits for it).
+                            let idle = self.idle_sleep(&kinds).await;
+                            next_poll = (Instant::now() + idle).max(started + cooldown);
                         }
                     }
                     Err(e) => {
@@ -663,12 +721,13 @@ impl Fetcher {
                 continue;
             }
             look = false;
+            let wake_at = flush_at.map_or(next_poll, |at| at.min(next_poll));
             tokio::select! {
                 res = running.join_next(), if !running.is_empty() => {
                     if let Some(res) = res {
                         self.finish(res, &mut pending_done, &mut follow_ups).await;
                     }
-                    look = true;
+                    look = !drained;
                 }
                 changed = wake.changed() => {
                     if changed.is_err() {
@@ -681,14 +740,18 @@ impl Fetcher {
                         if wait <= 0 {
                             look = true;
                         } else {
-                            let wait = Duration::from_millis(u64::try_from(wait).unwrap_or(0));
-                            next_poll = next_poll.min(Instant::now() + wait);
+                            let due = Instant::now()
+                                + Duration::from_millis(u64::try_from(wait).unwrap_or(0));
+                            let not_before = last_claim.map_or(due, |at| at + cooldown);
+                            next_poll = next_poll.min(due.max(not_before));
                         }
                     }
                 }
-                _ = tokio::time::sleep_until(next_poll.into()) => {
-                    next_poll = Instant::now() + self.config.poll_interval;
-                    look = true;
+                _ = tokio::time::sleep_until(wake_at.into()) => {
+                    if Instant::now() >= next_poll {
+                        next_poll = Instant::now() + self.config.poll_interval;
+                        look = true;
+                    }
                 }
                 _ = stop.cancelled() => {
                     look = true;
@@ -774,7 +837,7 @@ impl Fetcher {
         &self,
         res: Result<Finished, tokio::task::JoinError>,
         pending_done: &mut Vec<Lease>,
-        follow_ups: &mut Vec<NewJob>,
+        follow_ups: &mut Vec<FollowUp>,
     ) {
         let (lease, task_id, result) = match res {
             Ok(f) => f,
@@ -816,7 +879,7 @@ impl Fetcher {
             }
             Outcome::DoneThen(next) => {
                 pending_done.push(lease);
-                follow_ups.push(*next);
+                follow_ups.push((Instant::now(), *next));
                 return;
             }
             Outcome::Marked => {
@@ -876,7 +939,7 @@ impl Fetcher {
     async fn drain(
         &self,
         running: &mut JoinSet<Finished>,
-        (pending_done, follow_ups): (&mut Vec<Lease>, &mut Vec<NewJob>),
+        (pending_done, follow_ups): (&mut Vec<Lease>, &mut Vec<FollowUp>),
         hard_stop: &CancellationToken,
         buffer: &mut VecDeque<ClaimedJob>,
     ) {
@@ -1042,4 +1105,38 @@ where
         }
     }
     Arc::new(FnHandler(f))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A follow-up's delay counts from when its handler asked for it: the time it then waited
+    /// for its batch is taken off, never below zero.
+    #[test]
+    fn a_held_follow_up_keeps_its_due_time() {
+        let ago = |ms| {
+            Instant::now()
+                .checked_sub(Duration::from_millis(ms))
+                .unwrap_or_else(Instant::now)
+        };
+        let held = as_held(&[
+            (ago(300), NewJob::new("tick", "a").delay_ms(1_000)),
+            (ago(2_000), NewJob::new("tick", "b").delay_ms(1_000)),
+            (Instant::now(), NewJob::new("tick", "c")),
+        ]);
+        assert!(
+            (1..=700).contains(&held[0].delay_ms),
+            "300 ms held of a 1 s delay: {}",
+            held[0].delay_ms
+        );
+        assert_eq!(held[1].delay_ms, 0, "held past its due time: due now");
+        assert_eq!(held[2].delay_ms, 0);
+        assert_eq!(
+            held.iter()
+                .map(|j| j.task_content.as_str())
+                .collect::<Vec<_>>(),
+            ["a", "b", "c"]
+        );
+    }
 }

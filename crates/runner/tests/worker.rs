@@ -44,6 +44,8 @@ both!(
     errors_panics_and_timeouts_become_retries,
     kinds_without_a_handler_are_never_claimed,
     follow_ups_are_enqueued_once_with_their_jobs_completion,
+    claims_for_jobs_not_yet_due_are_spaced_by_the_cooldown,
+    a_job_to_run_now_is_claimed_at_once_whatever_the_cooldown,
 );
 
 fn config(concurrency: usize, batch: u32) -> WorkerConfig {
@@ -856,4 +858,115 @@ async fn a_stopped_attempt_whose_lease_was_not_taken_is_given_back() {
         .await
         .expect("the worker stops")
         .unwrap();
+}
+
+/// A registry whose `tick` handler counts its runs and says when one starts.
+fn counting_registry(
+    ran: Arc<AtomicU64>,
+    started: tokio::sync::mpsc::UnboundedSender<i64>,
+) -> Registry {
+    let mut r = Registry::new();
+    r.register(
+        "tick",
+        Duration::from_secs(60),
+        handler_fn(move |cx| {
+            let (ran, started) = (ran.clone(), started.clone());
+            async move {
+                ran.fetch_add(1, Ordering::SeqCst);
+                let _ = started.send(cx.job.id);
+                Ok(Outcome::Done)
+            }
+        }),
+    );
+    r
+}
+
+/// Jobs that come due on their own (a watch's ticks, here due every 5 ms of the store's
+/// clock) are not a claim each: once a claim finds the queue drained, the next waits out the
+/// cooldown, and what came due meanwhile goes in one claim. For a second the store's clock
+/// stands still with every job due "in a few ms": a loop without the cooldown claims every few
+/// milliseconds then (about 200 times), one with a 400 ms cooldown a handful of times.
+async fn claims_for_jobs_not_yet_due_are_spaced_by_the_cooldown(db: TestDb) {
+    const JOBS: usize = 20;
+    for i in 0..JOBS {
+        db.store
+            .enqueue(NewJob::new("tick", format!("tick {i}")).delay_ms(5 * (i as i64 + 1)))
+            .await
+            .unwrap();
+    }
+    let ran = Arc::new(AtomicU64::new(0));
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    // Two slots, batched: one fetch loop on either backend.
+    let mut c = config(2, 8);
+    c.poll_interval = Duration::from_secs(10);
+    c.fetch_cooldown = Duration::from_millis(400);
+    let worker = Worker::new(db.store.clone(), counting_registry(ran.clone(), tx), c);
+    let stats = worker.stats();
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(worker.run(stop.clone(), CancellationToken::new()));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let claims = stats.claim_query.snapshot().count;
+    assert_eq!(ran.load(Ordering::SeqCst), 0, "nothing was due yet");
+    // The first, one about every 400 ms after it, one more for PostgreSQL's LISTEN start.
+    assert!(
+        (1..=5).contains(&claims),
+        "{claims} claims in a second of jobs due in a few ms, with a 400 ms cooldown"
+    );
+    db.clock.advance_ms(1_000);
+    let counter = ran.clone();
+    eventually("every job ran", || {
+        let n = counter.load(Ordering::SeqCst);
+        async move { n == JOBS as u64 }
+    })
+    .await;
+    stop.cancel();
+    handle.await.unwrap();
+    assert_eq!(
+        job_states_all(&db.store).await.get(&JobState::Done),
+        Some(&JOBS),
+        "every job marked done by the stop at the latest"
+    );
+}
+
+/// A job enqueued to run now wakes the loop, and the cooldown does not hold it: with a
+/// cooldown of a minute the job starts within seconds.
+async fn a_job_to_run_now_is_claimed_at_once_whatever_the_cooldown(db: TestDb) {
+    let ran = Arc::new(AtomicU64::new(0));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for batch in [1, 8] {
+        let mut c = config(2, batch);
+        c.lease = Duration::from_secs(600);
+        c.poll_interval = Duration::from_secs(60);
+        c.fetch_cooldown = Duration::from_secs(60);
+        let worker = Running::start(&db.store, counting_registry(ran.clone(), tx.clone()), c);
+        // Let the loops make their first claim, find nothing and settle into the cooldown.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        for round in 0..2 {
+            let id = db
+                .store
+                .enqueue(NewJob::new("tick", format!("now {batch} {round}")))
+                .await
+                .unwrap()
+                .job_id;
+            let started = tokio::time::timeout(Duration::from_secs(20), rx.recv())
+                .await
+                .unwrap_or_else(|_| panic!("job {id} (batch {batch}) did not start within 20 s"));
+            assert_eq!(started, Some(id));
+        }
+        worker.shutdown().await;
+    }
+    assert_eq!(
+        job_states_all(&db.store).await.get(&JobState::Done),
+        Some(&4),
+        "the stop marked every finished job done"
+    );
+}
+
+async fn job_states_all(store: &Store) -> HashMap<JobState, usize> {
+    let stats = store.queue_stats().await.unwrap();
+    let mut counts = HashMap::new();
+    for c in stats.counts {
+        *counts.entry(c.state).or_insert(0) += usize::try_from(c.count).unwrap();
+    }
+    counts
 }

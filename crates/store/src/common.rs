@@ -207,3 +207,15 @@ pub(crate) fn completed_and_claimed(
             .collect(),
     }
 }
+
+/// When the first of `jobs` enqueued at `now` becomes due, for the workers' wake-up:
+/// `Millis::MIN` (now) if any is due at once, else the soonest delayed one.
+pub(crate) fn due_at(jobs: &[NewJob], now: Millis) -> Millis {
+    jobs.iter()
+        .map(|j| match j.delay_ms {
+            d if d > 0 => now.saturating_add(d),
+            _ => Millis::MIN,
+        })
+        .min()
+        .unwrap_or(Millis::MIN)
+}

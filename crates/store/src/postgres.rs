@@ -1,8 +1,8 @@
 //! The PostgreSQL driver: the shared engine for many `orch worker` processes on many machines.
 //! Claims use `FOR UPDATE SKIP LOCKED`; completing finished jobs and claiming the next ones is
-//! one statement; new jobs are announced with NOTIFY on the channel [`CHANNEL`], and a listener
-//! task turns notifications into wake-ups (bumping them after every reconnect, because
-//! notifications sent while disconnected are lost).
+//! one statement; new jobs are announced with NOTIFY on the schema's channel ([`CHANNEL`]),
+//! their due time as the payload, and a listener task turns notifications into wake-ups
+//! (bumping them after every reconnect, because notifications sent while disconnected are lost).
 
 use std::str::FromStr;
 use std::sync::{Arc, LazyLock, OnceLock};
@@ -23,8 +23,12 @@ use crate::migrate::{self, Migration};
 use crate::model::*;
 use crate::sql::JOB_COLUMNS;
 
-/// The NOTIFY channel that announces new or re-queued jobs.
-pub const CHANNEL: &str = "orch_jobs";
+/// The NOTIFY channel that announces new or re-queued jobs, as an SQL expression: `orch_jobs`
+/// for a store in the `public` schema, `orch_jobs.<schema>` in another (cut to PostgreSQL's
+/// 63 bytes), so that the stores of one database's schemas do not wake each other's workers.
+/// The payload is when the job is due (epoch ms); empty: now, or unknown.
+pub const CHANNEL: &str = "CASE current_schema() WHEN 'public' THEN 'orch_jobs' \
+     ELSE left('orch_jobs.' || current_schema(), 63) END";
 
 /// Serializes concurrent `migrate` calls across processes.
 const MIGRATE_LOCK: i64 = 0x006f_7263_686d_6967; // "orchmig"
@@ -78,7 +82,7 @@ impl Driver for PgDriver {
 
     async fn commit(&self, mut tx: Transaction<'static, sqlx::Postgres>, wake: bool) -> Result<()> {
         if wake {
-            notify(&mut tx).await?;
+            notify(&mut tx, Millis::MIN).await?;
         }
         tx.commit().await?;
         Ok(())
@@ -209,7 +213,11 @@ impl Db<PgDriver> {
     pub fn wakeups(&self) -> watch::Receiver<Wake> {
         let rx = self.d.wake.subscribe();
         self.d.listener.get_or_init(|| {
-            tokio::spawn(listen(self.d.pool.clone(), Arc::downgrade(&self.d.wake)));
+            tokio::spawn(listen(
+                self.d.pool.clone(),
+                Arc::downgrade(&self.d.wake),
+                self.clock.clone(),
+            ));
         });
         rx
     }
@@ -266,9 +274,13 @@ impl Db<PgDriver> {
     // ----- jobs ---------------------------------------------------------------------------
 
     pub async fn enqueue(&self, job: NewJob) -> Result<Enqueued> {
+        let now = self.now();
         let mut tx = self.d.begin().await?;
-        let out = Self::insert_job(&mut tx, &job, self.now()).await?;
-        self.d.commit(tx, !out.duplicate).await?;
+        let out = Self::insert_job(&mut tx, &job, now).await?;
+        if !out.duplicate {
+            notify(&mut tx, due_at(std::slice::from_ref(&job), now)).await?;
+        }
+        tx.commit().await?;
         Ok(out)
     }
 
@@ -316,7 +328,10 @@ impl Db<PgDriver> {
             .await?
             .rows_affected();
         }
-        self.d.commit(tx, inserted > 0).await?;
+        if inserted > 0 {
+            notify(&mut tx, due_at(&jobs, now)).await?;
+        }
+        tx.commit().await?;
         self.refresh_job_statistics(inserted).await;
         Ok(inserted)
     }
@@ -437,10 +452,17 @@ async fn current_schema(pool: &PgPool) -> Result<String> {
 
 /// The LISTEN loop: every notification or reconnect bumps the wake-up counter. Ends when the
 /// store is gone or its pool is closed.
-async fn listen(pool: PgPool, wake: std::sync::Weak<watch::Sender<Wake>>) {
-    let bump = |wake: &std::sync::Weak<watch::Sender<Wake>>| match wake.upgrade() {
+async fn listen(
+    pool: PgPool,
+    wake: std::sync::Weak<watch::Sender<Wake>>,
+    clock: Arc<dyn crate::clock::Clock>,
+) {
+    // A wake-up for a job due at `due_at` (`Millis::MIN`: now or unknown); false once the
+    // store is gone.
+    let bump = |wake: &std::sync::Weak<watch::Sender<Wake>>, due_at: Millis| match wake.upgrade() {
         Some(tx) => {
-            tx.send_modify(|w| *w = w.next(Millis::MIN, Millis::MIN));
+            let now = clock.now_ms();
+            tx.send_modify(|w| *w = w.next(due_at, now));
             true
         }
         None => false,
@@ -459,27 +481,42 @@ async fn listen(pool: PgPool, wake: std::sync::Weak<watch::Sender<Wake>>) {
                 continue;
             }
         };
-        if let Err(e) = listener.listen(CHANNEL).await {
-            tracing::warn!(error = %e, "LISTEN {CHANNEL} failed; polling covers the gap");
+        static NAME: LazyLock<String> = LazyLock::new(|| format!("SELECT {CHANNEL}"));
+        let channel = match sqlx::query_scalar::<_, String>(NAME.as_str())
+            .fetch_one(&pool)
+            .await
+        {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot name the schema's NOTIFY channel; polling covers the gap");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(10));
+                continue;
+            }
+        };
+        if let Err(e) = listener.listen(&channel).await {
+            tracing::warn!(error = %e, "LISTEN {channel} failed; polling covers the gap");
             tokio::time::sleep(backoff).await;
             continue;
         }
         backoff = Duration::from_millis(100);
         // Whatever was announced while we were not listening is lost: look now.
-        if !bump(&wake) {
+        if !bump(&wake, Millis::MIN) {
             return;
         }
         loop {
             match tokio::time::timeout(Duration::from_secs(5), listener.try_recv()).await {
-                Ok(Ok(Some(_))) => {
-                    if !bump(&wake) {
+                Ok(Ok(Some(n))) => {
+                    // A payload that is not a due time (another version's, or none) is "now".
+                    let due_at = n.payload().parse().unwrap_or(Millis::MIN);
+                    if !bump(&wake, due_at) {
                         return;
                     }
                 }
                 // The connection dropped; try_recv reconnects on the next call, and the lost
                 // notifications are covered by a bump.
                 Ok(Ok(None)) => {
-                    if !bump(&wake) {
+                    if !bump(&wake, Millis::MIN) {
                         return;
                     }
                 }
@@ -497,9 +534,17 @@ async fn listen(pool: PgPool, wake: std::sync::Weak<watch::Sender<Wake>>) {
     }
 }
 
-async fn notify(conn: &mut PgConnection) -> Result<()> {
-    sqlx::query("SELECT pg_notify($1, '')")
-        .bind(CHANNEL)
+/// Announces jobs due at `due_at` (`Millis::MIN`: now) on the schema's channel, delivered
+/// when the transaction commits.
+async fn notify(conn: &mut PgConnection, due_at: Millis) -> Result<()> {
+    static NOTIFY: LazyLock<String> = LazyLock::new(|| format!("SELECT pg_notify({CHANNEL}, $1)"));
+    let payload = if due_at == Millis::MIN {
+        String::new()
+    } else {
+        due_at.to_string()
+    };
+    sqlx::query(NOTIFY.as_str())
+        .bind(payload)
         .execute(&mut *conn)
         .await?;
     Ok(())

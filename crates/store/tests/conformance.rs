@@ -1101,6 +1101,46 @@ async fn wakeups_fire_on_enqueue(db: TestDb) {
                 .await
                 .expect("NOTIFY reaches the listener of another connection")
                 .unwrap();
+            assert_eq!(rx.borrow_and_update().due_at, i64::MIN, "due now");
+            // A delayed job's NOTIFY says when it is due (one enqueued, then a batch).
+            let now = other.now_ms();
+            other
+                .enqueue(NewJob::new("noop", "in 20 s").delay_ms(20_000))
+                .await
+                .unwrap();
+            let due = |rx: tokio::sync::watch::Receiver<orch_store::Wake>, want: i64| async move {
+                let mut rx = rx;
+                tokio::time::timeout(Duration::from_secs(10), async {
+                    while rx.borrow_and_update().due_at != want {
+                        rx.changed().await.unwrap();
+                    }
+                })
+                .await
+                .unwrap_or_else(|_| panic!("no wake-up for a job due at {want}"));
+            };
+            due(rx.clone(), now + 20_000).await;
+            other
+                .enqueue_many(vec![
+                    NewJob::new("noop", "in 15 s").delay_ms(15_000),
+                    NewJob::new("noop", "in 12 s").delay_ms(12_000),
+                ])
+                .await
+                .unwrap();
+            due(rx.clone(), now + 12_000).await;
+            rx.borrow_and_update();
+            // A store in another schema of the same database announces on its own channel.
+            let elsewhere = TestDb::postgres().await;
+            elsewhere
+                .store
+                .enqueue(NewJob::new("noop", "elsewhere"))
+                .await
+                .unwrap();
+            assert!(
+                tokio::time::timeout(Duration::from_secs(1), rx.changed())
+                    .await
+                    .is_err(),
+                "another schema's job woke this store's workers"
+            );
         }
         Backend::Sqlite => {
             // The in-process signal wakes the store that enqueued; other processes poll.

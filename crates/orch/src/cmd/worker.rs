@@ -197,6 +197,7 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
         config.lease = Duration::from_millis(ms);
     }
     config.poll_interval = Duration::from_millis(settings.poll_interval_ms.clamp(10, 60_000));
+    config.fetch_cooldown = Duration::from_millis(settings.fetch_cooldown_ms);
     config.shutdown_grace = Duration::from_secs(args.grace_s);
     config.node = Some(
         args.node
