@@ -200,6 +200,10 @@ pub struct BenchWatchesArgs {
     /// monitor deferred its worktree (the same run's baseline for that change).
     #[arg(long)]
     pub eager_worktree: bool,
+    /// The worker's fetch cooldown, ms (`settings.fetch_cooldown_ms`; 0: a claim per due tick,
+    /// the same run's baseline for it).
+    #[arg(long, default_value_t = orch_domain::config::DEFAULT_FETCH_COOLDOWN_MS)]
+    pub fetch_cooldown_ms: u64,
 }
 
 #[derive(Debug, Args)]

@@ -184,6 +184,7 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
     wc.concurrency = args.concurrency.max(1);
     wc.claim_batch = args.claim_batch.max(1);
     wc.node = Some(NODE.to_owned());
+    wc.fetch_cooldown = Duration::from_millis(args.fetch_cooldown_ms);
     let stop = CancellationToken::new();
 
     let (cpu0, children0) = proc_cpu_ticks("/proc/self/stat");
@@ -276,8 +277,13 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
     let orch_core = (cpu_s - srv_s + git_s) / wall_s;
     eprintln!(
         "{n} watches, {} s interval, {} s window ({planned} slots each), worker concurrency {} \
-         claim batch {}, arming spread over {} ms:",
-        params.interval_s, params.window_s, args.concurrency, args.claim_batch, args.spread_ms
+         claim batch {} fetch cooldown {} ms, arming spread over {} ms:",
+        params.interval_s,
+        params.window_s,
+        args.concurrency,
+        args.claim_batch,
+        args.fetch_cooldown_ms,
+        args.spread_ms
     );
     eprintln!(
         "  wall {wall_s:.1} s; CPU {cpu_s:.1} s in the process = {:.2} of one core (loopback \
@@ -324,6 +330,7 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
         print_json(&serde_json::json!({
             "watches": n, "interval_s": params.interval_s, "window_s": params.window_s,
             "concurrency": args.concurrency, "claim_batch": args.claim_batch,
+            "fetch_cooldown_ms": args.fetch_cooldown_ms,
             "spread_ms": args.spread_ms, "wall_s": round2(wall_s), "cpu_s": round2(cpu_s),
             "cores": round2(cpu_s / wall_s), "service_cpu_s": round2(srv_s),
             "children_cpu_s": round2(git_s), "eager_worktree": args.eager_worktree,

@@ -148,7 +148,8 @@ pub struct Settings {
     /// Once the queue is drained, how long a worker gathers jobs that come due on their own
     /// (a watch's ticks) and finished jobs before its next statement, in milliseconds: jobs due
     /// a few milliseconds apart then share one claim. A job submitted to run now is claimed at
-    /// once. 0: a statement per due job. Default 10; at most a tenth of `lease_s`.
+    /// once. 0: a statement per due job. Default 10; at most `poll_interval_ms` and a tenth of
+    /// `lease_s`.
     pub fetch_cooldown_ms: u64,
     /// Loops back to implementation allowed per work item. Default 3.
     pub max_loops: u32,
@@ -627,6 +628,16 @@ impl Config {
             if value == 0 {
                 return Err(invalid("settings", key, "must be at least 1"));
             }
+        }
+        if s.fetch_cooldown_ms > s.poll_interval_ms {
+            return Err(invalid(
+                "settings",
+                "fetch_cooldown_ms",
+                format!(
+                    "must be at most poll_interval_ms ({}): the cooldown only gathers what a poll would find",
+                    s.poll_interval_ms
+                ),
+            ));
         }
         if s.fetch_cooldown_ms.saturating_mul(10) > s.lease_s.saturating_mul(1000) {
             return Err(invalid(
@@ -1487,6 +1498,15 @@ interval_s = 10
                 "[settings]\nlease_s = 60\nnode_grace_s = 30\n",
                 Err("[settings] node_grace_s"),
             ),
+            (
+                "[settings]\npoll_interval_ms = 100\nfetch_cooldown_ms = 200\n",
+                Err("[settings] fetch_cooldown_ms: must be at most poll_interval_ms (100)"),
+            ),
+            (
+                "[settings]\nlease_s = 1\npoll_interval_ms = 1000\nfetch_cooldown_ms = 101\n",
+                Err("[settings] fetch_cooldown_ms: must be at most a tenth of lease_s"),
+            ),
+            ("[settings]\nfetch_cooldown_ms = 0\n", Ok("ok")),
             (
                 "[repos.app]\nprefix = \"APP\"\n",
                 Err("[repos.app] path: set `path`"),

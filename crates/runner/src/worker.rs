@@ -10,6 +10,10 @@
 //!   whose single writer serializes them anyway) claims up to
 //!   `claim_batch` jobs at a time into its local buffer and marks finished jobs done in batches,
 //!   in the same statement as its next claim.
+//!
+//! Once the queue is drained, a fetch cooldown ([`WorkerConfig::fetch_cooldown`]) spaces the
+//! claims for jobs that come due on their own and holds finished jobs' completions for at most
+//! that long, so that 1,000 watches' ticks due a millisecond apart share statements.
 
 use std::collections::{HashMap, VecDeque};
 use std::future::Future;
@@ -157,9 +161,10 @@ pub struct WorkerConfig {
     /// Once a claim finds the queue drained (fewer jobs due than it asked for), the next claim
     /// for jobs that come due on their own (delayed jobs: a watch's ticks) waits at least this
     /// long after it, and finished jobs are marked done within this long, so jobs due a few
-    /// milliseconds apart share one statement instead of one each. A job enqueued to run now
-    /// (a wake-up) and a backlog (a claim that came back full) are claimed at once. Zero: every
-    /// due job and every finish is a claim of its own.
+    /// milliseconds apart share one statement instead of one each. A wake-up for a job due now,
+    /// a poll and a backlog (a claim that came back full) claim as soon as a slot is free.
+    /// Applied at most `poll_interval` and a tenth of the lease. Zero: every due job and every
+    /// finished job is a statement of its own.
     pub fetch_cooldown: Duration,
 }
 
@@ -183,9 +188,12 @@ impl WorkerConfig {
     }
 
     /// The cooldown as the fetch loops apply it: at most a tenth of the lease, since finished
-    /// jobs wait up to this long to be marked done and must be well within their lease then.
+    /// jobs wait up to this long to be marked done and must be well within their lease then,
+    /// and at most the poll interval, the longest any job waits for a claim otherwise.
     fn cooldown(&self) -> Duration {
-        self.fetch_cooldown.min(self.lease / 10)
+        self.fetch_cooldown
+            .min(self.lease / 10)
+            .min(self.poll_interval)
     }
 
     fn node_grace_ms(&self) -> Option<i64> {
@@ -569,7 +577,7 @@ struct Fetcher {
 }
 
 /// A follow-up job of a finished one (`Outcome::DoneThen`) waiting for its batch, with when
-/// its handler asked for it.
+/// its handler returned it.
 type FollowUp = (Instant, NewJob);
 
 /// The follow-ups as they are to be inserted now: a delay counts from when the handler asked,
@@ -586,8 +594,9 @@ fn as_held(follow_ups: &[FollowUp]) -> Vec<NewJob> {
         .collect()
 }
 
-/// A finished execution: its lease, the job's task (if any) and what the handler returned.
-type Finished = (Lease, Option<i64>, Result<Outcome, String>);
+/// A finished execution: its lease, the job's task (if any), what the handler returned and
+/// when.
+type Finished = (Lease, Option<i64>, Result<Outcome, String>, Instant);
 
 impl Fetcher {
     async fn run(self, stop: CancellationToken, hard_stop: CancellationToken) {
@@ -606,9 +615,14 @@ impl Fetcher {
         // would find nothing).
         let mut look = true;
         let cooldown = self.config.cooldown();
-        // The last claim came back with fewer jobs than it asked for: nothing more was due.
-        // Until a wake-up or the timer says otherwise, a finished job is no reason to claim.
+        // The last claim came back with fewer jobs than it asked for (nothing more was due),
+        // and no wake-up for a job due now and no poll has come since: a finished job is no
+        // reason to claim. A wake-up or poll that could not claim (the buffer full) clears it,
+        // so the next finished job claims. Never set without a cooldown.
         let mut drained = false;
+        // The `Wake::now_seq` this loop has seen: a change is a job due now, even when a later
+        // announcement for a delayed job came before this loop read the first.
+        let mut seen_now = wake.borrow().now_seq;
         let mut last_claim: Option<Instant> = None;
         // When the finished jobs in `pending_done` are marked done at the latest.
         let mut flush_at: Option<Instant> = None;
@@ -685,7 +699,7 @@ impl Fetcher {
                         self.start_buffered(&mut buffer, &mut running);
                         if want > 0 {
                             last_claim = Some(started);
-                            drained = got < want;
+                            drained = got < want && !cooldown.is_zero();
                         }
                         if want > 0 && got == want {
                             // The queue had at least as much as we asked for: ask again soon.
@@ -733,12 +747,14 @@ impl Fetcher {
                     if changed.is_err() {
                         // The store's wake-up source is gone; rely on polling.
                         wake = self.store.wakeups();
-                        look = true;
+                        seen_now = wake.borrow().now_seq;
+                        (look, drained) = (true, false);
                     } else {
-                        let due_at = wake.borrow_and_update().due_at;
-                        let wait = due_at.saturating_sub(self.store.now_ms());
-                        if wait <= 0 {
-                            look = true;
+                        let w = *wake.borrow_and_update();
+                        let wait = w.due_at.saturating_sub(self.store.now_ms());
+                        if w.now_seq != seen_now || wait <= 0 {
+                            seen_now = w.now_seq;
+                            (look, drained) = (true, false);
                         } else {
                             let due = Instant::now()
                                 + Duration::from_millis(u64::try_from(wait).unwrap_or(0));
@@ -750,7 +766,7 @@ impl Fetcher {
                 _ = tokio::time::sleep_until(wake_at.into()) => {
                     if Instant::now() >= next_poll {
                         next_poll = Instant::now() + self.config.poll_interval;
-                        look = true;
+                        (look, drained) = (true, false);
                     }
                 }
                 _ = stop.cancelled() => {
@@ -839,7 +855,7 @@ impl Fetcher {
         pending_done: &mut Vec<Lease>,
         follow_ups: &mut Vec<FollowUp>,
     ) {
-        let (lease, task_id, result) = match res {
+        let (lease, task_id, result, ended) = match res {
             Ok(f) => f,
             // `execute` catches panics; a join error here means the runtime is shutting down.
             Err(e) => {
@@ -879,7 +895,7 @@ impl Fetcher {
             }
             Outcome::DoneThen(next) => {
                 pending_done.push(lease);
-                follow_ups.push((Instant::now(), *next));
+                follow_ups.push((ended, *next));
                 return;
             }
             Outcome::Marked => {
@@ -1051,7 +1067,7 @@ async fn execute(entry: Entry, cx: JobContext, stats: Arc<WorkerStats>) -> Finis
         _ = cancel.cancelled() => Err("cancelled: lease lost or shutting down".to_owned()),
     };
     stats.job_seconds.observe(&kind, started.elapsed());
-    (lease, task_id, result)
+    (lease, task_id, result, Instant::now())
 }
 
 /// The event of an attempt whose handler failed (as opposed to one lost to a dead worker,

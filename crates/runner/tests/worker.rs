@@ -46,6 +46,7 @@ both!(
     follow_ups_are_enqueued_once_with_their_jobs_completion,
     claims_for_jobs_not_yet_due_are_spaced_by_the_cooldown,
     a_job_to_run_now_is_claimed_at_once_whatever_the_cooldown,
+    a_job_to_run_now_is_claimed_by_a_busy_loop_when_a_slot_frees,
 );
 
 fn config(concurrency: usize, batch: u32) -> WorkerConfig {
@@ -969,4 +970,75 @@ async fn job_states_all(store: &Store) -> HashMap<JobState, usize> {
         *counts.entry(c.state).or_insert(0) += usize::try_from(c.count).unwrap();
     }
     counts
+}
+
+/// A busy batched loop whose last claim came back short (drained) gets a wake-up for a job due
+/// now while its buffer is too full to claim: the next job to finish claims it, rather than
+/// the poll a minute later.
+async fn a_job_to_run_now_is_claimed_by_a_busy_loop_when_a_slot_frees(db: TestDb) {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let mut r = Registry::new();
+    for kind in ["gated", "quick"] {
+        let (gate, tx) = (gate.clone(), tx.clone());
+        r.register(
+            kind,
+            Duration::from_secs(600),
+            handler_fn(move |cx| {
+                let (gate, tx) = (gate.clone(), tx.clone());
+                async move {
+                    let _ = tx.send(cx.job.task_content.clone());
+                    if cx.job.agent == "gated" {
+                        gate.acquire().await?.forget();
+                    }
+                    Ok(Outcome::Done)
+                }
+            }),
+        );
+    }
+    for i in 0..3 {
+        db.store
+            .enqueue(NewJob::new("gated", format!("gated {i}")))
+            .await
+            .unwrap();
+    }
+    // Two slots and a buffer of four: the first claim takes the three gated jobs (fewer than
+    // it asked for: drained), two run and one waits in the buffer.
+    let mut c = config(2, 4);
+    c.lease = Duration::from_secs(600);
+    c.poll_interval = Duration::from_secs(60);
+    c.fetch_cooldown = Duration::from_secs(60);
+    let worker = Running::start(&db.store, r, c);
+    let first = [
+        next(&mut rx, "a gated job").await,
+        next(&mut rx, "a gated job").await,
+    ];
+    assert!(first.iter().all(|c| c.starts_with("gated")), "{first:?}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    db.store
+        .enqueue(NewJob::new("quick", "quick"))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    // One gated job ends: the buffered one takes its slot, and the loop claims the quick job.
+    gate.add_permits(1);
+    assert_eq!(next(&mut rx, "the buffered gated job").await, "gated 2");
+    // Another ends: the quick job takes its slot.
+    gate.add_permits(1);
+    assert_eq!(next(&mut rx, "the job due now").await, "quick");
+    gate.add_permits(1);
+    worker.shutdown().await;
+    assert_eq!(
+        job_states_all(&db.store).await.get(&JobState::Done),
+        Some(&4),
+        "every job done"
+    );
+}
+
+/// The next started handler's content, within 20 s.
+async fn next(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>, what: &str) -> String {
+    tokio::time::timeout(Duration::from_secs(20), rx.recv())
+        .await
+        .unwrap_or_else(|_| panic!("{what} did not start within 20 s"))
+        .expect("a handler started")
 }

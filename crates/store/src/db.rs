@@ -8,7 +8,7 @@
 //! `sqlite.rs` and `postgres.rs`.
 //!
 //! To add a store method: write it here once (reads on `self.d.reader()`, single writes on
-//! `self.d.writer()`, transactions with `self.d.begin()` … `self.d.commit(tx, wake)`, locking
+//! `self.d.writer()`, transactions with `self.d.begin()` … `self.d.commit(tx, announce)`, locking
 //! reads with `D::FOR_UPDATE`), add its delegation to [`crate::Store`], and a case to
 //! `tests/conformance.rs`. Only when its SQL must differ, add a constant to [`Driver`] (or an
 //! `impl Db<…>` method in both driver files).
@@ -19,7 +19,7 @@ use orch_domain::control::{self, events};
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, FromRow, IntoArguments, Row, Type};
 
 use crate::common::*;
-use crate::driver::{Driver, Statements};
+use crate::driver::{Announce, Driver, Statements};
 use crate::error::{Result, StoreError};
 use crate::migrate::{self, MigrateReport};
 use crate::model::*;
@@ -104,7 +104,7 @@ where
                 .await?;
             applied.push(m.name.to_owned());
         }
-        self.d.commit(tx, false).await?;
+        self.d.commit(tx, None).await?;
         Ok(MigrateReport {
             from,
             to: pending.last().map_or(from, |m| m.version),
@@ -181,8 +181,15 @@ where
         if let Some(event) = event {
             Self::insert_event(&mut tx, &event, now).await?;
         }
-        let retried = matches!(outcome, JobOutcome::Retry { .. });
-        self.d.commit(tx, retried).await
+        // A retry is announced for when it is due: workers move their timers, no claim now.
+        let wake = match outcome {
+            JobOutcome::Retry { delay_ms, .. } => Some(Announce {
+                due_at: now.saturating_add(delay_ms),
+                now,
+            }),
+            _ => None,
+        };
+        self.d.commit(tx, wake).await
     }
 
     pub async fn release(&self, leases: &[Lease]) -> Result<u64> {
@@ -198,7 +205,9 @@ where
                 .await?;
             released += D::rows_affected(&res);
         }
-        self.d.commit(tx, released > 0).await?;
+        self.d
+            .commit(tx, (released > 0).then_some(Announce::NOW))
+            .await?;
         Ok(released)
     }
 
@@ -211,6 +220,7 @@ where
             .fetch_all(&mut *tx)
             .await?;
         let mut report = RescueReport::default();
+        let mut due_soonest: Option<Millis> = None;
         for row in expired {
             let id: i64 = row.try_get(0)?;
             let attempt: i64 = row.try_get(1)?;
@@ -254,9 +264,12 @@ where
                     .execute(&mut *tx)
                     .await?;
                 report.requeued.push(id);
+                let due = now.saturating_add(plan.delay_ms);
+                due_soonest = Some(due_soonest.map_or(due, |d: Millis| d.min(due)));
             }
         }
-        self.d.commit(tx, !report.requeued.is_empty()).await?;
+        let wake = due_soonest.map(|due_at| Announce { due_at, now });
+        self.d.commit(tx, wake).await?;
         Ok(report)
     }
 
@@ -298,7 +311,7 @@ where
             return Err(lease_lost(lease, "running", lease.attempt));
         }
         Self::insert_event(&mut tx, &event, now).await?;
-        self.d.commit(tx, false).await
+        self.d.commit(tx, None).await
     }
 
     pub async fn expire_leases_of(&self, worker_id: &str) -> Result<u64> {
@@ -370,7 +383,7 @@ where
             {
                 failed.push(task_id);
             }
-            self.d.commit(tx, false).await?;
+            self.d.commit(tx, None).await?;
         }
         Ok(failed)
     }
@@ -482,7 +495,7 @@ where
                 .get_or_insert_with(|| stage_job_key(task.id, task.stage_seq));
             Self::insert_job(&mut tx, &job, now).await?;
         }
-        self.d.commit(tx, has_job).await?;
+        self.d.commit(tx, has_job.then_some(Announce::NOW)).await?;
         Ok(task)
     }
 
@@ -565,7 +578,9 @@ where
                 .get_or_insert_with(|| stage_job_key(task.id, task.stage_seq));
             next_job_id = Some(Self::insert_job(&mut tx, &job, now).await?.job_id);
         }
-        self.d.commit(tx, next_job_id.is_some()).await?;
+        self.d
+            .commit(tx, next_job_id.is_some().then_some(Announce::NOW))
+            .await?;
         Ok(Advanced { task, next_job_id })
     }
 
@@ -607,7 +622,7 @@ where
             return Err(e);
         }
         let id = Self::insert_event(&mut tx, &event, now).await?;
-        self.d.commit(tx, false).await?;
+        self.d.commit(tx, None).await?;
         Ok(id)
     }
 

@@ -10,6 +10,7 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::error::Result;
 use crate::migrate::Migration;
+use crate::model::Millis;
 use crate::sql;
 
 /// One database's part of the store. Implemented by [`crate::sqlite::Sqlite`] and
@@ -57,13 +58,13 @@ pub trait Driver: Send + Sync + 'static {
     /// read lock and fail with `SQLITE_BUSY` half way).
     fn begin(&self) -> impl Future<Output = Result<Transaction<'static, Self::DB>>> + Send;
 
-    /// Commits `tx`; when `wake`, announces that jobs may have become available (PostgreSQL:
-    /// `pg_notify` inside the transaction, delivered at commit; SQLite: the in-process signal,
-    /// after the commit).
+    /// Commits `tx`; with `wake`, announces to the workers that jobs are available, or will be
+    /// at its due time (PostgreSQL: `pg_notify` inside the transaction, delivered at commit;
+    /// SQLite: the in-process signal, after the commit).
     fn commit(
         &self,
         tx: Transaction<'static, Self::DB>,
-        wake: bool,
+        wake: Option<Announce>,
     ) -> impl Future<Output = Result<()>> + Send;
 
     /// Serializes migrations across processes until `tx` ends. By default nothing to do: a
@@ -134,4 +135,20 @@ impl Statements {
             ),
         }
     }
+}
+
+/// What a commit announces to the workers: jobs available at `due_at` (`Millis::MIN`: now), as
+/// of `now` (the store's clock).
+#[derive(Debug, Clone, Copy)]
+pub struct Announce {
+    pub due_at: Millis,
+    pub now: Millis,
+}
+
+impl Announce {
+    /// Jobs available now.
+    pub const NOW: Announce = Announce {
+        due_at: Millis::MIN,
+        now: Millis::MIN,
+    };
 }

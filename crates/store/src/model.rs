@@ -532,14 +532,16 @@ pub struct QueueStats {
     pub now: Millis,
 }
 
-/// A wake-up of the store's workers ([`crate::Store::wakeups`]): `seq` moves on with every one,
-/// and `due_at` is the soonest time (epoch ms) at which a job announced since the last due one
-/// becomes available: `i64::MIN` when it is available now or the store cannot tell (a stage
-/// change, a NOTIFY from another process). A worker woken for a job due later only moves its
-/// next poll up to that time instead of claiming at once.
+/// A wake-up of the store's workers ([`crate::Store::wakeups`]): `seq` moves on with every one;
+/// `now_seq` moves on with every announcement of a job available now (or at an unknown time: a
+/// stage change, a NOTIFY without a due time), so a worker that missed one in a burst of
+/// announcements still sees it; `due_at` is the soonest time (epoch ms) at which a job announced
+/// since the last due one becomes available (`i64::MIN`: now). A worker woken only for a job due
+/// later moves its next poll up to that time instead of claiming at once.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wake {
     pub seq: u64,
+    pub now_seq: u64,
     pub due_at: Millis,
 }
 
@@ -547,6 +549,7 @@ impl Default for Wake {
     fn default() -> Self {
         Wake {
             seq: 0,
+            now_seq: 0,
             due_at: Millis::MIN,
         }
     }
@@ -563,7 +566,32 @@ impl Wake {
         };
         Wake {
             seq: self.seq.wrapping_add(1),
+            now_seq: if due_at <= now {
+                self.now_seq.wrapping_add(1)
+            } else {
+                self.now_seq
+            },
             due_at,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An announcement for a job due now is not lost when one for a later job follows before
+    /// a worker reads the wake-up: `now_seq` keeps it.
+    #[test]
+    fn a_job_due_now_survives_a_later_announcement() {
+        let now = 1_000;
+        let w = Wake::default().next(now + 5_000, now);
+        assert_eq!((w.now_seq, w.due_at), (0, now + 5_000));
+        let w = w.next(Millis::MIN, now).next(now + 9_000, now);
+        assert_eq!(w.now_seq, 1, "the job due now is still announced");
+        assert_eq!(w.due_at, now + 9_000);
+        let w = w.next(now - 1, now);
+        assert_eq!(w.now_seq, 2, "a due time already past is now");
+        assert_eq!(w.seq, 4);
     }
 }

@@ -17,18 +17,20 @@ use tokio::sync::watch;
 use crate::ConnectOptions;
 use crate::common::*;
 use crate::db::Db;
-use crate::driver::{Driver, Statements};
+use crate::driver::{Announce, Driver, Statements};
 use crate::error::{Result, StoreError, redact_url};
 use crate::migrate::{self, Migration};
 use crate::model::*;
 use crate::sql::JOB_COLUMNS;
 
 /// The NOTIFY channel that announces new or re-queued jobs, as an SQL expression: `orch_jobs`
-/// for a store in the `public` schema, `orch_jobs.<schema>` in another (cut to PostgreSQL's
-/// 63 bytes), so that the stores of one database's schemas do not wake each other's workers.
-/// The payload is when the job is due (epoch ms); empty: now, or unknown.
-pub const CHANNEL: &str = "CASE current_schema() WHEN 'public' THEN 'orch_jobs' \
-     ELSE left('orch_jobs.' || current_schema(), 63) END";
+/// when the store's `jobs` table (the one its statements resolve through `search_path`) is in
+/// `public`, `orch_jobs.<md5 of its schema>` elsewhere (ASCII, 42 bytes, under PostgreSQL's 63
+/// whatever the schema's name), so that the stores of one database's schemas do not wake each
+/// other's workers. The payload is when the job is due (epoch ms); empty: now, or unknown.
+pub const CHANNEL: &str = "(SELECT CASE n WHEN 'public' THEN 'orch_jobs' \
+     ELSE 'orch_jobs.' || md5(n) END FROM (SELECT relnamespace::regnamespace::text AS n \
+     FROM pg_class WHERE oid = 'jobs'::regclass) AS s)";
 
 /// Serializes concurrent `migrate` calls across processes.
 const MIGRATE_LOCK: i64 = 0x006f_7263_686d_6967; // "orchmig"
@@ -80,9 +82,13 @@ impl Driver for PgDriver {
         Ok(self.pool.begin().await?)
     }
 
-    async fn commit(&self, mut tx: Transaction<'static, sqlx::Postgres>, wake: bool) -> Result<()> {
-        if wake {
-            notify(&mut tx, Millis::MIN).await?;
+    async fn commit(
+        &self,
+        mut tx: Transaction<'static, sqlx::Postgres>,
+        wake: Option<Announce>,
+    ) -> Result<()> {
+        if let Some(a) = wake {
+            notify(&mut tx, a.due_at).await?;
         }
         tx.commit().await?;
         Ok(())

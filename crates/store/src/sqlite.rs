@@ -16,7 +16,7 @@ use tokio::sync::watch;
 use crate::ConnectOptions;
 use crate::common::*;
 use crate::db::Db;
-use crate::driver::{Driver, Statements};
+use crate::driver::{Announce, Driver, Statements};
 use crate::error::{Result, StoreError};
 use crate::migrate::{self, Migration};
 use crate::model::*;
@@ -76,10 +76,14 @@ impl Driver for SqliteDriver {
         Ok(self.write.begin_with("BEGIN IMMEDIATE").await?)
     }
 
-    async fn commit(&self, tx: Transaction<'static, sqlx::Sqlite>, wake: bool) -> Result<()> {
+    async fn commit(
+        &self,
+        tx: Transaction<'static, sqlx::Sqlite>,
+        wake: Option<Announce>,
+    ) -> Result<()> {
         tx.commit().await?;
-        if wake {
-            self.notify(Millis::MIN, Millis::MIN);
+        if let Some(a) = wake {
+            self.notify(a.due_at, a.now);
         }
         Ok(())
     }
