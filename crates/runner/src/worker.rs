@@ -681,6 +681,7 @@ impl Fetcher {
                     }
                 }
                 let started = Instant::now();
+                let claimed_at = self.store.now_ms();
                 match self
                     .store
                     .complete_and_claim(&pending_done, claim.as_ref())
@@ -707,10 +708,18 @@ impl Fetcher {
                             continue;
                         }
                         if want > 0 {
-                            // Drained: the next claim when the next job comes due, but not
-                            // within the cooldown (what comes due meanwhile waits for it).
-                            let idle = self.idle_sleep(&kinds).await;
-                            next_poll = (Instant::now() + idle).max(started + cooldown);
+                            let (idle, due_before) = self.idle_sleep(&kinds, claimed_at).await;
+                            if due_before {
+                                // A job was due when this claim looked and it did not get it
+                                // (another loop took or had locked it): not drained, no
+                                // cooldown.
+                                drained = false;
+                                next_poll = Instant::now();
+                            } else {
+                                // Drained: the next claim when the next job comes due, but
+                                // not within the cooldown (what comes due meanwhile waits).
+                                next_poll = (Instant::now() + idle).max(started + cooldown);
+                            }
                         }
                     }
                     Err(e) => {
@@ -784,9 +793,9 @@ impl Fetcher {
         *backoff = (*backoff * 2).min(Duration::from_secs(5));
     }
 
-    /// How long to sleep when the queue had nothing: until the next delayed job, at most the
-    /// poll interval.
-    async fn idle_sleep(&self, kinds: &[String]) -> Duration {
+    /// How long until the next job this loop may run comes due (at most the poll interval),
+    /// and whether it was already due at `claimed_at`, when the last claim looked.
+    async fn idle_sleep(&self, kinds: &[String], claimed_at: i64) -> (Duration, bool) {
         let poll = self.config.poll_interval;
         match self
             .store
@@ -795,9 +804,12 @@ impl Fetcher {
         {
             Ok(Some(at)) => {
                 let wait = at.saturating_sub(self.store.now_ms()).max(0);
-                Duration::from_millis(u64::try_from(wait).unwrap_or(0)).min(poll)
+                (
+                    Duration::from_millis(u64::try_from(wait).unwrap_or(0)).min(poll),
+                    at <= claimed_at,
+                )
             }
-            _ => poll,
+            _ => (poll, false),
         }
     }
 
