@@ -1044,31 +1044,20 @@ async fn next(rx: &mut tokio::sync::mpsc::UnboundedReceiver<String>, what: &str)
 }
 
 /// A claim that finds nothing because the due jobs are locked (another loop's claim in flight,
-/// here a `psql` holding the row for two seconds) is not a drained queue: the loop claims again
-/// as soon as they are free, not after the cooldown of a minute.
+/// here another connection holding the row for two seconds) is not a drained queue: the loop
+/// claims again as soon as they are free, not after the cooldown of a minute.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_that_lost_a_race_for_due_jobs_does_not_cool_down() {
     let db = TestDb::postgres().await;
-    let (db_url, schema) = db
-        .url
-        .split_once("?options[search_path]=")
-        .expect("the test schema's URL");
     let job = db
         .store
         .enqueue(NewJob::new("tick", "locked"))
         .await
         .unwrap()
         .job_id;
-    let mut psql = std::process::Command::new("psql")
-        .args([db_url, "-v", "ON_ERROR_STOP=1", "-q", "-c"])
-        .arg(format!(
-            "SET search_path = {schema}; BEGIN; \
-             SELECT id FROM jobs WHERE id = {job} FOR UPDATE; SELECT pg_sleep(2); COMMIT;"
-        ))
-        .stdout(std::process::Stdio::null())
-        .spawn()
-        .expect("psql runs");
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let held = orch_store::testing::hold_job_row(&db.url, job, Duration::from_secs(2))
+        .await
+        .expect("the row is locked");
     let ran = Arc::new(AtomicU64::new(0));
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
     let mut c = config(2, 1);
@@ -1076,14 +1065,16 @@ async fn a_claim_that_lost_a_race_for_due_jobs_does_not_cool_down() {
     c.poll_interval = Duration::from_secs(60);
     c.fetch_cooldown = Duration::from_secs(60);
     let worker = Running::start(&db.store, counting_registry(ran.clone(), tx), c);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        0,
+        "the locked job was not claimed"
+    );
     let started = tokio::time::timeout(Duration::from_secs(20), rx.recv())
         .await
         .expect("the job started within 20 s of its row being locked for 2 s");
     assert_eq!(started, Some(job));
-    let status = tokio::task::spawn_blocking(move || psql.wait())
-        .await
-        .unwrap()
-        .unwrap();
-    assert!(status.success(), "psql held the row and ended: {status}");
+    held.await.unwrap().expect("the lock was held and released");
     worker.shutdown().await;
 }

@@ -478,33 +478,30 @@ async fn listen(
         if pool.is_closed() {
             return;
         }
-        let mut listener = match PgListener::connect_with(&pool).await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(error = %e, "LISTEN connection failed; polling covers the gap");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(10));
-                continue;
-            }
-        };
         static NAME: LazyLock<String> = LazyLock::new(|| format!("SELECT {CHANNEL}"));
-        let channel = match sqlx::query_scalar::<_, String>(NAME.as_str())
-            .fetch_one(&pool)
-            .await
-        {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot name the schema's NOTIFY channel; polling covers the gap");
+        let ready = async {
+            let mut listener = PgListener::connect_with(&pool)
+                .await
+                .map_err(|e| ("LISTEN connection failed".to_owned(), e))?;
+            let channel: String = sqlx::query_scalar(NAME.as_str())
+                .fetch_one(&pool)
+                .await
+                .map_err(|e| ("cannot name the schema's NOTIFY channel".to_owned(), e))?;
+            listener
+                .listen(&channel)
+                .await
+                .map_err(|e| (format!("LISTEN {channel} failed"), e))?;
+            Ok::<_, (String, sqlx::Error)>(listener)
+        };
+        let mut listener = match ready.await {
+            Ok(l) => l,
+            Err((what, e)) => {
+                tracing::warn!(error = %e, "{what}; polling covers the gap");
                 tokio::time::sleep(backoff).await;
                 backoff = (backoff * 2).min(Duration::from_secs(10));
                 continue;
             }
         };
-        if let Err(e) = listener.listen(&channel).await {
-            tracing::warn!(error = %e, "LISTEN {channel} failed; polling covers the gap");
-            tokio::time::sleep(backoff).await;
-            continue;
-        }
         backoff = Duration::from_millis(100);
         // Whatever was announced while we were not listening is lost: look now.
         if !bump(&wake, Millis::MIN) {

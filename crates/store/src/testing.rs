@@ -244,3 +244,29 @@ pub async fn start_job(store: &Store, job_id: i64) -> Lease {
         Err(e) => panic!("cannot start job {job_id} for the test: {e}"),
     }
 }
+
+/// PostgreSQL only: locks job `job_id`'s row from a connection of its own (`FOR UPDATE`, as a
+/// claim in flight holds it, so claims skip it) and returns once it holds the lock; the lock
+/// is released `hold` later, when the returned task ends.
+pub async fn hold_job_row(
+    url: &str,
+    job_id: i64,
+    hold: std::time::Duration,
+) -> Result<tokio::task::JoinHandle<Result<(), StoreError>>, StoreError> {
+    use sqlx::Connection as _;
+    let mut conn = sqlx::postgres::PgConnection::connect(url).await?;
+    sqlx::query("BEGIN").execute(&mut conn).await?;
+    let locked: Option<i64> = sqlx::query_scalar("SELECT id FROM jobs WHERE id = $1 FOR UPDATE")
+        .bind(job_id)
+        .fetch_optional(&mut conn)
+        .await?;
+    if locked != Some(job_id) {
+        return Err(StoreError::JobNotFound(job_id));
+    }
+    Ok(tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        sqlx::query("COMMIT").execute(&mut conn).await?;
+        conn.close().await?;
+        Ok(())
+    }))
+}
