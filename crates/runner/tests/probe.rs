@@ -150,6 +150,15 @@ fn usual(path: &str) -> String {
     }
 }
 
+/// One poll of the usual service, health then revision with one probe: both pass.
+async fn a_passing_poll(svc: &Service) {
+    let mut p = probe();
+    let health = p.health(&svc.url("/health")).await;
+    assert_eq!(health.outcome, CheckOutcome::Pass, "{health:?}");
+    let rev = p.revision(&svc.url("/revision"), REV).await;
+    assert_eq!(rev.check.outcome, CheckOutcome::Pass, "{rev:?}");
+}
+
 #[tokio::test]
 async fn the_checks_of_a_poll_share_one_connection_and_each_poll_opens_its_own() {
     let svc = Service::start(|path, _, _| Reply::Ok(usual(path))).await;
@@ -175,13 +184,7 @@ async fn the_checks_of_a_poll_share_one_connection_and_each_poll_opens_its_own()
 async fn a_service_that_closes_the_connection_is_asked_again_on_a_new_one_never_failed() {
     // Says `connection: close` with its answer.
     let svc = Service::start(|path, _, _| Reply::OkThenClose(usual(path))).await;
-    let mut p = probe();
-    assert_eq!(
-        p.health(&svc.url("/health")).await.outcome,
-        CheckOutcome::Pass
-    );
-    let rev = p.revision(&svc.url("/revision"), REV).await;
-    assert_eq!(rev.check.outcome, CheckOutcome::Pass, "{rev:?}");
+    a_passing_poll(&svc).await;
     assert_eq!(svc.connections(), 2);
 
     // Drops a kept connection's next request without a word (an idle timeout, a restart).
@@ -193,13 +196,7 @@ async fn a_service_that_closes_the_connection_is_asked_again_on_a_new_one_never_
         }
     })
     .await;
-    let mut p = probe();
-    assert_eq!(
-        p.health(&svc.url("/health")).await.outcome,
-        CheckOutcome::Pass
-    );
-    let rev = p.revision(&svc.url("/revision"), REV).await;
-    assert_eq!(rev.check.outcome, CheckOutcome::Pass, "{rev:?}");
+    a_passing_poll(&svc).await;
     assert_eq!(svc.connections(), 2, "asked again on a new connection");
 
     // A service that drops every request fails the check: the fresh connection decides.
