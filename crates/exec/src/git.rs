@@ -507,15 +507,8 @@ impl Git {
         // either "nothing to commit" or a real failure (a hook): only then is the index asked.
         // With a merge, cherry-pick or revert in progress git would commit even with nothing
         // staged: then the index is asked first, as always before.
-        if self.operation_in_progress(dir) {
-            let mut staged = args(["diff", "--cached", "--quiet"]);
-            staged.extend(only.iter().cloned());
-            let out = self.output(dir, staged.clone(), None).await?;
-            match out.status {
-                ExitKind::Exited(0) => return Ok(None),
-                ExitKind::Exited(1) => {}
-                _ => return Err(failed(dir, &staged, &out)),
-            }
+        if self.operation_in_progress(dir) && self.nothing_staged(dir, &only).await? {
+            return Ok(None);
         }
         let mut commit = args(["commit", "--quiet", "--file", "-"]);
         commit.extend(only.iter().cloned());
@@ -524,21 +517,25 @@ impl Git {
             .await?;
         match out.status {
             ExitKind::Exited(0) => {}
-            ExitKind::Exited(1) => {
-                let mut staged = args(["diff", "--cached", "--quiet"]);
-                staged.extend(only);
-                let check = self.output(dir, staged.clone(), None).await?;
-                return match check.status {
-                    ExitKind::Exited(0) => Ok(None),
-                    ExitKind::Exited(1) => Err(failed(dir, &commit, &out)),
-                    _ => Err(failed(dir, &staged, &check)),
-                };
-            }
+            ExitKind::Exited(1) if self.nothing_staged(dir, &only).await? => return Ok(None),
             _ => return Err(failed(dir, &commit, &out)),
         }
         match head_from_files(dir) {
             Some(id) => Ok(Some(id)),
             None => self.rev_parse(dir, "HEAD").await,
+        }
+    }
+
+    /// Whether the index of `dir` holds nothing to commit (for the pathspec `only`):
+    /// `git diff --cached --quiet`, whose status 1 says something is staged.
+    async fn nothing_staged(&self, dir: &Path, only: &[OsString]) -> Result<bool, GitError> {
+        let mut staged = args(["diff", "--cached", "--quiet"]);
+        staged.extend(only.iter().cloned());
+        let out = self.output(dir, staged.clone(), None).await?;
+        match out.status {
+            ExitKind::Exited(0) => Ok(true),
+            ExitKind::Exited(1) => Ok(false),
+            _ => Err(failed(dir, &staged, &out)),
         }
     }
 

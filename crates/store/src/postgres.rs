@@ -283,10 +283,11 @@ impl Db<PgDriver> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
         let out = Self::insert_job(&mut tx, &job, now).await?;
-        if !out.duplicate {
-            notify(&mut tx, due_at(std::slice::from_ref(&job), now)).await?;
-        }
-        tx.commit().await?;
+        let wake = (!out.duplicate).then(|| Announce {
+            due_at: due_at(std::slice::from_ref(&job), now),
+            now,
+        });
+        self.d.commit(tx, wake).await?;
         Ok(out)
     }
 
@@ -334,10 +335,11 @@ impl Db<PgDriver> {
             .await?
             .rows_affected();
         }
-        if inserted > 0 {
-            notify(&mut tx, due_at(&jobs, now)).await?;
-        }
-        tx.commit().await?;
+        let wake = (inserted > 0).then(|| Announce {
+            due_at: due_at(&jobs, now),
+            now,
+        });
+        self.d.commit(tx, wake).await?;
         self.refresh_job_statistics(inserted).await;
         Ok(inserted)
     }

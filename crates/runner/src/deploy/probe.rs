@@ -161,6 +161,19 @@ enum Broke {
     Body { status: u16, error: hyper::Error },
 }
 
+impl Broke {
+    /// What the check reports of it.
+    fn describe(&self, url: &str) -> String {
+        match self {
+            Broke::Before(e) => format!("the exchange failed ({url}): {}", chain(e)),
+            Broke::Body { status, error } => format!(
+                "HTTP {status}, then the body broke off: the exchange failed ({url}): {}",
+                chain(error)
+            ),
+        }
+    }
+}
+
 impl Probe {
     /// A probe whose every check must end within `timeout` (connect, request and body).
     pub fn new(timeout: Duration) -> Probe {
@@ -231,12 +244,7 @@ impl Probe {
                 match conn.exchange(request()?).await {
                     Ok(answer) => return Ok(answer),
                     Err(Broke::Before(_)) => {}
-                    Err(Broke::Body { status, error }) => {
-                        return Err(format!(
-                            "HTTP {status}, then the body broke off: the exchange failed ({url}): {}",
-                            chain(&error)
-                        ));
-                    }
+                    Err(broke) => return Err(broke.describe(url)),
                 }
             }
             self.conn = None;
@@ -252,13 +260,9 @@ impl Probe {
                 sender,
                 driver: Some(Box::pin(driver)),
             });
-            conn.exchange(request()?).await.map_err(|e| match e {
-                Broke::Before(e) => format!("the exchange failed ({url}): {}", chain(&e)),
-                Broke::Body { status, error } => format!(
-                    "HTTP {status}, then the body broke off: the exchange failed ({url}): {}",
-                    chain(&error)
-                ),
-            })
+            conn.exchange(request()?)
+                .await
+                .map_err(|broke| broke.describe(url))
         };
         let answer = match tokio::time::timeout(self.timeout, exchange).await {
             Ok(Ok(answer)) => answer,
@@ -416,13 +420,7 @@ fn describe(e: &reqwest::Error, url: &str) -> String {
     } else {
         "the exchange failed"
     };
-    let mut cause = e.to_string();
-    let mut source = std::error::Error::source(e);
-    while let Some(s) = source {
-        cause = format!("{cause}: {s}");
-        source = s.source();
-    }
-    format!("{what} ({url}): {cause}")
+    format!("{what} ({url}): {}", chain(e))
 }
 
 fn excerpt(body: &str) -> String {

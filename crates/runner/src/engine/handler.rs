@@ -470,17 +470,15 @@ impl Engine {
             return Ok(Outcome::DoneThen(Box::new(job)));
         }
         self.store.enqueue(job).await?;
-        if !routine || priority != 0 {
-            self.event(
-                run,
-                events::STAGE_REQUEUED,
-                &reason,
-                Some(serde_json::json!({
-                    "delay_ms": delay_ms, "marker": marker, "priority": priority,
-                })),
-            )
-            .await;
-        }
+        self.event(
+            run,
+            events::STAGE_REQUEUED,
+            &reason,
+            Some(serde_json::json!({
+                "delay_ms": delay_ms, "marker": marker, "priority": priority,
+            })),
+        )
+        .await;
         crate::failpoint::hit("engine.after_requeue");
         Ok(Outcome::Done)
     }
