@@ -6,7 +6,17 @@
 //! Every invocation gets `GIT_TERMINAL_PROMPT=0` (never wait for a password), a fixed
 //! author/committer identity ([`Identity`], `orch <orch@localhost>` by default),
 //! `-c commit.gpgsign=false`, foreground garbage collection (so no detached `git gc` outlives its
-//! run), and none of the `GIT_DIR`-like variables orch itself may have inherited. Hooks are kept.
+//! run), and none of the `GIT_DIR`-like variables orch itself may have inherited.
+//!
+//! git never runs a program it did not choose: every invocation disables hooks
+//! (`core.hooksPath=/dev/null`), the file-system monitor (`core.fsmonitor=false`), the `ext::`
+//! transport, and names git's own upload/receive-pack programs on every fetch, push and clone
+//! (`--upload-pack`/`--receive-pack`), whatever a
+//! repository's configuration says (a repository's config and hooks are written by whoever
+//! could write its git directory: orch keeps that out of every sandboxed child's reach, and
+//! these options hold even where it could not). git gets an allowlisted environment
+//! ([`GIT_ENV`] besides [`crate::env::BASE`]): its ssh agent, askpass and proxy, never orch's
+//! token, database URL or agents' keys.
 //!
 //! Operations that orch repeats after a crash are idempotent: [`Git::worktree_add`] reuses or
 //! repairs, [`Git::worktree_remove`] succeeds on a missing worktree, [`Git::add_and_commit`]
@@ -30,14 +40,51 @@ pub const DEFAULT_GIT_TIMEOUT: Duration = Duration::from_secs(300);
 const GIT_OUTPUT_LIMIT: usize = 16 * 1024 * 1024;
 /// Lines of stderr kept in a [`GitError::Failed`].
 const ERROR_LINES: usize = 20;
-/// Options given to every git command.
-const CONFIG: [&str; 6] = [
+/// Options given to every git command: no signing prompt, no background maintenance, and no
+/// program a repository's configuration names (hooks, fsmonitor, transports, pack programs).
+pub const CONFIG: [&str; 12] = [
     "-c",
     "commit.gpgsign=false",
     "-c",
     "gc.autoDetach=false",
     "-c",
     "maintenance.autoDetach=false",
+    "-c",
+    "core.hooksPath=/dev/null",
+    "-c",
+    "core.fsmonitor=false",
+    "-c",
+    "protocol.ext.allow=never",
+];
+
+/// git's own program for the remote side of a fetch (a repository's `remote.*.uploadpack`
+/// could name any program).
+const UPLOAD_PACK: &str = "--upload-pack=git-upload-pack";
+/// git's own program for the remote side of a push.
+const RECEIVE_PACK: &str = "--receive-pack=git-receive-pack";
+
+/// Variables of orch's environment git inherits besides [`crate::env::BASE`]: what it needs to
+/// reach a remote (ssh agent, askpass, proxies, certificates) and the location of its own
+/// configuration files.
+pub const GIT_ENV: [&str; 18] = [
+    "SSH_AUTH_SOCK",
+    "GIT_SSH",
+    "GIT_SSH_COMMAND",
+    "GIT_ASKPASS",
+    "SSH_ASKPASS",
+    "GIT_SSL_CAINFO",
+    "GIT_SSL_CAPATH",
+    "GIT_SSL_NO_VERIFY",
+    "GIT_CONFIG_GLOBAL",
+    "GIT_CONFIG_SYSTEM",
+    "GIT_CONFIG_NOSYSTEM",
+    "XDG_CONFIG_HOME",
+    "http_proxy",
+    "https_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "no_proxy",
+    "NO_PROXY",
 ];
 /// Variables that would point git at another repository than the one orch names.
 const LEAKY_ENV: [&str; 8] = [
@@ -232,6 +279,22 @@ impl Git {
         Git::default()
     }
 
+    /// A git command in `dir` as orch runs every one: the hardening options ([`CONFIG`]), an
+    /// allowlisted environment without the `GIT_DIR`-like variables, never a prompt, the
+    /// timeout. Arguments follow.
+    pub fn command(&self, dir: &Path) -> Cmd {
+        let mut cmd = Cmd::new(&self.bin)
+            .args(CONFIG)
+            .cwd(dir)
+            .env_allow(GIT_ENV)
+            .env("GIT_TERMINAL_PROMPT", "0")
+            .timeout(self.timeout);
+        for key in LEAKY_ENV {
+            cmd = cmd.env_remove(key);
+        }
+        cmd
+    }
+
     /// Creates `dir` (if needed) and makes it a repository whose first branch is
     /// `default_branch`. Running it on an existing repository is harmless.
     pub async fn init_repo(&self, dir: &Path, default_branch: &str) -> Result<(), GitError> {
@@ -260,7 +323,7 @@ impl Git {
         } else {
             src.into()
         };
-        let mut argv = args(["clone", "--quiet", "--"]);
+        let mut argv = args(["clone", "--quiet", UPLOAD_PACK, "--"]);
         argv.push(src);
         argv.push(dest.into());
         self.run(&parent, argv).await?;
@@ -551,6 +614,88 @@ impl Git {
         Ok(parse_status(&out))
     }
 
+    /// Every change in the working tree of `dir` against `HEAD`, one entry per path, as bytes
+    /// (a name need not be UTF-8; a newline in one is read correctly: `-z`): changed, added,
+    /// deleted and untracked files, untracked directories listed file by file, renames as a
+    /// deletion and an addition. Ignored files are not listed (`git add -A` leaves them too).
+    pub async fn changes(&self, dir: &Path) -> Result<Vec<Changed>, GitError> {
+        let argv = args([
+            "status",
+            "--porcelain=v1",
+            "-z",
+            "--untracked-files=all",
+            "--no-renames",
+            "--ignore-submodules=none",
+        ]);
+        let out = self.run(dir, argv.clone()).await?;
+        whole_stdout(dir, &argv, &out)?;
+        Ok(parse_changes(&out.stdout_tail))
+    }
+
+    /// Index entries of `dir` flagged `skip-worktree` or `assume-unchanged`: git neither
+    /// lists nor stages their working-tree file, so `git add -A` would commit whatever the
+    /// index holds for them. When there are any, the index is rebuilt from `HEAD` (`read-tree`,
+    /// which drops the flags; the working tree is left as it is). Returns the paths still
+    /// flagged after that (a sparse checkout sets its flags again): empty when none is hidden.
+    pub async fn unhide_index(&self, dir: &Path) -> Result<Vec<Vec<u8>>, GitError> {
+        let flagged = self.flagged(dir).await?;
+        if flagged.is_empty() {
+            return Ok(flagged);
+        }
+        self.run(dir, args(["read-tree", "HEAD"])).await?;
+        self.flagged(dir).await
+    }
+
+    /// The index entries of `dir` tagged `S` (skip-worktree) or with a lower-case tag
+    /// (assume-unchanged) by `git ls-files -v`.
+    async fn flagged(&self, dir: &Path) -> Result<Vec<Vec<u8>>, GitError> {
+        let argv = args(["ls-files", "-v", "-z"]);
+        let out = self.run(dir, argv.clone()).await?;
+        whole_stdout(dir, &argv, &out)?;
+        Ok(out
+            .stdout_tail
+            .split(|b| *b == 0)
+            .filter(|e| e.len() > 2 && (e[0] == b'S' || e[0].is_ascii_lowercase()))
+            .map(|e| e[2..].to_vec())
+            .collect())
+    }
+
+    /// Deletes untracked and ignored files under `paths` of `dir` (`git clean -ffdx`): what
+    /// orch reads there must be what the branch holds.
+    pub async fn clean_all_under(&self, dir: &Path, paths: &[&str]) -> Result<(), GitError> {
+        let mut argv = args(["clean", "--quiet", "-f", "-f", "-d", "-x", "--"]);
+        argv.extend(paths.iter().map(OsString::from));
+        self.run(dir, argv).await?;
+        Ok(())
+    }
+
+    /// Puts `paths` (relative to `dir`'s root; each must be known to the index or `HEAD`)
+    /// back as `HEAD` has them, in the index and the working tree: a path `HEAD` lacks is
+    /// removed from both. The paths go to git on stdin, NUL-separated, so any name works.
+    pub async fn restore_paths(&self, dir: &Path, paths: &[Vec<u8>]) -> Result<(), GitError> {
+        if paths.is_empty() {
+            return Ok(());
+        }
+        let argv = args([
+            "restore",
+            "--source=HEAD",
+            "--staged",
+            "--worktree",
+            "--pathspec-from-file=-",
+            "--pathspec-file-nul",
+        ]);
+        let mut list = Vec::new();
+        for p in paths {
+            list.extend_from_slice(p);
+            list.push(0);
+        }
+        let out = self.output(dir, argv.clone(), Some(list)).await?;
+        match out.success() {
+            true => Ok(()),
+            false => Err(failed(dir, &argv, &out)),
+        }
+    }
+
     /// Paths changed in the working tree of `dir` that are not under `allowed_prefix` (a
     /// directory relative to the root, e.g. `docs/work-items/ORCH-1`), sorted: catches an agent
     /// that wrote outside its area. Both sides of a rename count.
@@ -626,8 +771,11 @@ impl Git {
             return Ok(false);
         }
         let refspec = format!("refs/heads/{branch}:refs/heads/{branch}");
-        self.run(dir, args(["push", "--quiet", remote, &refspec]))
-            .await?;
+        self.run(
+            dir,
+            args(["push", "--quiet", RECEIVE_PACK, remote, &refspec]),
+        )
+        .await?;
         Ok(true)
     }
 
@@ -637,8 +785,11 @@ impl Git {
         if !self.has_remote(dir, remote).await? {
             return Ok(false);
         }
-        self.run(dir, args(["fetch", "--quiet", "--prune", remote]))
-            .await?;
+        self.run(
+            dir,
+            args(["fetch", "--quiet", UPLOAD_PACK, "--prune", remote]),
+        )
+        .await?;
         Ok(true)
     }
 
@@ -1054,20 +1205,14 @@ impl Git {
         stdin: Option<Vec<u8>>,
         index: Option<&Path>,
     ) -> Result<Output, GitError> {
-        let mut cmd = Cmd::new(&self.bin)
-            .args(CONFIG)
+        let mut cmd = self
+            .command(dir)
             .args(argv.iter().cloned())
-            .cwd(dir)
-            .env("GIT_TERMINAL_PROMPT", "0")
             .env("GIT_AUTHOR_NAME", &self.identity.name)
             .env("GIT_AUTHOR_EMAIL", &self.identity.email)
             .env("GIT_COMMITTER_NAME", &self.identity.name)
             .env("GIT_COMMITTER_EMAIL", &self.identity.email)
-            .timeout(self.timeout)
             .output_limit(GIT_OUTPUT_LIMIT);
-        for key in LEAKY_ENV {
-            cmd = cmd.env_remove(key);
-        }
         if let Some(index) = index {
             cmd = cmd.env("GIT_INDEX_FILE", index);
         }
@@ -1324,7 +1469,10 @@ impl Git {
     ) -> Result<Option<String>, GitError> {
         let refname = format!("refs/heads/{branch}");
         let out = self
-            .text(dir, args(["ls-remote", "--", remote, &refname]))
+            .text(
+                dir,
+                args(["ls-remote", UPLOAD_PACK, "--", remote, &refname]),
+            )
             .await?;
         Ok(out.lines().find_map(|line| {
             let (sha, name) = line.split_once('\t')?;
@@ -1348,7 +1496,15 @@ impl Git {
         let refspec = format!("{new}:{refname}");
         self.run(
             dir,
-            args(["push", "--quiet", &lease, "--", remote, &refspec]),
+            args([
+                "push",
+                "--quiet",
+                RECEIVE_PACK,
+                &lease,
+                "--",
+                remote,
+                &refspec,
+            ]),
         )
         .await?;
         Ok(())
@@ -1367,6 +1523,7 @@ impl Git {
             args([
                 "fetch",
                 "--quiet",
+                UPLOAD_PACK,
                 "--no-tags",
                 "--no-write-fetch-head",
                 "--",
@@ -1477,6 +1634,38 @@ fn parse_status(out: &str) -> Vec<StatusEntry> {
         });
     }
     entries
+}
+
+/// One path of [`Git::changes`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Changed {
+    /// The two-letter status `XY` (`??` untracked, ` M` modified, `A ` added, ` D` deleted).
+    pub code: [u8; 2],
+    /// The path relative to the working tree's root, as git stores it.
+    pub path: Vec<u8>,
+}
+
+impl Changed {
+    /// True for a file git does not track (nothing of it is in the index).
+    pub fn is_untracked(&self) -> bool {
+        &self.code == b"??"
+    }
+}
+
+fn parse_changes(out: &[u8]) -> Vec<Changed> {
+    out.split(|b| *b == 0)
+        .filter(|f| !f.is_empty())
+        .filter_map(|field| match (field.get(..2), field.get(3..)) {
+            (Some(&[x, y]), Some(path)) if !path.is_empty() => Some(Changed {
+                code: [x, y],
+                path: path.to_vec(),
+            }),
+            _ => {
+                tracing::warn!(field = %String::from_utf8_lossy(field), "unexpected git status entry; skipped");
+                None
+            }
+        })
+        .collect()
 }
 
 /// True when `path` is `prefix` or inside it (by whole path components).
@@ -1847,6 +2036,16 @@ mod tests {
             },
         ];
         assert_eq!(parse_worktrees(out), expect);
+    }
+
+    #[test]
+    fn parses_changes_whatever_the_names_hold() {
+        let out = b"?? new\nline\0 M a b\0?? bad\xff\0D  gone\0\0";
+        let got = parse_changes(out);
+        let paths: Vec<&[u8]> = got.iter().map(|c| c.path.as_slice()).collect();
+        assert_eq!(paths, [&b"new\nline"[..], b"a b", b"bad\xff", b"gone"]);
+        assert!(got[0].is_untracked() && !got[1].is_untracked());
+        assert_eq!(&got[3].code, b"D ");
     }
 
     #[test]

@@ -5,6 +5,9 @@
 //! - [`git`]: the git operations orch needs, each a run of the `git` binary through [`process`].
 //! - [`records`]: durable records of the groups orch started, and the startup cleanup that
 //!   stops what a dead incarnation of orch left running.
+//! - [`sandbox`]: the bubblewrap sandbox untrusted children run in (agents, the repository's
+//!   tests), with a network allowlist enforced outside it and resource limits.
+//! - [`env`]: the allowlist of orch's environment a child inherits.
 //!
 //! Invariants: nothing else in orch creates processes; no run leaves a process of its group
 //! running or unreaped (orch makes itself a child subreaper on Linux so orphaned grandchildren
@@ -15,9 +18,11 @@ mod group;
 mod spool;
 mod tail;
 
+pub mod env;
 pub mod git;
 pub mod process;
 pub mod records;
+pub mod sandbox;
 
 pub use git::{
     Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult, StatusEntry,
@@ -25,3 +30,4 @@ pub use git::{
 };
 pub use group::{processes_under, stop_processes_under};
 pub use process::{Cmd, ExitKind, Output, SpawnError, run};
+pub use sandbox::{Endpoint, Limits, Network, Sandbox};

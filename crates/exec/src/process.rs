@@ -20,12 +20,14 @@ use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::process::{Child, Command};
 use tokio_util::sync::CancellationToken;
 
 use crate::group;
+use crate::sandbox::{self, Prepared, Sandbox};
 use crate::spool::{self, Spool};
 
 /// Default wall-clock limit of a [`Cmd`].
@@ -76,6 +78,11 @@ pub struct Cmd {
     /// How much lower than orch's own the CPU priority of the run (and all it starts) is: a
     /// `nice` increment, 0 keeps orch's. See [`Cmd::batch`].
     pub nice: i32,
+    /// Start from an empty environment and inherit only these variables of orch's (besides
+    /// [`crate::env::BASE`]); `None` inherits orch's whole environment. See [`Cmd::env_allow`].
+    pub allow_env: Option<Vec<String>>,
+    /// Run inside this sandbox ([`crate::sandbox`]); `None` runs on the host.
+    pub sandbox: Option<Arc<Sandbox>>,
 }
 
 /// The priority increment of batch children ([`Cmd::batch`]).
@@ -98,7 +105,28 @@ impl Cmd {
             cancel: None,
             no_daemons: false,
             nice: 0,
+            allow_env: None,
+            sandbox: None,
         }
+    }
+
+    /// Starts the child from an empty environment with only the variables of orch's that
+    /// [`crate::env::allowed`] lets through for `extra` (plus [`Cmd::env`] variables).
+    pub fn env_allow<I, S>(mut self, extra: I) -> Cmd
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+    {
+        self.allow_env
+            .get_or_insert_with(Vec::new)
+            .extend(extra.into_iter().map(Into::into));
+        self
+    }
+
+    /// Runs the command inside `sandbox`.
+    pub fn sandbox(mut self, sandbox: Arc<Sandbox>) -> Cmd {
+        self.sandbox = Some(sandbox);
+        self
     }
 
     /// Appends one argument.
@@ -205,6 +233,92 @@ fn lower_priority(command: &mut Command, increment: i32) {
     unsafe {
         command.pre_exec(move || {
             libc::setpriority(libc::PRIO_PROCESS, 0, target);
+            Ok(())
+        });
+    }
+}
+
+/// Sets up the sandbox of `cmd`: its relays, its cgroup and bwrap's command line. A program
+/// that is not there, or not executable, is the same error as without a sandbox (found on the
+/// host, where bwrap would only say it failed).
+async fn prepare_sandbox(cmd: &Cmd, sb: &Sandbox, run_id: u64) -> Result<Prepared, SpawnError> {
+    let path_env = cmd
+        .env
+        .iter()
+        .rev()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .or_else(|| std::env::var_os("PATH"));
+    let program = || cmd.program.display().to_string();
+    let named = cmd.program.components().count() > 1 || cmd.program.is_absolute();
+    // A relative path names a file in the run's working directory.
+    let as_found = match (&cmd.cwd, named && cmd.program.is_relative()) {
+        (Some(dir), true) => dir.join(&cmd.program),
+        _ => cmd.program.clone(),
+    };
+    match sandbox::which(&as_found, path_env.as_deref()) {
+        Some(found) => {
+            use std::os::unix::fs::PermissionsExt as _;
+            let executable = std::fs::metadata(&found)
+                .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0);
+            if !executable {
+                return Err(SpawnError::PermissionDenied { program: program() });
+            }
+        }
+        None if named && as_found.is_dir() => {
+            return Err(SpawnError::PermissionDenied { program: program() });
+        }
+        None => return Err(SpawnError::NotFound { program: program() }),
+    }
+    Prepared::new(
+        sb,
+        &cmd.program,
+        &cmd.args,
+        cmd.cwd.as_deref(),
+        path_env.as_deref(),
+        run_id,
+    )
+    .await
+    .map_err(|e| SpawnError::Sandbox {
+        program: cmd.program.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// Before bwrap runs: the child joins the run's cgroup and takes the run's rlimits, so the
+/// sandbox and everything in it start limited.
+fn confine(command: &mut Command, prepared: &Prepared, limits: &sandbox::Limits) {
+    let procs: Vec<std::ffi::CString> = prepared
+        .cgroup
+        .as_ref()
+        .map(|c| c.procs.clone())
+        .unwrap_or_default();
+    let rlimits = sandbox::rlimits(limits);
+    // SAFETY: the closure runs in the forked child before exec and makes only async-signal-safe
+    // system calls (open, write, close, setrlimit) on data prepared before the fork.
+    unsafe {
+        command.pre_exec(move || {
+            for path in &procs {
+                let fd = libc::open(path.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let written = libc::write(fd, b"0".as_ptr().cast(), 1);
+                libc::close(fd);
+                if written != 1 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            for (resource, value) in &rlimits {
+                let lim = libc::rlimit {
+                    rlim_cur: *value,
+                    rlim_max: *value,
+                };
+                // Lowering a limit never fails for lack of privilege; a failure is reported.
+                if libc::setrlimit(*resource, &lim) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
             Ok(())
         });
     }
@@ -333,6 +447,14 @@ pub enum SpawnError {
         /// The program as given.
         program: String,
     },
+    /// The sandbox the program was to run in could not be set up.
+    #[error("cannot run '{program}' in its sandbox: {reason}")]
+    Sandbox {
+        /// The program as given.
+        program: String,
+        /// Why, with what to do about it.
+        reason: String,
+    },
     /// Any other failure to start or supervise the program.
     #[error("cannot run '{program}': {source}")]
     Io {
@@ -390,23 +512,41 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         });
     }
     group::become_subreaper();
+    let run_id = crate::records::next_run();
 
-    let mut command = Command::new(&cmd.program);
-    command.args(&cmd.args);
+    let prepared = match &cmd.sandbox {
+        Some(sb) => Some(prepare_sandbox(cmd, sb, run_id).await?),
+        None => None,
+    };
+    let mut command = match (&cmd.sandbox, &prepared) {
+        (Some(sb), Some(p)) => {
+            let mut c = Command::new(&sb.bwrap);
+            c.args(&p.args);
+            confine(&mut c, p, &sb.limits);
+            c
+        }
+        _ => {
+            let mut c = Command::new(&cmd.program);
+            c.args(&cmd.args);
+            c
+        }
+    };
     if cmd.nice > 0 {
         lower_priority(&mut command, cmd.nice);
     }
     if let Some(dir) = &cmd.cwd {
         command.current_dir(dir);
     }
-    if cmd.env_clear {
+    if cmd.env_clear || cmd.allow_env.is_some() {
         command.env_clear();
+    }
+    if let Some(extra) = &cmd.allow_env {
+        command.envs(crate::env::allowed(extra));
     }
     for key in &cmd.env_remove {
         command.env_remove(key);
     }
     command.envs(cmd.env.iter().map(|(k, v)| (k, v)));
-    let run_id = crate::records::next_run();
     // The marker that finds escaped daemons; an explicitly empty environment stays empty.
     if !cmd.env_clear {
         command.env(
@@ -437,8 +577,19 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         .process_group(0);
 
     let started = Instant::now();
-    let child = group::spawn(&mut command, cmd.no_daemons.then_some(run_id))
-        .map_err(|e| SpawnError::from_io(&cmd.program, e))?;
+    let child =
+        group::spawn(&mut command, cmd.no_daemons.then_some(run_id)).map_err(|e| {
+            match &cmd.sandbox {
+                Some(sb) if e.kind() == io::ErrorKind::NotFound => SpawnError::Sandbox {
+                    program: program(),
+                    reason: format!(
+                        "`{}` is not installed (Debian/Ubuntu: `apt-get install bubblewrap`)",
+                        sb.bwrap.display()
+                    ),
+                },
+                _ => SpawnError::from_io(&cmd.program, e),
+            }
+        })?;
     let pgid = child
         .id()
         .and_then(|pid| i32::try_from(pid).ok())
@@ -475,11 +626,20 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         status
     };
     let ((), status) = tokio::join!(tail, supervise);
+    // The sandbox's relays stop and its cgroup goes (killing anything left in it).
+    drop(prepared);
     group::reap_adopted();
-    let status = status.map_err(|source| SpawnError::Io {
+    let mut status = status.map_err(|source| SpawnError::Io {
         program: program(),
         source,
     })?;
+    // bwrap reports a program killed by signal N as exit code 128 + N, as a shell does.
+    if cmd.sandbox.is_some()
+        && let ExitKind::Exited(code) = status
+        && (129..=128 + 64).contains(&code)
+    {
+        status = ExitKind::Signaled(code - 128);
+    }
     let (stdout_tail, stdout_bytes) = out.finish();
     let (stderr_tail, stderr_bytes) = err.finish();
     let duration = started.elapsed();

@@ -86,19 +86,40 @@ async fn init_commit_and_rev_parse() {
             .unwrap(),
         None
     );
-    // A commit that fails (a hook refuses it, exit 1 like "nothing to commit") is an error,
-    // and the commit id is read back right (from the ref files) when it succeeds.
+    // A hook planted in the repository never runs (orch's git disables hooks): the commit
+    // goes through and the hook's marker is never written.
     let hook = dir.join(".git/hooks/pre-commit");
+    let marker = dir.join("hook-ran");
     std::fs::create_dir_all(hook.parent().unwrap()).unwrap();
-    std::fs::write(&hook, "#!/bin/sh\necho refused by the hook >&2\nexit 1\n").unwrap();
+    std::fs::write(
+        &hook,
+        format!("#!/bin/sh\ntouch '{}'\nexit 1\n", marker.display()),
+    )
+    .unwrap();
     std::fs::set_permissions(&hook, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+    write(&dir, "c.txt", "c\n");
+    let hooked = git
+        .add_and_commit(&dir, &Pathspec::All, "past the hook")
+        .await
+        .unwrap();
+    assert!(hooked.is_some());
+    assert!(!marker.exists(), "the planted hook ran");
+    std::fs::remove_file(&hook).unwrap();
+    // A commit that fails (the index cannot be written) is an error, and the commit id is read
+    // back right (from the ref files) when it succeeds.
+    let index = dir.join(".git/index");
+    let saved = std::fs::read(&index).unwrap();
+    std::fs::remove_file(&index).unwrap();
+    std::fs::create_dir(&index).unwrap();
     write(&dir, "b.txt", "b\n");
     let err = git
         .add_and_commit(&dir, &Pathspec::All, "refused")
         .await
         .unwrap_err();
-    assert!(err.to_string().contains("refused by the hook"), "{err}");
-    std::fs::remove_file(&hook).unwrap();
+    assert!(err.to_string().contains("index"), "{err}");
+    std::fs::remove_dir(&index).unwrap();
+    std::fs::write(&index, saved).unwrap();
+    let sha = hooked.unwrap();
     let second = git
         .add_and_commit(&dir, &Pathspec::All, "add b")
         .await

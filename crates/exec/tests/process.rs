@@ -304,6 +304,7 @@ async fn spawn_errors_say_what_went_wrong() {
             SpawnError::NotFound { .. } => "not found",
             SpawnError::PermissionDenied { .. } => "permission denied",
             SpawnError::Io { .. } => "io",
+            SpawnError::Sandbox { .. } => "sandbox",
         };
         assert_eq!(got, kind, "{cmd}: {err}");
         assert!(

@@ -44,8 +44,7 @@ async fn symlinked_and_oversized_artifacts_are_refused_and_never_committed() {
         "hostile-analyst.sh",
         &format!(
             r#"case "$(cat "$ORCH_ARTIFACT_DIR/01-request.md")" in
-  *symlink*) printf -- '{valid}' "$ORCH_WORK_ITEM" > "{outside}"
-             ln -sf "{outside}" "$ORCH_ARTIFACT" ;;
+  *symlink*) ln -sf "{outside}" "$ORCH_ARTIFACT" ;;
   *huge*) printf -- '{valid}' "$ORCH_WORK_ITEM" > "$ORCH_ARTIFACT"
           head -c {pad} /dev/zero | tr '\0' 'x' >> "$ORCH_ARTIFACT" ;;
 esac
@@ -54,6 +53,9 @@ exit 0"#,
             pad = LIMIT + 10,
         ),
     );
+    // The file the link points at, outside the repository (an agent in the sandbox cannot
+    // write there; it can still link to it).
+    std::fs::write(&outside, valid.replace("%s", "APP-1")).unwrap();
     let config_path = dir.join("orch.toml");
     let config = std::fs::read_to_string(&config_path).unwrap();
     let cut = config.find("[agents.analyst]").unwrap();
@@ -103,7 +105,10 @@ exit 0"#,
     let _ = tokio::time::timeout(Duration::from_secs(20), serve.wait()).await;
 
     let repo = dir.join(".orch/repos/service");
-    for (t, reason) in ended.iter().zip(["is a symbolic link", "is too big: "]) {
+    for (t, reason) in ended
+        .iter()
+        .zip(["a symbolic link; no stage may commit one", "is too big: "])
+    {
         assert_eq!(
             t.stage, "failed",
             "{} never advances past analysis",
