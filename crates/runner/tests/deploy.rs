@@ -678,6 +678,8 @@ const GOOD_ROLLBACK: &str =
 async fn check_unconfirmed(case: Unconfirmed) {
     let mut fx = Fx::new().await;
     let c = fx.ctl.display().to_string();
+    // Production ran the old release before the deploy (what a rollback goes back to).
+    std::fs::write(fx.ctl.join("live_rev"), "0ld0ld0ld0ld").unwrap();
     std::fs::write(fx.ctl.join("health"), "503").unwrap();
     fx.repo.rollback = case.rollback.map(|r| r.replace("$C", &c));
     fx.repo.alert = Some(format!(
@@ -747,7 +749,8 @@ async fn check_unconfirmed(case: Unconfirmed) {
         case.name
     );
 
-    // The alert: the command saw the env, the webhook got the JSON, one `sent` each.
+    // The alert: the command saw the env, the webhook's job delivers the document.
+    let delivered = common::deliver_notices(&fx.db, "app", &fx.repo).await;
     let alerts = read(&fx.ctl.join("alerts"));
     let hooks = read(&fx.ctl.join("hooks"));
     if case.want_alert {
@@ -756,20 +759,54 @@ async fn check_unconfirmed(case: Unconfirmed) {
         assert_eq!(fields.len(), 5, "{}: {alerts:?}", case.name);
         assert_eq!(fields[0], ITEM, "{}", case.name);
         assert_eq!(fields[1], "UNCONFIRMED", "{}", case.name);
+        // What was done: a rollback that ran and did not bring production back, or nothing.
+        let action = if case.want_rollbacks > 0 {
+            "rollback_failed"
+        } else {
+            "alert"
+        };
+        assert_eq!(fields[2], action, "{}", case.name);
         assert_eq!(fields[3], fx.revision, "{}", case.name);
         assert!(fields[4].contains("not confirmed"), "{}: {line}", case.name);
+        assert_eq!(delivered.len(), 1, "{}: one delivery job", case.name);
         let body: serde_json::Value =
             serde_json::from_str(hooks.lines().next().unwrap_or("null")).unwrap();
+        assert_eq!(body["version"], 1, "{}: {hooks}", case.name);
+        assert_eq!(body["event"], "alert", "{}", case.name);
+        assert_eq!(body["action"], action, "{}", case.name);
+        assert_eq!(body["verdict"], "UNCONFIRMED", "{}", case.name);
         assert_eq!(body["work_item"], ITEM, "{}: {hooks}", case.name);
         assert_eq!(body["repo"], "app", "{}", case.name);
-        assert_eq!(body["verdict"], "UNCONFIRMED", "{}", case.name);
         assert_eq!(body["revision"], fx.revision.as_str(), "{}", case.name);
-        assert_eq!(body["action"], fields[2], "{}", case.name);
-        let sent = kinds
-            .iter()
-            .filter(|k| *k == events::POST_DEPLOY_ALERT_SENT)
-            .count();
-        assert_eq!(sent, 2, "{}: {kinds:?}", case.name);
+        assert_eq!(body["previous_revision"], "0ld0ld0ld0ld", "{}", case.name);
+        assert!(
+            body["reason"].as_str().unwrap().contains("UNCONFIRMED"),
+            "{}: {body}",
+            case.name
+        );
+        assert!(
+            body["live"]["description"]
+                .as_str()
+                .is_some_and(|d| !d.is_empty()),
+            "{}: what is live: {body}",
+            case.name
+        );
+        assert!(body["todo"].as_str().is_some(), "{}: {body}", case.name);
+        assert_eq!(
+            kinds
+                .iter()
+                .filter(|k| *k == events::POST_DEPLOY_ALERT_SENT)
+                .count(),
+            1,
+            "{}: the command ran once: {kinds:?}",
+            case.name
+        );
+        let kinds = fx.event_kinds().await;
+        assert!(
+            kinds.contains(&events::NOTIFY_DELIVERED.to_owned()),
+            "{}: {kinds:?}",
+            case.name
+        );
     } else {
         assert!(
             alerts.is_empty() && hooks.is_empty(),
@@ -781,7 +818,19 @@ async fn check_unconfirmed(case: Unconfirmed) {
             "{}",
             case.name
         );
+        assert!(delivered.is_empty(), "{}: no webhook job", case.name);
     }
+    // What production was left as is recorded once.
+    assert_eq!(
+        fx.event_kinds()
+            .await
+            .iter()
+            .filter(|k| *k == events::PRODUCTION_CHECKED)
+            .count(),
+        1,
+        "{}",
+        case.name
+    );
 
     // A re-run of the last job replays the outcome: nothing rolls back or pages again.
     let again = fx.run(content).await;
@@ -799,6 +848,13 @@ async fn check_unconfirmed(case: Unconfirmed) {
         "{}: paged once",
         case.name
     );
+    assert!(
+        common::deliver_notices(&fx.db, "app", &fx.repo)
+            .await
+            .is_empty(),
+        "{}: no second webhook job",
+        case.name
+    );
 }
 
 #[tokio::test]
@@ -811,7 +867,7 @@ async fn an_unconfirmed_deploy_is_rolled_back_only_while_its_revision_is_live() 
             want_rollbacks: 1,
             want_event: Some(events::DEPLOY_ROLLED_BACK),
             want_alert: false,
-            reason_has: "rolled back",
+            reason_has: "production verified healthy at `0ld0ld0ld0ld` after the rollback",
         },
         Unconfirmed {
             name: "the rollback command fails",
@@ -836,9 +892,9 @@ async fn an_unconfirmed_deploy_is_rolled_back_only_while_its_revision_is_live() 
             rollback: Some(GOOD_ROLLBACK),
             other_live: Some("fe11a5fe11a5"),
             want_rollbacks: 0,
-            want_event: Some(events::DEPLOY_ROLLBACK_FAILED),
+            want_event: None,
             want_alert: true,
-            reason_has: "no longer live",
+            reason_has: "another release is live",
         },
         Unconfirmed {
             name: "no rollback command",
@@ -880,17 +936,34 @@ async fn a_broken_alert_hook_is_recorded_and_never_fails_the_stage() {
         .events_by_kind(events::POST_DEPLOY_ALERT_FAILED, 0, 10)
         .await
         .unwrap();
-    let channels: Vec<String> = failed
-        .iter()
-        .map(|e| {
-            serde_json::from_str::<serde_json::Value>(&e.data).unwrap()["channel"]
-                .as_str()
-                .unwrap()
-                .to_owned()
-        })
-        .collect();
-    assert_eq!(channels, ["command", "webhook"], "{failed:?}");
-    assert!(failed[1].message.contains("503"), "{}", failed[1].message);
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(
+        failed[0].message.contains("timed out"),
+        "{}",
+        failed[0].message
+    );
+    // The webhook is a job of its own: the stage never waited for it. Its try fails, is
+    // recorded, and comes back later.
+    let tries = common::deliver_notices(&fx.db, "app", &fx.repo).await;
+    assert_eq!(tries.len(), 1);
+    assert!(
+        matches!(&tries[0].1, orch_runner::worker::Outcome::Retry { delay, .. } if *delay == Duration::from_secs(2)),
+        "{:?}",
+        tries[0].1
+    );
+    let failed = fx
+        .db
+        .store
+        .events_by_kind(events::NOTIFY_FAILED, 0, 10)
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1, "{failed:?}");
+    assert!(failed[0].message.contains("503"), "{}", failed[0].message);
+    assert!(
+        !failed[0].message.contains("/hook"),
+        "only the host is named: {}",
+        failed[0].message
+    );
 }
 
 #[tokio::test]

@@ -302,16 +302,21 @@ impl Fx {
     }
 
     /// What the alert hooks received: the command's lines (split on `|`, reason last) and
-    /// the webhook's JSON bodies.
-    fn delivered(&self) -> (Vec<Vec<String>>, Vec<serde_json::Value>) {
+    /// the webhook's `alert` documents, once the queued webhook jobs have run (holds are
+    /// announced too: their documents are left out here).
+    async fn delivered(&self) -> (Vec<Vec<String>>, Vec<serde_json::Value>) {
+        common::deliver_notices(&self.db, "app", &self.repo).await;
         let lines = read(&self.ctl.join("alerts"))
             .lines()
-            .filter(|l| l.starts_with(&format!("{ITEM}|")))
+            .filter(|l| {
+                l.starts_with(&format!("{ITEM}|")) && !l.starts_with(&format!("{ITEM}|hold|"))
+            })
             .map(|l| l.splitn(5, '|').map(str::to_owned).collect())
             .collect();
         let hooks = read(&self.ctl.join("hooks"))
             .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .filter(|v| v["event"] == "alert")
             .collect();
         (lines, hooks)
     }
@@ -519,10 +524,12 @@ async fn check(s: Scenario) {
     assert_eq!(fm.get_str("post_deploy_status"), Some(s.verdict), "{name}");
     assert_eq!(fm.get_str("action_taken"), Some(s.action), "{name}");
     assert_eq!(fm.get_str("revision"), Some(REV), "{name}");
+    // Checks, not polls: health, and the revision when one is configured.
+    let per_poll = if s.live.is_some() { 2 } else { 1 };
     assert_eq!(
         fm.get("checks_total"),
         Some(&orch_domain::artifact::Value::Int(
-            i64::try_from(s.polls).unwrap()
+            i64::try_from(s.polls * per_poll).unwrap()
         )),
         "{name}"
     );
@@ -550,7 +557,7 @@ async fn check(s: Scenario) {
     );
     // The alert hooks: the command and the webhook got the alert once each, or nothing.
     let alerted = matches!(s.action, "alert" | "rollback_failed");
-    let (lines, hooks) = fx.delivered();
+    let (lines, hooks) = fx.delivered().await;
     assert_eq!(lines.len(), usize::from(alerted), "{name}: {lines:?}");
     assert_eq!(hooks.len(), usize::from(alerted), "{name}: {hooks:?}");
     if alerted {
@@ -566,8 +573,17 @@ async fn check(s: Scenario) {
         assert!(hooks[0]["reason"].as_str().is_some_and(|r| !r.is_empty()));
         assert_eq!(
             fx.events_of(events::POST_DEPLOY_ALERT_SENT).await.len(),
-            2,
-            "{name}: one alert_sent per channel"
+            1,
+            "{name}: the command ran once"
+        );
+        assert_eq!(
+            fx.events_of(events::NOTIFY_DELIVERED)
+                .await
+                .iter()
+                .filter(|e| e.data.contains("\"event\":\"alert\""))
+                .count(),
+            1,
+            "{name}: the webhook got the alert once"
         );
     }
     let rolled = read(&fx.ctl.join("rolled_back"));
@@ -713,6 +729,9 @@ async fn a_changed_or_unknown_live_revision_alerts_instead_of_rolling_back() {
         rollback_ran: false,
     })
     .await;
+    // Nothing answers at all, not even the revision endpoint: the service is down, nothing
+    // newer replaced it, so it is rolled back (here the rollback cannot bring the closed ports
+    // back: rollback_failed, alerted).
     check(Scenario {
         name: "all connections refused",
         service: Service::Refused,
@@ -720,9 +739,9 @@ async fn a_changed_or_unknown_live_revision_alerts_instead_of_rolling_back() {
         rollback: Some(FIX),
         hook: no_change,
         verdict: "FAILED",
-        action: "alert",
+        action: "rollback_failed",
         polls: 3,
-        rollback_ran: false,
+        rollback_ran: true,
     })
     .await;
 }
@@ -829,7 +848,8 @@ async fn without_an_armed_watch_the_end_is_degraded_and_alerts_only_if_one_was_e
         1
     );
 
-    // No health_url: the deploy armed nothing by design; DEGRADED (no evidence), no alert.
+    // No health_url: the deploy armed nothing by design; DEGRADED (no evidence), and an
+    // operator is told: nothing verified production.
     let mut fx = Fx::new().await;
     fx.repo.health_url = None;
     let run = fx.run(fx.first_content()).await;
@@ -837,9 +857,20 @@ async fn without_an_armed_watch_the_end_is_degraded_and_alerts_only_if_one_was_e
     let fm = fx.log().unwrap();
     assert_eq!(
         (fm.get_str("post_deploy_status"), fm.get_str("action_taken")),
-        (Some("DEGRADED"), Some("none"))
+        (Some("DEGRADED"), Some("alert"))
     );
-    assert!(fx.events_of(events::POST_DEPLOY_ALERT).await.is_empty());
+    let alerts = fx.events_of(events::POST_DEPLOY_ALERT).await;
+    assert_eq!(alerts.len(), 1);
+    assert!(
+        alerts[0].message.contains("no health_url"),
+        "{}",
+        alerts[0].message
+    );
+    assert!(
+        fx.events_of(events::POST_DEPLOY_EVIDENCE_LOST)
+            .await
+            .is_empty()
+    );
 }
 
 #[tokio::test]
@@ -1057,6 +1088,45 @@ async fn a_rerun_after_a_rollback_that_worked_verifies_it_instead_of_seeing_anot
 // ---- GET /queue and the recovery sweep -----------------------------------------------------
 
 #[tokio::test]
+async fn the_recovery_sweep_ends_an_armed_watch_whose_task_does_not_exist() {
+    let fx = Fx::new().await;
+    let orphan = WatchState::new(&fx.repos_dir, "app", "ORCH-404");
+    let record = orch_deploystate::ArmedRecord::new(Default::default(), 5, REV);
+    assert_eq!(orphan.arm(&record), orch_deploystate::ArmOutcome::Armed);
+    // A corrupt one too: an operator saw it listed with a made-up deadline before.
+    let corrupt = WatchState::new(&fx.repos_dir, "app", "ORCH-405");
+    assert_eq!(corrupt.arm(&record), orch_deploystate::ArmOutcome::Armed);
+    std::fs::write(corrupt.dir().unwrap().join("armed"), "not json").unwrap();
+    let active = active_watches(&fx.repos_dir);
+    assert_eq!(active.len(), 2, "{active:?}");
+    assert!(
+        active[1]
+            .problem
+            .as_deref()
+            .is_some_and(|p| p.contains("armed unusable")),
+        "{active:?}"
+    );
+    assert_eq!(active[1].deadline_ms, None, "never a made-up deadline");
+
+    let swept = recover_watches(&fx.db.store, &fx.repos_dir, "node-a").await;
+    assert_eq!(
+        swept,
+        [
+            ("ORCH-404".to_owned(), RecoveryAction::NoTask),
+            ("ORCH-405".to_owned(), RecoveryAction::NoTask)
+        ]
+    );
+    assert!(orphan.is_done() && corrupt.is_done());
+    assert!(active_watches(&fx.repos_dir).is_empty());
+    // Idempotent: nothing is left to sweep.
+    assert!(
+        recover_watches(&fx.db.store, &fx.repos_dir, "node-a")
+            .await
+            .is_empty()
+    );
+}
+
+#[tokio::test]
 async fn the_recovery_sweep_reenqueues_a_stranded_watch_once_pinned_to_this_node() {
     let fx = Fx::new().await;
     fx.arm();
@@ -1233,7 +1303,7 @@ async fn check_superseded(name: &str, hook: fn(usize, &Path), action: &str) {
         1,
         "{name}"
     );
-    let (lines, hooks) = fx.delivered();
+    let (lines, hooks) = fx.delivered().await;
     let alerted = action == "alert";
     assert_eq!(lines.len(), usize::from(alerted), "{name}: {lines:?}");
     assert_eq!(hooks.len(), usize::from(alerted), "{name}: {hooks:?}");

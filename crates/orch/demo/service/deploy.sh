@@ -20,13 +20,21 @@ fi
 sh "$(dirname "$0")/stop.sh" "$env" "$state"
 cd "$state/releases/$rev"
 APP_REVISION="$rev" APP_ENV="$env" APP_EFFECT=deploy APP_EFFECT_LOG="$state/effects.log" setsid python3 app.py "$port" >"$state/run/$env.log" 2>&1 < /dev/null &
-echo $! > "$state/run/$env.pid"
+pid=$!
+echo "$pid" > "$state/run/$env.pid"
 echo "$rev" > "$state/run/$env.rev"
+# Deployed means this revision answers on the port: a process left from an earlier run that
+# still holds the port (ours then cannot bind it) must not pass for the new release.
 for _ in $(seq 1 50); do
-    if python3 -c "import urllib.request,sys; urllib.request.urlopen('http://127.0.0.1:$port/revision', timeout=1)" 2>/dev/null; then
+    if python3 -c "import json,sys,urllib.request; r = json.load(urllib.request.urlopen('http://127.0.0.1:$port/revision', timeout=1)); sys.exit(r.get('revision') != '$rev')" 2>/dev/null; then
         echo "deployed $rev to $env on port $port"; exit 0
+    fi
+    if ! kill -0 "$pid" 2>/dev/null; then
+        echo "the $env instance exited before it served:" >&2
+        tail -n 5 "$state/run/$env.log" >&2
+        exit 1
     fi
     sleep 0.1
 done
-echo "the $env instance did not come up on port $port" >&2
+echo "the $env instance did not come up on port $port with revision $rev" >&2
 exit 1

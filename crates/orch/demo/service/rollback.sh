@@ -16,7 +16,9 @@ APP_REVISION="$prev" APP_ENV="$env" APP_EFFECT=rollback APP_EFFECT_LOG="$state/e
 echo $! > "$state/run/$env.pid"
 echo "$prev" > "$state/run/$env.rev"
 for _ in $(seq 1 50); do
-    if python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1)" 2>/dev/null; then
+    # Healthy, and the rolled-back revision is the one answering (not a process left holding
+    # the port).
+    if python3 -c "import json,sys,urllib.request; urllib.request.urlopen('http://127.0.0.1:$port/health', timeout=1); r = json.load(urllib.request.urlopen('http://127.0.0.1:$port/revision', timeout=1)); sys.exit(r.get('revision') != '$prev')" 2>/dev/null; then
         echo "rolled $env back to $prev"; exit 0
     fi
     sleep 0.1

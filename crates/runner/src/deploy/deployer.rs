@@ -9,6 +9,11 @@
 //! recorded as an event (`deploy.confirmed` / `deploy.failed` / `deploy.unconfirmed` with the
 //! visit's `seq`) before the markers are cleared, so a re-run after that replays the outcome.
 //!
+//! A deploy that fails (non-zero exit, timeout, a signal, cannot start) or is never confirmed
+//! is not just recorded: production is settled first ([`super::recover`]: looked at, rolled
+//! back when that is the remedy, verified, or an operator alerted), then the change is
+//! reverted on the default branch and the visit fails with what happened to production.
+//!
 //! Choices: without a deploy command there is nothing orch deploys. If `health_url` is set the
 //! revision is taken as deployed outside orch and confirmed and watched like any other; without
 //! it the stage passes with a `deploy.skipped` event and no watch is armed (nothing to poll).
@@ -22,7 +27,7 @@ use orch_deploystate::{
 };
 use orch_domain::control::markers;
 use orch_domain::gate::GateOutcome;
-use orch_domain::monitor::{Reaction, Verdict as MonitorVerdict, reaction};
+use orch_domain::recovery::Trouble;
 use orch_exec::process::ExitKind;
 use orch_store::JobCount;
 use serde_json::json;
@@ -44,7 +49,7 @@ pub struct DeployerExecutor {
     pub finalize_limit: u32,
     /// Seconds between finalizer checks (default 5).
     pub finalize_delay_s: u64,
-    /// Health polls verifying the rollback of an unconfirmed deploy (default 3).
+    /// Health polls verifying the rollback of a failed or unconfirmed deploy (default 3).
     pub verify_polls: u32,
     /// Time before each verification poll (default 5 s).
     pub verify_interval: Duration,
@@ -368,6 +373,17 @@ impl DeployerExecutor {
             return self.finalize(run, state, seq).await;
         };
 
+        // What production runs before the deploy, as the service says: the deploy history's
+        // true previous revision (and what a rollback goes back to).
+        let previous = match &run.repo.revision_url {
+            Some(url) => {
+                let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
+                live_revision(url, timeout)
+                    .await
+                    .filter(|live| !revision_matches(&revision, live))
+            }
+            None => None,
+        };
         // The marker goes first: without it a crash during the command would deploy twice.
         if !state.write_marker(MARKER_INITIATED, &revision) {
             bail!(
@@ -382,7 +398,11 @@ impl DeployerExecutor {
             seq,
             events::DEPLOY_STARTED,
             format!("deploying `{revision}` with `{command}`"),
-            data([("revision", json!(revision)), ("command", json!(command))]),
+            data([
+                ("revision", json!(revision)),
+                ("command", json!(command)),
+                ("previous", json!(previous)),
+            ]),
         )
         .await?;
         crate::failpoint::hit("deploy.after_initiated");
@@ -419,7 +439,9 @@ impl DeployerExecutor {
             tracing::warn!(work_item = %run.work_item, "deploy: cannot write the result marker; continuing in this job");
         }
         if !success {
-            return fail(run, state, seq, events::DEPLOY_FAILED, detail, &revision).await;
+            return self
+                .give_up(run, state, seq, Trouble::DeployFailed, detail, &revision)
+                .await;
         }
         self.finalize(run, state, seq).await
     }
@@ -449,15 +471,16 @@ impl DeployerExecutor {
                 })?,
         };
         if let Some(r) = result.as_ref().filter(|r| !r.success) {
-            return fail(
-                run,
-                state,
-                seq,
-                events::DEPLOY_FAILED,
-                r.detail.clone(),
-                &revision,
-            )
-            .await;
+            return self
+                .give_up(
+                    run,
+                    state,
+                    seq,
+                    Trouble::DeployFailed,
+                    r.detail.clone(),
+                    &revision,
+                )
+                .await;
         }
 
         let timeout = std::time::Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
@@ -533,202 +556,59 @@ impl DeployerExecutor {
             "deploy of `{revision}` not confirmed after {} checks: {problem}",
             defers.saturating_add(1)
         );
-        let reason = self.unconfirmed(run, seq, &revision, reason).await?;
-        fail(
+        self.give_up(
             run,
             state,
             seq,
-            events::DEPLOY_UNCONFIRMED,
+            Trouble::DeployUnconfirmed,
             reason,
             &revision,
         )
         .await
     }
 
-    /// The reaction to an unconfirmed deploy: roll it back when the repo has a rollback
-    /// command and `revision` is still the live one (compare-and-swap, like the monitor's),
-    /// verify by polls, and alert unless the rollback is verified. Returns the stage's reason:
-    /// `reason` plus what was done. Runs the rollback at most once per visit (the
-    /// `deploy.rollback_started` event is recorded before it starts).
-    async fn unconfirmed(
+    /// A deploy that failed or was never confirmed: production is settled first (looked at,
+    /// rolled back when that is the remedy, verified, or an operator alerted:
+    /// [`super::recover`]), then the visit fails with what happened.
+    async fn give_up(
         &self,
         run: &StageRun,
+        state: &DeployState,
         seq: i64,
+        trouble: Trouble,
+        detail: String,
         revision: &str,
-        reason: String,
-    ) -> anyhow::Result<String> {
-        let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
-        let Some(command) = run.repo.rollback.clone() else {
-            let why = format!("{reason}; no rollback command configured: `{revision}` stays");
-            self.alert(run, seq, "alert", revision, &why).await?;
-            return Ok(why);
+    ) -> anyhow::Result<StageEffect> {
+        let (kind, verdict) = match trouble {
+            Trouble::DeployUnconfirmed => (events::DEPLOY_UNCONFIRMED, "UNCONFIRMED"),
+            _ => (events::DEPLOY_FAILED, "DEPLOY_FAILED"),
         };
-        let recorded = run.store.task_events(run.task.id).await?;
-        let this_visit = |kinds: &[&str]| {
-            recorded
-                .iter()
-                .any(|e| event_seq(e) == Some(seq) && kinds.contains(&e.kind.as_str()))
-        };
-        // An outcome this visit already recorded (a re-run after a crash, or after the revert
-        // that follows it failed) is replayed, never verified or alerted again.
-        if let Some(ended) = recorded.iter().rev().find(|e| {
-            event_seq(e) == Some(seq)
-                && matches!(
-                    e.kind.as_str(),
-                    events::DEPLOY_ROLLED_BACK | events::DEPLOY_ROLLBACK_FAILED
-                )
-        }) {
-            return Ok(ended.message.clone());
-        }
-        let started_before = this_visit(&[events::DEPLOY_ROLLBACK_STARTED]);
-        let reruns = super::rollback_reruns(&recorded, seq, events::DEPLOY_ROLLBACK_RERUN);
-        let run_it = if !started_before {
-            true
-        } else if reruns < super::ROLLBACK_RERUNS
-            && !this_visit(&[events::DEPLOY_ROLLBACK_RAN])
-            && !super::monitor::rolled_back_now(run, revision).await
-        {
-            // The last run never ended (orch died while it ran, or before it began: the event
-            // is recorded first) and production is not back: run it again, a bounded number
-            // of times per visit.
-            super::record_rollback_rerun(
-                run,
-                seq,
-                events::DEPLOY_ROLLBACK_RERUN,
-                &format!("the rollback of the unconfirmed `{revision}`"),
-                revision,
-                &command,
-                reruns,
-            )
-            .await?;
-            true
-        } else {
-            tracing::warn!(work_item = %run.work_item, "deploy: rollback of the unconfirmed deploy already started in this visit (a re-run): verifying only");
-            false
-        };
-        if run_it {
-            if !started_before {
-                let live = match &run.repo.revision_url {
-                    Some(url) => live_revision(url, timeout).await,
-                    None => None,
-                };
-                if let Reaction::AlertOnly { reason: why } =
-                    reaction(MonitorVerdict::Failed, revision, live.as_deref())
-                {
-                    let why = format!("{reason}; not rolled back: {why}");
-                    record(
-                        run,
-                        seq,
-                        events::DEPLOY_ROLLBACK_FAILED,
-                        &why,
-                        data([("revision", json!(revision)), ("attempted", json!(false))]),
-                    )
-                    .await?;
-                    self.alert(run, seq, "alert", revision, &why).await?;
-                    return Ok(why);
-                }
-                record(
-                    run,
-                    seq,
-                    events::DEPLOY_ROLLBACK_STARTED,
-                    format!("rolling back the unconfirmed `{revision}` with `{command}`"),
-                    data([("revision", json!(revision)), ("command", json!(command))]),
-                )
-                .await?;
-            }
-            let out = run_repo_command(run, &command, revision).await;
-            let failed = match &out {
-                Ok(o) if o.success() => {
-                    super::record_rollback_ran(
-                        run,
-                        seq,
-                        events::DEPLOY_ROLLBACK_RAN,
-                        &format!("the rollback of the unconfirmed `{revision}`"),
-                        revision,
-                        &command,
-                    )
-                    .await?;
-                    None
-                }
-                Ok(o) if o.status == ExitKind::Cancelled => bail!(
-                    "deploy: rollback `{command}` cancelled (lease lost or shutdown); the re-run verifies it"
-                ),
-                Ok(o) => Some(format!(
-                    "rollback command `{command}` ended with {}:\n{}",
-                    o.status,
-                    o.tail_text(OUTPUT_TAIL_LINES)
-                )),
-                Err(e) => Some(format!("rollback command `{command}` could not start: {e}")),
-            };
-            if let Some(detail) = failed {
-                let why = format!("{reason}; the rollback failed: {detail}");
-                record(
-                    run,
-                    seq,
-                    events::DEPLOY_ROLLBACK_FAILED,
-                    &why,
-                    data([("revision", json!(revision)), ("attempted", json!(true))]),
-                )
-                .await?;
-                self.alert(run, seq, "rollback_failed", revision, &why)
-                    .await?;
-                return Ok(why);
-            }
-        }
-        let (verified, detail) = super::monitor::verify_rollback(
-            run,
-            revision,
-            self.verify_polls,
-            self.verify_interval,
-            timeout,
-        )
-        .await?;
-        if verified {
-            let why = format!("{reason}; rolled back `{revision}`, verified: {detail}");
-            record(
-                run,
-                seq,
-                events::DEPLOY_ROLLED_BACK,
-                &why,
-                data([("revision", json!(revision)), ("verified", json!(true))]),
-            )
-            .await?;
-            return Ok(why);
-        }
-        let why = format!("{reason}; the rollback ran but is not verified: {detail}");
-        record(
+        let previous = crate::release::previous_live(run, seq).await;
+        let what = orch_domain::text::one_line_max(&detail, 300);
+        let settlement = super::recover::settle(
             run,
             seq,
-            events::DEPLOY_ROLLBACK_FAILED,
-            &why,
-            data([("revision", json!(revision)), ("attempted", json!(true))]),
-        )
-        .await?;
-        self.alert(run, seq, "rollback_failed", revision, &why)
-            .await?;
-        Ok(why)
-    }
-
-    async fn alert(
-        &self,
-        run: &StageRun,
-        seq: i64,
-        action: &str,
-        revision: &str,
-        why: &str,
-    ) -> anyhow::Result<()> {
-        super::alert::raise(
-            run,
-            seq,
-            &super::alert::Alert {
-                occasion: &format!("unconfirmed-{action}"),
-                verdict: "UNCONFIRMED",
-                action,
-                reason: why,
+            &super::recover::DEPLOY,
+            &super::recover::Verify {
+                polls: self.verify_polls,
+                interval: self.verify_interval,
+            },
+            super::recover::Case {
+                trouble,
                 revision,
+                previous,
+                what: what.clone(),
+                tried: vec![what],
+                verdict,
+                alert_if_settled: false,
             },
         )
-        .await
+        .await?;
+        if settlement.rolled == super::recover::Rolled::Verified {
+            crate::release::record_rolled_back(run, revision, settlement.settled.as_deref()).await;
+        }
+        let reason = format!("{detail}; {}", settlement.summary);
+        fail(run, state, seq, kind, reason, revision).await
     }
 
     /// The deploy is live: arm the watch, record the confirmation, clear the markers, pass.

@@ -22,7 +22,7 @@ use orch_deploystate::WatchState;
 use orch_domain::artifact::{Artifact, Frontmatter, MODEL_NOT_APPLICABLE};
 use orch_domain::control::markers;
 use orch_domain::staging::rfc3339_utc;
-use orch_exec::process::{Cmd, run as run_process};
+use orch_exec::process::run as run_process;
 use orch_store::{Event, JobState};
 use serde_json::json;
 
@@ -121,8 +121,7 @@ impl StageExecutor for LessonsExecutor {
                 ),
             ),
             Some(rel) => {
-                let path = run.worktree.join(rel);
-                let n = append_to_lessons_file(&path, run, &lessons, now)?;
+                let n = append_to_lessons_file(rel, run, &lessons, now)?;
                 run.counters
                     .add("lessons", "recorded", u64::try_from(n).unwrap_or(u64::MAX));
                 (
@@ -137,21 +136,19 @@ impl StageExecutor for LessonsExecutor {
         };
 
         let doc = render(run, &lessons, now, &file_note);
-        std::fs::create_dir_all(&run.artifact_dir)
-            .and_then(|()| std::fs::write(run.artifact_path(LESSONS_ARTIFACT), doc))
-            .map_err(|e| {
-                anyhow::anyhow!(
-                    "lessons: cannot write {}: {e}",
-                    run.artifact_path(LESSONS_ARTIFACT).display()
-                )
-            })?;
+        run.write_document(LESSONS_ARTIFACT, &doc)
+            .map_err(|e| anyhow::anyhow!("lessons: {e:#}"))?;
 
-        // The item's whole trail (and the lessons) reach the default branch in one commit.
-        let published = match lessons_file_path(&run.repo.lessons_file) {
-            Some(rel) => publish_to_default_branch(run, rel, &lessons, now).await,
-            None => "the lessons file was refused; nothing published".to_owned(),
-        };
-        let file_note = format!("{file_note}; {published}");
+        // The item's whole trail (and the lessons, if any) reach the default branch in one
+        // commit, lessons or not.
+        let (published, note) = publish_to_default_branch(
+            run,
+            lessons_file_path(&run.repo.lessons_file),
+            &lessons,
+            now,
+        )
+        .await;
+        let file_note = format!("{file_note}; {note}");
 
         let ws = WatchState::new(
             &run.repos_dir,
@@ -168,7 +165,7 @@ impl StageExecutor for LessonsExecutor {
             seq,
             events::LESSONS_RECORDED,
             if lessons.is_empty() {
-                "no incidents: no lessons".to_owned()
+                format!("no incidents: no lessons; {note}")
             } else {
                 format!(
                     "{} lesson(s): {}; {file_note}",
@@ -180,6 +177,7 @@ impl StageExecutor for LessonsExecutor {
                 ("count", json!(lessons.len())),
                 ("appended", json!(appended)),
                 ("kinds", json!(kinds)),
+                ("published", json!(published)),
             ]),
         )
         .await?;
@@ -332,25 +330,13 @@ fn verdict_lesson(e: &Event) -> Option<&'static str> {
 /// time, plus the working-tree file when it differs from the last commit. Git trouble is
 /// logged and gives what could be read.
 async fn artifact_versions(run: &StageRun, rel: &str) -> Vec<(String, i64)> {
-    // `orch_exec::git` has no history query; this is the one git command run directly, with
-    // the same hygiene: no variable may point git at another repository.
-    let mut cmd = Cmd::new(&run.git.bin)
+    // `orch_exec::git` has no history query: this git command is built by `Git::command`, with
+    // the same hardening as every other.
+    let cmd = run
+        .git
+        .command(&run.worktree)
         .args(["log", "--reverse", "--format=%H %ct", "--"])
-        .arg(rel)
-        .cwd(&run.worktree)
-        .env("GIT_TERMINAL_PROMPT", "0")
-        .timeout(run.git.timeout);
-    for key in [
-        "GIT_DIR",
-        "GIT_WORK_TREE",
-        "GIT_INDEX_FILE",
-        "GIT_OBJECT_DIRECTORY",
-        "GIT_ALTERNATE_OBJECT_DIRECTORIES",
-        "GIT_COMMON_DIR",
-        "GIT_NAMESPACE",
-    ] {
-        cmd = cmd.env_remove(key);
-    }
+        .arg(rel);
     let commits: Vec<(String, i64)> = match run_process(&cmd).await {
         Ok(out) if out.success() => out
             .stdout_lossy()
@@ -382,7 +368,7 @@ async fn artifact_versions(run: &StageRun, rel: &str) -> Vec<(String, i64)> {
             }
         }
     }
-    if let Ok(text) = std::fs::read_to_string(run.worktree.join(rel))
+    if let Ok(Some(text)) = crate::fsutil::read_regular(&run.worktree.join(rel))
         && versions.last().is_none_or(|(last, _)| *last != text)
     {
         versions.push((text, run.store.now_ms()));
@@ -397,49 +383,51 @@ const HOLD_RECHECK_S: u64 = 30;
 /// default branch before this stage ran, so later worktrees (which start from the default
 /// branch, and whose prompts read the lessons file) would never see them otherwise. Still on
 /// the repo's release track, one commit built without a working tree holds the item's documents
-/// the default branch lacks (15–18) and the lessons-file entries not yet there; it is published
-/// by compare-and-swap (`repos::move_default_branch`), retried from the remote's state when it
-/// loses a race. Idempotent by entry id. Never raises: returns a note saying what happened
-/// (also logged).
+/// the default branch lacks (15–18) and the lessons-file entries not yet there (none when
+/// there are no lessons or the lessons file was refused); it is published by compare-and-swap
+/// (`repos::move_default_branch`), retried from the remote's state when it loses a race.
+/// Idempotent by entry id. Never raises: returns whether the trail is on the default branch
+/// and a note saying what happened (also logged).
 async fn publish_to_default_branch(
     run: &StageRun,
-    rel: &Path,
+    rel: Option<&Path>,
     lessons: &[Lesson],
     now_ms: i64,
-) -> String {
-    if lessons.is_empty() {
-        return "nothing to publish on the default branch".to_owned();
-    }
+) -> (bool, String) {
     let branch = &run.repo.default_branch;
     match publish(run, rel, lessons, now_ms).await {
-        Ok(note) => note,
+        Ok(note) => (true, note),
         Err(e) => {
             tracing::warn!(work_item = %run.work_item, repo_dir = %run.repo_dir.display(), error = %e, "lessons: not published on the default branch");
-            format!("not published on `{branch}`: {e}")
+            (false, format!("not published on `{branch}`: {e}"))
         }
     }
 }
 
 async fn publish(
     run: &StageRun,
-    rel: &Path,
+    rel: Option<&Path>,
     lessons: &[Lesson],
     now_ms: i64,
 ) -> anyhow::Result<String> {
     let branch = run.repo.default_branch.as_str();
-    let rel_str = rel.to_string_lossy().into_owned();
+    let rel_str = rel.map(|r| r.to_string_lossy().into_owned());
     let dir_rel = run.work_item.artifact_dir();
     for attempt in 0..3 {
         let main = crate::repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
         let mut files: Vec<(String, Vec<u8>)> = Vec::new();
-        let existing = run
-            .git
-            .show_file(&run.repo_dir, &main, &rel_str)
-            .await?
-            .unwrap_or_default();
-        let (text, n) = with_lessons(&existing, run, lessons, now_ms);
-        if n > 0 {
-            files.push((rel_str.clone(), text.into_bytes()));
+        let mut n = 0;
+        if let Some(rel_str) = &rel_str {
+            let existing = run
+                .git
+                .show_file(&run.repo_dir, &main, rel_str)
+                .await?
+                .unwrap_or_default();
+            let (text, added) = with_lessons(&existing, run, lessons, now_ms);
+            n = added;
+            if n > 0 {
+                files.push((rel_str.clone(), text.into_bytes()));
+            }
         }
         // The item's artifacts as its worktree has them (14–18 after a release).
         let mut names: Vec<String> = std::fs::read_dir(&run.artifact_dir)?
@@ -450,7 +438,10 @@ async fn publish(
             .collect();
         names.sort();
         for name in names {
-            let content = std::fs::read(run.artifact_dir.join(&name))?;
+            let Some(content) = crate::fsutil::read_regular(&run.artifact_dir.join(&name))? else {
+                continue;
+            };
+            let content = content.into_bytes();
             let path = format!("{dir_rel}/{name}");
             let on_main = run.git.show_file(&run.repo_dir, &main, &path).await?;
             if on_main.as_deref().map(str::as_bytes) != Some(content.as_slice()) {
@@ -461,9 +452,10 @@ async fn publish(
             return Ok(format!("the trail is already on `{branch}`"));
         }
         let message = format!(
-            "{}: audit trail and lessons on {branch}\n\nThe documents of the release's last stages and {n} lesson entr{} (lessons file `{rel_str}`).\n\nWork-Item: {}\nStage: audit\n",
+            "{}: audit trail and lessons on {branch}\n\nThe documents of the release's last stages and {n} lesson entr{} (lessons file `{}`).\n\nWork-Item: {}\nStage: audit\n",
             run.work_item,
             if n == 1 { "y" } else { "ies" },
+            rel_str.as_deref().unwrap_or("refused"),
             run.work_item
         );
         let commit = run
@@ -501,28 +493,25 @@ fn lessons_file_path(rel: &str) -> Option<&Path> {
     inside.then_some(path)
 }
 
-/// Appends the lessons not yet in the file; returns how many were appended.
+/// Appends the lessons not yet in the worktree's lessons file `rel`; returns how many were
+/// appended. The file is read only when it is a regular file and written through real
+/// folders only ([`crate::fsutil`]).
 fn append_to_lessons_file(
-    path: &Path,
+    rel: &Path,
     run: &StageRun,
     lessons: &[Lesson],
     now_ms: i64,
 ) -> anyhow::Result<usize> {
-    let existing = match std::fs::read_to_string(path) {
-        Ok(text) => text,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
-        Err(e) => anyhow::bail!("lessons: cannot read {}: {e}", path.display()),
-    };
+    let path = run.worktree.join(rel);
+    let existing = crate::fsutil::read_regular(&path)
+        .map_err(|e| anyhow::anyhow!("lessons: cannot read {}: {e}", path.display()))?
+        .unwrap_or_default();
     let (text, n) = with_lessons(&existing, run, lessons, now_ms);
     if n == 0 {
         return Ok(0);
     }
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| anyhow::anyhow!("lessons: cannot create {}: {e}", dir.display()))?;
-    }
-    std::fs::write(path, text)
-        .map_err(|e| anyhow::anyhow!("lessons: cannot write {}: {e}", path.display()))?;
+    crate::fsutil::write_in_worktree(&run.worktree, rel, &text)
+        .map_err(|e| anyhow::anyhow!("lessons: {e:#}"))?;
     Ok(n)
 }
 

@@ -9,7 +9,11 @@
 //!   finalizer's bounded restart-safe confirmation, arming the watch.
 //! - [`monitor`]: `observe` stage: one poll per job, the verdict, rollback or alert, the
 //!   `16-post-deploy-log.md` artifact, and the recovery sweep for stranded watches.
-//! - [`alert`]: the alert hook (event, `alert` command, `alert_webhook` POST).
+//! - [`recover`]: the one place that settles production after anything went wrong in deploy
+//!   or observe: verified healthy at a known revision (rolled back when that is the remedy),
+//!   or an operator alerted with what is live, what was tried and what to do.
+//! - [`alert`]: the alert (event, then the `alert` command and the webhook job:
+//!   [`crate::notify`]).
 //! - [`lessons`]: `lessons` stage: objective outcomes → `17-lessons.md` and the lessons file.
 //!
 //! Invariants:
@@ -40,6 +44,7 @@ pub mod deployer;
 pub mod lessons;
 pub mod monitor;
 pub mod probe;
+pub mod recover;
 
 use std::time::Duration;
 
@@ -242,15 +247,20 @@ pub(crate) async fn run_repo_command(
             run.repo_dir.clone()
         }
     };
-    let cmd = Cmd::new("sh")
-        .arg("-c")
-        .arg(command)
-        .cwd(&cwd)
-        .env("ORCH_WORK_ITEM", run.work_item.as_str())
-        .env("ORCH_REVISION", revision)
-        .env("ORCH_REPO", run.repo_name.as_str())
-        .timeout(Duration::from_secs(run.repo.deploy_timeout_s.max(1)))
-        .cancel_on(run.cancel.clone());
+    // Trusted (orch's configuration names it; what it runs passed review and staging): on the
+    // host, with the allowlisted environment.
+    let contained = crate::contain::for_trusted(&run.repo);
+    let cmd = contained.apply(
+        Cmd::new("sh")
+            .arg("-c")
+            .arg(command)
+            .cwd(&cwd)
+            .env("ORCH_WORK_ITEM", run.work_item.as_str())
+            .env("ORCH_REVISION", revision)
+            .env("ORCH_REPO", run.repo_name.as_str())
+            .timeout(Duration::from_secs(run.repo.deploy_timeout_s.max(1)))
+            .cancel_on(run.cancel.clone()),
+    );
     run_process(&cmd).await
 }
 

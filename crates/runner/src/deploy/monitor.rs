@@ -22,19 +22,15 @@ use std::time::Duration;
 use orch_deploystate::{ArmedRead, ArmedRecord, WatchState, list_active};
 use orch_domain::control::markers;
 use orch_domain::monitor::{
-    ActionTaken, CheckOutcome, Decision, Poll, PostDeployLog, Reaction, Verdict, WatchParams,
-    decide, planned_polls, reaction, render_post_deploy_log, tick_at_ms,
+    ActionTaken, CheckOutcome, Decision, Poll, PostDeployLog, Verdict, WatchParams, decide,
+    planned_polls, render_post_deploy_log, tick_at_ms,
 };
-use orch_exec::process::ExitKind;
+use orch_domain::recovery::Trouble;
 use orch_store::{JobCount, NewEvent, NewJob, Store};
 use serde_json::json;
 
-use super::alert::Alert;
-use super::probe::{Probe, check_health, live_revision, revision_matches};
-use super::{
-    MONITOR_AGENT, OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command,
-    watch_params,
-};
+use super::probe::{Probe, live_revision, revision_matches};
+use super::{MONITOR_AGENT, data, event_seq, events, record, watch_params};
 use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 
 /// The artifact the monitor writes (design.md §7).
@@ -118,6 +114,8 @@ struct Ending {
     reason: String,
     action: ActionTaken,
     action_detail: String,
+    /// The revision production was verified healthy at, when it was.
+    live: Option<String>,
 }
 
 #[async_trait::async_trait]
@@ -207,6 +205,7 @@ impl MonitorExecutor {
                 ),
                 action: ActionTaken::None,
                 action_detail: String::new(),
+                live: None,
             };
             return finish(run, ws, seq, &params, now, &old.revision, &[], None, ending)
                 .await
@@ -422,13 +421,24 @@ impl MonitorExecutor {
             Verdict::Degraded | Verdict::Failed => {
                 let detail = format!("{no_rollback}; {failed_polls} FAIL polls seen before");
                 let why_all = format!("{}: {reason}; {detail}", verdict.as_str());
-                alert(
+                let sight = super::recover::look(run).await;
+                super::alert::raise(
                     run,
                     seq,
-                    verdict,
-                    ActionTaken::Alert,
-                    &armed.revision,
-                    &why_all,
+                    &super::alert::Alert {
+                        occasion: &format!("{}-superseded", verdict.as_str().to_lowercase()),
+                        verdict: verdict.as_str(),
+                        action: ActionTaken::Alert.as_str(),
+                        reason: &why_all,
+                        revision: &armed.revision,
+                        previous: None,
+                        sight: Some(&sight),
+                        tried: &[],
+                        todo: &format!(
+                            "check that {by}'s `{by_revision}` is healthy; {} was not rolled back",
+                            run.work_item
+                        ),
+                    },
                 )
                 .await?;
                 (ActionTaken::Alert, detail)
@@ -439,6 +449,7 @@ impl MonitorExecutor {
             reason,
             action,
             action_detail,
+            live: None,
         };
         finish(
             run,
@@ -496,8 +507,10 @@ impl MonitorExecutor {
         }
     }
 
-    /// The reaction to a final verdict (design.md §7): FAILED → rollback only if the watched
-    /// revision is still live, else alert; DEGRADED → alert; HEALTHY → none.
+    /// The reaction to a final verdict (design.md §7, §11): HEALTHY → none; FAILED and
+    /// DEGRADED → production is settled by [`super::recover`]: FAILED rolls back while the
+    /// watched revision is live (or the service does not answer at all), verified by polls;
+    /// whatever is not verified healthy at a known revision alerts; DEGRADED always alerts.
     async fn react(
         &self,
         run: &StageRun,
@@ -506,216 +519,56 @@ impl MonitorExecutor {
         verdict: Verdict,
         reason: String,
     ) -> anyhow::Result<Ending> {
-        let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
-        // A rollback already started in this visit (a crash after it began) changed what is
-        // live: the compare-and-swap was decided then; now it is only verified.
-        if verdict == Verdict::Failed && rollback_started(run, seq).await? {
-            let (action, action_detail) = self.rollback(run, seq, armed, &reason).await?;
-            return Ok(Ending {
-                verdict,
-                reason,
-                action,
-                action_detail,
-            });
-        }
-        let live = match (&run.repo.revision_url, verdict) {
-            (Some(url), Verdict::Failed) => live_revision(url, timeout).await,
-            _ => None,
-        };
-        let (action, action_detail) = match reaction(verdict, &armed.revision, live.as_deref()) {
-            Reaction::None => (ActionTaken::None, String::new()),
-            Reaction::AlertOnly { reason: why } => {
-                let why_all = format!("{}: {reason}; {why}", verdict.as_str());
-                alert(
-                    run,
-                    seq,
+        let trouble = match verdict {
+            Verdict::Healthy => {
+                return Ok(Ending {
                     verdict,
-                    ActionTaken::Alert,
-                    &armed.revision,
-                    &why_all,
-                )
-                .await?;
-                (ActionTaken::Alert, why)
+                    reason,
+                    action: ActionTaken::None,
+                    action_detail: String::new(),
+                    live: Some(armed.revision.clone()),
+                });
             }
-            Reaction::Rollback => self.rollback(run, seq, armed, &reason).await?,
+            Verdict::Degraded => Trouble::WatchDegraded,
+            Verdict::Failed => Trouble::WatchFailed,
+        };
+        let settlement = super::recover::settle(
+            run,
+            seq,
+            &super::recover::WATCH,
+            &super::recover::Verify {
+                polls: self.verify_polls,
+                interval: self.verify_interval,
+            },
+            super::recover::Case {
+                trouble,
+                revision: &armed.revision,
+                previous: crate::release::previous_of_deploy(run).await,
+                what: reason.clone(),
+                tried: Vec::new(),
+                verdict: verdict.as_str(),
+                alert_if_settled: true,
+            },
+        )
+        .await?;
+        let action = match settlement.rolled {
+            super::recover::Rolled::Verified => ActionTaken::Rollback,
+            super::recover::Rolled::Failed => ActionTaken::RollbackFailed,
+            super::recover::Rolled::NotRun => ActionTaken::Alert,
         };
         Ok(Ending {
             verdict,
             reason,
             action,
-            action_detail,
+            action_detail: settlement.summary,
+            live: settlement.settled,
         })
     }
 
-    /// Runs the repo's rollback command once per visit and verifies it by polls.
-    async fn rollback(
-        &self,
-        run: &StageRun,
-        seq: i64,
-        armed: &ArmedRecord,
-        reason: &str,
-    ) -> anyhow::Result<(ActionTaken, String)> {
-        let revision = &armed.revision;
-        let Some(command) = run.repo.rollback.clone() else {
-            let why = format!(
-                "FAILED ({reason}) and `{revision}` is live, but no rollback command is configured"
-            );
-            alert(
-                run,
-                seq,
-                Verdict::Failed,
-                ActionTaken::Alert,
-                revision,
-                &why,
-            )
-            .await?;
-            return Ok((ActionTaken::Alert, why));
-        };
-        let history = run.store.task_events(run.task.id).await?;
-        let recorded = |kind| super::of_visit(&history, seq, kind).next_back();
-        // An outcome this visit already recorded (a re-run after a crash, or after the revert
-        // that follows it failed) is replayed, never verified or alerted again.
-        if let Some(e) = recorded(events::POST_DEPLOY_ROLLBACK) {
-            let verified = serde_json::from_str::<serde_json::Value>(&e.data)
-                .ok()
-                .and_then(|v| v.get("verified").and_then(serde_json::Value::as_bool))
-                .unwrap_or(false);
-            let action = if verified {
-                ActionTaken::Rollback
-            } else {
-                ActionTaken::RollbackFailed
-            };
-            return Ok((action, e.message.clone()));
-        }
-        let reruns = super::rollback_reruns(&history, seq, events::POST_DEPLOY_ROLLBACK_RERUN);
-        let run_it = if recorded(events::POST_DEPLOY_ROLLBACK_STARTED).is_none() {
-            record(
-                run,
-                seq,
-                events::POST_DEPLOY_ROLLBACK_STARTED,
-                format!("rolling back `{revision}` with `{command}`: {reason}"),
-                data([("revision", json!(revision)), ("command", json!(command))]),
-            )
-            .await?;
-            true
-        } else if reruns < super::ROLLBACK_RERUNS
-            && recorded(events::POST_DEPLOY_ROLLBACK_RAN).is_none()
-            && !rolled_back_now(run, revision).await
-        {
-            // The last run never ended (orch died while it ran, and a restarted orch stops
-            // what its dead incarnation left running) and production is not back: run it
-            // again, a bounded number of times per visit (a rollback that itself kills orch
-            // cannot loop; one interrupted by repeated crashes still gets production back).
-            super::record_rollback_rerun(
-                run,
-                seq,
-                events::POST_DEPLOY_ROLLBACK_RERUN,
-                &format!("the rollback of `{revision}`"),
-                revision,
-                &command,
-                reruns,
-            )
-            .await?;
-            true
-        } else {
-            tracing::warn!(work_item = %run.work_item, "rollback already started in this visit (a re-run): verifying only");
-            false
-        };
-        if run_it {
-            let out = run_repo_command(run, &command, revision).await;
-            crate::failpoint::hit("monitor.after_rollback");
-            let failed = match &out {
-                Ok(o) if o.success() => {
-                    super::record_rollback_ran(
-                        run,
-                        seq,
-                        events::POST_DEPLOY_ROLLBACK_RAN,
-                        &format!("the rollback of `{revision}`"),
-                        revision,
-                        &command,
-                    )
-                    .await?;
-                    None
-                }
-                Ok(o) if o.status == ExitKind::Cancelled => {
-                    anyhow::bail!(
-                        "rollback `{command}` cancelled (lease lost or shutdown); the re-run verifies it"
-                    )
-                }
-                Ok(o) => Some(format!(
-                    "rollback command `{command}` ended with {}:\n{}",
-                    o.status,
-                    o.tail_text(OUTPUT_TAIL_LINES)
-                )),
-                Err(e) => Some(format!("rollback command `{command}` could not start: {e}")),
-            };
-            if let Some(why) = failed {
-                record(
-                    run,
-                    seq,
-                    events::POST_DEPLOY_ROLLBACK,
-                    &why,
-                    data([("revision", json!(revision)), ("verified", json!(false))]),
-                )
-                .await?;
-                alert(
-                    run,
-                    seq,
-                    Verdict::Failed,
-                    ActionTaken::RollbackFailed,
-                    revision,
-                    &why,
-                )
-                .await?;
-                return Ok((ActionTaken::RollbackFailed, why));
-            }
-        }
-        let (verified, detail) = self.verify(run, armed).await?;
-        let message = if verified {
-            format!("rolled back `{revision}`; verified: {detail}")
-        } else {
-            format!("rollback of `{revision}` ran but is not verified: {detail}")
-        };
-        record(
-            run,
-            seq,
-            events::POST_DEPLOY_ROLLBACK,
-            &message,
-            data([("revision", json!(revision)), ("verified", json!(verified))]),
-        )
-        .await?;
-        if verified {
-            Ok((ActionTaken::Rollback, message))
-        } else {
-            alert(
-                run,
-                seq,
-                Verdict::Failed,
-                ActionTaken::RollbackFailed,
-                revision,
-                &message,
-            )
-            .await?;
-            Ok((ActionTaken::RollbackFailed, message))
-        }
-    }
-
-    /// Verifies a rollback by polls ([`verify_rollback`]).
-    async fn verify(&self, run: &StageRun, armed: &ArmedRecord) -> anyhow::Result<(bool, String)> {
-        let timeout = Duration::from_secs(armed.params.poll_timeout_s.max(1));
-        verify_rollback(
-            run,
-            &armed.revision,
-            self.verify_polls,
-            self.verify_interval,
-            timeout,
-        )
-        .await
-    }
-
-    /// Ends a watch whose `armed` is absent or unusable: DEGRADED (never HEALTHY without
-    /// evidence), with the loss said. A repo without `health_url` arms no watch by design:
-    /// that ends DEGRADED with no alert.
+    /// Ends a watch that could not watch: DEGRADED (never HEALTHY without evidence), with the
+    /// loss said — `armed` absent or unusable, or a repo without `health_url` (the deploy armed
+    /// nothing). Production is looked at and an operator alerted ([`super::recover`],
+    /// `Trouble::Unwatched`): nothing proved it healthy.
     async fn without_watch(
         &self,
         run: &StageRun,
@@ -728,13 +581,18 @@ impl MonitorExecutor {
         let params = watch_params(&run.repo.post_deploy);
         let now = run.store.now_ms();
         let series = ws.series();
-        let (reason, lost, action, action_detail) = match (corrupt, &run.repo.health_url) {
+        let history = run.store.task_events(run.task.id).await?;
+        let revision = history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::DEPLOY_CONFIRMED)
+            .and_then(|e| super::event_str(e, "revision"))
+            .unwrap_or_else(|| "unknown".to_owned());
+        let (reason, lost) = match (corrupt, &run.repo.health_url) {
             (None, None) => (
                 "nothing was watched: the repo has no health_url, so the deploy armed no watch"
                     .to_owned(),
                 None,
-                ActionTaken::None,
-                String::new(),
             ),
             (corrupt, _) => {
                 let lost = match corrupt {
@@ -742,24 +600,28 @@ impl MonitorExecutor {
                     None => "no armed watch found: the watch's state is missing".to_owned(),
                 };
                 record(run, seq, events::POST_DEPLOY_EVIDENCE_LOST, &lost, data([])).await?;
-                let reason = format!("evidence lost: {lost}");
-                alert(
-                    run,
-                    seq,
-                    Verdict::Degraded,
-                    ActionTaken::Alert,
-                    "unknown",
-                    &format!("DEGRADED: {reason}"),
-                )
-                .await?;
-                (
-                    reason,
-                    Some(lost),
-                    ActionTaken::Alert,
-                    "alert raised: the watch cannot be trusted".to_owned(),
-                )
+                (format!("evidence lost: {lost}"), Some(lost))
             }
         };
+        let settlement = super::recover::settle(
+            run,
+            seq,
+            &super::recover::WATCH,
+            &super::recover::Verify {
+                polls: self.verify_polls,
+                interval: self.verify_interval,
+            },
+            super::recover::Case {
+                trouble: Trouble::Unwatched,
+                revision: &revision,
+                previous: crate::release::previous_of_deploy(run).await,
+                what: reason.clone(),
+                tried: Vec::new(),
+                verdict: Verdict::Degraded.as_str(),
+                alert_if_settled: true,
+            },
+        )
+        .await?;
         let lost = match (lost, series.lost) {
             (Some(a), Some(b)) => Some(format!("{a}; {b}")),
             (a, b) => a.or(b),
@@ -767,8 +629,9 @@ impl MonitorExecutor {
         let ending = Ending {
             verdict: Verdict::Degraded,
             reason,
-            action,
-            action_detail,
+            action: ActionTaken::Alert,
+            action_detail: settlement.summary,
+            live: settlement.settled,
         };
         finish(
             run,
@@ -776,63 +639,13 @@ impl MonitorExecutor {
             seq,
             &params,
             now,
-            "unknown",
+            &revision,
             &series.polls,
             lost.as_deref(),
             ending,
         )
         .await
     }
-}
-
-/// Verifies a rollback of `revision`: up to `polls` polls, each after `interval`; verified by
-/// the first one where health passes and the live revision is no longer `revision` (when a
-/// revision endpoint is configured). A run cancelled meanwhile is an error, never "not
-/// verified": a stopping attempt has no verdict to record.
-pub(crate) async fn verify_rollback(
-    run: &StageRun,
-    revision: &str,
-    polls: u32,
-    interval: Duration,
-    timeout: Duration,
-) -> anyhow::Result<(bool, String)> {
-    let mut last = "no verification poll ran".to_owned();
-    for i in 1..=polls.max(1) {
-        tokio::select! {
-            () = tokio::time::sleep(interval) => {}
-            () = run.cancel.cancelled() => anyhow::bail!(
-                "cancelled before rollback verification poll {i} (lease lost or shutdown)"
-            ),
-        }
-        let health = match &run.repo.health_url {
-            Some(url) => check_health(url, timeout).await,
-            None => return Ok((false, "no health_url to verify by".to_owned())),
-        };
-        if health.outcome != CheckOutcome::Pass {
-            last = format!(
-                "poll {i}: health {} ({})",
-                health.outcome.as_str(),
-                health.detail
-            );
-            continue;
-        }
-        match &run.repo.revision_url {
-            None => return Ok((true, format!("poll {i}: health PASS"))),
-            Some(url) => match live_revision(url, timeout).await {
-                Some(live) if !revision_matches(revision, &live) => {
-                    return Ok((
-                        true,
-                        format!("poll {i}: health PASS, live revision `{live}`"),
-                    ));
-                }
-                Some(live) => last = format!("poll {i}: health PASS but `{live}` is still live"),
-                None => {
-                    last = format!("poll {i}: health PASS but the live revision cannot be read")
-                }
-            },
-        }
-    }
-    Ok((false, last))
 }
 
 /// The watch of this visit ran on a node that is gone, and this node took its job over
@@ -945,8 +758,7 @@ async fn finish(
     // before acting (a no-op then), and the log is the first write into it.
     run.ensure_worktree().await?;
     let path = run.artifact_path(POST_DEPLOY_LOG);
-    let written =
-        std::fs::create_dir_all(&run.artifact_dir).and_then(|()| std::fs::write(&path, doc));
+    let written = run.write_document(POST_DEPLOY_LOG, &doc);
     if let Err(e) = &written {
         tracing::warn!(path = %path.display(), error = %e, "post-deploy log not written (best effort)");
     }
@@ -1003,6 +815,17 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) -> an
     use crate::release::{self, Reverted};
     let history = run.store.task_events(run.task.id).await?;
     let already_held = release::open_hold(&history).is_some();
+    if already_held
+        && let Some(e) = history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::RELEASE_HELD)
+    {
+        // A re-run after a crash: the hold's announcement may be what was cut short (each of
+        // its deliveries happens once however often this runs).
+        let reason = super::event_str(e, "reason").unwrap_or_default();
+        release::announce_hold(run, e.id, e.created_at, &reason).await?;
+    }
     let rolled_back_recorded = history
         .iter()
         .any(|e| e.kind == events::RELEASE_ROLLED_BACK);
@@ -1021,7 +844,11 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) -> an
         .await;
     }
     if !rolled_back_recorded {
-        let mut live = release::previous_of_deploy(run).await;
+        // Where production went back to: as verified after the rollback, else as recorded.
+        let mut live = match &ending.live {
+            Some(l) => Some(l.clone()),
+            None => release::previous_of_deploy(run).await,
+        };
         if live.is_none()
             && let Some(url) = &run.repo.revision_url
         {
@@ -1062,58 +889,6 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) -> an
             }
         }
     }
-}
-
-/// Raises the alert (design.md §7): the `post_deploy.alert` event, and the repo's `alert` command
-/// and `alert_webhook` when configured ([`super::alert`]).
-async fn alert(
-    run: &StageRun,
-    seq: i64,
-    verdict: Verdict,
-    action: ActionTaken,
-    revision: &str,
-    why: &str,
-) -> anyhow::Result<()> {
-    let occasion = format!("{}-{}", verdict.as_str(), action.as_str()).to_lowercase();
-    super::alert::raise(
-        run,
-        seq,
-        &Alert {
-            occasion: &occasion,
-            verdict: verdict.as_str(),
-            action: action.as_str(),
-            reason: why,
-            revision,
-        },
-    )
-    .await
-}
-
-/// True when production looks rolled back from `revision` now: health passes and (when the
-/// service names its revision) `revision` is no longer the live one. Unknown is false.
-pub(crate) async fn rolled_back_now(run: &StageRun, revision: &str) -> bool {
-    let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
-    let healthy = match &run.repo.health_url {
-        Some(url) => check_health(url, timeout).await.outcome == CheckOutcome::Pass,
-        None => false,
-    };
-    let moved = match &run.repo.revision_url {
-        Some(url) => live_revision(url, timeout)
-            .await
-            .is_some_and(|live| !revision_matches(revision, &live)),
-        None => true,
-    };
-    healthy && moved
-}
-
-/// Whether this visit's rollback already started (its event is recorded before the command).
-async fn rollback_started(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
-    let recorded = run.store.task_events(run.task.id).await?;
-    Ok(
-        super::of_visit(&recorded, seq, events::POST_DEPLOY_ROLLBACK_STARTED)
-            .next()
-            .is_some(),
-    )
 }
 
 /// This visit's jobs of this run's kind whose content contains `marker`.
@@ -1203,7 +978,7 @@ pub enum RecoveryAction {
         /// Where the task is.
         stage: String,
     },
-    /// No task of this repo has the work item id.
+    /// No task of this repo has the work item id: the watch was ended.
     NoTask,
     /// The store failed; the next sweep tries again.
     Failed(String),
@@ -1240,12 +1015,26 @@ async fn recover_one(
     work_item_id: &str,
     node: &str,
 ) -> anyhow::Result<RecoveryAction> {
-    let Some(task) = store.get_task_by_work_item(work_item_id).await? else {
+    let task = store
+        .get_task_by_work_item(work_item_id)
+        .await?
+        .filter(|t| t.repo == repo);
+    let Some(task) = task else {
+        // No task will ever tick it (deleted, or a watch left by another database): it ends
+        // here, said in the log, so it neither stays listed as active nor is swept forever.
+        tracing::warn!(
+            work_item = work_item_id,
+            repo,
+            "an armed watch has no task of this repo: ended"
+        );
+        crate::release::end_watch(
+            repos_dir,
+            repo,
+            work_item_id,
+            &format!("no task {work_item_id} of repo {repo} exists: nothing can finish this watch"),
+        );
         return Ok(RecoveryAction::NoTask);
     };
-    if task.repo != repo {
-        return Ok(RecoveryAction::NoTask);
-    }
     if task.is_terminal() {
         // Cancelled or failed while watched (maybe by a process on another node): the watch
         // ends with the task, so it neither stays armed nor blocks anything.

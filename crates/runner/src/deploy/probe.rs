@@ -472,6 +472,28 @@ fn health_check(fetched: Fetched) -> Check {
     check
 }
 
+/// What one look at a URL found, for the staging runner's question "is the environment there
+/// at all?": any HTTP answer (whatever its status), no answer (refused, reset, DNS, no answer
+/// within the timeout), or a URL orch cannot ask.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Reach {
+    /// The service answered with this status.
+    Answered(u16),
+    /// Nothing answered: why.
+    Unreachable(String),
+    /// orch could not ask (an unusable URL): why. No verdict about the environment.
+    CannotAsk(String),
+}
+
+/// Looks at `url` once (see [`Reach`]).
+pub async fn reach(url: &str, timeout: Duration) -> Reach {
+    match Probe::new(timeout).fetch(url).await {
+        Fetched::Response { status, .. } => Reach::Answered(status),
+        Fetched::Unreachable { error, .. } => Reach::Unreachable(error),
+        Fetched::CannotObserve { error } => Reach::CannotAsk(error),
+    }
+}
+
 /// Reads a revision from a response body: a JSON object's `"revision"` string, or else the
 /// whole body trimmed. `None` when that is empty.
 fn parse_revision(body: &str) -> Option<String> {
