@@ -68,9 +68,13 @@ impl ObservationRow {
         ObservationRow {
             work_item_id: o.work_item_id.clone(),
             repo: o.repo.clone(),
-            armed_at: fmt_time(o.armed_at_ms),
-            deadline: fmt_time(o.deadline_ms),
-            remaining: fmt_relative(o.deadline_ms.saturating_sub(now)),
+            armed_at: o.armed_at_ms.map_or_else(|| "unknown".to_owned(), fmt_time),
+            deadline: o.deadline_ms.map_or_else(|| "unknown".to_owned(), fmt_time),
+            remaining: match (o.deadline_ms, &o.problem) {
+                (Some(d), None) => fmt_relative(d.saturating_sub(now)),
+                (Some(d), Some(p)) => format!("{} ({p})", fmt_relative(d.saturating_sub(now))),
+                (None, p) => p.clone().unwrap_or_else(|| "unknown".to_owned()),
+            },
             revision: o.revision.clone(),
             polls: o.polls,
             chart_w: (bars.len() as u32 * BAR_STEP).max(BAR_STEP),
@@ -402,14 +406,10 @@ impl OutcomeView {
         match o {
             Some(o) => OutcomeView {
                 class: o.outcome.as_str(),
-                label: match o.outcome {
-                    Outcome::Shipped => "shipped",
-                    Outcome::RolledBack => "rolled back",
-                    Outcome::Reverted => "rolled back and reverted",
-                    Outcome::Failed => "failed",
-                    Outcome::Cancelled => "cancelled",
-                }
-                .to_owned(),
+                label: match (o.outcome, &o.live) {
+                    (Outcome::Accepted, Some(live)) => format!("operator accepted {live:.12}"),
+                    (outcome, _) => outcome.label().to_owned(),
+                },
                 stage: o.stage.clone().unwrap_or_default(),
                 reason: o.reason.clone().unwrap_or_default(),
             },
@@ -459,6 +459,8 @@ struct IndexPage {
     stage_filter: String,
     outcomes: Vec<(&'static str, String, i64)>,
     repos: Vec<String>,
+    /// Repos whose agents and tests run unsandboxed: a warning at the top of the page.
+    unsandboxed: Vec<String>,
     process_started: String,
 }
 
@@ -559,6 +561,7 @@ struct DeployRow {
     source: &'static str,
     verdict: String,
     rolled_back: bool,
+    rollback_failed: bool,
     reverts: Vec<(String, String)>,
 }
 
@@ -576,6 +579,8 @@ struct RepoPage {
     lessons_file: Option<String>,
     lessons_html: String,
     legacy_deploys: bool,
+    /// The repo's agents and tests run unsandboxed: a warning at the top of the page.
+    unsandboxed: bool,
 }
 
 #[derive(Template)]
@@ -736,6 +741,7 @@ pub(crate) async fn index(
             })
             .collect(),
         repos,
+        unsandboxed: state.ops.unsandboxed_repos(),
         process_started: fmt_time(state.started_at_ms),
     };
     Ok(render(&page))
@@ -990,6 +996,7 @@ pub(crate) async fn repo_page(
                 source: d.source,
                 verdict: d.verdict.clone().unwrap_or_default(),
                 rolled_back: d.rolled_back,
+                rollback_failed: d.rollback_failed,
                 reverts: d
                     .reverts
                     .iter()
@@ -1007,6 +1014,7 @@ pub(crate) async fn repo_page(
             .iter()
             .any(|d| d.source == events::DEPLOY_CONFIRMED),
         lessons_file,
+        unsandboxed: state.ops.unsandboxed_repos().contains(&repo),
         lessons_html,
     };
     Ok(render(&page))

@@ -169,12 +169,15 @@ pub struct TaskDto {
 /// How a finished task ended (`orch_domain::outcome`).
 #[derive(Debug, Serialize)]
 pub struct OutcomeDto {
-    /// `shipped`, `rolled_back`, `reverted`, `failed` or `cancelled`.
+    /// `shipped`, `rolled_back`, `reverted`, `accepted`, `failed` or `cancelled`, derived from
+    /// the recorded facts (`orch_domain::outcome`).
     pub outcome: &'static str,
     /// Where it failed or was rolled back.
     pub stage: Option<String>,
     pub reason: Option<String>,
-    /// True when the pipeline wrote it on the terminal event; false when derived.
+    /// The revision orch last saw (or recorded as) live in production for this item.
+    pub live: Option<String>,
+    /// True when the terminal event carries the same outcome (written when the task ended).
     pub recorded: bool,
 }
 
@@ -184,6 +187,7 @@ impl From<&orch_domain::outcome::TaskOutcome> for OutcomeDto {
             outcome: o.outcome.as_str(),
             stage: o.stage.clone(),
             reason: o.reason.clone(),
+            live: o.live.clone(),
             recorded: o.recorded,
         }
     }
@@ -592,12 +596,16 @@ pub struct LeaseDto {
 pub struct ObservationDto {
     pub work_item_id: String,
     pub repo: String,
-    pub armed_at_ms: i64,
-    pub deadline_ms: i64,
-    /// Negative when the deadline has passed (a stale watch awaiting its job).
-    pub remaining_s: f64,
+    /// `null` when the watch's `armed` file is unreadable (see `problem`).
+    pub armed_at_ms: Option<i64>,
+    pub deadline_ms: Option<i64>,
+    /// Negative when the deadline has passed (a stale watch awaiting its job); `null` when
+    /// the deadline is unknown.
+    pub remaining_s: Option<f64>,
     pub revision: String,
     pub polls: u64,
+    /// What is wrong with the watch's state, if anything.
+    pub problem: Option<String>,
 }
 
 impl ObservationDto {
@@ -607,9 +615,10 @@ impl ObservationDto {
             repo: o.repo.clone(),
             armed_at_ms: o.armed_at_ms,
             deadline_ms: o.deadline_ms,
-            remaining_s: secs(o.deadline_ms.saturating_sub(now_ms)),
+            remaining_s: o.deadline_ms.map(|d| secs(d.saturating_sub(now_ms))),
             revision: o.revision.clone(),
             polls: o.polls,
+            problem: o.problem.clone(),
         }
     }
 }
@@ -778,6 +787,8 @@ pub struct DeployDto {
     /// The post-deploy watch's verdict (`HEALTHY`, `DEGRADED`, `FAILED`), when decided.
     pub verdict: Option<String>,
     pub rolled_back: bool,
+    /// A rollback of this deploy ran and production was not verified back.
+    pub rollback_failed: bool,
     pub reverts: Vec<RevertDto>,
 }
 
@@ -836,6 +847,7 @@ impl From<&crate::repos::RepoStory> for RepoDeploys {
                     source: d.source,
                     verdict: d.verdict.clone(),
                     rolled_back: d.rolled_back,
+                    rollback_failed: d.rollback_failed,
                     reverts: d
                         .reverts
                         .iter()

@@ -42,7 +42,7 @@ pub use dto::{ErrorBody, ErrorDetail};
 use error::AppError;
 pub use id::validate_work_item_id;
 pub use ops::{
-    ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, ReleaseTrack,
+    Actor, ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, ReleaseTrack,
     RunnerCounters, SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
 };
 
@@ -275,7 +275,9 @@ where
         shutdown.await;
         let _ = stopping_tx.send(true);
     };
-    let server = axum::serve(listener, app(state)).with_graceful_shutdown(signal);
+    // The peer address reaches the handlers: an operator call records where it came from.
+    let service = app(state).into_make_service_with_connect_info::<std::net::SocketAddr>();
+    let server = axum::serve(listener, service).with_graceful_shutdown(signal);
     let grace_addr = addr.clone();
     let grace_over = async move {
         let addr = grace_addr;

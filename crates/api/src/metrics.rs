@@ -330,8 +330,8 @@ impl Collector for Scrape {
             let mut f = family(
                 &mut enc,
                 "orch_finished_tasks",
-                "Finished tasks by outcome: shipped, rolled_back, reverted, failed, cancelled \
-                 (from the store; a retried failure leaves this count).",
+                "Finished tasks by outcome: shipped, rolled_back, reverted, accepted, failed, \
+                 cancelled (from the store; a retried failure leaves this count).",
                 None,
                 MetricType::Gauge,
             )?;

@@ -6,6 +6,7 @@
 //! on the runner. Everything here is plain Rust: JSON shapes live in [`crate::dto`] only.
 
 use async_trait::async_trait;
+pub use orch_domain::control::actor::Actor;
 
 /// A new work item to submit (`POST /tasks`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -40,14 +41,16 @@ pub struct RunnerCounters {
 pub struct Observation {
     pub work_item_id: String,
     pub repo: String,
-    /// Epoch milliseconds.
-    pub armed_at_ms: i64,
-    /// Epoch milliseconds.
-    pub deadline_ms: i64,
-    /// The deployed revision being watched.
+    /// Epoch milliseconds; `None` when the watch's `armed` file is unreadable.
+    pub armed_at_ms: Option<i64>,
+    /// Epoch milliseconds; `None` when the watch's `armed` file is unreadable.
+    pub deadline_ms: Option<i64>,
+    /// The deployed revision being watched (`unknown (state unreadable)` when it cannot be read).
     pub revision: String,
     /// Polls recorded in the series so far.
     pub polls: u64,
+    /// What is wrong with the watch's state (a corrupt `armed`, lost evidence), if anything.
+    pub problem: Option<String>,
 }
 
 /// A repo's release track (one release at a time): who holds it and who waits for it.
@@ -156,14 +159,15 @@ pub struct WorkerTimings {
 /// small recording implementation. Work item ids passed in are already validated.
 #[async_trait]
 pub trait Operations: Send + Sync {
-    /// Creates a task for a new work item (stage `intake`, first job enqueued).
-    async fn submit(&self, req: SubmitRequest) -> Result<SubmitResult, OpError>;
+    /// Creates a task for a new work item (stage `intake`, first job enqueued); `by` made the
+    /// call (recorded in its event).
+    async fn submit(&self, req: SubmitRequest, by: &Actor) -> Result<SubmitResult, OpError>;
     /// Releases a task waiting at an approval gate.
-    async fn approve(&self, work_item_id: &str) -> Result<(), OpError>;
+    async fn approve(&self, work_item_id: &str, by: &Actor) -> Result<(), OpError>;
     /// Re-runs a failed task's last stage.
-    async fn retry(&self, work_item_id: &str) -> Result<(), OpError>;
+    async fn retry(&self, work_item_id: &str, by: &Actor) -> Result<(), OpError>;
     /// Moves a task to `cancelled` and cancels its live jobs.
-    async fn cancel(&self, work_item_id: &str) -> Result<(), OpError>;
+    async fn cancel(&self, work_item_id: &str, by: &Actor) -> Result<(), OpError>;
     /// Counters of every deterministic runner and worker in this process. Never fails.
     async fn runner_counters(&self) -> Vec<RunnerCounters>;
     /// Armed post-deploy watches on this machine. Never fails (a corrupt sentinel is skipped
@@ -188,6 +192,11 @@ pub trait Operations: Send + Sync {
     async fn repo_lessons(&self, repo: &str) -> Option<String> {
         let _ = repo;
         None
+    }
+    /// The repos whose agents and tests run unsandboxed (`sandbox = "off"`), for the
+    /// dashboard's warning. Never fails; the default (no configuration here) is empty.
+    fn unsandboxed_repos(&self) -> Vec<String> {
+        Vec::new()
     }
     /// The in-process worker's timings. Never fails; the default (no worker here) is empty.
     async fn worker_timings(&self) -> WorkerTimings {

@@ -3,20 +3,13 @@
 
 use std::collections::{BTreeMap, HashMap};
 
-use orch_domain::control::{TERMINAL_STAGES, events};
+use orch_domain::control::TERMINAL_STAGES;
 use orch_domain::outcome::{EventView, Outcome, TaskOutcome, outcome_of};
 use orch_store::{Event, Store, StoreError, Task, TaskFilter};
 use serde_json::Value;
 
 /// Events whose kinds decide an outcome (see `orch_domain::outcome`).
-const OUTCOME_KINDS: &[&str] = &[
-    events::TASK_DONE,
-    events::TASK_FAILED,
-    events::TASK_CANCELLED,
-    events::POST_DEPLOY_VERDICT,
-    events::POST_DEPLOY_ROLLBACK,
-    events::RELEASE_REVERTED,
-];
+const OUTCOME_KINDS: &[&str] = orch_domain::outcome::FACT_KINDS;
 
 /// Rows read per store call when counting every finished task.
 const PAGE: u32 = 1000;

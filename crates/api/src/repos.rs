@@ -44,8 +44,11 @@ pub(crate) struct Deploy {
     pub source: &'static str,
     /// The post-deploy watch's verdict on the deploying task after this deploy.
     pub verdict: Option<String>,
-    /// Whether the watch rolled this deploy back.
+    /// Whether production was rolled back from this deploy and verified back (by the watch, or
+    /// by the deployer after a failed or unconfirmed deploy).
     pub rolled_back: bool,
+    /// Whether a rollback of this deploy ran and production was not verified back.
+    pub rollback_failed: bool,
     /// `(work item, revert commit)` of items reverted on the default branch after it.
     pub reverts: Vec<(String, String)>,
 }
@@ -93,17 +96,9 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
     }
     let by_id: HashMap<i64, &Task> = tasks.iter().map(|t| (t.id, t)).collect();
     let mut events: BTreeMap<&str, Vec<Event>> = BTreeMap::new();
-    for kind in [
-        events::RELEASE_DEPLOYED,
-        events::DEPLOY_CONFIRMED,
-        events::POST_DEPLOY_VERDICT,
-        events::POST_DEPLOY_ROLLBACK,
-        events::RELEASE_REVERTED,
-        events::LESSONS_RECORDED,
-        events::TASK_DONE,
-        events::TASK_FAILED,
-        events::TASK_CANCELLED,
-    ] {
+    let mut kinds = vec![events::RELEASE_DEPLOYED, events::LESSONS_RECORDED];
+    kinds.extend(orch_domain::outcome::FACT_KINDS);
+    for kind in kinds {
         let mut after = 0;
         let list = events.entry(kind).or_default();
         loop {
@@ -164,6 +159,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             source: events::RELEASE_DEPLOYED,
             verdict: None,
             rolled_back: false,
+            rollback_failed: false,
             reverts: Vec::new(),
         });
     }
@@ -197,6 +193,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             source: events::DEPLOY_CONFIRMED,
             verdict: None,
             rolled_back: false,
+            rollback_failed: false,
             reverts: Vec::new(),
         });
     }
@@ -204,8 +201,32 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
 
     // The verdict and rollback of a deploy: the first ones on the deploying task after it
     // (and before that task's next deploy).
-    let verdicts = take(&mut events, events::POST_DEPLOY_VERDICT);
-    let rollbacks = take(&mut events, events::POST_DEPLOY_ROLLBACK);
+    let verdicts = events
+        .get(events::POST_DEPLOY_VERDICT)
+        .cloned()
+        .unwrap_or_default();
+    // Every rollback result, verified or not: the watch's and the deployer's.
+    let rollbacks: Vec<(Event, bool)> = [
+        events::POST_DEPLOY_ROLLBACK,
+        events::DEPLOY_ROLLED_BACK,
+        events::DEPLOY_ROLLBACK_FAILED,
+    ]
+    .iter()
+    .flat_map(|k| events.get(k).cloned().unwrap_or_default())
+    .filter_map(|e| {
+        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+        let verified = match e.kind.as_str() {
+            events::DEPLOY_ROLLED_BACK => true,
+            // `attempted: false`: no rollback ran at all.
+            events::DEPLOY_ROLLBACK_FAILED if d.get("attempted") == Some(&Value::Bool(false)) => {
+                return None;
+            }
+            events::DEPLOY_ROLLBACK_FAILED => false,
+            _ => d.get("verified") == Some(&Value::Bool(true)),
+        };
+        Some((e, verified))
+    })
+    .collect();
     let n = deploys.len();
     for i in 0..n {
         let (task_wi, from) = (deploys[i].deployed_by.clone(), deploys[i].event_id);
@@ -218,10 +239,19 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
             str_of(&d, "verdict").unwrap_or_else(|| e.message.clone())
         });
-        deploys[i].rolled_back = rollbacks.iter().any(|e| in_window(&e));
+        // The latest rollback result in the window says how it ended.
+        let last = rollbacks
+            .iter()
+            .filter(|(e, _)| in_window(&e))
+            .max_by_key(|(e, _)| e.id);
+        deploys[i].rolled_back = last.is_some_and(|(_, ok)| *ok);
+        deploys[i].rollback_failed = last.is_some_and(|(_, ok)| !*ok);
     }
     // Reverts: to the latest deploy before the revert that shipped the item.
-    let reverted = take(&mut events, events::RELEASE_REVERTED);
+    let reverted = events
+        .get(events::RELEASE_REVERTED)
+        .cloned()
+        .unwrap_or_default();
     for e in &reverted {
         let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
         if str_of(&d, "repo").is_some_and(|r| r != repo) {
@@ -248,18 +278,11 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         })
         .collect();
 
-    // Outcomes of finished tasks from the events read above (the outcome kinds only).
+    // Outcomes of finished tasks from the events read above (the facts' kinds).
     let mut outcome_events: HashMap<i64, Vec<Event>> = HashMap::new();
-    for e in [
-        events::TASK_DONE,
-        events::TASK_FAILED,
-        events::TASK_CANCELLED,
-    ]
-    .iter()
-    .flat_map(|k| take(&mut events, k))
-    .chain(verdicts)
-    .chain(rollbacks)
-    .chain(reverted)
+    for e in orch_domain::outcome::FACT_KINDS
+        .iter()
+        .flat_map(|k| take(&mut events, k))
     {
         if let Some(t) = e.task_id {
             outcome_events.entry(t).or_default().push(e);

@@ -11,10 +11,10 @@ use orch_domain::ids::ArtifactName;
 use crate::ApiState;
 use crate::dto::{self, Action};
 use crate::error::AppError;
-use crate::extract::{ApiJson, ApiQuery};
+use crate::extract::{ApiJson, ApiQuery, Caller};
 use crate::id::{WorkItemPath, validate_work_item_id};
 use crate::metrics;
-use crate::ops::SubmitRequest;
+use crate::ops::{Actor, SubmitRequest};
 use crate::snapshot::QueueSnapshot;
 
 /// Tasks listed when the query names no limit.
@@ -245,10 +245,11 @@ pub(crate) async fn task_artifact(
 /// `POST /tasks` with `{repo, title, body}`: 201 and the new work item's id.
 pub(crate) async fn submit(
     State(state): State<ApiState>,
+    Caller(by): Caller,
     ApiJson(body): ApiJson<dto::SubmitBody>,
 ) -> ApiResult<Response> {
     let req = validate_submit(body)?;
-    let created = state.ops.submit(req).await?;
+    let created = state.ops.submit(req, &by).await?;
     let task = match state
         .store
         .get_task_by_work_item(&created.work_item_id)
@@ -313,14 +314,19 @@ fn validate_submit(body: dto::SubmitBody) -> ApiResult<SubmitRequest> {
     })
 }
 
-async fn act(state: ApiState, id: String, action: Action) -> ApiResult<Json<dto::ActionDone>> {
+async fn act(
+    state: ApiState,
+    id: String,
+    action: Action,
+    by: Actor,
+) -> ApiResult<Json<dto::ActionDone>> {
     find_task(&state, &id).await?;
     match action {
-        Action::Approve => state.ops.approve(&id).await?,
-        Action::Retry => state.ops.retry(&id).await?,
-        Action::Cancel => state.ops.cancel(&id).await?,
+        Action::Approve => state.ops.approve(&id, &by).await?,
+        Action::Retry => state.ops.retry(&id, &by).await?,
+        Action::Cancel => state.ops.cancel(&id, &by).await?,
     }
-    tracing::info!(work_item = %id, action = action.as_str(), "operator action");
+    tracing::info!(work_item = %id, action = action.as_str(), by = %by.describe(), "operator action");
     let task = match state.store.get_task_by_work_item(&id).await {
         Ok(t) => t.as_ref().map(dto::TaskDto::from),
         Err(e) => {
@@ -338,25 +344,28 @@ async fn act(state: ApiState, id: String, action: Action) -> ApiResult<Json<dto:
 /// `POST /tasks/{id}/approve`.
 pub(crate) async fn approve(
     State(state): State<ApiState>,
+    Caller(by): Caller,
     WorkItemPath(id): WorkItemPath,
 ) -> ApiResult<Json<dto::ActionDone>> {
-    act(state, id, Action::Approve).await
+    act(state, id, Action::Approve, by).await
 }
 
 /// `POST /tasks/{id}/retry`.
 pub(crate) async fn retry(
     State(state): State<ApiState>,
+    Caller(by): Caller,
     WorkItemPath(id): WorkItemPath,
 ) -> ApiResult<Json<dto::ActionDone>> {
-    act(state, id, Action::Retry).await
+    act(state, id, Action::Retry, by).await
 }
 
 /// `POST /tasks/{id}/cancel`.
 pub(crate) async fn cancel(
     State(state): State<ApiState>,
+    Caller(by): Caller,
     WorkItemPath(id): WorkItemPath,
 ) -> ApiResult<Json<dto::ActionDone>> {
-    act(state, id, Action::Cancel).await
+    act(state, id, Action::Cancel, by).await
 }
 
 /// A repo name from a path: the domain's `RepoName` rules, else 400.

@@ -31,7 +31,7 @@ impl StoreOps {
 
 #[async_trait]
 impl Operations for StoreOps {
-    async fn submit(&self, req: SubmitRequest) -> Result<SubmitResult, OpError> {
+    async fn submit(&self, req: SubmitRequest, _: &Actor) -> Result<SubmitResult, OpError> {
         let task = self
             .0
             .create_task(NewTask {
@@ -52,13 +52,13 @@ impl Operations for StoreOps {
             task_id: task.id,
         })
     }
-    async fn approve(&self, id: &str) -> Result<(), OpError> {
+    async fn approve(&self, id: &str, _: &Actor) -> Result<(), OpError> {
         self.find(id).await
     }
-    async fn retry(&self, id: &str) -> Result<(), OpError> {
+    async fn retry(&self, id: &str, _: &Actor) -> Result<(), OpError> {
         self.find(id).await
     }
-    async fn cancel(&self, id: &str) -> Result<(), OpError> {
+    async fn cancel(&self, id: &str, _: &Actor) -> Result<(), OpError> {
         self.find(id).await
     }
     async fn runner_counters(&self) -> Vec<RunnerCounters> {

@@ -50,8 +50,13 @@ impl Recorder {
 
 #[async_trait]
 impl Operations for Recorder {
-    async fn submit(&self, req: SubmitRequest) -> Result<SubmitResult, OpError> {
-        self.record(format!("submit {} {}", req.repo, req.title))?;
+    async fn submit(&self, req: SubmitRequest, by: &Actor) -> Result<SubmitResult, OpError> {
+        self.record(format!(
+            "submit {} {} {}",
+            req.repo,
+            req.title,
+            by.describe()
+        ))?;
         let store = self.store.lock().unwrap().clone().unwrap();
         let task = store
             .create_task(NewTask {
@@ -73,16 +78,16 @@ impl Operations for Recorder {
         })
     }
 
-    async fn approve(&self, id: &str) -> Result<(), OpError> {
-        self.record(format!("approve {id}"))
+    async fn approve(&self, id: &str, by: &Actor) -> Result<(), OpError> {
+        self.record(format!("approve {id} {}", by.describe()))
     }
 
-    async fn retry(&self, id: &str) -> Result<(), OpError> {
-        self.record(format!("retry {id}"))
+    async fn retry(&self, id: &str, by: &Actor) -> Result<(), OpError> {
+        self.record(format!("retry {id} {}", by.describe()))
     }
 
-    async fn cancel(&self, id: &str) -> Result<(), OpError> {
-        self.record(format!("cancel {id}"))
+    async fn cancel(&self, id: &str, by: &Actor) -> Result<(), OpError> {
+        self.record(format!("cancel {id} {}", by.describe()))
     }
 
     async fn runner_counters(&self) -> Vec<RunnerCounters> {
@@ -180,14 +185,27 @@ impl Harness {
         let db = TestDb::from_env().await;
         let mut rec = Recorder {
             counters: counters(),
-            observations: vec![Observation {
-                work_item_id: "ORCH-7".into(),
-                repo: "svc".into(),
-                armed_at_ms: T0 - 60_000,
-                deadline_ms: T0 + 540_000,
-                revision: "abc123".into(),
-                polls: 2,
-            }],
+            observations: vec![
+                Observation {
+                    work_item_id: "ORCH-7".into(),
+                    repo: "svc".into(),
+                    armed_at_ms: Some(T0 - 60_000),
+                    deadline_ms: Some(T0 + 540_000),
+                    revision: "abc123".into(),
+                    polls: 2,
+                    problem: None,
+                },
+                // A watch whose `armed` file is corrupt: its times are unknown, not invented.
+                Observation {
+                    work_item_id: "ORCH-8".into(),
+                    repo: "svc".into(),
+                    armed_at_ms: None,
+                    deadline_ms: None,
+                    revision: "unknown (state unreadable)".into(),
+                    polls: 0,
+                    problem: Some("armed unusable: not JSON".into()),
+                },
+            ],
             timings: WorkerTimings {
                 job_seconds: vec![(
                     "analyst".into(),
@@ -282,6 +300,9 @@ impl Harness {
 }
 
 // ----- health ---------------------------------------------------------------------------------
+
+/// How a call without connect info or a User-Agent (a test's `oneshot`) is attributed.
+const NO_PEER: &str = "via the API from an unknown address with the operator token (no User-Agent)";
 
 #[tokio::test]
 async fn healthz_is_ok_then_503_when_the_store_is_closed() {
@@ -381,10 +402,15 @@ async fn queue_shows_jobs_leases_stages_counters_and_observations() {
     assert_eq!(v["runners"]["staging_runner"]["runs"], 3);
     assert_eq!(v["runners"]["staging_runner"]["deferred"], 1);
     let obs = v["active_observations"].as_array().unwrap();
-    assert_eq!(obs.len(), 1);
+    assert_eq!(obs.len(), 2);
     assert_eq!(obs[0]["work_item_id"], "ORCH-7");
     assert_eq!(obs[0]["revision"], "abc123");
     assert_eq!(obs[0]["remaining_s"], json!(535.0));
+    assert_eq!(obs[0]["problem"], json!(null));
+    assert_eq!(obs[1]["work_item_id"], "ORCH-8");
+    assert_eq!(obs[1]["remaining_s"], json!(null), "no made-up deadline");
+    assert_eq!(obs[1]["deadline_ms"], json!(null));
+    assert_eq!(obs[1]["problem"], "armed unusable: not JSON");
 }
 
 #[tokio::test]
@@ -595,7 +621,7 @@ async fn metrics_follow_openmetrics_and_carry_the_queue() {
         ("orch_staging_runner_tool_error_total", vec![], 1.0),
         // A hostile runner name becomes a valid metric name.
         ("orch_we_ird_run_ner_x_total", vec![], 7.0),
-        ("orch_post_deploy_watches_armed", vec![("repo", "svc")], 1.0),
+        ("orch_post_deploy_watches_armed", vec![("repo", "svc")], 2.0),
         (
             "orch_agent_runs_total",
             vec![("agent", "analyst"), ("outcome", "success")],
@@ -1047,7 +1073,10 @@ async fn submit_creates_a_task_with_the_right_token_only() {
     assert_eq!(a.headers.get(header::LOCATION).unwrap(), "/tasks/ORCH-1");
     assert_eq!(v["task"]["title"], "add a login page");
     assert_eq!(v["task"]["stage"], "intake");
-    assert_eq!(h.ops.calls(), vec!["submit svc add a login page"]);
+    assert_eq!(
+        h.ops.calls(),
+        vec![format!("submit svc add a login page {NO_PEER}")]
+    );
     let stored =
         h.db.store
             .get_task_by_work_item("ORCH-1")
@@ -1262,7 +1291,7 @@ async fn actions_reach_operations_and_map_their_errors() {
     }
     assert_eq!(
         h.ops.calls(),
-        vec!["approve ORCH-4", "retry ORCH-4", "cancel ORCH-4"]
+        ["approve", "retry", "cancel"].map(|a| format!("{a} ORCH-4 {NO_PEER}"))
     );
 
     for (err, want, code) in [
@@ -1857,22 +1886,77 @@ async fn a_rolled_back_task_is_rolled_back_in_the_api_the_pages_and_metrics() {
 }
 
 #[tokio::test]
-async fn a_recorded_outcome_wins_over_the_derivation() {
+async fn the_outcome_follows_the_facts_not_what_the_terminal_event_says() {
     let h = Harness::new(None).await;
-    let t = h.task("ORCH-9", "reverted", "svc", None).await;
-    h.advance(
+    // The watch decided FAILED, the rollback "succeeded" but production never came back, the
+    // repo was held, an operator approved: the terminal event of an older rule says shipped.
+    let t = h
+        .task("ORCH-9", "approved after a failed rollback", "svc", None)
+        .await;
+    let t = h.advance(&t, "observe", "stage.advanced", json!({})).await;
+    h.event(
         &t,
-        "done",
-        "task.done",
-        json!({"outcome": "reverted", "reason": "health check failed after deploy"}),
+        "post_deploy.rollback",
+        "observe",
+        "rollback of `abc1234` ran but is not verified: health FAIL",
+        json!({"revision": "abc1234", "verified": false}),
     )
     .await;
+    h.event(
+        &t,
+        "post_deploy.verdict",
+        "observe",
+        "post-deploy watch FAILED: 3 consecutive FAIL polls (action rollback_failed)",
+        json!({"verdict": "FAILED", "action": "rollback_failed", "revision": "abc1234"}),
+    )
+    .await;
+    h.event(
+        &t,
+        "release.held",
+        "observe",
+        "held",
+        json!({"repo": "svc", "reason": "r"}),
+    )
+    .await;
+    h.event(
+        &t,
+        "release.unheld",
+        "lessons",
+        "released by an operator",
+        json!({"repo": "svc", "live": "def5678", "healthy": true}),
+    )
+    .await;
+    h.advance(&t, "done", "task.done", json!({"outcome": "shipped"}))
+        .await;
     let v = h.get("/tasks/ORCH-9", StatusCode::OK).await.json();
-    assert_eq!(v["task"]["outcome"]["outcome"], "reverted");
-    assert_eq!(v["task"]["outcome"]["recorded"], true);
-    assert_eq!(
-        v["task"]["outcome"]["reason"],
-        "health check failed after deploy"
+    assert_eq!(v["task"]["outcome"]["outcome"], "accepted", "{v}");
+    assert_eq!(v["task"]["outcome"]["recorded"], false);
+    assert_eq!(v["task"]["outcome"]["live"], "def5678");
+    let reason = v["task"]["outcome"]["reason"].as_str().unwrap();
+    assert!(reason.contains("accepted `def5678`"), "{reason}");
+    let html = h.get("/ui/tasks/ORCH-9", StatusCode::OK).await.text;
+    let story = section(&html, "<section class=\"story", "</section>");
+    assert!(story.contains("operator accepted"), "{story}");
+    assert!(!story.contains("shipped"), "{story}");
+    let list = h.get("/tasks", StatusCode::OK).await.json();
+    let row = list["tasks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["work_item_id"] == "ORCH-9")
+        .cloned()
+        .unwrap();
+    assert_eq!(row["outcome"]["outcome"], "accepted");
+    let repo = h.get("/ui/repos/svc", StatusCode::OK).await.text;
+    assert!(!repo.contains("chip shipped"), "{repo}");
+    let m = h.get("/metrics", StatusCode::OK).await.text;
+    assert!(
+        m.contains("orch_finished_tasks{outcome=\"accepted\"} 1\n"),
+        "{m}"
+    );
+    assert!(
+        m.contains("orch_finished_tasks{outcome=\"shipped\"} 0\n"),
+        "{m}"
     );
     let t = h.task("ORCH-10", "failed", "svc", None).await;
     h.advance(
@@ -1984,15 +2068,28 @@ async fn cross_site_browser_calls_are_refused_even_with_the_token() {
         assert_eq!(a.error_code(), "cross_site");
     }
     assert!(h.ops.calls().is_empty());
-    let req = Request::post("/tasks/ORCH-4/cancel")
+    // Served with connect info (as `serve` does), the call names its peer and client.
+    let mut req = Request::post("/tasks/ORCH-4/cancel")
         .header(header::AUTHORIZATION, format!("Bearer {TOKEN}"))
         .header(header::HOST, "127.0.0.1:7878")
         .header("origin", "http://127.0.0.1:7878")
         .header("sec-fetch-site", "same-origin")
+        .header(
+            header::USER_AGENT,
+            header::HeaderValue::from_bytes("Mozilla/5.0 \u{9b}2J\u{202e}".as_bytes()).unwrap(),
+        )
         .body(Body::empty())
         .unwrap();
+    let peer: std::net::SocketAddr = "127.0.0.1:41234".parse().unwrap();
+    req.extensions_mut()
+        .insert(axum::extract::ConnectInfo(peer));
     h.check(req, StatusCode::OK).await;
-    assert_eq!(h.ops.calls(), ["cancel ORCH-4"]);
+    assert_eq!(
+        h.ops.calls(),
+        [
+            "cancel ORCH-4 via the API from 127.0.0.1:41234 with the operator token (User-Agent \"Mozilla/5.0 \\u{9b}2J\\u{202e}\")"
+        ]
+    );
 }
 
 /// The skip convention of every test tree: `SKIPPED: <reason>` and pass, unless

@@ -21,16 +21,16 @@ struct Refuse;
 
 #[async_trait]
 impl Operations for Refuse {
-    async fn submit(&self, _: SubmitRequest) -> Result<SubmitResult, OpError> {
+    async fn submit(&self, _: SubmitRequest, _: &Actor) -> Result<SubmitResult, OpError> {
         Err(OpError::Invalid("refused by the test".into()))
     }
-    async fn approve(&self, _: &str) -> Result<(), OpError> {
+    async fn approve(&self, _: &str, _: &Actor) -> Result<(), OpError> {
         Err(OpError::Conflict("refused by the test".into()))
     }
-    async fn retry(&self, _: &str) -> Result<(), OpError> {
+    async fn retry(&self, _: &str, _: &Actor) -> Result<(), OpError> {
         Err(OpError::Conflict("refused by the test".into()))
     }
-    async fn cancel(&self, _: &str) -> Result<(), OpError> {
+    async fn cancel(&self, _: &str, _: &Actor) -> Result<(), OpError> {
         Err(OpError::Conflict("refused by the test".into()))
     }
     async fn runner_counters(&self) -> Vec<RunnerCounters> {

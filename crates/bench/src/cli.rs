@@ -47,6 +47,12 @@ pub enum Command {
     /// orch's own time per stage visit (agent and test time excluded), `GET /queue`, dashboard
     /// and task page latency meanwhile, memory, CPU and worktree disk.
     Items(BenchItemsArgs),
+    /// What the sandbox costs one run (start to teardown) against a direct run, same run.
+    Sandbox {
+        /// Rounds (each runs every mode once).
+        #[arg(long, default_value_t = 200)]
+        runs: usize,
+    },
     /// orch's queue and peer job queues (graphile-worker, Node and Rust) in the same run:
     /// interleaved rounds of drains and pickup latency, with orch/peer ratios per round.
     /// `scripts/bench-peers` installs the peers and runs this.

@@ -11,6 +11,7 @@ mod items;
 mod peers;
 mod pgbench;
 mod queue;
+mod sandbox;
 mod scale;
 mod watches;
 
@@ -79,6 +80,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Watches(args) => watches::watches(&cx, args).await,
         Command::Items(args) => items::items(&cx, args).await,
         Command::Peers(args) => peers::peers(&cx, args).await,
+        Command::Sandbox { runs } => sandbox::sandbox(&cx, runs)
+            .await
+            .map(|()| ExitCode::SUCCESS),
     }
 }
 

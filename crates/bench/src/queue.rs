@@ -704,16 +704,17 @@ impl orch_api::Operations for InertOps {
     async fn submit(
         &self,
         _: orch_api::SubmitRequest,
+        _: &orch_api::Actor,
     ) -> Result<orch_api::SubmitResult, orch_api::OpError> {
         Err(orch_api::OpError::Invalid("bench".into()))
     }
-    async fn approve(&self, _: &str) -> Result<(), orch_api::OpError> {
+    async fn approve(&self, _: &str, _: &orch_api::Actor) -> Result<(), orch_api::OpError> {
         Err(orch_api::OpError::Invalid("bench".into()))
     }
-    async fn retry(&self, _: &str) -> Result<(), orch_api::OpError> {
+    async fn retry(&self, _: &str, _: &orch_api::Actor) -> Result<(), orch_api::OpError> {
         Err(orch_api::OpError::Invalid("bench".into()))
     }
-    async fn cancel(&self, _: &str) -> Result<(), orch_api::OpError> {
+    async fn cancel(&self, _: &str, _: &orch_api::Actor) -> Result<(), orch_api::OpError> {
         Err(orch_api::OpError::Invalid("bench".into()))
     }
     async fn runner_counters(&self) -> Vec<orch_api::RunnerCounters> {

@@ -169,10 +169,29 @@ pub struct Settings {
     pub agent_timeout_s: u64,
     /// This machine's node name, for job affinity; unset means the host name.
     pub node: Option<String>,
+    /// The dashboard's address as people reach it (`https://orch.example.com`), for the links
+    /// in notifications. Unset: `http://<bind>`.
+    pub public_url: Option<String>,
     /// Seconds a node may go unseen (no worker heartbeat from it) before the jobs pinned to it
     /// (deploys, watches) may be taken over by another node (design.md §10). At least
     /// `lease_s`. Default 300.
     pub node_grace_s: u64,
+    /// The most changed paths one stage's commit may hold; a stage that leaves more is
+    /// refused before anything is committed ([`crate::protect`]). 1 to
+    /// [`crate::protect::MAX_CHANGED_FILES_LIMIT`]; default
+    /// [`crate::protect::DEFAULT_MAX_CHANGED_FILES`].
+    pub max_changed_files: u32,
+}
+
+impl Settings {
+    /// The dashboard's base address for links: `public_url` without a trailing `/`, else
+    /// `http://<bind>`.
+    pub fn link_base(&self) -> String {
+        match &self.public_url {
+            Some(u) => u.trim_end_matches('/').to_owned(),
+            None => format!("http://{}", self.bind),
+        }
+    }
 }
 
 impl Default for Settings {
@@ -194,7 +213,9 @@ impl Default for Settings {
             unknown_run_tokens: None,
             agent_timeout_s: 1800,
             node: None,
+            public_url: None,
             node_grace_s: DEFAULT_NODE_GRACE_S,
+            max_changed_files: crate::protect::DEFAULT_MAX_CHANGED_FILES,
         }
     }
 }
@@ -234,17 +255,36 @@ pub struct RepoConfig {
     pub health_url: Option<String>,
     /// Endpoint answering the live revision.
     pub revision_url: Option<String>,
-    /// Alert command (`sh -c`, in the repo checkout), run best-effort with a timeout when a
-    /// post-deploy watch ends DEGRADED, a rollback fails or a deploy stays unconfirmed. It gets
-    /// `ORCH_WORK_ITEM`, `ORCH_REPO`, `ORCH_VERDICT`, `ORCH_ACTION`, `ORCH_REASON` and
-    /// `ORCH_REVISION` in its environment. Default none.
+    /// Alert command (`sh -c`, in the repo checkout), run best-effort with a timeout whenever
+    /// an operator is needed: production could not be verified healthy at a known revision
+    /// after a deploy or a watch went wrong, the repo is held, or an item failed. It gets
+    /// `ORCH_WORK_ITEM`, `ORCH_REPO`, `ORCH_EVENT`, `ORCH_VERDICT`, `ORCH_ACTION`,
+    /// `ORCH_REASON`, `ORCH_REVISION`, `ORCH_LIVE` (what is live, in words) and `ORCH_TODO`
+    /// (what to do) in its environment and the notification document (the webhook's JSON) on
+    /// stdin. Default none.
     #[serde(default)]
     pub alert: Option<String>,
-    /// Alert webhook URL: on the same occasions as `alert`, a JSON object `{work_item, repo,
-    /// verdict, action, reason, revision}` is POSTed to it, best-effort with a timeout.
-    /// Default none.
+    /// The notification webhook: every terminal outcome, every hold that waits for an
+    /// operator and every alert is POSTed to it as a versioned JSON document (README "When
+    /// things go wrong"), signed when `alert_webhook_secret` is set, retried with backoff by a
+    /// job of its own (the pipeline never waits for it). Default none.
     #[serde(default)]
     pub alert_webhook: Option<String>,
+    /// The HMAC-SHA256 key that signs every webhook delivery (`X-Orch-Signature: t=<unix
+    /// seconds>,v1=<hex of HMAC(key, "<t>.<body>")>`). Default none: deliveries are unsigned
+    /// (`orch doctor` warns).
+    #[serde(default)]
+    pub alert_webhook_secret: Option<Secret>,
+    /// The webhook's body: `orch` (the versioned document, default) or `slack` (a Slack
+    /// incoming-webhook message `{"text": …}` carrying the same facts).
+    #[serde(default)]
+    pub alert_webhook_format: WebhookFormat,
+    /// The staging environment's health endpoint. When set, the staging runner looks at it
+    /// before the smoke checks and again after a step that failed: connection refused, DNS
+    /// failure or no answer within the step's timeout is TOOL_ERROR `unreachable` (the
+    /// infrastructure, not the change). Default none.
+    #[serde(default)]
+    pub staging_health_url: Option<String>,
     /// How the merge gate merges. Default `ff`.
     #[serde(default)]
     pub merge_strategy: MergeStrategy,
@@ -273,6 +313,146 @@ pub struct RepoConfig {
     /// (ERROR), never the service's (FAIL). Default none.
     #[serde(default)]
     pub control_url: Option<String>,
+    /// How the repo's agents and its own code (tests, verification, staging steps) are
+    /// contained: `"on"` (the default: a sandbox per run), `"off"` (unsandboxed, said loudly
+    /// everywhere), or a `[repos.<name>.sandbox]` table ([`SandboxConfig`]).
+    #[serde(default)]
+    pub sandbox: SandboxConfig,
+    /// Variables of orch's environment the repo's commands (test, staging steps, deploy,
+    /// rollback, alert) inherit besides the basic ones (`PATH`, `HOME`, the locale, the
+    /// toolchains' own). orch's token and database URL are never passed. Default none.
+    #[serde(default)]
+    pub env: Vec<String>,
+}
+
+/// `[repos.<name>.sandbox]`: the sandbox of the repo's agents and of its own code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SandboxConfig {
+    /// Whether runs are sandboxed (`sandbox = "off"` clears it).
+    pub enabled: bool,
+    /// What the repo's tests and sandboxed staging steps may reach. Default none.
+    pub network: SandboxNetwork,
+    /// Paths shown read-only inside the sandbox besides the system (e.g. a toolchain outside
+    /// the usual places).
+    pub read_only: Vec<String>,
+    /// Paths writable inside the sandbox besides the work item's worktree (e.g. a build cache).
+    pub writable: Vec<String>,
+    /// Processes alive at once in one run. Default 1024.
+    pub max_processes: u64,
+    /// Memory of one run, MiB. Default 8192.
+    pub max_memory_mb: u64,
+    /// CPU seconds of each process of a run. Default 14400.
+    pub max_cpu_s: u64,
+    /// The largest file a run may write, MiB. Default 4096.
+    pub max_file_mb: u64,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> SandboxConfig {
+        SandboxConfig {
+            enabled: true,
+            network: SandboxNetwork::None,
+            read_only: Vec::new(),
+            writable: Vec::new(),
+            max_processes: 1024,
+            max_memory_mb: 8192,
+            max_cpu_s: 4 * 3600,
+            max_file_mb: 4096,
+        }
+    }
+}
+
+/// What sandboxed tests and staging steps may reach: `"none"`, `"host"` (the host's network,
+/// unrestricted), or a list of `host:port` endpoints.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum SandboxNetwork {
+    /// Nothing but the run's own loopback.
+    #[default]
+    None,
+    /// The host's network.
+    Host,
+    /// Only these `host:port` endpoints.
+    Allow(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for SandboxConfig {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<SandboxConfig, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Table {
+            #[serde(default = "yes")]
+            enabled: bool,
+            #[serde(default)]
+            network: Option<NetworkValue>,
+            #[serde(default)]
+            read_only: Vec<String>,
+            #[serde(default)]
+            writable: Vec<String>,
+            max_processes: Option<u64>,
+            max_memory_mb: Option<u64>,
+            max_cpu_s: Option<u64>,
+            max_file_mb: Option<u64>,
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum NetworkValue {
+            Word(String),
+            List(Vec<String>),
+        }
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Value {
+            Word(String),
+            Table(Table),
+        }
+        fn yes() -> bool {
+            true
+        }
+        let defaults = SandboxConfig::default();
+        match Value::deserialize(d)? {
+            Value::Word(w) => match w.as_str() {
+                "on" => Ok(defaults),
+                "off" => Ok(SandboxConfig {
+                    enabled: false,
+                    ..defaults
+                }),
+                other => Err(serde::de::Error::custom(format!(
+                    "sandbox: expected \"on\", \"off\" or a table, not {other:?}"
+                ))),
+            },
+            Value::Table(t) => Ok(SandboxConfig {
+                enabled: t.enabled,
+                network: match t.network {
+                    None => SandboxNetwork::None,
+                    Some(NetworkValue::Word(w)) if w == "none" => SandboxNetwork::None,
+                    Some(NetworkValue::Word(w)) if w == "host" => SandboxNetwork::Host,
+                    Some(NetworkValue::Word(w)) => {
+                        return Err(serde::de::Error::custom(format!(
+                            "sandbox.network: expected \"none\", \"host\" or a list of \"host:port\", not {w:?}"
+                        )));
+                    }
+                    Some(NetworkValue::List(l)) => SandboxNetwork::Allow(l),
+                },
+                read_only: t.read_only,
+                writable: t.writable,
+                max_processes: t.max_processes.unwrap_or(defaults.max_processes),
+                max_memory_mb: t.max_memory_mb.unwrap_or(defaults.max_memory_mb),
+                max_cpu_s: t.max_cpu_s.unwrap_or(defaults.max_cpu_s),
+                max_file_mb: t.max_file_mb.unwrap_or(defaults.max_file_mb),
+            }),
+        }
+    }
+}
+
+/// `alert_webhook_format`: the body of a webhook delivery.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WebhookFormat {
+    /// orch's versioned notification document.
+    #[default]
+    Orch,
+    /// A Slack incoming-webhook message (`{"text": …}`).
+    Slack,
 }
 
 /// `on_failure`: what happens to a change that was rolled back in production.
@@ -322,6 +502,15 @@ pub struct StepConfig {
     /// Timeout in seconds. Default 600.
     #[serde(default = "default_step_timeout_s")]
     pub timeout_s: u64,
+    /// Whether the step runs in the repo's sandbox. Default true. A step that starts a
+    /// service meant to outlive it (a deploy to staging) sets `false`: it then runs on the
+    /// host like the production deploy, trusted as the configuration that names it.
+    #[serde(default = "default_true")]
+    pub sandbox: bool,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// How the merge gate merges a branch.
@@ -400,6 +589,14 @@ pub struct AgentConfig {
     /// US dollars per million tokens, for tools that report tokens but no cost; default
     /// the `[prices]` entry of `model`.
     pub price: Option<Price>,
+    /// `host:port` endpoints the agent may reach from its sandbox besides its model endpoint
+    /// (`endpoint`, or the preset's provider). Default none.
+    #[serde(default)]
+    pub network: Vec<String>,
+    /// Variables of orch's environment the agent inherits besides the basic ones and its key
+    /// (`api_key_env`). orch's token and database URL are never passed. Default none.
+    #[serde(default)]
+    pub env: Vec<String>,
 }
 
 /// Agent backend kinds (design.md §4).
@@ -556,6 +753,7 @@ impl Config {
         env_number(&get, "ORCH_FETCH_COOLDOWN_MS", &mut s.fetch_cooldown_ms)?;
         env_number(&get, "ORCH_AGENT_CONCURRENCY", &mut s.agent_concurrency)?;
         env_number(&get, "ORCH_AGENT_TIMEOUT_S", &mut s.agent_timeout_s)?;
+        env_number(&get, "ORCH_MAX_CHANGED_FILES", &mut s.max_changed_files)?;
         if env_number(&get, "ORCH_MAX_LOOPS", &mut s.max_loops)? {
             self.pipeline.max_loops = None;
         }
@@ -623,6 +821,7 @@ impl Config {
             ("poll_interval_ms", s.poll_interval_ms),
             ("agent_concurrency", s.agent_concurrency.into()),
             ("agent_timeout_s", s.agent_timeout_s),
+            ("max_changed_files", s.max_changed_files.into()),
         ];
         for (key, value) in at_least_one {
             if value == 0 {
@@ -649,6 +848,16 @@ impl Config {
                 ),
             ));
         }
+        let files_limit = crate::protect::MAX_CHANGED_FILES_LIMIT;
+        if s.max_changed_files > files_limit {
+            return Err(invalid(
+                "settings",
+                "max_changed_files",
+                format!(
+                    "must be at most {files_limit}: git's listing of more changes than that is more than orch reads from one git command"
+                ),
+            ));
+        }
         if s.node_grace_s < s.lease_s {
             return Err(invalid(
                 "settings",
@@ -663,6 +872,15 @@ impl Config {
             return Err(invalid("settings", "repos_dir", "must not be empty"));
         }
         check_bind(&s.bind).map_err(|reason| invalid("settings", "bind", reason))?;
+        if let Some(url) = &s.public_url
+            && !is_http_url(url)
+        {
+            return Err(invalid(
+                "settings",
+                "public_url",
+                "expected an http:// or https:// URL",
+            ));
+        }
         if let Some(url) = &s.database_url
             && !(url.starts_with("postgres://")
                 || url.starts_with("postgresql://")
@@ -903,6 +1121,7 @@ fn validate_repo(name: &RepoName, repo: &RepoConfig) -> Result<(), ConfigError> 
         ("health_url", &repo.health_url),
         ("revision_url", &repo.revision_url),
         ("alert_webhook", &repo.alert_webhook),
+        ("staging_health_url", &repo.staging_health_url),
     ] {
         if let Some(url) = value
             && !is_http_url(url)
@@ -972,6 +1191,60 @@ fn validate_repo(name: &RepoName, repo: &RepoConfig) -> Result<(), ConfigError> 
             "must be a relative path inside the repo (no leading `/`, no `..`)",
         ));
     }
+    validate_env_names(&repo.env).map_err(|e| err("env", &e))?;
+    validate_sandbox(&format!("repos.{name}.sandbox"), &repo.sandbox)
+}
+
+/// Names of variables a configuration passes to a child: real names, never orch's secrets.
+fn validate_env_names(names: &[String]) -> Result<(), String> {
+    for var in names {
+        if !is_env_var_name(var) {
+            return Err(format!(
+                "`{var}` is not the name of an environment variable"
+            ));
+        }
+        if crate::net::SECRET_VARS.contains(&var.as_str()) {
+            return Err(format!(
+                "`{var}` is orch's own secret and is never passed to a command"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn validate_sandbox(section: &str, sb: &SandboxConfig) -> Result<(), ConfigError> {
+    let err = |key: &str, reason: String| invalid(section.to_owned(), key, reason);
+    if let SandboxNetwork::Allow(list) = &sb.network {
+        for entry in list {
+            crate::net::Endpoint::parse(entry).map_err(|e| err("network", e))?;
+        }
+    }
+    for (key, paths) in [("read_only", &sb.read_only), ("writable", &sb.writable)] {
+        for p in paths {
+            if !p.starts_with('/') || p.split('/').any(|c| c == "..") {
+                return Err(err(
+                    key,
+                    format!("`{p}`: expected an absolute path without `..`"),
+                ));
+            }
+            if p.trim_end_matches('/').is_empty() {
+                return Err(err(
+                    key,
+                    "`/` cannot be shown whole to a sandbox".to_owned(),
+                ));
+            }
+        }
+    }
+    for (key, value) in [
+        ("max_processes", sb.max_processes),
+        ("max_memory_mb", sb.max_memory_mb),
+        ("max_cpu_s", sb.max_cpu_s),
+        ("max_file_mb", sb.max_file_mb),
+    ] {
+        if value == 0 {
+            return Err(err(key, "must be at least 1".to_owned()));
+        }
+    }
     Ok(())
 }
 
@@ -1012,6 +1285,12 @@ fn validate_agent(name: &AgentName, agent: &AgentConfig) -> Result<(), ConfigErr
     if agent.timeout_s == Some(0) {
         return Err(err("timeout_s", "must be at least 1"));
     }
+    for entry in &agent.network {
+        if let Err(e) = crate::net::Endpoint::parse(entry) {
+            return Err(err("network", &e));
+        }
+    }
+    validate_env_names(&agent.env).map_err(|e| err("env", &e))?;
     if agent.max_turns == Some(0) {
         return Err(err("max_turns", "must be at least 1"));
     }
@@ -1151,6 +1430,10 @@ agent_timeout_s = 1800
 # node = "build-1"
 # Seconds a node may go unseen before its pinned jobs (deploys, watches) move to another node.
 # node_grace_s = 300
+# The most changed files one stage may commit; a stage that leaves more is refused.
+# max_changed_files = 2000
+# The dashboard's address as people reach it, for the links in notifications.
+# public_url = "https://orch.example.com"
 
 # One section per managed repo. Work item ids are <prefix>-<n>, e.g. APP-1.
 # [repos.app]
@@ -1169,11 +1452,15 @@ agent_timeout_s = 1800
 # rollback = "./deploy.sh rollback"
 # health_url = "http://127.0.0.1:8080/healthz"
 # revision_url = "http://127.0.0.1:8080/version"
-# alert = "./notify.sh"                 # run on DEGRADED / failed rollback / unconfirmed deploy
-# alert_webhook = "http://127.0.0.1:9000/hooks/orch"   # POSTed JSON on the same occasions
+# alert = "./notify.sh"                 # run when an operator is needed (README "When things go wrong")
+# alert_webhook = "http://127.0.0.1:9000/hooks/orch"   # every outcome, hold and alert, as signed JSON
+# alert_webhook_secret = "…"            # HMAC-SHA256 key of X-Orch-Signature
+# alert_webhook_format = "orch"         # or "slack" (an incoming-webhook message)
+# staging_health_url = "http://127.0.0.1:8081/healthz"   # unreachable staging is TOOL_ERROR, not FAILED
 # staging_defer_limit = 2
 # staging_defer_delay_s = 60            # first defer's delay; doubles per defer
 # lessons_file = "LESSONS.md"
+# env = ["AWS_PROFILE"]                 # variables of orch's the repo's commands inherit
 #
 # [[repos.app.staging]]
 # name = "build"
@@ -1183,6 +1470,7 @@ agent_timeout_s = 1800
 # [[repos.app.staging]]
 # name = "deploy-staging"
 # run = "./deploy.sh staging"
+# sandbox = false                       # it starts a service that outlives it: on the host
 #
 # [[repos.app.staging_smoke]]
 # name = "health"
@@ -1194,6 +1482,16 @@ agent_timeout_s = 1800
 # interval_s = 30
 # initial_delay_s = 30
 # poll_timeout_s = 10
+#
+# Agents and the repo's tests and staging steps run in a sandbox (bubblewrap); without one
+# orch refuses to run them unless the repo says sandbox = "off" (UNSANDBOXED, said loudly).
+# [repos.app.sandbox]
+# network = ["127.0.0.1:8081"]          # what tests and staging steps may reach: "none"
+#                                       # (the default), "host", or host:port entries
+# read_only = ["/opt/toolchain"]        # more paths they may read
+# writable = ["/var/cache/app"]         # more paths they may write
+# max_processes = 1024
+# max_memory_mb = 8192
 
 # LLM agents, one per LLM stage. backend: "claude", "codex", "aider" (presets),
 # "command" (any CLI: command, args, prompt_via = "stdin" | "file") or
@@ -1318,7 +1616,113 @@ mod tests {
         assert_eq!(repo.staging_defer_limit, 2);
         assert_eq!(repo.staging_defer_delay_s, None);
         assert_eq!(repo.lessons_file, "LESSONS.md");
+        assert_eq!(repo.alert_webhook_format, WebhookFormat::Orch);
+        assert_eq!(c.settings.link_base(), "http://127.0.0.1:7878");
         assert_eq!(c.pipeline().unwrap(), Pipeline::default_pipeline());
+    }
+
+    #[test]
+    fn the_sandbox_is_on_off_or_a_table_and_its_entries_are_checked() {
+        let sb = |c: &Config| {
+            let r = &c.repos[&"app".parse::<RepoName>().unwrap()];
+            format!(
+                "{} {:?} {:?} {:?} {} {:?}",
+                r.sandbox.enabled,
+                r.sandbox.network,
+                r.sandbox.read_only,
+                r.sandbox.writable,
+                r.sandbox.max_processes,
+                r.env
+            )
+        };
+        let repo = |extra: &str| format!("{REPO}{extra}");
+        check(&repo(""), &[], sb, Ok("true None [] [] 1024 []"));
+        check(
+            &repo("sandbox = \"on\"\n"),
+            &[],
+            sb,
+            Ok("true None [] [] 1024 []"),
+        );
+        check(
+            &repo("sandbox = \"off\"\n"),
+            &[],
+            sb,
+            Ok("false None [] [] 1024 []"),
+        );
+        check(
+            &repo(
+                "env = [\"AWS_PROFILE\"]\n[repos.app.sandbox]\nnetwork = [\"127.0.0.1:8081\", \"api.x.com:443\"]\nread_only = [\"/opt/t\"]\nwritable = [\"/var/cache/app\"]\nmax_processes = 64\n",
+            ),
+            &[],
+            sb,
+            Ok(
+                "true Allow([\"127.0.0.1:8081\", \"api.x.com:443\"]) [\"/opt/t\"] [\"/var/cache/app\"] 64 [\"AWS_PROFILE\"]",
+            ),
+        );
+        check(
+            &repo("[repos.app.sandbox]\nnetwork = \"host\"\n"),
+            &[],
+            sb,
+            Ok("true Host [] [] 1024 []"),
+        );
+        check(
+            &repo("[repos.app.sandbox]\nnetwork = \"none\"\n"),
+            &[],
+            sb,
+            Ok("true None [] [] 1024 []"),
+        );
+        check(&repo("sandbox = \"maybe\"\n"), &[], sb, Err("sandbox"));
+        check(
+            &repo("[repos.app.sandbox]\nnetwork = \"all\"\n"),
+            &[],
+            sb,
+            Err("sandbox"),
+        );
+        check(
+            &repo("[repos.app.sandbox]\nnetwork = [\"no-port\"]\n"),
+            &[],
+            sb,
+            Err("expected host:port"),
+        );
+        check(
+            &repo("[repos.app.sandbox]\nread_only = [\"relative\"]\n"),
+            &[],
+            sb,
+            Err("absolute path"),
+        );
+        check(
+            &repo("[repos.app.sandbox]\nwritable = [\"/\"]\n"),
+            &[],
+            sb,
+            Err("cannot be shown whole"),
+        );
+        check(
+            &repo("[repos.app.sandbox]\nmax_processes = 0\n"),
+            &[],
+            sb,
+            Err("at least 1"),
+        );
+        check(
+            &repo("env = [\"ORCH_TOKEN\"]\n"),
+            &[],
+            sb,
+            Err("orch's own secret"),
+        );
+        check(
+            &repo("env = [\"not a name\"]\n"),
+            &[],
+            sb,
+            Err("not the name"),
+        );
+        check(
+            &repo("[[repos.app.staging]]\nname = \"s\"\nrun = \"x\"\nsandbox = false\n"),
+            &[],
+            |c| {
+                let r = &c.repos[&"app".parse::<RepoName>().unwrap()];
+                format!("{}", r.staging[0].sandbox)
+            },
+            Ok("false"),
+        );
     }
 
     #[test]
@@ -1336,6 +1740,9 @@ health_url = "http://127.0.0.1:9/healthz"
 revision_url = "https://127.0.0.1:9/version"
 alert = "./page-oncall.sh"
 alert_webhook = "http://127.0.0.1:9/hook"
+alert_webhook_secret = "s3cret"
+alert_webhook_format = "slack"
+staging_health_url = "http://127.0.0.1:9/staging-health"
 staging_defer_limit = 5
 staging_defer_delay_s = 7
 lessons_file = "docs/LESSONS.md"
@@ -1368,6 +1775,15 @@ interval_s = 10
         assert_eq!(repo.post_deploy.window_s, 120);
         assert_eq!(repo.post_deploy.initial_delay_s, 30);
         assert_eq!(repo.alert.as_deref(), Some("./page-oncall.sh"));
+        assert_eq!(
+            repo.alert_webhook_secret.as_ref().map(Secret::expose),
+            Some("s3cret")
+        );
+        assert_eq!(repo.alert_webhook_format, WebhookFormat::Slack);
+        assert_eq!(
+            repo.staging_health_url.as_deref(),
+            Some("http://127.0.0.1:9/staging-health")
+        );
         assert_eq!(
             repo.alert_webhook.as_deref(),
             Some("http://127.0.0.1:9/hook")
@@ -1508,6 +1924,15 @@ interval_s = 10
             ),
             ("[settings]\nfetch_cooldown_ms = 0\n", Ok("ok")),
             (
+                "[settings]\nmax_changed_files = 0\n",
+                Err("[settings] max_changed_files: must be at least 1"),
+            ),
+            (
+                "[settings]\nmax_changed_files = 100001\n",
+                Err("[settings] max_changed_files: must be at most 100000"),
+            ),
+            ("[settings]\nmax_changed_files = 100000\n", Ok("ok")),
+            (
                 "[repos.app]\nprefix = \"APP\"\n",
                 Err("[repos.app] path: set `path`"),
             ),
@@ -1526,6 +1951,10 @@ interval_s = 10
             (
                 &format!("{REPO}alert_webhook = \"ftp://hooks.example\"\n"),
                 Err("[repos.app] alert_webhook"),
+            ),
+            (
+                &format!("{REPO}staging_health_url = \"localhost:8081\"\n"),
+                Err("[repos.app] staging_health_url"),
             ),
             (
                 &format!("{REPO}alert = \" \"\n"),

@@ -7,7 +7,9 @@
 //! - [`markers`]: the marker lines of a job's `task_content`, whose counts are the restart-safe
 //!   counters (design.md §2), with their parser;
 //! - [`dedupe`]: the formats of the jobs' dedupe keys, with their parser;
-//! - [`loops_used`]: the loop count of a task, rebuilt from its events.
+//! - [`loops_used`]: the loop count of a task, rebuilt from its events;
+//! - [`actor`]: who made an operator call (the API with the token, the CLI, orch itself), as
+//!   stored in the `by` key of the event's data and said in its text.
 //!
 //! `crates/tidy` fails when a known event kind is spelled as a literal in shipped code outside
 //! this file.
@@ -42,15 +44,15 @@ pub fn terminal_event(stage: &str) -> Option<&'static str> {
 /// beside its kind.
 pub mod events {
     // The task's life.
-    /// A task was created (stage `intake`).
+    /// A task was created (stage `intake`): `{by}` (see [`super::actor`]).
     pub const TASK_SUBMITTED: &str = "task.submitted";
     /// A task reached `done`: `{from, to, outcome, …}`.
     pub const TASK_DONE: &str = "task.done";
     /// A task reached `failed`: `{from, to, outcome, stage, reason}`.
     pub const TASK_FAILED: &str = "task.failed";
-    /// A task reached `cancelled` (an operator, or `decide`): `{from, to, outcome}`.
+    /// A task reached `cancelled` (an operator, or `decide`): `{from, to, outcome, reason, by}`.
     pub const TASK_CANCELLED: &str = "task.cancelled";
-    /// An operator retried a failed task: `{from, to}`.
+    /// An operator retried a failed task: `{from, to, by}`.
     pub const TASK_RETRIED: &str = "task.retried";
 
     // Stage visits.
@@ -63,12 +65,18 @@ pub mod events {
     /// The task went back (review or a gate sent it to an earlier stage): `{from, to}`. Their
     /// number is the task's loop count ([`super::loops_used`]).
     pub const STAGE_LOOP_BACK: &str = "stage.loop_back";
-    /// An operator approved a stage that requires approval.
+    /// An operator approved a stage that requires approval: `{by}`.
     pub const STAGE_APPROVED: &str = "stage.approved";
 
     // Jobs and runs.
-    /// A stage's artifact folder held something refused (a symlink, a file too big).
+    /// A stage left something it may not commit, refused before anything was committed: a
+    /// path it may not touch, a link, a special file, a hostile name, too many files
+    /// (`{stage, attempt, rules: [{path, rule, reason}], count}`, see `crate::protect`), or a
+    /// bad artifact (a file too big, a gate that did not pass).
     pub const ARTIFACT_REJECTED: &str = "artifact.rejected";
+    /// A runner stage (tests, staging) left files it does not write, by-products of the
+    /// repository's own code: they were removed, not committed (`{stage, rules, count}`).
+    pub const COMMIT_DISCARDED: &str = "commit.discarded";
     /// An agent CLI reported a permission denial.
     pub const AGENT_PERMISSION_DENIED: &str = "agent.permission_denied";
     /// An attempt lost to a dead worker (a crash rescue, not counted as a failure). Their count
@@ -182,8 +190,25 @@ pub mod events {
     pub const RELEASE_UNPUBLISHED: &str = "release.unpublished";
     /// The repo's releases are held by this item until an operator acts: `{repo, reason}`.
     pub const RELEASE_HELD: &str = "release.held";
-    /// An operator released the hold: `{repo}`.
+    /// An operator released the hold: `{repo, live, healthy}` (what production ran then, as
+    /// orch saw it; `null` when it could not tell).
     pub const RELEASE_UNHELD: &str = "release.unheld";
+
+    // Production after trouble, notifications and the trail.
+    /// orch looked at production after something went wrong in deploy or observe and settled
+    /// it: `{trouble, revision, previous, live, health, description, settled, settled_at,
+    /// rolled, tried, todo, seq}` (`settled` is `healthy`: verified healthy at the known
+    /// revision `settled_at`; or `alerted`: an operator was alerted with what is live, what was
+    /// tried and what to do).
+    pub const PRODUCTION_CHECKED: &str = "production.checked";
+    /// A notification reached the webhook: `{id, event, attempt, status}`.
+    pub const NOTIFY_DELIVERED: &str = "notify.delivered";
+    /// A notification's delivery failed: `{id, event, attempt, error, retry_in_s}`
+    /// (`retry_in_s` is `null` when it gave up).
+    pub const NOTIFY_FAILED: &str = "notify.failed";
+    /// The item's documents reached the default branch after it ended (or could not):
+    /// `{branch, commit, files, published}`.
+    pub const TRAIL_PUBLISHED: &str = "trail.published";
 
     /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
     pub const ALL: &[&str] = &[
@@ -198,6 +223,7 @@ pub mod events {
         STAGE_LOOP_BACK,
         STAGE_APPROVED,
         ARTIFACT_REJECTED,
+        COMMIT_DISCARDED,
         AGENT_PERMISSION_DENIED,
         JOB_RESCUED,
         JOB_ATTEMPT_FAILED,
@@ -242,6 +268,10 @@ pub mod events {
         RELEASE_UNPUBLISHED,
         RELEASE_HELD,
         RELEASE_UNHELD,
+        PRODUCTION_CHECKED,
+        NOTIFY_DELIVERED,
+        NOTIFY_FAILED,
+        TRAIL_PUBLISHED,
     ];
 
     /// The kinds that end a task.
@@ -393,6 +423,17 @@ pub mod markers {
     }
 }
 
+/// Job kinds orch enqueues besides the stages' own (a stage's kind is its agent's name).
+pub mod jobs {
+    /// The job every terminal stage change enqueues, in the same transaction: it sends the
+    /// outcome's notification and publishes the item's trail on the default branch. Its
+    /// content is `{"task": <id>, "seq": <stage_seq>}`.
+    pub const TASK_ENDED: &str = "task-ended";
+    /// One notification's delivery to the repo's webhook, retried with backoff. Its content is
+    /// the notification document.
+    pub const NOTIFY: &str = "notify";
+}
+
 /// Dedupe keys: a key is unique forever in `jobs`, so enqueueing under the same key twice (a
 /// retry after a crash between two steps) finds the first job instead of adding a second.
 pub mod dedupe {
@@ -406,6 +447,24 @@ pub mod dedupe {
     /// (`requeue-of:<job>`): one follow-up per job, however often the requeue is retried.
     pub fn requeue_of(job_id: i64) -> String {
         format!("requeue-of:{job_id}")
+    }
+
+    /// The key of the [`super::jobs::TASK_ENDED`] job of task `task_id` reaching a terminal
+    /// stage as visit `stage_seq` (`task-ended:<task>:<seq>`).
+    pub fn task_ended(task_id: i64, stage_seq: i64) -> String {
+        format!("task-ended:{task_id}:{stage_seq}")
+    }
+
+    /// The key of a follow-up of a task-ended job that waits for the release track
+    /// (`task-ended:<task>:<seq>:<n>`).
+    pub fn task_ended_wait(task_id: i64, stage_seq: i64, n: u32) -> String {
+        format!("task-ended:{task_id}:{stage_seq}:{n}")
+    }
+
+    /// The key of the [`super::jobs::NOTIFY`] job delivering the notification about event
+    /// `event_id` (`notify:<event>`): one delivery job per event, however often it is asked for.
+    pub fn notify(event_id: i64) -> String {
+        format!("notify:{event_id}")
     }
 
     /// A dedupe key orch wrote, read back.
@@ -437,6 +496,156 @@ pub mod dedupe {
             task_id: task.parse().ok()?,
             stage_seq: seq.parse().ok()?,
         })
+    }
+}
+
+/// Who made an operator call (submit, approve, retry, cancel, a hold's release). The event of
+/// the call says it in its text ([`Actor::describe`]) and keeps it in its data under [`KEY`]
+/// ([`Actor::data`]), so "cancelled by an operator" cannot hide a call made with a stolen
+/// token from another process.
+pub mod actor {
+    use serde_json::{Value, json};
+
+    /// The event data key that holds the caller.
+    pub const KEY: &str = "by";
+    /// `via` of a call through the HTTP API (with the bearer token).
+    pub const VIA_API: &str = "api";
+    /// `via` of a call of the CLI on this machine (which works on the database directly).
+    pub const VIA_CLI: &str = "cli";
+    /// `via` of a call orch made itself (the demo's scripted requests).
+    pub const VIA_ORCH: &str = "orch";
+    /// The most characters of a client-supplied value (User-Agent) kept.
+    pub const MAX_CLIENT_TEXT: usize = 200;
+
+    /// Who made a call.
+    #[derive(Debug, Clone, PartialEq, Eq)]
+    pub enum Actor {
+        /// An HTTP client that presented the operator token.
+        Api {
+            /// The TCP peer (`127.0.0.1:40112`); `None` when the server could not tell.
+            peer: Option<String>,
+            /// The `User-Agent` header as the client sent it (escaped, bounded).
+            user_agent: Option<String>,
+        },
+        /// `orch <command>` run by a user of this machine.
+        Cli {
+            /// The OS user name, when it could be looked up.
+            user: Option<String>,
+            /// The OS user id.
+            uid: u32,
+        },
+        /// orch itself, for `what` (`the demo`).
+        Orch {
+            /// What made the call.
+            what: String,
+        },
+    }
+
+    impl Actor {
+        /// An API caller; the client-supplied text is escaped ([`crate::text::escape`]) and
+        /// cut to [`MAX_CLIENT_TEXT`] characters, so it reads as sent and cannot act on a
+        /// terminal or a page.
+        pub fn api(peer: Option<String>, user_agent: Option<&str>) -> Actor {
+            let user_agent = user_agent.map(|ua| {
+                let shown = crate::text::escape(ua);
+                match shown.chars().count() > MAX_CLIENT_TEXT {
+                    true => shown.chars().take(MAX_CLIENT_TEXT).chain(['…']).collect(),
+                    false => shown,
+                }
+            });
+            Actor::Api { peer, user_agent }
+        }
+
+        /// Who, in words that follow a verb: `via the API from 127.0.0.1:40112 with the
+        /// operator token (User-Agent "curl/8.5.0")`, `via the CLI by user alice (uid 1000)`,
+        /// `by orch (the demo)`.
+        pub fn describe(&self) -> String {
+            match self {
+                Actor::Api { peer, user_agent } => {
+                    let from = peer.as_deref().unwrap_or("an unknown address");
+                    let ua = match user_agent {
+                        Some(ua) => format!("User-Agent \"{ua}\""),
+                        None => "no User-Agent".to_owned(),
+                    };
+                    format!("via the API from {from} with the operator token ({ua})")
+                }
+                Actor::Cli {
+                    user: Some(user),
+                    uid,
+                } => format!(
+                    "via the CLI by user {} (uid {uid})",
+                    crate::text::escape(user)
+                ),
+                Actor::Cli { user: None, uid } => format!("via the CLI by uid {uid}"),
+                Actor::Orch { what } => format!("by orch ({what})"),
+            }
+        }
+
+        /// The caller as the event data's [`KEY`] value: `{via, peer, user_agent}`,
+        /// `{via, user, uid}` or `{via, what}`.
+        pub fn data(&self) -> Value {
+            match self {
+                Actor::Api { peer, user_agent } => {
+                    json!({"via": VIA_API, "peer": peer, "user_agent": user_agent})
+                }
+                Actor::Cli { user, uid } => json!({"via": VIA_CLI, "user": user, "uid": uid}),
+                Actor::Orch { what } => json!({"via": VIA_ORCH, "what": what}),
+            }
+        }
+    }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        #[test]
+        fn each_caller_is_named_in_words_and_data() {
+            let cases = [
+                (
+                    Actor::api(Some("127.0.0.1:4011".into()), Some("curl/8.5")),
+                    "via the API from 127.0.0.1:4011 with the operator token (User-Agent \"curl/8.5\")",
+                    json!({"via": "api", "peer": "127.0.0.1:4011", "user_agent": "curl/8.5"}),
+                ),
+                (
+                    Actor::api(None, Some("x\u{1b}]0;title\u{7}")),
+                    "via the API from an unknown address with the operator token (User-Agent \"x\\u{1b}]0;title\\u{7}\")",
+                    json!({"via": "api", "peer": null, "user_agent": "x\\u{1b}]0;title\\u{7}"}),
+                ),
+                (
+                    Actor::Cli {
+                        user: Some("alice".into()),
+                        uid: 1000,
+                    },
+                    "via the CLI by user alice (uid 1000)",
+                    json!({"via": "cli", "user": "alice", "uid": 1000}),
+                ),
+                (
+                    Actor::Cli { user: None, uid: 7 },
+                    "via the CLI by uid 7",
+                    json!({"via": "cli", "user": null, "uid": 7}),
+                ),
+                (
+                    Actor::Orch {
+                        what: "the demo".into(),
+                    },
+                    "by orch (the demo)",
+                    json!({"via": "orch", "what": "the demo"}),
+                ),
+            ];
+            for (actor, words, data) in cases {
+                assert_eq!(actor.describe(), words);
+                assert_eq!(actor.data(), data);
+            }
+            let long = "u".repeat(500);
+            let Actor::Api {
+                user_agent: Some(ua),
+                ..
+            } = Actor::api(None, Some(&long))
+            else {
+                panic!("an API actor");
+            };
+            assert_eq!(ua.chars().count(), MAX_CLIENT_TEXT + 1);
+        }
     }
 }
 

@@ -14,7 +14,16 @@
 //! - [`config`]: the `orch.toml` model, `ORCH_*` overrides and the `orch init` template.
 //! - [`staging`]: the staging runner's classification, defer rules and `15-staging-log.md` (ORCH-115).
 //! - [`monitor`]: the post-deploy watch's decision rules and `16-post-deploy-log.md` (ORCH-021).
-//! - [`outcome`]: how a finished task ended (shipped, rolled back, reverted, failed, cancelled).
+//! - [`net`]: `host:port` endpoints of the sandbox's network allowlists.
+//! - [`outcome`]: how a finished task ended, derived from the recorded facts (shipped, rolled
+//!   back, reverted, accepted by an operator, failed, cancelled).
+//! - [`notice`]: the versioned notification document (webhook body, the alert command's
+//!   stdin) and its Slack form.
+//! - [`recovery`]: what orch does about production after anything went wrong in deploy or
+//!   observe: settle it healthy at a known revision (rolling back when that is the remedy) or
+//!   alert.
+//! - [`protect`]: what a stage's commit may touch (protected paths, links, special files,
+//!   hostile names, the changed-files limit), checked before anything is committed.
 //! - [`control`]: the control words stored in the database, spelled once: terminal stages,
 //!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]
@@ -25,8 +34,12 @@ pub mod control;
 pub mod gate;
 pub mod ids;
 pub mod monitor;
+pub mod net;
+pub mod notice;
 pub mod outcome;
 pub mod pipeline;
+pub mod protect;
+pub mod recovery;
 pub mod staging;
 pub mod text;
 

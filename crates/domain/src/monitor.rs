@@ -277,6 +277,12 @@ pub struct SeriesStats {
     pub http_5xx: u32,
     /// The longest run of FAIL polls one after another.
     pub max_consecutive_fail: u32,
+    /// Checks counted (every check of every poll: health, revision, control).
+    pub checks: u32,
+    /// FAIL checks.
+    pub checks_fail: u32,
+    /// Checks that were not evidence: ERROR or NODATA.
+    pub checks_errored: u32,
 }
 
 impl SeriesStats {
@@ -303,6 +309,16 @@ impl SeriesStats {
                 .iter()
                 .filter(|c| c.status_code.is_some_and(|code| (500..600).contains(&code)));
             s.http_5xx += u32::try_from(five_xx.count()).unwrap_or(u32::MAX);
+            for c in &poll.checks {
+                s.checks = s.checks.saturating_add(1);
+                match c.outcome {
+                    CheckOutcome::Pass => {}
+                    CheckOutcome::Fail => s.checks_fail = s.checks_fail.saturating_add(1),
+                    CheckOutcome::Error | CheckOutcome::NoData => {
+                        s.checks_errored = s.checks_errored.saturating_add(1);
+                    }
+                }
+            }
         }
         s
     }
@@ -558,9 +574,11 @@ pub struct PostDeployLog<'a> {
 /// It is a repository file, not replicated to the database (design.md §7), and the lessons loop's
 /// source (BR-10, design.md §8).
 ///
-/// The `checks_*` counts are of polls (one poll = one round of checks at one slot):
-/// `checks_total` = polls, `checks_failed` = FAIL polls, `checks_errored` = polls that were
-/// not evidence (ERROR or NODATA); so total = PASS + failed + errored.
+/// The `checks_*` counts are of checks, as "check" means everywhere in the document (one
+/// poll runs one check per configured endpoint: health, revision, control): `checks_total` =
+/// every check of every poll, `checks_failed` = FAIL checks, `checks_errored` = checks that
+/// were not evidence (ERROR or NODATA); so total = PASS checks + failed + errored. The body's
+/// Counts section says so, beside the per-poll counts the verdict is decided on.
 pub fn render_post_deploy_log(log: &PostDeployLog<'_>) -> String {
     let stats = SeriesStats::of(log.series);
     let planned = planned_polls(log.params);
@@ -577,11 +595,11 @@ pub fn render_post_deploy_log(log: &PostDeployLog<'_>) -> String {
             "window_s",
             FmValue::Int(i64::try_from(log.params.window_s).unwrap_or(i64::MAX)),
         ),
-        ("checks_total", FmValue::Int(i64::from(stats.polls))),
-        ("checks_failed", FmValue::Int(i64::from(stats.fail))),
+        ("checks_total", FmValue::Int(i64::from(stats.checks))),
+        ("checks_failed", FmValue::Int(i64::from(stats.checks_fail))),
         (
             "checks_errored",
-            FmValue::Int(i64::from(stats.error + stats.nodata)),
+            FmValue::Int(i64::from(stats.checks_errored)),
         ),
         ("reason", FmValue::Str(log.reason)),
         ("revision", FmValue::Str(log.revision)),
@@ -627,6 +645,13 @@ pub fn render_post_deploy_log(log: &PostDeployLog<'_>) -> String {
         stats.valid(),
         stats.http_5xx,
         stats.max_consecutive_fail,
+    );
+    let _ = write!(
+        out,
+        "\nThe table counts polls (a poll's status is its worst check's); the verdict is decided on them. \
+         The frontmatter's `checks_*` count checks: {} checks in {} polls (`checks_total`), {} FAIL \
+         (`checks_failed`), {} ERROR or NODATA (`checks_errored`).\n",
+        stats.checks, stats.polls, stats.checks_fail, stats.checks_errored,
     );
     out.push_str("\n## Series\n\n| tick | at | poll | check | outcome | status | latency | detail |\n|---|---|---|---|---|---|---|---|\n");
     if log.series.is_empty() {
@@ -1100,9 +1125,14 @@ mod tests {
         assert_eq!(fm.post_deploy_status, "FAILED");
         assert_eq!(fm.action_taken, "rollback");
         assert_eq!(fm.window_s, 600);
+        // Checks, not polls: the poll without checks counts none.
         assert_eq!(
             (fm.checks_total, fm.checks_failed, fm.checks_errored),
-            (7, 1, 2)
+            (6, 1, 1)
+        );
+        assert!(
+            doc.contains("6 checks in 7 polls (`checks_total`), 1 FAIL (`checks_failed`), 1 ERROR or NODATA (`checks_errored`)"),
+            "{doc}"
         );
         assert_eq!(fm.reason, reason);
         assert_eq!(fm.revision, "abc1234");

@@ -25,6 +25,16 @@ pub const RELEASE_TRACK_AGENTS: [&str; 4] =
 /// default branch moved since its candidate was staged.
 pub const RESTAGE: &str = "RESTAGE";
 
+/// The outcome value with which the staging runner reports that the infrastructure stayed
+/// broken through every defer (`15-staging-log.md` says `staging_status: FAILED`,
+/// `failure_kind: tool_error_exhausted`): the item fails without looping back, since the
+/// change was never shown to be at fault (`orch retry` stages it again once the environment
+/// is back).
+pub const TOOL_ERROR_EXHAUSTED: &str = "TOOL_ERROR_EXHAUSTED";
+
+/// Outcome values an executor reports itself, beside its stage's status values.
+const REPORTED: [&str; 2] = [RESTAGE, TOOL_ERROR_EXHAUSTED];
+
 /// Default bound on loops back to an earlier stage, per work item.
 pub const DEFAULT_MAX_LOOPS: u32 = 3;
 
@@ -340,6 +350,7 @@ impl Pipeline {
                 vec![
                     (value("SUCCESS"), next("deploy")),
                     (value("FAILED"), back_to_implementation("15-staging-log.md")),
+                    (value(TOOL_ERROR_EXHAUSTED), Transition::Fail),
                     (On::NotSuccess, back_to_implementation("15-staging-log.md")),
                 ],
             ),
@@ -557,7 +568,7 @@ impl Pipeline {
         let values = def.status_values().unwrap_or(&[]);
         for (on, transition) in &def.transitions {
             // A stage without a status key can only be keyed on what its executor reports.
-            let reported = def.status_values().is_none() && v_is(on, RESTAGE);
+            let reported = REPORTED.iter().any(|r| v_is(on, r));
             if let On::Value(v) = on
                 && !values.contains(v)
                 && !reported
@@ -853,6 +864,13 @@ mod tests {
                 not_success(),
                 3,
                 ("failed", false, None, "used up"),
+            ),
+            // The infrastructure stayed broken: never a loop back that blames the change.
+            (
+                "staging",
+                pass(TOOL_ERROR_EXHAUSTED),
+                0,
+                ("failed", false, None, "staging failed"),
             ),
             ("deploy", pass("CONFIRMED"), 0, ("observe", false, None, "")),
             (

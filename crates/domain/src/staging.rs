@@ -456,6 +456,9 @@ pub struct StagingLog<'a> {
     pub classification: &'a Classification,
     /// The final outcome (see [`StagingDecision::outcome`]).
     pub outcome: &'a StagingOutcome,
+    /// What the runner saw when it looked at the staging health URL itself (before the smoke
+    /// checks, after a step that failed), one line each; empty when none is configured.
+    pub looks: &'a [String],
 }
 
 /// The longest output tail shown in one table cell, in characters (the end is kept).
@@ -496,6 +499,12 @@ pub fn render_staging_log(log: &StagingLog<'_>) -> String {
         log.attempt,
         log.steps.len(),
     );
+    if !log.looks.is_empty() {
+        out.push_str("\nThe runner looked at the staging health URL itself:\n\n");
+        for look in log.looks {
+            let _ = writeln!(out, "- {}", one_line(look));
+        }
+    }
     out.push_str("\n## Environment\n\n| key | value |\n|---|---|\n");
     for (key, value) in [
         ("environment", env.name.as_str()),
@@ -921,6 +930,7 @@ mod tests {
             revision: Some("0123abcd".into()),
         };
         render_staging_log(&StagingLog {
+            looks: &[],
             work_item: "ORCH-115",
             created_at_ms: 1_781_611_200_000,
             attempt: 3,

@@ -1,7 +1,8 @@
 //! Small text helpers the rendered artifacts share (staging log, post-deploy log, lessons,
 //! reports): RFC 3339 dates from epoch milliseconds without a clock or a time zone database,
-//! Markdown table cells, one-line summaries. Pure functions; the one place to fix a rendering
-//! rule.
+//! Markdown table cells, one-line summaries; and which characters a terminal or a reader must
+//! never be handed raw (control characters, invisible and direction-changing marks), with the
+//! escaped form orch shows instead. Pure functions; the one place to fix a rendering rule.
 
 /// Formats epoch milliseconds as RFC 3339 UTC with second precision (`2026-06-16T12:00:00Z`).
 /// Pure arithmetic (no clock, no time zone database); the input is clamped to the years
@@ -83,9 +84,87 @@ pub fn one_line_max(s: &str, max: usize) -> String {
     cut
 }
 
+/// Whether a terminal may act on `c`: the C0 controls (line feed and tab included), DEL and
+/// the C1 controls (Unicode category Cc). ESC starts every terminal escape sequence; 8-bit C1
+/// (`U+009B` CSI, `U+009D` OSC) does the same on some terminals.
+pub fn is_control(c: char) -> bool {
+    c.is_control()
+}
+
+/// Whether `c` is invisible or changes the direction text is shown in, so that what a reader
+/// sees is not what is there: the bidirectional marks, embeddings, overrides and isolates
+/// (`U+200E`, `U+200F`, `U+202A`–`U+202E`, `U+2066`–`U+2069`, `U+061C`), the zero-width
+/// space, the word joiner and invisible operators (`U+200B`, `U+2060`–`U+2064`) and the
+/// byte-order mark (`U+FEFF`). The joiners `U+200C`/`U+200D`, which some scripts and emoji
+/// need, are not among them.
+pub fn is_hidden_format(c: char) -> bool {
+    matches!(
+        c,
+        '\u{061C}'
+            | '\u{200B}'
+            | '\u{200E}'
+            | '\u{200F}'
+            | '\u{202A}'..='\u{202E}'
+            | '\u{2060}'..='\u{2064}'
+            | '\u{2066}'..='\u{2069}'
+            | '\u{FEFF}'
+    )
+}
+
+/// `bytes` (a file name, say) as text a terminal shows as it is: valid UTF-8 is kept except
+/// for the characters of [`is_control`] and [`is_hidden_format`], written as escapes (`\n`,
+/// `\t`, `\r`, `\u{1b}`, `\u{202e}`), and bytes that are not UTF-8 are written `\xNN`. A
+/// backslash is doubled, so the escaped form reads back unambiguously.
+pub fn escape_bytes(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len());
+    for chunk in bytes.utf8_chunks() {
+        out.push_str(&escape(chunk.valid()));
+        for b in chunk.invalid() {
+            out.push_str(&format!("\\x{b:02x}"));
+        }
+    }
+    out
+}
+
+/// [`escape_bytes`] of a string.
+pub fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\t' => out.push_str("\\t"),
+            '\r' => out.push_str("\\r"),
+            c if is_control(c) || is_hidden_format(c) => {
+                out.push_str(&format!("\\u{{{:x}}}", u32::from(c)));
+            }
+            c => out.push(c),
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_a_terminal_must_not_be_handed_is_escaped() {
+        let cases: [(&[u8], &str); 7] = [
+            (b"plain/name.md", "plain/name.md"),
+            (b"new\nline", "new\\nline"),
+            (b"esc\x1b[2Jx", "esc\\u{1b}[2Jx"),
+            ("rtl\u{202e}gpj.exe".as_bytes(), "rtl\\u{202e}gpj.exe"),
+            (b"c1\xc2\x9b", "c1\\u{9b}"),
+            (b"bad\xff\xfe", "bad\\xff\\xfe"),
+            (b"back\\slash\x7f", "back\\\\slash\\u{7f}"),
+        ];
+        for (input, expect) in cases {
+            assert_eq!(escape_bytes(input), expect, "{input:?}");
+        }
+        assert!(is_hidden_format('\u{2066}') && !is_hidden_format('\u{200D}'));
+        assert!(is_control('\u{85}') && !is_control('é'));
+    }
 
     #[test]
     fn dates_lines_and_cells() {

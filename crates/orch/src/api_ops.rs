@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use orch_api::{
-    ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, RunnerCounters,
+    Actor, ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, RunnerCounters,
     SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
 };
 use orch_deploystate::{ArmedRead, WatchState};
@@ -43,10 +43,10 @@ impl ApiOps {
 
 #[async_trait::async_trait]
 impl Operations for ApiOps {
-    async fn submit(&self, req: SubmitRequest) -> Result<SubmitResult, OpError> {
+    async fn submit(&self, req: SubmitRequest, by: &Actor) -> Result<SubmitResult, OpError> {
         let task = self
             .ops()
-            .submit(&req.repo, &req.title, &req.body)
+            .submit(&req.repo, &req.title, &req.body, by)
             .await
             .map_err(op_err)?;
         Ok(SubmitResult {
@@ -55,16 +55,16 @@ impl Operations for ApiOps {
         })
     }
 
-    async fn approve(&self, id: &str) -> Result<(), OpError> {
-        self.ops().approve(id).await.map(|_| ()).map_err(op_err)
+    async fn approve(&self, id: &str, by: &Actor) -> Result<(), OpError> {
+        self.ops().approve(id, by).await.map(|_| ()).map_err(op_err)
     }
 
-    async fn retry(&self, id: &str) -> Result<(), OpError> {
-        self.ops().retry(id).await.map(|_| ()).map_err(op_err)
+    async fn retry(&self, id: &str, by: &Actor) -> Result<(), OpError> {
+        self.ops().retry(id, by).await.map(|_| ()).map_err(op_err)
     }
 
-    async fn cancel(&self, id: &str) -> Result<(), OpError> {
-        self.ops().cancel(id).await.map(|_| ()).map_err(op_err)
+    async fn cancel(&self, id: &str, by: &Actor) -> Result<(), OpError> {
+        self.ops().cancel(id, by).await.map(|_| ()).map_err(op_err)
     }
 
     async fn runner_counters(&self) -> Vec<RunnerCounters> {
@@ -151,6 +151,17 @@ impl Operations for ApiOps {
         })
         .await
         .unwrap_or_default()
+    }
+
+    fn unsandboxed_repos(&self) -> Vec<String> {
+        self.runtime
+            .live
+            .current()
+            .repos
+            .iter()
+            .filter(|(_, r)| !r.sandbox.enabled)
+            .map(|(name, _)| name.to_string())
+            .collect()
     }
 
     async fn repo_lessons(&self, repo: &str) -> Option<String> {
@@ -251,30 +262,40 @@ pub async fn active_observations(repos_dir: std::path::PathBuf) -> Vec<Observati
     tokio::task::spawn_blocking(move || {
         orch_deploystate::list_active(&repos_dir)
             .into_iter()
-            .map(|w| match w.armed {
-                ArmedRead::Present(r) => {
-                    let polls = WatchState::new(&repos_dir, &w.repo, &w.work_item_id)
-                        .series()
-                        .polls
-                        .len();
-                    Observation {
+            .map(|w| {
+                let series = WatchState::new(&repos_dir, &w.repo, &w.work_item_id).series();
+                let polls = series.polls.len() as u64;
+                match w.armed {
+                    ArmedRead::Present(r) => Observation {
                         work_item_id: w.work_item_id,
                         repo: w.repo,
-                        armed_at_ms: r.armed_at_ms,
-                        deadline_ms: r.deadline_ms,
+                        armed_at_ms: Some(r.armed_at_ms),
+                        deadline_ms: Some(r.deadline_ms),
                         revision: r.revision,
-                        polls: polls as u64,
-                    }
+                        polls,
+                        problem: series.lost,
+                    },
+                    // Listed anyway: a stale or corrupt watch is exactly what an operator must
+                    // see; its times are unknown, never made up.
+                    ArmedRead::Corrupt(why) => Observation {
+                        work_item_id: w.work_item_id,
+                        repo: w.repo,
+                        armed_at_ms: None,
+                        deadline_ms: None,
+                        revision: "unknown (state unreadable)".into(),
+                        polls,
+                        problem: Some(format!("armed unusable: {why}")),
+                    },
+                    ArmedRead::Absent => Observation {
+                        work_item_id: w.work_item_id,
+                        repo: w.repo,
+                        armed_at_ms: None,
+                        deadline_ms: None,
+                        revision: "unknown (state unreadable)".into(),
+                        polls,
+                        problem: Some("armed vanished while listing".into()),
+                    },
                 }
-                // Listed anyway: a stale or corrupt watch is exactly what an operator must see.
-                ArmedRead::Corrupt(_) | ArmedRead::Absent => Observation {
-                    work_item_id: w.work_item_id,
-                    repo: w.repo,
-                    armed_at_ms: 0,
-                    deadline_ms: 0,
-                    revision: "unknown (state unreadable)".into(),
-                    polls: 0,
-                },
             })
             .collect()
     })

@@ -84,6 +84,34 @@ impl Context {
         self.root.join(".orch")
     }
 
+    /// orch's own files and directories no sandboxed run may see: the configuration file,
+    /// the state directory, the SQLite database's directory, the repos directory and every
+    /// repo's local checkout or bare repository. Handed to the runner at start-up and after a
+    /// reload (`orch_runner::contain::protect`).
+    pub fn protected_paths(&self, config: &Config) -> Vec<PathBuf> {
+        let mut paths = vec![
+            self.config_path.clone(),
+            self.state_dir(),
+            self.repos_dir(config),
+        ];
+        if self.is_sqlite()
+            && let Some(dir) = Path::new(&sqlite_path(&self.database_url)).parent()
+        {
+            paths.push(dir.to_path_buf());
+        }
+        for repo in config.repos.values() {
+            if let Some(p) = &repo.path {
+                let p = Path::new(p);
+                paths.push(if p.is_absolute() {
+                    p.to_path_buf()
+                } else {
+                    self.root.join(p)
+                });
+            }
+        }
+        paths
+    }
+
     /// True for the embedded default database.
     pub fn is_sqlite(&self) -> bool {
         let u = &self.database_url;
@@ -133,7 +161,7 @@ pub fn load_config(path: &Path) -> std::result::Result<Option<Config>, String> {
 
 /// Parses config `text` read from `path`; the error is `file:line: what` (see [`load_config`]).
 pub fn parse_config(path: &Path, text: &str) -> std::result::Result<Config, String> {
-    Config::from_toml_str(text, &|k: &str| std::env::var(k).ok())
+    Config::from_toml_str(text, &|k: &str| crate::secrets::var(k))
         .map_err(|e| describe_config_error(path, text, &e))
 }
 
@@ -202,4 +230,40 @@ fn absolute(p: &Path) -> Result<PathBuf> {
     }
     let cwd = std::env::current_dir().context("cannot read the current directory")?;
     Ok(cwd.join(p))
+}
+
+/// Who runs this CLI, for the events of the operator calls it makes (`submit`, `approve`,
+/// `retry`, `cancel`): the real user id and its name from the system's user database.
+pub fn cli_actor() -> orch_domain::control::actor::Actor {
+    // SAFETY: getuid cannot fail and touches no memory.
+    let uid = unsafe { libc::getuid() };
+    orch_domain::control::actor::Actor::Cli {
+        user: user_name(uid),
+        uid,
+    }
+}
+
+/// The login name of `uid` (`getpwuid_r`), when the user database has one.
+fn user_name(uid: libc::uid_t) -> Option<String> {
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: an all-zero `passwd` is a valid value to be filled in.
+    let mut pwd: libc::passwd = unsafe { std::mem::zeroed() };
+    let mut found: *mut libc::passwd = std::ptr::null_mut();
+    // SAFETY: every pointer is to memory we own, `buf` is as long as we say; on success
+    // `found` points at `pwd`, whose strings point into `buf`.
+    let rc = unsafe {
+        libc::getpwuid_r(
+            uid,
+            &mut pwd,
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+            &mut found,
+        )
+    };
+    if rc != 0 || found.is_null() || pwd.pw_name.is_null() {
+        return None;
+    }
+    // SAFETY: `pw_name` is a NUL-terminated string inside `buf`, alive here.
+    let name = unsafe { std::ffi::CStr::from_ptr(pwd.pw_name) };
+    Some(name.to_string_lossy().into_owned())
 }

@@ -129,7 +129,7 @@ pub fn report(e: &anyhow::Error, json: bool) -> ExitCode {
 /// Prints an error of `kind` and returns its exit code.
 pub fn report_kind(kind: Kind, message: &str, json: bool) -> ExitCode {
     if json {
-        println!("{}", error_json(kind, message));
+        crate::output::print_json_str(&error_json(kind, message));
     } else {
         crate::say(&format!("orch: error: {message}"));
     }

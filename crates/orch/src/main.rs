@@ -10,6 +10,7 @@ mod exit;
 mod output;
 mod reload;
 mod runtime;
+mod secrets;
 mod signals;
 
 use std::process::ExitCode;
@@ -17,10 +18,25 @@ use std::process::ExitCode;
 use clap::Parser;
 
 fn main() -> ExitCode {
+    // Inside a sandbox whose network is an allowlist, orch's binary is the relay that runs
+    // first (`orch_exec::sandbox::init_main`): nothing else of orch runs there.
+    let mut args = std::env::args_os();
+    if args
+        .nth(1)
+        .is_some_and(|a| a == orch_exec::sandbox::INIT_ARG)
+    {
+        let rest: Vec<std::ffi::OsString> = args.collect();
+        let code = orch_exec::sandbox::init_main(&rest);
+        return ExitCode::from(u8::try_from(code).unwrap_or(1));
+    }
     let cli = match cli::Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return usage_error(&e),
     };
+    // Once the command line has read them, before any thread exists: orch's own secrets leave
+    // its environment (and the memory `/proc/<pid>/environ` shows), so no child and no other
+    // process of its user finds them there.
+    secrets::take();
     let json = cli.global.json;
     // The demo and the scripted agent talk to people through stdout; keep logs to warnings.
     let quiet_default = matches!(
@@ -78,10 +94,9 @@ fn usage_error(e: &clap::Error) -> ExitCode {
     ExitCode::from(exit::Kind::Usage.exit_code())
 }
 
-/// A line on stderr that cannot panic (`eprintln!` does when stderr is a closed pipe).
+/// A line on stderr: [`output::say`].
 pub fn say(line: &str) {
-    use std::io::Write as _;
-    let _ = writeln!(std::io::stderr(), "{line}");
+    output::say(line);
 }
 
 /// Logs go to stderr: text for people, or one JSON object per line under `--json` (so `orch

@@ -1,9 +1,146 @@
-//! Human and JSON output. Human output is aligned text fitted to the terminal's width (never
-//! cut when stdout is not a terminal, unless `COLUMNS` says how wide); `--json` prints one JSON
-//! document. Colour only goes to a terminal, and never when `NO_COLOR` is set.
+//! Human and JSON output, and the one place the binary prints: [`out`], [`outln`] (stdout),
+//! [`say`] (stderr) and [`print_json`]. Human output is aligned text fitted to the terminal's
+//! width (never cut when stdout is not a terminal, unless `COLUMNS` says how wide); `--json`
+//! prints one JSON document. Colour only goes to a terminal, and never when `NO_COLOR` is set.
+//!
+//! What orch prints carries text that came from agents and users (titles, event texts,
+//! reasons, artifact excerpts, file names, errors): everything printed goes through
+//! [`terminal_safe`] on its way out, so no escape sequence, control character or
+//! direction-changing mark reaches the terminal. JSON stays exact data: the encoder escapes
+//! control characters, and [`json_text`] also writes DEL, the C1 controls and the invisible
+//! and direction-changing marks as `\uXXXX` escapes, which decode to the same text.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
-use std::io::IsTerminal;
+use std::io::{IsTerminal, Write as _};
+
+use orch_domain::text::{is_control, is_hidden_format};
+
+/// What stands for each escape sequence or character [`terminal_safe`] takes out.
+pub const REPLACEMENT: char = '\u{FFFD}';
+
+/// `text` as it is safe to hand to a terminal: every escape sequence (ESC or its 8-bit C1
+/// form followed by a CSI, OSC, DCS, SOS, PM or APC body, or a two-character escape) becomes
+/// one [`REPLACEMENT`], as does every other control character (C0 but line feed and tab, DEL,
+/// C1) and every invisible or direction-changing mark
+/// ([`orch_domain::text::is_hidden_format`]); `\r\n` becomes `\n`. Text with none of them
+/// is returned as it is.
+pub fn terminal_safe(text: &str) -> Cow<'_, str> {
+    let clean = |c: char| (!is_control(c) || c == '\n' || c == '\t') && !is_hidden_format(c);
+    if text.chars().all(clean) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len());
+    let mut chars = text.chars().peekable();
+    while let Some(c) = chars.next() {
+        if clean(c) {
+            out.push(c);
+            continue;
+        }
+        if c == '\r' && chars.peek() == Some(&'\n') {
+            continue;
+        }
+        out.push(REPLACEMENT);
+        let body = match c {
+            '\u{1b}' => match chars.peek().copied() {
+                Some('[') => Some(Body::Csi),
+                Some(']') => Some(Body::String { bel_ends: true }),
+                Some('P' | 'X' | '^' | '_') => Some(Body::String { bel_ends: false }),
+                Some(' '..='/') => Some(Body::Nf),
+                Some('0'..='~') => Some(Body::One),
+                _ => None,
+            },
+            '\u{9b}' => {
+                skip_csi(&mut chars);
+                None
+            }
+            '\u{9d}' => {
+                skip_string(&mut chars, true);
+                None
+            }
+            '\u{90}' | '\u{98}' | '\u{9e}' | '\u{9f}' => {
+                skip_string(&mut chars, false);
+                None
+            }
+            _ => None,
+        };
+        match body {
+            Some(Body::Csi) => {
+                chars.next();
+                skip_csi(&mut chars);
+            }
+            Some(Body::String { bel_ends }) => {
+                chars.next();
+                skip_string(&mut chars, bel_ends);
+            }
+            Some(Body::Nf) => {
+                while chars.next_if(|c| matches!(c, ' '..='/')).is_some() {}
+                chars.next_if(|c| matches!(c, '0'..='~'));
+            }
+            Some(Body::One) => {
+                chars.next();
+            }
+            None => {}
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// What follows an ESC.
+enum Body {
+    /// `[` parameters, intermediates, a final byte.
+    Csi,
+    /// A string ended by ST (`ESC \\`, `U+009C`), or by BEL too for OSC.
+    String { bel_ends: bool },
+    /// Intermediates (` `–`/`) and one final byte (`ESC ( B`).
+    Nf,
+    /// One final byte (`ESC c`, `ESC 7`).
+    One,
+}
+
+/// Skips a CSI's parameter and intermediate bytes and its final byte (`@`–`~`); stops at
+/// anything else, which is then read as text (or taken out as a control).
+fn skip_csi(chars: &mut std::iter::Peekable<std::str::Chars<'_>>) {
+    while chars
+        .next_if(|c| matches!(c, '0'..='?' | ' '..='/'))
+        .is_some()
+    {}
+    chars.next_if(|c| matches!(c, '@'..='~'));
+}
+
+/// Skips a control string up to and including its terminator (or to the end).
+fn skip_string(chars: &mut std::iter::Peekable<std::str::Chars<'_>>, bel_ends: bool) {
+    while let Some(c) = chars.next() {
+        match c {
+            '\u{7}' if bel_ends => return,
+            '\u{9c}' => return,
+            '\u{1b}' => {
+                chars.next_if_eq(&'\\');
+                return;
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Prints `text` on stdout, made [`terminal_safe`]. A stdout that is closed or broken (a
+/// pager quit) is not an error.
+pub fn out(text: &str) {
+    let mut stdout = std::io::stdout().lock();
+    let _ = stdout.write_all(terminal_safe(text).as_bytes());
+    let _ = stdout.flush();
+}
+
+/// [`out`] and a line feed.
+pub fn outln(text: &str) {
+    out(&format!("{text}\n"));
+}
+
+/// A line on stderr, made [`terminal_safe`], that cannot panic (`eprintln!` does when stderr
+/// is a closed pipe).
+pub fn say(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{}", terminal_safe(line));
+}
 
 /// Whether to colour what goes to `stream`: a terminal, and `NO_COLOR` unset or empty.
 pub fn colour(stream: &impl IsTerminal) -> bool {
@@ -72,8 +209,14 @@ pub fn table_fit(headers: &[&str], rows: &[Vec<String>], width: Option<usize>) -
     table(headers, &rows)
 }
 
-/// Prints rows as an aligned table under `headers`.
+/// Prints rows as an aligned table under `headers`. Cells are made [`terminal_safe`] first, so
+/// the columns are measured on what will be shown.
 pub fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let rows: Vec<Vec<String>> = rows
+        .iter()
+        .map(|r| r.iter().map(|c| terminal_safe(c).into_owned()).collect())
+        .collect();
+    let rows = rows.as_slice();
     let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
     for row in rows {
         for (i, cell) in row.iter().enumerate() {
@@ -115,17 +258,89 @@ pub fn age(ms: i64) -> String {
     }
 }
 
-/// Prints a JSON value, pretty.
+/// Prints a JSON value, pretty ([`print_json_str`]).
 pub fn print_json(v: &serde_json::Value) {
     match serde_json::to_string_pretty(v) {
-        Ok(s) => println!("{s}"),
-        Err(e) => crate::say(&format!("orch: cannot render JSON: {e}")),
+        Ok(s) => print_json_str(&s),
+        Err(e) => say(&format!("orch: cannot render JSON: {e}")),
     }
+}
+
+/// Prints JSON text serde_json wrote, as [`json_text`] makes it, and a line feed.
+pub fn print_json_str(json: &str) {
+    let mut stdout = std::io::stdout().lock();
+    let _ = writeln!(stdout, "{}", json_text(json));
+    let _ = stdout.flush();
+}
+
+/// JSON text from serde_json with DEL, the C1 controls and the invisible and
+/// direction-changing marks also written as `\uXXXX`: the same data (they can only be inside
+/// strings, where the escape means the character), none of it acted on by a terminal.
+pub fn json_text(json: &str) -> String {
+    let mut out = String::with_capacity(json.len());
+    for c in json.chars() {
+        match (is_control(c) && c != '\n') || is_hidden_format(c) {
+            true => {
+                let _ = write!(out, "\\u{:04x}", u32::from(c));
+            }
+            false => out.push(c),
+        }
+    }
+    out
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn check(input: &str, expect: &str) {
+        assert_eq!(terminal_safe(input), expect, "{input:?}");
+        assert_eq!(terminal_safe(expect), expect, "{expect:?} is already safe");
+    }
+
+    #[test]
+    fn nothing_a_terminal_acts_on_is_printed() {
+        let r = REPLACEMENT;
+        check(
+            "plain text\twith a tab\nand lines",
+            "plain text\twith a tab\nand lines",
+        );
+        check("a\u{1b}[2J\u{1b}[Hb", &format!("a{r}{r}b"));
+        check("\u{1b}[38;5;196mred\u{1b}[0m", &format!("{r}red{r}"));
+        check("\u{1b}]0;pwned\u{7}title", &format!("{r}title"));
+        check(
+            "\u{1b}]8;;http://x\u{1b}\\link\u{1b}]8;;\u{1b}\\",
+            &format!("{r}link{r}"),
+        );
+        check("\u{1b}P+q\u{1b}\\x", &format!("{r}x"));
+        check("\u{1b}(Bx\u{1b}cy\u{1b}", &format!("{r}x{r}y{r}"));
+        check("\u{9b}31mc1\u{9d}2;t\u{9c}z", &format!("{r}c1{r}z"));
+        check(
+            "bell\u{7} del\u{7f} nul\u{0}",
+            &format!("bell{r} del{r} nul{r}"),
+        );
+        check("crlf\r\nlone\rcr", &format!("crlf\nlone{r}cr"));
+        check(
+            "evil\u{202e}txt.exe \u{2066}x\u{2069}",
+            &format!("evil{r}txt.exe {r}x{r}"),
+        );
+        check("emoji 👩\u{200d}💻 and é", "emoji 👩\u{200d}💻 and é");
+        check("\u{1b}[", &r.to_string());
+        check("\u{1b}]unterminated", &r.to_string());
+    }
+
+    #[test]
+    fn json_keeps_the_data_and_hides_nothing_raw() {
+        let v = serde_json::json!({"title": "a\u{1b}[2J\u{7}\u{202e}\u{9b}\u{7f}z"});
+        let text = json_text(&serde_json::to_string_pretty(&v).unwrap());
+        assert!(
+            text.chars()
+                .all(|c| c == '\n' || (!is_control(c) && !is_hidden_format(c))),
+            "{text:?}"
+        );
+        let back: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(back, v, "the same data");
+    }
 
     #[test]
     fn table_aligns_columns() {

@@ -64,11 +64,12 @@ fn write_state(file: &Path, config_path: &Path, st: &ConfigState) {
 
 /// Watches `config_path` until `stop`; removes this process's state file on the way out.
 pub fn spawn(
-    config_path: PathBuf,
-    state_dir: PathBuf,
+    cx: &crate::context::Context,
     live: LiveConfig,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
+    let (config_path, state_dir) = (cx.config_path.clone(), cx.state_dir());
+    let cx = cx.clone();
     tokio::spawn(async move {
         let file = state_file(&state_dir);
         let mut seen = std::fs::read_to_string(&config_path)
@@ -101,6 +102,8 @@ pub fn spawn(
             seen = Some(hash);
             match crate::context::parse_config(&config_path, &text) {
                 Ok(config) => {
+                    // A repo added or moved: its checkout is hidden from sandboxes from now on.
+                    orch_runner::contain::protect(cx.protected_paths(&config));
                     let restart = live.replace(config, now_ms());
                     let generation = live.state().generation;
                     tracing::info!(config = %config_path.display(), generation,

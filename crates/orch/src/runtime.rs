@@ -57,6 +57,7 @@ impl Runtime {
         node: Option<&str>,
     ) -> Result<Runtime> {
         let pipeline = config.pipeline().context("invalid pipeline in orch.toml")?;
+        orch_runner::contain::protect(cx.protected_paths(config));
         let repos_dir = cx.repos_dir(config);
         let counters = Arc::new(Counters::new());
         let config = Arc::new(config.clone());

@@ -36,16 +36,26 @@ fn configure(dir: &Path, preset: &str, program: &Path, endpoint: &str, model: &s
 /// Submits a work item and runs `orch serve` until its stage is none of `past`; checks the
 /// agent runs and `orch status`.
 async fn drive(preset: &str, model: &str, past: &[&str]) {
+    drive_with(preset, model, past, Vec::new()).await;
+}
+
+/// [`drive`] with the model asking the CLI to run `before` first; returns the model server's
+/// record of the requests (the tool results the CLI sent back).
+async fn drive_with(
+    preset: &str,
+    model: &str,
+    past: &[&str],
+    before: Vec<orch_modelserver::Action>,
+) -> Vec<orch_modelserver::Recorded> {
     let Some(program) = agent_cli(preset) else {
-        return;
+        return Vec::new();
     };
     if !python_available() {
-        return common::skip("python3 is not installed (the sample service's tests need it)");
+        common::skip("python3 is not installed (the sample service's tests need it)");
+        return Vec::new();
     }
     become_subreaper();
-    let server = ModelServer::start(artifact_writer(Vec::new()))
-        .await
-        .unwrap();
+    let server = ModelServer::start(artifact_writer(before)).await.unwrap();
     let endpoint = if preset == "claude" {
         server.url()
     } else {
@@ -130,6 +140,7 @@ async fn drive(preset: &str, model: &str, past: &[&str]) {
         text.contains("cost $") && !text.contains("cost unknown"),
         "{text}"
     );
+    server.requests()
 }
 
 const LLM_STAGES: [&str; 6] = [
@@ -146,9 +157,37 @@ async fn claude_code_runs_every_llm_stage_through_the_engine() {
     drive("claude", "claude-sonnet-4-5", &LLM_STAGES).await;
 }
 
+/// Codex in orch's sandbox: its shell reaches the model server (its endpoint) and nothing else
+/// on loopback, though another server listens there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn codex_runs_the_analysis_stage_through_the_engine() {
-    drive("codex", "gpt-5-codex", &["intake", "analysis"]).await;
+async fn codex_runs_the_analysis_stage_through_the_engine_in_the_sandbox() {
+    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = other.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        for mut c in other.incoming().flatten() {
+            let mut b = [0u8; 2048];
+            let _ = c.read(&mut b);
+            let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\nreached-other");
+        }
+    });
+    let probe = format!("curl -s -m 3 http://127.0.0.1:{port}/; echo \" probe-exit=$?\"");
+    let requests = drive_with(
+        "codex",
+        "gpt-5-codex",
+        &["intake", "analysis"],
+        vec![orch_modelserver::Action::Bash(probe)],
+    )
+    .await;
+    if requests.is_empty() {
+        return; // skipped
+    }
+    let bodies: String = requests.iter().map(|r| r.body.to_string()).collect();
+    assert!(
+        bodies.contains("probe-exit=7"),
+        "the probe ran and could not connect: {bodies}"
+    );
+    assert!(!bodies.contains("reached-other"), "{bodies}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -84,7 +84,7 @@ exit 0"#,
 
     for (t, reason) in ended.iter().zip([
         "duplicate frontmatter key `stage`",
-        "agent wrote outside docs/work-items/APP-2: app.py",
+        "`app.py`: outside `docs/work-items/APP-2/`; `analysis` writes no code",
         "without",
     ]) {
         assert_eq!(

@@ -99,7 +99,11 @@ async fn kill_9_during_staging_leaves_no_process_and_the_step_reruns_cleanly() {
     assert!(config.contains(step), "the demo config changed shape");
     let config = config.replacen(
         step,
-        &format!("run = \"sh {}\"\ntimeout_s = 120", stage.display()),
+        // On the host (the records' path): a sandboxed step's processes end with orch.
+        &format!(
+            "run = \"sh {}\"\ntimeout_s = 120\nsandbox = false",
+            stage.display()
+        ),
         1,
     );
     std::fs::write(&config_path, config).unwrap();
@@ -241,9 +245,11 @@ async fn kill_9_during_an_agent_run_stops_the_agents_setsid_daemon() {
     let cut = config.find("[agents.analyst]").unwrap();
     let rest = &config[cut..];
     let after = rest.find("[agents.architect]").unwrap();
+    // Unsandboxed: this is the records' path (a sandboxed agent's daemons die with its run and
+    // with orch: crates/orch/tests/hostile/sandbox.rs).
     let config = format!(
         "{}[agents.analyst]\nbackend = \"command\"\ncommand = \"{}\"\ntimeout_s = 900\n\n{}",
-        &config[..cut],
+        common::sandbox_off(&config[..cut]),
         agent.display(),
         &rest[after..]
     );

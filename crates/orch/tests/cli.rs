@@ -259,6 +259,15 @@ fn doctor_names_what_is_missing_and_how_to_fix_it() {
         "{stdout}"
     );
     assert!(
+        stdout.contains("FAIL  repo app: no staging steps"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("repo app: deploy without rollback")
+            && stdout.contains("repo app: deploys with nobody to alert"),
+        "{stdout}"
+    );
+    assert!(
         stdout.contains("fix: "),
         "every problem says how to fix it: {stdout}"
     );

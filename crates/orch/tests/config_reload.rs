@@ -65,7 +65,7 @@ async fn a_running_serve_uses_the_fixed_agent_command_after_a_config_change() {
     .unwrap();
     use std::os::unix::fs::PermissionsExt as _;
     std::fs::set_permissions(&broken_agent, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let demo_agent = d.join("demo-agent.sh").display().to_string();
+    let demo_agent = d.join("agent/demo-agent.sh").display().to_string();
     let broken = good.replacen(
         &format!("[agents.analyst]\nbackend = \"claude\"\ncommand = \"{demo_agent}\""),
         &format!(

@@ -187,14 +187,19 @@ async fn approve_cancel_and_retry() {
     .await;
     let out = orch(&config, &["--json", "status", "APP-3"]);
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(
-        v["events"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .any(|e| e["kind"] == "task.retried"),
-        "{v}"
-    );
+    // Each operator call names its caller: here the CLI and its OS user.
+    for kind in ["task.retried", "stage.approved"] {
+        assert!(
+            v["events"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|e| e["kind"] == kind
+                    && e["message"].as_str().unwrap().contains(" via the CLI by ")
+                    && e["data"]["by"]["via"] == "cli"),
+            "{kind}: {v}"
+        );
+    }
 
     terminate(serve).await;
     stop_service(&dir);

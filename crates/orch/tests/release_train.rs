@@ -231,8 +231,8 @@ async fn check_release(dir: &Path, store: &Store, ids: &[String], killed: bool) 
     let live = std::fs::read_to_string(state.join("run/production.rev")).unwrap();
     let live_app = app_at(live.trim());
     assert!(live_app.contains("def version") && !live_app.contains("greeting not configured"));
-    // Each deploy's item list is exact: the items whose 10-implementation.md its revision is
-    // the first (in deploy order) to hold are its merges.
+    // Each deploy's item list is exact: the items whose change its revision is the first (in
+    // deploy order) to hold are its merges.
     deployed_events.sort_by_key(|(id, _)| *id);
     let mut seen: BTreeSet<String> = BTreeSet::new();
     for (_, v) in deployed_events
@@ -247,18 +247,25 @@ async fn check_release(dir: &Path, store: &Store, ids: &[String], killed: bool) 
             .filter(|i| i["change"] == "merge")
             .map(|i| i["work_item"].as_str().unwrap().to_owned())
             .collect();
+        // An item's change is in a revision when a commit of its own (a `Work-Item:` trailer
+        // naming it) that is not documents alone (`Stage: audit` or `lessons`: a trail an
+        // ended item publishes, whether it shipped or not) is in the revision's history.
         let holds: BTreeSet<String> = ids
             .iter()
             .filter(|id| {
-                git(
+                let log = git(
                     &clone,
                     &[
-                        "cat-file",
-                        "-e",
-                        &format!("{rev}:docs/work-items/{id}/10-implementation.md"),
+                        "log",
+                        rev,
+                        "--format=%(trailers:key=Work-Item,key=Stage,valueonly,separator=%x20)",
                     ],
                 )
-                .is_some()
+                .unwrap_or_default();
+                log.lines().any(|l| {
+                    let mut t = l.split(' ');
+                    t.next() == Some(id.as_str()) && !matches!(t.next(), Some("audit" | "lessons"))
+                })
             })
             .cloned()
             .collect();

@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 
 use common::{ORCH, agent_cli, become_subreaper, python_available, reap_orphans};
 
+/// The variable holding the agents' API key in `orch serve`'s environment.
+const KEY_VAR: &str = "WALKTHROUGH_ANTHROPIC_KEY";
+
 /// Who runs the four LLM stages, and the model server the real Claude Code talks to.
 struct Agents {
     /// The `[agents.*]` lines that point the `claude` preset at them.
@@ -64,17 +67,12 @@ impl Agents {
             url.starts_with("http://127.0.0.1:"),
             "model server: {url:?}"
         );
-        // The key Claude Code sends; the local server takes any.
-        let wrapper = script(
-            "claude.sh",
-            format!(
-                "#!/bin/sh\nexport ANTHROPIC_API_KEY=walkthrough-local-key\nexec '{}' \"$@\"\n",
-                claude.display()
-            ),
-        );
+        // The key Claude Code sends (the local server takes any), given the way the README
+        // says: `api_key_env` names a variable of `orch serve`'s environment.
         Agents {
             lines: format!(
-                "command = \"{wrapper}\"\nendpoint = \"{}\"\nmodel = \"claude-sonnet-4-5\"\ntimeout_s = 180\n",
+                "command = \"{}\"\nendpoint = \"{}\"\nmodel = \"claude-sonnet-4-5\"\napi_key_env = \"{KEY_VAR}\"\ntimeout_s = 180\n",
+                claude.display(),
                 url.trim()
             ),
             server: Some(server),
@@ -237,8 +235,10 @@ fn repo_section(source: &str, prod: u16, staging: u16, state: &Path) -> String {
          rollback = \"sh rollback.sh production {prod} {st}\"\n\
          health_url = \"http://127.0.0.1:{prod}/health\"\n\
          revision_url = \"http://127.0.0.1:{prod}/revision\"\n\n\
-         [[repos.app.staging]]\nname = \"deploy-staging\"\nrun = \"sh deploy.sh staging {staging} {st}\"\n\n\
+         [[repos.app.staging]]\nname = \"deploy-staging\"\nrun = \"sh deploy.sh staging {staging} {st}\"\n\
+         sandbox = false\n\n\
          [[repos.app.staging_smoke]]\nname = \"health\"\nrun = \"sh smoke.sh {staging}\"\n\n\
+         [repos.app.sandbox]\nnetwork = [\"127.0.0.1:{staging}\"]\n\n\
          [repos.app.post_deploy]\nwindow_s = 3\ninterval_s = 1\ninitial_delay_s = 1\npoll_timeout_s = 2\n"
     )
 }
@@ -269,7 +269,10 @@ async fn walkthrough(setup: RepoSetup, backend: Backend) {
         Backend::Sqlite => None,
         Backend::Postgres => Some(orch_store::testing::fresh_pg_schema().await),
     };
-    let mut env: Vec<(&str, &str)> = vec![("ORCH_DEMO_AGENT_SLEEP_MS", "10")];
+    let mut env: Vec<(&str, &str)> = vec![
+        ("ORCH_DEMO_AGENT_SLEEP_MS", "10"),
+        (KEY_VAR, "walkthrough-local-key"),
+    ];
     if let Some(url) = &db_url {
         env.push(("ORCH_DATABASE_URL", url));
     }

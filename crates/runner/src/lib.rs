@@ -3,14 +3,17 @@
 
 pub mod agents;
 pub mod builtin;
+pub mod contain;
 pub mod counters;
 pub mod deploy;
+pub mod ended;
 pub mod engine;
 pub mod failpoint;
 pub mod fsutil;
 pub mod histogram;
 pub mod live_config;
 pub mod maintenance;
+pub mod notify;
 pub mod ops;
 pub mod release;
 pub mod repos;

@@ -1,11 +1,14 @@
 //! Operator operations shared by the CLI and the HTTP API: submit, approve, retry, cancel.
 //! Each is fenced by the task's `stage_seq` as read (an operator CAS), so two operators (or an
-//! operator and a worker) racing on one task cannot both win.
+//! operator and a worker) racing on one task cannot both win. Each names its caller
+//! ([`Actor`]: the API with the token and where from, the CLI and which OS user, orch itself)
+//! in its event's text and under `by` in its data.
 
 use std::sync::Arc;
 
 use orch_domain::MAX_REQUEST_BYTES;
 use orch_domain::config::Config;
+use orch_domain::control::actor::{self, Actor};
 use orch_domain::control::{self, events};
 use orch_domain::ids::{RepoName, WorkItemId};
 use orch_domain::pipeline::Pipeline;
@@ -15,7 +18,8 @@ use crate::engine::{Engine, StageJob, first_job};
 
 /// Creates a task for a new work item of `repo` with its first stage's job, in one
 /// transaction: all a submit needs is the config and the store (the CLI's `orch submit`
-/// builds no engine). The body is bounded by [`MAX_REQUEST_BYTES`], as the API's.
+/// builds no engine). The body is bounded by [`MAX_REQUEST_BYTES`], as the API's; the title is
+/// one line without control characters, as the API's.
 pub async fn submit(
     store: &Store,
     config: &Config,
@@ -23,6 +27,7 @@ pub async fn submit(
     repo: &str,
     title: &str,
     body: &str,
+    by: &Actor,
 ) -> OpsResult<Task> {
     let repo_name: RepoName = repo
         .parse()
@@ -39,9 +44,9 @@ pub async fn submit(
         )));
     };
     let title = title.trim();
-    if title.is_empty() || title.len() > 200 || title.contains('\n') {
+    if title.is_empty() || title.len() > 200 || title.chars().any(char::is_control) {
         return Err(OpsError::Invalid(
-            "the title must be one line of 1 to 200 characters".into(),
+            "the title must be one line of 1 to 200 characters without control characters".into(),
         ));
     }
     if body.len() > MAX_REQUEST_BYTES {
@@ -62,7 +67,11 @@ pub async fn submit(
             body: body.to_owned(),
             stage,
             branch_prefix: "orch/".into(),
-            event: NewEvent::new(events::TASK_SUBMITTED, format!("submitted: {title}")),
+            event: NewEvent::new(
+                events::TASK_SUBMITTED,
+                format!("submitted {}: {title}", by.describe()),
+            )
+            .data(serde_json::json!({ actor::KEY: by.data() }).to_string()),
             first_job: Some(first),
         })
         .await?;
@@ -112,10 +121,10 @@ impl Ops {
     }
 
     /// Creates a task for a new work item of `repo`, with its intake job.
-    pub async fn submit(&self, repo: &str, title: &str, body: &str) -> OpsResult<Task> {
+    pub async fn submit(&self, repo: &str, title: &str, body: &str, by: &Actor) -> OpsResult<Task> {
         let config = self.engine.config().live.current();
         let pipeline = &self.engine.config().pipeline;
-        submit(&self.store, &config, pipeline, repo, title, body).await
+        submit(&self.store, &config, pipeline, repo, title, body, by).await
     }
 
     pub async fn task(&self, id: &str) -> OpsResult<Task> {
@@ -128,24 +137,54 @@ impl Ops {
 
     /// Lets a task waiting at an `approval = true` stage go on, or releases the hold a
     /// rolled-back item keeps on its repo's releases (see [`crate::release`]).
-    pub async fn approve(&self, id: &str) -> OpsResult<Task> {
+    pub async fn approve(&self, id: &str, by: &Actor) -> OpsResult<Task> {
         let task = self.task(id).await?;
         let events = self.store.task_events(task.id).await?;
         if !task.is_terminal()
             && let Some(reason) = crate::release::open_hold(&events)
         {
+            // What production runs as the operator goes on: the revision the item's outcome
+            // names as accepted when production was not verified back.
+            let config = self.engine.config().live.current();
+            let repo = task
+                .repo
+                .parse::<RepoName>()
+                .ok()
+                .and_then(|r| config.repos.get(&r).cloned());
+            // A short look: the operator's call waits for it.
+            let sight = match repo {
+                Some(mut repo) => {
+                    repo.post_deploy.poll_timeout_s = repo.post_deploy.poll_timeout_s.min(3);
+                    Some(crate::deploy::recover::look_at(&repo).await)
+                }
+                None => None,
+            };
+            let live = sight.as_ref().and_then(|s| s.live.clone());
+            let seen = sight.as_ref().map_or_else(
+                || "production was not looked at (the repo is no longer configured)".to_owned(),
+                |s| format!("production: {}", s.describe()),
+            );
             self.store
                 .append_event(
                     NewEvent::new(
                         events::RELEASE_UNHELD,
                         format!(
-                            "the hold of repo {} was released by an operator (it was: {reason})",
-                            task.repo
+                            "the hold of repo {} was released {} (it was: {reason}); {seen}",
+                            task.repo,
+                            by.describe()
                         ),
                     )
                     .task(task.id)
                     .stage(task.stage.clone())
-                    .data(serde_json::json!({"repo": task.repo}).to_string()),
+                    .data(
+                        serde_json::json!({
+                            "repo": task.repo,
+                            actor::KEY: by.data(),
+                            "live": live,
+                            "healthy": sight.as_ref().map(|s| s.health == orch_domain::recovery::Health::Pass),
+                        })
+                        .to_string(),
+                    ),
                 )
                 .await?;
             return Ok(task);
@@ -185,10 +224,11 @@ impl Ops {
                 .append_event(
                     NewEvent::new(
                         events::STAGE_APPROVED,
-                        format!("{} approved by an operator", task.stage),
+                        format!("{} approved {}", task.stage, by.describe()),
                     )
                     .task(task.id)
-                    .stage(task.stage.clone()),
+                    .stage(task.stage.clone())
+                    .data(serde_json::json!({ actor::KEY: by.data() }).to_string()),
                 )
                 .await?;
         }
@@ -196,7 +236,7 @@ impl Ops {
     }
 
     /// Puts a failed task back at the stage it failed in, as a new visit.
-    pub async fn retry(&self, id: &str) -> OpsResult<Task> {
+    pub async fn retry(&self, id: &str, by: &Actor) -> OpsResult<Task> {
         let task = self.task(id).await?;
         if task.stage != control::FAILED {
             return Err(OpsError::Conflict(format!(
@@ -253,9 +293,12 @@ impl Ops {
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new(
                 events::TASK_RETRIED,
-                format!("retried at stage {stage} by an operator"),
+                format!("retried at stage {stage} {}", by.describe()),
             )
-            .data(serde_json::json!({"from": control::FAILED, "to": stage}).to_string()),
+            .data(
+                serde_json::json!({"from": control::FAILED, "to": stage, actor::KEY: by.data()})
+                    .to_string(),
+            ),
             next_job,
         };
         // A retry into the release track takes it like any other entry: one release at a time.
@@ -270,7 +313,7 @@ impl Ops {
 
     /// Cancels a task: its stage becomes `cancelled` and its live jobs are cancelled (a running
     /// job's worker loses its lease and stops).
-    pub async fn cancel(&self, id: &str) -> OpsResult<Task> {
+    pub async fn cancel(&self, id: &str, by: &Actor) -> OpsResult<Task> {
         let task = self.task(id).await?;
         if task.is_terminal() {
             return Err(OpsError::Conflict(format!(
@@ -278,6 +321,8 @@ impl Ops {
                 task.stage
             )));
         }
+        // The outcome's reason too: `orch status` and the dashboard say who cancelled.
+        let cancelled = format!("cancelled {}", by.describe());
         let adv = self
             .store
             .advance_stage(AdvanceStage {
@@ -285,9 +330,10 @@ impl Ops {
                 expected_stage: task.stage.clone(),
                 new_stage: control::CANCELLED.into(),
                 fence: Fence::Seq(task.stage_seq),
-                event: NewEvent::new(events::TASK_CANCELLED, "cancelled by an operator").data(
+                event: NewEvent::new(events::TASK_CANCELLED, cancelled.clone()).data(
                     serde_json::json!({
                         "from": task.stage, "to": control::CANCELLED, "outcome": control::CANCELLED,
+                        "reason": cancelled, actor::KEY: by.data(),
                     })
                     .to_string(),
                 ),
@@ -301,7 +347,7 @@ impl Ops {
             &self.engine.config().repos_dir,
             &task.repo,
             &task.work_item_id,
-            "the task was cancelled by an operator",
+            &format!("the task was cancelled {}", by.describe()),
         );
         Ok(adv.task)
     }

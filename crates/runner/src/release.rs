@@ -77,14 +77,13 @@ async fn record_fenced(
     kind: &str,
     message: String,
     data: serde_json::Value,
-) -> Result<()> {
+) -> Result<i64> {
     let event = orch_store::NewEvent::new(kind, message)
         .task(run.task.id)
         .job(run.job.id)
         .stage(run.stage.name.as_str())
         .data(data.to_string());
-    run.store.append_event_fenced(run.lease, event).await?;
-    Ok(())
+    Ok(run.store.append_event_fenced(run.lease, event).await?)
 }
 
 /// [`record_fenced`] for an event that records what was done: a failure is logged (the job's
@@ -330,15 +329,30 @@ pub async fn shipped_changes(
     Ok(out)
 }
 
-/// Records a production deploy and what it shipped (rule 3). Never raises.
-pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed: bool) {
-    let prev = match live_revision(&run.store, run.repo_name.as_str()).await {
+/// The revision live before this visit's deploy: what the service named just before the
+/// deploy command ran (`deploy.started`'s `previous`), else the last one the release events
+/// recorded (a confirmed deploy, or where a rollback went back to). Never raises.
+pub async fn previous_live(run: &StageRun, seq: i64) -> Option<String> {
+    let events = run.store.task_events(run.task.id).await.ok()?;
+    let observed = events
+        .iter()
+        .find(|e| e.kind == events::DEPLOY_STARTED && seq_of(e) == Some(seq))
+        .and_then(|e| field(e, "previous"));
+    if observed.is_some() {
+        return observed;
+    }
+    match live_revision(&run.store, run.repo_name.as_str()).await {
         Ok(p) => p,
         Err(e) => {
             tracing::warn!(error = %e, "cannot read the previous live revision");
             None
         }
-    };
+    }
+}
+
+/// Records a production deploy and what it shipped (rule 3). Never raises.
+pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed: bool) {
+    let prev = previous_live(run, seq).await;
     let items = match shipped_changes(&run.git, &run.repo_dir, prev.as_deref(), revision).await {
         Ok(items) => items,
         Err(e) => {
@@ -571,6 +585,10 @@ async fn verify_revert(run: &StageRun, sha: &str) -> Result<Option<String>> {
         return Ok(None);
     };
     let dir = repos::release_checkout(&run.git, &paths(run), sha).await?;
+    // The repository's tests are its code: in the repo's sandbox.
+    let contained = crate::contain::for_repo_code(run, &dir).map_err(|reason| {
+        anyhow::anyhow!("cannot verify the revert of {}: {reason}", run.work_item)
+    })?;
     let cmd = orch_exec::Cmd::new("sh")
         .arg("-c")
         .arg(command)
@@ -581,9 +599,10 @@ async fn verify_revert(run: &StageRun, sha: &str) -> Result<Option<String>> {
             run.repo.test_timeout_s.max(1),
         ))
         .cancel_on(run.cancel.clone());
-    let out = orch_exec::run(&cmd)
+    let out = orch_exec::run(&contained.apply(cmd))
         .await
         .with_context(|| format!("cannot run the test command `{command}` on the revert"))?;
+    drop(contained);
     match out.status {
         // No verdict on the revert: the run is stopping, or the tests never finished. An error
         // retries the job; only its last attempt holds the repo (see `deploy::monitor`).
@@ -628,24 +647,91 @@ fn write_revert_log(run: &StageRun, old: &str, new: &str, commit: &str, why: &st
         run.work_item.artifact_dir()
     );
     let doc = orch_domain::artifact::Artifact::new(fm, body).render();
-    crate::fsutil::write_atomic(&run.artifact_path(REVERT_LOG), &doc)
+    run.write_document(REVERT_LOG, &doc)
 }
 
 /// Holds the repo's releases with this task (rule 4), fenced by the job's lease: an attempt
 /// that lost its job (or could not write) holds nothing and says so, and the job's next
 /// attempt decides again.
 pub async fn hold(run: &StageRun, reason: &str) -> Result<()> {
-    record_fenced(
+    let message = format!(
+        "repo {} is held: {reason}; later releases wait until an operator runs `orch approve {}` (go on) or `orch cancel {}`",
+        run.repo_name, run.work_item, run.work_item
+    );
+    let id = record_fenced(
         run,
         events::RELEASE_HELD,
-        format!(
-            "repo {} is held: {reason}; later releases wait until an operator runs `orch approve {}` (go on) or `orch cancel {}`",
-            run.repo_name, run.work_item, run.work_item
-        ),
+        message,
         json!({"repo": run.repo_name.as_str(), "reason": reason}),
     )
     .await
-    .with_context(|| format!("cannot hold repo {}", run.repo_name))
+    .with_context(|| format!("cannot hold repo {}", run.repo_name))?;
+    announce_hold(run, id, run.store.now_ms(), reason).await
+}
+
+/// Announces the hold recorded as event `event_id`: a hold waits for an operator, so the
+/// `alert` command runs and the webhook gets a `hold` notice (each once per hold, however
+/// often this is called: [`crate::notify::announce`]).
+pub async fn announce_hold(run: &StageRun, event_id: i64, at_ms: i64, reason: &str) -> Result<()> {
+    use orch_domain::notice::{self, Notice};
+    let sight = crate::deploy::recover::look(run).await;
+    let history = run.store.task_events(run.task.id).await?;
+    let deployed = history
+        .iter()
+        .rev()
+        .find(|e| e.kind == events::RELEASE_DEPLOYED);
+    let id = run.work_item.as_str();
+    let notice = Notice {
+        version: notice::VERSION,
+        id: format!("{id}-{event_id}"),
+        event: notice::event::HOLD.to_owned(),
+        at_ms,
+        work_item: id.to_owned(),
+        title: run.task.title.clone(),
+        repo: run.repo_name.as_str().to_owned(),
+        stage: run.stage.name.as_str().to_owned(),
+        revision: deployed.and_then(|e| field(e, "revision")),
+        previous_revision: deployed.and_then(|e| field(e, "previous_revision")),
+        outcome: None,
+        verdict: None,
+        action: None,
+        reason: format!("repo {} is held: {reason}", run.repo_name),
+        live: Some(crate::deploy::alert::live_of(&sight)),
+        tried: history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::PRODUCTION_CHECKED)
+            .and_then(|e| value(e)["tried"].as_array().cloned())
+            .unwrap_or_default()
+            .iter()
+            .filter_map(|t| t.as_str().map(str::to_owned))
+            .collect(),
+        todo: Some(format!(
+            "make production and `{}` right, then `orch approve {id}` (go on) or `orch cancel {id}`; later releases of {} wait until then",
+            run.repo.default_branch, run.repo_name
+        )),
+        links: notice::links(&run.settings.link_base(), id, run.repo_name.as_str()),
+    };
+    // An alert of this visit already paged about the same incident (and said to approve or
+    // cancel): the hold pages only when nothing did.
+    let seq = crate::deploy::visit_seq(run);
+    let paged = history
+        .iter()
+        .any(|e| e.kind == events::POST_DEPLOY_ALERT && seq_of(e) == Some(seq));
+    crate::notify::announce(
+        &crate::notify::Target {
+            store: &run.store,
+            repo: &run.repo,
+            cwd: &run.repo_dir,
+            task_id: run.task.id,
+            stage: run.stage.name.as_str(),
+            lease: Some(run.lease),
+        },
+        &notice,
+        event_id,
+        !paged,
+    )
+    .await
 }
 
 /// The hold this task's events still carry (a `release.held` without a later
@@ -662,15 +748,23 @@ pub fn open_hold(events: &[Event]) -> Option<String> {
     hold
 }
 
-/// The final outcome of a task that reaches `done`: `reverted`, `rolled_back` or `shipped`.
-pub fn done_outcome(events: &[Event]) -> &'static str {
-    if events.iter().any(|e| e.kind == events::RELEASE_REVERTED) {
-        "reverted"
-    } else if events.iter().any(|e| e.kind == events::RELEASE_ROLLED_BACK) {
-        "rolled_back"
-    } else {
-        "shipped"
-    }
+/// The outcome of a task reaching terminal stage `stage` with these events (its terminal event
+/// not yet among them), by the domain's one rule ([`orch_domain::outcome::outcome_of`]):
+/// `shipped`, `rolled_back`, `reverted`, `accepted`, `failed` or `cancelled`.
+pub fn outcome_now(stage: &str, events: &[Event]) -> &'static str {
+    let data: Vec<serde_json::Value> = events.iter().map(value).collect();
+    let views: Vec<orch_domain::outcome::EventView<'_>> = events
+        .iter()
+        .zip(&data)
+        .map(|(e, d)| orch_domain::outcome::EventView {
+            kind: &e.kind,
+            stage: e.stage.as_deref(),
+            message: &e.message,
+            data: d,
+        })
+        .collect();
+    orch_domain::outcome::outcome_of(stage, &views)
+        .map_or(orch_domain::control::FAILED, |o| o.outcome.as_str())
 }
 
 /// Ends the post-deploy watch and clears the deploy markers of a task that became terminal

@@ -351,9 +351,13 @@ pub async fn prepare_worktree(
     // job left it: one `status` (changed, staged and untracked files; ignored ones are left
     // alone either way) and a look for a merge, cherry-pick or revert left in progress say so,
     // instead of running `reset --hard` and `clean -d` on every stage job.
+    // A listing git cannot give (more changes than orch reads) is a reason to reset too.
     if added != WorktreeAdd::Created
         && (git.operation_in_progress(&worktree)
-            || !git.status_porcelain(&worktree).await?.is_empty())
+            || git
+                .status_porcelain(&worktree)
+                .await
+                .map_or(true, |s| !s.is_empty()))
     {
         git.reset_hard(&worktree, "HEAD").await?;
         git.clean(&worktree).await?;

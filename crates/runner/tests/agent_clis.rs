@@ -177,6 +177,8 @@ fn config(backend: Backend, program: &Path, endpoint: String, model: &str) -> Ag
         cli_retries: Some(0),
         config_home: None,
         price: None,
+        network: Vec::new(),
+        env: Vec::new(),
     }
 }
 

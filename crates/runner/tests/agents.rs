@@ -187,6 +187,8 @@ fn agent(backend: Backend, command: Option<&Path>) -> AgentConfig {
         cli_retries: None,
         config_home: None,
         price: None,
+        network: Vec::new(),
+        env: Vec::new(),
     }
 }
 

@@ -165,6 +165,7 @@ fn staging_log(steps: &[StepResult], defers: u32) -> String {
         revision: Some("0123456789abcdef0123456789abcdef01234567".into()),
     };
     render_staging_log(&StagingLog {
+        looks: &[],
         work_item: ID,
         created_at_ms: T0,
         attempt: defers + 1,

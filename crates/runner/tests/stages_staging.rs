@@ -30,6 +30,9 @@ fn steps(list: &[Step]) -> Vec<StepConfig> {
             name: (*name).into(),
             run: (*run).into(),
             timeout_s: *timeout_s,
+            // The runner's classification is under test here, on the host; the sandboxed
+            // steps are the demo's (crates/orch/tests).
+            sandbox: false,
         })
         .collect()
 }
@@ -105,10 +108,21 @@ async fn check(
             attempt,
             reason,
         } => {
-            assert!(
-                matches!(effect, StageEffect::Produced { outcome: None }),
-                "{case}: {effect:?}"
-            );
+            // An exhausted tool error tells the pipeline so (the item fails without a loop
+            // back); any other final result is read back from the log by the gate.
+            if failure_kind == "tool_error_exhausted" {
+                assert!(
+                    matches!(&effect, StageEffect::Produced { outcome: Some(o) }
+                        if o.verdict == orch_domain::gate::Verdict::Pass(
+                            orch_domain::pipeline::TOOL_ERROR_EXHAUSTED.to_owned())),
+                    "{case}: {effect:?}"
+                );
+            } else {
+                assert!(
+                    matches!(effect, StageEffect::Produced { outcome: None }),
+                    "{case}: {effect:?}"
+                );
+            }
             let log = log.unwrap_or_else(|| panic!("{case}: no log"));
             let gate = parse_staging_status(Some(&log), &f.run.work_item);
             assert!(gate.is(status), "{case}: {gate:?}\n{log}");
@@ -378,23 +392,172 @@ async fn a_step_killed_by_a_signal_is_a_tool_error() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_staging_steps_is_success_by_configuration() {
-    let f = check(
+async fn no_staging_steps_is_a_tool_error_never_success() {
+    // Missing evidence is never success: deferred like any tool error …
+    check(
         &[],
         &[],
         0,
         2,
-        Expect::Log {
-            status: StagingStatus::Success,
-            failure_kind: "none",
-            attempt: 1,
-            reason: "no staging steps configured",
+        Expect::Defer {
+            delay_s: 60,
+            reason: "no_steps",
         },
-        (1, 0, 0, 0),
+        (0, 0, 1, 1),
+    )
+    .await;
+    // … then FAILED once the defers are spent, never SUCCESS.
+    let f = check(
+        &[],
+        &[],
+        2,
+        2,
+        Expect::Log {
+            status: StagingStatus::Failed,
+            failure_kind: "tool_error_exhausted",
+            attempt: 3,
+            reason: "no staging steps are configured",
+        },
+        (0, 1, 1, 0),
     )
     .await;
     let log = read(&f.run.artifact_path("15-staging-log.md")).unwrap();
     assert!(log.contains("(no step ran)"), "{log}");
+}
+
+/// A URL on a port nothing listens on (bound, then released).
+async fn closed_port_url(path: &str) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    drop(listener);
+    format!("http://{addr}{path}")
+}
+
+/// A staging environment that answers `/health` with `status`.
+async fn answering(status: u16) -> String {
+    let app = axum::Router::new().route(
+        "/health",
+        axum::routing::get(move || async move {
+            (axum::http::StatusCode::from_u16(status).unwrap(), "staging")
+        }),
+    );
+    format!("{}/health", common::listen(app).await)
+}
+
+/// [`check`] with a staging health URL, returning the log too.
+async fn check_looking(
+    url: &str,
+    staging: &[Step],
+    smoke: &[Step],
+    defers: u32,
+) -> (StageEffect, Option<String>) {
+    let mut repo = repo_config(staging, smoke, 2);
+    repo.staging_health_url = Some(url.to_owned());
+    let f = Fixture::new("staging", "deployer", repo).await;
+    earlier_defers(&f.run, defers, f.run.task.stage_seq).await;
+    let runner = StagingExecutor::new(f.counters.clone());
+    let effect = runner.execute(&f.run).await.unwrap();
+    (effect, read(&f.run.artifact_path("15-staging-log.md")))
+}
+
+fn deferred_as(effect: &StageEffect, kind: &str) {
+    match effect {
+        StageEffect::Requeue { reason, .. } => assert!(reason.contains(kind), "{reason}"),
+        other => panic!("expected a defer ({kind}): {other:?}"),
+    }
+}
+
+/// The `failure_kind` and `staging_status` of a log.
+fn verdict_of(log: &str) -> (String, String) {
+    let fm = Artifact::parse(log).unwrap().frontmatter;
+    (
+        fm.get_str("staging_status").unwrap().to_owned(),
+        fm.get_str("failure_kind").unwrap().to_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_smoke_check_against_a_closed_port_is_the_infrastructure() {
+    let url = closed_port_url("/health").await;
+    let smoke =
+        format!("python3 -c \"import urllib.request; urllib.request.urlopen('{url}', timeout=2)\"");
+    let smoke: &'static str = Box::leak(smoke.into_boxed_str());
+    // The runner looks first: nothing answers, so the smoke check is not even run.
+    let (effect, log) = check_looking(&url, &[BUILD], &[("health", smoke, 10)], 0).await;
+    deferred_as(&effect, "unreachable");
+    assert!(log.is_none(), "a defer writes no log");
+    // Exhausted: FAILED tool_error_exhausted naming the unreachable endpoint, never smoke_failed.
+    let (_, log) = check_looking(&url, &[BUILD], &[("health", smoke, 10)], 2).await;
+    let log = log.unwrap();
+    assert_eq!(
+        verdict_of(&log),
+        ("FAILED".to_owned(), "tool_error_exhausted".to_owned())
+    );
+    assert!(log.contains("unreachable"), "{log}");
+    assert!(
+        log.contains("did not answer"),
+        "what the runner saw:\n{log}"
+    );
+    assert!(!log.contains("smoke_failed"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ssh_like_step_exiting_255_against_a_down_host_is_the_infrastructure() {
+    let url = closed_port_url("/health").await;
+    let (effect, _) = check_looking(
+        &url,
+        &[(
+            "deploy-staging",
+            "echo 'ssh: connect to host staging port 22: Connection refused' >&2; exit 255",
+            10,
+        )],
+        &[("health", "true", 10)],
+        0,
+    )
+    .await;
+    deferred_as(&effect, "unreachable");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failure_against_an_answering_environment_is_the_change() {
+    let url = answering(503).await;
+    // The environment answers (even 503): the smoke check's failure is the change's.
+    let (_, log) = check_looking(&url, &[BUILD], &[("health", "exit 1", 10)], 0).await;
+    let log = log.unwrap();
+    assert_eq!(
+        verdict_of(&log),
+        ("FAILED".to_owned(), "smoke_failed".to_owned())
+    );
+    assert!(log.contains("answered (HTTP 503)"), "{log}");
+    // A 255 with the host answering is the step's own failure.
+    let (_, log) = check_looking(&url, &[("deploy", "exit 255", 10)], &[], 0).await;
+    assert_eq!(
+        verdict_of(&log.unwrap()),
+        ("FAILED".to_owned(), "step_failed".to_owned())
+    );
+    // And everything passing against an answering environment is SUCCESS, the look said.
+    let url = answering(200).await;
+    let (_, log) = check_looking(&url, &[BUILD], &[("health", "true", 10)], 0).await;
+    let log = log.unwrap();
+    assert_eq!(verdict_of(&log), ("SUCCESS".to_owned(), "none".to_owned()));
+    assert!(log.contains("before the smoke checks"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_health_url_the_conventions_decide() {
+    // ssh's 255 in any step, curl's 7 in a smoke check, 75 anywhere: unreachable.
+    for (staging, smoke) in [
+        (&[("deploy", "exit 255", 10)][..], &[][..]),
+        (&[BUILD][..], &[("health", "exit 7", 10)][..]),
+        (&[("deploy", "exit 75", 10)][..], &[][..]),
+    ] {
+        let f = Fixture::new("staging", "deployer", repo_config(staging, smoke, 2)).await;
+        let effect = StagingExecutor::new(f.counters.clone())
+            .execute(&f.run)
+            .await
+            .unwrap();
+        deferred_as(&effect, "unreachable");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

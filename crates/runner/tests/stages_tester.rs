@@ -209,3 +209,46 @@ async fn counters_are_declared_at_zero() {
         )]
     );
 }
+
+/// The gate judges what the branch commits: a file a stage left untracked, or one the repo's
+/// `.gitignore` hides (a planted `sitecustomize.py`, a stale build), is gone before the tests
+/// run, while committed files are there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_the_branch_does_not_commit_are_removed_before_the_tests() {
+    let test = "test -e committed.txt && test ! -e planted.txt && test ! -e cache/hit.log \
+                && test ! -e .gitignore.d && echo only-committed";
+    let f = Fixture::new("verification", "tester", repo_config(Some(test), 30)).await;
+    let wt = &f.run.worktree;
+    std::fs::write(wt.join("committed.txt"), "kept\n").unwrap();
+    std::fs::write(wt.join(".gitignore"), "*.log\n").unwrap();
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .args(["-c", "user.name=t", "-c", "user.email=t@t"])
+            .args(args)
+            .current_dir(wt)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+    };
+    git(&["add", "committed.txt", ".gitignore"]);
+    git(&["commit", "-qm", "the change"]);
+    std::fs::write(wt.join("planted.txt"), "untracked\n").unwrap();
+    std::fs::create_dir_all(wt.join("cache")).unwrap();
+    std::fs::write(wt.join("cache/hit.log"), "ignored\n").unwrap();
+    std::fs::create_dir_all(wt.join(".gitignore.d")).unwrap();
+
+    let effect = TesterExecutor::new(f.counters.clone())
+        .execute(&f.run)
+        .await
+        .unwrap();
+    assert!(
+        matches!(effect, StageEffect::Produced { outcome: None }),
+        "{effect:?}"
+    );
+    let report = read(&f.run.artifact_path("12-test-report.md")).expect("report written");
+    let gate = parse_test_status(Some(&report), &f.run.work_item);
+    assert!(gate.is(TestStatus::Passed), "{gate:?}\n{report}");
+    assert!(report.contains("only-committed"), "{report}");
+    assert!(wt.join("committed.txt").exists());
+    assert!(!wt.join("planted.txt").exists() && !wt.join("cache").exists());
+}

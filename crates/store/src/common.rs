@@ -25,6 +25,17 @@ pub(crate) fn stranded_event(task: &Task, job_id: i64, error: &str) -> NewEvent 
     )
 }
 
+/// The job a task reaching a terminal stage gets, in the same transaction (see
+/// `orch_domain::control::jobs::TASK_ENDED`): task-less, so cancelling the task's jobs never
+/// cancels it; one per terminal visit (its dedupe key).
+pub(crate) fn task_ended_job(task: &Task) -> NewJob {
+    NewJob::new(
+        control::jobs::TASK_ENDED,
+        serde_json::json!({"task": task.id, "seq": task.stage_seq}).to_string(),
+    )
+    .dedupe(control::dedupe::task_ended(task.id, task.stage_seq))
+}
+
 /// What a rescue does with one expired lease.
 pub(crate) struct RescuePlan {
     /// The crash bound is reached: the job fails with `error`.

@@ -146,6 +146,8 @@ where
         } = self.lock_running(&mut tx, lease).await?;
         let attempt = lease.attempt;
         let outcome = retry_or_fail(outcome, attempt, max_attempts);
+        // A task the failure ended: its task-ended job is due now.
+        let mut stranded = false;
         match &outcome {
             JobOutcome::Done => {
                 sqlx::query(sql::MARK_DONE)
@@ -173,7 +175,8 @@ where
                     .execute(&mut *tx)
                     .await?;
                 if let Some(task_id) = task_id {
-                    self.fail_stranded_task(&mut tx, task_id, lease.job_id, error, now)
+                    stranded = self
+                        .fail_stranded_task(&mut tx, task_id, lease.job_id, error, now)
                         .await?;
                 }
             }
@@ -187,6 +190,7 @@ where
                 due_at: now.saturating_add(delay_ms),
                 now,
             }),
+            _ if stranded => Some(Announce::NOW),
             _ => None,
         };
         self.d.commit(tx, wake).await
@@ -376,14 +380,14 @@ where
                 .bind(task_id)
                 .fetch_optional(&mut *tx)
                 .await?;
-            if current.is_some_and(|t| t.stage_seq == seq)
+            let ended = current.is_some_and(|t| t.stage_seq == seq)
                 && self
                     .fail_stranded_task(&mut tx, task_id, job_id, &error, now)
-                    .await?
-            {
+                    .await?;
+            if ended {
                 failed.push(task_id);
             }
-            self.d.commit(tx, None).await?;
+            self.d.commit(tx, ended.then_some(Announce::NOW)).await?;
         }
         Ok(failed)
     }
@@ -578,9 +582,8 @@ where
                 .get_or_insert_with(|| stage_job_key(task.id, task.stage_seq));
             next_job_id = Some(Self::insert_job(&mut tx, &job, now).await?.job_id);
         }
-        self.d
-            .commit(tx, next_job_id.is_some().then_some(Announce::NOW))
-            .await?;
+        let wake = next_job_id.is_some() || task.is_terminal();
+        self.d.commit(tx, wake.then_some(Announce::NOW)).await?;
         Ok(Advanced { task, next_job_id })
     }
 
@@ -924,6 +927,11 @@ where
         event.task_id = Some(task.id);
         event.stage = Some(task.stage.clone());
         Self::insert_event(conn, &event, now).await?;
+        if control::is_terminal_stage(&task.stage) {
+            // Whatever ended the task, its ending is announced and its trail published by a
+            // job enqueued with the stage change: none is missed, whichever process dies.
+            Self::insert_job(conn, &task_ended_job(&task), now).await?;
+        }
         Ok(task)
     }
 }

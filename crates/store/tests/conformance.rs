@@ -74,6 +74,7 @@ conformance!(
     a_never_seen_node_counts_from_when_its_job_became_ready,
     a_gone_nodes_job_waits_the_grace_once_ready,
     take_over_repins_the_job_fenced_by_its_lease,
+    every_terminal_stage_change_enqueues_one_task_ended_job,
 );
 
 const LEASE: i64 = 30_000;
@@ -416,6 +417,83 @@ async fn operator_fence_is_the_stage_seq(db: TestDb) {
         .await
         .unwrap();
     assert!(ok.task.is_terminal());
+}
+
+/// Whatever ends a task (a stage change to a terminal stage, the failure of its last job), its
+/// `task-ended` job is written in the same transaction: one per terminal visit, task-less (a
+/// cancel of the task's jobs never cancels it), naming the task and the visit.
+async fn every_terminal_stage_change_enqueues_one_task_ended_job(db: TestDb) {
+    use orch_domain::control::{dedupe, jobs};
+    let s = &db.store;
+    let ended = |limit| {
+        let mut c = claim("w", limit);
+        c.kinds = vec![jobs::TASK_ENDED.to_owned()];
+        c
+    };
+    // A stage change that does not end the task enqueues nothing.
+    let task = new_task(s, false).await;
+    let moved = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "intake".into(),
+            new_stage: "analysis".into(),
+            fence: Fence::Seq(task.stage_seq),
+            event: NewEvent::new("stage.advanced", "on"),
+            next_job: None,
+        })
+        .await
+        .unwrap();
+    assert!(s.claim(&ended(10)).await.unwrap().is_empty());
+    // An operator's cancel ends it: one job, for that visit.
+    let done = s
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "analysis".into(),
+            new_stage: "cancelled".into(),
+            fence: Fence::Seq(moved.task.stage_seq),
+            event: NewEvent::new("task.cancelled", "x"),
+            next_job: None,
+        })
+        .await
+        .unwrap();
+    s.cancel_task_jobs(task.id, None).await.unwrap();
+    let got = s.claim(&ended(10)).await.unwrap();
+    assert_eq!(
+        got.len(),
+        1,
+        "one task-ended job, not cancelled with the task's jobs"
+    );
+    let job = &got[0].job;
+    assert_eq!(job.task_id, None);
+    assert_eq!(
+        job.dedupe_key.as_deref(),
+        Some(dedupe::task_ended(task.id, done.task.stage_seq).as_str())
+    );
+    let payload: serde_json::Value = serde_json::from_str(&job.task_content).unwrap();
+    assert_eq!(payload["task"], task.id);
+    assert_eq!(payload["seq"], done.task.stage_seq);
+    // The failure of a task's last job ends it too.
+    let other = new_task_with(s, NewJob::new("analyst", "x").max_attempts(1)).await;
+    let mut c = claim("w", 1);
+    c.kinds = vec!["analyst".to_owned()];
+    let lease = s.claim(&c).await.unwrap().remove(0).lease;
+    s.mark_job(
+        lease,
+        JobOutcome::Failed {
+            error: "broke".into(),
+        },
+        None,
+    )
+    .await
+    .unwrap();
+    let failed = s.get_task(other.id).await.unwrap().unwrap();
+    assert_eq!(failed.stage, "failed");
+    let got = s.claim(&ended(10)).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        got[0].job.dedupe_key.as_deref(),
+        Some(dedupe::task_ended(other.id, failed.stage_seq).as_str())
+    );
 }
 
 async fn dedupe_key_allows_one_job_ever(db: TestDb) {

@@ -36,6 +36,11 @@
 //!   shipped code line (comments aside) holds a string literal equal to a known event kind (the
 //!   `pub const NAME: &str = "group.name";` lines of that file, read from the tree) or one that
 //!   starts a marker (`"[orch:`). Tests may spell them: they check the stored contract.
+//! - **`print-boundary`**: the binary prints through its output module only
+//!   (`crates/orch/src/output.rs`), which strips terminal control sequences from what agents
+//!   and users wrote. Elsewhere in `crates/orch/src`, shipped code (comments aside) uses no
+//!   printing macro (`println!`, `print!`, `eprintln!`, `eprint!`) and takes no
+//!   `std::io::stdout()`/`stderr()` handle (asking whether one is a terminal aside).
 //!
 //! An exception that no longer matches anything is itself a failure, so the list only shrinks.
 
@@ -94,6 +99,23 @@ pub const EXCEPTIONS: &[Exception] = &[
         path: "crates/orch/src/demo/agent.rs",
         reason: "the demo's scripted agent prints what a model CLI prints: another program's \
                  output format, not orch's wire",
+    },
+    Exception {
+        rule: "print-boundary",
+        path: "crates/orch/src/demo/agent.rs",
+        reason: "the demo's scripted agent prints a model CLI's JSON result for the orch that \
+                 runs it, not for a terminal",
+    },
+    Exception {
+        rule: "print-boundary",
+        path: "crates/orch/src/demo/claude.rs",
+        reason: "the scripted model server prints its own URL for the process that started it",
+    },
+    Exception {
+        rule: "print-boundary",
+        path: "crates/orch/src/main.rs",
+        reason: "the log writer (tracing-subscriber escapes control characters in the fields \
+                 it formats)",
     },
 ];
 
@@ -161,6 +183,15 @@ const MACHINE_ROOTS: &[&str] = &[
 /// The file that spells every control word (see the `control-words` rule).
 pub const CONTROL: &str = "crates/domain/src/control.rs";
 const MARKER_LITERAL: &str = concat!("\"[or", "ch:");
+/// The ways to print around `crates/orch/src/output.rs` (the `print-boundary` rule).
+const PRINT_PATTERNS: &[&str] = &[
+    concat!("print", "ln!("),
+    concat!("print", "!("),
+    concat!("io::std", "out()"),
+    concat!("io::std", "err()"),
+];
+/// The binary's output module, where printing happens.
+const OUTPUT: &str = "crates/orch/src/output.rs";
 
 /// The event kinds [`CONTROL`] defines: the values of its `pub const NAME: &str = "a.b";`
 /// lines (a dotted lower-case word; the terminal stages have no dot).
@@ -246,6 +277,15 @@ pub fn check_file_with(path: &str, text: &str, kinds: &[String]) -> Vec<Violatio
         let shapes_json = line.contains(concat!("json", "!(")) || names_serialize(line);
         if shipped && !in_crate("api") && (names_axum || (in_crate("orch") && shapes_json)) {
             push("wire-json", n, line);
+        }
+        if shipped
+            && in_crate("orch")
+            && path != OUTPUT
+            && !line.trim_start().starts_with("//")
+            && PRINT_PATTERNS.iter().any(|p| line.contains(p))
+            && !line.contains(concat!(".is_", "terminal()"))
+        {
+            push("print-boundary", n, line);
         }
         if shipped
             && path != CONTROL
@@ -545,6 +585,32 @@ mod tests {
         ] {
             assert!(rules("crates/runner/src/x.rs", other).is_empty(), "{other}");
         }
+    }
+
+    #[test]
+    fn printing_around_the_output_module_is_caught_in_the_binary() {
+        for line in [
+            planted(&["    print", "ln!(\"{}\", task.title);"]),
+            planted(&["    eprint", "ln!(\"x\");"]),
+            planted(&["    print", "!(\"{table}\");"]),
+            planted(&["    let _ = std::io::std", "out().write_all(b);"]),
+        ] {
+            assert_eq!(
+                rules("crates/orch/src/cmd/tasks.rs", &line),
+                ["print-boundary"],
+                "{line}"
+            );
+            assert!(rules(OUTPUT, &line).is_empty(), "the one place");
+            assert!(
+                rules("crates/runner/src/x.rs", &line).is_empty(),
+                "the binary only"
+            );
+            assert!(rules("crates/orch/tests/cli.rs", &line).is_empty(), "tests");
+        }
+        let tty = planted(&["let tty = std::io::std", "out().is_terminal();"]);
+        assert!(rules("crates/orch/src/demo/mod.rs", &tty).is_empty());
+        let comment = planted(&["// `eprint", "ln!` panics on a closed pipe"]);
+        assert!(rules("crates/orch/src/main.rs", &comment).is_empty());
     }
 
     #[test]

@@ -26,10 +26,10 @@ pub async fn run(cx: &Context, repo: &str) -> Result<ExitCode> {
             .cloned()
             .unwrap_or_default()
     };
-    println!("repo {repo}\n");
+    crate::output::outln(&format!("repo {repo}\n"));
     let deploys = list(&doc, "deploys");
     if deploys.is_empty() {
-        println!("no production deploy recorded yet");
+        crate::output::outln("no production deploy recorded yet");
     } else {
         let rows: Vec<Vec<String>> = deploys
             .iter()
@@ -46,6 +46,9 @@ pub async fn run(cx: &Context, repo: &str) -> Result<ExitCode> {
                 if d.get("rolled_back").and_then(Value::as_bool) == Some(true) {
                     after.push("rolled back".to_owned());
                 }
+                if d.get("rollback_failed").and_then(Value::as_bool) == Some(true) {
+                    after.push("rollback failed".to_owned());
+                }
                 for r in list(d, "reverts") {
                     after.push(format!("reverted {}", s(&r, "work_item")));
                 }
@@ -58,16 +61,13 @@ pub async fn run(cx: &Context, repo: &str) -> Result<ExitCode> {
                 ]
             })
             .collect();
-        print!(
-            "{}",
-            table(
-                &["deployed", "revision", "shipped", "watch", "afterwards"],
-                &rows
-            )
-        );
+        crate::output::out(&table(
+            &["deployed", "revision", "shipped", "watch", "afterwards"],
+            &rows,
+        ));
     }
     let in_flight = list(&doc, "in_flight");
-    println!(
+    crate::output::outln(&format!(
         "\nin flight: {}",
         if in_flight.is_empty() {
             "none".to_owned()
@@ -78,12 +78,12 @@ pub async fn run(cx: &Context, repo: &str) -> Result<ExitCode> {
                 .collect::<Vec<_>>()
                 .join(", ")
         }
-    );
+    ));
     let lessons = list(&doc, "lessons");
     if !lessons.is_empty() {
-        println!("\nlessons:");
+        crate::output::outln("\nlessons:");
         for l in lessons.iter().take(10) {
-            println!("  {}  {}", s(l, "work_item"), s(l, "message"));
+            crate::output::outln(&format!("  {}  {}", s(l, "work_item"), s(l, "message")));
         }
     }
     Ok(ExitCode::SUCCESS)

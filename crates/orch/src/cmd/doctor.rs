@@ -154,19 +154,19 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
                 Status::Note => "note",
                 Status::Fail => "FAIL",
             };
-            println!("{label}  {}", c.what);
+            crate::output::outln(&format!("{label}  {}", c.what));
             if !c.fix.is_empty() {
                 if c.status == Status::Fail {
-                    println!("      fix: {}", c.fix);
+                    crate::output::outln(&format!("      fix: {}", c.fix));
                 } else {
-                    println!("      {}", c.fix);
+                    crate::output::outln(&format!("      {}", c.fix));
                 }
             }
         }
         if failed == 0 {
-            println!("\neverything orch needs is here");
+            crate::output::outln("\neverything orch needs is here");
         } else {
-            println!("\n{failed} problem(s) found");
+            crate::output::outln(&format!("\n{failed} problem(s) found"));
         }
     }
     Ok(if failed == 0 {
@@ -314,6 +314,68 @@ async fn repos(r: &mut Report, cx: &Context, config: &Config) {
                 "set health_url so deploys are confirmed and watched",
             );
         }
+        if repo.staging.is_empty() && repo.staging_smoke.is_empty() {
+            r.check(
+                false,
+                format!("repo {name}: no staging steps"),
+                format!("every item would end at staging (TOOL_ERROR no_steps: nothing verified the change); add [[repos.{name}.staging]] steps, or one step that says so (`run = \"true\"`) if the repo has no staging"),
+            );
+        }
+        if repo.deploy.is_some() && repo.rollback.is_none() {
+            r.push(
+                Status::Note,
+                format!("repo {name}: deploy without rollback"),
+                "set rollback: a deploy that fails or is not confirmed can then be undone; without it orch can only alert",
+            );
+        }
+        if repo.deploy.is_some() && repo.alert.is_none() && repo.alert_webhook.is_none() {
+            r.push(
+                Status::Note,
+                format!("repo {name}: deploys with nobody to alert"),
+                "set alert (a command) or alert_webhook, so a production orch cannot verify reaches a person",
+            );
+        }
+        if repo.alert_webhook.is_some() && repo.alert_webhook_secret.is_none() {
+            r.push(
+                Status::Note,
+                format!("repo {name}: alert_webhook without alert_webhook_secret"),
+                "set alert_webhook_secret so the receiver can verify X-Orch-Signature",
+            );
+        }
+        sandbox(r, name.as_str(), repo);
+    }
+}
+
+/// Whether the repo's agents and tests run sandboxed, and if not, why, loudly.
+fn sandbox(r: &mut Report, name: &str, repo: &orch_domain::config::RepoConfig) {
+    if !repo.sandbox.enabled {
+        r.push(
+            Status::Note,
+            format!(
+                "repo {name}: UNSANDBOXED (sandbox = \"off\"): its agents and tests can read orch's database, configuration and secrets files, and write anywhere orch can"
+            ),
+            format!(
+                "install bubblewrap and remove `sandbox = \"off\"` from [repos.{name}]"
+            ),
+        );
+        return;
+    }
+    match orch_exec::sandbox::probe(Path::new("bwrap")) {
+        Ok(version) => r.push(
+            Status::Ok,
+            format!(
+                "repo {name}: agents and tests run sandboxed ({version}; limits: {})",
+                orch_exec::sandbox::limits_support()
+            ),
+            "",
+        ),
+        Err(why) => r.check(
+            false,
+            format!("repo {name}: the sandbox cannot be set up: {why}; its agents and tests will be refused"),
+            format!(
+                "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap), or set sandbox = \"off\" in [repos.{name}] to run them unsandboxed"
+            ),
+        ),
     }
 }
 

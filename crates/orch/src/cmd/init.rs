@@ -58,25 +58,25 @@ pub async fn run(cx: &Context, args: InitArgs) -> Result<ExitCode> {
         } else {
             "kept existing"
         };
-        println!("{verb} {}", cx.config_path.display());
-        println!(
+        crate::output::outln(&format!("{verb} {}", cx.config_path.display()));
+        crate::output::outln(&format!(
             "database {} (schema version {})",
             redacted(&cx.database_url),
             report.to
-        );
+        ));
         if config_written {
-            println!(
-                "  it holds a fresh API token (mode 0600): keep it out of git, or set ORCH_TOKEN instead"
+            crate::output::outln(
+                "  it holds a fresh API token (mode 0600): keep it out of git, or set ORCH_TOKEN instead",
             );
         }
         if let Some(p) = &ignored {
-            println!(
+            crate::output::outln(&format!(
                 "  this directory is inside a git repository: {} lists the config and .orch/ so the token is never committed",
                 p.display()
-            );
+            ));
         }
-        println!(
-            "next: declare your repository in orch.toml ([repos.<name>] path = \"../your-checkout\", prefix, test), then `orch doctor`, `orch serve` and `orch submit`"
+        crate::output::outln(
+            "next: declare your repository in orch.toml ([repos.<name>] path = \"../your-checkout\", prefix, test), then `orch doctor`, `orch serve` and `orch submit`",
         );
     }
     Ok(ExitCode::SUCCESS)

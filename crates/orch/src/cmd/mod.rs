@@ -51,19 +51,19 @@ async fn migrate(cx: &Context) -> Result<ExitCode> {
         let doc = orch_api::dto::Migrated::of(store.target(), &report);
         crate::output::print_json(&orch_api::dto::to_json(&doc));
     } else if report.applied.is_empty() {
-        println!(
+        crate::output::outln(&format!(
             "{}: schema is up to date (version {})",
             store.target(),
             report.to
-        );
+        ));
     } else {
-        println!(
+        crate::output::outln(&format!(
             "{}: migrated from version {} to {} ({})",
             store.target(),
             report.from,
             report.to,
             report.applied.join(", ")
-        );
+        ));
     }
     store.close().await;
     Ok(ExitCode::SUCCESS)

@@ -49,10 +49,10 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
         .iter()
         .map(|s| format!("{s} {}", by_state.get(s).copied().unwrap_or(0)))
         .collect();
-    println!("jobs: {}", summary.join(", "));
+    crate::output::outln(&format!("jobs: {}", summary.join(", ")));
     match oldest_ms {
-        Some(ms) => println!("oldest ready job waiting: {}", age(ms)),
-        None => println!("no job is waiting"),
+        Some(ms) => crate::output::outln(&format!("oldest ready job waiting: {}", age(ms))),
+        None => crate::output::outln("no job is waiting"),
     }
     if !by_agent.is_empty() {
         let mut headers = vec!["agent"];
@@ -69,14 +69,14 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
                 row
             })
             .collect();
-        print!("\n{}", table(&headers, &rows));
+        crate::output::out(&format!("\n{}", table(&headers, &rows)));
     }
     if !stages.is_empty() {
         let rows: Vec<Vec<String>> = stages
             .iter()
             .map(|(s, n)| vec![s.clone(), n.to_string()])
             .collect();
-        print!("\n{}", table(&["stage", "tasks"], &rows));
+        crate::output::out(&format!("\n{}", table(&["stage", "tasks"], &rows)));
     }
     if !stats.leases.is_empty() {
         let rows: Vec<Vec<String>> = stats
@@ -94,10 +94,10 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
                 ]
             })
             .collect();
-        print!(
+        crate::output::out(&format!(
             "\n{}",
             table(&["job", "agent", "worker", "attempt", "expires in"], &rows)
-        );
+        ));
     }
     if !nodes.is_empty() {
         // Each node's heartbeat beacon: its pinned jobs move once it is unseen for the grace.
@@ -105,7 +105,7 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
             .iter()
             .map(|n| vec![n.node.clone(), age((stats.now - n.last_seen_ms).max(0))])
             .collect();
-        print!("\n{}", table(&["node", "last seen ago"], &rows));
+        crate::output::out(&format!("\n{}", table(&["node", "last seen ago"], &rows)));
     }
     Ok(ExitCode::SUCCESS)
 }

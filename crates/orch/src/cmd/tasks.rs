@@ -43,17 +43,26 @@ pub async fn submit(cx: &Context, args: SubmitArgs) -> Result<ExitCode> {
     let config = cx.require_config()?;
     let pipeline = config.pipeline().context("invalid pipeline in orch.toml")?;
     let store = cx.open_store().await?;
-    let task =
-        orch_runner::ops::submit(&store, config, &pipeline, &args.repo, &args.title, &body).await;
+    let by = crate::context::cli_actor();
+    let task = orch_runner::ops::submit(
+        &store,
+        config,
+        &pipeline,
+        &args.repo,
+        &args.title,
+        &body,
+        &by,
+    )
+    .await;
     store.close().await;
     let task = task?;
     if cx.json {
         print_json(&dto::to_json(&dto::Submitted::of(&task)));
     } else {
-        println!(
+        crate::output::outln(&format!(
             "{} submitted (repo {}, branch {}); it starts when a worker is running (`orch serve`)",
             task.work_item_id, task.repo, task.branch
-        );
+        ));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -87,16 +96,20 @@ pub enum Op {
 
 pub async fn operate(cx: &Context, op: Op, id: &str) -> Result<ExitCode> {
     let (store, rt) = runtime(cx).await?;
+    let by = crate::context::cli_actor();
     let (task, verb, action) = match op {
-        Op::Approve => (rt.ops.approve(id).await?, "approved", Action::Approve),
-        Op::Retry => (rt.ops.retry(id).await?, "retried", Action::Retry),
-        Op::Cancel => (rt.ops.cancel(id).await?, "cancelled", Action::Cancel),
+        Op::Approve => (rt.ops.approve(id, &by).await?, "approved", Action::Approve),
+        Op::Retry => (rt.ops.retry(id, &by).await?, "retried", Action::Retry),
+        Op::Cancel => (rt.ops.cancel(id, &by).await?, "cancelled", Action::Cancel),
     };
     store.close().await;
     if cx.json {
         print_json(&dto::to_json(&dto::ActionDone::of(&task, action)));
     } else {
-        println!("{} {verb}; now at stage {}", task.work_item_id, task.stage);
+        crate::output::outln(&format!(
+            "{} {verb}; now at stage {}",
+            task.work_item_id, task.stage
+        ));
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -128,11 +141,11 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
         let runs = store.task_agent_runs(task.id).await?;
         let usage = store.task_usage(task.id).await?;
         let outcome = orch_api::task_outcome(&task, &events);
-        println!("{}  {}", task.work_item_id, task.title);
-        println!(
+        crate::output::outln(&format!("{}  {}", task.work_item_id, task.title));
+        crate::output::outln(&format!(
             "repo {}  branch {}  stage {}",
             task.repo, task.branch, task.stage
-        );
+        ));
         if let Some(o) = &outcome {
             let at = o
                 .stage
@@ -144,15 +157,18 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                 .as_deref()
                 .map(|r| format!(": {r}"))
                 .unwrap_or_default();
-            println!("outcome {}{at}{why}", o.outcome);
+            crate::output::outln(&format!("outcome {}{at}{why}", o.outcome));
+            if let Some(live) = &o.live {
+                crate::output::outln(&format!("live in production (as orch last saw it): {live}"));
+            }
         }
-        println!(
+        crate::output::outln(&format!(
             "agent runs {}  tokens in {} out {}  {}",
             usage.runs,
             usage.input_tokens,
             usage.output_tokens,
             cost_text(&runs, usage.cost_usd)
-        );
+        ));
         let stage_events: Vec<&Event> = events
             .iter()
             .filter(|e| {
@@ -162,7 +178,7 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                     || e.kind == events::STAGE_APPROVED
             })
             .collect();
-        print!("\n{}", timeline(&stage_events, task.created_at));
+        crate::output::out(&format!("\n{}", timeline(&stage_events, task.created_at)));
     } else {
         let tasks = store
             .list_tasks(&TaskFilter {
@@ -180,7 +196,7 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
             print_json(&dto::to_json(&list));
             return Ok(ExitCode::SUCCESS);
         } else if tasks.is_empty() {
-            println!("no tasks yet: `orch submit --repo R --title ...`");
+            crate::output::outln("no tasks yet: `orch submit --repo R --title ...`");
         } else {
             let mut rows: Vec<Vec<String>> = Vec::with_capacity(tasks.len());
             for t in &tasks {
@@ -193,14 +209,11 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
                     t.title.clone(),
                 ]);
             }
-            print!(
-                "{}",
-                table_fit(
-                    &["id", "stage", "outcome", "repo", "updated", "title"],
-                    &rows,
-                    width()
-                )
-            );
+            crate::output::out(&table_fit(
+                &["id", "stage", "outcome", "repo", "updated", "title"],
+                &rows,
+                width(),
+            ));
         }
     }
     store.close().await;
@@ -220,10 +233,10 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
     let events = store.task_events(task.id).await?;
     let runs = store.task_agent_runs(task.id).await?;
     store.close().await;
-    println!(
+    crate::output::outln(&format!(
         "{}  {}  (stage {})\n",
         task.work_item_id, task.title, task.stage
-    );
+    ));
     let rows: Vec<Vec<String>> = events
         .iter()
         .map(|e| {
@@ -236,10 +249,11 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
         })
         .collect();
     let width = width();
-    print!(
-        "{}",
-        table_fit(&["at", "event", "stage", "message"], &rows, width)
-    );
+    crate::output::out(&table_fit(
+        &["at", "event", "stage", "message"],
+        &rows,
+        width,
+    ));
     if !runs.is_empty() {
         let rows: Vec<Vec<String>> = runs
             .iter()
@@ -260,7 +274,7 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
                 ]
             })
             .collect();
-        print!(
+        crate::output::out(&format!(
             "\n{}",
             table_fit(
                 &[
@@ -269,7 +283,7 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
                 &rows,
                 width
             )
-        );
+        ));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -26,12 +26,7 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
         Some(c) => {
             recover_from_dead_incarnations(&cx.repos_dir(c), &store, &config.worker_id).await;
             let rt = Runtime::new_on_node(cx, c, &store, config.node.as_deref())?;
-            reloader = Some(crate::reload::spawn(
-                cx.config_path.clone(),
-                cx.state_dir(),
-                rt.live.clone(),
-                stop.clone(),
-            ));
+            reloader = Some(crate::reload::spawn(cx, rt.live.clone(), stop.clone()));
             (rt.registry(), rt.passes(config.lease, RETENTION))
         }
         None => {
@@ -66,12 +61,7 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
         wconfig.node.as_deref(),
     )?);
     let worker = Worker::new(store.clone(), runtime.registry(), wconfig.clone());
-    let reloader = crate::reload::spawn(
-        cx.config_path.clone(),
-        cx.state_dir(),
-        runtime.live.clone(),
-        stop.clone(),
-    );
+    let reloader = crate::reload::spawn(cx, runtime.live.clone(), stop.clone());
     let bind = args
         .bind
         .clone()

@@ -47,7 +47,11 @@ impl ClaudeDemo {
         let server = ModelServer::start(demo_brain)
             .await
             .context("cannot start the demo's model server")?;
-        let wrapper = dir.join("claude-agent.sh");
+        // Beside the scripted agent's: a sandboxed run is shown the wrapper's directory.
+        let bin = dir.join("agent");
+        std::fs::create_dir_all(&bin)
+            .with_context(|| format!("cannot create {}", bin.display()))?;
+        let wrapper = bin.join("claude-agent.sh");
         let quoted = format!("'{}'", program.display().to_string().replace('\'', "'\\''"));
         std::fs::write(
             &wrapper,
@@ -66,10 +70,21 @@ impl ClaudeDemo {
         })
     }
 
-    /// `toml` with its `[agents.*]` sections replaced by the `claude` preset at the server.
+    /// `toml` with its `[agents.*]` sections replaced by the `claude` preset at the server, and
+    /// Claude Code's install directory shown to the sandbox (the wrapper runs it).
     pub(crate) fn configure(&self, toml: &str) -> String {
         let cut = toml.find("[agents.").unwrap_or(toml.len());
-        let mut s = toml[..cut].to_owned();
+        let shown: Vec<String> = orch_exec::sandbox::install_dirs(&self.program)
+            .iter()
+            .map(|d| format!("{:?}", d.display().to_string()))
+            .collect();
+        let mut s = toml[..cut].replace(
+            "[repos.service.sandbox]\n",
+            &format!(
+                "[repos.service.sandbox]\n# The wrapper runs Claude Code from here.\nread_only = [{}]\n",
+                shown.join(", ")
+            ),
+        );
         for name in ["analyst", "architect", "developer", "reviewer"] {
             s.push_str(&format!(
                 "[agents.{name}]\nbackend = \"claude\"\ncommand = {}\nendpoint = {}\n\
@@ -104,7 +119,10 @@ pub(crate) async fn serve_model() -> Result<std::process::ExitCode> {
         () = stop.cancelled() => {}
         _ = stdin_closed => {}
     }
-    eprintln!("served {} model requests", server.requests().len());
+    crate::output::say(&format!(
+        "served {} model requests",
+        server.requests().len()
+    ));
     drop(server);
     Ok(std::process::ExitCode::SUCCESS)
 }

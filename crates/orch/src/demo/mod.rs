@@ -62,13 +62,24 @@ const ITEMS: &[(&str, &str)] = &[
 static COMMENTARY_ON_STDERR: std::sync::atomic::AtomicBool =
     std::sync::atomic::AtomicBool::new(false);
 
-/// `println!` for the demo's commentary (see [`COMMENTARY_ON_STDERR`]).
+/// The demo's own requests and its cancel are orch's, not an operator's.
+fn demo_actor() -> orch_domain::control::actor::Actor {
+    orch_domain::control::actor::Actor::Orch {
+        what: "the demo".to_owned(),
+    }
+}
+
+/// A line of the demo's commentary (see [`COMMENTARY_ON_STDERR`]), through the output
+/// module like everything the binary prints.
 macro_rules! say {
+    () => {
+        say!("")
+    };
     ($($arg:tt)*) => {
         if COMMENTARY_ON_STDERR.load(std::sync::atomic::Ordering::Relaxed) {
-            eprintln!($($arg)*)
+            crate::output::say(&format!($($arg)*))
         } else {
-            println!($($arg)*)
+            crate::output::outln(&format!($($arg)*))
         }
     };
 }
@@ -109,7 +120,18 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
 
     let config_path = dir.join("orch.toml");
     let agent = write_agent_script(&dir, &exe)?;
-    let toml = demo_config(&agent, &state, prod_port, staging_port, api_port);
+    // The agents and the service's own code run sandboxed when this machine can; otherwise the
+    // demo says plainly that they run unsandboxed (`sandbox = "off"`).
+    let sandboxed = match orch_exec::sandbox::probe(Path::new("bwrap")) {
+        Ok(_) => true,
+        Err(why) => {
+            say!(
+                "NOTE: the demo runs its agents and tests UNSANDBOXED ({why}); with bubblewrap installed they run in a sandbox"
+            );
+            false
+        }
+    };
+    let toml = demo_config(&agent, &state, prod_port, staging_port, api_port, sandboxed);
     // `--agent claude`: the real Claude Code against the demo's model server (kept running
     // until the demo ends).
     let claude = match args.agent {
@@ -149,7 +171,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         }
         store.close().await;
         if !global.json {
-            println!("{}", dir.display());
+            crate::output::outln(&dir.display().to_string());
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -215,7 +237,10 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     // (merge → staging → deploy → watch → lessons), so each watch sees only its own change.
     let mut ids = Vec::new();
     for (title, body) in ITEMS {
-        let t = runtime.ops.submit("service", title, body).await?;
+        let t = runtime
+            .ops
+            .submit("service", title, body, &demo_actor())
+            .await?;
         say!("submitted {}: {title}", t.work_item_id);
         ids.push(t.work_item_id);
     }
@@ -278,6 +303,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
             "service",
             "Add a /healthz alias",
             "Some load balancers probe `/healthz`; answer it like `/health`.",
+            &demo_actor(),
         )
         .await?;
     say!(
@@ -299,9 +325,9 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let cancelled = runtime.ops.cancel(&t.work_item_id).await?;
+    let cancelled = runtime.ops.cancel(&t.work_item_id, &demo_actor()).await?;
     say!(
-        "  +  ---   {:6}  cancelled by an operator after analysis",
+        "  +  ---   {:6}  cancelled by the demo after analysis",
         t.work_item_id
     );
     let repo_dir = runtime.repos_dir.join("service");
@@ -360,7 +386,11 @@ async fn create_service_repo(git: &Git, dir: &Path) -> Result<()> {
 /// The scripted agent as a CLI: `agent.sh <preset flags…>` runs `orch demo-agent <flags…>`.
 fn write_agent_script(dir: &Path, exe: &Path) -> Result<PathBuf> {
     use std::os::unix::fs::PermissionsExt as _;
-    let path = dir.join("demo-agent.sh");
+    // In a directory of its own: a sandboxed run is shown the program's directory, and nothing
+    // else of the demo's.
+    let bin = dir.join("agent");
+    std::fs::create_dir_all(&bin).with_context(|| format!("cannot create {}", bin.display()))?;
+    let path = bin.join("demo-agent.sh");
     let quoted = format!("'{}'", exe.display().to_string().replace('\'', "'\\''"));
     std::fs::write(&path, format!("#!/bin/sh\n# The demo's scripted agent, run by orch's claude preset.\nexec {quoted} demo-agent \"$@\"\n"))
         .with_context(|| format!("cannot write {}", path.display()))?;
@@ -368,14 +398,23 @@ fn write_agent_script(dir: &Path, exe: &Path) -> Result<PathBuf> {
     Ok(path)
 }
 
-fn demo_config(agent: &Path, state: &Path, prod: u16, staging: u16, api: u16) -> String {
+fn demo_config(
+    agent: &Path,
+    state: &Path,
+    prod: u16,
+    staging: u16,
+    api: u16,
+    sandboxed: bool,
+) -> String {
     let exe = toml_str(&agent.display().to_string());
     let st = state.display().to_string();
     // The agents' time limit is `[settings] agent_timeout_s` (60 s), so `ORCH_AGENT_TIMEOUT_S`
     // can raise it (a benchmark's slower scripted agents).
     let agent = |name: &str| {
         format!(
-            "[agents.{name}]\nbackend = \"claude\"\ncommand = {exe}\nmodel = \"demo-scripted-1\"\n\n"
+            "[agents.{name}]\nbackend = \"claude\"\ncommand = {exe}\nmodel = \"demo-scripted-1\"\n\
+             # The scripted agent's think time, set in orch's environment by benchmarks and tests.\n\
+             env = [\"ORCH_DEMO_AGENT_SLEEP_MS\", \"ORCH_DEMO_AGENT_SLEEP_JITTER_MS\"]\n\n"
         )
     };
     let mut s = format!(
@@ -385,14 +424,29 @@ fn demo_config(agent: &Path, state: &Path, prod: u16, staging: u16, api: u16) ->
          [repos.service]\npath = \"service\"\nprefix = \"APP\"\ndefault_branch = \"main\"\n\
          test = \"python3 -m unittest -q\"\ntest_timeout_s = 60\n\
          deploy = {}\nrollback = {}\ndeploy_timeout_s = 30\n\
-         health_url = \"http://127.0.0.1:{prod}/health\"\nrevision_url = \"http://127.0.0.1:{prod}/revision\"\n\n\
+         health_url = \"http://127.0.0.1:{prod}/health\"\nrevision_url = \"http://127.0.0.1:{prod}/revision\"\n{off}\n\
          [[repos.service.staging]]\nname = \"unit-tests\"\nrun = \"python3 -m unittest -q\"\ntimeout_s = 60\n\n\
-         [[repos.service.staging]]\nname = \"deploy-staging\"\nrun = {}\ntimeout_s = 30\n\n\
+         [[repos.service.staging]]\nname = \"deploy-staging\"\nrun = {}\ntimeout_s = 30\n\
+         # It starts the staging service, which must outlive the step: trusted, like a deploy.\n\
+         sandbox = false\n\n\
          [[repos.service.staging_smoke]]\nname = \"health\"\nrun = \"sh smoke.sh {staging}\"\ntimeout_s = 10\n\n\
-         [repos.service.post_deploy]\nwindow_s = 8\ninterval_s = 1\ninitial_delay_s = 1\npoll_timeout_s = 2\n\n",
+         [repos.service.post_deploy]\nwindow_s = 8\ninterval_s = 1\ninitial_delay_s = 1\npoll_timeout_s = 2\n\n{}",
         toml_str(&format!("sh deploy.sh production {prod} {st}")),
         toml_str(&format!("sh rollback.sh production {prod} {st}")),
         toml_str(&format!("sh deploy.sh staging {staging} {st}")),
+        if sandboxed {
+            format!(
+                "# The agents and the service's tests run in a sandbox; the smoke check may reach staging.\n\
+                 [repos.service.sandbox]\nnetwork = [\"127.0.0.1:{staging}\"]\n\n"
+            )
+        } else {
+            String::new()
+        },
+        off = if sandboxed {
+            ""
+        } else {
+            "# No sandbox could be set up on this machine: the agents and tests run UNSANDBOXED.\nsandbox = \"off\"\n"
+        },
     );
     for name in ["analyst", "architect", "developer", "reviewer"] {
         s.push_str(&agent(name));
@@ -475,7 +529,7 @@ async fn watch_progress(
                     why.chars().take(110).collect::<String>()
                 );
                 if tty {
-                    mp.println(&line).ok();
+                    mp.println(crate::output::terminal_safe(&line)).ok();
                 } else {
                     say!("{line}");
                 }
@@ -720,7 +774,7 @@ impl ServiceGuard {
                 _ = tokio::signal::ctrl_c() => {}
                 _ = term.recv() => {}
             }
-            eprintln!("\norch demo: interrupted; stopping the sample service");
+            crate::output::say("\norch demo: interrupted; stopping the sample service");
             stop_instances(&releases);
             std::process::exit(130);
         });

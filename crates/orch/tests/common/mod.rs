@@ -200,6 +200,19 @@ pub async fn open(dir: &Path) -> Store {
         .expect("open the demo database")
 }
 
+/// The demo's `orch.toml` text with its repo's sandbox turned off (`sandbox = "off"`, its
+/// `[repos.service.sandbox]` table removed): for a test of what an unsandboxed run does.
+pub fn sandbox_off(config: &str) -> String {
+    let mut text = config.replace("[repos.service]\n", "[repos.service]\nsandbox = \"off\"\n");
+    if let Some(start) = text.find("[repos.service.sandbox]") {
+        let end = text[start + 1..]
+            .find("\n[")
+            .map_or(text.len(), |i| start + 2 + i);
+        text.replace_range(start..end, "");
+    }
+    text
+}
+
 /// `orch demo --setup-only --dir <dir>`, which must succeed.
 pub fn demo_setup(dir: &Path) {
     let out = std::process::Command::new(ORCH)

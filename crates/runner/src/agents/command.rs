@@ -33,18 +33,6 @@ const OUTPUT_LIMIT: usize = 4 * 1024 * 1024;
 /// How much of the end of the output is searched for transient-error words.
 const TRANSIENT_SCAN_BYTES: usize = 8 * 1024;
 
-/// Variables an agent must not inherit from orch: its API token and database, and git
-/// variables that would point the agent's git at another repository.
-const SCRUBBED_ENV: [&str; 7] = [
-    "ORCH_TOKEN",
-    "ORCH_DATABASE_URL",
-    "GIT_DIR",
-    "GIT_WORK_TREE",
-    "GIT_INDEX_FILE",
-    "GIT_OBJECT_DIRECTORY",
-    "GIT_COMMON_DIR",
-];
-
 /// Claude Code's default turn limit per run.
 pub(crate) const DEFAULT_MAX_TURNS: u32 = 50;
 /// Retries a CLI makes itself on API errors, by default.
@@ -140,7 +128,9 @@ struct Dirs {
 }
 
 /// The program, arguments, prompt channel, variables and output parser of `config`.
-fn plan(config: &AgentConfig, role: Role, dirs: &Dirs) -> Result<Plan, String> {
+/// `contained`: orch's own sandbox runs the CLI (a CLI's own sandbox cannot be set up inside
+/// it: Codex's then runs with full access inside orch's).
+fn plan(config: &AgentConfig, role: Role, dirs: &Dirs, contained: bool) -> Result<Plan, String> {
     let model_args = |flag: &str| -> Vec<String> {
         config
             .model
@@ -241,7 +231,11 @@ fn plan(config: &AgentConfig, role: Role, dirs: &Dirs) -> Result<Plan, String> {
                         "exec",
                         "--json",
                         "-s",
-                        "workspace-write",
+                        if contained {
+                            "danger-full-access"
+                        } else {
+                            "workspace-write"
+                        },
                         "--skip-git-repo-check",
                     ]),
                     model_args("-m"),
@@ -340,6 +334,21 @@ fn codex_config(config: &AgentConfig, retries: u32) -> String {
     text
 }
 
+/// With `config_home = "user"`, the CLI's own files in the orch user's `HOME` (its login and
+/// settings), which the run's sandbox then shows writable; nothing else of `HOME`.
+fn user_config_dirs(backend: Backend) -> Vec<PathBuf> {
+    let Some(home) = std::env::var_os("HOME").map(PathBuf::from) else {
+        return Vec::new();
+    };
+    let names: &[&str] = match backend {
+        Backend::Claude => &[".claude", ".claude.json"],
+        Backend::Codex => &[".codex"],
+        Backend::Aider => &[".aider"],
+        Backend::Command | Backend::Openai => &[],
+    };
+    names.iter().map(|n| home.join(n)).collect()
+}
+
 /// Creates the run's private directories: a temporary directory (removed when dropped)
 /// holding `home/` unless `config_home` keeps the user's or names another.
 fn make_dirs(config: &AgentConfig) -> std::io::Result<(tempfile::TempDir, Dirs)> {
@@ -351,6 +360,15 @@ fn make_dirs(config: &AgentConfig) -> std::io::Result<(tempfile::TempDir, Dirs)>
     };
     if let Some(h) = &home {
         std::fs::create_dir_all(h)?;
+        // An identity of its own, so a CLI that wants one for git (Aider) finds it here
+        // instead of writing it into the repository's configuration (read-only to it).
+        let gitconfig = h.join(".gitconfig");
+        if !gitconfig.exists() {
+            std::fs::write(
+                &gitconfig,
+                "[user]\n\tname = orch agent\n\temail = agent@orch.invalid\n",
+            )?;
+        }
     }
     let files = tmp.path().join("files");
     std::fs::create_dir_all(&files)?;
@@ -368,7 +386,17 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
             );
         }
     };
-    let plan = match plan(inv.config, role, &dirs) {
+    // The run's sandbox: the worktree and its private directory writable, its model endpoint
+    // reachable, nothing of orch's in sight (`crate::contain`).
+    let extra = match &dirs.home {
+        Some(h) => vec![h.clone()],
+        None => user_config_dirs(inv.config.backend),
+    };
+    let contained = match crate::contain::for_agent(inv.run, inv.config, tmp.path(), &extra) {
+        Ok(c) => c,
+        Err(e) => return TryResult::permanent(inv.error(e)),
+    };
+    let plan = match plan(inv.config, role, &dirs, contained.is_sandboxed()) {
         Ok(p) => p,
         Err(e) => return TryResult::permanent(inv.error(e)),
     };
@@ -386,7 +414,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     let wants_file =
         plan.via == PromptVia::File || plan.args.iter().any(|a| a.contains("{prompt_file}"));
     let prompt_file = if wants_file {
-        match write_prompt_file(inv.prompt) {
+        match write_prompt_file(inv.prompt, tmp.path()) {
             Ok(f) => Some(f),
             Err(e) => {
                 return TryResult::failed(
@@ -403,32 +431,44 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         inv,
     };
     let args: Vec<String> = plan.args.iter().map(|a| vars.substitute(a)).collect();
-    let mut cmd = Cmd::new(&plan.program)
-        .no_daemons()
-        .batch()
-        .args(args)
-        .cwd(inv.worktree)
-        .timeout(inv.timeout)
-        .output_limit(OUTPUT_LIMIT)
-        .cancel_on(inv.run.cancel.clone());
-    for key in SCRUBBED_ENV {
-        cmd = cmd.env_remove(key);
-    }
+    let mut cmd = contained.apply(
+        Cmd::new(&plan.program)
+            .no_daemons()
+            .batch()
+            .args(args)
+            .cwd(inv.worktree)
+            .timeout(inv.timeout)
+            .output_limit(OUTPUT_LIMIT)
+            .cancel_on(inv.run.cancel.clone()),
+    );
     for (key, value) in vars.env() {
         cmd = cmd.env(key, value);
     }
     for (key, value) in &plan.env {
         cmd = cmd.env(key, value);
     }
+    // Unsandboxed, the run's temporary files go to a directory of its own too (and Codex,
+    // which refuses to put its sandbox's helpers under the temporary directory, finds its
+    // home outside that one).
+    if !contained.is_sandboxed() {
+        let private_tmp = tmp.path().join("tmp");
+        if let Err(e) = std::fs::create_dir_all(&private_tmp) {
+            return TryResult::failed(
+                inv.error(format!("cannot create {}: {e}", private_tmp.display())),
+            );
+        }
+        cmd = cmd.env("TMPDIR", private_tmp);
+    }
     // The key, read at the moment of use from the variable the agent names, under the name
-    // the CLI reads (Codex reads the named variable itself).
+    // the CLI reads (Codex and a custom command read the named variable themselves).
     if let Some(var) = &inv.config.api_key_env
         && let Ok(key) = std::env::var(var)
     {
         match inv.config.backend {
             Backend::Claude => cmd = cmd.env("ANTHROPIC_API_KEY", key),
             Backend::Aider => cmd = cmd.env("OPENAI_API_KEY", key),
-            _ => {}
+            Backend::Codex | Backend::Command => cmd = cmd.env(var, key),
+            Backend::Openai => {}
         }
     }
     if plan.via == PromptVia::Stdin {
@@ -448,13 +488,16 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         codex_rollout_denials(&dirs, &mut result);
     }
     if plan.parser == Parser::Aider {
-        let cleaned = clean_after_aider(inv.worktree).await;
+        let cleaned = clean_after_aider(&inv.run.git, inv.worktree).await;
         if !cleaned.is_empty() {
             result.data.insert("aider_cleaned".into(), json!(cleaned));
         }
     }
     drop(tmp);
     result.data.insert("program".into(), plan.program.into());
+    result
+        .data
+        .insert("sandbox".into(), contained.note.clone().into());
     result.data.insert(
         "config_home".into(),
         match &dirs.home {
@@ -475,7 +518,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
 /// Undoes what Aider does to a worktree besides the work: its `.aider*` files at the root
 /// and the files it `git add`s (the index is reset to `HEAD`; the engine commits what the
 /// stage may commit). Returns what was removed or unstaged.
-async fn clean_after_aider(worktree: &Path) -> Vec<String> {
+async fn clean_after_aider(git: &orch_exec::Git, worktree: &Path) -> Vec<String> {
     let mut cleaned = Vec::new();
     if let Ok(entries) = std::fs::read_dir(worktree) {
         for entry in entries.flatten() {
@@ -496,12 +539,12 @@ async fn clean_after_aider(worktree: &Path) -> Vec<String> {
             }
         }
     }
-    let staged = run_process(
-        &Cmd::new("git")
-            .args(["diff", "--cached", "--name-only", "-z"])
-            .cwd(worktree),
-    )
-    .await;
+    let staged =
+        run_process(
+            &git.command(worktree)
+                .args(["diff", "--cached", "--name-only", "-z"]),
+        )
+        .await;
     if let Ok(out) = staged
         && out.success()
     {
@@ -512,7 +555,7 @@ async fn clean_after_aider(worktree: &Path) -> Vec<String> {
             .map(|s| format!("unstaged {s}"))
             .collect();
         if !names.is_empty() {
-            match run_process(&Cmd::new("git").args(["reset", "-q"]).cwd(worktree)).await {
+            match run_process(&git.command(worktree).args(["reset", "-q"])).await {
                 Ok(o) if o.success() => cleaned.extend(names),
                 Ok(o) => {
                     tracing::warn!(output = %o.tail_text(5), "cannot reset aider's staged files")
@@ -524,12 +567,13 @@ async fn clean_after_aider(worktree: &Path) -> Vec<String> {
     cleaned
 }
 
-/// The prompt in a private temporary file (outside the worktree, so it is never committed).
-fn write_prompt_file(prompt: &str) -> std::io::Result<tempfile::NamedTempFile> {
+/// The prompt in a private temporary file in the run's own directory `dir` (outside the
+/// worktree, so it is never committed; inside what the run's sandbox shows it).
+fn write_prompt_file(prompt: &str, dir: &Path) -> std::io::Result<tempfile::NamedTempFile> {
     let mut file = tempfile::Builder::new()
         .prefix("orch-prompt-")
         .suffix(".md")
-        .tempfile()?;
+        .tempfile_in(dir)?;
     file.write_all(prompt.as_bytes())?;
     file.flush()?;
     Ok(file)
@@ -1287,7 +1331,7 @@ mod tests {
         role: Role,
         expect: Result<(&str, &[&str], PromptVia), &str>,
     ) {
-        let got = plan(&config(backend, extra), role, &dirs());
+        let got = plan(&config(backend, extra), role, &dirs(), false);
         match expect {
             Ok((program, args, via)) => {
                 let p = got.unwrap();
@@ -1467,7 +1511,7 @@ mod tests {
     #[test]
     fn presets_get_their_own_home_and_settings() {
         let env = |backend: &str, extra: &str| {
-            let p = plan(&config(backend, extra), Role::Documents, &dirs()).unwrap();
+            let p = plan(&config(backend, extra), Role::Documents, &dirs(), false).unwrap();
             (p.env, p.codex_config)
         };
         let (claude, _) = env(
@@ -1508,7 +1552,7 @@ mod tests {
             home: None,
             files: PathBuf::from("/f"),
         };
-        let p = plan(&config("codex", ""), Role::Documents, &user).unwrap();
+        let p = plan(&config("codex", ""), Role::Documents, &user, false).unwrap();
         assert_eq!((p.env, p.codex_config), (Vec::new(), None));
     }
 

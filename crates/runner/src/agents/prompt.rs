@@ -728,9 +728,9 @@ fn read_artifacts(dir: &Path) -> Vec<ArtifactFile> {
 }
 
 /// The first `limit` bytes of a file (lossy UTF-8) and its size; `None` when it is missing
-/// (silently) or unreadable (with a warning).
+/// (silently) or unreadable or not a regular file (a link, a FIFO: with a warning).
 fn read_head(path: &Path, limit: u64) -> Option<(String, u64)> {
-    let file = match std::fs::File::open(path) {
+    let file = match crate::fsutil::open_regular(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
         Err(e) => {
@@ -751,7 +751,7 @@ fn read_head(path: &Path, limit: u64) -> Option<(String, u64)> {
 /// or unreadable.
 fn read_tail(path: &Path, limit: u64) -> Option<String> {
     let read = || -> std::io::Result<String> {
-        let mut file = std::fs::File::open(path)?;
+        let mut file = crate::fsutil::open_regular(path)?;
         let size = file.metadata()?.len();
         let start = size.saturating_sub(limit);
         file.seek(SeekFrom::Start(start))?;

@@ -4,6 +4,7 @@
 //! refused with a clear reason and put back as the branch has it (removed when the branch has
 //! none), so a rejected artifact is never committed nor pushed. Nothing here follows a link.
 
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 
 use anyhow::{Context as _, Result};
@@ -100,11 +101,13 @@ pub fn read_bounded(path: &Path) -> Option<String> {
         tracing::warn!(path = %path.display(), %reason, "artifact not read");
         return None;
     }
-    let meta = std::fs::symlink_metadata(path).ok()?;
-    if !meta.is_file() {
-        return None;
-    }
-    std::fs::read_to_string(path).ok()
+    let mut text = String::new();
+    crate::fsutil::open_regular(path)
+        .ok()?
+        .take(MAX_ARTIFACT_BYTES)
+        .read_to_string(&mut text)
+        .ok()?;
+    Some(text)
 }
 
 /// The artifacts of `stage` present in `dir` (exact names and families like `07-adr-*`).

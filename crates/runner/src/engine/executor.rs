@@ -55,6 +55,18 @@ pub struct StageRun {
     pub node: String,
     /// Whether the worktree is still to be prepared (a deferring executor's job).
     pub prep: WorktreePrep,
+    /// Where an agent's stage began (its branch and commit), which it must not move; `None`
+    /// for a runner's stage.
+    pub start: Option<StageStart>,
+}
+
+/// The branch an agent's stage works on and the commit it began from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StageStart {
+    /// `orch/<id>`.
+    pub branch: String,
+    /// Its commit when the stage began.
+    pub head: String,
 }
 
 /// The worktree's preparation: done before the executor runs (the default), or deferred to
@@ -93,6 +105,14 @@ impl StageRun {
     /// The path of artifact `name` in the worktree.
     pub fn artifact_path(&self, name: &str) -> PathBuf {
         self.artifact_dir.join(name)
+    }
+
+    /// Writes the stage's document `name` in the work item's folder, atomically and through
+    /// real folders only (a folder replaced by a link is refused, never followed:
+    /// [`crate::fsutil::write_in_worktree`]).
+    pub fn write_document(&self, name: &str, content: &str) -> anyhow::Result<()> {
+        let rel = std::path::Path::new(&self.work_item.artifact_dir()).join(name);
+        crate::fsutil::write_in_worktree(&self.worktree, &rel, content)
     }
 
     /// Makes sure the worktree is prepared (created, reset to the branch's committed state,

@@ -17,7 +17,9 @@ use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
 use orch_store::{AdvanceStage, Fence, JobState, NewEvent, NewJob, Store, StoreError, Task};
 
-use super::{StageEffect, StageExecutor, StageJob, StageRun, WorktreePrep, artifacts};
+use super::{
+    StageEffect, StageExecutor, StageJob, StageRun, StageStart, WorktreePrep, artifacts, guard,
+};
 use crate::counters::Counters;
 use crate::repos::{self, RepoPaths};
 use crate::worker::{JobContext, JobHandler, Outcome, Registry};
@@ -130,6 +132,23 @@ impl Engine {
         for kind in kinds {
             registry.register(kind, timeout, Arc::new(Handler(self.clone())));
         }
+        // What every ending leads to (the store enqueues it): the outcome's notification and
+        // the item's trail on the default branch; and the webhook deliveries.
+        registry.register(
+            crate::ended::TASK_ENDED,
+            crate::ended::timeout(),
+            Arc::new(crate::ended::TaskEndedHandler {
+                engine: self.clone(),
+            }),
+        );
+        registry.register(
+            crate::notify::NOTIFY,
+            Duration::from_secs(crate::notify::ALERT_TIMEOUT_S * 3),
+            Arc::new(crate::notify::NotifyHandler {
+                store: self.store.clone(),
+                live: self.cfg.live.clone(),
+            }),
+        );
     }
 
     /// The job that runs `stage` for visit `seq`, or `None` for a terminal stage.
@@ -326,6 +345,28 @@ impl Engine {
             prep().await.map_err(Prep::Transient)?;
             WorktreePrep::default()
         };
+        // An agent's stage must end where it began: on its branch, at this commit.
+        let start = match stage.kind == StageKind::Llm && !prep.is_deferred() {
+            true => {
+                // What the agent's prompt reads from the worktree (role overrides in `.orch/`,
+                // the lessons file) is what the branch holds: nothing untracked or ignored
+                // that an earlier stage left there (a `.gitignore` entry would hide it).
+                let prompt_inputs = [".orch", repo.lessons_file.as_str()];
+                self.git
+                    .clean_all_under(&worktree, &prompt_inputs)
+                    .await
+                    .map_err(|e| Prep::Transient(e.into()))?;
+                self.git
+                    .rev_parse(&worktree, "HEAD")
+                    .await
+                    .map_err(|e| Prep::Transient(e.into()))?
+                    .map(|head| StageStart {
+                        branch: work_item.branch_name(),
+                        head,
+                    })
+            }
+            false => None,
+        };
         let artifact_dir = worktree.join(work_item.artifact_dir());
         // A deferring executor's job (a watch's tick) reads no history and no feedback: the
         // loops are read when the stage is decided, and its worktree is not reset yet.
@@ -362,6 +403,7 @@ impl Engine {
             counters: self.counters.clone(),
             node: self.cfg.node.clone(),
             prep,
+            start,
         })
     }
 
@@ -490,39 +532,17 @@ impl Engine {
         outcome: Option<GateOutcome>,
     ) -> Result<Outcome> {
         run.ensure_worktree().await?;
-        // The two checks of what the agent touched ask git at the same time.
-        let artifacts_only =
-            run.stage.kind == StageKind::Llm && run.stage.name.as_str() != "implementation";
-        let (outside, repo_status) = tokio::join!(
-            async {
-                match artifacts_only {
-                    true => {
-                        self.git
-                            .changed_files_outside(&run.worktree, &run.work_item.artifact_dir())
-                            .await
-                    }
-                    false => Ok(Vec::new()),
-                }
-            },
-            self.git.status_porcelain(&run.repo_dir)
-        );
-        // Only the developer changes code; other agents write their artifacts and nothing else.
-        if artifacts_only {
-            let outside = outside?;
-            if !outside.is_empty() {
-                let reason = format!(
-                    "agent wrote outside {}: {}",
-                    run.work_item.artifact_dir(),
-                    outside.join(", ")
-                );
-                self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
-                    .await;
-                anyhow::bail!(reason);
-            }
-        }
+        // What the stage left is checked before anything is staged (`guard`), and the repo's
+        // main checkout, which no stage may touch, at the same time.
+        let (guarded, repo_status) =
+            tokio::join!(self.guard(&run), self.git.status_porcelain(&run.repo_dir));
+        guarded?;
         let repo_status = repo_status?;
         if !repo_status.is_empty() {
-            let files: Vec<String> = repo_status.iter().map(|s| s.path.clone()).collect();
+            let files: Vec<String> = repo_status
+                .iter()
+                .map(|s| orch_domain::text::escape(&s.path))
+                .collect();
             self.git.reset_hard(&run.repo_dir, "HEAD").await?;
             self.git.clean(&run.repo_dir).await?;
             let reason = format!(
@@ -538,7 +558,7 @@ impl Engine {
             self.event(&run, events::ARTIFACT_REJECTED, &r.reason, None)
                 .await;
         }
-        let commit = self.commit(cx, &run, "result").await?;
+        let commit = self.commit_checked(cx, &run, "result").await?;
         let gate = match outcome {
             Some(o) => o,
             None => {
@@ -604,18 +624,13 @@ impl Engine {
         if decision.next_stage.is_terminal() {
             // The final outcome, for every view of the task (the gate's value stays `result`).
             data["result"] = data["outcome"].take();
-            data["outcome"] = match next.as_str() {
-                control::DONE => {
-                    let history = self.store.task_events(run.task.id).await?;
-                    crate::release::done_outcome(&history).into()
-                }
-                control::CANCELLED => control::CANCELLED.into(),
-                _ => {
-                    data["stage"] = run.stage.name.as_str().into();
-                    data["reason"] = decision.reason.clone().into();
-                    control::FAILED.into()
-                }
-            };
+            if next.as_str() == control::FAILED {
+                data["stage"] = run.stage.name.as_str().into();
+                data["reason"] = decision.reason.clone().into();
+            }
+            // The outcome from the recorded facts, by the rule every view applies.
+            let history = self.store.task_events(run.task.id).await?;
+            data["outcome"] = crate::release::outcome_now(&next, &history).into();
         }
         let adv = AdvanceStage {
             task_id: run.task.id,
@@ -682,9 +697,55 @@ impl Engine {
         }
     }
 
-    /// Commits whatever the stage left in the worktree and pushes the branch when the repo
-    /// has a remote (the hand-off to other machines, design.md §10).
+    /// Checks what the stage left ([`guard`]) and commits it: every commit a stage makes goes
+    /// through here or through [`Engine::guard`] then [`Engine::commit_checked`].
     async fn commit(&self, cx: &JobContext, run: &StageRun, what: &str) -> Result<Option<String>> {
+        self.guard(run).await?;
+        self.commit_checked(cx, run, what).await
+    }
+
+    /// The check of what a stage may commit, before anything is staged (see [`guard`]): an
+    /// agent's refused change fails the attempt (`artifact.rejected`, the worktree put back);
+    /// a runner's by-products are put back and said (`commit.discarded`).
+    async fn guard(&self, run: &StageRun) -> Result<()> {
+        let (verdict, violations) = guard::check(&self.git, &self.cfg.pipeline, run).await?;
+        match verdict {
+            guard::Verdict::Refused { reason } => {
+                tracing::warn!(work_item = %run.work_item, stage = %run.stage.name, %reason, "change refused");
+                self.event(
+                    run,
+                    events::ARTIFACT_REJECTED,
+                    &reason,
+                    Some(guard::data(run, &violations)),
+                )
+                .await;
+                anyhow::bail!(reason)
+            }
+            guard::Verdict::Clean if !violations.is_empty() => {
+                let text = guard::discarded_text(run, &violations);
+                tracing::info!(work_item = %run.work_item, stage = %run.stage.name, %text, "by-products discarded");
+                self.event(
+                    run,
+                    guard::DISCARDED,
+                    &text,
+                    Some(guard::data(run, &violations)),
+                )
+                .await;
+                Ok(())
+            }
+            guard::Verdict::Clean => Ok(()),
+        }
+    }
+
+    /// Commits whatever the stage left in the worktree (checked by [`Engine::guard`]) and
+    /// pushes the branch when the repo has a remote (the hand-off to other machines,
+    /// design.md §10).
+    async fn commit_checked(
+        &self,
+        cx: &JobContext,
+        run: &StageRun,
+        what: &str,
+    ) -> Result<Option<String>> {
         let message = format!(
             "orch: {} {} {what} (attempt {})\n\nWork-Item: {}\nStage: {}",
             run.work_item, run.stage.name, run.lease.attempt, run.work_item, run.stage.name
@@ -892,7 +953,16 @@ async fn ready_worktree(
     if taken_over || repos::shares_work_branches(git, &paths.repo_dir, repo).await {
         repos::catch_up_work_branch(git, paths, work_item).await?;
     }
-    repos::prepare_worktree(git, paths, work_item, &repo.default_branch).await?;
+    let worktree = repos::prepare_worktree(git, paths, work_item, &repo.default_branch).await?;
+    // Documents are written only through real folders: a branch whose item folder (or a
+    // folder above it) is a link never gets a stage run on it.
+    let folder = work_item.artifact_dir();
+    if let Some(why) = crate::fsutil::unsafe_dirs(&worktree, std::path::Path::new(&folder)) {
+        anyhow::bail!(
+            "the work item's folder `{folder}` cannot be written safely: {why} on branch `{}`; orch writes documents only through real folders",
+            work_item.branch_name()
+        );
+    }
     Ok(())
 }
 

@@ -22,8 +22,7 @@ impl StageExecutor for IntakeExecutor {
         fm.insert("repo", Value::from(run.repo_name.as_str()));
         let body = format!("# {}\n\n{}\n", run.task.title, run.task.body.trim_end());
         let text = Artifact::new(fm, body).render();
-        std::fs::create_dir_all(&run.artifact_dir)?;
-        crate::fsutil::write_atomic(&run.artifact_path("01-request.md"), &text)?;
+        run.write_document("01-request.md", &text)?;
         Ok(StageEffect::Produced { outcome: None })
     }
 }

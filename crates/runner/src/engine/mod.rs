@@ -6,10 +6,13 @@
 pub mod artifacts;
 pub mod dispatch;
 pub mod executor;
+mod guard;
 mod handler;
 pub mod intake;
 
-pub use executor::{StageEffect, StageExecutor, StageRun, WorktreePrep, YIELD_PRIORITY};
+pub use executor::{
+    StageEffect, StageExecutor, StageRun, StageStart, WorktreePrep, YIELD_PRIORITY,
+};
 pub use handler::{Engine, EngineConfig, INTAKE, STAGE_ATTEMPTS, first_job, job_kind};
 
 /// The payload of a stage job: which stage visit it belongs to. Markers (defers, ticks) are

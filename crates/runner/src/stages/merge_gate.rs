@@ -188,7 +188,7 @@ impl StageExecutor for MergeGateExecutor {
         };
         let so_far = count_retries(run).await;
         let doc = render_merge_log(run, &report, &trail, so_far);
-        crate::fsutil::write_atomic(&run.artifact_path(MERGE_LOG), &doc)?;
+        run.write_document(MERGE_LOG, &doc)?;
         let counter = match report.status {
             MergeStatus::Merged => "merged",
             MergeStatus::Conflict => "conflict",

@@ -9,6 +9,18 @@
 //! of this task's `deployer` jobs whose `task_content` carries
 //! `markers::staging_defer(stage_seq)`; the deferred job itself is enqueued by the engine from [`StageEffect::Requeue`]; the stage is
 //! changed only by the engine's fenced `advance_stage`; the counters are in-process (D-4).
+//!
+//! Infrastructure or the change? The runner tells them apart by looking, not by exit codes:
+//! with `staging_health_url` set it looks at the staging environment itself before the smoke
+//! checks (nothing answers: the smoke checks do not run, TOOL_ERROR `unreachable`) and again
+//! after a step that failed in a way an unreachable host also explains — a smoke check that
+//! failed or timed out, a step exiting 255 (ssh's own error) or 7 (curl's "could not
+//! connect") — where no answer (refused, DNS, timeout) is `unreachable` and any answer leaves
+//! the failure the change's. What it saw is in the log's Summary. The conventions that remain
+//! (README "Staging: infrastructure or the change?"): exit 75 (EX_TEMPFAIL) from any step says
+//! "unreachable" itself; without a staging health URL, exit 255 from a step and curl's 7 from a
+//! smoke check are read as unreachable. No steps configured is TOOL_ERROR `no_steps`: nothing
+//! verified the change, and missing evidence is never success.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -26,12 +38,19 @@ use super::tester::{duration_ms, output_tail, shell_cmd};
 use crate::counters::Counters;
 use crate::engine::{StageEffect, StageExecutor, StageRun};
 
-/// The artifact the staging runner writes (D-3: name and place unchanged).
 /// A step exiting with this code (EX_TEMPFAIL) reports the staging endpoint unreachable.
 pub const UNREACHABLE_EXIT: i32 = 75;
-/// curl's exit code for "could not connect", read as unreachable in smoke checks.
+/// curl's exit code for "could not connect": looked into (or, without a staging health URL,
+/// read as unreachable) in smoke checks.
 pub const CURL_COULD_NOT_CONNECT: i32 = 7;
+/// ssh's exit code for its own errors (the host could not be reached, authentication):
+/// looked into (or, without a staging health URL, read as unreachable) in any step.
+pub const SSH_ERROR: i32 = 255;
+/// The longest one look at the staging health URL waits for an answer, seconds (at most the
+/// step's own timeout).
+pub const LOOK_TIMEOUT_S: u64 = 10;
 
+/// The artifact the staging runner writes (D-3: name and place unchanged).
 pub const STAGING_LOG: &str = "15-staging-log.md";
 
 /// The stage this runner handles (D1: the `deployer` job of a task in this stage).
@@ -45,10 +64,6 @@ pub const AGENT: &str = "deployer";
 /// the defers among them.
 pub const COUNTER_GROUP: &str = "staging_runner";
 const COUNTER_NAMES: [&str; 5] = ["runs", "success", "failed", "tool_error", "deferred"];
-
-/// The reason written when a repo has no staging steps.
-pub const NO_STEPS_REASON: &str =
-    "no staging steps configured: nothing to stage, SUCCESS by configuration";
 
 /// Runs the staging steps and smoke checks of stage `staging`.
 pub struct StagingExecutor {
@@ -64,12 +79,25 @@ impl StagingExecutor {
     }
 }
 
+/// What one staging run did, for its log.
+struct Ran<'a> {
+    environment: &'a StagingEnvironment,
+    steps: &'a [StepResult],
+    classification: &'a Classification,
+    /// Defers of this visit before this run.
+    defers: u32,
+    /// What the runner saw at the staging health URL.
+    looks: &'a [String],
+}
+
 /// One step of the plan: a staging step or a smoke check.
 struct PlannedStep<'a> {
     name: &'a str,
     run: &'a str,
     timeout_s: u64,
     is_smoke: bool,
+    /// Runs in the repo's sandbox (the default); `false` for a step that starts a service.
+    sandboxed: bool,
 }
 
 #[async_trait::async_trait]
@@ -97,38 +125,51 @@ impl StageExecutor for StagingExecutor {
                 run: &s.run,
                 timeout_s: s.timeout_s,
                 is_smoke,
+                sandboxed: s.sandbox,
             })
             .collect();
         let revision = revision(run).await;
+        let url = run.repo.staging_health_url.clone();
         let environment = StagingEnvironment {
             name: STAGE.to_owned(),
-            url: None,
+            url: url.clone(),
             branch: run.task.branch.clone(),
             revision: revision.clone(),
         };
 
-        if planned.is_empty() {
-            // The choice for a repo without staging: SUCCESS, stated in the log. The domain's
-            // `classify` calls an empty plan TOOL_ERROR (`no_steps`) because nothing verified
-            // the change; here the configuration says there is nothing to verify, and deferring
-            // would only delay the same answer until `tool_error_exhausted`.
-            let c = Classification {
-                verdict: StagingVerdict::Success,
-                failure_kind: None,
-                reason: NO_STEPS_REASON.to_owned(),
-            };
-            self.write_log(run, &environment, &[], &c, &StagingDecision::Success, 0)?;
-            self.counters.incr(COUNTER_GROUP, "success");
-            if let Some(rev) = &revision {
-                crate::release::record_staged(run, rev).await;
-            }
-            return Ok(StageEffect::Produced { outcome: None });
-        }
-
+        // No steps: `classify` calls the empty plan TOOL_ERROR `no_steps` (nothing verified the
+        // change); it is deferred and then FAILED `tool_error_exhausted` like any tool error.
         let mut steps = Vec::with_capacity(planned.len());
+        let mut looks = Vec::new();
+        let mut smoke_began = false;
         for step in &planned {
-            let result = run_step(run, step, revision.as_deref()).await?;
+            if step.is_smoke && !smoke_began {
+                smoke_began = true;
+                if let Some(url) = &url
+                    && let Some(why) =
+                        look(url, step.timeout_s, "before the smoke checks", &mut looks).await
+                {
+                    // Nothing answers where the smoke checks would go: they are not run.
+                    steps.push(StepResult {
+                        name: step.name.to_owned(),
+                        command: step.run.to_owned(),
+                        exit: StepExit::Unreachable,
+                        duration_ms: 0,
+                        output_tail: format!(
+                            "not run: the staging health URL {url} does not answer ({why})"
+                        ),
+                        is_smoke: true,
+                    });
+                    break;
+                }
+            }
+            let mut result = run_step(run, step, revision.as_deref()).await?;
             let passed = result.exit == StepExit::Exited(0);
+            if !passed {
+                result.exit = self
+                    .judge(step, result.exit, url.as_deref(), &mut looks)
+                    .await;
+            }
             steps.push(result);
             if !passed {
                 break; // the first step that did not pass decides; the rest never run
@@ -184,7 +225,43 @@ impl StageExecutor for StagingExecutor {
                 })
             }
             StagingDecision::Success | StagingDecision::Failed { .. } => {
-                self.write_log(run, &environment, &steps, &c, &decision, defers)?;
+                let ran = Ran {
+                    environment: &environment,
+                    steps: &steps,
+                    classification: &c,
+                    defers,
+                    looks: &looks,
+                };
+                self.write_log(run, &ran, &decision)?;
+                if let StagingDecision::Failed {
+                    failure_kind,
+                    reason,
+                } = &decision
+                    && failure_kind == orch_domain::staging::failure_kind::TOOL_ERROR_EXHAUSTED
+                {
+                    // The log says FAILED (the seed's two values); the pipeline is told it was
+                    // the infrastructure, so the item fails without blaming the change.
+                    self.counters.incr(COUNTER_GROUP, "failed");
+                    let id = &run.work_item;
+                    let hint = if c.failure_kind.as_deref()
+                        == Some(orch_domain::staging::failure_kind::NO_STEPS)
+                    {
+                        format!(
+                            "repo {} configures no staging steps: add them (`orch doctor` says how), then `orch retry {id}`",
+                            run.repo_name
+                        )
+                    } else {
+                        format!(
+                            "the staging environment, not the change, is at fault: `orch retry {id}` once it is back"
+                        )
+                    };
+                    return Ok(StageEffect::Produced {
+                        outcome: Some(orch_domain::gate::GateOutcome::pass(
+                            orch_domain::pipeline::TOOL_ERROR_EXHAUSTED.to_owned(),
+                            format!("{reason}; {hint}"),
+                        )),
+                    });
+                }
                 let counter = if decision == StagingDecision::Success {
                     "success"
                 } else {
@@ -204,31 +281,67 @@ impl StageExecutor for StagingExecutor {
 }
 
 impl StagingExecutor {
+    /// How a step that did not pass ended, once the runner looked where it could: a failure an
+    /// unreachable environment also explains is `Unreachable` when the staging health URL does
+    /// not answer (or, with no URL to look at, by the conventions of ssh's 255 and curl's 7).
+    async fn judge(
+        &self,
+        step: &PlannedStep<'_>,
+        exit: StepExit,
+        url: Option<&str>,
+        looks: &mut Vec<String>,
+    ) -> StepExit {
+        let ambiguous = match exit {
+            StepExit::Exited(SSH_ERROR | CURL_COULD_NOT_CONNECT) => true,
+            StepExit::Exited(_) | StepExit::TimedOut => step.is_smoke,
+            _ => false,
+        };
+        if !ambiguous {
+            return exit;
+        }
+        match url {
+            Some(url) => {
+                let when = format!(
+                    "after {} `{}` ended with {exit}",
+                    if step.is_smoke { "smoke check" } else { "step" },
+                    step.name
+                );
+                match look(url, step.timeout_s, &when, looks).await {
+                    Some(_) => StepExit::Unreachable,
+                    None => exit,
+                }
+            }
+            None => match exit {
+                StepExit::Exited(SSH_ERROR) => StepExit::Unreachable,
+                StepExit::Exited(CURL_COULD_NOT_CONNECT) if step.is_smoke => StepExit::Unreachable,
+                other => other,
+            },
+        }
+    }
+
     /// Writes `15-staging-log.md` for a final decision (D-3: `author_agent: staging-runner`,
     /// `model_used: n/a`, `staging_status: SUCCESS|FAILED` exactly, for the unchanged
     /// `parse_staging_status`, AC-2/AC-5, TC-04).
     fn write_log(
         &self,
         run: &StageRun,
-        environment: &StagingEnvironment,
-        steps: &[StepResult],
-        c: &Classification,
+        r: &Ran<'_>,
         decision: &StagingDecision,
-        defers: u32,
     ) -> anyhow::Result<()> {
         let outcome = decision
-            .outcome(c)
+            .outcome(r.classification)
             .context("a deferred staging run has no log to write")?;
         let doc = render_staging_log(&StagingLog {
             work_item: run.work_item.as_str(),
             created_at_ms: run.store.now_ms(),
-            attempt: defers.saturating_add(1),
-            environment,
-            steps,
-            classification: c,
+            attempt: r.defers.saturating_add(1),
+            environment: r.environment,
+            steps: r.steps,
+            classification: r.classification,
             outcome: &outcome,
+            looks: r.looks,
         });
-        crate::fsutil::write_atomic(&run.artifact_path(STAGING_LOG), &doc)?;
+        run.write_document(STAGING_LOG, &doc)?;
         tracing::info!(
             work_item = %run.work_item,
             status = outcome.status.as_str(),
@@ -237,6 +350,31 @@ impl StagingExecutor {
             "staging finished"
         );
         Ok(())
+    }
+}
+
+/// Looks at the staging health URL once (at most [`LOOK_TIMEOUT_S`], and never longer than
+/// the step's own timeout) and notes what it saw in `looks`; `Some(why)` when nothing answered.
+async fn look(
+    url: &str,
+    step_timeout_s: u64,
+    when: &str,
+    looks: &mut Vec<String>,
+) -> Option<String> {
+    let timeout = Duration::from_secs(step_timeout_s.clamp(1, LOOK_TIMEOUT_S));
+    match crate::deploy::probe::reach(url, timeout).await {
+        crate::deploy::probe::Reach::Answered(status) => {
+            looks.push(format!("{when}: {url} answered (HTTP {status})"));
+            None
+        }
+        crate::deploy::probe::Reach::Unreachable(why) => {
+            looks.push(format!("{when}: {url} did not answer ({why})"));
+            Some(why)
+        }
+        crate::deploy::probe::Reach::CannotAsk(why) => {
+            looks.push(format!("{when}: could not look at {url} ({why})"));
+            None
+        }
     }
 }
 
@@ -260,8 +398,23 @@ async fn run_step(
     step: &PlannedStep<'_>,
     revision: Option<&str>,
 ) -> anyhow::Result<StepResult> {
-    let cmd = shell_cmd(run, step.run, Duration::from_secs(step.timeout_s))
-        .env("ORCH_REVISION", revision.unwrap_or_default());
+    // A step runs the repository's code: in the repo's sandbox, unless it is marked as one
+    // that starts a service meant to outlive it (then trusted, like a deploy).
+    let contained = if step.sandboxed {
+        crate::contain::for_repo_code(run, &run.worktree).map_err(|reason| {
+            anyhow::anyhow!(
+                "staging step `{}` of {}: {reason}",
+                step.name,
+                run.work_item
+            )
+        })?
+    } else {
+        crate::contain::for_trusted(&run.repo)
+    };
+    let cmd = contained.apply(
+        shell_cmd(run, step.run, Duration::from_secs(step.timeout_s))
+            .env("ORCH_REVISION", revision.unwrap_or_default()),
+    );
     let result = |exit: StepExit, duration_ms: u64, output_tail: String| StepResult {
         name: step.name.to_owned(),
         command: step.run.to_owned(),
@@ -273,11 +426,10 @@ async fn run_step(
     match orch_exec::run(&cmd).await {
         Ok(out) => {
             let exit = match out.status {
-                // The staging endpoint could not be reached: infrastructure, not the change
-                // (seed ORCH-115: TOOL_ERROR). A step says so with EX_TEMPFAIL (75); a smoke
-                // check also with curl's "could not connect" (7).
+                // A step says the staging endpoint could not be reached with EX_TEMPFAIL (75):
+                // infrastructure, not the change (seed ORCH-115: TOOL_ERROR). Other failures an
+                // unreachable host also explains are looked into by `judge`.
                 ExitKind::Exited(UNREACHABLE_EXIT) => StepExit::Unreachable,
-                ExitKind::Exited(CURL_COULD_NOT_CONNECT) if step.is_smoke => StepExit::Unreachable,
                 ExitKind::Exited(code) => StepExit::Exited(code),
                 ExitKind::Signaled(sig) => StepExit::Signaled(sig),
                 ExitKind::TimedOut => StepExit::TimedOut,
@@ -299,11 +451,12 @@ async fn run_step(
             0,
             format!("cannot run {program}: permission denied"),
         )),
-        Err(e @ SpawnError::Io { .. }) => Err(anyhow::Error::new(e).context(format!(
-            "staging step `{}` of {} in {}",
-            step.name,
-            run.work_item,
-            run.worktree.display()
-        ))),
+        Err(e @ (SpawnError::Io { .. } | SpawnError::Sandbox { .. })) => Err(anyhow::Error::new(e)
+            .context(format!(
+                "staging step `{}` of {} in {}",
+                step.name,
+                run.work_item,
+                run.worktree.display()
+            ))),
     }
 }

@@ -68,7 +68,7 @@ impl StageExecutor for TesterExecutor {
                 )
             })?;
         let report = render_test_report(run, command, &result);
-        crate::fsutil::write_atomic(&run.artifact_path(TEST_REPORT), &report)?;
+        run.write_document(TEST_REPORT, &report)?;
         let counter = match result.status {
             TestStatus::Passed => "passed",
             TestStatus::Failed => "failed",
@@ -105,6 +105,8 @@ pub(crate) struct TestRun {
     pub duration_ms: u64,
     /// The last part of its output (stdout, then stderr).
     pub tail: String,
+    /// How the run was contained (`sandboxed (…)`, or `UNSANDBOXED …`).
+    pub sandbox: String,
 }
 
 /// Why a test command has no result.
@@ -128,15 +130,40 @@ pub(crate) async fn run_test_command(
     command: &str,
     timeout_s: u64,
 ) -> Result<TestRun, TestRunError> {
+    // The gate judges what is committed: files the branch does not hold (untracked, or
+    // ignored ones a stage left, such as a planted `sitecustomize.py` or a stale build) are
+    // removed first, so the tests cannot pass on anything else.
+    run.git
+        .clean_all_under(&run.worktree, &["."])
+        .await
+        .map_err(|e| TestRunError::Spawn {
+            command: command.to_owned(),
+            source: SpawnError::Io {
+                program: "git clean".to_owned(),
+                source: std::io::Error::other(e.to_string()),
+            },
+        })?;
+    // The repository's code is untrusted: it runs in the repo's sandbox (`crate::contain`).
+    let contained = crate::contain::for_repo_code(run, &run.worktree).map_err(|reason| {
+        TestRunError::Spawn {
+            command: command.to_owned(),
+            source: SpawnError::Sandbox {
+                program: "sh".to_owned(),
+                reason,
+            },
+        }
+    })?;
     // Below orch's priority: a test run is batch work (a staging step is not: the service it
     // may start would keep the lower priority for good).
-    let cmd = shell_cmd(run, command, Duration::from_secs(timeout_s)).batch();
+    let cmd = contained.apply(shell_cmd(run, command, Duration::from_secs(timeout_s)).batch());
     let out = orch_exec::run(&cmd)
         .await
         .map_err(|source| TestRunError::Spawn {
             command: command.to_owned(),
             source,
         })?;
+    let note = contained.note.clone();
+    drop(contained);
     let (status, reason) = match out.status {
         ExitKind::Exited(0) => (TestStatus::Passed, "the test command passed".to_owned()),
         ExitKind::Exited(127) => (
@@ -173,13 +200,16 @@ pub(crate) async fn run_test_command(
         reason,
         duration_ms: duration_ms(out.duration),
         tail: output_tail(&out),
+        sandbox: note,
     })
 }
 
 /// `sh -c <command>` in the worktree with the stage's `ORCH_*` environment, stopped when the
-/// job is cancelled.
+/// job is cancelled. It inherits only the allowlisted part of orch's environment and what
+/// `[repos.<name>] env` names; give it a sandbox with [`crate::contain`].
 pub(crate) fn shell_cmd(run: &StageRun, command: &str, timeout: Duration) -> Cmd {
     Cmd::new("sh")
+        .env_allow(run.repo.env.iter().cloned())
         .arg("-c")
         .arg(command)
         .cwd(&run.worktree)
@@ -267,7 +297,7 @@ fn render_test_report(run: &StageRun, command: &str, r: &TestRun) -> String {
     let body = format!(
         "\n# 12 — Test report: {id}\n\n## Summary\n\n**{status}** — {reason}\n\n\
          ## Command\n\n{command_block}\nRun with `sh -c` in the worktree `{worktree}`.\n\n\
-         - exit: {exit}\n- duration: {duration}\n- timeout: {timeout} s\n\n\
+         - exit: {exit}\n- duration: {duration}\n- timeout: {timeout} s\n- {sandbox}\n\n\
          ## Output (last {lines} lines)\n\n{output}",
         id = run.work_item,
         status = r.status.as_str(),
@@ -277,6 +307,7 @@ fn render_test_report(run: &StageRun, command: &str, r: &TestRun) -> String {
         exit = r.exit,
         duration = format_duration(r.duration_ms),
         timeout = run.repo.test_timeout_s,
+        sandbox = r.sandbox,
         lines = TAIL_LINES,
         output = fenced("text", &r.tail),
     );

@@ -40,6 +40,9 @@ pub fn repo_config(prefix: &str) -> RepoConfig {
         revision_url: None,
         alert: None,
         alert_webhook: None,
+        alert_webhook_secret: None,
+        alert_webhook_format: Default::default(),
+        staging_health_url: None,
         merge_strategy: MergeStrategy::Ff,
         post_deploy: PostDeployConfig::default(),
         staging_defer_limit: 2,
@@ -47,6 +50,14 @@ pub fn repo_config(prefix: &str) -> RepoConfig {
         lessons_file: "LESSONS.md".into(),
         on_failure: Default::default(),
         control_url: None,
+        // On the host: these fixtures test the runner's logic with scripts and files in the
+        // test's temporary directories; the sandboxed paths are tested on the real binary
+        // (crates/orch/tests: the demo, hostile/, agent_clis) and in crates/exec.
+        sandbox: orch_domain::config::SandboxConfig {
+            enabled: false,
+            ..Default::default()
+        },
+        env: Vec::new(),
     }
 }
 
@@ -97,6 +108,7 @@ pub fn stage_run(
         counters: Arc::new(Counters::new()),
         node: "test-node".into(),
         prep: Default::default(),
+        start: None,
     }
 }
 
@@ -245,4 +257,52 @@ pub async fn record_promoted(db: &TestDb, task: &Task, old: &str, new: &str) {
         )
         .await
         .unwrap();
+}
+
+/// Delivers every queued webhook notification once, as its `notify` job would (one try each),
+/// with `repo` configured as repo `name`; returns each job's content and what the handler
+/// answered.
+pub async fn deliver_notices(
+    db: &TestDb,
+    name: &str,
+    repo: &RepoConfig,
+) -> Vec<(String, orch_runner::worker::Outcome)> {
+    use orch_runner::worker::JobHandler as _;
+    let config = orch_domain::config::Config {
+        settings: Default::default(),
+        repos: [(name.parse().unwrap(), repo.clone())].into(),
+        agents: Default::default(),
+        pipeline: Default::default(),
+        prices: Default::default(),
+    };
+    let handler = orch_runner::notify::NotifyHandler {
+        store: db.store.clone(),
+        live: orch_runner::live_config::LiveConfig::new(std::sync::Arc::new(config), 0),
+    };
+    let claimed = db
+        .store
+        .claim(&Claim {
+            worker_id: "notify-test".into(),
+            limit: 100,
+            lease_ms: 60_000,
+            kinds: vec![orch_runner::notify::NOTIFY.into()],
+            node: None,
+            node_grace_ms: None,
+        })
+        .await
+        .unwrap();
+    let mut out = Vec::new();
+    for c in claimed {
+        let cx = orch_runner::worker::JobContext {
+            job: c.job.clone(),
+            lease: c.lease,
+            store: db.store.clone(),
+            worker_id: "notify-test".into(),
+            lease_ms: 60_000,
+            cancel: Default::default(),
+        };
+        let outcome = handler.run(cx).await.unwrap();
+        out.push((c.job.task_content, outcome));
+    }
+    out
 }
