@@ -4,9 +4,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use orch_domain::control::TERMINAL_STAGES;
-use orch_domain::outcome::{EventView, Outcome, TaskOutcome, outcome_of};
+use orch_domain::outcome::{Outcome, TaskOutcome};
 use orch_store::{Event, Store, StoreError, Task, TaskFilter};
-use serde_json::Value;
 
 /// Events whose kinds decide an outcome (see `orch_domain::outcome`).
 const OUTCOME_KINDS: &[&str] = orch_domain::outcome::FACT_KINDS;
@@ -14,31 +13,12 @@ const OUTCOME_KINDS: &[&str] = orch_domain::outcome::FACT_KINDS;
 /// Rows read per store call when counting every finished task.
 const PAGE: u32 = 1000;
 
-/// Parsed data of events (Null when absent or not JSON), index-aligned with `events`.
-pub(crate) fn parsed_data(events: &[Event]) -> Vec<Value> {
-    events
-        .iter()
-        .map(|e| serde_json::from_str(&e.data).unwrap_or(Value::Null))
-        .collect()
-}
-
 /// The outcome of one task from its events (oldest first).
 pub(crate) fn of(task: &Task, events: &[Event]) -> Option<TaskOutcome> {
     if !task.is_terminal() {
         return None;
     }
-    let data = parsed_data(events);
-    let views: Vec<EventView<'_>> = events
-        .iter()
-        .zip(&data)
-        .map(|(e, d)| EventView {
-            kind: &e.kind,
-            stage: e.stage.as_deref(),
-            message: &e.message,
-            data: d,
-        })
-        .collect();
-    outcome_of(&task.stage, &views)
+    orch_store::outcome_of_events(&task.stage, events)
 }
 
 /// The outcome of one task, reading its events; `None` while it is in flight.
@@ -95,18 +75,7 @@ pub(crate) async fn counts(store: &Store) -> Result<BTreeMap<Outcome, i64>, Stor
     for (task_id, stage) in stage_of {
         let mut events = by_task.remove(&task_id).unwrap_or_default();
         events.sort_by_key(|e| e.id);
-        let data = parsed_data(&events);
-        let views: Vec<EventView<'_>> = events
-            .iter()
-            .zip(&data)
-            .map(|(e, d)| EventView {
-                kind: &e.kind,
-                stage: e.stage.as_deref(),
-                message: &e.message,
-                data: d,
-            })
-            .collect();
-        if let Some(o) = outcome_of(stage, &views) {
+        if let Some(o) = orch_store::outcome_of_events(stage, &events) {
             *out.entry(o.outcome).or_default() += 1;
         }
     }

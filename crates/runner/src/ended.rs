@@ -24,7 +24,7 @@ use anyhow::Context as _;
 use orch_domain::control::{dedupe, events, jobs};
 use orch_domain::ids::{RepoName, WorkItemId};
 use orch_domain::notice::{self, Notice};
-use orch_domain::outcome::{EventView, Outcome, TaskOutcome, outcome_of};
+use orch_domain::outcome::{Outcome, TaskOutcome};
 use orch_store::{Event, NewEvent, NewJob, Task};
 use serde_json::json;
 
@@ -282,21 +282,7 @@ fn trail_published(history: &[Event], seq: i64) -> bool {
 
 /// The task's outcome by the one rule.
 fn outcome_of_task(task: &Task, history: &[Event]) -> Option<TaskOutcome> {
-    let data: Vec<serde_json::Value> = history
-        .iter()
-        .map(|e| serde_json::from_str(&e.data).unwrap_or(serde_json::Value::Null))
-        .collect();
-    let views: Vec<EventView<'_>> = history
-        .iter()
-        .zip(&data)
-        .map(|(e, d)| EventView {
-            kind: &e.kind,
-            stage: e.stage.as_deref(),
-            message: &e.message,
-            data: d,
-        })
-        .collect();
-    outcome_of(&task.stage, &views)
+    orch_store::outcome_of_events(&task.stage, history)
 }
 
 /// The `outcome` notice: the outcome and its reason, the deploy's revisions, what orch last saw

@@ -58,6 +58,20 @@ pub struct Target<'a> {
     pub lease: Option<orch_store::Lease>,
 }
 
+impl<'a> Target<'a> {
+    /// A deploy-tail stage's announcements: its task, stage and repo clone, fenced by its lease.
+    pub(crate) fn of_run(run: &'a crate::engine::StageRun) -> Target<'a> {
+        Target {
+            store: &run.store,
+            repo: &run.repo,
+            cwd: &run.repo_dir,
+            task_id: run.task.id,
+            stage: run.stage.name.as_str(),
+            lease: Some(run.lease),
+        }
+    }
+}
+
 /// `t=<unix seconds>,v1=<hex>`: the signature of `body` sent at `unix_s` with `secret`.
 pub fn signature(secret: &str, unix_s: i64, body: &str) -> String {
     // HMAC takes a key of any length: this never fails, and a failure would send no signature.

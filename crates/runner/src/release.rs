@@ -59,7 +59,7 @@ pub fn track(pipeline: &Pipeline) -> Exclusive {
 }
 
 fn value(e: &Event) -> serde_json::Value {
-    serde_json::from_str(&e.data).unwrap_or(serde_json::Value::Null)
+    e.data_value()
 }
 
 fn field(e: &Event, key: &str) -> Option<String> {
@@ -719,14 +719,7 @@ pub async fn announce_hold(run: &StageRun, event_id: i64, at_ms: i64, reason: &s
         .iter()
         .any(|e| e.kind == events::POST_DEPLOY_ALERT && seq_of(e) == Some(seq));
     crate::notify::announce(
-        &crate::notify::Target {
-            store: &run.store,
-            repo: &run.repo,
-            cwd: &run.repo_dir,
-            task_id: run.task.id,
-            stage: run.stage.name.as_str(),
-            lease: Some(run.lease),
-        },
+        &crate::notify::Target::of_run(run),
         &notice,
         event_id,
         !paged,
@@ -752,18 +745,7 @@ pub fn open_hold(events: &[Event]) -> Option<String> {
 /// not yet among them), by the domain's one rule ([`orch_domain::outcome::outcome_of`]):
 /// `shipped`, `rolled_back`, `reverted`, `accepted`, `failed` or `cancelled`.
 pub fn outcome_now(stage: &str, events: &[Event]) -> &'static str {
-    let data: Vec<serde_json::Value> = events.iter().map(value).collect();
-    let views: Vec<orch_domain::outcome::EventView<'_>> = events
-        .iter()
-        .zip(&data)
-        .map(|(e, d)| orch_domain::outcome::EventView {
-            kind: &e.kind,
-            stage: e.stage.as_deref(),
-            message: &e.message,
-            data: d,
-        })
-        .collect();
-    orch_domain::outcome::outcome_of(stage, &views)
+    orch_store::outcome_of_events(stage, events)
         .map_or(orch_domain::control::FAILED, |o| o.outcome.as_str())
 }
 

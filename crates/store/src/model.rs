@@ -391,6 +391,34 @@ pub struct Event {
     pub created_at: Millis,
 }
 
+impl Event {
+    /// The event's data as JSON; `Value::Null` when it has none or it is not JSON.
+    pub fn data_value(&self) -> serde_json::Value {
+        serde_json::from_str(&self.data).unwrap_or(serde_json::Value::Null)
+    }
+}
+
+/// The outcome of a task at stage `stage` from its events (oldest first), by the domain's one
+/// rule ([`orch_domain::outcome::outcome_of`]); `None` while the stage is not terminal.
+pub fn outcome_of_events<'a>(
+    stage: &str,
+    events: impl IntoIterator<Item = &'a Event>,
+) -> Option<orch_domain::outcome::TaskOutcome> {
+    let events: Vec<&Event> = events.into_iter().collect();
+    let data: Vec<serde_json::Value> = events.iter().map(|e| e.data_value()).collect();
+    let views: Vec<orch_domain::outcome::EventView<'_>> = events
+        .iter()
+        .zip(&data)
+        .map(|(e, d)| orch_domain::outcome::EventView {
+            kind: &e.kind,
+            stage: e.stage.as_deref(),
+            message: &e.message,
+            data: d,
+        })
+        .collect();
+    orch_domain::outcome::outcome_of(stage, &views)
+}
+
 /// An event to append.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewEvent {

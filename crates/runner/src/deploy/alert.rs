@@ -100,20 +100,7 @@ pub(crate) async fn raise(run: &StageRun, seq: i64, alert: &Alert<'_>) -> anyhow
             run.repo_name.as_str(),
         ),
     };
-    crate::notify::announce(
-        &crate::notify::Target {
-            store: &run.store,
-            repo: &run.repo,
-            cwd: &run.repo_dir,
-            task_id: run.task.id,
-            stage: run.stage.name.as_str(),
-            lease: Some(run.lease),
-        },
-        &notice,
-        event_id,
-        true,
-    )
-    .await
+    crate::notify::announce(&crate::notify::Target::of_run(run), &notice, event_id, true).await
 }
 
 /// A look at production as the notice carries it.
