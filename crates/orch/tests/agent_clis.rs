@@ -152,42 +152,78 @@ const LLM_STAGES: [&str; 6] = [
     "verification",
 ];
 
+/// Claude Code in orch's sandbox runs every LLM stage; its Bash tool reaches the model server
+/// (its endpoint) and nothing else on loopback, though another server listens there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn claude_code_runs_every_llm_stage_through_the_engine() {
-    drive("claude", "claude-sonnet-4-5", &LLM_STAGES).await;
+async fn claude_code_runs_every_llm_stage_through_the_engine_in_the_sandbox() {
+    let probe = OtherPort::listen();
+    let requests = drive_with(
+        "claude",
+        "claude-sonnet-4-5",
+        &LLM_STAGES,
+        vec![orch_modelserver::Action::Bash(probe.command())],
+    )
+    .await;
+    probe.check(&requests);
 }
 
 /// Codex in orch's sandbox: its shell reaches the model server (its endpoint) and nothing else
 /// on loopback, though another server listens there.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn codex_runs_the_analysis_stage_through_the_engine_in_the_sandbox() {
-    let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = other.local_addr().unwrap().port();
-    std::thread::spawn(move || {
-        use std::io::{Read as _, Write as _};
-        for mut c in other.incoming().flatten() {
-            let mut b = [0u8; 2048];
-            let _ = c.read(&mut b);
-            let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\nreached-other");
-        }
-    });
-    let probe = format!("curl -s -m 3 http://127.0.0.1:{port}/; echo \" probe-exit=$?\"");
+    let probe = OtherPort::listen();
     let requests = drive_with(
         "codex",
         "gpt-5-codex",
         &["intake", "analysis"],
-        vec![orch_modelserver::Action::Bash(probe)],
+        vec![orch_modelserver::Action::Bash(probe.command())],
     )
     .await;
-    if requests.is_empty() {
-        return; // skipped
+    probe.check(&requests);
+}
+
+/// A server on another loopback port that an agent's shell must not reach: the network
+/// allowlist lets a run reach its model endpoint only.
+struct OtherPort {
+    port: u16,
+}
+
+impl OtherPort {
+    fn listen() -> OtherPort {
+        let other = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = other.local_addr().unwrap().port();
+        std::thread::spawn(move || {
+            use std::io::{Read as _, Write as _};
+            for mut c in other.incoming().flatten() {
+                let mut b = [0u8; 2048];
+                let _ = c.read(&mut b);
+                let _ = c.write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 13\r\n\r\nreached-other");
+            }
+        });
+        OtherPort { port }
     }
-    let bodies: String = requests.iter().map(|r| r.body.to_string()).collect();
-    assert!(
-        bodies.contains("probe-exit=7"),
-        "the probe ran and could not connect: {bodies}"
-    );
-    assert!(!bodies.contains("reached-other"), "{bodies}");
+
+    /// The shell command the model asks the CLI to run.
+    fn command(&self) -> String {
+        format!(
+            "curl -s -m 3 http://127.0.0.1:{}/; echo \" probe-exit=$?\"",
+            self.port
+        )
+    }
+
+    /// The probe ran (its result went back to the model) and could not connect; `requests`
+    /// empty means the test was skipped.
+    fn check(&self, requests: &[orch_modelserver::Recorded]) {
+        if requests.is_empty() {
+            return;
+        }
+        let bodies: String = requests.iter().map(|r| r.body.to_string()).collect();
+        assert!(
+            bodies.contains("probe-exit=7"),
+            "the probe ran and could not connect: {bodies}"
+        );
+        assert!(!bodies.contains("reached-other"), "{bodies}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
