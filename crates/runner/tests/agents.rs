@@ -824,6 +824,44 @@ async fn a_missing_program_is_a_clear_error_and_fails_the_stage_without_a_retry(
     assert_eq!(outcomes(&fx.rows().await), ["error"]);
 }
 
+/// What a run cost is known or it is unknown, never guessed (issue 30): a run that never
+/// started spent nothing (a known zero), while a `command` agent that ran and reported no
+/// usage has an unknown cost (no zero recorded), which `Store::task_usage` counts apart.
+#[tokio::test]
+async fn a_run_that_never_started_cost_nothing_and_one_that_ran_unreported_is_unknown() {
+    let fx = Fx::new().await;
+    let missing = executor(
+        vec![(
+            "analyst",
+            agent(Backend::Command, Some(&fx.root.join("bin/nope"))),
+        )],
+        &Settings::default(),
+    );
+    let _ = missing.execute(&fx.run("analysis")).await.unwrap();
+    let quiet = fx.script(
+        "quiet",
+        "cat > /dev/null
+write_artifact \"$ORCH_ARTIFACT\"",
+    );
+    let ran = executor(
+        vec![("analyst", agent(Backend::Command, Some(&quiet)))],
+        &Settings::default(),
+    );
+    assert!(produced(&ran.execute(&fx.run("analysis")).await.unwrap()));
+    let rows = fx.rows().await;
+    assert_eq!(outcomes(&rows), ["error", "ok"]);
+    assert_eq!(
+        (rows[0].input_tokens, rows[0].cost_usd),
+        (Some(0), Some(0.0)),
+        "never started: {rows:?}"
+    );
+    let data: Value = serde_json::from_str(&rows[0].data).unwrap();
+    assert_eq!(data["cost_source"], "not_started", "{data}");
+    assert_eq!(rows[1].cost_usd, None, "ran without a report: {rows:?}");
+    let usage = fx.db.store.task_usage(fx.task.id).await.unwrap();
+    assert_eq!((usage.runs, usage.unknown_cost_runs), (2, 1), "{usage:?}");
+}
+
 // --- budgets, configuration, concurrency -----------------------------------------------------
 
 /// Pre-spends (tokens in, tokens out, cost) on the task, runs analysis under `settings`, and

@@ -478,7 +478,10 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     let out = run_process(&cmd).await;
     drop(prompt_file);
     let mut result = match out {
-        Ok(out) => interpret(inv, &plan, &out),
+        Ok(out) => TryResult {
+            started: true,
+            ..interpret(inv, &plan, &out)
+        },
         Err(e @ (SpawnError::NotFound { .. } | SpawnError::PermissionDenied { .. })) => {
             TryResult::permanent(inv.error(e.to_string()))
         }

@@ -485,6 +485,18 @@ impl AgentExecutor {
     /// Prices reported tokens when the tool reported no cost, and marks what is unknown.
     fn account(&self, p: &Prepared, result: &mut TryResult) {
         let u = &mut result.usage;
+        if !result.started && *u == TokenUsage::default() && !result.usage_unknown {
+            // Nothing ran, nothing was spent: zero is known here.
+            *u = TokenUsage {
+                input: Some(0),
+                output: Some(0),
+                cost_usd: Some(0.0),
+            };
+            result
+                .data
+                .insert("cost_source".into(), "not_started".into());
+            return;
+        }
         if u.cost_usd.is_some() {
             result.data.insert("cost_source".into(), "reported".into());
         } else if let (Some(input), Some(output), Some(price)) = (u.input, u.output, p.config.price)
@@ -827,6 +839,10 @@ pub(crate) struct TryResult {
     pub denials: Vec<Denial>,
     /// The agent ran but its usage could not be read: unknown, not zero.
     pub usage_unknown: bool,
+    /// The program was started (or the request sent): it may have spent something. A try
+    /// that never started (a missing program, bad configuration, a missing key) cost
+    /// nothing, and is recorded so: a known zero, not an unknown cost.
+    pub started: bool,
 }
 
 impl TryResult {
@@ -839,6 +855,7 @@ impl TryResult {
             retry_after: None,
             denials: Vec::new(),
             usage_unknown: false,
+            started: false,
         }
     }
 
