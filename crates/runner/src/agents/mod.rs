@@ -432,6 +432,7 @@ impl AgentExecutor {
             worktree: &p.worktree,
             artifact_dir: &p.artifact_dir,
             primary: p.primary.as_deref(),
+            expected: &p.expected,
             timeout: p.timeout,
         };
         let mut result = match p.config.backend {
@@ -727,6 +728,8 @@ pub(crate) struct Invocation<'a> {
     pub worktree: &'a std::path::Path,
     pub artifact_dir: &'a std::path::Path,
     pub primary: Option<&'a std::path::Path>,
+    /// Every document the stage requires, by name (in `artifact_dir`).
+    pub expected: &'a [ArtifactName],
     pub timeout: Duration,
 }
 
