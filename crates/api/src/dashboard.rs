@@ -887,7 +887,7 @@ pub(crate) async fn task_page(
         usage_runs: usage.runs,
         usage_tokens_in: usage.input_tokens,
         usage_tokens_out: usage.output_tokens,
-        usage_cost: format!("${:.4}", usage.cost_usd),
+        usage_cost: crate::dto::UsageDto::new(usage).cost_text(),
         events: events
             .iter()
             .map(|e| EventRow {

@@ -285,7 +285,7 @@ impl TaskDetail {
         let outcome = crate::outcomes::of(task, &events);
         Ok(TaskDetail {
             task: TaskDto::with_outcome(task, outcome.as_ref()),
-            usage: UsageDto::new(usage, &runs),
+            usage: UsageDto::new(usage),
             events: events.iter().map(EventDto::from).collect(),
             agent_runs: runs.iter().map(AgentRunDto::from).collect(),
             jobs: jobs.iter().map(JobDto::from).collect(),
@@ -336,43 +336,48 @@ impl TaskDeployDto {
     }
 }
 
-/// Tokens and cost of a task.
+/// Tokens and cost of a task. A run whose cost is not known (still running, a tool that
+/// reports none and no price for its model, output that could not be read) makes the total
+/// unknown: `cost_usd` is then `null`, never a sum that counts it as zero.
 #[derive(Debug, Serialize)]
 pub struct UsageDto {
     pub runs: i64,
     pub input_tokens: i64,
     pub output_tokens: i64,
-    /// The known costs' sum; see `unknown_cost_runs`.
-    pub cost_usd: f64,
-    /// Runs whose cost is not known (not counted in `cost_usd`, never as zero).
-    pub unknown_cost_runs: usize,
+    /// The total cost; `null` while `unknown_cost_runs > 0`.
+    pub cost_usd: Option<f64>,
+    /// The sum of the costs that are known (the whole cost when none is unknown).
+    pub known_cost_usd: f64,
+    /// Runs whose cost is not known.
+    pub unknown_cost_runs: i64,
 }
 
 impl UsageDto {
-    /// The task's usage totals, and which of its `runs` have no known cost.
-    pub fn new(u: orch_store::Usage, runs: &[orch_store::AgentRun]) -> Self {
+    /// The task's usage totals from the store.
+    pub fn new(u: orch_store::Usage) -> Self {
         UsageDto {
             runs: u.runs,
             input_tokens: u.input_tokens,
             output_tokens: u.output_tokens,
-            cost_usd: u.cost_usd,
-            unknown_cost_runs: unknown_cost_runs(runs),
+            cost_usd: (u.unknown_cost_runs == 0).then_some(u.cost_usd),
+            known_cost_usd: u.cost_usd,
+            unknown_cost_runs: u.unknown_cost_runs,
         }
     }
-}
 
-/// Agent runs whose cost is not known: no cost recorded and the run says its cost or usage was
-/// unknown (the tool reported none and no price applied, or its output could not be read).
-pub fn unknown_cost_runs(runs: &[orch_store::AgentRun]) -> usize {
-    runs.iter()
-        .filter(|r| {
-            r.cost_usd.is_none()
-                && serde_json::from_str::<serde_json::Value>(&r.data).is_ok_and(|d| {
-                    d.get("cost_unknown") == Some(&serde_json::Value::Bool(true))
-                        || d.get("usage_unknown") == Some(&serde_json::Value::Bool(true))
-                })
-        })
-        .count()
+    /// The cost as people read it, the same in `orch status`, the dashboard and the demo:
+    /// `$0.0392`, or `unknown (2 of 6 runs; $0.0123 known)` when some run's cost is unknown
+    /// (`unknown (6 of 6 runs)` when none is known).
+    pub fn cost_text(&self) -> String {
+        match (self.cost_usd, self.unknown_cost_runs) {
+            (Some(total), _) => format!("${total:.4}"),
+            (None, n) if n >= self.runs => format!("unknown ({n} of {} runs)", self.runs),
+            (None, n) => format!(
+                "unknown ({n} of {} runs; ${:.4} known)",
+                self.runs, self.known_cost_usd
+            ),
+        }
+    }
 }
 
 /// An agent run row.

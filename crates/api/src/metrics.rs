@@ -372,13 +372,28 @@ impl Collector for Scrape {
             let mut f = family(
                 &mut enc,
                 "orch_agent_cost",
-                "Cost reported by agent runs in US dollars, by agent, from the store (runs that \
-                 reported no cost add nothing).",
+                "Cost reported by agent runs in US dollars, by agent, from the store (runs of \
+                 unknown cost add nothing: see orch_agent_unknown_cost_runs_total).",
                 Some(&usd),
                 MetricType::Counter,
             )?;
             for (agent, u) in &s.usage {
                 f.counter(&[("agent", agent)], u.cost_usd.max(0.0))?;
+            }
+            let mut f = family(
+                &mut enc,
+                "orch_agent_unknown_cost_runs",
+                "Agent runs whose cost is not known (running, or no cost reported and no price), \
+                 by agent, from the store: orch_agent_cost_usd_total leaves them out, so it is a \
+                 lower bound while this is not zero.",
+                None,
+                MetricType::Counter,
+            )?;
+            for (agent, u) in &s.usage {
+                f.counter(
+                    &[("agent", agent)],
+                    u64::try_from(u.unknown_cost_runs).unwrap_or(0),
+                )?;
             }
         }
 

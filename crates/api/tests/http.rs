@@ -649,6 +649,11 @@ async fn metrics_follow_openmetrics_and_carry_the_queue() {
         ),
         ("orch_agent_cost_usd_total", vec![("agent", "dev")], 1.0),
         (
+            "orch_agent_unknown_cost_runs_total",
+            vec![("agent", "analyst")],
+            0.0,
+        ),
+        (
             "orch_job_duration_seconds_bucket",
             vec![("agent", "analyst"), ("le", "0.1")],
             2.0,
@@ -797,6 +802,7 @@ fn openmetrics_parser_accepts(text: &str) {
         ("orch_agent_runs", "counter", "-"),
         ("orch_agent_tokens", "counter", "-"),
         ("orch_agent_cost_usd", "counter", "usd"),
+        ("orch_agent_unknown_cost_runs", "counter", "-"),
         ("orch_staging_runner_tool_error", "counter", "-"),
         ("orch_job_duration_seconds", "histogram", "seconds"),
         ("orch_job_claim_wait_seconds", "histogram", "seconds"),
@@ -905,6 +911,8 @@ async fn task_detail_has_usage_agent_runs_and_jobs() {
     assert_eq!(v["usage"]["input_tokens"], 1200);
     assert_eq!(v["usage"]["output_tokens"], 120);
     assert_eq!(v["usage"]["cost_usd"], json!(0.75));
+    assert_eq!(v["usage"]["known_cost_usd"], json!(0.75));
+    assert_eq!(v["usage"]["unknown_cost_runs"], 0);
     let runs = v["agent_runs"].as_array().unwrap();
     assert_eq!(runs.len(), 2);
     assert_eq!(runs[0]["model"], "claude-x");
@@ -922,6 +930,62 @@ async fn task_detail_has_usage_agent_runs_and_jobs() {
 
     let a = h.get("/tasks/ORCH-6", StatusCode::NOT_FOUND).await;
     assert_eq!(a.error_code(), "not_found");
+}
+
+/// Regression (issue 30): a run whose cost is unknown (a `command` agent reports none) made
+/// the API say `cost_usd: 0.75` and `orch status` `$0.7500` while the task page's run said
+/// "unknown". Now the total is unknown everywhere: `null` in the API (with the known part and
+/// the count of runs it leaves out), the same words on the task page, and on `/metrics`.
+#[tokio::test]
+async fn an_unknown_cost_makes_the_total_unknown_in_the_api_the_page_and_metrics() {
+    let h = Harness::new(None).await;
+    let t = h
+        .task("ORCH-5", "unknown cost", "svc", Some("analyst"))
+        .await;
+    for cost in [Some(0.5), Some(0.25), None] {
+        let run =
+            h.db.store
+                .start_agent_run(NewAgentRun {
+                    task_id: t.id,
+                    job_id: None,
+                    stage: "analysis".into(),
+                    agent: "analyst".into(),
+                    backend: "command".into(),
+                    model: None,
+                    attempt: 1,
+                })
+                .await
+                .unwrap();
+        h.db.store
+            .finish_agent_run(
+                run,
+                AgentRunFinish {
+                    outcome: "ok".into(),
+                    exit_code: Some(0),
+                    cost_usd: cost,
+                    data: "{}".into(),
+                    ..AgentRunFinish::default()
+                },
+            )
+            .await
+            .unwrap();
+    }
+    let v = h.get("/tasks/ORCH-5", StatusCode::OK).await.json();
+    assert_eq!(v["usage"]["cost_usd"], Value::Null, "{v}");
+    assert_eq!(v["usage"]["known_cost_usd"], json!(0.75), "{v}");
+    assert_eq!(v["usage"]["unknown_cost_runs"], 1, "{v}");
+    assert_eq!(v["agent_runs"][2]["cost_usd"], Value::Null, "{v}");
+    let page = h.get("/ui/tasks/ORCH-5", StatusCode::OK).await.text;
+    assert!(
+        page.contains("cost <b>unknown (1 of 3 runs; $0.7500 known)</b>"),
+        "{page}"
+    );
+    assert!(!page.contains("cost <b>$"), "{page}");
+    let metrics = h.get("/metrics", StatusCode::OK).await.text;
+    assert!(
+        metrics.contains("orch_agent_unknown_cost_runs_total{agent=\"analyst\"} 1"),
+        "{metrics}"
+    );
 }
 
 #[tokio::test]

@@ -13,6 +13,7 @@
 use std::borrow::Cow;
 use std::fmt::Write as _;
 use std::io::{IsTerminal, Write as _};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use orch_domain::text::{is_control, is_hidden_format};
 
@@ -123,12 +124,51 @@ fn skip_string(chars: &mut std::iter::Peekable<std::str::Chars<'_>>, bel_ends: b
     }
 }
 
-/// Prints `text` on stdout, made [`terminal_safe`]. A stdout that is closed or broken (a
-/// pager quit) is not an error.
+/// Whether a command ends when its stdout's reader has gone (see [`reader_gone`]): true for
+/// the short commands; `serve`, `worker` and the demo turn it off, since they have work and
+/// cleanup to finish whoever reads what they print.
+static END_WHEN_UNREAD: AtomicBool = AtomicBool::new(true);
+
+/// From now on a stdout whose reader has gone is ignored instead of ending the process: for
+/// the long-running commands.
+pub fn keep_running_when_unread() {
+    END_WHEN_UNREAD.store(false, Ordering::Relaxed);
+}
+
+/// A write to stdout ended: when it failed because nobody reads it any more (`orch logs X |
+/// head -1`, a pager quit), a short command stops there, quietly, the way a filter does: it
+/// dies of SIGPIPE (status 141 in a shell), with no message and no work after it. Any other
+/// failure (a full disk) is not an error of the command.
+fn wrote(result: std::io::Result<()>) {
+    if let Err(e) = result
+        && e.kind() == std::io::ErrorKind::BrokenPipe
+        && END_WHEN_UNREAD.load(Ordering::Relaxed)
+    {
+        reader_gone();
+    }
+}
+
+/// Ends the process as SIGPIPE's default action would have: Rust's runtime ignores the
+/// signal (so writes fail with `EPIPE` instead), so it is restored and raised.
+fn reader_gone() -> ! {
+    // SAFETY: restoring a signal's default action and raising it in this process.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        libc::raise(libc::SIGPIPE);
+    }
+    // Not reached: the signal ends the process. Should it not, the status a shell shows.
+    std::process::exit(128 + libc::SIGPIPE)
+}
+
+/// Prints `text` on stdout, made [`terminal_safe`]. A stdout whose reader has gone ends a
+/// short command ([`wrote`]); other write failures are ignored.
 pub fn out(text: &str) {
     let mut stdout = std::io::stdout().lock();
-    let _ = stdout.write_all(terminal_safe(text).as_bytes());
-    let _ = stdout.flush();
+    wrote(
+        stdout
+            .write_all(terminal_safe(text).as_bytes())
+            .and_then(|()| stdout.flush()),
+    );
 }
 
 /// [`out`] and a line feed.
@@ -269,8 +309,7 @@ pub fn print_json(v: &serde_json::Value) {
 /// Prints JSON text serde_json wrote, as [`json_text`] makes it, and a line feed.
 pub fn print_json_str(json: &str) {
     let mut stdout = std::io::stdout().lock();
-    let _ = writeln!(stdout, "{}", json_text(json));
-    let _ = stdout.flush();
+    wrote(writeln!(stdout, "{}", json_text(json)).and_then(|()| stdout.flush()));
 }
 
 /// JSON text from serde_json with DEL, the C1 controls and the invisible and

@@ -272,3 +272,57 @@ fn doctor_names_what_is_missing_and_how_to_fix_it() {
         "every problem says how to fix it: {stdout}"
     );
 }
+
+/// `orch logs X | head -1`: once nobody reads its stdout, a command stops there the way a
+/// filter does, killed by SIGPIPE (status 141 in a shell), with nothing on stderr (no panic,
+/// no error message), in text and in JSON. The reader is a pipe whose read end is closed
+/// before orch starts, so every run meets it at its first write.
+#[test]
+fn a_closed_stdout_pipe_ends_the_command_quietly_by_sigpipe() {
+    use std::os::unix::process::ExitStatusExt as _;
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().join("demo");
+    let setup = std::process::Command::new(ORCH)
+        .args(["demo", "--setup-only", "--dir"])
+        .arg(&d)
+        .output()
+        .unwrap();
+    assert!(
+        setup.status.success(),
+        "{}",
+        String::from_utf8_lossy(&setup.stderr)
+    );
+    succeeds(&orch(
+        &d,
+        &["submit", "--repo", "service", "--title", "Piped away"],
+    ));
+    for args in [
+        &["logs", "APP-1"][..],
+        &["status", "APP-1"],
+        &["status"],
+        &["--json", "logs", "APP-1"],
+        &["queue"],
+    ] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader);
+        let out = std::process::Command::new(ORCH)
+            .current_dir(&d)
+            .args(args)
+            .env_remove("ORCH_DATABASE_URL")
+            .env_remove("ORCH_CONFIG")
+            .env("ORCH_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(writer)
+            .stderr(Stdio::piped())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.signal(),
+            Some(libc::SIGPIPE),
+            "orch {args:?}: {:?}, stderr: {stderr}",
+            out.status
+        );
+        assert!(stderr.is_empty(), "orch {args:?} says nothing: {stderr}");
+    }
+}

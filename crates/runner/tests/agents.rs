@@ -755,6 +755,43 @@ write_artifact "$ORCH_ARTIFACT""#,
     assert_eq!(rows[0].exit_code, Some(1));
 }
 
+/// The `command` contract's exit statuses (README): 75 is "try again later" (retried within
+/// the attempt, whatever the output says), 77 and 78 fail the stage at once, not retried.
+#[tokio::test]
+async fn a_command_agents_exit_status_says_retry_or_give_up() {
+    let fx = Fx::new().await;
+    let later = fx.script(
+        "later",
+        r#"n=$(cat "$OUT/count" 2>/dev/null || echo 0); n=$((n + 1)); echo $n > "$OUT/count"
+if [ "$n" = 1 ]; then echo 'busy' >&2; exit 75; fi
+write_artifact "$ORCH_ARTIFACT""#,
+    );
+    let ex = executor(
+        vec![("analyst", agent(Backend::Command, Some(&later)))],
+        &Settings::default(),
+    );
+    assert!(produced(&ex.execute(&fx.run("analysis")).await.unwrap()));
+    assert_eq!(outcomes(&fx.rows().await), ["transient_error", "ok"]);
+    for code in [77, 78] {
+        let fx = Fx::new().await;
+        let refused = fx.script(
+            "refused",
+            &format!("echo 'no key for this' >&2; exit {code}"),
+        );
+        let ex = executor(
+            vec![("analyst", agent(Backend::Command, Some(&refused)))],
+            &Settings::default(),
+        );
+        let effect = ex.execute(&fx.run("analysis")).await.unwrap();
+        let StageEffect::Failed { reason } = effect else {
+            panic!("exit {code} fails the stage for good: {effect:?}");
+        };
+        assert!(reason.contains("no key for this"), "{reason}");
+        assert!(reason.contains("not retried"), "{reason}");
+        assert_eq!(outcomes(&fx.rows().await), ["error"], "exit {code}");
+    }
+}
+
 #[tokio::test]
 async fn transient_failures_give_up_after_the_tries() {
     let fx = Fx::new().await;
@@ -822,6 +859,84 @@ async fn a_missing_program_is_a_clear_error_and_fails_the_stage_without_a_retry(
     assert!(reason.contains("program not found"), "{reason}");
     assert!(reason.contains("not retried"), "{reason}");
     assert_eq!(outcomes(&fx.rows().await), ["error"]);
+}
+
+/// What a run cost is known or it is unknown, never guessed (issue 30): a run that never
+/// started spent nothing (a known zero), while a `command` agent that ran and reported no
+/// usage has an unknown cost (no zero recorded), which `Store::task_usage` counts apart.
+#[tokio::test]
+async fn a_run_that_never_started_cost_nothing_and_one_that_ran_unreported_is_unknown() {
+    let fx = Fx::new().await;
+    let missing = executor(
+        vec![(
+            "analyst",
+            agent(Backend::Command, Some(&fx.root.join("bin/nope"))),
+        )],
+        &Settings::default(),
+    );
+    let _ = missing.execute(&fx.run("analysis")).await.unwrap();
+    let quiet = fx.script(
+        "quiet",
+        "cat > /dev/null
+write_artifact \"$ORCH_ARTIFACT\"",
+    );
+    let ran = executor(
+        vec![("analyst", agent(Backend::Command, Some(&quiet)))],
+        &Settings::default(),
+    );
+    assert!(produced(&ran.execute(&fx.run("analysis")).await.unwrap()));
+    let rows = fx.rows().await;
+    assert_eq!(outcomes(&rows), ["error", "ok"]);
+    assert_eq!(
+        (rows[0].input_tokens, rows[0].cost_usd),
+        (Some(0), Some(0.0)),
+        "never started: {rows:?}"
+    );
+    let data: Value = serde_json::from_str(&rows[0].data).unwrap();
+    assert_eq!(data["cost_source"], "not_started", "{data}");
+    assert_eq!(rows[1].cost_usd, None, "ran without a report: {rows:?}");
+    let usage = fx.db.store.task_usage(fx.task.id).await.unwrap();
+    assert_eq!((usage.runs, usage.unknown_cost_runs), (2, 1), "{usage:?}");
+}
+
+/// The README's minimal `command` agent, taken from README.md as printed (the `sh` block
+/// that starts `#!/bin/sh` / `# orch-echo-agent:`), runs through the command backend for
+/// every document stage (the architecture's two documents, the review's status key) and what
+/// it writes passes each stage's gate: the contract the README states is the one orch keeps.
+#[tokio::test]
+async fn the_readme_command_agent_runs_as_printed() {
+    const README: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md");
+    let readme = std::fs::read_to_string(README).unwrap();
+    let start = readme
+        .find("```sh\n#!/bin/sh\n# orch-echo-agent:")
+        .expect("the README shows the example agent")
+        + "```sh\n".len();
+    let len = readme[start..].find("```").expect("the block ends");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("orch-echo-agent");
+    std::fs::write(&path, &readme[start..start + len]).unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for (stage, agent_name, verdict) in [
+        ("analysis", "analyst", "final"),
+        ("architecture", "architect", "final"),
+        ("review", "reviewer", "APPROVED"),
+    ] {
+        let fx = Fx::new().await;
+        let ex = executor(
+            vec![(agent_name, agent(Backend::Command, Some(&path)))],
+            &Settings::default(),
+        );
+        let effect = ex.execute(&fx.run(stage)).await.unwrap();
+        let rows = fx.rows().await;
+        assert!(produced(&effect), "{stage}: {effect:?} {rows:?}");
+        assert_eq!(
+            gate(&fx, stage),
+            Verdict::Pass(verdict.into()),
+            "{stage}: {rows:?}"
+        );
+        assert_eq!(outcomes(&rows), ["ok"], "{stage}");
+    }
 }
 
 // --- budgets, configuration, concurrency -----------------------------------------------------

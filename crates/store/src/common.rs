@@ -170,6 +170,7 @@ where
         input_tokens: row.try_get(at + 1)?,
         output_tokens: row.try_get(at + 2)?,
         cost_usd: row.try_get(at + 3)?,
+        unknown_cost_runs: row.try_get(at + 4)?,
     })
 }
 

@@ -513,13 +513,17 @@ pub struct AgentRunFinish {
     pub data: String,
 }
 
-/// Tokens and cost spent on a task so far (for budgets).
+/// Tokens and cost of agent runs (a task's, or an agent's over every task).
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Usage {
     pub runs: i64,
     pub input_tokens: i64,
     pub output_tokens: i64,
+    /// The sum of the costs that are known: a lower bound when `unknown_cost_runs > 0`.
     pub cost_usd: f64,
+    /// Runs with no recorded cost (still running, or their cost could not be known): the
+    /// total cost is unknown while there is one.
+    pub unknown_cost_runs: i64,
 }
 
 /// Count of jobs of one kind in one state.

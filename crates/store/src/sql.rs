@@ -163,17 +163,20 @@ pub const FINISH_AGENT_RUN: &str = "UPDATE agent_runs SET finished_at = $2, outc
      exit_code = $4, input_tokens = $5, output_tokens = $6, cost_usd = $7, error = $8, data = $9 \
      WHERE id = $1";
 
-/// `$1 task_id`.
+/// `$1 task_id`. A run without a recorded cost is counted apart (its cost is unknown), never
+/// summed as zero.
 pub const TASK_USAGE: &str = "SELECT count(*), CAST(coalesce(sum(input_tokens), 0) AS BIGINT), \
      CAST(coalesce(sum(output_tokens), 0) AS BIGINT), \
-     CAST(coalesce(sum(cost_usd), 0.0) AS DOUBLE PRECISION) \
+     CAST(coalesce(sum(cost_usd), 0.0) AS DOUBLE PRECISION), \
+     CAST(count(*) - count(cost_usd) AS BIGINT) \
      FROM agent_runs WHERE task_id = $1";
 
 /// Totals of every agent run, by agent (for `/metrics`).
 pub const USAGE_BY_AGENT: &str = "SELECT agent, count(*), \
      CAST(coalesce(sum(input_tokens), 0) AS BIGINT), \
      CAST(coalesce(sum(output_tokens), 0) AS BIGINT), \
-     CAST(coalesce(sum(cost_usd), 0.0) AS DOUBLE PRECISION) \
+     CAST(coalesce(sum(cost_usd), 0.0) AS DOUBLE PRECISION), \
+     CAST(count(*) - count(cost_usd) AS BIGINT) \
      FROM agent_runs GROUP BY agent ORDER BY agent";
 
 /// Agent runs by agent and outcome (for `/metrics`); outcomes are few (`running`, `success`, …).

@@ -1296,6 +1296,7 @@ async fn agent_runs_and_usage(db: TestDb) {
     assert_eq!(usage.input_tokens, 150);
     assert_eq!(usage.output_tokens, 75);
     assert!((usage.cost_usd - 0.75).abs() < 1e-9);
+    assert_eq!(usage.unknown_cost_runs, 0, "every cost is known");
     let none = s.task_usage(task.id + 1000).await.unwrap();
     assert_eq!(none, Usage::default());
 
@@ -1322,11 +1323,12 @@ async fn agent_runs_and_usage(db: TestDb) {
                 "reviewer".to_owned(),
                 Usage {
                     runs: 1,
+                    unknown_cost_runs: 1,
                     ..Usage::default()
                 }
             ),
         ],
-        "run {id} still running counts, with no tokens"
+        "run {id} still running counts, with no tokens and its cost unknown (not zero)"
     );
     // The same runs by agent and outcome.
     assert_eq!(

@@ -16,6 +16,14 @@ use crate::cli::{Cli, Command};
 use crate::context::Context;
 
 pub async fn run(cli: Cli) -> Result<ExitCode> {
+    // The long-running commands finish their work (and the demo its cleanup) whether or not
+    // anyone still reads what they print; the others end when their reader has gone.
+    if matches!(
+        cli.command,
+        Command::Serve(_) | Command::Worker(_) | Command::Demo(_) | Command::DemoModelServer
+    ) {
+        crate::output::keep_running_when_unread();
+    }
     let command = match cli.command {
         // These two make their own context (the demo writes its config first).
         Command::Demo(args) => return crate::demo::run(&cli.global, args).await,

@@ -8,7 +8,7 @@ use anyhow::{Context as _, Result};
 use orch_api::dto::{self, Action};
 use orch_domain::MAX_REQUEST_BYTES;
 use orch_domain::control::events;
-use orch_store::{AgentRun, Event, Store, Task, TaskFilter};
+use orch_store::{Event, Store, Task, TaskFilter};
 
 use crate::cli::{StatusArgs, SubmitArgs};
 use crate::context::Context;
@@ -114,17 +114,6 @@ pub async fn operate(cx: &Context, op: Op, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `cost $X`, `cost $X + unknown (N runs)`, or `cost unknown` when no run's cost is known.
-fn cost_text(runs: &[AgentRun], total: f64) -> String {
-    let unknown = dto::unknown_cost_runs(runs);
-    let known = runs.iter().filter(|r| r.cost_usd.is_some()).count();
-    match (known, unknown) {
-        (0, n) if n > 0 => "cost unknown".to_owned(),
-        (_, 0) => format!("cost ${total:.4}"),
-        (_, n) => format!("cost ${total:.4} + unknown ({n} runs)"),
-    }
-}
-
 pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
     stale_config_notes(cx);
     let store = cx.open_store().await?;
@@ -138,8 +127,7 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
             return Ok(ExitCode::SUCCESS);
         }
         let events = store.task_events(task.id).await?;
-        let runs = store.task_agent_runs(task.id).await?;
-        let usage = store.task_usage(task.id).await?;
+        let usage = dto::UsageDto::new(store.task_usage(task.id).await?);
         let outcome = orch_api::task_outcome(&task, &events);
         crate::output::outln(&format!("{}  {}", task.work_item_id, task.title));
         crate::output::outln(&format!(
@@ -163,11 +151,11 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
             }
         }
         crate::output::outln(&format!(
-            "agent runs {}  tokens in {} out {}  {}",
+            "agent runs {}  tokens in {} out {}  cost {}",
             usage.runs,
             usage.input_tokens,
             usage.output_tokens,
-            cost_text(&runs, usage.cost_usd)
+            usage.cost_text()
         ));
         let stage_events: Vec<&Event> = events
             .iter()
@@ -265,7 +253,9 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
                     r.outcome.clone(),
                     r.input_tokens.map(|t| t.to_string()).unwrap_or_default(),
                     r.output_tokens.map(|t| t.to_string()).unwrap_or_default(),
-                    r.cost_usd.map(|c| format!("{c:.4}")).unwrap_or_default(),
+                    r.cost_usd
+                        .map(|c| format!("{c:.4}"))
+                        .unwrap_or_else(|| "unknown".to_owned()),
                     r.error
                         .as_deref()
                         .and_then(|e| e.lines().next())
@@ -334,43 +324,24 @@ pub fn timeline(events: &[&Event], t0: i64) -> String {
 mod cost_tests {
     use super::*;
 
-    fn run(cost: Option<f64>, data: &str) -> AgentRun {
-        AgentRun {
-            id: 1,
-            task_id: 1,
-            job_id: None,
-            stage: "analysis".into(),
-            agent: "analyst".into(),
-            backend: "codex".into(),
-            model: None,
-            attempt: 1,
-            started_at: 0,
-            finished_at: Some(1),
-            outcome: "ok".into(),
-            exit_code: Some(0),
-            input_tokens: Some(10),
-            output_tokens: Some(1),
-            cost_usd: cost,
-            error: None,
-            data: data.into(),
-        }
+    fn usage(runs: i64, cost_usd: f64, unknown_cost_runs: i64) -> String {
+        dto::UsageDto::new(orch_store::Usage {
+            runs,
+            input_tokens: 10,
+            output_tokens: 1,
+            cost_usd,
+            unknown_cost_runs,
+        })
+        .cost_text()
     }
 
-    /// Regression (issue 12): `status` printed `cost $0.0000` when no cost was known.
+    /// Regression (issues 12, 30): `status` printed `cost $0.0000` when no cost was known; a
+    /// total with an unknown part is unknown, and says how many runs it covers.
     #[test]
     fn status_says_cost_unknown_instead_of_zero() {
-        let unknown = run(None, r#"{"cost_unknown":true}"#);
-        let known = run(Some(0.25), "{}");
-        let failed_early = run(None, "{}");
-        assert_eq!(
-            cost_text(std::slice::from_ref(&unknown), 0.0),
-            "cost unknown"
-        );
-        assert_eq!(
-            cost_text(&[known.clone(), unknown], 0.25),
-            "cost $0.2500 + unknown (1 runs)"
-        );
-        assert_eq!(cost_text(&[known, failed_early], 0.25), "cost $0.2500");
-        assert_eq!(cost_text(&[], 0.0), "cost $0.0000");
+        assert_eq!(usage(1, 0.0, 1), "unknown (1 of 1 runs)");
+        assert_eq!(usage(3, 0.25, 1), "unknown (1 of 3 runs; $0.2500 known)");
+        assert_eq!(usage(2, 0.25, 0), "$0.2500");
+        assert_eq!(usage(0, 0.0, 0), "$0.0000");
     }
 }

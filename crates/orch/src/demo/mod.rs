@@ -624,11 +624,11 @@ async fn summary(
             say!("    {line}");
         }
         say!(
-            "    agent runs: {}  tokens in/out: {}/{}  cost: ${:.4}",
+            "    agent runs: {}  tokens in/out: {}/{}  cost: {}",
             runs.len(),
             usage.input_tokens,
             usage.output_tokens,
-            usage.cost_usd
+            orch_api::dto::UsageDto::new(usage).cost_text()
         );
         let verdict = events
             .iter()

@@ -161,7 +161,8 @@ fn plan(config: &AgentConfig, role: Role, dirs: &Dirs, contained: bool) -> Resul
             args: config.args.clone(),
             via: config.prompt_via,
             parser: Parser::Plain,
-            env: Vec::new(),
+            // Its own HOME, as the presets get (orch's is hidden in the sandbox).
+            env,
             codex_config: None,
         },
         Backend::Claude => {
@@ -478,7 +479,10 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     let out = run_process(&cmd).await;
     drop(prompt_file);
     let mut result = match out {
-        Ok(out) => interpret(inv, &plan, &out),
+        Ok(out) => TryResult {
+            started: true,
+            ..interpret(inv, &plan, &out)
+        },
         Err(e @ (SpawnError::NotFound { .. } | SpawnError::PermissionDenied { .. })) => {
             TryResult::permanent(inv.error(e.to_string()))
         }
@@ -611,6 +615,14 @@ impl Vars<'_> {
         ];
         if let Some(p) = inv.primary {
             v.push(("ORCH_ARTIFACT", "{artifact}", path(p)));
+        }
+        if !inv.expected.is_empty() {
+            let all: Vec<String> = inv
+                .expected
+                .iter()
+                .map(|n| path(&inv.artifact_dir.join(n.as_str())))
+                .collect();
+            v.push(("ORCH_ARTIFACTS", "{artifacts}", all.join("\n")));
         }
         if let Some(p) = self.prompt_file {
             v.push(("ORCH_PROMPT_FILE", "{prompt_file}", path(p)));
@@ -773,10 +785,39 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
         ),
     };
     let message = bound_text(&message, MAX_ERROR_BYTES);
-    let class = parsed.class.unwrap_or_else(|| {
+    let class = match (plan.parser, code) {
+        // A plain command says what kind of failure it had by its exit status (sysexits(3)).
+        (Parser::Plain, EX_TEMPFAIL) => Class::Transient,
+        (Parser::Plain, EX_NOPERM | EX_CONFIG) => Class::Permanent,
+        _ => classify_unreported(parsed.class, parsed.error.as_deref(), plan, out),
+    };
+    result.end = match class {
+        Class::Transient => TryEnd::Transient(message),
+        Class::Permanent => TryEnd::Permanent(inv.error(message)),
+        Class::Other => TryEnd::Failed(inv.error(message)),
+    };
+    result
+}
+
+/// A `command` agent's exit status for "try again later": retried within the attempt.
+pub(crate) const EX_TEMPFAIL: i32 = 75;
+/// … for "not allowed" (authentication, permission): the stage fails, not retried.
+pub(crate) const EX_NOPERM: i32 = 77;
+/// … for "configured wrong": the stage fails, not retried.
+pub(crate) const EX_CONFIG: i32 = 78;
+
+/// The class of a failure: the preset's report when it says, else the words of the output's
+/// end (a plain command's words decide nothing permanent).
+fn classify_unreported(
+    reported: Option<Class>,
+    error: Option<&str>,
+    plan: &Plan,
+    out: &Output,
+) -> Class {
+    reported.unwrap_or_else(|| {
         let scan = format!(
             "{}\n{}",
-            parsed.error.as_deref().unwrap_or(""),
+            error.unwrap_or(""),
             tail_of(out, TRANSIENT_SCAN_BYTES)
         );
         match class_of_text(&scan) {
@@ -784,13 +825,7 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
             Class::Permanent if plan.parser == Parser::Plain => Class::Other,
             c => c,
         }
-    });
-    result.end = match class {
-        Class::Transient => TryEnd::Transient(message),
-        Class::Permanent => TryEnd::Permanent(inv.error(message)),
-        Class::Other => TryEnd::Failed(inv.error(message)),
-    };
-    result
+    })
 }
 
 /// `": <last lines of output>"`, or nothing when there was no output.

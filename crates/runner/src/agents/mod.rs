@@ -432,6 +432,7 @@ impl AgentExecutor {
             worktree: &p.worktree,
             artifact_dir: &p.artifact_dir,
             primary: p.primary.as_deref(),
+            expected: &p.expected,
             timeout: p.timeout,
         };
         let mut result = match p.config.backend {
@@ -485,6 +486,18 @@ impl AgentExecutor {
     /// Prices reported tokens when the tool reported no cost, and marks what is unknown.
     fn account(&self, p: &Prepared, result: &mut TryResult) {
         let u = &mut result.usage;
+        if !result.started && *u == TokenUsage::default() && !result.usage_unknown {
+            // Nothing ran, nothing was spent: zero is known here.
+            *u = TokenUsage {
+                input: Some(0),
+                output: Some(0),
+                cost_usd: Some(0.0),
+            };
+            result
+                .data
+                .insert("cost_source".into(), "not_started".into());
+            return;
+        }
         if u.cost_usd.is_some() {
             result.data.insert("cost_source".into(), "reported".into());
         } else if let (Some(input), Some(output), Some(price)) = (u.input, u.output, p.config.price)
@@ -715,6 +728,8 @@ pub(crate) struct Invocation<'a> {
     pub worktree: &'a std::path::Path,
     pub artifact_dir: &'a std::path::Path,
     pub primary: Option<&'a std::path::Path>,
+    /// Every document the stage requires, by name (in `artifact_dir`).
+    pub expected: &'a [ArtifactName],
     pub timeout: Duration,
 }
 
@@ -827,6 +842,10 @@ pub(crate) struct TryResult {
     pub denials: Vec<Denial>,
     /// The agent ran but its usage could not be read: unknown, not zero.
     pub usage_unknown: bool,
+    /// The program was started (or the request sent): it may have spent something. A try
+    /// that never started (a missing program, bad configuration, a missing key) cost
+    /// nothing, and is recorded so: a known zero, not an unknown cost.
+    pub started: bool,
 }
 
 impl TryResult {
@@ -839,6 +858,7 @@ impl TryResult {
             retry_after: None,
             denials: Vec::new(),
             usage_unknown: false,
+            started: false,
         }
     }
 

@@ -70,13 +70,22 @@ pub(crate) async fn run(inv: &Invocation<'_>, client: &reqwest::Client) -> TryRe
     let outcome = tokio::select! {
         r = exchange => r,
         () = inv.run.cancel.cancelled() => {
-            return TryResult::failed(AgentError::Cancelled { agent: inv.agent.clone() });
+            return TryResult {
+                started: true,
+                ..TryResult::failed(AgentError::Cancelled { agent: inv.agent.clone() })
+            };
         }
     };
     let mut result = match outcome {
-        Err(e) => network_failure(inv, &url, &e),
+        // Refused before a byte was sent: nothing was spent.
+        Err(e) if e.is_connect() => network_failure(inv, &url, &e),
+        Err(e) => TryResult {
+            started: true,
+            ..network_failure(inv, &url, &e)
+        },
         Ok((status, retry_after, body)) => {
             let mut r = answer(inv, &url, status, &body);
+            r.started = true;
             r.data.insert("http_status".into(), status.as_u16().into());
             r.retry_after = retry_after;
             r
