@@ -913,6 +913,23 @@ impl Migrated {
     }
 }
 
+/// `orch gc --json`: what one run of retention removed.
+#[derive(Debug, Serialize)]
+pub struct Gc {
+    /// The database (as the store names it, password hidden).
+    pub database: String,
+    /// The retention applied (`"3d"`, …; `"off"`: nothing was pruned).
+    pub retention: String,
+    /// Jobs that finished, and whose task ended, before this instant were pruned.
+    pub finished_before_ms: Option<i64>,
+    /// Jobs this run deleted.
+    pub pruned: u64,
+    /// Batches (transactions, one `jobs.pruned` event each) this run wrote.
+    pub batches: u32,
+    /// Every job pruned so far in this store, by every process (`orch_jobs_pruned_total`).
+    pub pruned_total: i64,
+}
+
 /// `orch init --json`.
 #[derive(Debug, Serialize)]
 pub struct Initialized {

@@ -42,6 +42,8 @@ pub(crate) struct StoreFacts {
     pub usage: Vec<(String, orch_store::Usage)>,
     /// `(agent, outcome, runs)`.
     pub runs_by_outcome: Vec<(String, String, i64)>,
+    /// Every job retention has pruned (the latest `jobs.pruned` event's total).
+    pub jobs_pruned_total: i64,
 }
 
 /// One reading of everything `/metrics` shows.
@@ -63,6 +65,7 @@ impl Scrape {
         outcomes: &BTreeMap<orch_domain::outcome::Outcome, i64>,
         usage: Vec<(String, orch_store::Usage)>,
         runs_by_outcome: Vec<(String, String, i64)>,
+        jobs_pruned_total: i64,
     ) -> StoreFacts {
         let mut leases_by_agent = BTreeMap::new();
         for l in &snap.stats.leases {
@@ -89,6 +92,7 @@ impl Scrape {
                 .collect(),
             usage,
             runs_by_outcome,
+            jobs_pruned_total,
         }
     }
 }
@@ -288,6 +292,15 @@ impl Collector for Scrape {
             for (agent, state, n) in &s.jobs {
                 f.gauge(&[("agent", agent), ("state", state)], *n)?;
             }
+            let mut f = family(
+                &mut enc,
+                "orch_jobs_pruned",
+                "Finished jobs of finished tasks removed by retention ([settings] retention), by \
+                 every process since the store was created (from the store's jobs.pruned events).",
+                None,
+                MetricType::Counter,
+            )?;
+            f.counter(&[], u64::try_from(s.jobs_pruned_total).unwrap_or(0))?;
             let mut f = family(
                 &mut enc,
                 "orch_oldest_queued_job_age",

@@ -74,21 +74,28 @@ pub(crate) async fn queue(State(state): State<ApiState>) -> ApiResult<Json<dto::
 
 /// `GET /metrics`: always 200 (OpenMetrics text); `orch_up 0` when the store did not answer.
 pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
-    let (snap, usage, runs, outcomes) = tokio::join!(
+    let (snap, usage, runs, outcomes, pruned) = tokio::join!(
         QueueSnapshot::read(&state),
         state.store.usage_by_agent(),
         state.store.runs_by_agent_outcome(),
-        crate::outcomes::counts(&state.store)
+        crate::outcomes::counts(&state.store),
+        state.store.pruned_total()
     );
-    let store = match (snap, usage, runs, outcomes) {
-        (Ok(snap), Ok(usage), Ok(runs), Ok(outcomes)) => {
-            Some(metrics::Scrape::store_facts(&snap, &outcomes, usage, runs))
-        }
-        (snap, usage, runs, outcomes) => {
-            let e = [snap.err(), usage.err(), runs.err(), outcomes.err()]
-                .into_iter()
-                .flatten()
-                .next();
+    let store = match (snap, usage, runs, outcomes, pruned) {
+        (Ok(snap), Ok(usage), Ok(runs), Ok(outcomes), Ok(pruned)) => Some(
+            metrics::Scrape::store_facts(&snap, &outcomes, usage, runs, pruned),
+        ),
+        (snap, usage, runs, outcomes, pruned) => {
+            let e = [
+                snap.err(),
+                usage.err(),
+                runs.err(),
+                outcomes.err(),
+                pruned.err(),
+            ]
+            .into_iter()
+            .flatten()
+            .next();
             if let Some(e) = e {
                 tracing::warn!(error = %e, "metrics: the store did not answer");
             }

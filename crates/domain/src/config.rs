@@ -181,6 +181,93 @@ pub struct Settings {
     /// [`crate::protect::MAX_CHANGED_FILES_LIMIT`]; default
     /// [`crate::protect::DEFAULT_MAX_CHANGED_FILES`].
     pub max_changed_files: u32,
+    /// How long finished jobs of finished tasks are kept: `"3d"` (the default), `"12h"`,
+    /// `"90m"`, `"30s"`, or `"off"` (kept forever). Events, agent runs and the tasks
+    /// themselves are always kept; only job rows are pruned, in small batches, by every
+    /// `orch serve`/`orch worker` and by `orch gc`.
+    pub retention: Retention,
+}
+
+/// `[settings] retention`: how long a finished job of a finished task is kept.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(try_from = "String")]
+pub enum Retention {
+    /// Jobs are never pruned.
+    Off,
+    /// Jobs are pruned this long after their task ended and they finished.
+    After {
+        /// The period, in seconds.
+        secs: u64,
+    },
+}
+
+/// The default of `[settings] retention`: three days.
+pub const DEFAULT_RETENTION: Retention = Retention::After {
+    secs: 3 * 24 * 3600,
+};
+
+impl Retention {
+    /// The period, `None` when pruning is off.
+    pub fn period(self) -> Option<std::time::Duration> {
+        match self {
+            Retention::Off => None,
+            Retention::After { secs } => Some(std::time::Duration::from_secs(secs)),
+        }
+    }
+
+    /// Parses `off` or a whole number followed by `s`, `m`, `h` or `d` (more than zero).
+    pub fn parse(text: &str) -> Result<Retention, String> {
+        let t = text.trim();
+        if t.eq_ignore_ascii_case("off") {
+            return Ok(Retention::Off);
+        }
+        let expected = || {
+            format!(
+                "{text:?}: expected \"off\" or a duration such as \"3d\", \"12h\", \"90m\" or \"30s\""
+            )
+        };
+        let split = t.find(|c: char| !c.is_ascii_digit()).ok_or_else(expected)?;
+        let (digits, unit) = t.split_at(split);
+        let n: u64 = digits.parse().map_err(|_| expected())?;
+        let unit_s: u64 = match unit {
+            "s" => 1,
+            "m" => 60,
+            "h" => 3600,
+            "d" => 24 * 3600,
+            _ => return Err(expected()),
+        };
+        if n == 0 {
+            return Err(format!(
+                "{text:?}: must be more than zero (\"off\" keeps every job)"
+            ));
+        }
+        let secs = n
+            .checked_mul(unit_s)
+            .filter(|s| *s <= i64::MAX as u64 / 1000)
+            .ok_or_else(|| format!("{text:?}: too long"))?;
+        Ok(Retention::After { secs })
+    }
+}
+
+impl TryFrom<String> for Retention {
+    type Error = String;
+    fn try_from(s: String) -> Result<Retention, String> {
+        Retention::parse(&s)
+    }
+}
+
+impl std::fmt::Display for Retention {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match *self {
+            Retention::Off => f.write_str("off"),
+            Retention::After { secs } if secs % (24 * 3600) == 0 => {
+                write!(f, "{}d", secs / (24 * 3600))
+            }
+            Retention::After { secs } if secs % 3600 == 0 => write!(f, "{}h", secs / 3600),
+            Retention::After { secs } if secs % 60 == 0 => write!(f, "{}m", secs / 60),
+            Retention::After { secs } => write!(f, "{secs}s"),
+        }
+    }
 }
 
 impl Settings {
@@ -216,6 +303,7 @@ impl Default for Settings {
             public_url: None,
             node_grace_s: DEFAULT_NODE_GRACE_S,
             max_changed_files: crate::protect::DEFAULT_MAX_CHANGED_FILES,
+            retention: DEFAULT_RETENTION,
         }
     }
 }
@@ -745,6 +833,13 @@ impl Config {
         }
         if let Some(v) = get("ORCH_NODE") {
             s.node = Some(v);
+        }
+        if let Some(v) = get("ORCH_RETENTION") {
+            s.retention = Retention::parse(&v).map_err(|reason| ConfigError::Env {
+                var: "ORCH_RETENTION".to_owned(),
+                value: v.clone(),
+                reason,
+            })?;
         }
         env_number(&get, "ORCH_WORKERS", &mut s.workers)?;
         env_number(&get, "ORCH_LEASE_S", &mut s.lease_s)?;
@@ -1434,6 +1529,9 @@ agent_timeout_s = 1800
 # max_changed_files = 2000
 # The dashboard's address as people reach it, for the links in notifications.
 # public_url = "https://orch.example.com"
+# How long finished jobs of finished tasks are kept ("off": forever). Events, agent runs and
+# tasks are always kept.
+# retention = "3d"
 
 # One section per managed repo. Work item ids are <prefix>-<n>, e.g. APP-1.
 # [repos.app]
@@ -1872,6 +1970,30 @@ interval_s = 10
     }
 
     #[test]
+    fn retention_parses_units_and_off_and_prints_back() {
+        for (text, secs) in [("30s", 30), ("90m", 5400), ("12h", 43_200), ("3d", 259_200)] {
+            let r = Retention::parse(text).unwrap();
+            assert_eq!(r, Retention::After { secs }, "{text}");
+            assert_eq!(r.to_string(), text);
+        }
+        assert_eq!(Retention::parse(" OFF ").unwrap(), Retention::Off);
+        assert_eq!(Retention::Off.period(), None);
+        for bad in [
+            "",
+            "3",
+            "d",
+            "-1d",
+            "1w",
+            "1.5h",
+            "0s",
+            "99999999999999999999d",
+        ] {
+            assert!(Retention::parse(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(Settings::default().retention, DEFAULT_RETENTION);
+    }
+
+    #[test]
     fn validation_errors_name_section_and_key() {
         let ok = |_: &Config| "ok".to_owned();
         let cases: &[(&str, Result<&str, &str>)] = &[
@@ -1932,6 +2054,16 @@ interval_s = 10
                 Err("[settings] max_changed_files: must be at most 100000"),
             ),
             ("[settings]\nmax_changed_files = 100000\n", Ok("ok")),
+            ("[settings]\nretention = \"off\"\n", Ok("ok")),
+            ("[settings]\nretention = \"12h\"\n", Ok("ok")),
+            (
+                "[settings]\nretention = \"0d\"\n",
+                Err("must be more than zero"),
+            ),
+            (
+                "[settings]\nretention = \"3 days\"\n",
+                Err("a duration such as"),
+            ),
             (
                 "[repos.app]\nprefix = \"APP\"\n",
                 Err("[repos.app] path: set `path`"),
@@ -2195,6 +2327,18 @@ interval_s = 10
                         .unwrap_or_default()
                 },
                 Ok("4"),
+            ),
+            (
+                &[("ORCH_RETENTION", "2h")],
+                "",
+                |c| c.settings.retention.to_string(),
+                Ok("2h"),
+            ),
+            (
+                &[("ORCH_RETENTION", "soon")],
+                "",
+                |_| String::new(),
+                Err("environment variable ORCH_RETENTION=\"soon\""),
             ),
             (
                 &[("ORCH_WORKERS", "many")],

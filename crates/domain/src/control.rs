@@ -86,6 +86,11 @@ pub mod events {
     pub const JOB_ATTEMPT_FAILED: &str = "job.attempt_failed";
     /// A schema version was applied (there is no migrations table).
     pub const SCHEMA_MIGRATED: &str = "schema.migrated";
+    /// Retention removed a batch of finished jobs of finished tasks, in the transaction that
+    /// deleted them: `{jobs, total, finished_before, first_id, last_id}` (`total`: every job
+    /// pruned so far, this batch included; the latest such event is `/metrics`'
+    /// `orch_jobs_pruned_total`). Task-less (the batch spans tasks).
+    pub const JOBS_PRUNED: &str = "jobs.pruned";
 
     // The deploy tail (each `data` has `seq`).
     /// The deploy command is about to run.
@@ -228,6 +233,7 @@ pub mod events {
         JOB_RESCUED,
         JOB_ATTEMPT_FAILED,
         SCHEMA_MIGRATED,
+        JOBS_PRUNED,
         DEPLOY_STARTED,
         DEPLOY_REDEPLOYED,
         DEPLOY_SKIPPED,

@@ -68,6 +68,10 @@ pub enum Command {
     Deploys(RepoArg),
     /// Check git, the database, agents and repo commands; say what is missing and how to fix it.
     Doctor,
+    /// Prune now what retention removes (finished jobs of finished tasks older than `[settings]
+    /// retention`), in small batches, each recorded as a `jobs.pruned` event; safe beside
+    /// running workers and safe to kill.
+    Gc(GcArgs),
     /// Run the whole pipeline on a sample service in a directory, in about a minute.
     Demo(DemoArgs),
     /// The demo's scripted agent (run by the demo's `command` backend, not by people).
@@ -108,6 +112,13 @@ pub struct StatusArgs {
     pub stage: Option<String>,
     #[arg(long, default_value_t = 50)]
     pub limit: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct GcArgs {
+    /// The retention to apply instead of `[settings] retention` (`3d`, `12h`, `90m`, `30s`).
+    #[arg(long)]
+    pub retention: Option<String>,
 }
 
 #[derive(Debug, Args)]

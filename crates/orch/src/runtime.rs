@@ -126,7 +126,7 @@ impl Runtime {
     pub fn passes(
         &self,
         lease: Duration,
-        retention: Duration,
+        retention: Option<Duration>,
     ) -> Vec<Arc<dyn orch_runner::maintenance::Pass>> {
         let mut passes = orch_runner::maintenance::default_passes(lease, retention);
         passes.push(Arc::new(orch_runner::maintenance::WatchRecoveryPass {

@@ -111,6 +111,7 @@ fn restart_needed(old: &Config, new: &Config) -> Vec<String> {
     );
     check(a.node != b.node, "settings.node");
     check(a.node_grace_s != b.node_grace_s, "settings.node_grace_s");
+    check(a.retention != b.retention, "settings.retention");
     check(old.pipeline != new.pipeline, "pipeline");
     keys
 }

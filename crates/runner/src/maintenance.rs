@@ -47,16 +47,74 @@ impl Pass for RescuePass {
     }
 }
 
-/// Deletes old finished jobs of finished tasks.
-pub struct CleanupPass {
+/// Jobs deleted per retention batch: each batch is one short write transaction, so the hot
+/// path never waits long behind it (SQLite has one writer).
+pub const PRUNE_BATCH: u32 = 500;
+/// Pause between two retention batches: the claims and completions waiting for the write lock
+/// go first.
+pub const PRUNE_PAUSE: Duration = Duration::from_millis(20);
+/// Batches one turn of the retention pass deletes at most; the rest waits for its next turn,
+/// so a shutdown never waits behind a long backlog.
+pub const PRUNE_BATCHES_PER_TURN: u32 = 200;
+
+/// What [`prune`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PruneReport {
+    /// Jobs deleted.
+    pub jobs: u64,
+    /// Batches (transactions, each with its `jobs.pruned` event) that deleted something.
+    pub batches: u32,
+    /// Every job pruned so far, in the store's record (all processes, all time).
+    pub total: i64,
+    /// True when the batch limit stopped it with jobs still to prune.
+    pub more: bool,
+}
+
+/// Retention: deletes, in batches of `batch`, the finished jobs of finished tasks (and
+/// task-less ones) that finished, and whose task ended, longer than `period` ago, each batch
+/// recorded as a `jobs.pruned` event in its own transaction (`Store::prune_finished`); at most
+/// `max_batches` batches, `pause` apart. Safe to run from many processes at once and to kill
+/// at any instant.
+pub async fn prune(
+    store: &Store,
+    period: Duration,
+    batch: u32,
+    pause: Duration,
+    max_batches: u32,
+) -> anyhow::Result<PruneReport> {
+    let period = i64::try_from(period.as_millis()).unwrap_or(i64::MAX);
+    let cutoff = store.now_ms().saturating_sub(period);
+    let mut report = PruneReport::default();
+    loop {
+        let pruned = store.prune_finished(cutoff, batch).await?;
+        report.total = pruned.total;
+        if pruned.jobs == 0 {
+            return Ok(report);
+        }
+        report.jobs += pruned.jobs;
+        report.batches += 1;
+        if pruned.jobs < u64::from(batch) {
+            return Ok(report);
+        }
+        if report.batches >= max_batches {
+            report.more = true;
+            return Ok(report);
+        }
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// The retention pass (`[settings] retention`): [`prune`] in small batches off the hot path.
+pub struct RetentionPass {
     pub every: Duration,
-    pub retention: Duration,
+    /// `None`: retention is off, the pass does nothing.
+    pub period: Option<Duration>,
 }
 
 #[async_trait::async_trait]
-impl Pass for CleanupPass {
+impl Pass for RetentionPass {
     fn name(&self) -> &'static str {
-        "cleanup"
+        "retention"
     }
 
     fn every(&self) -> Duration {
@@ -64,18 +122,25 @@ impl Pass for CleanupPass {
     }
 
     async fn run(&self, store: &Store) -> anyhow::Result<()> {
-        let retention = i64::try_from(self.retention.as_millis()).unwrap_or(i64::MAX);
-        let cutoff = store.now_ms().saturating_sub(retention);
-        let mut total = 0;
-        loop {
-            let n = store.cleanup_finished(cutoff, 5_000).await?;
-            total += n;
-            if n < 5_000 {
-                break;
-            }
-        }
-        if total > 0 {
-            tracing::info!(deleted = total, "cleaned up old finished jobs");
+        let Some(period) = self.period else {
+            return Ok(());
+        };
+        let report = prune(
+            store,
+            period,
+            PRUNE_BATCH,
+            PRUNE_PAUSE,
+            PRUNE_BATCHES_PER_TURN,
+        )
+        .await?;
+        if report.jobs > 0 {
+            tracing::info!(
+                pruned = report.jobs,
+                batches = report.batches,
+                total = report.total,
+                more = report.more,
+                "retention pruned finished jobs of finished tasks"
+            );
         }
         Ok(())
     }
@@ -148,16 +213,16 @@ impl Pass for WatchRecoveryPass {
     }
 }
 
-/// The default passes for a lease length and retention.
-pub fn default_passes(lease: Duration, retention: Duration) -> Vec<Arc<dyn Pass>> {
+/// The default passes for a lease length and a retention period (`None`: keep every job).
+pub fn default_passes(lease: Duration, retention: Option<Duration>) -> Vec<Arc<dyn Pass>> {
     vec![
         Arc::new(RescuePass {
             every: (lease / 4).clamp(Duration::from_millis(100), Duration::from_secs(15)),
             rescue: Rescue::default(),
         }),
-        Arc::new(CleanupPass {
-            every: Duration::from_secs(600),
-            retention,
+        Arc::new(RetentionPass {
+            every: Duration::from_secs(60),
+            period: retention,
         }),
         Arc::new(StrandedPass {
             every: Duration::from_secs(60),

@@ -36,6 +36,41 @@ pub(crate) fn task_ended_job(task: &Task) -> NewJob {
     .dedupe(control::dedupe::task_ended(task.id, task.stage_seq))
 }
 
+/// The `jobs.pruned` event of one retention batch, written in the transaction that deleted
+/// `ids`: how many, the running `total`, the cutoff and the lowest and highest id.
+pub(crate) fn prune_event(ids: &[i64], total: i64, finished_before: Millis) -> NewEvent {
+    let first = ids.iter().min().copied();
+    let last = ids.iter().max().copied();
+    NewEvent::new(
+        events::JOBS_PRUNED,
+        format!(
+            "retention pruned {} finished job(s) of finished tasks (finished before {finished_before} ms); {total} pruned in all",
+            ids.len()
+        ),
+    )
+    .data(
+        serde_json::json!({
+            "jobs": ids.len(), "total": total, "finished_before": finished_before,
+            "first_id": first, "last_id": last,
+        })
+        .to_string(),
+    )
+}
+
+/// The running total a `jobs.pruned` event's data carries; an error when it is unreadable (a
+/// total restarted from zero would be a lie on `/metrics`).
+pub(crate) fn prune_total_of(data: &str) -> Result<i64> {
+    serde_json::from_str::<serde_json::Value>(data)
+        .ok()
+        .and_then(|v| v.get("total").and_then(serde_json::Value::as_i64))
+        .ok_or_else(|| {
+            StoreError::Invalid(format!(
+                "the latest {} event has no readable total: {data}",
+                events::JOBS_PRUNED
+            ))
+        })
+}
+
 /// What a rescue does with one expired lease.
 pub(crate) struct RescuePlan {
     /// The crash bound is reached: the job fails with `error`.

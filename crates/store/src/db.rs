@@ -392,13 +392,57 @@ where
         Ok(failed)
     }
 
-    pub async fn cleanup_finished(&self, older_than: Millis, limit: u32) -> Result<u64> {
-        let res = sqlx::query(sql::CLEANUP_FINISHED)
-            .bind(older_than)
-            .bind(i64::from(limit))
-            .execute(self.d.writer())
+    /// One retention batch: see [`crate::Store::prune_finished`].
+    pub async fn prune_finished(&self, finished_before: Millis, limit: u32) -> Result<Pruned> {
+        let now = self.now();
+        let limit = i64::from(limit.max(1));
+        let mut tx = self.d.begin().await?;
+        D::lock_prune(&mut tx).await?;
+        let mut ids: Vec<i64> = sqlx::query_scalar(self.sql.prune_task_jobs.as_str())
+            .bind(finished_before)
+            .bind(limit)
+            .fetch_all(&mut *tx)
             .await?;
-        Ok(D::rows_affected(&res))
+        let room = limit.saturating_sub(i64::try_from(ids.len()).unwrap_or(i64::MAX));
+        if room > 0 {
+            let taskless: Vec<i64> = sqlx::query_scalar(sql::PRUNE_TASKLESS_JOBS)
+                .bind(finished_before)
+                .bind(room)
+                .fetch_all(&mut *tx)
+                .await?;
+            ids.extend(taskless);
+        }
+        let before: i64 = match sqlx::query_scalar::<_, String>(sql::LAST_PRUNE)
+            .fetch_optional(&mut *tx)
+            .await?
+        {
+            Some(data) => prune_total_of(&data)?,
+            None => 0,
+        };
+        if ids.is_empty() {
+            let _ = tx.rollback().await;
+            return Ok(Pruned {
+                jobs: 0,
+                total: before,
+            });
+        }
+        let jobs = u64::try_from(ids.len()).unwrap_or(u64::MAX);
+        let total = before.saturating_add(i64::try_from(jobs).unwrap_or(i64::MAX));
+        let event = prune_event(&ids, total, finished_before);
+        Self::insert_event(&mut tx, &event, now).await?;
+        self.d.commit(tx, None).await?;
+        Ok(Pruned { jobs, total })
+    }
+
+    /// Every job retention has pruned so far (the latest `jobs.pruned` event's total).
+    pub async fn pruned_total(&self) -> Result<i64> {
+        match sqlx::query_scalar::<_, String>(sql::LAST_PRUNE)
+            .fetch_optional(self.d.reader())
+            .await?
+        {
+            Some(data) => prune_total_of(&data),
+            None => Ok(0),
+        }
     }
 
     pub async fn get_job(&self, job_id: i64) -> Result<Option<Job>> {
@@ -450,6 +494,12 @@ where
             leases,
             now,
         })
+    }
+
+    pub async fn count_all_jobs(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar(sql::COUNT_ALL_JOBS)
+            .fetch_one(self.d.reader())
+            .await?)
     }
 
     pub async fn has_live_jobs(&self) -> Result<bool> {

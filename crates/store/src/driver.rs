@@ -25,6 +25,11 @@ pub trait Driver: Send + Sync + 'static {
     /// As [`Driver::FOR_UPDATE`], for a sweep that several processes may run at once: rows
     /// another sweep holds are skipped, not waited for.
     const FOR_UPDATE_SKIP_LOCKED: &'static str;
+    /// Appended to the task-jobs retention batch's sub-select (`sql::prune_task_jobs`): locks
+    /// the finished tasks whose jobs it deletes (`" FOR SHARE OF t"` on PostgreSQL), so a
+    /// retry of one of them is ordered before or after the batch, never inside it; empty on
+    /// SQLite, whose write transaction already excludes every other writer.
+    const FOR_SHARE_OF_TASK: &'static str;
     /// The `WHERE … LIMIT … OFFSET …` of `list_tasks`: `$1 stage or NULL, $2 repo or NULL,
     /// $3 limit, $4 offset` (PostgreSQL needs the NULL parameters typed).
     const LIST_TASKS_WHERE: &'static str;
@@ -76,6 +81,16 @@ pub trait Driver: Send + Sync + 'static {
         async { Ok(()) }
     }
 
+    /// Serializes retention batches across processes until `tx` ends, so that each batch's
+    /// `jobs.pruned` event carries the running total. By default nothing to do, as for
+    /// [`Driver::lock_migrations`].
+    fn lock_prune(
+        tx: &mut <Self::DB as Database>::Connection,
+    ) -> impl Future<Output = Result<()>> + Send {
+        let _ = tx;
+        async { Ok(()) }
+    }
+
     /// Serializes exclusive stage changes of one repo (`advance_stage_exclusive`) across
     /// processes until `tx` ends. By default nothing to do, as for [`Driver::lock_migrations`].
     fn lock_repo_track(
@@ -108,6 +123,9 @@ pub struct Statements {
     pub job_locked: String,
     /// `$1 now, $2 limit` → `id, attempt, max_attempts, task_id, locked_by` of expired leases.
     pub expired_leases: String,
+    /// `$1 finished before, $2 limit` → ids of the finished tasks' jobs a retention batch
+    /// deleted.
+    pub prune_task_jobs: String,
     pub list_tasks: String,
     /// `$1 task ids, $2 kinds` (JSON arrays) → their events, by task then oldest first.
     pub events_of_tasks: String,
@@ -127,6 +145,7 @@ impl Statements {
                  ORDER BY lease_expires_at, id LIMIT $2{}",
                 D::FOR_UPDATE_SKIP_LOCKED
             ),
+            prune_task_jobs: sql::prune_task_jobs(D::FOR_SHARE_OF_TASK),
             list_tasks: sql::select_tasks(D::LIST_TASKS_WHERE),
             events_of_tasks: format!(
                 "SELECT {} FROM events {} ORDER BY task_id, id",

@@ -17,7 +17,7 @@
 //!   lease or by the task's `stage_seq`, in one transaction with its event and next job.
 //! - A `dedupe_key` is an idempotency key: at most one job row ever carries it.
 //! - Finished jobs of unfinished tasks are never deleted: restart-safe counters are counted
-//!   from them.
+//!   from them, and only for live tasks (`count_jobs`), so retention never changes a count.
 
 mod clock;
 mod common;
@@ -331,10 +331,26 @@ impl Store {
         dispatch!(self, cancel_job(job_id))
     }
 
-    /// Deletes finished jobs older than `older_than` whose task has ended (or that have no
-    /// task), at most `limit` per call.
-    pub async fn cleanup_finished(&self, older_than: Millis, limit: u32) -> Result<u64> {
-        dispatch!(self, cleanup_finished(older_than, limit))
+    /// Retention, one batch: deletes at most `limit` finished jobs (oldest first) that
+    /// finished before `finished_before` and whose task ended before it (or that have no task),
+    /// and records them in the same transaction as a `jobs.pruned` event carrying the running
+    /// total. A crash loses the whole batch's deletion and its event together, never one
+    /// without the other, so no job is counted as pruned twice or deleted unrecorded. Jobs of
+    /// a live task are never deleted (restart-safe counters are counted from them); events,
+    /// agent runs and tasks are never deleted.
+    pub async fn prune_finished(&self, finished_before: Millis, limit: u32) -> Result<Pruned> {
+        dispatch!(self, prune_finished(finished_before, limit))
+    }
+
+    /// Every job row in the store, exactly: a scan of the whole table, whose cost grows with
+    /// history. For `orch gc`'s report and tests; the control views never call it.
+    pub async fn count_all_jobs(&self) -> Result<i64> {
+        dispatch!(self, count_all_jobs())
+    }
+
+    /// Every job retention has pruned so far, from the store (survives restarts).
+    pub async fn pruned_total(&self) -> Result<i64> {
+        dispatch!(self, pruned_total())
     }
 
     /// When the next queued job of these kinds becomes available (for sleeping precisely).

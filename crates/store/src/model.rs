@@ -271,7 +271,19 @@ pub struct RescueReport {
     pub failed_tasks: Vec<i64>,
 }
 
+/// What one retention batch ([`crate::Store::prune_finished`]) removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Pruned {
+    /// Jobs deleted by this batch.
+    pub jobs: u64,
+    /// Every job pruned so far, this batch included (the `jobs.pruned` events' running total).
+    pub total: i64,
+}
+
 /// Counting jobs for restart-safe counters (defers, ticks, infra retries): the count is the state.
+/// Only a live task's jobs are counted (a finished task counts 0): retention prunes jobs of
+/// finished tasks only, so no count ever reads a job that pruning may remove, and a retried
+/// task's counters are scoped to its new visit's `seq`, which no pruned job carries.
 #[derive(Debug, Clone, PartialEq)]
 pub struct JobCount {
     pub task_id: i64,

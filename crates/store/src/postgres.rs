@@ -53,10 +53,13 @@ impl Driver for PgDriver {
     type DB = sqlx::Postgres;
     const FOR_UPDATE: &'static str = " FOR UPDATE";
     const FOR_UPDATE_SKIP_LOCKED: &'static str = " FOR UPDATE SKIP LOCKED";
+    const FOR_SHARE_OF_TASK: &'static str = " FOR SHARE OF t";
     const LIST_TASKS_WHERE: &'static str = "WHERE ($1::text IS NULL OR stage = $1::text) \
          AND ($2::text IS NULL OR repo = $2::text) ORDER BY id DESC LIMIT $3 OFFSET $4";
     const COUNT_JOBS: &'static str = "SELECT count(*) FROM jobs WHERE task_id = $1 \
-         AND agent = $2 AND ($3::text IS NULL OR strpos(task_content, $3::text) > 0)";
+         AND agent = $2 AND ($3::text IS NULL OR strpos(task_content, $3::text) > 0) \
+         AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = $1 \
+         AND t.stage NOT IN ('done', 'failed', 'cancelled'))";
     const TRACK_HOLDER: &'static str = "SELECT work_item_id, stage FROM tasks \
          WHERE repo = $1 AND id <> $2 \
          AND stage IN (SELECT jsonb_array_elements_text($3::text::jsonb)) ORDER BY id LIMIT 1";
@@ -97,6 +100,14 @@ impl Driver for PgDriver {
     async fn lock_migrations(tx: &mut PgConnection) -> Result<()> {
         sqlx::query("SELECT pg_advisory_xact_lock($1)")
             .bind(MIGRATE_LOCK)
+            .execute(&mut *tx)
+            .await?;
+        Ok(())
+    }
+
+    async fn lock_prune(tx: &mut PgConnection) -> Result<()> {
+        // One retention batch at a time, across every process: each carries the running total.
+        sqlx::query("SELECT pg_advisory_xact_lock(hashtext('orch.prune'))")
             .execute(&mut *tx)
             .await?;
         Ok(())

@@ -141,6 +141,9 @@ pub const RESCUE_REQUEUE: &str = "UPDATE jobs SET state = 'queued', available_at
 pub const QUEUE_COUNTS: &str = "SELECT agent, state, count(*) AS count FROM jobs \
      GROUP BY state, agent ORDER BY state, agent";
 
+/// Every job row, exactly (a scan of the table: for `orch gc` and tests, not for the views).
+pub const COUNT_ALL_JOBS: &str = "SELECT count(*) FROM jobs";
+
 /// Whether any job is queued or running.
 pub const HAS_LIVE_JOBS: &str =
     "SELECT EXISTS (SELECT 1 FROM jobs WHERE state IN ('queued', 'running'))";
@@ -186,11 +189,31 @@ pub const RUNS_BY_AGENT_OUTCOME: &str = "SELECT agent, outcome, count(*) FROM ag
 pub const COUNT_TASKS_BY_STAGE: &str =
     "SELECT stage, count(*) FROM tasks GROUP BY stage ORDER BY stage";
 
-/// `$1 older_than, $2 limit`: finished jobs of ended tasks (or of no task).
-pub const CLEANUP_FINISHED: &str = "DELETE FROM jobs WHERE id IN (SELECT j.id FROM jobs j \
-     LEFT JOIN tasks t ON t.id = j.task_id \
+/// `$1 finished before, $2 limit` → ids: deletes at most `$2` finished jobs, oldest first,
+/// that finished before `$1` and whose task ended before `$1` (its `updated_at`, the terminal
+/// stage change). `{lock}` is the driver's row-lock suffix for the task rows (PostgreSQL: `FOR
+/// SHARE OF t`): a retry that revives a task waits for the batch, or the batch re-reads the
+/// task and leaves its jobs. Walks `jobs_finished` in order and each task by its key.
+pub fn prune_task_jobs(lock: &str) -> String {
+    format!(
+        "DELETE FROM jobs WHERE id IN (SELECT j.id FROM jobs j JOIN tasks t ON t.id = j.task_id \
+         WHERE j.state IN ('done', 'failed', 'cancelled') AND j.finished_at < $1 \
+         AND t.stage IN ('done', 'failed', 'cancelled') AND t.updated_at < $1 \
+         ORDER BY j.finished_at, j.id LIMIT $2{lock}) RETURNING id"
+    )
+}
+
+/// `$1 finished before, $2 limit` → ids: as [`prune_task_jobs`], for jobs of no task
+/// (`task-ended`, `notify`, a node's beacon: its `finished_at` is when the node was last seen,
+/// so a beacon goes only once its node has been gone for the whole retention).
+pub const PRUNE_TASKLESS_JOBS: &str = "DELETE FROM jobs WHERE id IN (SELECT j.id FROM jobs j \
      WHERE j.state IN ('done', 'failed', 'cancelled') AND j.finished_at < $1 \
-     AND (j.task_id IS NULL OR t.stage IN ('done', 'failed', 'cancelled')) LIMIT $2)";
+     AND j.task_id IS NULL ORDER BY j.finished_at, j.id LIMIT $2) RETURNING id";
+
+/// The `data` of the latest `jobs.pruned` event (its `total` is every job pruned so far),
+/// spelled in the statement so that it stays one prepared text (a unit test holds the kind).
+pub const LAST_PRUNE: &str =
+    "SELECT data FROM events WHERE kind = 'jobs.pruned' ORDER BY id DESC LIMIT 1";
 
 /// `$1 kind` → the `data` of every event of that kind (the schema version is read from them).
 pub const EVENT_DATA_OF_KIND: &str = "SELECT data FROM events WHERE kind = $1";
@@ -242,6 +265,12 @@ pub fn select_tasks(where_clause: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn the_prune_total_reads_the_prune_event_kind() {
+        let kind = orch_domain::control::events::JOBS_PRUNED;
+        assert!(super::LAST_PRUNE.contains(&format!("kind = '{kind}'")));
+    }
+
     #[test]
     fn the_crash_count_reads_the_rescue_event_kind() {
         let kind = orch_domain::control::events::JOB_RESCUED;

@@ -42,10 +42,13 @@ impl Driver for SqliteDriver {
     type DB = sqlx::Sqlite;
     const FOR_UPDATE: &'static str = "";
     const FOR_UPDATE_SKIP_LOCKED: &'static str = "";
+    const FOR_SHARE_OF_TASK: &'static str = "";
     const LIST_TASKS_WHERE: &'static str = "WHERE ($1 IS NULL OR stage = $1) \
          AND ($2 IS NULL OR repo = $2) ORDER BY id DESC LIMIT $3 OFFSET $4";
     const COUNT_JOBS: &'static str = "SELECT count(*) FROM jobs WHERE task_id = $1 \
-         AND agent = $2 AND ($3 IS NULL OR instr(task_content, $3) > 0)";
+         AND agent = $2 AND ($3 IS NULL OR instr(task_content, $3) > 0) \
+         AND EXISTS (SELECT 1 FROM tasks t WHERE t.id = $1 \
+         AND t.stage NOT IN ('done', 'failed', 'cancelled'))";
     const TRACK_HOLDER: &'static str = "SELECT work_item_id, stage FROM tasks \
          WHERE repo = $1 AND id <> $2 AND stage IN (SELECT value FROM json_each($3)) \
          ORDER BY id LIMIT 1";

@@ -51,7 +51,7 @@ conformance!(
     bad_job_input_is_refused,
     work_item_ids_are_allocated_per_prefix,
     concurrent_task_creation_never_reuses_an_id,
-    cleanup_keeps_jobs_of_unfinished_tasks,
+    retention_prunes_only_old_finished_jobs_of_finished_tasks,
     marker_counts_match_literal_substrings,
     complete_and_claim_reports_fenced_completions,
     claim_order_priority_and_node_affinity,
@@ -998,20 +998,86 @@ async fn concurrent_task_creation_never_reuses_an_id(db: TestDb) {
     assert_eq!(all.len(), 40);
 }
 
-async fn cleanup_keeps_jobs_of_unfinished_tasks(db: TestDb) {
+async fn retention_prunes_only_old_finished_jobs_of_finished_tasks(db: TestDb) {
     let s = &db.store;
+    const DAY: i64 = 24 * 3600 * 1000;
+    // A live task's finished job: kept however old.
     let live = new_task(s, true).await;
     let c = claim_one(s, "w").await;
     s.mark_job(c.lease, JobOutcome::Done, None).await.unwrap();
+    // A task that ends now: its job finished long before, but the task ended recently.
+    let recent = new_task(s, true).await;
+    let c = claim_one(s, "w").await;
+    s.mark_job(c.lease, JobOutcome::Done, None).await.unwrap();
+    // A task-less job that finishes now.
     s.enqueue(NewJob::new("noop", "free-standing"))
         .await
         .unwrap();
-    let c2 = claim_one(s, "w").await;
-    s.mark_job(c2.lease, JobOutcome::Done, None).await.unwrap();
-    db.clock.advance_ms(1_000);
-    let deleted = s.cleanup_finished(db.clock.now_ms(), 100).await.unwrap();
-    assert_eq!(deleted, 1, "only the job without an unfinished task goes");
-    assert_eq!(s.task_jobs(live.id).await.unwrap().len(), 1);
+    let c = claim_one(s, "w").await;
+    s.mark_job(c.lease, JobOutcome::Done, None).await.unwrap();
+    // A task that ends now (cancelled), its job cancelled with it.
+    let old = new_task(s, true).await;
+    let advance = |t: &Task| AdvanceStage {
+        task_id: t.id,
+        expected_stage: t.stage.clone(),
+        new_stage: "cancelled".into(),
+        fence: Fence::Seq(t.stage_seq),
+        event: NewEvent::new(events::TASK_CANCELLED, "cancelled"),
+        next_job: None,
+    };
+    s.cancel_task_jobs(old.id, None).await.unwrap();
+    s.advance_stage(advance(&old)).await.unwrap();
+    db.clock.advance_ms(4 * DAY);
+    s.advance_stage(advance(&recent)).await.unwrap();
+    let cutoff = db.clock.now_ms() - 3 * DAY;
+    let jobs_before = s.count_all_jobs().await.unwrap();
+    let first = s.prune_finished(cutoff, 1).await.unwrap();
+    assert_eq!(first, Pruned { jobs: 1, total: 1 }, "one per batch");
+    let second = s.prune_finished(cutoff, 100).await.unwrap();
+    assert_eq!(
+        second,
+        Pruned { jobs: 1, total: 2 },
+        "the old task's job and the task-less one"
+    );
+    let none = s.prune_finished(cutoff, 100).await.unwrap();
+    assert_eq!(none, Pruned { jobs: 0, total: 2 });
+    assert_eq!(s.count_all_jobs().await.unwrap(), jobs_before - 2);
+    assert_eq!(
+        s.task_jobs(live.id).await.unwrap().len(),
+        1,
+        "a live task's job stays"
+    );
+    assert_eq!(
+        s.task_jobs(recent.id).await.unwrap().len(),
+        1,
+        "ended within the retention"
+    );
+    assert!(s.task_jobs(old.id).await.unwrap().is_empty());
+    assert_eq!(s.pruned_total().await.unwrap(), 2);
+    // Each batch is one event, written with its deletion, carrying the running total.
+    let pruned = s.events_by_kind(events::JOBS_PRUNED, 0, 10).await.unwrap();
+    assert_eq!(pruned.len(), 2);
+    let data: Vec<serde_json::Value> = pruned
+        .iter()
+        .map(|e| serde_json::from_str(&e.data).unwrap())
+        .collect();
+    assert_eq!(data[0]["jobs"], 1);
+    assert_eq!(data[1]["total"], 2);
+    // Events and the tasks themselves are kept.
+    assert!(!s.task_events(old.id).await.unwrap().is_empty());
+    assert!(s.get_task(old.id).await.unwrap().is_some());
+    // Counters read live tasks only: a finished task counts nothing, before or after.
+    let count = JobCount {
+        task_id: recent.id,
+        agent: "analyst".into(),
+        content_contains: None,
+    };
+    assert_eq!(s.count_jobs(&count).await.unwrap(), 0);
+    let count = JobCount {
+        task_id: live.id,
+        ..count
+    };
+    assert_eq!(s.count_jobs(&count).await.unwrap(), 1);
 }
 
 async fn marker_counts_match_literal_substrings(db: TestDb) {

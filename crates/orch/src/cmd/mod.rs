@@ -2,6 +2,7 @@
 
 mod deploys;
 mod doctor;
+mod gc;
 mod init;
 mod queue;
 mod tasks;
@@ -42,6 +43,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Worker(args) => worker::run(&cx, args).await,
         Command::Queue => queue::run(&cx).await,
         Command::Doctor => doctor::run(&cx).await,
+        Command::Gc(args) => gc::run(&cx, args).await,
         Command::Deploys(args) => deploys::run(&cx, &args.repo).await,
         Command::Submit(args) => tasks::submit(&cx, args).await,
         Command::Status(args) => tasks::status(&cx, args).await,

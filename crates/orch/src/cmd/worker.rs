@@ -15,9 +15,6 @@ use crate::cli::{ServeArgs, WorkerArgs};
 use crate::context::Context;
 use crate::runtime::Runtime;
 
-/// Retention of finished jobs of finished tasks.
-pub const RETENTION: Duration = Duration::from_secs(7 * 24 * 3600);
-
 pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let (stop, hard) = crate::signals::shutdown_tokens()?;
     let (store, config) = open(cx, &args).await?;
@@ -27,14 +24,16 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
             recover_from_dead_incarnations(&cx.repos_dir(c), &store, &config.worker_id).await;
             let rt = Runtime::new_on_node(cx, c, &store, config.node.as_deref())?;
             reloader = Some(crate::reload::spawn(cx, rt.live.clone(), stop.clone()));
-            (rt.registry(), rt.passes(config.lease, RETENTION))
+            let retention = c.settings.retention.period();
+            (rt.registry(), rt.passes(config.lease, retention))
         }
         None => {
             tracing::warn!(config = %cx.config_path.display(),
                 "no config: running only the built-in job kinds");
             let mut r = Registry::new();
             builtin::register(&mut r);
-            (r, maintenance::default_passes(config.lease, RETENTION))
+            let retention = orch_domain::config::DEFAULT_RETENTION.period();
+            (r, maintenance::default_passes(config.lease, retention))
         }
     };
     tracing::info!(worker = %config.worker_id, database = %store.target(),
@@ -85,7 +84,7 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     run_workers(
         store.clone(),
         worker,
-        runtime.passes(wconfig.lease, RETENTION),
+        runtime.passes(wconfig.lease, config.settings.retention.period()),
         stop.clone(),
         hard,
     )

@@ -228,7 +228,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     let workers = tokio::spawn(crate::cmd::worker::run_workers(
         store.clone(),
         worker,
-        runtime.passes(wc.lease, crate::cmd::worker::RETENTION),
+        runtime.passes(wc.lease, config.settings.retention.period()),
         stop.clone(),
         CancellationToken::new(),
     ));
