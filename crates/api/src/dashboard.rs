@@ -33,6 +33,8 @@ const MAX_ARTIFACT_SHOWN: usize = 256 * 1024;
 struct JobStateRow {
     state: &'static str,
     count: i64,
+    /// A finished state: counted over the recent window only.
+    recent: bool,
 }
 
 struct AgentRow {
@@ -343,6 +345,10 @@ impl QueueView {
                 .map(|st| JobStateRow {
                     state: st.as_str(),
                     count: s.jobs_in(*st),
+                    recent: !matches!(
+                        st,
+                        orch_store::JobState::Queued | orch_store::JobState::Running
+                    ),
                 })
                 .collect(),
             state_names: all.iter().map(|st| st.as_str()).collect(),
@@ -458,6 +464,8 @@ struct IndexPage {
     tasks: Vec<TaskRow>,
     stage_filter: String,
     outcomes: Vec<(&'static str, String, i64)>,
+    /// What the finished counts cover ("finished in the last 24 h").
+    finished_window: &'static str,
     repos: Vec<String>,
     /// Repos whose agents and tests run unsandboxed: a warning at the top of the page.
     unsandboxed: Vec<String>,
@@ -473,6 +481,7 @@ struct EventRow {
 }
 
 struct RunRow {
+    id: i64,
     agent: String,
     stage: String,
     backend: String,
@@ -487,6 +496,127 @@ struct RunRow {
     output_tokens: String,
     cost: String,
     error: String,
+}
+
+/// One agent run's transcript on the task page: its conversation and the diff it left.
+struct TranscriptView {
+    run_id: i64,
+    title: String,
+    open: bool,
+    entries: Vec<EntryView>,
+    diff: String,
+}
+
+/// One step of a transcript: `kind` is `message`, `call`, `result`, `command` or `note`.
+struct EntryView {
+    kind: &'static str,
+    label: String,
+    body: String,
+    error: bool,
+}
+
+/// The longest text of one transcript entry shown on the page (the stored file has it all).
+const ENTRY_TEXT_MAX: usize = 16 * 1024;
+
+fn entry_view(e: orch_domain::transcript::Entry) -> EntryView {
+    use orch_domain::transcript::Entry;
+    let cut = |t: String| {
+        if t.len() <= ENTRY_TEXT_MAX {
+            return t;
+        }
+        let mut end = ENTRY_TEXT_MAX;
+        while !t.is_char_boundary(end) {
+            end -= 1;
+        }
+        format!(
+            "{}\n… ({} more bytes in the transcript file)",
+            &t[..end],
+            t.len() - end
+        )
+    };
+    match e {
+        Entry::Message { role, text } => EntryView {
+            kind: "message",
+            label: role,
+            body: cut(text),
+            error: false,
+        },
+        Entry::ToolCall { name, input } => EntryView {
+            kind: "call",
+            label: format!("tool call: {name}"),
+            body: cut(input),
+            error: false,
+        },
+        Entry::ToolResult { text, error } => EntryView {
+            kind: "result",
+            label: if error { "tool error" } else { "tool result" }.to_owned(),
+            body: cut(text),
+            error,
+        },
+        Entry::Command {
+            command,
+            exit_code,
+            output,
+        } => EntryView {
+            kind: "command",
+            label: format!(
+                "$ {command}  ({})",
+                exit_code.map_or_else(|| "running".to_owned(), |c| format!("exit {c}"))
+            ),
+            body: cut(output),
+            error: exit_code.is_some_and(|c| c != 0),
+        },
+        Entry::Note(text) => EntryView {
+            kind: "note",
+            label: String::new(),
+            body: cut(text),
+            error: false,
+        },
+    }
+}
+
+/// The transcripts of a task's runs kept on this machine, newest run first.
+async fn transcripts(
+    state: &ApiState,
+    work_item: &str,
+    runs: &[orch_store::AgentRun],
+) -> Vec<TranscriptView> {
+    let mut out = Vec::new();
+    let newest = runs.iter().map(|r| r.id).max();
+    for r in runs.iter().rev() {
+        let Some(t) = state.ops.run_transcript(work_item, r.id).await else {
+            continue;
+        };
+        let data: serde_json::Value = serde_json::from_str(&r.data).unwrap_or_default();
+        let format = data["transcript"]["format"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| orch_domain::transcript::format_of(&r.backend).to_owned());
+        let entries: Vec<EntryView> = orch_domain::transcript::entries(&format, &t.text)
+            .into_iter()
+            .map(entry_view)
+            .collect();
+        out.push(TranscriptView {
+            run_id: r.id,
+            title: format!(
+                "run {} · {} ({}) · {} · {}{}",
+                r.id,
+                r.agent,
+                r.backend,
+                r.stage,
+                r.outcome,
+                if data["transcript"]["truncated"] == true {
+                    " · cut at the size limit"
+                } else {
+                    ""
+                }
+            ),
+            open: r.finished_at.is_none() || Some(r.id) == newest,
+            entries,
+            diff: t.diff.unwrap_or_default(),
+        });
+    }
+    out
 }
 
 struct JobRow {
@@ -527,6 +657,7 @@ struct VisitRow {
 #[derive(Template)]
 #[template(path = "task.html")]
 struct TaskPage {
+    transcripts: Vec<TranscriptView>,
     version: String,
     now: String,
     live: bool,
@@ -581,6 +712,60 @@ struct RepoPage {
     legacy_deploys: bool,
     /// The repo's agents and tests run unsandboxed: a warning at the top of the page.
     unsandboxed: bool,
+}
+
+#[derive(Template)]
+#[template(path = "costs.html")]
+struct CostsPage {
+    version: String,
+    now: String,
+    live: bool,
+    total: String,
+    groups: Vec<(&'static str, Vec<CostRow>)>,
+}
+
+struct CostRow {
+    key: String,
+    runs: i64,
+    tokens_in: i64,
+    tokens_out: i64,
+    cost: String,
+    unknown: bool,
+}
+
+/// `GET /ui/costs`: what agent runs cost by repo, stage and day (the `GET /costs` report).
+pub(crate) async fn costs_page(State(state): State<ApiState>) -> Result<Response, PageError> {
+    let rows = state
+        .store
+        .usage_by_repo_stage_day()
+        .await
+        .map_err(|e| store_error(&state, "the agent runs' costs", &e))?;
+    let report = crate::dto::CostReport::new(&rows);
+    let view = |groups: &[crate::dto::CostGroup]| {
+        groups
+            .iter()
+            .map(|g| CostRow {
+                key: g.key.clone(),
+                runs: g.usage.runs,
+                tokens_in: g.usage.input_tokens,
+                tokens_out: g.usage.output_tokens,
+                cost: g.usage.cost_text(),
+                unknown: g.usage.unknown_cost_runs > 0,
+            })
+            .collect::<Vec<_>>()
+    };
+    let page = CostsPage {
+        version: state.version.clone(),
+        now: fmt_time(state.store.now_ms()),
+        live: false,
+        total: report.total.cost_text(),
+        groups: vec![
+            ("repo", view(&report.by_repo)),
+            ("stage", view(&report.by_stage)),
+            ("day (UTC)", view(&report.by_day)),
+        ],
+    };
+    Ok(render(&page))
 }
 
 #[derive(Template)]
@@ -689,25 +874,13 @@ pub(crate) async fn index(
     let outcome_counts = crate::outcomes::counts(&state.store)
         .await
         .map_err(|e| store_error(&state, "the outcomes", &e))?;
-    let mut work_items = std::collections::HashMap::new();
-    for l in &snap.stats.leases {
-        if let Some(task_id) = l.task_id
-            && !work_items.contains_key(&task_id)
-        {
-            let known = tasks.iter().find(|t| t.id == task_id).cloned();
-            let task = match known {
-                Some(t) => Some(t),
-                // Only a label for the lease table: a failed read leaves the cell empty.
-                None => state.store.get_task(task_id).await.unwrap_or_else(|e| {
-                    tracing::warn!(error = %e, task_id, "dashboard: cannot read a leased job's task");
-                    None
-                }),
-            };
-            if let Some(t) = task {
-                work_items.insert(task_id, t.work_item_id);
-            }
-        }
-    }
+    // The leases' work items came with the leases (one query).
+    let work_items: std::collections::HashMap<i64, String> = snap
+        .stats
+        .leases
+        .iter()
+        .filter_map(|l| Some((l.task_id?, l.work_item_id.clone()?)))
+        .collect();
     let mut series = std::collections::HashMap::new();
     for o in &snap.observations {
         let points = state.ops.observation_series(&o.work_item_id).await;
@@ -740,6 +913,7 @@ pub(crate) async fn index(
                 )
             })
             .collect(),
+        finished_window: crate::FINISHED_WINDOW_LABEL,
         repos,
         unsandboxed: state.ops.unsandboxed_repos(),
         process_started: fmt_time(state.started_at_ms),
@@ -876,7 +1050,9 @@ pub(crate) async fn task_page(
         .collect();
     let pipeline = PipelineView::new(&task.stage, &events);
     let terminal = task.is_terminal();
+    let transcripts = transcripts(&state, &task.work_item_id, &runs).await;
     let page = TaskPage {
+        transcripts,
         version: state.version.clone(),
         now: fmt_time(now),
         live: !terminal,
@@ -1032,6 +1208,7 @@ fn run_row(r: &orch_store::AgentRun, now: i64) -> RunRow {
             .unwrap_or_else(|| "unknown".to_owned())
     };
     RunRow {
+        id: r.id,
         agent: r.agent.clone(),
         stage: r.stage.clone(),
         backend: r.backend.clone(),

@@ -380,6 +380,76 @@ impl UsageDto {
     }
 }
 
+/// What agent runs cost, summed by repo, by stage and by UTC day (`GET /costs`, `orch costs`).
+/// A group with a run of unknown cost has `cost_usd: null`, with the known part and the count.
+#[derive(Debug, Serialize)]
+pub struct CostReport {
+    /// Every run.
+    pub total: UsageDto,
+    pub by_repo: Vec<CostGroup>,
+    pub by_stage: Vec<CostGroup>,
+    /// Oldest day first; `key` is the day as `YYYY-MM-DD` (UTC).
+    pub by_day: Vec<CostGroup>,
+}
+
+/// One group of a [`CostReport`].
+#[derive(Debug, Serialize)]
+pub struct CostGroup {
+    pub key: String,
+    pub usage: UsageDto,
+}
+
+impl CostReport {
+    /// The report from the store's rows (one per repo, stage and day).
+    pub fn new(rows: &[orch_store::UsageRow]) -> CostReport {
+        use std::collections::BTreeMap;
+        fn add(a: &mut orch_store::Usage, b: &orch_store::Usage) {
+            a.runs += b.runs;
+            a.input_tokens += b.input_tokens;
+            a.output_tokens += b.output_tokens;
+            a.cost_usd += b.cost_usd;
+            a.unknown_cost_runs += b.unknown_cost_runs;
+        }
+        let mut total = orch_store::Usage::default();
+        let mut repo: BTreeMap<String, orch_store::Usage> = BTreeMap::new();
+        let mut stage: BTreeMap<String, orch_store::Usage> = BTreeMap::new();
+        let mut day: BTreeMap<i64, orch_store::Usage> = BTreeMap::new();
+        for r in rows {
+            add(&mut total, &r.usage);
+            add(repo.entry(r.repo.clone()).or_default(), &r.usage);
+            add(stage.entry(r.stage.clone()).or_default(), &r.usage);
+            add(day.entry(r.day).or_default(), &r.usage);
+        }
+        let groups = |m: BTreeMap<String, orch_store::Usage>| {
+            m.into_iter()
+                .map(|(key, u)| CostGroup {
+                    key,
+                    usage: UsageDto::new(u),
+                })
+                .collect()
+        };
+        CostReport {
+            total: UsageDto::new(total),
+            by_repo: groups(repo),
+            by_stage: groups(stage),
+            by_day: day
+                .into_iter()
+                .map(|(d, u)| CostGroup {
+                    key: day_text(d),
+                    usage: UsageDto::new(u),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// `YYYY-MM-DD` of a day counted from 1970-01-01.
+fn day_text(day: i64) -> String {
+    // `YYYY-MM-DDTHH:MM:SSZ` of the day's midnight: its first ten characters.
+    let text = orch_domain::text::rfc3339_utc(day.saturating_mul(86_400_000));
+    text.get(..10).unwrap_or(&text).to_owned()
+}
+
 /// An agent run row.
 #[derive(Debug, Serialize)]
 pub struct AgentRunDto {
@@ -527,7 +597,13 @@ pub struct Queue {
     pub now_ms: i64,
     pub version: String,
     pub uptime_s: i64,
+    /// Queued and running jobs exactly; of the finished states only those that finished in
+    /// the window `finished_window` names (since `finished_since_ms`).
     pub jobs: JobCounts,
+    /// What the finished counts (`jobs`' done/failed/cancelled, `tasks_by_stage`' terminal
+    /// stages) cover: "finished in the last 24 h". Older history is in the report.
+    pub finished_window: &'static str,
+    pub finished_since_ms: i64,
     /// Age of the oldest job that is ready to run but not yet claimed; null when none waits.
     pub oldest_queued_age_s: Option<f64>,
     pub leases: Vec<LeaseDto>,
@@ -639,7 +715,7 @@ impl Queue {
     ) -> Result<Queue, orch_store::StoreError> {
         let (stats, tasks_by_stage, nodes, takeovers) = tokio::try_join!(
             store.queue_stats(),
-            store.count_tasks_by_stage(),
+            store.active_tasks_by_stage(crate::snapshot::recent_since(store)),
             store.nodes(),
             crate::snapshot::latest_takeovers(store)
         )?;
@@ -678,6 +754,8 @@ impl Queue {
             version: s.version.clone(),
             uptime_s: s.uptime_ms / 1000,
             jobs: JobCounts { by_state, by_agent },
+            finished_window: crate::FINISHED_WINDOW_LABEL,
+            finished_since_ms: s.stats.finished_since,
             oldest_queued_age_s: s.oldest_queued_age_ms().map(secs),
             leases: s
                 .stats
@@ -961,4 +1039,25 @@ pub struct DoctorCheck {
     pub what: String,
     /// What to do about it (null when there is nothing to do).
     pub fix: Option<String>,
+}
+
+/// `orch logs ID --transcript --json`: each agent run's kept transcript and diff.
+#[derive(Debug, Serialize)]
+pub struct Transcripts {
+    pub work_item: String,
+    pub runs: Vec<RunTranscript>,
+}
+
+/// One agent run's transcript in [`Transcripts`]; `transcript` and `diff` are `null` when this
+/// machine kept none.
+#[derive(Debug, Serialize)]
+pub struct RunTranscript {
+    pub run_id: i64,
+    pub agent: String,
+    pub backend: String,
+    pub stage: String,
+    pub outcome: String,
+    pub format: String,
+    pub transcript: Option<String>,
+    pub diff: Option<String>,
 }

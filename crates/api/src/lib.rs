@@ -43,7 +43,7 @@ use error::AppError;
 pub use id::validate_work_item_id;
 pub use ops::{
     Actor, ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, ReleaseTrack,
-    RunnerCounters, SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
+    RunTranscript, RunnerCounters, SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
 };
 
 /// How a finished task ended, from its events (oldest first): the domain's one rule
@@ -96,6 +96,10 @@ pub async fn demo_report_json(
 }
 
 /// Largest request body accepted (64 KiB); larger bodies get 413.
+/// What the control views' finished counts cover ([`orch_store::RECENT_WINDOW_MS`]): they
+/// read the active part of the store, so older history is counted only in the report.
+pub const FINISHED_WINDOW_LABEL: &str = "finished in the last 24 h";
+
 pub const BODY_LIMIT: usize = orch_domain::MAX_REQUEST_BYTES;
 /// Longest a request may take, body included, before it gets 408.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
@@ -171,10 +175,12 @@ pub const ROUTES: &[RouteEntry] = &[
     ("POST", "/tasks/{id}/retry", RouteKind::Api),
     ("POST", "/tasks/{id}/cancel", RouteKind::Api),
     ("GET", "/repos/{repo}/deploys", RouteKind::Api),
+    ("GET", "/costs", RouteKind::Api),
     ("GET", "/openapi.yaml", RouteKind::Api),
     ("GET", "/", RouteKind::Page),
     ("GET", "/ui/tasks/{id}", RouteKind::Page),
     ("GET", "/ui/repos/{repo}", RouteKind::Page),
+    ("GET", "/ui/costs", RouteKind::Page),
 ];
 
 /// The handler of one [`ROUTES`] entry; `None` for an entry without one (a bug the route
@@ -194,10 +200,12 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<ApiState>> {
         ("POST", "/tasks/{id}/retry") => post(routes::retry),
         ("POST", "/tasks/{id}/cancel") => post(routes::cancel),
         ("GET", "/repos/{repo}/deploys") => get(routes::repo_deploys),
+        ("GET", "/costs") => get(routes::costs),
         ("GET", "/openapi.yaml") => get(routes::openapi),
         ("GET", "/") => get(dashboard::index),
         ("GET", "/ui/tasks/{id}") => get(dashboard::task_page),
         ("GET", "/ui/repos/{repo}") => get(dashboard::repo_page),
+        ("GET", "/ui/costs") => get(dashboard::costs_page),
         _ => return None,
     })
 }

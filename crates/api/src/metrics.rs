@@ -285,7 +285,8 @@ impl Collector for Scrape {
             let mut f = family(
                 &mut enc,
                 "orch_jobs",
-                "Jobs in the queue by agent (job kind) and state (from the store).",
+                "Jobs by agent (job kind) and state (from the store): queued and running exactly; \
+                 done, failed and cancelled only those finished in the last 24 h.",
                 None,
                 MetricType::Gauge,
             )?;
@@ -333,7 +334,8 @@ impl Collector for Scrape {
             let mut f = family(
                 &mut enc,
                 "orch_tasks",
-                "Tasks by stage (from the store).",
+                "Tasks by stage (from the store): live stages exactly; done, failed and cancelled \
+                 only the tasks that ended in the last 24 h.",
                 None,
                 MetricType::Gauge,
             )?;
@@ -343,8 +345,8 @@ impl Collector for Scrape {
             let mut f = family(
                 &mut enc,
                 "orch_finished_tasks",
-                "Finished tasks by outcome: shipped, rolled_back, reverted, accepted, failed, \
-                 cancelled (from the store; a retried failure leaves this count).",
+                "Tasks that ended in the last 24 h by outcome: shipped, rolled_back, reverted, \
+                 accepted, failed, cancelled (from the store; a retried failure leaves this count).",
                 None,
                 MetricType::Gauge,
             )?;

@@ -207,6 +207,23 @@ pub trait Operations: Send + Sync {
     fn config_state(&self) -> Option<ConfigReport> {
         None
     }
+
+    /// Agent run `run_id`'s transcript and diff as kept on this machine (see
+    /// `orch_runner::agents::transcript`). Never fails; the default (none kept here) is
+    /// `None`.
+    async fn run_transcript(&self, work_item_id: &str, run_id: i64) -> Option<RunTranscript> {
+        let _ = (work_item_id, run_id);
+        None
+    }
+}
+
+/// An agent run's transcript file and the diff it left, as stored.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RunTranscript {
+    /// The transcript's text (in the format of the run's backend).
+    pub text: String,
+    /// The worktree's changes after the run, when any.
+    pub diff: Option<String>,
 }
 
 /// What configuration a running process uses: its reload generation, and whether the file on

@@ -1,17 +1,14 @@
 //! The store's events fed to the domain's one outcome rule ([`orch_domain::outcome::outcome_of`]),
-//! for one task (API, dashboard) or for every finished task (`/metrics`, the queue page).
+//! for one task (API, dashboard) or for the tasks that ended in the views' recent window
+//! (`/metrics`, the dashboard).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 
-use orch_domain::control::TERMINAL_STAGES;
 use orch_domain::outcome::{Outcome, TaskOutcome};
-use orch_store::{Event, Store, StoreError, Task, TaskFilter};
+use orch_store::{Event, Store, StoreError, Task};
 
 /// Events whose kinds decide an outcome (see `orch_domain::outcome`).
 const OUTCOME_KINDS: &[&str] = orch_domain::outcome::FACT_KINDS;
-
-/// Rows read per store call when counting every finished task.
-const PAGE: u32 = 1000;
 
 /// The outcome of one task from its events (oldest first).
 pub(crate) fn of(task: &Task, events: &[Event]) -> Option<TaskOutcome> {
@@ -30,52 +27,19 @@ pub(crate) async fn read(store: &Store, task: &Task) -> Result<Option<TaskOutcom
     Ok(of(task, &events))
 }
 
-/// How many finished tasks ended in each outcome, over the whole store: the finished tasks by
-/// terminal stage, and only the events that decide an outcome.
+/// How many of the tasks that ended in the views' recent window
+/// ([`orch_store::RECENT_WINDOW_MS`], "finished in the last 24 h") ended in each outcome: those
+/// tasks (the partial index of ended tasks) and only their events that decide an outcome, so
+/// the count costs the window, not the history.
 pub(crate) async fn counts(store: &Store) -> Result<BTreeMap<Outcome, i64>, StoreError> {
-    let mut stage_of: HashMap<i64, &'static str> = HashMap::new();
-    for stage in TERMINAL_STAGES {
-        let mut offset = 0;
-        loop {
-            let page = store
-                .list_tasks(&TaskFilter {
-                    stage: Some(stage.to_owned()),
-                    repo: None,
-                    limit: PAGE,
-                    offset,
-                })
-                .await?;
-            for t in &page {
-                stage_of.insert(t.id, stage);
-            }
-            if page.len() < PAGE as usize {
-                break;
-            }
-            offset += PAGE;
-        }
-    }
-    let mut by_task: HashMap<i64, Vec<Event>> = HashMap::new();
-    for kind in OUTCOME_KINDS {
-        let mut after = 0;
-        loop {
-            let page = store.events_by_kind(kind, after, PAGE).await?;
-            let full = page.len() == PAGE as usize;
-            for e in page {
-                after = after.max(e.id);
-                if let Some(t) = e.task_id.filter(|t| stage_of.contains_key(t)) {
-                    by_task.entry(t).or_default().push(e);
-                }
-            }
-            if !full {
-                break;
-            }
-        }
-    }
+    let since = crate::snapshot::recent_since(store);
+    let ended: Vec<Task> = store.tasks_ended_since(since).await?;
+    let ids: Vec<i64> = ended.iter().map(|t| t.id).collect();
+    let mut by_task = orch_store::group_by_task(store.events_of_tasks(&ids, OUTCOME_KINDS).await?);
     let mut out = BTreeMap::new();
-    for (task_id, stage) in stage_of {
-        let mut events = by_task.remove(&task_id).unwrap_or_default();
-        events.sort_by_key(|e| e.id);
-        if let Some(o) = orch_store::outcome_of_events(stage, &events) {
+    for t in &ended {
+        let events = by_task.remove(&t.id).unwrap_or_default();
+        if let Some(o) = of(t, &events) {
             *out.entry(o.outcome).or_default() += 1;
         }
     }

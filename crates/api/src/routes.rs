@@ -72,6 +72,16 @@ pub(crate) async fn queue(State(state): State<ApiState>) -> ApiResult<Json<dto::
     Ok(Json(dto::Queue::new(&snap)))
 }
 
+/// `GET /costs`: what agent runs cost, by repo, stage and UTC day, unknown costs counted.
+pub(crate) async fn costs(State(state): State<ApiState>) -> ApiResult<Json<dto::CostReport>> {
+    let rows = state
+        .store
+        .usage_by_repo_stage_day()
+        .await
+        .map_err(|e| AppError::store("the agent runs' costs", &e))?;
+    Ok(Json(dto::CostReport::new(&rows)))
+}
+
 /// `GET /metrics`: always 200 (OpenMetrics text); `orch_up 0` when the store did not answer.
 pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
     let (snap, usage, runs, outcomes, pruned) = tokio::join!(

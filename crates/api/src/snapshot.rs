@@ -26,9 +26,10 @@ impl QueueSnapshot {
     /// Reads the store and the orchestrator's in-process state.
     pub async fn read(state: &ApiState) -> Result<QueueSnapshot, StoreError> {
         // Two independent reads on two connections: the view costs the slower, not the sum.
+        let since = recent_since(&state.store);
         let (stats, tasks_by_stage) = tokio::try_join!(
             state.store.queue_stats(),
-            state.store.count_tasks_by_stage()
+            state.store.active_tasks_by_stage(since)
         )?;
         let (nodes, takeovers) =
             tokio::try_join!(state.store.nodes(), latest_takeovers(&state.store))?;
@@ -69,6 +70,11 @@ impl QueueSnapshot {
             .map(|c| c.count)
             .sum()
     }
+}
+
+/// The start of the views' "recently finished" window: the store's now − 24 h.
+pub(crate) fn recent_since(store: &Store) -> i64 {
+    store.now_ms().saturating_sub(orch_store::RECENT_WINDOW_MS)
 }
 
 /// How many takeovers the queue views list.

@@ -379,6 +379,31 @@ async fn busy_queue() -> (Harness, Task) {
     (h, t1)
 }
 
+/// The dashboard's lease table names each lease's work item (read with the leases, in one
+/// query) and labels the finished counts as the recent window's.
+#[tokio::test]
+async fn dashboard_names_the_leased_work_item_and_the_finished_window() {
+    let (h, t1) = busy_queue().await;
+    let html = h.get("/", StatusCode::OK).await.text;
+    let link = format!("<a href=\"/ui/tasks/{0}\">{0}</a>", t1.work_item_id);
+    let leases = html
+        .split("<h2>Live leases</h2>")
+        .nth(1)
+        .and_then(|rest| rest.split("</table>").next())
+        .expect("the page has a lease table");
+    assert!(
+        leases.contains(&format!("<td>{link}</td>\n<td><code>analyst</code></td>")),
+        "{leases}"
+    );
+    assert!(
+        html.contains(
+            "Finished work by outcome <span class=\"muted\">(finished in the last 24 h)</span>"
+        ),
+        "{html}"
+    );
+    assert!(html.contains("jobs done <span class=\"muted\">(last 24 h)</span>"));
+}
+
 #[tokio::test]
 async fn queue_shows_jobs_leases_stages_counters_and_observations() {
     let (h, t1) = busy_queue().await;
@@ -387,6 +412,11 @@ async fn queue_shows_jobs_leases_stages_counters_and_observations() {
     assert_eq!(v["jobs"]["by_state"]["queued"], 2);
     assert_eq!(v["jobs"]["by_state"]["running"], 1);
     assert_eq!(v["jobs"]["by_state"]["done"], 0);
+    assert_eq!(v["finished_window"], "finished in the last 24 h");
+    assert_eq!(
+        v["finished_since_ms"],
+        json!(T0 + 5_000 - orch_store::RECENT_WINDOW_MS)
+    );
     assert_eq!(v["jobs"]["by_agent"]["analyst"]["queued"], 1);
     assert_eq!(v["jobs"]["by_agent"]["analyst"]["running"], 1);
     assert_eq!(v["jobs"]["by_agent"]["deployer"]["queued"], 1);
@@ -985,6 +1015,30 @@ async fn an_unknown_cost_makes_the_total_unknown_in_the_api_the_page_and_metrics
     assert!(
         metrics.contains("orch_agent_unknown_cost_runs_total{agent=\"analyst\"} 1"),
         "{metrics}"
+    );
+    // The cost report: per repo, stage and day, the unknown run counted, never a zero.
+    let c = h.get("/costs", StatusCode::OK).await.json();
+    for group in ["by_repo", "by_stage", "by_day"] {
+        let g = &c[group];
+        assert_eq!(g.as_array().map(Vec::len), Some(1), "{c}");
+        assert_eq!(g[0]["usage"]["runs"], 3, "{c}");
+        assert_eq!(g[0]["usage"]["cost_usd"], Value::Null, "{c}");
+        assert_eq!(g[0]["usage"]["known_cost_usd"], json!(0.75), "{c}");
+        assert_eq!(g[0]["usage"]["unknown_cost_runs"], 1, "{c}");
+    }
+    assert_eq!(
+        (&c["by_repo"][0]["key"], &c["by_stage"][0]["key"]),
+        (&json!("svc"), &json!("analysis"))
+    );
+    let day = c["by_day"][0]["key"].as_str().unwrap_or_default();
+    let today = orch_domain::text::rfc3339_utc(h.db.store.now_ms());
+    assert_eq!(day, &today[..10], "{c}");
+    assert_eq!(c["total"]["unknown_cost_runs"], 1, "{c}");
+    let page = h.get("/ui/costs", StatusCode::OK).await.text;
+    assert!(
+        page.contains("<td>svc</td>")
+            && page.contains("<span class=\"err\">unknown (1 of 3 runs; $0.7500 known)</span>"),
+        "{page}"
     );
 }
 

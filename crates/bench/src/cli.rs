@@ -22,8 +22,12 @@ pub struct Cli {
 pub enum Command {
     /// Queue throughput and pickup latency of the built-in no-op job.
     Queue(BenchQueueArgs),
-    /// Median latency of `GET /queue` over a large store (100,000 jobs, 10,000 tasks).
+    /// Latency of `GET /queue` and the dashboard's `GET /` over a store of a year's history
+    /// (100,000 jobs, 10,000 tasks by default) around a fixed amount of work in flight.
     QueueApi(BenchQueueApiArgs),
+    /// The store's size after N demo-shaped work items written through the store, retention
+    /// on (the default 3 days, pruned as maintenance does) and off.
+    History(BenchHistoryArgs),
     /// Start-up time and idle resident memory of `orch serve` (embedded SQLite).
     Serve {
         /// Start-ups to measure.
@@ -49,6 +53,13 @@ pub enum Command {
     Items(BenchItemsArgs),
     /// What the sandbox costs one run (start to teardown) against a direct run, same run.
     Sandbox {
+        /// Rounds (each runs every mode once).
+        #[arg(long, default_value_t = 200)]
+        runs: usize,
+    },
+    /// What running a stage's command under orch's supervisor costs (start to collected
+    /// result), and adopting a finished one, against a direct run, same run.
+    Supervise {
         /// Rounds (each runs every mode once).
         #[arg(long, default_value_t = 200)]
         runs: usize,
@@ -239,6 +250,30 @@ pub struct BenchQueueArgs {
 }
 
 #[derive(Debug, Args)]
+pub struct BenchHistoryArgs {
+    /// Which backends to measure.
+    #[arg(long, value_enum, default_value = "all")]
+    pub backend: BenchBackend,
+    /// PostgreSQL server for the run; a fresh schema in its `orch_test` database is used.
+    #[arg(
+        long,
+        env = "ORCH_TEST_PG_URL",
+        default_value = "postgres://root@127.0.0.1:5432/test"
+    )]
+    pub pg_url: String,
+    /// Work items written.
+    #[arg(long, default_value_t = 1_000)]
+    pub items: usize,
+    /// Simulated hours between two items' submissions.
+    #[arg(long, default_value_t = 2.4)]
+    pub hours_apart: f64,
+    /// PostgreSQL: give `jobs` and `tasks` the README's autovacuum settings before the run
+    /// (default: the server's).
+    #[arg(long)]
+    pub pg_tuned_autovacuum: bool,
+}
+
+#[derive(Debug, Args)]
 pub struct BenchQueueApiArgs {
     /// Which backends to measure.
     #[arg(long, value_enum, default_value = "all")]
@@ -256,9 +291,13 @@ pub struct BenchQueueApiArgs {
     /// Tasks in the store.
     #[arg(long, default_value_t = 10_000)]
     pub tasks: usize,
-    /// `GET /queue` requests measured.
+    /// Requests measured per route (`GET /queue`, then `GET /`).
     #[arg(long, default_value_t = 50)]
     pub requests: usize,
+    /// PostgreSQL: `VACUUM (ANALYZE)` the tasks and jobs after the fill, as autovacuum would
+    /// have (sets the visibility map the index-only counts rely on).
+    #[arg(long)]
+    pub vacuum: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]

@@ -7,12 +7,14 @@
 //! (`target/release/orch` beside `target/release/orch-bench`), or `--orch PATH`.
 
 mod cli;
+mod history;
 mod items;
 mod peers;
 mod pgbench;
 mod queue;
 mod sandbox;
 mod scale;
+mod supervise;
 mod watches;
 
 use std::path::PathBuf;
@@ -71,6 +73,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
     match cli.command {
         Command::Queue(args) => queue::queue(&cx, args).await,
         Command::QueueApi(args) => queue::queue_api(&cx, args).await,
+        Command::History(args) => history::history(&cx, args).await,
         Command::Serve {
             runs,
             project,
@@ -81,6 +84,9 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Items(args) => items::items(&cx, args).await,
         Command::Peers(args) => peers::peers(&cx, args).await,
         Command::Sandbox { runs } => sandbox::sandbox(&cx, runs)
+            .await
+            .map(|()| ExitCode::SUCCESS),
+        Command::Supervise { runs } => supervise::supervise(&cx, runs)
             .await
             .map(|()| ExitCode::SUCCESS),
     }

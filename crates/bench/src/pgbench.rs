@@ -115,6 +115,31 @@ pub async fn baseline(target_url: &str, seconds: u32) -> Result<Option<Baseline>
     }))
 }
 
+/// Runs `stmts` with `psql` in the bench schema of `target_url` (sqlx's URL shape); returns
+/// psql's unaligned, tuples-only output.
+pub async fn psql(target_url: &str, stmts: &[&str]) -> Result<String> {
+    let (conninfo, schema) = match target_url.split_once("?options[search_path]=") {
+        Some((base, schema)) => (base.to_owned(), schema.to_owned()),
+        None => anyhow::bail!("unexpected bench database URL shape"),
+    };
+    let mut psql = tokio::process::Command::new("psql");
+    psql.args(["-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"])
+        .arg(&conninfo)
+        .env("PGOPTIONS", format!("-c search_path={schema}"))
+        .stdin(Stdio::null())
+        .kill_on_drop(true);
+    for stmt in stmts {
+        psql.args(["-c", stmt]);
+    }
+    let out = psql.output().await.context("cannot run psql")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "psql failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
 /// `tps = 2056.123456 (without initial connection time)` → 2056.12.
 fn parse_tps(out: &str) -> Option<f64> {
     out.lines()

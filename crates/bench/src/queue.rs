@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context as _, Result};
 use orch_runner::builtin;
 use orch_runner::worker::{Outcome, Registry, Worker, WorkerConfig, handler_fn};
-use orch_store::{ConnectOptions, JobState, NewJob, Store};
+use orch_store::{Clock as _, ConnectOptions, JobState, NewJob, Store};
 use rand::{Rng as _, SeedableRng as _};
 use tokio_util::sync::CancellationToken;
 
@@ -88,7 +88,7 @@ pub async fn queue(cx: &Context, args: BenchQueueArgs) -> Result<ExitCode> {
 }
 
 /// The backends a `--backend` choice names, SQLite first.
-fn selected(choice: BenchBackend) -> impl Iterator<Item = &'static str> {
+pub(crate) fn selected(choice: BenchBackend) -> impl Iterator<Item = &'static str> {
     ["sqlite", "postgres"].into_iter().filter(move |b| {
         matches!(
             (choice, *b),
@@ -107,7 +107,7 @@ async fn fresh_target(backend: &'static str, args: &BenchQueueArgs) -> Result<Ta
     fresh_target_at(backend, &args.pg_url).await
 }
 
-async fn fresh_target_at(backend: &'static str, pg_url: &str) -> Result<Target> {
+pub(crate) async fn fresh_target_at(backend: &'static str, pg_url: &str) -> Result<Target> {
     if backend == "sqlite" {
         let dir = tempfile::tempdir().context("cannot create a temp dir for the bench database")?;
         let url = format!("sqlite://{}", dir.path().join("bench.db").display());
@@ -507,23 +507,54 @@ fn dechunk(mut raw: &[u8]) -> Result<Vec<u8>> {
 
 /// `orch bench queue-api`: fills a fresh store per backend with `tasks` tasks and `jobs` jobs
 /// (spread over the tasks and eight agents, in the mix of [`JobMix`]), serves `orch_api::app`
-/// on a real loopback listener, and times `requests` sequential `GET /queue` calls (connect,
-/// request, whole answer). Operations are inert: the figure is the store's share.
+/// on a real loopback listener, and times `requests` sequential `GET /queue` calls and as many
+/// of the dashboard's home page `GET /` (connect, request, whole answer). Operations are inert:
+/// the figure is the store's share.
+///
+/// The store is a year of history around a fixed amount of work in flight, as an installation
+/// that has run for a while holds it: the finished jobs finished, and the ended tasks ended,
+/// spread over the past 365 days (the fill runs on a clock set back in time, through the real
+/// claim/complete path), the last [`RECENT_FINISHED`] jobs and [`RECENT_ENDED`] tasks within
+/// the last 24 hours; [`LIVE_TASKS`] tasks live and the jobs in flight as [`JobMix`] says, the
+/// same at every size. Only the history grows with `--jobs` and `--tasks`.
 pub async fn queue_api(cx: &Context, args: BenchQueueApiArgs) -> Result<ExitCode> {
     let mut results = Vec::new();
     for backend in selected(args.backend) {
         let target = fresh_target_at(backend, &args.pg_url).await?;
-        let store = open(&target, 8).await?;
+        let real_now = orch_store::SystemClock.now_ms();
+        let clock = orch_store::ManualClock::new(real_now - YEAR_MS);
+        let fill = Store::connect(
+            &target.url,
+            ConnectOptions {
+                create_if_missing: true,
+                max_connections: 8,
+                clock: clock.clone(),
+                ..ConnectOptions::default()
+            },
+        )
+        .await?;
+        fill.migrate().await?;
         let t0 = Instant::now();
-        let task_ids = fill_tasks(&store, args.tasks).await?;
+        let task_ids = fill_tasks(&fill, &clock, args.tasks, real_now).await?;
         let tasks_s = t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
-        let mix = fill_jobs(&store, &task_ids, args.jobs).await?;
+        let mix = fill_jobs(&fill, &clock, &task_ids, args.jobs, real_now).await?;
         let jobs_s = t1.elapsed().as_secs_f64();
+        // The planner's statistics after the bulk load (PostgreSQL), as autovacuum would have
+        // them on an installation that grew to this size over months.
+        fill.refresh_statistics().await?;
+        fill.close().await;
+        // And, with --vacuum, the visibility map as autovacuum leaves it (a server with
+        // autovacuum off, as this project's, never sets it: every index-only count then reads
+        // the table's rows too).
+        if args.vacuum && backend == "postgres" {
+            crate::pgbench::psql(&target.url, &["VACUUM (ANALYZE) tasks, jobs"]).await?;
+        }
         eprintln!(
-            "{backend:<8} filled {} tasks in {tasks_s:.1} s, {} jobs in {jobs_s:.1} s \
+            "{backend:<8} filled {} tasks ({} live) in {tasks_s:.1} s, {} jobs in {jobs_s:.1} s \
              ({} done, {} failed, {} running, {} ready, {} delayed)",
             task_ids.len(),
+            LIVE_TASKS.min(task_ids.len()),
             args.jobs,
             mix.done,
             mix.failed,
@@ -531,21 +562,37 @@ pub async fn queue_api(cx: &Context, args: BenchQueueApiArgs) -> Result<ExitCode
             mix.ready,
             mix.delayed
         );
-        let mut ms = time_queue_route(&store, args.requests).await?;
+        let store = open(&target, 8).await?;
+        let size = store.database_size().await.ok();
+        let mut q = time_route(&store, "/queue", args.requests).await?;
+        let mut d = time_route(&store, "/", args.requests).await?;
         store.close().await;
         let (p50, p95, max) = (
-            percentile(&mut ms, 0.50),
-            percentile(&mut ms, 0.95),
-            percentile(&mut ms, 1.0),
+            percentile(&mut q, 0.50),
+            percentile(&mut q, 0.95),
+            percentile(&mut q, 1.0),
+        );
+        let (d50, d95, dmax) = (
+            percentile(&mut d, 0.50),
+            percentile(&mut d, 0.95),
+            percentile(&mut d, 1.0),
         );
         eprintln!(
             "{backend:<8} GET /queue over {} requests: p50 {p50:.2} ms  p95 {p95:.2} ms  max {max:.2} ms",
-            ms.len()
+            q.len()
+        );
+        eprintln!(
+            "{backend:<8} GET / (dashboard) over {} requests: p50 {d50:.2} ms  p95 {d95:.2} ms  max {dmax:.2} ms",
+            d.len()
         );
         results.push(serde_json::json!({
             "backend": target.name, "tasks": task_ids.len(), "jobs": args.jobs,
-            "requests": ms.len(), "queue_p50_ms": round2(p50), "queue_p95_ms": round2(p95),
-            "queue_max_ms": round2(max),
+            "live_tasks": LIVE_TASKS.min(task_ids.len()),
+            "running": mix.running, "ready": mix.ready, "delayed": mix.delayed,
+            "database_bytes": size, "vacuumed": args.vacuum && backend == "postgres",
+            "requests": q.len(), "queue_p50_ms": round2(p50), "queue_p95_ms": round2(p95),
+            "queue_max_ms": round2(max), "dashboard_p50_ms": round2(d50),
+            "dashboard_p95_ms": round2(d95), "dashboard_max_ms": round2(dmax),
         }));
     }
     if cx.json {
@@ -554,17 +601,46 @@ pub async fn queue_api(cx: &Context, args: BenchQueueApiArgs) -> Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
-async fn fill_tasks(store: &Store, n: usize) -> Result<Vec<i64>> {
-    const STAGES: [&str; 5] = ["intake", "analysis", "implementation", "review", "done"];
+const YEAR_MS: i64 = 365 * 24 * 3_600_000;
+const HOUR_MS: i64 = 3_600_000;
+/// Tasks in flight (spread over four live stages), at every size.
+const LIVE_TASKS: usize = 2_000;
+/// Ended tasks that ended within the last 24 hours.
+const RECENT_ENDED: usize = 200;
+/// Finished jobs that finished within the last 24 hours (one fill chunk).
+const RECENT_FINISHED: usize = 5_000;
+
+/// Creates `n` tasks: the first `n - LIVE_TASKS` ended (done), created and ended over the past
+/// year, the last [`RECENT_ENDED`] of them within the last day; then [`LIVE_TASKS`] live ones.
+async fn fill_tasks(
+    store: &Store,
+    clock: &orch_store::ManualClock,
+    n: usize,
+    real_now: i64,
+) -> Result<Vec<i64>> {
+    const LIVE: [&str; 4] = ["intake", "analysis", "implementation", "review"];
+    let live = LIVE_TASKS.min(n);
+    let ended = n - live;
     let mut ids = Vec::with_capacity(n);
     for i in 0..n {
+        let (stage, at) = if i < ended {
+            let at = if i + RECENT_ENDED >= ended {
+                real_now - HOUR_MS
+            } else {
+                real_now - YEAR_MS + (i as i64) * (YEAR_MS - 2 * 24 * HOUR_MS) / (ended as i64)
+            };
+            ("done", at)
+        } else {
+            (LIVE[i % LIVE.len()], real_now - HOUR_MS)
+        };
+        clock.set(at);
         let task = store
             .create_task(orch_store::NewTask {
                 work_item: orch_store::WorkItemSpec::Exact(format!("BENCH-{}", i + 1)),
                 repo: format!("repo{}", i % 10),
                 title: format!("bench task {i}"),
                 body: String::new(),
-                stage: STAGES[i % STAGES.len()].into(),
+                stage: stage.into(),
                 branch_prefix: "orch/".into(),
                 event: orch_store::NewEvent::new(
                     orch_domain::control::events::TASK_SUBMITTED,
@@ -579,10 +655,17 @@ async fn fill_tasks(store: &Store, n: usize) -> Result<Vec<i64>> {
     Ok(ids)
 }
 
-/// Fills the store with `n` jobs in the mix a busy installation has: most finished (done, some
-/// failed), a few hundred running under live leases, a backlog ready to run and more waiting for
-/// a later time. Finished and running jobs get there through the real claim/complete path.
-async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<JobMix> {
+/// Fills the store with `n` jobs: the work in flight of [`JobMix`] (a few hundred running under
+/// live leases, a backlog ready to run and more waiting for a later time), and the rest history:
+/// finished (done, some failed) through the real claim/complete path, in chunks of 5,000 whose
+/// clock moves over the past year, the last chunk within the last day.
+async fn fill_jobs(
+    store: &Store,
+    clock: &orch_store::ManualClock,
+    task_ids: &[i64],
+    n: usize,
+    real_now: i64,
+) -> Result<JobMix> {
     const AGENTS: [&str; 8] = [
         "analyst",
         "architect",
@@ -593,6 +676,8 @@ async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<JobMix> 
         "staging",
         "deployer",
     ];
+    // The last chunk is the recent one: RECENT_FINISHED jobs finished within the last day.
+    const CHUNK: usize = RECENT_FINISHED;
     let mix = JobMix::of(n);
     let job = |i: usize, delay_s: i64| {
         let mut job = NewJob::new(AGENTS[i % AGENTS.len()], format!("{i}"));
@@ -601,9 +686,6 @@ async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<JobMix> 
         }
         job.delay_s(delay_s)
     };
-    // 1. Jobs that will be claimed now: finished ones and the running ones.
-    let to_claim = mix.done + mix.running;
-    enqueue_chunked(store, (0..to_claim).map(|i| job(i, 0)).collect()).await?;
     let claim = orch_store::Claim {
         worker_id: "bench-fill".into(),
         limit: 5_000,
@@ -612,32 +694,34 @@ async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<JobMix> 
         node: None,
         node_grace_ms: None,
     };
-    let mut claimed = Vec::with_capacity(to_claim);
-    while claimed.len() < to_claim {
-        let mut c = claim.clone();
-        c.limit = u32::try_from((to_claim - claimed.len()).min(5_000)).unwrap_or(5_000);
-        let got = store.claim(&c).await?;
-        anyhow::ensure!(
-            !got.is_empty(),
-            "bench fill: the queue ran dry while claiming"
-        );
-        claimed.extend(got.into_iter().map(|c| c.lease));
-    }
-    for chunk in claimed[..mix.done].chunks(5_000) {
-        let out = store.complete_and_claim(chunk, None).await?;
-        anyhow::ensure!(out.fenced.is_empty(), "bench fill: completions were fenced");
-    }
-    // 2. Failed jobs (no task: a failed job would fail its task too).
+    // Claims exactly `want` jobs (the only queued ones at the time).
+    let claim_all = |want: usize| {
+        let claim = claim.clone();
+        async move {
+            let mut claimed = Vec::with_capacity(want);
+            while claimed.len() < want {
+                let mut c = claim.clone();
+                c.limit = u32::try_from((want - claimed.len()).min(CHUNK)).unwrap_or(5_000);
+                let got = store.claim(&c).await?;
+                anyhow::ensure!(
+                    !got.is_empty(),
+                    "bench fill: the queue ran dry while claiming"
+                );
+                claimed.extend(got.into_iter().map(|c| c.lease));
+            }
+            anyhow::Ok(claimed)
+        }
+    };
+    // 1. History: failed jobs (no task: a failed job would fail its task too) a year ago.
+    clock.set(real_now - YEAR_MS);
     let failed: Vec<NewJob> = (0..mix.failed)
         .map(|i| NewJob::new(AGENTS[i % AGENTS.len()], format!("f{i}")).max_attempts(1))
         .collect();
     enqueue_chunked(store, failed).await?;
-    let mut c = claim.clone();
-    c.limit = u32::try_from(mix.failed.max(1)).unwrap_or(1);
-    for got in store.claim(&c).await? {
+    for lease in claim_all(mix.failed).await? {
         store
             .mark_job(
-                got.lease,
+                lease,
                 orch_store::JobOutcome::Failed {
                     error: "bench: failed on purpose".into(),
                 },
@@ -645,8 +729,36 @@ async fn fill_jobs(store: &Store, task_ids: &[i64], n: usize) -> Result<JobMix> 
             )
             .await?;
     }
-    // 3. A backlog that is ready now, and jobs waiting for a later time.
-    let base = to_claim;
+    // 2. History: done jobs, a chunk at a time over the year; the last chunk in the last day.
+    let chunks = mix.done.div_ceil(CHUNK).max(1);
+    let mut done = 0;
+    for k in 0..chunks {
+        let size = CHUNK.min(mix.done - done);
+        if size == 0 {
+            break;
+        }
+        let at = if k + 1 == chunks {
+            real_now - HOUR_MS
+        } else {
+            real_now - YEAR_MS + (k as i64) * (YEAR_MS - 2 * 24 * HOUR_MS) / (chunks as i64)
+        };
+        clock.set(at);
+        store
+            .enqueue_many((done..done + size).map(|i| job(i, 0)).collect())
+            .await?;
+        let leases = claim_all(size).await?;
+        clock.set(at + 60_000);
+        let out = store.complete_and_claim(&leases, None).await?;
+        anyhow::ensure!(out.fenced.is_empty(), "bench fill: completions were fenced");
+        done += size;
+    }
+    // 3. In flight, now: running jobs under live leases, a backlog that is ready, and jobs
+    // waiting for a later time.
+    clock.set(orch_store::SystemClock.now_ms());
+    let base = mix.done;
+    enqueue_chunked(store, (0..mix.running).map(|i| job(base + i, 0)).collect()).await?;
+    claim_all(mix.running).await?;
+    let base = base + mix.running;
     enqueue_chunked(store, (0..mix.ready).map(|i| job(base + i, 0)).collect()).await?;
     let base = base + mix.ready;
     enqueue_chunked(
@@ -680,12 +792,15 @@ struct JobMix {
 }
 
 impl JobMix {
+    /// The work in flight is the same at every size (400 running, 20,000 ready, 10,000
+    /// waiting, fewer in a small store); failed jobs are a 500th of the rest, the rest is done.
     fn of(n: usize) -> JobMix {
         let running = (n / 250).min(400);
-        let failed = n / 500;
-        let ready = n / 50;
-        let delayed = n / 10;
-        let done = n.saturating_sub(running + failed + ready + delayed);
+        let ready = (n / 5).min(20_000);
+        let delayed = (n / 10).min(10_000);
+        let history = n.saturating_sub(running + ready + delayed);
+        let failed = history / 500;
+        let done = history - failed;
         JobMix {
             done,
             failed,
@@ -728,7 +843,7 @@ impl orch_api::Operations for InertOps {
     }
 }
 
-async fn time_queue_route(store: &Store, requests: usize) -> Result<Vec<f64>> {
+async fn time_route(store: &Store, path: &str, requests: usize) -> Result<Vec<f64>> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
         .await
@@ -750,17 +865,20 @@ async fn time_queue_route(store: &Store, requests: usize) -> Result<Vec<f64>> {
         let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
             .await
             .context("cannot connect to the bench server")?;
-        s.write_all(b"GET /queue HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
-            .await
-            .context("cannot send the bench request")?;
+        s.write_all(
+            format!("GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await
+        .context("cannot send the bench request")?;
         let mut buf = Vec::new();
         tokio::time::timeout(Duration::from_secs(60), s.read_to_end(&mut buf))
             .await
-            .context("GET /queue took over 60 s")?
+            .with_context(|| format!("GET {path} took over 60 s"))?
             .context("cannot read the bench answer")?;
         anyhow::ensure!(
             buf.starts_with(b"HTTP/1.1 200"),
-            "GET /queue answered {}",
+            "GET {path} answered {}",
             String::from_utf8_lossy(&buf[..buf.len().min(300)])
         );
         if i > 0 {

@@ -84,6 +84,13 @@ pub mod events {
     pub const JOB_RESCUED: &str = "job.rescued";
     /// A handler failed an attempt ("attempt N failed: …").
     pub const JOB_ATTEMPT_FAILED: &str = "job.attempt_failed";
+    /// A stage's command started by an earlier orch process was adopted instead of run again:
+    /// `{label, key, state}` (`state`: `running` — waited for — or `finished` — ended while
+    /// orch was away, its result read).
+    pub const COMMAND_ADOPTED: &str = "command.adopted";
+    /// A stage's command started by an earlier orch process lost its supervisor without a
+    /// result (the machine restarted): it ran again. `{label, key}`.
+    pub const COMMAND_RERUN: &str = "command.rerun";
     /// A schema version was applied (there is no migrations table).
     pub const SCHEMA_MIGRATED: &str = "schema.migrated";
     /// Retention removed a batch of finished jobs of finished tasks, in the transaction that
@@ -230,6 +237,8 @@ pub mod events {
         ARTIFACT_REJECTED,
         COMMIT_DISCARDED,
         AGENT_PERMISSION_DENIED,
+        COMMAND_ADOPTED,
+        COMMAND_RERUN,
         JOB_RESCUED,
         JOB_ATTEMPT_FAILED,
         SCHEMA_MIGRATED,

@@ -24,6 +24,8 @@
 //!   alert.
 //! - [`protect`]: what a stage's commit may touch (protected paths, links, special files,
 //!   hostile names, the changed-files limit), checked before anything is committed.
+//! - [`transcript`]: an agent run's stored transcript read as a conversation (messages, tool
+//!   calls and results, commands and exit codes), per CLI format.
 //! - [`control`]: the control words stored in the database, spelled once: terminal stages,
 //!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]
@@ -42,6 +44,7 @@ pub mod protect;
 pub mod recovery;
 pub mod staging;
 pub mod text;
+pub mod transcript;
 
 /// The largest request orch accepts from outside: an HTTP request body (the API answers 413
 /// past it) and a work item's body read by `orch submit` (refused past it, never read whole).

@@ -12,7 +12,7 @@ pub const SECRET_VARS: [&str; 4] = [
 ];
 
 /// One endpoint of an allowlist: a host name or IP address and a TCP port.
-#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, serde::Serialize, serde::Deserialize)]
 pub struct Endpoint {
     /// Host name or IP address (IPv6 without brackets).
     pub host: String,

@@ -50,6 +50,18 @@ pub(crate) fn spawn(command: &mut Command, run: Option<u64>) -> io::Result<Child
     Ok(child)
 }
 
+/// Spawns a child that must outlive orch (a supervisor, [`crate::supervise`]): registered as
+/// a live leader, so [`reap_adopted`] never takes its exit status from tokio, but not recorded
+/// in [`crate::records`], so a restarted orch never stops it. [`release`] it once reaped.
+pub(crate) fn spawn_unrecorded(command: &mut Command) -> io::Result<Child> {
+    let mut live = leaders();
+    let child = command.spawn()?;
+    if let Some(pid) = child.id().and_then(|p| i32::try_from(p).ok()) {
+        live.get_or_insert_with(HashSet::new).insert(pid);
+    }
+    Ok(child)
+}
+
 /// Forgets a leader once tokio has reaped it.
 pub(crate) fn release(pid: i32) {
     if let Some(live) = leaders().as_mut() {

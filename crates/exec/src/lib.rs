@@ -7,6 +7,8 @@
 //!   stops what a dead incarnation of orch left running.
 //! - [`sandbox`]: the bubblewrap sandbox untrusted children run in (agents, the repository's
 //!   tests), with a network allowlist enforced outside it and resource limits.
+//! - [`supervise`]: the supervisor a stage's long commands run under, so they outlive orch and
+//!   a restarted orch adopts them instead of running them again.
 //! - [`env`]: the allowlist of orch's environment a child inherits.
 //!
 //! Invariants: nothing else in orch creates processes; no run leaves a process of its group
@@ -23,11 +25,12 @@ pub mod git;
 pub mod process;
 pub mod records;
 pub mod sandbox;
+pub mod supervise;
 
 pub use git::{
     Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult, StatusEntry,
     WorktreeAdd,
 };
 pub use group::{processes_under, stop_processes_under};
-pub use process::{Cmd, ExitKind, Output, SpawnError, run};
+pub use process::{Cmd, ExitKind, Output, OutputSink, SpawnError, run};
 pub use sandbox::{Endpoint, Limits, Network, Sandbox};

@@ -29,6 +29,7 @@ use tokio_util::sync::CancellationToken;
 use crate::group;
 use crate::sandbox::{self, Prepared, Sandbox};
 use crate::spool::{self, Spool};
+use crate::supervise::Supervision;
 
 /// Default wall-clock limit of a [`Cmd`].
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(600);
@@ -83,6 +84,26 @@ pub struct Cmd {
     pub allow_env: Option<Vec<String>>,
     /// Run inside this sandbox ([`crate::sandbox`]); `None` runs on the host.
     pub sandbox: Option<Arc<Sandbox>>,
+    /// Run under a supervisor that outlives orch, recorded under this key
+    /// ([`crate::supervise`]); `None` (or supervision not enabled) runs it directly.
+    pub supervised: Option<String>,
+    /// Gets every byte of stdout as it is read, while the child runs (an agent's transcript
+    /// is written from it); `None` keeps only the bounded tail.
+    pub stdout_sink: Option<OutputSink>,
+}
+
+/// A receiver of a child's output while it runs: called from orch's reading task with each
+/// chunk read, in order. It must not block for long (the run's reading waits for it).
+#[derive(Clone)]
+pub struct OutputSink(pub Arc<SinkFn>);
+
+/// What an [`OutputSink`] calls with each chunk.
+pub type SinkFn = dyn Fn(&[u8]) + Send + Sync;
+
+impl fmt::Debug for OutputSink {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("OutputSink")
+    }
 }
 
 /// The priority increment of batch children ([`Cmd::batch`]).
@@ -107,7 +128,15 @@ impl Cmd {
             nice: 0,
             allow_env: None,
             sandbox: None,
+            supervised: None,
+            stdout_sink: None,
         }
+    }
+
+    /// Hands every chunk of stdout to `sink` as it is read (see [`OutputSink`]).
+    pub fn stdout_sink(mut self, sink: OutputSink) -> Cmd {
+        self.stdout_sink = Some(sink);
+        self
     }
 
     /// Starts the child from an empty environment with only the variables of orch's that
@@ -208,6 +237,13 @@ impl Cmd {
     /// cores.
     pub fn batch(mut self) -> Cmd {
         self.nice = BATCH_NICE;
+        self
+    }
+
+    /// Runs the command under a supervisor recorded as `key` (see [`crate::supervise`]): a
+    /// restarted orch adopts it instead of running it again.
+    pub fn supervised(mut self, key: impl Into<String>) -> Cmd {
+        self.supervised = Some(key.into());
         self
     }
 
@@ -351,7 +387,7 @@ impl fmt::Display for Cmd {
 }
 
 /// How a run ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub enum ExitKind {
     /// The program exited by itself with this code.
     Exited(i32),
@@ -389,6 +425,8 @@ pub struct Output {
     pub stderr_bytes: u64,
     /// Wall-clock time from spawn to the end of the run.
     pub duration: Duration,
+    /// Whether it ran directly, under a supervisor, or was adopted from an earlier orch.
+    pub supervision: Supervision,
 }
 
 impl Output {
@@ -483,7 +521,27 @@ impl SpawnError {
 /// The child leads a new process group; a timeout, a cancellation or dropping this future stops
 /// the whole group (SIGTERM, `kill_grace`, SIGKILL) and reaps it, grandchildren included.
 /// Processes the child leaves running in its group after it exits are stopped the same way.
+///
+/// A command with a [`Cmd::supervised`] key runs under a supervisor once
+/// [`crate::supervise::enable`] was called, and a record of an earlier orch under the same key
+/// is adopted instead of running the command again.
 pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
+    match &cmd.supervised {
+        Some(key)
+            if crate::supervise::enabled()
+                && !cmd
+                    .cancel
+                    .as_ref()
+                    .is_some_and(CancellationToken::is_cancelled) =>
+        {
+            crate::supervise::run(cmd, key).await
+        }
+        _ => run_direct(cmd).await,
+    }
+}
+
+/// [`run`] in this process, never under a supervisor.
+pub(crate) async fn run_direct(cmd: &Cmd) -> Result<Output, SpawnError> {
     let program = || cmd.program.display().to_string();
     if cmd
         .cancel
@@ -497,6 +555,7 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
             stdout_bytes: 0,
             stderr_bytes: 0,
             duration: Duration::ZERO,
+            supervision: Supervision::Direct,
         });
     }
     if let Some(dir) = &cmd.cwd
@@ -565,6 +624,7 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         ),
     };
     let mut out = Spool::new(cmd.output_limit).map_err(|e| spool_err("stdout", e))?;
+    out.sink = cmd.stdout_sink.clone();
     let mut err = Spool::new(cmd.output_limit).map_err(|e| spool_err("stderr", e))?;
     let stdin = match &cmd.stdin {
         Some(data) => spool::input(data).map_err(|e| spool_err("stdin", e))?,
@@ -651,6 +711,7 @@ pub async fn run(cmd: &Cmd) -> Result<Output, SpawnError> {
         stdout_bytes,
         stderr_bytes,
         duration,
+        supervision: Supervision::Direct,
     })
 }
 

@@ -121,6 +121,26 @@ impl DeadWorker {
     }
 }
 
+/// Every worker id recorded in `dir` (this machine's orch processes, live or dead whose leases
+/// are not freed yet).
+pub fn node_worker_ids(dir: &Path) -> std::collections::HashSet<String> {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return Default::default();
+    };
+    entries
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .rsplit_once('.')
+                .is_some_and(|(_, suffix)| suffix == WORKER_SUFFIX)
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .map(|id| id.trim().to_owned())
+        .filter(|id| !id.is_empty())
+        .collect()
+}
+
 /// The worker ids of incarnations in `dir` that are no longer alive, except ids that a live
 /// incarnation also uses (a restart that kept its `--worker-id`). Their leases can be freed
 /// now: the process that held them is gone for certain (its pid and start time say so).

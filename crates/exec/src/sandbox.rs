@@ -70,7 +70,7 @@ const CREDENTIAL_FILES: [&str; 4] = [
 ];
 
 /// What a sandboxed run may reach over the network.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 pub enum Network {
     /// Nothing: a network namespace of its own with only its loopback.
     #[default]
@@ -82,7 +82,7 @@ pub enum Network {
 }
 
 /// Resource limits of one sandboxed run; `None` leaves one unlimited.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Limits {
     /// Processes (and threads) alive at once in the run.
     pub processes: Option<u64>,
@@ -107,7 +107,7 @@ impl Default for Limits {
 
 /// The program that runs as the sandbox's first process when the network is an allowlist:
 /// orch's own binary with [`INIT_ARG`] (see [`init_main`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Init {
     /// The program.
     pub program: PathBuf,
@@ -135,7 +135,7 @@ impl Init {
 
 /// How one run is contained. Build it with [`Sandbox::new`] and the fields; give it to a
 /// [`crate::Cmd`] with [`crate::Cmd::sandbox`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Sandbox {
     /// The bubblewrap binary (`bwrap` is looked up in `PATH`).
     pub bwrap: PathBuf,
@@ -424,6 +424,24 @@ fn program_paths(program: &Path, path_env: Option<&OsStr>) -> Vec<PathBuf> {
     if let Some(p) = normal(found.parent().unwrap_or(Path::new("/"))) {
         out.push(p.join(found.file_name().unwrap_or_default()));
     }
+    // Every link on the way to the file (`…/newest/bin/claude` → `…/node_modules/.bin/claude`
+    // → `…/claude-code/bin/claude.exe`): a hop the sandbox does not show breaks the chain.
+    let mut cur = found.clone();
+    for _ in 0..40 {
+        let Ok(target) = std::fs::read_link(&cur) else {
+            break;
+        };
+        let next = cur.parent().unwrap_or(Path::new("/")).join(target);
+        let Some(hop) = next
+            .parent()
+            .and_then(normal)
+            .map(|dir| dir.join(next.file_name().unwrap_or_default()))
+        else {
+            break;
+        };
+        out.push(hop.clone());
+        cur = hop;
+    }
     if let Ok(real) = std::fs::canonicalize(&found) {
         if let Some(interp) = interpreter(&real, path_env)
             && let Ok(i) = std::fs::canonicalize(&interp)
@@ -487,14 +505,23 @@ fn interpreter(script: &Path, path_env: Option<&OsStr>) -> Option<PathBuf> {
     }
 }
 
-/// The directory to show for a program under a hidden path: the parent of the nearest `bin`
+/// The directory to show for a program under a hidden path: for a file of an npm package, the
+/// directory holding the outermost `node_modules` (the package needs its sibling packages:
+/// Codex's launcher runs `@openai/codex-linux-x64`); else the parent of the nearest `bin`
 /// directory above it (an install prefix: `…/venv/bin/aider` → `…/venv`), else its directory.
 fn install_prefix(path: &Path, hidden: &[PathBuf]) -> Option<PathBuf> {
     let dir = path.parent()?;
-    let prefix = dir
+    let npm = dir
         .ancestors()
-        .find(|a| a.file_name() == Some(OsStr::new("bin")))
-        .and_then(Path::parent)
+        .filter(|a| a.file_name() == Some(OsStr::new("node_modules")))
+        .last()
+        .and_then(Path::parent);
+    let prefix = npm
+        .or_else(|| {
+            dir.ancestors()
+                .find(|a| a.file_name() == Some(OsStr::new("bin")))
+                .and_then(Path::parent)
+        })
         .unwrap_or(dir);
     // Never show a whole hidden root (HOME itself): the directory below it at most.
     match hidden.iter().find(|h| h.as_path() == prefix) {

@@ -30,6 +30,8 @@ pub(crate) struct Spool {
     file: File,
     pos: u64,
     tail: Tail,
+    /// Gets each chunk read, in order.
+    pub(crate) sink: Option<crate::process::OutputSink>,
 }
 
 impl Spool {
@@ -41,6 +43,7 @@ impl Spool {
             file,
             pos: 0,
             tail: Tail::new(limit),
+            sink: None,
         })
     }
 
@@ -69,6 +72,9 @@ impl Spool {
                 return Ok(true);
             }
             self.tail.push(&buf[..n]);
+            if let Some(sink) = &self.sink {
+                (sink.0)(&buf[..n]);
+            }
             self.pos += n as u64;
             read += n;
             if read >= budget {

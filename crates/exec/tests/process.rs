@@ -332,6 +332,7 @@ fn tail_text_takes_the_last_lines_of_stdout_then_stderr() {
             stdout_bytes: stdout.len() as u64,
             stderr_bytes: stderr.len() as u64,
             duration: Duration::ZERO,
+            supervision: Default::default(),
         };
         assert_eq!(out.tail_text(n), expect, "{stdout:?} {stderr:?} {n}");
     };

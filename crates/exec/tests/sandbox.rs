@@ -5,6 +5,7 @@
 
 use std::io::{Read as _, Write as _};
 use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -283,4 +284,48 @@ async fn the_proxy_tunnels_only_to_allowed_endpoints() {
     let codes: Vec<&str> = text.lines().map(str::trim).collect();
     // curl prints 200 for the tunnelled request; 000 when the proxy refused the tunnel (403).
     assert_eq!(codes, vec!["200", "000", "000"], "{}", out.tail_text(20));
+}
+
+/// A program under a hidden directory reached through a chain of links (an installer's
+/// `bin/tool` → a package manager's `node_modules/.bin/tool` → the package's real file) runs
+/// and finds its sibling package: the sandbox shows every hop, not only the first path and the
+/// last, and an npm package's whole `node_modules`.
+#[tokio::test]
+async fn a_program_behind_a_chain_of_links_under_a_hidden_dir_runs() {
+    if !available() {
+        return;
+    }
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().canonicalize().unwrap();
+    let hidden = root.join("home");
+    let pkg = hidden.join("cache/tool-1.0/node_modules/tool/lib");
+    let dot_bin = hidden.join("cache/tool-1.0/node_modules/.bin");
+    let bin = hidden.join("cache/newest/bin");
+    for d in [&pkg, &dot_bin, &bin] {
+        std::fs::create_dir_all(d).unwrap();
+    }
+    let real = pkg.join("tool.sh");
+    // Like Codex's launcher, it needs a sibling package of its `node_modules`.
+    let dep = hidden.join("cache/tool-1.0/node_modules/tool-linux-x64");
+    std::fs::create_dir_all(&dep).unwrap();
+    std::fs::write(dep.join("native.txt"), "native\n").unwrap();
+    std::fs::write(
+        &real,
+        "#!/bin/sh\nhere=$(dirname \"$(readlink -f \"$0\")\")\ncat \"$here/../../tool-linux-x64/native.txt\" && echo tool-ran\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::os::unix::fs::symlink("../tool/lib/tool.sh", dot_bin.join("tool")).unwrap();
+    std::os::unix::fs::symlink(dot_bin.join("tool"), bin.join("tool")).unwrap();
+    let work = root.join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let mut sb = base(&work);
+    sb.hidden.push(hidden.clone());
+    let cmd = Cmd::new(bin.join("tool"))
+        .cwd(&work)
+        .env_allow(Vec::<String>::new())
+        .timeout(Duration::from_secs(60))
+        .sandbox(Arc::new(sb));
+    let out = ok(cmd).await;
+    assert_eq!(out.stdout_lossy().trim(), "native\ntool-ran");
 }

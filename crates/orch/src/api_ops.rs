@@ -195,6 +195,10 @@ impl Operations for ApiOps {
         }
     }
 
+    async fn run_transcript(&self, id: &str, run_id: i64) -> Option<orch_api::RunTranscript> {
+        read_transcript(&self.runtime.repos_dir, id, run_id).await
+    }
+
     async fn artifacts(&self, id: &str) -> Result<Vec<ArtifactFile>, OpError> {
         let task = self.ops().task(id).await.map_err(op_err)?;
         let repo_dir = self.runtime.repos_dir.join(&task.repo);
@@ -301,4 +305,25 @@ pub async fn active_observations(repos_dir: std::path::PathBuf) -> Vec<Observati
     })
     .await
     .unwrap_or_default()
+}
+
+/// Agent run `run_id`'s transcript and diff under `repos_dir` (`None` when this machine keeps
+/// no transcript of it). `work_item` is a validated id.
+pub async fn read_transcript(
+    repos_dir: &std::path::Path,
+    work_item: &str,
+    run_id: i64,
+) -> Option<orch_api::RunTranscript> {
+    use orch_runner::agents::transcript::{diff_relative_path, relative_path};
+    let text = tokio::fs::read(repos_dir.join(relative_path(work_item, run_id)))
+        .await
+        .ok()?;
+    let diff = tokio::fs::read(repos_dir.join(diff_relative_path(work_item, run_id)))
+        .await
+        .ok()
+        .map(|d| String::from_utf8_lossy(&d).into_owned());
+    Some(orch_api::RunTranscript {
+        text: String::from_utf8_lossy(&text).into_owned(),
+        diff,
+    })
 }

@@ -56,7 +56,7 @@ pub enum Command {
     /// Show all tasks, or one work item's stage, timeline and agent runs.
     Status(StatusArgs),
     /// A work item's full event log and agent runs.
-    Logs(IdArg),
+    Logs(LogsArgs),
     /// Let a work item waiting at an `approval = true` stage go on.
     Approve(IdArg),
     /// Put a failed work item back at the stage it failed in.
@@ -68,6 +68,9 @@ pub enum Command {
     Deploys(RepoArg),
     /// Check git, the database, agents and repo commands; say what is missing and how to fix it.
     Doctor,
+    /// What agent runs cost, by repo, by stage and by day (UTC), with the runs of unknown cost
+    /// counted (the same report as `GET /costs`).
+    Costs,
     /// Prune now what retention removes (finished jobs of finished tasks older than `[settings]
     /// retention`), in small batches, each recorded as a `jobs.pruned` event; safe beside
     /// running workers and safe to kill.
@@ -125,6 +128,16 @@ pub struct GcArgs {
 pub struct IdArg {
     /// A work item id like APP-12.
     pub id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct LogsArgs {
+    /// A work item id like APP-12.
+    pub id: String,
+    /// Print each agent run's transcript (its messages, tool calls and results, commands and
+    /// exit codes, as kept on this machine) and the diff it left, instead of the event log.
+    #[arg(long)]
+    pub transcript: bool,
 }
 
 #[derive(Debug, Args)]

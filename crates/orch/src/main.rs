@@ -20,13 +20,18 @@ use clap::Parser;
 fn main() -> ExitCode {
     // Inside a sandbox whose network is an allowlist, orch's binary is the relay that runs
     // first (`orch_exec::sandbox::init_main`): nothing else of orch runs there.
+    // A stage's command outlives orch under orch's binary as its supervisor
+    // (`orch_exec::supervise::main`): nothing else of orch runs there either.
     let mut args = std::env::args_os();
-    if args
-        .nth(1)
-        .is_some_and(|a| a == orch_exec::sandbox::INIT_ARG)
-    {
+    let first = args.nth(1);
+    let inner: Option<fn(&[std::ffi::OsString]) -> i32> = match first {
+        Some(a) if a == orch_exec::sandbox::INIT_ARG => Some(orch_exec::sandbox::init_main),
+        Some(a) if a == orch_exec::supervise::ARG => Some(orch_exec::supervise::main),
+        _ => None,
+    };
+    if let Some(inner) = inner {
         let rest: Vec<std::ffi::OsString> = args.collect();
-        let code = orch_exec::sandbox::init_main(&rest);
+        let code = inner(&rest);
         return ExitCode::from(u8::try_from(code).unwrap_or(1));
     }
     let cli = match cli::Cli::try_parse() {

@@ -134,6 +134,10 @@ impl Runtime {
             repos_dir: self.repos_dir.clone(),
             node: self.engine.config().node.clone(),
         }));
+        passes.push(Arc::new(orch_runner::maintenance::SupervisedPass {
+            every: lease.max(Duration::from_secs(1)),
+            children_dir: crate::cmd::worker::children_dir(&self.repos_dir),
+        }));
         passes
     }
 

@@ -6,8 +6,12 @@
 //! The expected outcomes are not written down here: the same items run once without kills, beside
 //! the killed run (in its own demo dir and database), and the killed run must end with the same
 //! per-item outcomes, the same production deploys and
-//! rollbacks (each applied once: the sample service's scripts log every completed one), no job
-//! left running, no agent run left open, and no process of a dead incarnation left alive.
+//! rollbacks (each applied once: the sample service's scripts log every completed one), the same
+//! runs of the production deploy and rollback scripts, no staging deploy of a revision run
+//! twice, each started run ended (a kill of orch cuts none in
+//! half: they run under orch's supervisor and the restarted orch adopts them), the same agent
+//! runs per item and stage (none paid for twice), no job left running, no agent run left open,
+//! and no process of a dead incarnation left alive.
 //! `ORCH_CAMPAIGN_SEED` replays a run; `ORCH_CAMPAIGN_KILLS` sets the number of kills.
 
 mod common;
@@ -241,6 +245,61 @@ struct RunResult {
     items: BTreeMap<String, ItemOutcome>,
     prod_deploys: Vec<String>,
     prod_rollbacks: Vec<String>,
+    /// Runs of the deploy and rollback scripts in production that started, by `<script>`,
+    /// from the scripts' own log.
+    script_runs: BTreeMap<String, usize>,
+    /// Staged revisions whose staging deploy started more than once (each item is staged in
+    /// one visit here).
+    staged_twice: Vec<String>,
+    /// Script runs that started and never ended (cut in half), from the same log.
+    unended: Vec<String>,
+    /// Agent runs per `<item> <stage>` (not counting rows of attempts that died before their
+    /// agent started).
+    agent_runs: BTreeMap<String, usize>,
+}
+
+/// The deploy and rollback scripts' own log (`start|end <script> <env> <rev> <ns> [code]`):
+/// the production runs that started, by script; the starts without an end; the revisions
+/// whose staging deploy started more than once.
+fn script_runs(dir: &Path) -> (BTreeMap<String, usize>, Vec<String>, Vec<String>) {
+    let text = std::fs::read_to_string(dir.join("service-state/deploys.log")).unwrap_or_default();
+    let mut started = BTreeMap::new();
+    let mut staged: BTreeMap<String, usize> = BTreeMap::new();
+    let mut open: BTreeMap<String, usize> = BTreeMap::new();
+    for line in text.lines() {
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.len() < 4 {
+            continue;
+        }
+        let run = format!("{} {} {}", w[1], w[2], w[3]);
+        match w[0] {
+            "start" => {
+                if w[2] == "production" {
+                    *started.entry(w[1].to_owned()).or_insert(0) += 1;
+                } else if w[1] == "deploy" {
+                    *staged.entry(w[3].to_owned()).or_insert(0) += 1;
+                }
+                *open.entry(run).or_insert(0) += 1;
+            }
+            "end" => {
+                if let Some(n) = open.get_mut(&run) {
+                    *n = n.saturating_sub(1);
+                }
+            }
+            _ => {}
+        }
+    }
+    let unended = open
+        .into_iter()
+        .filter(|(_, n)| *n > 0)
+        .map(|(run, n)| format!("{run} ×{n}"))
+        .collect();
+    let twice = staged
+        .into_iter()
+        .filter(|(_, n)| *n > 1)
+        .map(|(rev, n)| format!("{rev} ×{n}"))
+        .collect();
+    (started, unended, twice)
 }
 
 async fn outcomes(store: &Store) -> BTreeMap<String, ItemOutcome> {
@@ -438,10 +497,26 @@ async fn run(
     for p in running {
         all.push(p.terminate().await);
     }
+    let (scripts, unended, staged_twice) = script_runs(&s.dir);
+    let mut agent_runs = BTreeMap::new();
+    for id in ITEMS {
+        let t = store.get_task_by_work_item(id).await.unwrap().unwrap();
+        // A row closed as `abandoned` is an attempt that died before its agent started (the
+        // kill fell between the row and the supervisor): no run, nothing spent.
+        for r in store.task_agent_runs(t.id).await.unwrap() {
+            if r.outcome != "abandoned" {
+                *agent_runs.entry(format!("{id} {}", r.stage)).or_insert(0) += 1;
+            }
+        }
+    }
     let result = RunResult {
         items: outcomes(&store).await,
         prod_deploys: effects(&s.dir, "deploy"),
         prod_rollbacks: effects(&s.dir, "rollback"),
+        script_runs: scripts,
+        unended,
+        staged_twice,
+        agent_runs,
     };
     // No job left running (no lease), no agent run left open.
     for id in ITEMS {
@@ -529,6 +604,10 @@ async fn campaign(postgres: bool, procs: &[&str]) {
     if got.items != expected.items
         || got.prod_deploys.len() != expected.prod_deploys.len()
         || got.prod_rollbacks.len() != expected.prod_rollbacks.len()
+        || got.script_runs != expected.script_runs
+        || !got.unended.is_empty()
+        || !got.staged_twice.is_empty()
+        || got.agent_runs != expected.agent_runs
     {
         let kept = tmp.keep();
         eprintln!("seed {seed}: runs kept in {}", kept.display());
@@ -551,6 +630,27 @@ async fn campaign(postgres: bool, procs: &[&str]) {
         "seed {seed}: production rollbacks {:?} vs clean {:?}",
         got.prod_rollbacks,
         expected.prod_rollbacks
+    );
+    // Every deploy and rollback that started also ended, once: a kill of orch cuts none of
+    // them in half and runs none of them again (staging deploys once per staging visit).
+    assert!(
+        got.unended.is_empty(),
+        "seed {seed}: script runs cut in half: {:?}",
+        got.unended
+    );
+    assert_eq!(
+        got.script_runs, expected.script_runs,
+        "seed {seed}: production deploy and rollback script runs vs the clean run"
+    );
+    assert!(
+        got.staged_twice.is_empty(),
+        "seed {seed}: staging deploys run twice: {:?}",
+        got.staged_twice
+    );
+    // An agent run a kill interrupted is adopted, not paid for twice.
+    assert_eq!(
+        got.agent_runs, expected.agent_runs,
+        "seed {seed}: agent runs per item and stage vs the clean run"
     );
     let mut seen = std::collections::HashSet::new();
     for rev in &got.prod_deploys {

@@ -326,3 +326,85 @@ fn a_closed_stdout_pipe_ends_the_command_quietly_by_sigpipe() {
         assert!(stderr.is_empty(), "orch {args:?} says nothing: {stderr}");
     }
 }
+
+/// `orch costs`: per repo, stage and day, a run of unknown cost makes its groups unknown (with
+/// the known part and the count), in the tables and in `--json`.
+#[tokio::test]
+async fn costs_count_unknown_runs_per_repo_stage_and_day() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    succeeds(&orch(d, &["init"]));
+    let url = format!("sqlite://{}", d.join(".orch/orch.db").display());
+    let store = Store::connect(&url, ConnectOptions::default())
+        .await
+        .unwrap();
+    for (id, repo, costs) in [
+        ("APP-1", "app", vec![Some(0.5), None]),
+        ("WEB-1", "web", vec![Some(0.25)]),
+    ] {
+        let task = store
+            .create_task(orch_store::NewTask {
+                work_item: orch_store::WorkItemSpec::Exact(id.into()),
+                repo: repo.into(),
+                title: "t".into(),
+                body: String::new(),
+                stage: "analysis".into(),
+                branch_prefix: "orch/".into(),
+                event: NewEvent::new("task.submitted", "submitted"),
+                first_job: None,
+            })
+            .await
+            .unwrap();
+        for cost in costs {
+            let run = store
+                .start_agent_run(orch_store::NewAgentRun {
+                    task_id: task.id,
+                    job_id: None,
+                    stage: "analysis".into(),
+                    agent: "analyst".into(),
+                    backend: "claude".into(),
+                    model: None,
+                    attempt: 1,
+                })
+                .await
+                .unwrap();
+            store
+                .finish_agent_run(
+                    run,
+                    orch_store::AgentRunFinish {
+                        outcome: "ok".into(),
+                        input_tokens: Some(100),
+                        output_tokens: Some(10),
+                        cost_usd: cost,
+                        data: "{}".into(),
+                        ..orch_store::AgentRunFinish::default()
+                    },
+                )
+                .await
+                .unwrap();
+        }
+    }
+    store.close().await;
+    let text = succeeds(&orch(d, &["costs"]));
+    assert!(
+        text.contains("unknown (1 of 2 runs; $0.5000 known)") && text.contains("$0.2500"),
+        "{text}"
+    );
+    assert!(
+        text.contains(
+            "total: 3 runs, 300 tokens in, 30 out, cost unknown (1 of 3 runs; $0.7500 known)"
+        ),
+        "{text}"
+    );
+    let v: serde_json::Value =
+        serde_json::from_str(&succeeds(&orch(d, &["--json", "costs"]))).unwrap();
+    assert_eq!(v["by_repo"][0]["key"], "app", "{v}");
+    assert_eq!(
+        v["by_repo"][0]["usage"]["cost_usd"],
+        serde_json::Value::Null
+    );
+    assert_eq!(v["by_repo"][0]["usage"]["unknown_cost_runs"], 1);
+    assert_eq!(v["by_repo"][1]["usage"]["cost_usd"], 0.25);
+    assert_eq!(v["by_stage"][0]["usage"]["runs"], 3);
+    assert_eq!(v["by_day"].as_array().map(Vec::len), Some(1), "{v}");
+}

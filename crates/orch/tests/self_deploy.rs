@@ -1,6 +1,7 @@
-//! Self-deploy: the deploy command restarts the process that runs it (as deploying orch itself
-//! does). The real `orch serve` is killed by its own deploy; on restart the finalizer finds the
-//! `INITIATED` marker, does not deploy again, confirms the deploy and the pipeline carries on.
+//! Self-deploy: the deploy command restarts the orch that runs it (as deploying orch itself
+//! does). The real `orch serve` is killed by its own deploy, which ends under its supervisor; on
+//! restart orch finds the `INITIATED` marker and the deploy's result, does not deploy again,
+//! confirms the deploy and the pipeline carries on.
 
 mod common;
 
@@ -23,14 +24,18 @@ async fn a_deploy_that_kills_its_own_orch_is_finalized_after_the_restart() {
     let config_path = dir.join("orch.toml");
     let config = std::fs::read_to_string(&config_path).unwrap();
     let count = dir.join("deploy-count");
+    let pid_file = dir.join("serve.pid");
     let mut out = String::new();
     for line in config.lines() {
         if let Some(cmd) = line.strip_prefix("deploy = \"") {
             let cmd = cmd.trim_end_matches('"');
-            // Count the runs, deploy, then kill the orch that runs this command (its parent).
+            // Count the runs, deploy, then kill the orch that runs this command (as a
+            // restart of orch's own service would; the command runs under orch's supervisor,
+            // so orch is not its parent).
             out.push_str(&format!(
-                "deploy = \"echo run >> {} && {cmd} && kill -9 $PPID\"\n",
-                count.display()
+                "deploy = \"echo run >> {} && {cmd} && kill -9 $(cat {})\"\n",
+                count.display(),
+                pid_file.display()
             ));
         } else {
             out.push_str(line);
@@ -58,6 +63,7 @@ async fn a_deploy_that_kills_its_own_orch_is_finalized_after_the_restart() {
 
     let store = open(&dir).await;
     let mut first = Serve::start(&dir, 50);
+    std::fs::write(&pid_file, first.child.id().unwrap().to_string()).unwrap();
     let status = tokio::time::timeout(Duration::from_secs(180), first.child.wait())
         .await
         .expect("the deploy kills orch within 180 s")

@@ -17,6 +17,63 @@ pub trait Pass: Send + Sync + 'static {
     async fn run(&self, store: &Store) -> anyhow::Result<()>;
 }
 
+/// Stops this machine's supervised commands whose job is no longer this machine's to run:
+/// another node holds it under a valid lease (it took the job over while this node was away),
+/// or the job has ended. Left running, such a command would race the other node's run of it.
+/// A job waiting to be claimed again is left alone: the next orch here adopts its command.
+pub struct SupervisedPass {
+    pub every: Duration,
+    /// This machine's records of its orch processes (`<repos_dir>/.orch-children`).
+    pub children_dir: std::path::PathBuf,
+}
+
+#[async_trait::async_trait]
+impl Pass for SupervisedPass {
+    fn name(&self) -> &'static str {
+        "supervised"
+    }
+
+    fn every(&self) -> Duration {
+        self.every
+    }
+
+    async fn run(&self, store: &Store) -> anyhow::Result<()> {
+        let running = orch_exec::supervise::running();
+        if running.is_empty() {
+            return Ok(());
+        }
+        let ours = orch_exec::records::node_worker_ids(&self.children_dir);
+        let now = store.now_ms();
+        for (key, job, pid) in running {
+            let why = match store.get_job(job).await? {
+                None => Some("its job no longer exists".to_owned()),
+                Some(j) => match j.state {
+                    orch_store::JobState::Running
+                        if j.lease_expires_at.is_some_and(|t| t > now)
+                            && j.locked_by.as_ref().is_some_and(|w| !ours.contains(w)) =>
+                    {
+                        Some(format!(
+                            "job {job} runs on {} now (taken over)",
+                            j.locked_by.unwrap_or_default()
+                        ))
+                    }
+                    orch_store::JobState::Done
+                    | orch_store::JobState::Failed
+                    | orch_store::JobState::Cancelled => {
+                        Some(format!("job {job} has ended ({:?})", j.state))
+                    }
+                    _ => None,
+                },
+            };
+            if let Some(why) = why {
+                tracing::warn!(key, pid, %why, "stopping a supervised command that is no longer this machine's to run");
+                orch_exec::supervise::stop(pid);
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Re-queues or fails jobs whose lease expired.
 pub struct RescuePass {
     pub every: Duration,

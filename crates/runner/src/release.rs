@@ -599,9 +599,11 @@ async fn verify_revert(run: &StageRun, sha: &str) -> Result<Option<String>> {
             run.repo.test_timeout_s.max(1),
         ))
         .cancel_on(run.cancel.clone());
-    let out = orch_exec::run(&contained.apply(cmd))
+    let key = run.command_key("revert-tests");
+    let out = orch_exec::run(&contained.apply(cmd).supervised(key.clone()))
         .await
         .with_context(|| format!("cannot run the test command `{command}` on the revert"))?;
+    run.note_supervision("revert tests", &key, &out).await;
     drop(contained);
     match out.status {
         // No verdict on the revert: the run is stopping, or the tests never finished. An error

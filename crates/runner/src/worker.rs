@@ -274,6 +274,10 @@ struct HeldLease {
     given_up: bool,
 }
 
+/// How long a shutdown that leaves supervised commands running waits for the other handlers
+/// to end on their cancellation.
+const STOPPED_GRACE: Duration = Duration::from_secs(10);
+
 /// The leases this process holds, by job id.
 type Held = Arc<Mutex<HashMap<i64, HeldLease>>>;
 
@@ -299,6 +303,9 @@ fn held_remove(held: &Held, lease: &Lease) {
         && map.get(&lease.job_id).is_some_and(|h| h.lease == *lease)
     {
         map.remove(&lease.job_id);
+        // The attempt's outcome is recorded (or it was given up): its supervised commands'
+        // records go, so a later attempt runs them afresh.
+        orch_exec::supervise::forget_job(lease.job_id);
     }
 }
 
@@ -962,8 +969,9 @@ impl Fetcher {
         }
     }
 
-    /// Shutdown: wait for running jobs (up to the grace, or until the hard stop), then cancel the
-    /// rest and give their leases back.
+    /// Shutdown: wait for running jobs (up to the grace, or until the hard stop); then jobs
+    /// waiting on a supervised command are left to it (their leases kept, for the next orch on
+    /// this machine to adopt), the rest are cancelled and their leases given back.
     async fn drain(
         &self,
         running: &mut JoinSet<Finished>,
@@ -987,17 +995,43 @@ impl Fetcher {
                 _ = hard_stop.cancelled() => break,
             }
         }
-        // Out of time: stop the handlers and release their leases.
-        let leases: Vec<Lease> = held_snapshot(&self.held)
+        // Jobs waiting on a supervised command keep their leases and their commands: the next
+        // orch on this machine frees the leases at once and adopts the commands.
+        let waiting = orch_exec::supervise::waiting_jobs();
+        let (left, stopped): (Vec<HeldLease>, Vec<HeldLease>) = held_snapshot(&self.held)
             .into_iter()
             .filter(|h| !pending_done.contains(&h.lease))
+            .partition(|h| waiting.contains(&h.lease.job_id));
+        if !left.is_empty() {
+            orch_exec::supervise::leave_running();
+        }
+        // Out of time for the rest: stop their handlers and release their leases.
+        let leases: Vec<Lease> = stopped
+            .iter()
             .map(|h| {
                 h.token.cancel();
                 h.lease
             })
             .collect();
-        running.abort_all();
-        while running.join_next().await.is_some() {}
+        if left.is_empty() {
+            running.abort_all();
+            while running.join_next().await.is_some() {}
+        } else {
+            // The stopped handlers end on their cancellation; the others are never dropped
+            // (their destructors would remove what their commands use): the process exits.
+            let wait_stopped = async {
+                while running.len() > left.len() {
+                    match running.join_next().await {
+                        Some(res) => self.finish(res, pending_done, follow_ups).await,
+                        None => break,
+                    }
+                }
+            };
+            let _ = tokio::time::timeout(STOPPED_GRACE, wait_stopped).await;
+            tracing::info!(jobs = ?left.iter().map(|h| h.lease.job_id).collect::<Vec<_>>(),
+                "leaving these jobs' commands running under their supervisors");
+            std::mem::forget(std::mem::take(running));
+        }
         self.release(&leases).await;
     }
 
@@ -1065,6 +1099,7 @@ async fn execute(entry: Entry, cx: JobContext, stats: Arc<WorkerStats>) -> Finis
     let kind = cx.job.agent.clone();
     let timeout = entry.timeout;
     let handler = entry.handler;
+    orch_exec::supervise::begin_job(lease.job_id);
     let work = AssertUnwindSafe(handler.run(cx)).catch_unwind();
     let result = tokio::select! {
         r = work => match r {

@@ -642,6 +642,13 @@ async fn api_error(p: P, status: u16) {
     if status == 401 {
         let reason = failed_reason(result.unwrap());
         assert!(reason.contains("not retried"), "{reason}");
+        // What to set, in orch's terms.
+        assert!(
+            reason.contains(&format!(
+                "check the key in `{KEY_VAR}` (named by api_key_env"
+            )),
+            "{reason}"
+        );
         assert_eq!(outcomes(&rows), ["error"], "one run: {rows:?}");
         if p == P::Claude {
             assert_eq!(data(&rows[0])["claude_api_error_status"], 401);
@@ -668,6 +675,48 @@ async fn api_error(p: P, status: u16) {
         let d = data(&rows[0]);
         assert_eq!(d["claude_api_error_status"], 500, "{d}");
     }
+}
+
+/// A key variable that is not set: the stage fails at once (one run, not retried) before the
+/// CLI starts, saying what to set; the model is never asked.
+async fn missing_key(p: P) {
+    let Some(mut c) = case(p, "analysis", artifact_writer(Vec::new())).await else {
+        return;
+    };
+    c.config.api_key_env = Some("ORCH_TEST_SURELY_UNSET_KEY_91".into());
+    let reason = failed_reason(c.execute().await.unwrap());
+    assert!(
+        reason.contains("`ORCH_TEST_SURELY_UNSET_KEY_91` is not set")
+            && reason.contains("api_key_env")
+            && reason.contains("export ORCH_TEST_SURELY_UNSET_KEY_91=")
+            && reason.contains("not retried"),
+        "{reason}"
+    );
+    assert_eq!(outcomes(&c.fx.rows().await), ["error"]);
+    assert!(
+        c.server.requests().is_empty(),
+        "the CLI never reached the model"
+    );
+}
+
+/// Nothing listens at the endpoint: a refused connection is transient (Claude Code 2.1.197
+/// says "Unable to connect to API (ConnectionRefused)", newer ones `api_error:
+/// "connection_failed"`), retried within the attempt. (Codex keeps reconnecting by itself
+/// until the run's timeout, so it is not a scenario of its own.)
+async fn refused(p: P) {
+    let Some(mut c) = case(p, "analysis", artifact_writer(Vec::new())).await else {
+        return;
+    };
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    c.config.endpoint = Some(format!("http://127.0.0.1:{port}"));
+    let e = c.execute().await.unwrap_err().to_string();
+    assert!(e.contains("still failing after 3 tries"), "{e}");
+    let rows = c.fx.rows().await;
+    assert_eq!(outcomes(&rows), ["transient_error"; 3], "{rows:?}");
+    println!("{p:?} refused: {e}");
 }
 
 /// A rate limit: 429 on the first request. Claude Code and Codex (their own retries off)
@@ -734,6 +783,10 @@ scenarios! {
     claude_api_500_is_retried_within_the_attempt_with_its_status => api_error(P::Claude, 500);
     claude_api_401_fails_at_once => api_error(P::Claude, 401);
     claude_rate_limit_is_retried_and_succeeds => rate_limit(P::Claude);
+    claude_unset_key_variable_fails_at_once_saying_what_to_set => missing_key(P::Claude);
+    claude_refused_connection_is_transient => refused(P::Claude);
+    codex_unset_key_variable_fails_at_once_saying_what_to_set => missing_key(P::Codex);
+    aider_unset_key_variable_fails_at_once_saying_what_to_set => missing_key(P::Aider);
     claude_hang_is_killed_with_its_process_group => hang(P::Claude);
 
     codex_success_is_priced_by_the_table => success(P::Codex);

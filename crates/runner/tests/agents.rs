@@ -291,7 +291,7 @@ async fn claude_preset_writes_the_artifact_and_records_tokens_and_cost() {
 
     assert_eq!(
         fx.read_out("args.txt"),
-        "-p\n--output-format\njson\n--max-turns\n50\n--tools\nRead,Write,Edit\n--allowedTools\n\
+        "-p\n--output-format\nstream-json\n--verbose\n--max-turns\n50\n--tools\nRead,Write,Edit\n--allowedTools\n\
          Read,Write,Edit\n--disallowedTools\nWebFetch,WebSearch,Agent,Task,CronCreate,CronDelete,\
          CronList,ScheduleWakeup,Workflow,SendMessage,EnterWorktree,ExitWorktree,Skill,TaskCreate,\
          TaskUpdate,TaskStop,ReportFindings\n--model\nclaude-test\n"
@@ -1499,4 +1499,83 @@ async fn openai_multi_file_reply_writes_every_architecture_document() {
         assert!(fx.artifact_dir().join(f).is_file(), "{f}");
     }
     assert_eq!(gate(&fx, "architecture"), Verdict::Pass("final".into()));
+}
+
+/// The transcript is written while the run goes: what the agent printed is in the run's file
+/// before the agent ends, with the key it was given (a value orch knows is secret) replaced;
+/// the row names the file when the run is over.
+#[tokio::test]
+async fn the_transcript_is_written_while_the_run_goes_with_the_key_redacted() {
+    let fx = Fx::new().await;
+    let slow = fx.script(
+        "slow",
+        r#"cat > /dev/null
+echo "first line, key=$CARGO_PKG_NAME"
+while [ ! -e "$OUT/go" ]; do sleep 0.05; done
+echo "second line"
+write_artifact "$ORCH_ARTIFACT""#,
+    );
+    let mut cfg = agent(Backend::Command, Some(&slow));
+    // Cargo sets it for every test process: the "key" this agent is given.
+    cfg.api_key_env = Some("CARGO_PKG_NAME".into());
+    let key = std::env::var("CARGO_PKG_NAME").unwrap();
+    let ex = executor(vec![("analyst", cfg)], &Settings::default());
+    let run = fx.run("analysis");
+    let dir = run.repos_dir.join(".transcripts").join(ID);
+    let running = tokio::spawn(async move { ex.execute(&run).await });
+    let t0 = std::time::Instant::now();
+    let live = loop {
+        let text: String = std::fs::read_dir(&dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "log"))
+            .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+            .collect();
+        if text.contains("first line") {
+            break text;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "no live transcript in {}",
+            dir.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(live, "first line, key=[REDACTED]\n");
+    std::fs::write(fx.out("go"), "").unwrap();
+    let effect = running.await.unwrap().unwrap();
+    assert!(produced(&effect), "{effect:?}");
+    let rows = fx.rows().await;
+    let data: Value = serde_json::from_str(&rows[0].data).unwrap();
+    let file = data["transcript"]["file"].as_str().unwrap();
+    assert_eq!(file, format!(".transcripts/{ID}/{}.log", rows[0].id));
+    assert_eq!(data["transcript"]["redactions"], 1, "{data}");
+    let all = std::fs::read_to_string(fx.run("analysis").repos_dir.join(file)).unwrap();
+    assert_eq!(all, "first line, key=[REDACTED]\nsecond line\n");
+    assert!(!all.contains(&key));
+    // The diff beside it holds the artifact the run wrote.
+    let diff = std::fs::read_to_string(
+        fx.run("analysis")
+            .repos_dir
+            .join(data["transcript"]["diff"].as_str().unwrap()),
+    )
+    .unwrap();
+    assert!(diff.contains("+stage: analysis"), "{diff}");
+    // Reading the diff hashed the artifact outside the repository: its object is not there.
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .args(args)
+            .current_dir(&fx.worktree)
+            .output()
+            .unwrap()
+    };
+    let artifact = fx.artifact_dir().join("02-requirements.md");
+    let hash = git(&["hash-object", artifact.to_str().unwrap()]);
+    let hash = String::from_utf8_lossy(&hash.stdout).trim().to_owned();
+    assert_eq!(hash.len(), 40, "{hash}");
+    assert!(
+        !git(&["cat-file", "-e", &hash]).status.success(),
+        "the run's diff wrote {hash} into the repository"
+    );
 }

@@ -224,6 +224,7 @@ where
         worker: row.try_get(3)?,
         attempt: row.try_get(4)?,
         expires_at: row.try_get(5)?,
+        work_item_id: row.try_get(6)?,
     })
 }
 

@@ -471,16 +471,24 @@ where
     pub async fn queue_stats(&self) -> Result<QueueStats> {
         let now = self.now();
         let mut conn = self.d.reader().acquire().await?;
-        let counts = sqlx::query(sql::QUEUE_COUNTS)
+        let finished_since = now.saturating_sub(crate::RECENT_WINDOW_MS);
+        let mut counts = sqlx::query(sql::ACTIVE_JOB_COUNTS)
             .fetch_all(&mut *conn)
             .await?
             .into_iter()
             .map(kind_count)
             .collect::<Result<Vec<_>>>()?;
+        let recent = sql::with_since(&self.sql.recent_finished_job_counts, finished_since);
+        for row in sqlx::raw_sql(sqlx::AssertSqlSafe(recent))
+            .fetch_all(&mut *conn)
+            .await?
+        {
+            counts.push(kind_count(row)?);
+        }
         let counts = by_agent(counts);
-        let oldest_ready_at: Option<i64> = sqlx::query_scalar(sql::OLDEST_READY)
+        let oldest_ready_at: Option<i64> = sqlx::query_scalar(self.sql.oldest_ready.as_str())
             .bind(now)
-            .fetch_one(&mut *conn)
+            .fetch_optional(&mut *conn)
             .await?;
         let leases = sqlx::query(sql::LIVE_LEASES)
             .fetch_all(&mut *conn)
@@ -493,6 +501,7 @@ where
             oldest_ready_at,
             leases,
             now,
+            finished_since,
         })
     }
 
@@ -580,6 +589,54 @@ where
     pub async fn count_tasks_by_stage(&self) -> Result<Vec<(String, i64)>> {
         Ok(sqlx::query_as(sql::COUNT_TASKS_BY_STAGE)
             .fetch_all(self.d.reader())
+            .await?)
+    }
+
+    /// Live tasks by stage (exact), then the tasks that ended since `since` by terminal stage.
+    pub async fn active_tasks_by_stage(&self, since: Millis) -> Result<Vec<(String, i64)>> {
+        let mut conn = self.d.reader().acquire().await?;
+        let mut rows: Vec<(String, i64)> = sqlx::query_as(sql::LIVE_TASKS_BY_STAGE)
+            .fetch_all(&mut *conn)
+            .await?;
+        let recent = sql::with_since(&self.sql.recently_ended_tasks_by_stage, since);
+        let ended = sqlx::raw_sql(sqlx::AssertSqlSafe(recent))
+            .fetch_all(&mut *conn)
+            .await?
+            .iter()
+            .map(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .collect::<Result<Vec<(String, i64)>>>()?;
+        rows.extend(ended);
+        rows.sort();
+        Ok(rows)
+    }
+
+    /// The tasks that ended at or after `since`, oldest ending first.
+    pub async fn tasks_ended_since(&self, since: Millis) -> Result<Vec<Task>> {
+        let recent = sql::with_since(&self.sql.tasks_ended_since, since);
+        sqlx::raw_sql(sqlx::AssertSqlSafe(recent))
+            .fetch_all(self.d.reader())
+            .await?
+            .iter()
+            .map(|row| Ok(Task::from_row(row)?))
+            .collect()
+    }
+
+    /// Refreshes the planner's statistics of the four tables after a bulk load (PostgreSQL;
+    /// nothing on SQLite, whose `ANALYZE` would add its `sqlite_stat1` table to the schema).
+    pub async fn refresh_statistics(&self) -> Result<()> {
+        if !D::ANALYZE_ALL.is_empty() {
+            sqlx::raw_sql(D::ANALYZE_ALL)
+                .execute(self.d.writer())
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// The bytes the store takes on disk: the SQLite file's pages (the write-ahead log's
+    /// committed pages included); on PostgreSQL the four tables with their indexes and TOAST.
+    pub async fn database_size(&self) -> Result<i64> {
+        Ok(sqlx::query_scalar(D::DATABASE_SIZE)
+            .fetch_one(self.d.reader())
             .await?)
     }
 
@@ -730,6 +787,14 @@ where
         after_id: i64,
         limit: u32,
     ) -> Result<Vec<Event>> {
+        if let Some(statement) = sql::events_by_kind_literal(kind, after_id, i64::from(limit)) {
+            return sqlx::raw_sql(sqlx::AssertSqlSafe(statement))
+                .fetch_all(self.d.reader())
+                .await?
+                .iter()
+                .map(|row| Ok(Event::from_row(row)?))
+                .collect();
+        }
         Ok(sqlx::query_as(sql::EVENTS_BY_KIND.as_str())
             .bind(kind)
             .bind(after_id)
@@ -792,6 +857,23 @@ where
             .await?
             .iter()
             .map(|row| Ok((row.try_get(0)?, usage(row, 1)?)))
+            .collect()
+    }
+
+    /// Usage of every agent run by repo, stage and UTC day, sorted by day, repo, stage.
+    pub async fn usage_by_repo_stage_day(&self) -> Result<Vec<UsageRow>> {
+        sqlx::query(sql::USAGE_BY_REPO_STAGE_DAY)
+            .fetch_all(self.d.reader())
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(UsageRow {
+                    repo: row.try_get(0)?,
+                    stage: row.try_get(1)?,
+                    day: row.try_get(2)?,
+                    usage: usage(row, 3)?,
+                })
+            })
             .collect()
     }
 

@@ -48,6 +48,16 @@ pub trait Driver: Send + Sync + 'static {
     const SCHEMA_EXISTS: &'static str;
     /// This backend's migrations, oldest first.
     const MIGRATIONS: &'static [Migration];
+    /// Refreshes the planner statistics of the four tables (`refresh_statistics`); empty when
+    /// the backend has nothing to do.
+    const ANALYZE_ALL: &'static str;
+    /// Whether a statement may name the index it must read (SQLite's `INDEXED BY`). SQLite,
+    /// without statistics, would otherwise read a recent window of finished jobs or ended tasks
+    /// through the `(state, …)`/`(stage, …)` index, every finished row; PostgreSQL's planner
+    /// picks the partial index from its statistics.
+    const INDEXED_BY: bool;
+    /// → the bytes the four tables take with their indexes, as a BIGINT (`database_size`).
+    const DATABASE_SIZE: &'static str;
 
     /// Rows an `execute` changed.
     fn rows_affected(result: &<Self::DB as Database>::QueryResult) -> u64;
@@ -129,6 +139,23 @@ pub struct Statements {
     pub list_tasks: String,
     /// `$1 task ids, $2 kinds` (JSON arrays) → their events, by task then oldest first.
     pub events_of_tasks: String,
+    /// [`sql::recent_finished_job_counts`] on this driver.
+    pub recent_finished_job_counts: String,
+    /// [`sql::recently_ended_tasks_by_stage`] on this driver.
+    pub recently_ended_tasks_by_stage: String,
+    /// [`sql::tasks_ended_since`] on this driver.
+    pub tasks_ended_since: String,
+    /// [`sql::oldest_ready`] on this driver.
+    pub oldest_ready: String,
+}
+
+/// ` INDEXED BY <index>` where the driver takes it, else nothing.
+fn indexed_by<D: Driver>(index: &str) -> String {
+    if D::INDEXED_BY {
+        format!(" INDEXED BY {index}")
+    } else {
+        String::new()
+    }
 }
 
 impl Statements {
@@ -152,6 +179,14 @@ impl Statements {
                 sql::EVENT_COLUMNS,
                 D::EVENTS_OF_TASKS_WHERE
             ),
+            recent_finished_job_counts: sql::recent_finished_job_counts(&indexed_by::<D>(
+                "jobs_finished",
+            )),
+            recently_ended_tasks_by_stage: sql::recently_ended_tasks_by_stage(&indexed_by::<D>(
+                "tasks_ended",
+            )),
+            tasks_ended_since: sql::tasks_ended_since(&indexed_by::<D>("tasks_ended")),
+            oldest_ready: sql::oldest_ready(&indexed_by::<D>("jobs_queued_at")),
         }
     }
 }

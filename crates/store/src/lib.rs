@@ -376,6 +376,9 @@ impl Store {
         dispatch!(self, task_jobs(task_id))
     }
 
+    /// The queue at a glance, read from the active part of the table: exact counts of the
+    /// queued and running jobs, and of the finished ones only those of the last
+    /// [`RECENT_WINDOW_MS`] (`QueueStats::finished_since`); the running leases.
     pub async fn queue_stats(&self) -> Result<QueueStats> {
         dispatch!(self, queue_stats())
     }
@@ -403,9 +406,34 @@ impl Store {
         dispatch!(self, list_tasks(filter))
     }
 
-    /// Task counts by stage.
+    /// Task counts by stage, over the whole table (a scan: for reports, not for the views).
     pub async fn count_tasks_by_stage(&self) -> Result<Vec<(String, i64)>> {
         dispatch!(self, count_tasks_by_stage())
+    }
+
+    /// What the control views count of tasks: the live ones by stage, exactly, and at the
+    /// terminal stages only the tasks that ended at or after `since` (partial indexes, schema 2:
+    /// the cost is the live and recently ended tasks, not the history). By stage.
+    pub async fn active_tasks_by_stage(&self, since: Millis) -> Result<Vec<(String, i64)>> {
+        dispatch!(self, active_tasks_by_stage(since))
+    }
+
+    /// The tasks that ended (reached a terminal stage) at or after `since` (the views' recent
+    /// window: a range of the partial index `tasks_ended`), oldest ending first.
+    pub async fn tasks_ended_since(&self, since: Millis) -> Result<Vec<Task>> {
+        dispatch!(self, tasks_ended_since(since))
+    }
+
+    /// The bytes the store takes (SQLite: the database's pages; PostgreSQL: the four tables
+    /// with their indexes and TOAST), for the benchmarks' size figures.
+    pub async fn database_size(&self) -> Result<i64> {
+        dispatch!(self, database_size())
+    }
+
+    /// Refreshes the planner's statistics after a bulk load (PostgreSQL `ANALYZE`; nothing on
+    /// SQLite).
+    pub async fn refresh_statistics(&self) -> Result<()> {
+        dispatch!(self, refresh_statistics())
     }
 
     /// The compare-and-swap of a task's stage (see [`AdvanceStage`]).
@@ -535,6 +563,12 @@ impl Store {
         dispatch!(self, usage_by_agent())
     }
 
+    /// Usage of every agent run by the task's repo, the stage and the UTC day the run started,
+    /// sorted by day, repo, stage (the cost report).
+    pub async fn usage_by_repo_stage_day(&self) -> Result<Vec<UsageRow>> {
+        dispatch!(self, usage_by_repo_stage_day())
+    }
+
     /// How many agent runs each agent had, by outcome (`running`, `success`, …), sorted.
     pub async fn runs_by_agent_outcome(&self) -> Result<Vec<(String, String, i64)>> {
         dispatch!(self, runs_by_agent_outcome())
@@ -546,6 +580,11 @@ pub const MAX_TASK_CONTENT: usize = 1 << 20;
 
 /// Tasks whose events [`Store::events_of_tasks`] reads in one statement.
 pub const EVENTS_OF_TASKS_CHUNK: usize = 500;
+
+/// The window of "recently finished" the control views count (`GET /queue`, `/metrics`, the
+/// dashboard): 24 hours. Older history is not counted there (it is in the report and the
+/// events), so a view costs the work in flight and this window, not the table.
+pub const RECENT_WINDOW_MS: Millis = 24 * 3_600_000;
 
 /// Events (as [`Store::events_of_tasks`] returns them) by task id, each task's oldest first.
 pub fn group_by_task(events: Vec<Event>) -> std::collections::HashMap<i64, Vec<Event>> {

@@ -538,6 +538,16 @@ pub struct Usage {
     pub unknown_cost_runs: i64,
 }
 
+/// Agent runs' usage of one repo, stage and UTC day (the cost report's row).
+#[derive(Debug, Clone, PartialEq)]
+pub struct UsageRow {
+    pub repo: String,
+    pub stage: String,
+    /// Days since 1970-01-01 (UTC) of the runs' start.
+    pub day: i64,
+    pub usage: Usage,
+}
+
 /// Count of jobs of one kind in one state.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KindCount {
@@ -563,9 +573,12 @@ pub struct LiveLease {
     pub worker: Option<String>,
     pub attempt: i64,
     pub expires_at: Option<Millis>,
+    /// The work item of the job's task (read with the lease, in the same query).
+    pub work_item_id: Option<String>,
 }
 
-/// The queue at a glance.
+/// The queue at a glance: exact counts of the jobs in flight, and of the finished jobs only
+/// those that finished since `finished_since` (the view's recent window, [`crate::RECENT_WINDOW_MS`]).
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct QueueStats {
     pub counts: Vec<KindCount>,
@@ -574,6 +587,8 @@ pub struct QueueStats {
     /// Running jobs, soonest expiry first (at most 500).
     pub leases: Vec<LiveLease>,
     pub now: Millis,
+    /// The start of the window the finished counts cover (`now` − [`crate::RECENT_WINDOW_MS`]).
+    pub finished_since: Millis,
 }
 
 /// A wake-up of the store's workers ([`crate::Store::wakeups`]): `seq` moves on with every one;

@@ -72,6 +72,11 @@ impl Driver for PgDriver {
          AND ($2::text = '[]' OR kind IN (SELECT jsonb_array_elements_text($2::text::jsonb)))";
     const SCHEMA_EXISTS: &'static str = "SELECT to_regclass('events') IS NOT NULL";
     const MIGRATIONS: &'static [Migration] = migrate::POSTGRES;
+    const INDEXED_BY: bool = false;
+    const ANALYZE_ALL: &'static str = "ANALYZE tasks, jobs, events, agent_runs";
+    const DATABASE_SIZE: &'static str = "SELECT CAST(coalesce(sum(pg_total_relation_size(c.oid)), 0) AS BIGINT) \
+         FROM pg_class c WHERE c.relkind = 'r' AND c.relnamespace = current_schema()::regnamespace \
+         AND c.relname IN ('tasks', 'jobs', 'events', 'agent_runs')";
 
     fn rows_affected(result: &PgQueryResult) -> u64 {
         result.rows_affected()

@@ -62,6 +62,10 @@ impl Driver for SqliteDriver {
     const SCHEMA_EXISTS: &'static str = "SELECT EXISTS (SELECT 1 FROM sqlite_master \
          WHERE type = 'table' AND name = 'events')";
     const MIGRATIONS: &'static [Migration] = migrate::SQLITE;
+    const INDEXED_BY: bool = true;
+    const ANALYZE_ALL: &'static str = "";
+    const DATABASE_SIZE: &'static str = "SELECT CAST(page_count * page_size AS INTEGER) \
+         FROM pragma_page_count(), pragma_page_size()";
 
     fn rows_affected(result: &SqliteQueryResult) -> u64 {
         result.rows_affected()

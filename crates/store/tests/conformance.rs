@@ -56,6 +56,7 @@ conformance!(
     complete_and_claim_reports_fenced_completions,
     claim_order_priority_and_node_affinity,
     queue_stats_counts_kinds_and_leases,
+    control_views_count_the_work_in_flight_and_a_recent_window,
     migrate_is_idempotent_and_versioned,
     wakeups_fire_on_enqueue,
     events_of_many_tasks_are_read_at_once_per_task_oldest_first,
@@ -1212,6 +1213,91 @@ async fn queue_stats_counts_kinds_and_leases(db: TestDb) {
     assert_eq!(stats.leases[0].expires_at, Some(T0 + 5_000 + LEASE));
 }
 
+/// The views' reads (schema 2's partial indexes): queued and running jobs and live tasks are
+/// counted exactly whatever their age; finished jobs and ended tasks only within the recent
+/// window; a lease comes with its task's work item.
+async fn control_views_count_the_work_in_flight_and_a_recent_window(db: TestDb) {
+    let s = &db.store;
+    const DAY: i64 = 24 * 3_600_000;
+    // Two days ago: a task that ended, one still live, a finished job and a queued one.
+    let old_ended = task_in(s, "svc", "done").await;
+    let old_live = task_in(s, "svc", "intake").await;
+    s.enqueue(NewJob::new("a", "old done").task(old_ended.id))
+        .await
+        .unwrap();
+    let old = claim_one(s, "w").await;
+    s.mark_job(old.lease, JobOutcome::Done, None).await.unwrap();
+    s.enqueue(NewJob::new("a", "old queued").task(old_live.id))
+        .await
+        .unwrap();
+    db.clock.advance_ms(2 * DAY);
+    // Now: a task that just ended, a job that just finished, one running.
+    let new_ended = task_in(s, "svc", "cancelled").await;
+    s.enqueue(NewJob::new("b", "new").task(old_live.id).priority(9))
+        .await
+        .unwrap();
+    let new = claim_one(s, "w").await;
+    s.mark_job(new.lease, JobOutcome::Done, None).await.unwrap();
+    s.enqueue(NewJob::new("b", "running").task(old_live.id).priority(9))
+        .await
+        .unwrap();
+    let running = claim_one(s, "w").await;
+
+    let stats = s.queue_stats().await.unwrap();
+    assert_eq!(stats.finished_since, stats.now - RECENT_WINDOW_MS);
+    let counts: Vec<(String, JobState, i64)> = stats
+        .counts
+        .iter()
+        .map(|k| (k.agent.clone(), k.state, k.count))
+        .collect();
+    assert_eq!(
+        counts,
+        vec![
+            ("a".to_owned(), JobState::Queued, 1),
+            ("b".to_owned(), JobState::Done, 1),
+            ("b".to_owned(), JobState::Running, 1),
+        ],
+        "the job that finished two days ago is not counted"
+    );
+    assert_eq!(stats.leases.len(), 1);
+    assert_eq!(stats.leases[0].job_id, running.lease.job_id);
+    assert_eq!(
+        stats.leases[0].work_item_id.as_deref(),
+        Some(old_live.work_item_id.as_str()),
+        "the lease's work item comes with it"
+    );
+    // The whole table still holds both finished jobs.
+    assert_eq!(s.count_all_jobs().await.unwrap(), 4);
+
+    assert_eq!(
+        s.active_tasks_by_stage(stats.finished_since).await.unwrap(),
+        vec![("cancelled".to_owned(), 1), ("intake".to_owned(), 1)],
+        "the live task counts whatever its age, the old ended one does not"
+    );
+    assert_eq!(
+        s.count_tasks_by_stage().await.unwrap(),
+        vec![
+            ("cancelled".to_owned(), 1),
+            ("done".to_owned(), 1),
+            ("intake".to_owned(), 1)
+        ]
+    );
+    let ended = s.tasks_ended_since(stats.finished_since).await.unwrap();
+    assert_eq!(
+        ended,
+        vec![s.get_task(new_ended.id).await.unwrap().unwrap()]
+    );
+    let all_ended = s.tasks_ended_since(0).await.unwrap();
+    assert_eq!(
+        all_ended.iter().map(|t| t.id).collect::<Vec<_>>(),
+        vec![old_ended.id, new_ended.id],
+        "oldest ending first"
+    );
+
+    s.refresh_statistics().await.unwrap();
+    assert!(s.database_size().await.unwrap() > 0);
+}
+
 async fn migrate_is_idempotent_and_versioned(db: TestDb) {
     let s = &db.store;
     assert_eq!(s.schema_version().await.unwrap(), SCHEMA_VERSION);
@@ -1228,7 +1314,11 @@ async fn migrate_is_idempotent_and_versioned(db: TestDb) {
         assert!(h.await.unwrap().unwrap().applied.is_empty());
     }
     let migrated = s.events_by_kind("schema.migrated", 0, 10).await.unwrap();
-    assert_eq!(migrated.len(), 1, "one record per applied migration");
+    assert_eq!(
+        migrated.len(),
+        usize::try_from(SCHEMA_VERSION).unwrap(),
+        "one record per applied migration"
+    );
 }
 
 async fn wakeups_fire_on_enqueue(db: TestDb) {

@@ -70,6 +70,13 @@ pub const EXCEPTIONS: &[Exception] = &[
                  measures the database, not orch); the benchmarks are not shipped",
     },
     Exception {
+        rule: "sql",
+        path: "crates/bench/src/history.rs",
+        reason: "the history benchmark applies the README's per-table autovacuum settings to a \
+                 scratch schema to measure them (what an operator would type); the benchmarks \
+                 are not shipped",
+    },
+    Exception {
         rule: "test-support",
         path: "crates/bench/Cargo.toml",
         reason: "the benchmarks create scratch PostgreSQL schemas with the store's test support; \

@@ -20,6 +20,8 @@ enum Status {
     Ok,
     /// Works, but the user should know (not a failure).
     Note,
+    /// May not work: the user should act (not counted as a failure).
+    Warn,
     Fail,
 }
 
@@ -139,6 +141,7 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
                     status: match c.status {
                         Status::Ok => "ok",
                         Status::Note => "note",
+                        Status::Warn => "warn",
                         Status::Fail => "fail",
                     },
                     what: c.what.clone(),
@@ -152,11 +155,12 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
             let label = match c.status {
                 Status::Ok => "ok  ",
                 Status::Note => "note",
+                Status::Warn => "WARN",
                 Status::Fail => "FAIL",
             };
             crate::output::outln(&format!("{label}  {}", c.what));
             if !c.fix.is_empty() {
-                if c.status == Status::Fail {
+                if matches!(c.status, Status::Fail | Status::Warn) {
                     crate::output::outln(&format!("      fix: {}", c.fix));
                 } else {
                     crate::output::outln(&format!("      {}", c.fix));
@@ -237,13 +241,30 @@ async fn agents(r: &mut Report, config: &Config) {
             Backend::Aider => Some("aider"),
             Backend::Command | Backend::Openai => None,
         };
+        if preset.is_some() {
+            preset_key(r, name.as_str(), a);
+            if let Some(endpoint) = &a.endpoint {
+                check_endpoint(r, name.as_str(), endpoint).await;
+            }
+        } else if let Some(var) = &a.api_key_env {
+            r.check(
+                std::env::var(var).is_ok_and(|v| !v.trim().is_empty()),
+                format!("agent {name}: API key variable {var}"),
+                orch_runner::agents::missing_key_message(name.as_str(), var),
+            );
+        }
         match a.command.clone().or(preset.map(str::to_owned)) {
             Some(p) => match executable(&p) {
-                Ok(found) => r.check(
-                    true,
-                    format!("agent {name}: program {}", found.display()),
-                    "",
-                ),
+                Ok(found) => {
+                    r.check(
+                        true,
+                        format!("agent {name}: program {}", found.display()),
+                        "",
+                    );
+                    if let Some(tool) = preset {
+                        check_version(r, name.as_str(), tool, &found).await;
+                    }
+                }
                 Err(why) => r.check(
                     false,
                     format!("agent {name}: {why}"),
@@ -257,6 +278,168 @@ async fn agents(r: &mut Report, config: &Config) {
             ),
         }
     }
+}
+
+/// A preset's key: the variable `api_key_env` names must be set (each run gets a fresh HOME,
+/// so a CLI's login does not apply unless `config_home` keeps the user's).
+fn preset_key(r: &mut Report, name: &str, a: &orch_domain::config::AgentConfig) {
+    match &a.api_key_env {
+        Some(var) => {
+            let set = std::env::var(var).is_ok_and(|v| !v.trim().is_empty());
+            r.check(
+                set,
+                format!(
+                    "agent {name}: API key variable {var} is {}",
+                    if set { "set" } else { "not set" }
+                ),
+                orch_runner::agents::missing_key_message(name, var),
+            );
+        }
+        None if a.config_home.as_deref().map(str::trim) == Some("user") => r.push(
+            Status::Note,
+            format!("agent {name}: no api_key_env; the CLI's own login in your HOME is used (config_home = \"user\")"),
+            "",
+        ),
+        None => r.check(
+            false,
+            format!("agent {name}: no api_key_env, so the CLI gets no API key (each run has a fresh HOME: a login does not apply)"),
+            format!("set api_key_env = \"<VARIABLE>\" in [agents.{name}] (e.g. ANTHROPIC_API_KEY, OPENAI_API_KEY) and export that variable with the key where orch runs"),
+        ),
+    }
+}
+
+/// The agent's `endpoint` answers HTTP (any status: it is there); a refused or timed-out
+/// connection is a failure.
+async fn check_endpoint(r: &mut Report, name: &str, endpoint: &str) {
+    let client = match reqwest::Client::builder()
+        .timeout(Duration::from_secs(5))
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            r.check(
+                false,
+                format!("agent {name}: cannot check endpoint {endpoint}: {e}"),
+                "",
+            );
+            return;
+        }
+    };
+    match client.get(endpoint).send().await {
+        Ok(resp) => r.check(
+            true,
+            format!(
+                "agent {name}: endpoint {endpoint} answers (HTTP {})",
+                resp.status().as_u16()
+            ),
+            "",
+        ),
+        Err(e) => r.check(
+            false,
+            format!(
+                "agent {name}: endpoint {endpoint} does not answer: {}",
+                error_chain(&e)
+            ),
+            format!("start the model server, or fix [agents.{name}] endpoint (the API's base URL)"),
+        ),
+    }
+}
+
+/// An error with its causes, on one line.
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        text.push_str(&format!(": {c}"));
+        cur = c.source();
+    }
+    text
+}
+
+/// The CLI starts and says its version, within the versions orch was tested with.
+async fn check_version(r: &mut Report, name: &str, tool: &str, program: &Path) {
+    let home = match tempfile::tempdir() {
+        Ok(h) => h,
+        Err(e) => {
+            r.check(
+                false,
+                format!("agent {name}: cannot make a temporary HOME: {e}"),
+                "",
+            );
+            return;
+        }
+    };
+    let cmd = orch_exec::Cmd::new(program)
+        .arg("--version")
+        .env("HOME", home.path())
+        .env("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+        .timeout(Duration::from_secs(60));
+    let out = match orch_exec::run(&cmd).await {
+        Ok(out) => out,
+        Err(e) => {
+            r.check(
+                false,
+                format!(
+                    "agent {name}: `{} --version` does not start: {e}",
+                    program.display()
+                ),
+                format!(
+                    "reinstall {tool} (scripts/install-agent-clis installs the tested versions)"
+                ),
+            );
+            return;
+        }
+    };
+    let text = format!("{}\n{}", out.stdout_lossy(), out.stderr_lossy());
+    let (oldest, newest) = orch_runner::agents::tested_versions(tool);
+    let Some(version) = orch_runner::agents::version_in(&text).filter(|_| out.success()) else {
+        r.push(
+            Status::Warn,
+            format!(
+                "agent {name}: `{} --version` did not report a version ({})",
+                program.display(),
+                text.trim().lines().next().unwrap_or("no output")
+            ),
+            format!(
+                "orch was tested with {tool} {oldest} to {newest}; check that `command` is that CLI"
+            ),
+        );
+        return;
+    };
+    let v = |s: &str| orch_runner::agents::version_in(s).unwrap_or_default();
+    if version < v(oldest) {
+        // Older than anything tested: a FAIL (its output may not be what orch reads, and the
+        // fix is known); newer is a WARN (usually compatible, and checked by CI's newest run).
+        r.push(
+            Status::Fail,
+            format!(
+                "agent {name}: {tool} {} is older than the oldest tested ({oldest})",
+                dotted(&version)
+            ),
+            format!(
+                "upgrade {tool} to {oldest}..{newest} (scripts/install-agent-clis installs them)"
+            ),
+        );
+    } else if version > v(newest) {
+        r.push(
+            Status::Warn,
+            format!("agent {name}: {tool} {} is newer than the newest tested ({newest}); orch may misread its output", dotted(&version)),
+            format!("use a tested version ({oldest}..{newest}), or check a run's transcript (`orch logs ID --transcript`)"),
+        );
+    } else {
+        r.check(
+            true,
+            format!(
+                "agent {name}: {tool} {} (tested: {oldest} to {newest})",
+                dotted(&version)
+            ),
+            "",
+        );
+    }
+}
+
+fn dotted(v: &[u64]) -> String {
+    v.iter().map(u64::to_string).collect::<Vec<_>>().join(".")
 }
 
 async fn repos(r: &mut Report, cx: &Context, config: &Config) {

@@ -30,7 +30,7 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
         return Ok(ExitCode::SUCCESS);
     }
     let stats = store.queue_stats().await?;
-    let stages = store.count_tasks_by_stage().await?;
+    let stages = store.active_tasks_by_stage(stats.finished_since).await?;
     let nodes = store.nodes().await?;
     store.close().await;
     let mut by_state: BTreeMap<&str, i64> = BTreeMap::new();
@@ -49,7 +49,11 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
         .iter()
         .map(|s| format!("{s} {}", by_state.get(s).copied().unwrap_or(0)))
         .collect();
-    crate::output::outln(&format!("jobs: {}", summary.join(", ")));
+    crate::output::outln(&format!(
+        "jobs: {} (done, failed, cancelled: {})",
+        summary.join(", "),
+        orch_api::FINISHED_WINDOW_LABEL
+    ));
     match oldest_ms {
         Some(ms) => crate::output::outln(&format!("oldest ready job waiting: {}", age(ms))),
         None => crate::output::outln("no job is waiting"),
@@ -76,7 +80,11 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
             .iter()
             .map(|(s, n)| vec![s.clone(), n.to_string()])
             .collect();
-        crate::output::out(&format!("\n{}", table(&["stage", "tasks"], &rows)));
+        crate::output::out(&format!(
+            "\n{}(tasks at done, failed, cancelled: {})\n",
+            table(&["stage", "tasks"], &rows),
+            orch_api::FINISHED_WINDOW_LABEL
+        ));
     }
     if !stats.leases.is_empty() {
         let rows: Vec<Vec<String>> = stats
@@ -107,5 +115,46 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
             .collect();
         crate::output::out(&format!("\n{}", table(&["node", "last seen ago"], &rows)));
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `orch costs`: the cost report (`GET /costs`) as three tables: by repo, stage and day.
+pub async fn costs(cx: &Context) -> Result<ExitCode> {
+    let store = cx.open_store().await?;
+    let rows = store.usage_by_repo_stage_day().await;
+    store.close().await;
+    let report = dto::CostReport::new(&rows.context("reading the agent runs' costs")?);
+    if cx.json {
+        print_json(&dto::to_json(&report));
+        return Ok(ExitCode::SUCCESS);
+    }
+    let line = |key: &str, u: &dto::UsageDto| {
+        vec![
+            key.to_owned(),
+            u.runs.to_string(),
+            u.input_tokens.to_string(),
+            u.output_tokens.to_string(),
+            u.cost_text(),
+        ]
+    };
+    for (title, groups) in [
+        ("repo", &report.by_repo),
+        ("stage", &report.by_stage),
+        ("day (UTC)", &report.by_day),
+    ] {
+        let rows: Vec<Vec<String>> = groups.iter().map(|g| line(&g.key, &g.usage)).collect();
+        crate::output::out(&table(
+            &[title, "runs", "tokens in", "tokens out", "cost"],
+            &rows,
+        ));
+        crate::output::outln("");
+    }
+    crate::output::outln(&format!(
+        "total: {} runs, {} tokens in, {} out, cost {}",
+        report.total.runs,
+        report.total.input_tokens,
+        report.total.output_tokens,
+        report.total.cost_text()
+    ));
     Ok(ExitCode::SUCCESS)
 }

@@ -278,6 +278,105 @@ pub async fn logs(cx: &Context, id: &str) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `orch logs ID --transcript`: every agent run's transcript as a conversation, oldest run
+/// first, each with the diff it left (`--json`: the stored text and diff per run).
+pub async fn transcripts(cx: &Context, id: &str) -> Result<ExitCode> {
+    let config = cx.require_config()?;
+    let repos_dir = cx.repos_dir(config);
+    let store = cx.open_store().await?;
+    let task = find(&store, id).await?;
+    let runs = store.task_agent_runs(task.id).await?;
+    store.close().await;
+    let mut json_runs = Vec::new();
+    for r in &runs {
+        let kept = crate::api_ops::read_transcript(&repos_dir, &task.work_item_id, r.id).await;
+        let data: serde_json::Value = serde_json::from_str(&r.data).unwrap_or_default();
+        let format = data["transcript"]["format"]
+            .as_str()
+            .map(str::to_owned)
+            .unwrap_or_else(|| orch_domain::transcript::format_of(&r.backend).to_owned());
+        if cx.json {
+            json_runs.push(dto::RunTranscript {
+                run_id: r.id,
+                agent: r.agent.clone(),
+                backend: r.backend.clone(),
+                stage: r.stage.clone(),
+                outcome: r.outcome.clone(),
+                format,
+                transcript: kept.as_ref().map(|k| k.text.clone()),
+                diff: kept.as_ref().and_then(|k| k.diff.clone()),
+            });
+            continue;
+        }
+        crate::output::outln(&format!(
+            "=== run {} · {} ({}) · {} · attempt {} · {}",
+            r.id, r.agent, r.backend, r.stage, r.attempt, r.outcome
+        ));
+        let Some(kept) = kept else {
+            crate::output::outln("(no transcript kept on this machine)\n");
+            continue;
+        };
+        for e in orch_domain::transcript::entries(&format, &kept.text) {
+            crate::output::outln(&transcript_entry(&e));
+        }
+        if let Some(diff) = &kept.diff {
+            crate::output::outln(&format!("--- the run's diff\n{}", diff.trim_end()));
+        }
+        crate::output::outln("");
+    }
+    if cx.json {
+        print_json(&dto::to_json(&dto::Transcripts {
+            work_item: task.work_item_id.clone(),
+            runs: json_runs,
+        }));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One transcript entry as text: who or what, then the text indented.
+fn transcript_entry(e: &orch_domain::transcript::Entry) -> String {
+    use orch_domain::transcript::Entry;
+    let indent = |t: &str| {
+        t.trim_end()
+            .lines()
+            .map(|l| format!("    {l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    let with = |head: String, body: &str| {
+        if body.trim().is_empty() {
+            head
+        } else {
+            format!("{head}\n{}", indent(body))
+        }
+    };
+    match e {
+        Entry::Message { role, text } => with(format!("[{role}]"), text),
+        Entry::ToolCall { name, input } => with(format!("[tool call {name}]"), input),
+        Entry::ToolResult { text, error } => with(
+            if *error {
+                "[tool error]"
+            } else {
+                "[tool result]"
+            }
+            .to_owned(),
+            text,
+        ),
+        Entry::Command {
+            command,
+            exit_code,
+            output,
+        } => with(
+            format!(
+                "[command] $ {command} ({})",
+                exit_code.map_or_else(|| "running".to_owned(), |c| format!("exit {c}"))
+            ),
+            output,
+        ),
+        Entry::Note(text) => format!("[note] {text}"),
+    }
+}
+
 /// The task's outcome for the status table (`-` in flight), from the one outcome rule.
 async fn outcome_label(store: &Store, t: &Task) -> Result<String> {
     if !t.is_terminal() {

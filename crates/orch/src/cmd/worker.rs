@@ -45,6 +45,7 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
         let _ = r.await;
     }
     store.close().await;
+    leave_supervised();
     Ok(ExitCode::SUCCESS)
 }
 
@@ -93,7 +94,20 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     let _ = reloader.await;
     let _ = api.await;
     store.close().await;
+    leave_supervised();
     Ok(ExitCode::SUCCESS)
+}
+
+/// When the shutdown left stage commands running under their supervisors (an upgrade, a
+/// SIGTERM), exits now: the tasks waiting on them own the files those commands use (an
+/// agent's private home), which their destructors would remove. The next orch adopts them.
+fn leave_supervised() {
+    if orch_exec::supervise::left_running() {
+        tracing::info!(
+            "left running stage commands to their supervisors; the next orch on this machine adopts them"
+        );
+        std::process::exit(0);
+    }
 }
 
 /// Where this node's orch processes record the process groups they start.
@@ -136,6 +150,11 @@ async fn recover_from_dead_incarnations(
             Err(e) => tracing::warn!(worker = %dead.worker_id, error = %e,
                 "cannot end a dead orch process's leases; they expire on their own"),
         }
+    }
+    let supervised = dir.join("supervised");
+    if let Err(e) = orch_exec::supervise::enable(&supervised) {
+        tracing::warn!(dir = %supervised.display(), error = %e,
+            "cannot supervise commands; a restart of orch will interrupt what its stages run");
     }
     if let Err(e) = records::record_worker(worker_id) {
         tracing::warn!(dir = %dir.display(), error = %e,

@@ -256,6 +256,16 @@ done"#,
         p.submit("Skip the review");
         let serve = p.serve(free_port());
         let t = past(&p, "analysis").await;
+        if off {
+            // The agent moved the stage itself, before orch committed its artifact (after
+            // the run's transcript and diff are kept): wait for the commit, not only the stage.
+            let t0 = std::time::Instant::now();
+            while p.artifact("APP-1", "02-requirements.md").is_empty()
+                && t0.elapsed() < Duration::from_secs(30)
+            {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
         serve.terminate().await;
         let notes = p.artifact("APP-1", "02-requirements.md");
         let store = open(&p.dir).await;

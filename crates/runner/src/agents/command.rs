@@ -184,7 +184,15 @@ fn plan(config: &AgentConfig, role: Role, dirs: &Dirs, contained: bool) -> Resul
                 }
             }
             offered.retain(|t| !disallowed.contains(t));
-            let mut args = strs(&["-p", "--output-format", "json", "--max-turns"]);
+            // stream-json (which `-p` wants with `--verbose`): every message, tool call and
+            // tool result as a line, the result object last — the run's transcript.
+            let mut args = strs(&[
+                "-p",
+                "--output-format",
+                "stream-json",
+                "--verbose",
+                "--max-turns",
+            ]);
             args.push(config.max_turns.unwrap_or(DEFAULT_MAX_TURNS).to_string());
             args.push("--tools".into());
             args.push(offered.join(","));
@@ -445,6 +453,9 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     for (key, value) in vars.env() {
         cmd = cmd.env(key, value);
     }
+    if let Some(t) = inv.transcript {
+        cmd = cmd.stdout_sink(t.sink());
+    }
     for (key, value) in &plan.env {
         cmd = cmd.env(key, value);
     }
@@ -461,7 +472,13 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         cmd = cmd.env("TMPDIR", private_tmp);
     }
     // The key, read at the moment of use from the variable the agent names, under the name
-    // the CLI reads (Codex and a custom command read the named variable themselves).
+    // the CLI reads (Codex and a custom command read the named variable themselves). A named
+    // variable that is unset fails the stage at once: no CLI can authenticate without it.
+    if let Some(var) = &inv.config.api_key_env
+        && std::env::var(var).map_or(true, |v| v.trim().is_empty())
+    {
+        return TryResult::permanent(inv.error(missing_key_message(inv.agent.as_str(), var)));
+    }
     if let Some(var) = &inv.config.api_key_env
         && let Ok(key) = std::env::var(var)
     {
@@ -476,13 +493,24 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         cmd = cmd.stdin(inv.prompt.as_bytes().to_vec());
     }
     let started = std::time::Instant::now();
-    let out = run_process(&cmd).await;
+    let key = inv.run.command_key("agent");
+    let out = run_process(&cmd.supervised(key.clone())).await;
+    if let Ok(o) = &out {
+        inv.run.note_supervision("agent", &key, o).await;
+    }
     drop(prompt_file);
     let mut result = match out {
-        Ok(out) => TryResult {
-            started: true,
-            ..interpret(inv, &plan, &out)
-        },
+        Ok(out) => {
+            let mut r = TryResult {
+                started: true,
+                ..interpret(inv, &plan, &out)
+            };
+            // Started by an earlier orch and adopted (`command.adopted` says how).
+            if out.supervision.adopted() {
+                r.data.insert("adopted".into(), json!(true));
+            }
+            r
+        }
         Err(e @ (SpawnError::NotFound { .. } | SpawnError::PermissionDenied { .. })) => {
             TryResult::permanent(inv.error(e.to_string()))
         }
@@ -492,6 +520,13 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         codex_rollout_denials(&dirs, &mut result);
     }
     if plan.parser == Parser::Aider {
+        // Aider's chat history says more than its console (the prompt, the replies, the
+        // edits): it replaces the console output as the transcript.
+        if let Some(t) = inv.transcript
+            && let Ok(history) = std::fs::read(dirs.files.join("chat.history.md"))
+        {
+            t.replace(&history);
+        }
         let cleaned = clean_after_aider(&inv.run.git, inv.worktree).await;
         if !cleaned.is_empty() {
             result.data.insert("aider_cleaned".into(), json!(cleaned));
@@ -665,10 +700,90 @@ fn class_of_status(status: i64) -> Class {
     }
 }
 
+/// The class of Claude Code's `api_error` kind (its result's structured error field), when
+/// the kind says.
+fn class_of_api_error(kind: &str) -> Option<Class> {
+    let k = kind.to_lowercase();
+    if [
+        "connection",
+        "timeout",
+        "overloaded",
+        "rate_limit",
+        "server",
+        "unavailable",
+        "network",
+    ]
+    .iter()
+    .any(|w| k.contains(w))
+    {
+        Some(Class::Transient)
+    } else if [
+        "auth",
+        "permission",
+        "invalid_request",
+        "not_found",
+        "billing",
+        "credit",
+    ]
+    .iter()
+    .any(|w| k.contains(w))
+    {
+        Some(Class::Permanent)
+    } else {
+        None
+    }
+}
+
+/// Whether a CLI's message says authentication failed (no key, a wrong key, no login).
+fn is_auth_text(text: &str) -> bool {
+    let lower = text.to_lowercase();
+    [
+        "authentication",
+        "unauthorized",
+        "invalid api key",
+        "invalid x-api-key",
+        "incorrect api key",
+        "not logged in",
+        "please run /login",
+        "api key",
+    ]
+    .iter()
+    .any(|w| lower.contains(w))
+        || has_status(&lower, &["401", "403"])
+}
+
+/// What to set, in orch's terms, when a CLI could not authenticate.
+fn auth_hint(inv: &Invocation<'_>) -> String {
+    let agent = inv.agent.as_str();
+    match &inv.config.api_key_env {
+        Some(var) => format!(
+            "authentication failed: check the key in `{var}` (named by api_key_env in \
+             [agents.{agent}]) and that `endpoint` accepts it; a CLI login does not apply \
+             (each run gets a fresh HOME)"
+        ),
+        None => format!(
+            "authentication failed: set api_key_env = \"<VARIABLE>\" in [agents.{agent}] and \
+             export that variable with the key where orch runs; a CLI login does not apply \
+             (each run gets a fresh HOME)"
+        ),
+    }
+}
+
+/// The error of a run whose `api_key_env` names an unset variable.
+pub fn missing_key_message(agent: &str, var: &str) -> String {
+    format!(
+        "`{var}` is not set: [agents.{agent}] api_key_env names it as the variable holding \
+         the API key; export {var}=<key> in the environment of `orch serve`/`orch worker` \
+         (or point api_key_env at the variable that holds it), then retry the work item"
+    )
+}
+
 /// The class of an error text (a CLI's message that carries no status field).
 pub(crate) fn class_of_text(text: &str) -> Class {
     let lower = text.to_lowercase();
-    const PERMANENT: [&str; 12] = [
+    const PERMANENT: [&str; 14] = [
+        "not logged in",
+        "please run /login",
         "authentication",
         "unauthorized",
         "invalid api key",
@@ -682,7 +797,11 @@ pub(crate) fn class_of_text(text: &str) -> Class {
         "notfounderror",
         "model_not_found",
     ];
-    const TRANSIENT: [&str; 12] = [
+    const TRANSIENT: [&str; 15] = [
+        // Claude Code 2.1.197: "Unable to connect to API (ConnectionRefused)".
+        "unable to connect",
+        "connectionrefused",
+        "connection_failed",
         "temporary",
         "high demand",
         "internalservererror",
@@ -784,6 +903,12 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
             tail_suffix(out)
         ),
     };
+    let auth = plan.parser != Parser::Plain && parsed.auth;
+    let message = if auth || (plan.parser != Parser::Plain && is_auth_text(&message)) {
+        format!("{message} — {}", auth_hint(inv))
+    } else {
+        message
+    };
     let message = bound_text(&message, MAX_ERROR_BYTES);
     let class = match (plan.parser, code) {
         // A plain command says what kind of failure it had by its exit status (sysexits(3)).
@@ -861,6 +986,8 @@ struct Parsed {
     /// Actions the CLI refused the agent.
     denials: Vec<Denial>,
     data: serde_json::Map<String, Value>,
+    /// The report says authentication or permission failed (HTTP 401/403).
+    auth: bool,
 }
 
 fn int(v: &Value, key: &str) -> Option<i64> {
@@ -896,6 +1023,7 @@ fn parse_claude(stdout: &str) -> Parsed {
         "duration_ms",
         "subtype",
         "api_error_status",
+        "api_error",
         "terminal_reason",
         "stop_reason",
         "errors",
@@ -965,11 +1093,19 @@ fn parse_claude(stdout: &str) -> Parsed {
                 text = format!("{text} ({})", errors.join("; "));
             }
         }
-        parsed.class = Some(match (subtype, status) {
-            ("error_max_turns" | "error_max_budget_usd", _) => Class::Permanent,
-            (_, Some(s)) => class_of_status(s),
-            _ => class_of_text(&text),
-        });
+        // The structured fields first (newer Claude Code: `api_error` names the kind, e.g.
+        // "connection_failed"; `api_error_status` the HTTP status), the message text last.
+        let api_error = result.get("api_error").and_then(Value::as_str);
+        parsed.auth = matches!(status, Some(401 | 403))
+            || api_error.is_some_and(|k| k.contains("auth") || k.contains("permission"));
+        parsed.class = Some(
+            match (subtype, status, api_error.and_then(class_of_api_error)) {
+                ("error_max_turns" | "error_max_budget_usd", _, _) => Class::Permanent,
+                (_, Some(s), _) => class_of_status(s),
+                (_, None, Some(c)) => c,
+                _ => class_of_text(&text),
+            },
+        );
         parsed.error = Some(bound_text(&text, MAX_ERROR_BYTES));
     }
     parsed
@@ -1402,7 +1538,8 @@ mod tests {
                 &[
                     "-p",
                     "--output-format",
-                    "json",
+                    "stream-json",
+                    "--verbose",
                     "--max-turns",
                     "50",
                     "--tools",
@@ -1424,7 +1561,8 @@ mod tests {
                 &[
                     "-p",
                     "--output-format",
-                    "json",
+                    "stream-json",
+                    "--verbose",
                     "--max-turns",
                     "7",
                     "--tools",
@@ -1449,7 +1587,8 @@ mod tests {
                 &[
                     "-p",
                     "--output-format",
-                    "json",
+                    "stream-json",
+                    "--verbose",
                     "--max-turns",
                     "50",
                     "--tools",
@@ -1673,6 +1812,26 @@ mod tests {
         assert!(p.error.unwrap().contains("API error 500"));
         let auth = r#"{"type":"result","subtype":"success","is_error":true,"api_error_status":401,"result":"Invalid API key"}"#;
         assert_eq!(parse_claude(auth).class, Some(Class::Permanent));
+        assert!(parse_claude(auth).auth);
+
+        // The structured fields decide before the words: newer Claude Code names the kind.
+        let refused = r#"{"type":"result","subtype":"success","is_error":true,"terminal_reason":"api_error","api_error":"connection_failed","result":"API Error: Connection refused"}"#;
+        let p = parse_claude(refused);
+        assert_eq!(p.class, Some(Class::Transient));
+        assert_eq!(
+            p.data.get("claude_api_error"),
+            Some(&Value::from("connection_failed"))
+        );
+        let kind_says_auth = r#"{"type":"result","subtype":"success","is_error":true,"api_error":"authentication_failed","result":"rate limit words do not decide"}"#;
+        let p = parse_claude(kind_says_auth);
+        assert_eq!(p.class, Some(Class::Permanent));
+        assert!(p.auth);
+        // 2.1.197 has no kind: its words, which used to slip past the text match.
+        let old = r#"{"type":"result","subtype":"success","is_error":true,"result":"Unable to connect to API (ConnectionRefused)"}"#;
+        assert_eq!(parse_claude(old).class, Some(Class::Transient));
+        let login = r#"{"type":"result","subtype":"success","is_error":true,"result":"Not logged in · Please run /login"}"#;
+        assert_eq!(parse_claude(login).class, Some(Class::Permanent));
+        assert!(is_auth_text("Not logged in · Please run /login"));
 
         let denied = r#"{"type":"result","subtype":"success","is_error":false,"result":"done","usage":{"input_tokens":1,"output_tokens":1},"permission_denials":[{"tool_name":"Bash","tool_use_id":"t1","tool_input":{"command":"python3 -m unittest -q"}},{"tool_name":"WebFetch","tool_use_id":"t2","tool_input":{"url":"http://x"}}]}"#;
         let p = parse_claude(denied);

@@ -13,7 +13,7 @@ use orch_domain::ids::ArtifactName;
 const HASH_LIMIT: u64 = 4 * 1024 * 1024;
 
 /// What an artifact file looked like at one moment.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub(crate) struct Stamp {
     len: u64,
     modified: Option<SystemTime>,
@@ -70,6 +70,47 @@ pub(crate) fn unwritten(dir: &Path, before: &Snapshot) -> Unwritten {
         }
     }
     out
+}
+
+/// `fresh`, kept for job `job`'s try `try_no`; when the job adopts commands an earlier orch
+/// started (see [`orch_exec::supervise`]), the snapshot that orch kept instead, so an adopted
+/// agent run's files are judged against what they were before it ran, not after. Without
+/// supervision, or when the kept copy cannot be written or read, `fresh` (logged).
+pub(crate) fn snapshot_once(job: i64, try_no: u32, fresh: Snapshot) -> Snapshot {
+    use orch_exec::supervise;
+    let name = format!("before-{try_no}");
+    if supervise::job_has_records(job)
+        && let Some(bytes) = supervise::kept(job, &name)
+    {
+        match serde_json::from_slice::<Vec<(String, Option<Stamp>)>>(&bytes) {
+            Ok(kept) => {
+                let kept: Option<Snapshot> = kept
+                    .into_iter()
+                    .map(|(n, s)| n.parse().ok().map(|n| (n, s)))
+                    .collect();
+                if let Some(kept) = kept {
+                    return kept;
+                }
+                tracing::warn!(
+                    job,
+                    "a kept artifact snapshot names an invalid file; using a fresh one"
+                );
+            }
+            Err(e) => {
+                tracing::warn!(job, error = %e, "a kept artifact snapshot is unreadable; using a fresh one");
+            }
+        }
+        return fresh;
+    }
+    let plain: Vec<(String, Option<Stamp>)> = fresh
+        .iter()
+        .map(|(n, s)| (n.to_string(), s.clone()))
+        .collect();
+    match serde_json::to_vec(&plain) {
+        Ok(bytes) => supervise::keep(job, &name, &bytes),
+        Err(e) => tracing::warn!(job, error = %e, "cannot encode an artifact snapshot"),
+    }
+    fresh
 }
 
 pub(crate) use crate::fsutil::write_atomic_io as write_atomic;

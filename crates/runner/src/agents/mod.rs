@@ -31,6 +31,7 @@ mod command;
 mod files;
 mod openai;
 mod prompt;
+pub mod transcript;
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -415,6 +416,7 @@ impl AgentExecutor {
                 model: p.config.model.clone(),
                 attempt: run.lease.attempt,
             },
+            try_no,
         )
         .await
         .map_err(|source| AgentError::Store {
@@ -422,7 +424,27 @@ impl AgentExecutor {
             what: "cannot record the agent run",
             source,
         })?;
-        let before = files::snapshot(&p.artifact_dir, &p.expected);
+        // The first execution's view when this job adopts an agent run an earlier orch
+        // started: its files were written before this process could look at them.
+        let before = files::snapshot_once(
+            run.job.id,
+            try_no,
+            files::snapshot(&p.artifact_dir, &p.expected),
+        );
+        let secrets = self.secrets(run);
+        let backend = backend_name(p.config.backend);
+        let transcript = match transcript::Transcript::create(
+            &run.repos_dir,
+            run.work_item.as_str(),
+            row.id,
+            &secrets,
+        ) {
+            Ok(t) => Some(t),
+            Err(e) => {
+                tracing::warn!(%agent, error = %e, "cannot create the run's transcript file; the run keeps none");
+                None
+            }
+        };
         let inv = Invocation {
             agent,
             config: &p.config,
@@ -434,6 +456,7 @@ impl AgentExecutor {
             primary: p.primary.as_deref(),
             expected: &p.expected,
             timeout: p.timeout,
+            transcript: transcript.as_ref(),
         };
         let mut result = match p.config.backend {
             Backend::Openai => match self.http() {
@@ -446,13 +469,28 @@ impl AgentExecutor {
             },
             _ => command::run(&inv).await,
         };
+        if let Some(t) = &transcript {
+            let mut meta = t.finish(backend);
+            if result.started
+                && let Some(diff) = run_diff(run, &p.worktree, &secrets).await
+            {
+                let rel = transcript::diff_relative_path(run.work_item.as_str(), row.id);
+                let written = transcript::create_private(&run.repos_dir.join(&rel))
+                    .and_then(|mut f| std::io::Write::write_all(&mut f, diff.as_bytes()));
+                match written {
+                    Ok(()) => meta["diff"] = rel.into(),
+                    Err(e) => tracing::warn!(%agent, error = %e, "cannot keep the run's diff"),
+                }
+            }
+            result.data.insert("transcript".into(), meta);
+        }
         result.data.insert("try".into(), try_no.into());
         result.data.insert("tries".into(), tries.into());
         result
             .data
             .insert("role".into(), p.role_source.clone().into());
         result.end = match result.end {
-            TryEnd::Ok => self.check_written(run, p, &before),
+            TryEnd::Ok => self.check_written(run, p, files::unwritten(&p.artifact_dir, &before)),
             other => other,
         };
         self.account(p, &mut result);
@@ -481,6 +519,34 @@ impl AgentExecutor {
         })
         .await;
         Ok(result)
+    }
+
+    /// Every secret value orch knows, for redaction: each agent's key (the variables their
+    /// `api_key_env` name), orch's API token and database URL, and orch's secret variables.
+    fn secrets(&self, run: &StageRun) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for c in self.inner.agents.values() {
+            if let Some(var) = &c.api_key_env
+                && let Ok(v) = std::env::var(var)
+            {
+                out.push(v);
+            }
+        }
+        for s in [&self.inner.settings, &run.settings] {
+            if let Some(t) = &s.token {
+                out.push(t.expose().to_owned());
+            }
+            if let Some(u) = &s.database_url {
+                out.push(u.clone());
+            }
+        }
+        for var in orch_domain::net::SECRET_VARS {
+            if let Ok(v) = std::env::var(var) {
+                out.push(v);
+            }
+        }
+        out.retain(|s| !s.trim().is_empty());
+        out
     }
 
     /// Prices reported tokens when the tool reported no cost, and marks what is unknown.
@@ -570,8 +636,7 @@ impl AgentExecutor {
     }
 
     /// `Ok` when every expected artifact was written by this try, else the failure.
-    fn check_written(&self, run: &StageRun, p: &Prepared, before: &files::Snapshot) -> TryEnd {
-        let left = files::unwritten(&p.artifact_dir, before);
+    fn check_written(&self, run: &StageRun, p: &Prepared, left: files::Unwritten) -> TryEnd {
         let paths = |names: &[ArtifactName]| -> Vec<String> {
             names
                 .iter()
@@ -715,6 +780,70 @@ impl Prepared {
     }
 }
 
+/// The most bytes of a run's diff kept.
+const DIFF_LIMIT: usize = 1024 * 1024;
+
+/// The worktree's changes against its `HEAD` after a run, untracked files included (read
+/// through a temporary index and a temporary object directory, so neither the worktree's index
+/// nor the repository's objects change), redacted and bounded; `None` when there are none or
+/// git cannot say.
+async fn run_diff(
+    run: &StageRun,
+    worktree: &std::path::Path,
+    secrets: &[String],
+) -> Option<String> {
+    let tmp = tempfile::tempdir().ok()?;
+    let index = tmp.path().join("index");
+    let objects = tmp.path().join("objects");
+    std::fs::create_dir_all(&objects).ok()?;
+    // The repository's own objects, read-only: what `git add` hashes goes to the temporary
+    // directory, so nothing the run left (a file no stage may commit) enters orch's clone.
+    let common = orch_exec::process::run(&run.git.command(worktree).args([
+        "rev-parse",
+        "--path-format=absolute",
+        "--git-common-dir",
+    ]))
+    .await
+    .ok()
+    .filter(|o| o.success())?;
+    let repo_objects = std::path::PathBuf::from(common.stdout_lossy().trim()).join("objects");
+    let git = |args: &[&str]| {
+        run.git
+            .command(worktree)
+            .args(args.iter().copied())
+            .env("GIT_INDEX_FILE", &index)
+            .env("GIT_OBJECT_DIRECTORY", &objects)
+            .env("GIT_ALTERNATE_OBJECT_DIRECTORIES", &repo_objects)
+            .output_limit(DIFF_LIMIT)
+    };
+    for step in [&["read-tree", "HEAD"][..], &["add", "-A"][..]] {
+        match orch_exec::process::run(&git(step)).await {
+            Ok(o) if o.success() => {}
+            Ok(o) => {
+                tracing::debug!(output = %o.tail_text(3), "cannot read the run's diff");
+                return None;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "cannot read the run's diff");
+                return None;
+            }
+        }
+    }
+    let out = orch_exec::process::run(&git(&["diff", "--cached", "--no-color", "--no-ext-diff"]))
+        .await
+        .ok()
+        .filter(|o| o.success())?;
+    let text = out.stdout_lossy();
+    if text.trim().is_empty() {
+        return None;
+    }
+    let mut text = transcript::redact_text(&text, secrets);
+    if out.stdout_truncated() {
+        text = format!("(orch kept only the last {DIFF_LIMIT} bytes of the diff)\n{text}");
+    }
+    Some(text)
+}
+
 /// What a backend gets for one try.
 pub(crate) struct Invocation<'a> {
     pub agent: &'a AgentName,
@@ -731,6 +860,8 @@ pub(crate) struct Invocation<'a> {
     /// Every document the stage requires, by name (in `artifact_dir`).
     pub expected: &'a [ArtifactName],
     pub timeout: Duration,
+    /// Where the CLI's structured output goes while it runs.
+    pub transcript: Option<&'a transcript::Transcript>,
 }
 
 impl Invocation<'_> {
@@ -887,6 +1018,27 @@ impl TryResult {
     }
 }
 
+pub use command::missing_key_message;
+
+/// The oldest and newest versions of a preset's CLI (`claude`, `codex`, `aider`) that orch's
+/// real-CLI tests ran (see the README); `orch doctor` warns outside them.
+pub fn tested_versions(tool: &str) -> (&'static str, &'static str) {
+    match tool {
+        "claude" => ("2.1.197", "2.1.332"),
+        "codex" => ("0.171.0", "0.171.0"),
+        "aider" => ("0.86.2", "0.86.2"),
+        _ => ("", ""),
+    }
+}
+
+/// The first `N.N[.N…]` version in `text`, as numbers (compare as a list).
+pub fn version_in(text: &str) -> Option<Vec<u64>> {
+    text.split(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .map(|w| w.trim_matches('.'))
+        .find(|w| w.contains('.') && w.split('.').all(|p| !p.is_empty()))
+        .and_then(|w| w.split('.').map(|p| p.parse().ok()).collect())
+}
+
 /// The `agent_runs.backend` of a backend kind.
 fn backend_name(backend: Backend) -> &'static str {
     match backend {
@@ -946,8 +1098,35 @@ struct RunRow {
 }
 
 impl RunRow {
-    async fn start(store: &Store, run: NewAgentRun) -> Result<RunRow, StoreError> {
+    /// A new row for try `try_no`, or, when this job adopts the commands an earlier orch
+    /// started (they outlived it under their supervisors), the row that orch wrote for the
+    /// same try: one run, one row, its cost counted once. A row that orch already finished
+    /// (it died after recording the run, before the stage's outcome) is left as it is.
+    async fn start(store: &Store, run: NewAgentRun, try_no: u32) -> Result<RunRow, StoreError> {
+        use orch_exec::supervise;
+        let note = format!("agent-run-{try_no}");
+        if let Some(job) = run.job_id
+            && supervise::job_has_records(job)
+            && let Some(id) = supervise::kept(job, &note)
+                .and_then(|b| String::from_utf8(b).ok())
+                .and_then(|s| s.trim().parse::<i64>().ok())
+            && let Some(row) = store
+                .task_agent_runs(run.task_id)
+                .await?
+                .into_iter()
+                .find(|r| r.id == id && r.job_id == Some(job))
+        {
+            return Ok(RunRow {
+                store: store.clone(),
+                id: row.id,
+                finished: row.finished_at.is_some(),
+            });
+        }
+        let job = run.job_id;
         let id = store.start_agent_run(run).await?;
+        if let Some(job) = job {
+            supervise::keep(job, &note, id.to_string().as_bytes());
+        }
         Ok(RunRow {
             store: store.clone(),
             id,
@@ -955,8 +1134,12 @@ impl RunRow {
         })
     }
 
-    /// Finishes the row; a store error is logged, not returned: the run happened either way.
+    /// Finishes the row (unless an earlier orch already did, for the run this one adopted); a
+    /// store error is logged, not returned: the run happened either way.
     async fn finish(mut self, finish: AgentRunFinish) {
+        if self.finished {
+            return;
+        }
         self.finished = true;
         if let Err(e) = self.store.finish_agent_run(self.id, finish).await {
             tracing::warn!(run_id = self.id, error = %e, "cannot record the end of an agent run");

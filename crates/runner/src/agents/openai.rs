@@ -50,6 +50,12 @@ pub(crate) async fn run(inv: &Invocation<'_>, client: &reqwest::Client) -> TryRe
             {"role": "user", "content": inv.prompt},
         ],
     });
+    // The transcript: the messages sent, one JSON line each, then the answer.
+    if let Some(t) = inv.transcript {
+        for m in body["messages"].as_array().into_iter().flatten() {
+            t.push(format!("{m}\n").as_bytes());
+        }
+    }
     let mut request = client.post(&url).json(&body).timeout(inv.timeout);
     if let Some(key) = &key {
         request = request.bearer_auth(key);
@@ -84,6 +90,14 @@ pub(crate) async fn run(inv: &Invocation<'_>, client: &reqwest::Client) -> TryRe
             ..network_failure(inv, &url, &e)
         },
         Ok((status, retry_after, body)) => {
+            if let Some(t) = inv.transcript {
+                let line = match serde_json::from_slice::<Value>(&body) {
+                    Ok(v) => v.to_string(),
+                    Err(_) => json!({"http_status": status.as_u16(), "body": String::from_utf8_lossy(&body)})
+                        .to_string(),
+                };
+                t.push(format!("{line}\n").as_bytes());
+            }
             let mut r = answer(inv, &url, status, &body);
             r.started = true;
             r.data.insert("http_status".into(), status.as_u16().into());

@@ -90,6 +90,18 @@ impl StageExecutor for DeployerExecutor {
             restore_markers(run, &state, seq).await?;
         }
         if state.has_marker(MARKER_INITIATED) {
+            // This job's deploy command was started by an orch that stopped while it ran, and
+            // it runs (or ended) under its supervisor: wait for it and take its result, as the
+            // stopped orch would have.
+            if state.read_result().is_none()
+                && let Some(command) = run.repo.deploy.clone()
+                && let Some(revision) = initiated_revision(&state)
+                && orch_exec::supervise::job_has_records(run.job.id)
+            {
+                return self
+                    .run_and_finalize(run, &state, seq, &command, &revision)
+                    .await;
+            }
             if state.read_result().is_none()
                 && run.repo.deploy.is_some()
                 && let Some(revision) = initiated_revision(&state)
@@ -406,7 +418,21 @@ impl DeployerExecutor {
         )
         .await?;
         crate::failpoint::hit("deploy.after_initiated");
-        let result = run_repo_command(run, &command, &revision).await;
+        self.run_and_finalize(run, state, seq, &command, &revision)
+            .await
+    }
+
+    /// Runs the deploy command (or adopts it from an earlier orch), records its result, then
+    /// finalizes in the same job.
+    async fn run_and_finalize(
+        &self,
+        run: &StageRun,
+        state: &DeployState,
+        seq: i64,
+        command: &str,
+        revision: &str,
+    ) -> anyhow::Result<StageEffect> {
+        let result = run_repo_command(run, "deploy", command, revision).await;
         crate::failpoint::hit("deploy.after_command");
         let (success, detail) = match &result {
             Ok(out) if out.status == ExitKind::Cancelled => {
@@ -432,7 +458,7 @@ impl DeployerExecutor {
         };
         if !state.write_result(&DeployResult {
             success,
-            revision: Some(revision.clone()),
+            revision: Some(revision.to_owned()),
             finished_at_ms: run.store.now_ms(),
             detail: detail.clone(),
         }) {
@@ -440,7 +466,7 @@ impl DeployerExecutor {
         }
         if !success {
             return self
-                .give_up(run, state, seq, Trouble::DeployFailed, detail, &revision)
+                .give_up(run, state, seq, Trouble::DeployFailed, detail, revision)
                 .await;
         }
         self.finalize(run, state, seq).await

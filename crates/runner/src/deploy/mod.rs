@@ -229,11 +229,13 @@ pub(crate) fn event_str(event: &Event, key: &str) -> Option<String> {
         .map(str::to_owned)
 }
 
-/// Runs a repo command (`deploy`, `rollback`) with `sh -c` in a checkout of `revision`,
-/// with the deploy timeout, `ORCH_WORK_ITEM` and `ORCH_REVISION`, stopped when the run is
-/// cancelled.
+/// Runs a repo command (`label`: `deploy`, `rollback`) with `sh -c` in a checkout of
+/// `revision`, with the deploy timeout, `ORCH_WORK_ITEM` and `ORCH_REVISION`, stopped when the
+/// run is cancelled. It runs under a supervisor: a restart of orch while it runs neither cuts
+/// it in half nor runs it twice (the restarted orch adopts it).
 pub(crate) async fn run_repo_command(
     run: &StageRun,
+    label: &str,
     command: &str,
     revision: &str,
 ) -> Result<Output, SpawnError> {
@@ -261,7 +263,12 @@ pub(crate) async fn run_repo_command(
             .timeout(Duration::from_secs(run.repo.deploy_timeout_s.max(1)))
             .cancel_on(run.cancel.clone()),
     );
-    run_process(&cmd).await
+    let key = run.command_key(label);
+    let out = run_process(&cmd.supervised(key.clone())).await;
+    if let Ok(o) = &out {
+        run.note_supervision(label, &key, o).await;
+    }
+    out
 }
 
 /// The last lines of a command's output for events and reasons.

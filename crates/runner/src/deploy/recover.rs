@@ -181,21 +181,25 @@ pub(crate) async fn settle(
         let reruns = super::rollback_reruns(&history, seq, kinds.rerun);
         let ended = super::of_visit(&history, seq, kinds.ran).next().is_some();
         let back = matches!(next(&situation(true), &sight), Next::Settled { .. });
+        // This job's rollback command outlived the orch that started it (under its
+        // supervisor): it is adopted — waited for or its result taken — never run again.
+        let adopt = orch_exec::supervise::job_has_records(run.job.id);
         if !ended
-            && !back
-            && reruns < super::ROLLBACK_RERUNS
+            && (adopt || (!back && reruns < super::ROLLBACK_RERUNS))
             && let Some(cmd) = &command
         {
-            super::record_rollback_rerun(
-                run,
-                seq,
-                kinds.rerun,
-                &format!("the rollback of `{}`", case.revision),
-                case.revision,
-                cmd,
-                reruns,
-            )
-            .await?;
+            if !adopt {
+                super::record_rollback_rerun(
+                    run,
+                    seq,
+                    kinds.rerun,
+                    &format!("the rollback of `{}`", case.revision),
+                    case.revision,
+                    cmd,
+                    reruns,
+                )
+                .await?;
+            }
             let (r, s, failed) = roll_back(run, seq, kinds, verify, &case, cmd, &mut tried).await?;
             (rolled, sight, command_failed) = (r, s, failed);
         } else {
@@ -329,7 +333,7 @@ async fn roll_back(
     command: &str,
     tried: &mut Vec<String>,
 ) -> anyhow::Result<(Rolled, Sight, bool)> {
-    let out = run_repo_command(run, command, case.revision).await;
+    let out = run_repo_command(run, "rollback", command, case.revision).await;
     if kinds.started == WATCH.started {
         crate::failpoint::hit("monitor.after_rollback");
     }

@@ -125,6 +125,53 @@ impl StageRun {
         d.done.get_or_try_init(|| (d.prepare)()).await.map(|_| ())
     }
 
+    /// The key of this job's next command labelled `label`, for [`orch_exec::Cmd::supervised`]:
+    /// the same job run again (orch restarted) asks for the same keys in the same order and
+    /// adopts its commands instead of running them twice.
+    pub fn command_key(&self, label: &str) -> String {
+        orch_exec::supervise::next_key(self.job.id, label)
+    }
+
+    /// Records that a command of this job (`label`, run with key `key`) was adopted from an
+    /// earlier orch or run again because its record was lost; nothing for a command this
+    /// process started. A failure to record is logged: the command's result stands.
+    pub async fn note_supervision(&self, label: &str, key: &str, out: &orch_exec::Output) {
+        use orch_domain::control::events;
+        use orch_exec::supervise::Supervision;
+        let (kind, message, state) = match out.supervision {
+            Supervision::AdoptedRunning => (
+                events::COMMAND_ADOPTED,
+                format!(
+                    "`{label}` was started by an earlier orch and still ran: adopted and waited for, not run again"
+                ),
+                "running",
+            ),
+            Supervision::AdoptedFinished => (
+                events::COMMAND_ADOPTED,
+                format!(
+                    "`{label}` was started by an earlier orch and ended while orch was away: its result was taken, not run again"
+                ),
+                "finished",
+            ),
+            Supervision::Restarted => (
+                events::COMMAND_RERUN,
+                format!(
+                    "`{label}` was started by an earlier orch whose record was lost (no result, supervisor gone): run again"
+                ),
+                "rerun",
+            ),
+            Supervision::Direct | Supervision::Started => return,
+        };
+        let event = orch_store::NewEvent::new(kind, message)
+            .task(self.task.id)
+            .job(self.job.id)
+            .stage(self.stage.name.as_str())
+            .data(serde_json::json!({"label": label, "key": key, "state": state}).to_string());
+        if let Err(e) = self.store.append_event_fenced(self.lease, event).await {
+            tracing::warn!(work_item = %self.work_item, label, error = %e, "cannot record a command's adoption");
+        }
+    }
+
     /// This job's payload without any markers: what a re-enqueued job of the same stage visit
     /// should carry before its own marker is appended.
     pub fn base_content(&self) -> String {

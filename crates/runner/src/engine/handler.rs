@@ -325,6 +325,9 @@ impl Engine {
                 .executors
                 .get(&job_kind(&stage))
                 .is_some_and(|e| e.defers_worktree());
+        // A command this job started before orch restarted (an agent still writing, or done
+        // writing while orch was away) is adopted: its worktree is taken as it is, not reset.
+        let adopting = orch_exec::supervise::job_has_records(cx.job.id);
         // What the preparation needs, shared by the (possibly deferred) calls of it.
         let inputs = Arc::new((
             self.git.clone(),
@@ -336,7 +339,7 @@ impl Engine {
             let inputs = inputs.clone();
             Box::pin(async move {
                 let (git, paths, work_item, repo) = &*inputs;
-                ready_worktree(git, paths, work_item, repo, taken_over).await
+                ready_worktree(git, paths, work_item, repo, taken_over, adopting).await
             }) as futures::future::BoxFuture<'static, Result<()>>
         };
         let prep = if defers {
@@ -442,7 +445,8 @@ impl Engine {
             )
             .await;
         }
-        if cx.lease.attempt > 1 {
+        // An agent run whose command this job adopts keeps its row (the agent finishes it).
+        if cx.lease.attempt > 1 && !orch_exec::supervise::job_has_records(cx.job.id) {
             self.close_abandoned_runs(&run).await;
         }
         let effect = executor.execute(&run).await?;
@@ -942,18 +946,26 @@ impl Engine {
 /// Brings the work item's worktree to where a stage starts from: the branch caught up with
 /// what another node pushed (design.md §10: where work branches are shared, another node may
 /// have moved it since this node last worked on the item, and always after a takeover), then
-/// the worktree created, reused or repaired and reset to the branch's committed state.
+/// the worktree created, reused or repaired and reset to the branch's committed state — unless
+/// the job is `adopting` a command an earlier orch started in that worktree (then it is kept).
 async fn ready_worktree(
     git: &Git,
     paths: &RepoPaths,
     work_item: &WorkItemId,
     repo: &orch_domain::config::RepoConfig,
     taken_over: bool,
+    adopting: bool,
 ) -> Result<()> {
-    if taken_over || repos::shares_work_branches(git, &paths.repo_dir, repo).await {
-        repos::catch_up_work_branch(git, paths, work_item).await?;
-    }
-    let worktree = repos::prepare_worktree(git, paths, work_item, &repo.default_branch).await?;
+    let existing = paths.worktree(work_item);
+    let worktree = if adopting && existing.join(".git").exists() {
+        tracing::info!(%work_item, "the job adopts a command an earlier orch started: its worktree is kept as it is");
+        existing
+    } else {
+        if taken_over || repos::shares_work_branches(git, &paths.repo_dir, repo).await {
+            repos::catch_up_work_branch(git, paths, work_item).await?;
+        }
+        repos::prepare_worktree(git, paths, work_item, &repo.default_branch).await?
+    };
     // Documents are written only through real folders: a branch whose item folder (or a
     // folder above it) is a link never gets a stage run on it.
     let folder = work_item.artifact_dir();

@@ -423,8 +423,11 @@ async fn run_step(
         output_tail,
         is_smoke: step.is_smoke,
     };
-    match orch_exec::run(&cmd).await {
+    let key = run.command_key("staging");
+    match orch_exec::run(&cmd.supervised(key.clone())).await {
         Ok(out) => {
+            run.note_supervision(&format!("staging step {}", step.name), &key, &out)
+                .await;
             let exit = match out.status {
                 // A step says the staging endpoint could not be reached with EX_TEMPFAIL (75):
                 // infrastructure, not the change (seed ORCH-115: TOOL_ERROR). Other failures an

@@ -156,12 +156,14 @@ pub(crate) async fn run_test_command(
     // Below orch's priority: a test run is batch work (a staging step is not: the service it
     // may start would keep the lower priority for good).
     let cmd = contained.apply(shell_cmd(run, command, Duration::from_secs(timeout_s)).batch());
-    let out = orch_exec::run(&cmd)
+    let key = run.command_key("tests");
+    let out = orch_exec::run(&cmd.supervised(key.clone()))
         .await
         .map_err(|source| TestRunError::Spawn {
             command: command.to_owned(),
             source,
         })?;
+    run.note_supervision("tests", &key, &out).await;
     let note = contained.note.clone();
     drop(contained);
     let (status, reason) = match out.status {

@@ -64,11 +64,15 @@ CREATE TABLE tasks (
 CREATE INDEX agent_runs_task ON agent_runs (task_id, id);
 CREATE INDEX events_kind ON events (kind, id);
 CREATE INDEX events_task ON events (task_id, id);
+CREATE INDEX jobs_active ON jobs (state, agent) WHERE state IN ('queued', 'running');
 CREATE UNIQUE INDEX jobs_dedupe ON jobs (dedupe_key) WHERE dedupe_key IS NOT NULL;
 CREATE INDEX jobs_finished ON jobs (finished_at) WHERE state IN ('done', 'failed', 'cancelled');
 CREATE INDEX jobs_leases ON jobs (lease_expires_at) WHERE state = 'running';
+CREATE INDEX jobs_queued_at ON jobs (available_at) WHERE state = 'queued';
 CREATE INDEX jobs_ready ON jobs (priority DESC, available_at, id) WHERE state = 'queued';
 CREATE INDEX jobs_state_agent ON jobs (state, agent);
 CREATE INDEX jobs_task ON jobs (task_id, agent);
+CREATE INDEX tasks_ended ON tasks (updated_at, id) WHERE stage IN ('done', 'failed', 'cancelled');
+CREATE INDEX tasks_live ON tasks (stage, repo) WHERE stage NOT IN ('done', 'failed', 'cancelled');
 CREATE INDEX tasks_repo ON tasks (repo, stage, id);
 CREATE INDEX tasks_stage ON tasks (stage, id);
