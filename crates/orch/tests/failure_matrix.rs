@@ -418,8 +418,12 @@ impl Service {
             )),
             Some(Staging::NoSteps) => {}
         }
+        // The watch is long enough in absolute time for a FAILED verdict on a loaded machine:
+        // a release that turns unhealthy gives at least 4 FAIL polls before the deadline even
+        // when late ticks skip slots. With 6 s of 1 s slots, a CI run under load polled twice
+        // before the deadline and ended DEGRADED (alert only, no rollback) instead.
         c.push_str(&format!(
-            "\n[repos.{n}.post_deploy]\nwindow_s = 6\ninterval_s = 1\ninitial_delay_s = 1\npoll_timeout_s = 2\n",
+            "\n[repos.{n}.post_deploy]\nwindow_s = 16\ninterval_s = 2\ninitial_delay_s = 1\npoll_timeout_s = 2\n",
             n = row.name
         ));
         c
