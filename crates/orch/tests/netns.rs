@@ -699,7 +699,15 @@ async fn a_host_dies_mid_deploy_and_the_host_that_took_over_dies_mid_watch() {
     let deploys = production_deploys(&c.dir);
     let last = 5 - w;
     let left = c.processes(last);
-    let jobs = live_jobs(&store, t.id).await;
+    // The job that ended the item (`lessons`) is completed just after it moved the task to
+    // `done` (the stage's move and the job's completion are two fenced writes): give it the
+    // moment, then nothing of the item may be live.
+    let t_jobs = Instant::now();
+    let mut jobs = live_jobs(&store, t.id).await;
+    while !jobs.is_empty() && t_jobs.elapsed() < Duration::from_secs(30) {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        jobs = live_jobs(&store, t.id).await;
+    }
     c.stop().await;
 
     assert_eq!(t.stage, "done", "{summary:#?}");
