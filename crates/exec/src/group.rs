@@ -230,6 +230,86 @@ pub(crate) async fn sweep(pgid: i32, grace: Duration) {
     }
 }
 
+/// The live (not zombie) processes of session `sid`, its leader excepted, that started at or
+/// after clock tick `since` (from `/proc`; empty when it cannot be read).
+fn session_members(sid: i32, since: u64) -> Vec<i32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: i32 = e.file_name().to_str()?.parse().ok()?;
+            if pid == sid {
+                return None;
+            }
+            let stat = std::fs::read_to_string(e.path().join("stat")).ok()?;
+            // After the command name: state ppid pgrp session … starttime (the 20th).
+            let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+            if matches!(fields.first(), None | Some(&"Z") | Some(&"X")) {
+                return None;
+            }
+            let session: i32 = fields.get(3)?.parse().ok()?;
+            let start: u64 = fields.get(19)?.parse().ok()?;
+            (session == sid && start >= since).then_some(pid)
+        })
+        .collect()
+}
+
+/// Stops what a dead session leader left running in its session `sid` (a supervisor killed
+/// without stopping its command: the command's group, and anything else it started that kept
+/// the session): SIGTERM to every member, up to `grace` for them to exit, then SIGKILL; the
+/// members that are orch's children (orphans adopted as subreaper) are reaped. Processes that
+/// started before clock tick `since` (the leader's own start) are never touched: they cannot
+/// belong to it. Returns how many processes were found running.
+pub(crate) async fn stop_session(sid: i32, since: u64, grace: Duration) -> usize {
+    if sid <= 1 {
+        return 0;
+    }
+    let found = session_members(sid, since);
+    if found.is_empty() {
+        return 0;
+    }
+    let mut termed: HashSet<i32> = HashSet::new();
+    let grace_end = after(grace);
+    let kill_end = after(grace.saturating_add(AFTER_KILL));
+    let mut members = found.clone();
+    loop {
+        let killing = Instant::now() >= grace_end;
+        for &pid in &members {
+            if killing {
+                kill_one(pid, libc::SIGKILL);
+            } else if termed.insert(pid) {
+                kill_one(pid, libc::SIGTERM);
+            }
+        }
+        tokio::time::sleep(POLL).await;
+        reap_adopted();
+        members = session_members(sid, since);
+        if members.is_empty() {
+            break;
+        }
+        if Instant::now() >= kill_end {
+            tracing::warn!(
+                sid,
+                left = ?members,
+                "processes of a dead supervisor's session are still present after SIGKILL"
+            );
+            break;
+        }
+    }
+    found.len()
+}
+
+fn kill_one(pid: i32, sig: i32) {
+    if pid > 1 {
+        // SAFETY: kill takes plain integers; pid > 1 is one process, never a group or all.
+        unsafe {
+            libc::kill(pid, sig);
+        }
+    }
+}
+
 /// The instant `d` from now; a grace too large to represent (`Duration::MAX`) means a day.
 fn after(d: Duration) -> Instant {
     let now = Instant::now();

@@ -18,6 +18,14 @@
 //!   one still running, waited for ([`Supervision::AdoptedRunning`]). Only a record whose
 //!   supervisor died without a result (the machine rebooted) is discarded and the command run
 //!   again ([`Supervision::Restarted`]).
+//! - A supervisor that dies without a result (killed on its own) leaves its command running in
+//!   its session: orch stops that session's processes, while it waits ([`Supervision::Started`],
+//!   [`Supervision::AdoptedRunning`]: the run is then an error, never a success) and before it
+//!   runs the command again ([`Supervision::Restarted`]), so two copies never run side by side.
+//! - A record is read as it was written and trusted no further: a key that is not one plain
+//!   name is refused; a record that is a link or a file, a link inside one, a result that is
+//!   not a regular file of valid JSON, are never followed nor taken for success (a record that
+//!   is no directory is run again, an unreadable result is an error), with a warning.
 //! - A job's records are removed once its outcome is recorded ([`forget_job`], called by the
 //!   worker): a retry of the job starts its commands afresh.
 //! - [`leave_running`]: orch is stopping (SIGTERM, an upgrade): from then on a cancelled or
@@ -251,7 +259,8 @@ pub fn running() -> Vec<(String, i64, i32)> {
                 .and_then(|k| k.split_once('.'))
                 .and_then(|(j, _)| j.parse::<i64>().ok())?;
             let path = e.path();
-            if !path.is_dir() || path.join(RESULT).exists() {
+            let is_dir = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir());
+            if !is_dir || std::fs::symlink_metadata(path.join(RESULT)).is_ok() {
                 return None;
             }
             supervisor_alive(&path).map(|pid| (key, job, pid))
@@ -284,7 +293,8 @@ pub fn forget_job(job: i64) {
 }
 
 fn remove_record(dir: &Path) {
-    let removed = if dir.is_dir() {
+    let is_dir = std::fs::symlink_metadata(dir).is_ok_and(|m| m.is_dir());
+    let removed = if is_dir {
         std::fs::remove_dir_all(dir)
     } else {
         std::fs::remove_file(dir)
@@ -421,17 +431,32 @@ pub(crate) async fn run(cmd: &Cmd, key: &str) -> Result<Output, SpawnError> {
     let Some(state) = STATE.get() else {
         return crate::process::run_direct(cmd).await;
     };
+    let io_err = |what: String, e: io::Error| SpawnError::Io {
+        program: cmd.program.display().to_string(),
+        source: io::Error::new(e.kind(), format!("{what}: {e}")),
+    };
+    check_key(key).map_err(|e| io_err(format!("cannot supervise `{cmd}`"), e))?;
     let rdir = state.dir.join(key);
     let job = key
         .strip_prefix('j')
         .and_then(|k| k.split_once('.'))
         .and_then(|(j, _)| j.parse::<i64>().ok());
     let _waiting = Waiting::new(job);
-    let io_err = |what: String, e: io::Error| SpawnError::Io {
-        program: cmd.program.display().to_string(),
-        source: io::Error::new(e.kind(), format!("{what}: {e}")),
+    let found = match std::fs::symlink_metadata(&rdir) {
+        Ok(m) if m.is_dir() => true,
+        Ok(_) => {
+            // Never followed: a link may point anywhere (something with access to the records
+            // planted it), and a plain file is no record.
+            tracing::warn!(key, dir = %rdir.display(),
+                "a supervised command's record is not a directory (a symbolic link or a file): it is removed and the command runs again");
+            remove_record(&rdir);
+            let out = start(cmd, state, &rdir, &io_err).await?;
+            return Ok(with(out, Supervision::Restarted));
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => false,
+        Err(e) => return Err(io_err(format!("cannot inspect {}", rdir.display()), e)),
     };
-    if rdir.exists() {
+    if found {
         if let Some(result) = read_result(&rdir) {
             tracing::info!(
                 key,
@@ -451,6 +476,7 @@ pub(crate) async fn run(cmd: &Cmd, key: &str) -> Result<Output, SpawnError> {
         }
         tracing::warn!(key, dir = %rdir.display(),
             "a supervised command's record has no result and its supervisor is gone (the machine restarted, or it was killed): the command runs again");
+        stop_orphaned_command(&rdir, cmd.kill_grace).await;
         remove_record(&rdir);
         let out = start(cmd, state, &rdir, &io_err).await?;
         return Ok(with(out, Supervision::Restarted));
@@ -527,7 +553,7 @@ impl Pump {
     /// Reads what was appended since the last call (a missing file is nothing yet).
     fn pump(&mut self) {
         use std::io::Seek as _;
-        let Ok(mut f) = std::fs::File::open(&self.path) else {
+        let Ok(mut f) = open_nofollow(&self.path) else {
             return;
         };
         if f.seek(io::SeekFrom::Start(self.pos)).is_err() {
@@ -623,6 +649,8 @@ async fn start(
         )
     })?;
     let pid = child.id().and_then(|p| i32::try_from(p).ok()).unwrap_or(0);
+    // The supervisor is not reaped before the wait below ends: its start is still readable.
+    let since = crate::records::start_time(pid);
     let mut guard = StopOnDrop(pid, false);
     let _leader = Leader(pid);
     if let Some(mut stdin) = child.stdin.take() {
@@ -660,9 +688,18 @@ async fn start(
         return result;
     }
     let status = status.map_or_else(|e| e.to_string(), |s| s.to_string());
+    // Its command, in the supervisor's session, would run on unwatched: it is stopped (the
+    // caller decides whether to run it again, and two copies must never run side by side).
+    let stopped = match since {
+        Some(since) => crate::group::stop_session(pid, since, cmd.kill_grace).await,
+        None => 0,
+    };
+    tracing::warn!(dir = %rdir.display(), pid, %status, stopped,
+        "a supervisor ended without a result; the processes it left were stopped");
     Err(io_err(
         format!(
-            "the supervisor of `{cmd}` ended ({status}) without a result; its log: {}",
+            "the supervisor of `{cmd}` ended ({status}) without a result (the command did not \
+             finish; {stopped} process(es) it left running were stopped); its log: {}",
             log_tail(rdir)
         ),
         io::Error::other("no result"),
@@ -670,6 +707,7 @@ async fn start(
 }
 
 async fn wait_adopted(cmd: &Cmd, rdir: &Path, pid: i32) -> Result<Output, SpawnError> {
+    let since = recorded_supervisor(rdir).map(|(_, start)| start);
     let mut guard = StopOnDrop(pid, false);
     let cancel = cmd.cancel.clone().unwrap_or_default();
     let mut signalled = false;
@@ -700,10 +738,18 @@ async fn wait_adopted(cmd: &Cmd, rdir: &Path, pid: i32) -> Result<Output, SpawnE
             if let Some(result) = read_result(rdir) {
                 return result;
             }
+            let stopped = match since {
+                Some(since) => crate::group::stop_session(pid, since, cmd.kill_grace).await,
+                None => 0,
+            };
+            tracing::warn!(dir = %rdir.display(), pid, stopped,
+                "an adopted command's supervisor ended without a result; the processes it left were stopped");
             return Err(SpawnError::Io {
                 program: cmd.program.display().to_string(),
                 source: io::Error::other(format!(
-                    "the adopted command's supervisor (pid {pid}) ended without a result; its log: {}",
+                    "the adopted command's supervisor (pid {pid}) ended without a result (the \
+                     command did not finish; {stopped} process(es) it left running were \
+                     stopped); its log: {}",
                     log_tail(rdir)
                 )),
             });
@@ -713,10 +759,7 @@ async fn wait_adopted(cmd: &Cmd, rdir: &Path, pid: i32) -> Result<Output, SpawnE
 
 /// The pid of the record's supervisor while it runs (zombies count as gone).
 fn supervisor_alive(rdir: &Path) -> Option<i32> {
-    let text = std::fs::read_to_string(rdir.join(SUPERVISOR)).ok()?;
-    let mut parts = text.split_whitespace();
-    let pid: i32 = parts.next()?.parse().ok()?;
-    let start: u64 = parts.next()?.parse().ok()?;
+    let (pid, start) = recorded_supervisor(rdir)?;
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     let rest = &stat[stat.rfind(')')? + 1..];
     let mut fields = rest.split_whitespace();
@@ -729,18 +772,23 @@ fn supervisor_alive(rdir: &Path) -> Option<i32> {
 
 /// The result in `rdir`, once the supervisor wrote it.
 fn read_result(rdir: &Path) -> Option<Result<Output, SpawnError>> {
-    let bytes = std::fs::read(rdir.join(RESULT)).ok()?;
+    let unreadable = |e: String| {
+        tracing::warn!(dir = %rdir.display(), error = %e, "a supervised command's result is unreadable");
+        Some(Err(SpawnError::Io {
+            program: rdir.display().to_string(),
+            source: io::Error::other(format!(
+                "the supervised command's result is unreadable: {e}"
+            )),
+        }))
+    };
+    let bytes = match read_record_file(rdir, RESULT) {
+        Ok(b) => b,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return None,
+        Err(e) => return unreadable(e.to_string()),
+    };
     let ended: Ended = match serde_json::from_slice(&bytes) {
         Ok(e) => e,
-        Err(e) => {
-            tracing::warn!(dir = %rdir.display(), error = %e, "a supervised command's result is unreadable");
-            return Some(Err(SpawnError::Io {
-                program: rdir.display().to_string(),
-                source: io::Error::other(format!(
-                    "the supervised command's result is unreadable: {e}"
-                )),
-            }));
-        }
+        Err(e) => return unreadable(e.to_string()),
     };
     Some(match ended {
         Ended::Ran {
@@ -750,8 +798,8 @@ fn read_result(rdir: &Path) -> Option<Result<Output, SpawnError>> {
             duration_ms,
         } => Ok(Output {
             status,
-            stdout_tail: std::fs::read(rdir.join(STDOUT)).unwrap_or_default(),
-            stderr_tail: std::fs::read(rdir.join(STDERR)).unwrap_or_default(),
+            stdout_tail: read_tail(rdir, STDOUT),
+            stderr_tail: read_tail(rdir, STDERR),
             stdout_bytes,
             stderr_bytes,
             duration: Duration::from_millis(duration_ms),
@@ -767,8 +815,127 @@ fn read_result(rdir: &Path) -> Option<Result<Output, SpawnError>> {
     })
 }
 
+/// Refuses a key that is not one plain name inside the records directory: empty, too long,
+/// hidden (`.`, `..`, the `.<name>.tmp` files), or with anything but letters, digits, `.`, `-`
+/// and `_` (a `/`, a NUL, a `~` of the kept notes).
+fn check_key(key: &str) -> io::Result<()> {
+    let plain = key
+        .bytes()
+        .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b'_'));
+    if key.is_empty() || key.len() > 200 || key.starts_with('.') || !plain {
+        let shown: String = key.chars().take(80).collect();
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "the supervision key {shown:?} is not a plain name (1 to 200 letters, digits, \
+                 `.`, `-`, `_`, not starting with `.`)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Opens `path` for reading without following a symbolic link, and only if it is a regular
+/// file: a record's files are read as written, never through a link planted in it.
+fn open_nofollow(path: &Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !f.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("{} is not a regular file", path.display()),
+        ));
+    }
+    Ok(f)
+}
+
+/// The file `name` of record `rdir` (see [`open_nofollow`]).
+fn read_record_file(rdir: &Path, name: &str) -> io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    open_nofollow(&rdir.join(name))?.read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// An output tail of the record; one that cannot be read is empty (and logged).
+fn read_tail(rdir: &Path, name: &str) -> Vec<u8> {
+    read_record_file(rdir, name).unwrap_or_else(|e| {
+        if e.kind() != io::ErrorKind::NotFound {
+            tracing::warn!(dir = %rdir.display(), file = name, error = %e,
+                "a supervised command's output tail is unreadable; it is taken as empty");
+        }
+        Vec::new()
+    })
+}
+
+/// The `<pid> <start time>` the record's supervisor wrote, if it is readable.
+fn recorded_supervisor(rdir: &Path) -> Option<(i32, u64)> {
+    let bytes = read_record_file(rdir, SUPERVISOR).ok()?;
+    let text = std::str::from_utf8(&bytes).ok()?;
+    let mut parts = text.split_whitespace();
+    let pid: i32 = parts.next()?.parse().ok()?;
+    let start: u64 = parts.next()?.parse().ok()?;
+    // Never orch itself (a planted file must not make orch signal itself).
+    (pid > 1 && u32::try_from(pid).ok() != Some(std::process::id())).then_some((pid, start))
+}
+
+/// A record without a result whose supervisor is gone: if the supervisor was killed on its own
+/// since the machine booted, its command may still run (in its session); it is stopped before
+/// the command runs again. Nothing is touched when the record predates the boot (its processes
+/// died with the machine and its pid may now name another session) or when another process
+/// now has the supervisor's pid.
+async fn stop_orphaned_command(rdir: &Path, grace: Duration) {
+    let Some((pid, start)) = recorded_supervisor(rdir) else {
+        return;
+    };
+    let current = crate::records::start_time(pid);
+    if current.is_some_and(|s| s != start) {
+        return;
+    }
+    // The supervisor writes its file as it starts: a file written since this boot, at the
+    // time its start tick says, is this boot's supervisor (not a stale or garbled one).
+    let written = std::fs::symlink_metadata(rdir.join(SUPERVISOR)).and_then(|m| m.modified());
+    // SAFETY: sysconf takes an integer and touches no memory of ours.
+    let ticks = u64::try_from(unsafe { libc::sysconf(libc::_SC_CLK_TCK) }).unwrap_or(0);
+    let started = boot_time()
+        .filter(|_| ticks > 0)
+        .and_then(|boot| boot.checked_add(Duration::from_secs(start / ticks.max(1))));
+    let consistent = match (written, started) {
+        (Ok(w), Some(s)) => {
+            let apart = w.duration_since(s).unwrap_or_else(|e| e.duration());
+            apart < Duration::from_secs(120)
+        }
+        _ => false,
+    };
+    if !consistent {
+        tracing::debug!(dir = %rdir.display(), pid, "a dead supervisor's record is not of this boot: nothing to stop");
+        return;
+    }
+    let stopped = crate::group::stop_session(pid, start, grace).await;
+    if stopped > 0 {
+        tracing::warn!(dir = %rdir.display(), pid, stopped,
+            "the dead supervisor's command was still running: stopped before it runs again");
+    }
+}
+
+/// When the machine booted (`btime` of `/proc/stat`).
+fn boot_time() -> Option<SystemTime> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let secs: u64 = stat
+        .lines()
+        .find_map(|l| l.strip_prefix("btime "))?
+        .trim()
+        .parse()
+        .ok()?;
+    SystemTime::UNIX_EPOCH.checked_add(Duration::from_secs(secs))
+}
+
 fn log_tail(rdir: &Path) -> String {
-    let text = std::fs::read_to_string(rdir.join(LOG)).unwrap_or_default();
+    let text = read_record_file(rdir, LOG)
+        .map(|b| String::from_utf8_lossy(&b).into_owned())
+        .unwrap_or_default();
     let text = crate::process::last_lines(&text, 5);
     if text.is_empty() {
         "(empty)".to_owned()
