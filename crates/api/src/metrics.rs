@@ -25,6 +25,112 @@ use crate::snapshot::QueueSnapshot;
 /// The content type of the OpenMetrics text format.
 pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// The content type of the Prometheus text format (0.0.4), what a scraper gets unless it asks
+/// for OpenMetrics.
+pub(crate) const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// The exposition formats `/metrics` speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Format {
+    OpenMetrics,
+    /// The Prometheus text format 0.0.4.
+    Text,
+}
+
+impl Format {
+    /// The format an `Accept` header asks for: OpenMetrics when it names
+    /// `application/openmetrics-text` with a non-zero quality (as Prometheus's scraper does),
+    /// else the Prometheus text format (also without the header, as the convention is).
+    pub(crate) fn negotiate(accept: Option<&str>) -> Format {
+        let asks_openmetrics = accept.is_some_and(|a| {
+            a.split(',').any(|range| {
+                let mut parts = range.split(';').map(str::trim);
+                let media = parts.next().unwrap_or_default();
+                let zero_q = parts.any(|p| {
+                    p.strip_prefix("q=")
+                        .and_then(|q| q.trim().parse::<f64>().ok())
+                        .is_some_and(|q| q <= 0.0)
+                });
+                media.eq_ignore_ascii_case("application/openmetrics-text") && !zero_q
+            })
+        });
+        if asks_openmetrics {
+            Format::OpenMetrics
+        } else {
+            Format::Text
+        }
+    }
+
+    pub(crate) fn content_type(self) -> &'static str {
+        match self {
+            Format::OpenMetrics => CONTENT_TYPE,
+            Format::Text => TEXT_CONTENT_TYPE,
+        }
+    }
+}
+
+/// The same exposition in the Prometheus text format 0.0.4: no `# UNIT` or `# EOF` lines, no
+/// `_created` samples, a counter family named by its `_total` samples (a 0.0.4 parser would
+/// otherwise read the family and its samples as two metrics), an info family as a gauge named
+/// `_info`, and HELP text without the OpenMetrics-only `\"` escape. Samples are unchanged.
+pub(crate) fn openmetrics_to_text(openmetrics: &str) -> String {
+    let mut types: BTreeMap<&str, &str> = BTreeMap::new();
+    for line in openmetrics.lines() {
+        if let Some((name, kind)) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|rest| rest.split_once(' '))
+        {
+            types.insert(name, kind.trim());
+        }
+    }
+    // The family name a 0.0.4 reader sees, and the type it is declared with.
+    let renamed = |name: &str| -> (String, &'static str) {
+        match types.get(name).copied() {
+            Some("counter") => (format!("{name}_total"), "counter"),
+            Some("info") => (format!("{name}_info"), "gauge"),
+            Some("gauge") => (name.to_owned(), "gauge"),
+            Some("histogram") => (name.to_owned(), "histogram"),
+            Some("summary") => (name.to_owned(), "summary"),
+            _ => (name.to_owned(), "untyped"),
+        }
+    };
+    let mut out = String::with_capacity(openmetrics.len());
+    for line in openmetrics.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        if let Some((name, help)) = line
+            .strip_prefix("# HELP ")
+            .and_then(|rest| rest.split_once(' '))
+        {
+            let help = help.replace("\\\"", "\"");
+            out.push_str(&format!("# HELP {} {help}\n", renamed(name).0));
+            continue;
+        }
+        if let Some(name) = line
+            .strip_prefix("# TYPE ")
+            .and_then(|rest| rest.split_once(' '))
+            .map(|(n, _)| n)
+        {
+            let (name, kind) = renamed(name);
+            out.push_str(&format!("# TYPE {name} {kind}\n"));
+            continue;
+        }
+        let sample = line.split(['{', ' ']).next().unwrap_or_default();
+        if let Some(family) = sample.strip_suffix("_created")
+            && matches!(
+                types.get(family).copied(),
+                Some("counter" | "histogram" | "summary")
+            )
+        {
+            continue;
+        }
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
 /// What the store said in one scrape (absent when it did not answer).
 #[derive(Debug, Default)]
 pub(crate) struct StoreFacts {
@@ -97,15 +203,18 @@ impl Scrape {
     }
 }
 
-/// Renders one scrape as the OpenMetrics text (ends with `# EOF`).
-pub(crate) fn render(scrape: Scrape) -> String {
+/// Renders one scrape in `format` (OpenMetrics ends with `# EOF`).
+pub(crate) fn render(scrape: Scrape, format: Format) -> String {
     let mut registry = Registry::default();
     registry.register_collector(Box::new(scrape));
     let mut out = String::new();
     if let Err(e) = prometheus_client::encoding::text::encode(&mut out, &registry) {
         tracing::error!(error = %e, "metrics: encoding failed");
     }
-    out
+    match format {
+        Format::OpenMetrics => out,
+        Format::Text => openmetrics_to_text(&out),
+    }
 }
 
 /// A metric family being written: one descriptor, then its samples.

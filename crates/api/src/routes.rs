@@ -4,7 +4,7 @@
 
 use axum::Json;
 use axum::extract::{Path, State};
-use axum::http::{StatusCode, Uri, header};
+use axum::http::{HeaderMap, StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use orch_domain::ids::ArtifactName;
 
@@ -82,8 +82,11 @@ pub(crate) async fn costs(State(state): State<ApiState>) -> ApiResult<Json<dto::
     Ok(Json(dto::CostReport::new(&rows)))
 }
 
-/// `GET /metrics`: always 200 (OpenMetrics text); `orch_up 0` when the store did not answer.
-pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
+/// `GET /metrics`: always 200, in the Prometheus text format 0.0.4 or, when `Accept` asks for
+/// it, OpenMetrics; `orch_up 0` when the store did not answer.
+pub(crate) async fn metrics(State(state): State<ApiState>, headers: HeaderMap) -> Response {
+    let format =
+        metrics::Format::negotiate(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
     let (snap, usage, runs, outcomes, pruned) = tokio::join!(
         QueueSnapshot::read(&state),
         state.store.usage_by_agent(),
@@ -127,8 +130,8 @@ pub(crate) async fn metrics(State(state): State<ApiState>) -> Response {
             .unwrap_or_default(),
     };
     (
-        [(header::CONTENT_TYPE, metrics::CONTENT_TYPE)],
-        metrics::render(scrape),
+        [(header::CONTENT_TYPE, format.content_type())],
+        metrics::render(scrape, format),
     )
         .into_response()
 }

@@ -260,6 +260,14 @@ impl Harness {
             .await
     }
 
+    async fn get_accepting(&self, uri: &str, accept: &str, want: StatusCode) -> Answer {
+        let req = Request::get(uri)
+            .header(header::ACCEPT, accept)
+            .body(Body::empty())
+            .unwrap();
+        self.check(req, want).await
+    }
+
     async fn post(
         &self,
         uri: &str,
@@ -581,7 +589,9 @@ async fn metrics_follow_openmetrics_and_carry_the_queue() {
             .await
             .unwrap();
     }
-    let a = h.get("/metrics", StatusCode::OK).await;
+    let a = h
+        .get_accepting("/metrics", OPENMETRICS_ACCEPT, StatusCode::OK)
+        .await;
     assert!(
         a.content_type()
             .starts_with("application/openmetrics-text; version=1.0.0"),
@@ -738,58 +748,170 @@ async fn metrics_follow_openmetrics_and_carry_the_queue() {
     openmetrics_parser_accepts(&a.text);
 }
 
-/// Parses the exposition with the Prometheus project's own OpenMetrics parser (the Python
-/// `prometheus_client.openmetrics.parser`, installed with pip into the test's scratch dir when
-/// missing) and checks each family's type and unit. Skips, saying why, when Python or pip
-/// cannot provide it.
-fn openmetrics_parser_accepts(text: &str) {
-    use std::process::{Command, Stdio};
-    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("py-prometheus-client");
+/// `/metrics` answers what the scraper asks for: the Prometheus text format 0.0.4 by default
+/// (no `Accept`, `text/plain`, OpenMetrics refused with `q=0`), OpenMetrics when `Accept` names
+/// it. Both are read by the Prometheus project's reference parsers: the text format with each
+/// family once (an OpenMetrics body read as 0.0.4 shows every counter twice), and the same
+/// `orch_` samples with the same values in both.
+#[tokio::test]
+async fn metrics_speak_both_formats_by_accept_and_both_parse_the_same() {
+    let (h, _) = busy_queue().await;
+    for accept in [
+        None,
+        Some("text/plain"),
+        Some("*/*"),
+        Some("application/openmetrics-text;q=0, text/plain;version=0.0.4"),
+    ] {
+        let a = match accept {
+            None => h.get("/metrics", StatusCode::OK).await,
+            Some(v) => h.get_accepting("/metrics", v, StatusCode::OK).await,
+        };
+        assert_eq!(
+            a.content_type(),
+            "text/plain; version=0.0.4; charset=utf-8",
+            "Accept: {accept:?}"
+        );
+        assert!(
+            !a.text.contains("# EOF") && !a.text.contains("# UNIT"),
+            "{accept:?}: OpenMetrics-only lines in\n{}",
+            a.text
+        );
+    }
+    let text = h.get("/metrics", StatusCode::OK).await.text;
+    let om = h
+        .get_accepting("/metrics", OPENMETRICS_ACCEPT, StatusCode::OK)
+        .await;
+    assert!(
+        om.content_type()
+            .starts_with("application/openmetrics-text")
+    );
+    let Some(dir) = prometheus_client_dir() else {
+        return;
+    };
+    let parse = |module: &str, body: &str| -> Vec<Value> {
+        let script = [
+            "import sys, json".to_owned(),
+            format!("from {module} import text_string_to_metric_families"),
+            "for f in text_string_to_metric_families(sys.stdin.read()):".to_owned(),
+            "    for s in f.samples:".to_owned(),
+            "        print(json.dumps([f.name, f.type, s.name, sorted(s.labels.items()), s.value]))"
+                .to_owned(),
+        ]
+        .join("\n");
+        python(&dir, &script, body, &format!("{module} rejected /metrics"))
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let from_text = parse("prometheus_client.parser", &text);
+    let from_om = parse("prometheus_client.openmetrics.parser", &om.text);
+    // Each family once, with its samples under it (a counter's family is not also read as an
+    // untyped family of its own `_total` samples).
+    let mut families: HashMap<String, String> = HashMap::new();
+    for s in &from_text {
+        let (family, kind) = (s[0].as_str().unwrap(), s[1].as_str().unwrap());
+        if let Some(seen) = families.insert(family.to_owned(), kind.to_owned()) {
+            assert_eq!(seen, kind, "{family} read with two types");
+        }
+        assert_ne!(kind, "unknown", "{family} has no type in\n{text}");
+    }
+    for (family, kind) in [
+        ("orch_jobs_pruned", "counter"),
+        ("orch_jobs", "gauge"),
+        ("orch_job_duration_seconds", "histogram"),
+    ] {
+        assert_eq!(
+            families.get(family).map(String::as_str),
+            Some(kind),
+            "{families:?}"
+        );
+    }
+    assert!(
+        !families.contains_key("orch_jobs_pruned_total"),
+        "a counter read twice: {families:?}"
+    );
+    // The same samples (this process's own figures move between scrapes: left out).
+    let samples = |all: &[Value]| -> Vec<String> {
+        let mut v: Vec<String> = all
+            .iter()
+            .filter(|s| {
+                let name = s[2].as_str().unwrap();
+                name.starts_with("orch_") && !name.ends_with("_created")
+            })
+            .map(|s| format!("{} {} {}", s[2], s[3], s[4]))
+            .collect();
+        v.sort();
+        v
+    };
+    let (t, o) = (samples(&from_text), samples(&from_om));
+    assert!(t.len() > 20, "{t:?}");
+    assert_eq!(t, o);
+}
+
+/// The `Accept` header Prometheus's scraper sends (OpenMetrics first, the text format after).
+const OPENMETRICS_ACCEPT: &str = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// A directory on `PYTHONPATH` where the Prometheus project's Python client (its reference
+/// parsers of both text formats) imports; `None` (after saying why) when it cannot be had.
+fn prometheus_client_dir() -> Option<std::path::PathBuf> {
+    python_package_dir(
+        "py-prometheus-client",
+        "import prometheus_client.openmetrics.parser, prometheus_client.parser",
+        "prometheus-client>=0.20",
+    )
+}
+
+/// A directory on `PYTHONPATH` where `import` works: the scratch dir `name` of the tests, with
+/// `requirement` installed into it by pip when missing; `None` (after saying why) when Python
+/// or pip cannot provide it.
+fn python_package_dir(name: &str, import: &str, requirement: &str) -> Option<std::path::PathBuf> {
+    use std::process::Command;
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join(name);
     let importable = |dir: &std::path::Path| {
         Command::new("python3")
-            .args(["-c", "import prometheus_client.openmetrics.parser"])
+            .args(["-c", import])
             .env("PYTHONPATH", dir)
             .output()
             .is_ok_and(|o| o.status.success())
     };
-    if !importable(&dir) {
-        let out = Command::new("python3")
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "--target",
-            ])
-            .arg(&dir)
-            .arg("prometheus-client>=0.20")
-            .output();
-        match out {
-            Ok(o) if o.status.success() && importable(&dir) => {}
-            Ok(o) => {
-                return skip(&format!(
-                    "the OpenMetrics parser check: pip could not install prometheus-client: {}",
-                    String::from_utf8_lossy(&o.stderr)
-                ));
-            }
-            Err(e) => {
-                return skip(&format!(
-                    "the OpenMetrics parser check: python3 is not runnable: {e}"
-                ));
-            }
+    if importable(&dir) {
+        return Some(dir);
+    }
+    let out = Command::new("python3")
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--target",
+        ])
+        .arg(&dir)
+        .arg(requirement)
+        .output();
+    match out {
+        Ok(o) if o.status.success() && importable(&dir) => Some(dir),
+        Ok(o) => {
+            skip(&format!(
+                "pip could not install {requirement}: {}",
+                String::from_utf8_lossy(&o.stderr)
+            ));
+            None
+        }
+        Err(e) => {
+            skip(&format!("python3 is not runnable (for {requirement}): {e}"));
+            None
         }
     }
-    let script = [
-        "import sys",
-        "from prometheus_client.openmetrics.parser import text_string_to_metric_families",
-        "for f in text_string_to_metric_families(sys.stdin.read()):",
-        "    print(f.name, f.type, f.unit or '-', len(f.samples))",
-    ]
-    .join("\n");
+}
+
+/// Runs `script` under python3 with `dir` on `PYTHONPATH` and `input` on stdin: its stdout, or
+/// a failed test with what it said.
+fn python(dir: &std::path::Path, script: &str, input: &str, what: &str) -> String {
+    use std::process::{Command, Stdio};
     let mut child = Command::new("python3")
-        .args(["-c", &script])
-        .env("PYTHONPATH", &dir)
+        .args(["-c", script])
+        .env("PYTHONPATH", dir)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -798,27 +920,47 @@ fn openmetrics_parser_accepts(text: &str) {
     {
         use std::io::Write;
         let mut stdin = child.stdin.take().expect("stdin");
-        stdin
-            .write_all(text.as_bytes())
-            .expect("write the exposition");
+        stdin.write_all(input.as_bytes()).expect("write the input");
     }
     let out = child.wait_with_output().expect("wait for python3");
     assert!(
         out.status.success(),
-        "the OpenMetrics parser rejected /metrics: {}\n{text}",
+        "{what}: {}\n{input}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let families: std::collections::HashMap<String, (String, String)> =
-        String::from_utf8_lossy(&out.stdout)
-            .lines()
-            .filter_map(|l| {
-                let mut w = l.split(' ');
-                Some((
-                    w.next()?.to_owned(),
-                    (w.next()?.to_owned(), w.next()?.to_owned()),
-                ))
-            })
-            .collect();
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Parses the exposition with the Prometheus project's own OpenMetrics parser (the Python
+/// `prometheus_client.openmetrics.parser`) and checks each family's type and unit. Skips,
+/// saying why, when Python or pip cannot provide it.
+fn openmetrics_parser_accepts(text: &str) {
+    let Some(dir) = prometheus_client_dir() else {
+        return;
+    };
+    let script = [
+        "import sys",
+        "from prometheus_client.openmetrics.parser import text_string_to_metric_families",
+        "for f in text_string_to_metric_families(sys.stdin.read()):",
+        "    print(f.name, f.type, f.unit or '-', len(f.samples))",
+    ]
+    .join("\n");
+    let stdout = python(
+        &dir,
+        &script,
+        text,
+        "the OpenMetrics parser rejected /metrics",
+    );
+    let families: std::collections::HashMap<String, (String, String)> = stdout
+        .lines()
+        .filter_map(|l| {
+            let mut w = l.split(' ');
+            Some((
+                w.next()?.to_owned(),
+                (w.next()?.to_owned(), w.next()?.to_owned()),
+            ))
+        })
+        .collect();
     for (name, kind, unit) in [
         ("orch_up", "gauge", "-"),
         ("orch_build", "info", "-"),
@@ -2160,6 +2302,28 @@ async fn openapi_is_served_and_filters_with_control_characters_are_400() {
     let a = h.get("/openapi.yaml", StatusCode::OK).await;
     assert!(a.content_type().starts_with("application/yaml"));
     assert!(a.text.contains("openapi: "), "{}", a.text);
+    // The document as served passes the OpenAPI validator (an unquoted description with a
+    // comma once turned into a key of its own).
+    if let Some(dir) = python_package_dir(
+        "py-openapi-spec-validator",
+        "import openapi_spec_validator",
+        "openapi-spec-validator>=0.7",
+    ) {
+        let script = [
+            "import sys, yaml",
+            "from openapi_spec_validator import validate",
+            "validate(yaml.safe_load(sys.stdin.read()))",
+            "print('valid')",
+        ]
+        .join("\n");
+        let out = python(
+            &dir,
+            &script,
+            &a.text,
+            "openapi-spec-validator rejected /openapi.yaml",
+        );
+        assert_eq!(out.trim(), "valid");
+    }
     for uri in ["/tasks?stage=%00", "/tasks?repo=a%0Ab", "/?stage=%00"] {
         let a = h.get(uri, StatusCode::BAD_REQUEST).await;
         if uri.starts_with("/tasks") {
