@@ -295,10 +295,15 @@ impl Serve {
 /// `orch --config <config> submit --repo service --title <title>` (the demo's repo), which
 /// must succeed.
 pub fn submit(config: &Path, title: &str) {
+    submit_to(config, "service", title);
+}
+
+/// `orch --config <config> submit --repo <repo> --title <title>`, which must succeed.
+pub fn submit_to(config: &Path, repo: &str, title: &str) {
     let out = std::process::Command::new(ORCH)
         .arg("--config")
         .arg(config)
-        .args(["submit", "--repo", "service", "--title", title])
+        .args(["submit", "--repo", repo, "--title", title])
         .output()
         .expect("run orch submit");
     assert!(
