@@ -431,7 +431,14 @@ impl Service {
 
     /// What answers on the production port: `(revision it really runs, healthy)`.
     fn truth(&self) -> Option<(String, bool)> {
-        let (_, body) = http(self.prod, "/whoami", Duration::from_secs(3))?;
+        // Asked up to five times, a second apart: on a loaded machine one answer can take
+        // longer than the timeout, and "nothing answers" must mean nothing does.
+        let (_, body) = (0..5).find_map(|i| {
+            if i > 0 {
+                std::thread::sleep(Duration::from_secs(1));
+            }
+            http(self.prod, "/whoami", Duration::from_secs(3))
+        })?;
         let rev = json(&body)["revision"].as_str()?.to_owned();
         let healthy =
             http(self.prod, "/health", Duration::from_secs(3)).is_some_and(|(s, _)| s == 200);
