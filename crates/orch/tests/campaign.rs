@@ -452,11 +452,20 @@ async fn run(
         if submitted && done_kills >= kills && all_terminal(&store).await {
             break;
         }
-        assert!(
-            t0.elapsed() < RUN_LIMIT,
-            "the items did not finish: {:?}",
-            outcomes_so_far(&store).await
-        );
+        if t0.elapsed() >= RUN_LIMIT {
+            // Which run (the clean one or the killed one) and how its items got there.
+            let ids: Vec<String> = outcomes_so_far(&store)
+                .await
+                .into_iter()
+                .map(|(id, _)| id)
+                .collect();
+            panic!(
+                "the items of {} ({kills} kills, {done_kills} done) did not finish: {:?}\n{}",
+                s.dir.display(),
+                outcomes_so_far(&store).await,
+                common::items_report(&store, &ids, true, 40).await
+            );
+        }
         if done_kills < kills && Instant::now() >= next_kill {
             // Until a kill is seen to hit a running job, kills wait for a process that holds a
             // lease (the first waits up to FIRST_KILL_WAIT), so that an attempt is lost to a
