@@ -169,6 +169,10 @@ pub mod events {
     /// The remote's `orch/<id>` held commits the lease holder had not seen (a stale attempt's
     /// push); the holder's branch replaced them by compare-and-swap.
     pub const WORK_BRANCH_REPLACED: &str = "work_branch.replaced";
+    /// This node's `orch/<id>` held commits the remote lacks (an attempt that never
+    /// completed); before the stage ran it was moved to the remote's branch, the old commit
+    /// kept under `refs/orch/stale/`.
+    pub const WORK_BRANCH_SET_ASIDE: &str = "work_branch.set_aside";
     /// The visit's deploy markers were not on this node (it took the visit over from a node
     /// that is gone): rebuilt from the events before going on: `{revision, ended_well, node}`.
     pub const DEPLOY_MARKERS_RESTORED: &str = "deploy.markers_restored";
@@ -270,6 +274,7 @@ pub mod events {
         LESSONS_RECORDED,
         NODE_TAKEOVER,
         WORK_BRANCH_REPLACED,
+        WORK_BRANCH_SET_ASIDE,
         DEPLOY_MARKERS_RESTORED,
         DEPLOY_STALE_MARKERS_CLEARED,
         POST_DEPLOY_TAKEN_OVER,

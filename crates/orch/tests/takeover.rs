@@ -519,3 +519,132 @@ async fn a_node_cut_from_the_database_never_pushes_its_stale_branch() {
         "a's stale analysis was pushed: {log}"
     );
 }
+
+/// The remote's `orch/<id>` is the record, never a node's own branch. Node a is killed -9 in
+/// the middle of the architecture stage, and what a cut-off attempt leaves is put on its
+/// branch: a commit of its own, never pushed. Node b rescues the stage, completes it (pushed)
+/// and is killed in the middle of the implementation. Node a comes back and rescues the
+/// implementation: it must start from b's architecture, setting its own commit aside
+/// (`work_branch.set_aside`, kept under `refs/orch/stale/`), never build on it and push it
+/// over b's work (the three-host test once shipped a change whose stages had each been pushed
+/// over the previous one's this way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nodes_unpushed_attempt_is_set_aside_not_pushed_over_the_remotes_work() {
+    if !python_available() {
+        return common::skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    let url = setup(&dir).await;
+    let store = Store::connect(&url, ConnectOptions::default())
+        .await
+        .unwrap();
+    let id = submit(&dir, &url);
+    let started = |stage: &'static str| {
+        let (store, id) = (store.clone(), id.clone());
+        move || {
+            let (store, id) = (store.clone(), id.clone());
+            async move {
+                events(&store, &id)
+                    .await
+                    .iter()
+                    .any(|e| e.kind == "stage.started" && e.message.starts_with(stage))
+            }
+        }
+    };
+    let kill = |child: &tokio::process::Child| {
+        // SAFETY: signalling our own child's process group.
+        unsafe { libc::kill(-(child.id().unwrap() as i32), libc::SIGKILL) };
+    };
+
+    let mut a = spawn_node_with(&dir, &url, "a", "", 3_000);
+    until(
+        Duration::from_secs(120),
+        "node a's architecture",
+        started("architecture attempt"),
+    )
+    .await;
+    kill(&a);
+    let _ = a.wait().await;
+    // What an attempt that committed and then lost its lease leaves on a's clone.
+    let clone = repos_dir(&dir, "a").join("service");
+    let git = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .args(args)
+            .current_dir(&clone)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "git {args:?}: {out:?}");
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let branch = format!("orch/{id}");
+    let stale = git(&[
+        "commit-tree",
+        &format!("{branch}^{{tree}}"),
+        "-p",
+        &branch,
+        "-m",
+        "a stale attempt never pushed",
+    ]);
+    git(&["update-ref", &format!("refs/heads/{branch}"), &stale]);
+
+    let mut b = spawn_node_with(&dir, &url, "b", "", 3_000);
+    until(
+        Duration::from_secs(120),
+        "node b's implementation",
+        started("implementation attempt"),
+    )
+    .await;
+    kill(&b);
+    let _ = b.wait().await;
+    let a = spawn_node_with(&dir, &url, "a", "", 50);
+    until(
+        Duration::from_secs(120),
+        "the review",
+        started("review attempt"),
+    )
+    .await;
+    common::terminate(a).await;
+    common::stop_service(&dir);
+    reap_orphans();
+
+    let history = events(&store, &id).await;
+    let summary: Vec<String> = history
+        .iter()
+        .map(|e| format!("{} {}", e.kind, e.message))
+        .collect();
+    let set_aside: Vec<&Event> = history
+        .iter()
+        .filter(|e| e.kind == "work_branch.set_aside")
+        .collect();
+    assert_eq!(set_aside.len(), 1, "one set-aside: {summary:#?}");
+    assert!(
+        set_aside[0].message.contains(&stale[..12])
+            && set_aside[0].stage.as_deref() == Some("implementation"),
+        "{summary:#?}"
+    );
+    assert!(
+        !history.iter().any(|e| e.kind == "work_branch.replaced"),
+        "nothing was pushed over: {summary:#?}"
+    );
+    assert_eq!(
+        git(&["rev-parse", &format!("refs/orch/stale/{branch}/{stale}")]),
+        stale,
+        "the stale commit is kept"
+    );
+    let log = std::process::Command::new("git")
+        .args(["--git-dir", "service.git", "log", "--format=%H %s"])
+        .arg(&branch)
+        .current_dir(&dir)
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&log.stdout);
+    assert!(!log.contains(&stale), "the stale commit was pushed: {log}");
+    for stage in ["analysis", "architecture", "implementation"] {
+        assert!(
+            log.contains(&format!("{stage} result")),
+            "the remote holds the {stage}: {log}\n{summary:#?}"
+        );
+    }
+}

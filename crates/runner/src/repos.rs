@@ -292,24 +292,30 @@ pub async fn release_checkout(git: &Git, paths: &RepoPaths, rev: &str) -> Result
 
 /// Before a stage runs where work branches are shared, or after this node took over a work
 /// item from a node that is gone (design.md §10): fetches `origin` so the revisions and the
-/// `orch/<id>` branch other nodes pushed are here, and fast-forwards a local `orch/<id>` left
-/// behind by an earlier stage this node ran (never moving it backwards or across a
-/// divergence). Without it a node that ran an earlier stage of the item works on its stale
-/// branch: the three-host test saw a review loop until the bound because the reviewer never
-/// saw the new implementation. Nothing to do without a remote.
+/// `orch/<id>` branch other nodes pushed are here, and puts the local `orch/<id>` where the
+/// remote's is. The remote is the record: every stage's result reaches it by a push fenced by
+/// the stage's lease, and a stage only completes once its push is done
+/// ([`crate::engine`]). A local branch behind it (an earlier stage this node ran) is
+/// fast-forwarded. A local branch with commits the remote lacks holds an attempt that never
+/// completed (a node cut off after it committed, whose lease was gone by the push): it is moved
+/// to the remote's commit, its own kept under `refs/orch/stale/orch/<id>/<commit>`, and
+/// `Some(what was set aside)` says so, for an event. Built on, that attempt would have
+/// replaced the completed stages' work on the remote (the three-host test saw each stage push
+/// over the previous one's). Nothing to do without a remote, or before the remote has the
+/// branch.
 pub async fn catch_up_work_branch(
     git: &Git,
     paths: &RepoPaths,
     work_item: &WorkItemId,
-) -> Result<()> {
+) -> Result<Option<String>> {
     let repo_dir = &paths.repo_dir;
     if !git.fetch(repo_dir, ORIGIN).await.with_context(|| {
         format!(
-            "cannot fetch `{ORIGIN}` in {} after a takeover",
+            "cannot fetch `{ORIGIN}` in {} to catch `orch/{work_item}` up",
             repo_dir.display()
         )
     })? {
-        return Ok(());
+        return Ok(None);
     }
     let branch = work_item.branch_name();
     let local = git
@@ -318,15 +324,30 @@ pub async fn catch_up_work_branch(
     let remote = git
         .rev_parse(repo_dir, &format!("refs/remotes/{ORIGIN}/{branch}"))
         .await?;
-    if let (Some(local), Some(remote)) = (local, remote)
-        && local != remote
-        && git.is_ancestor(repo_dir, &local, &remote).await?
-    {
+    let (Some(local), Some(remote)) = (local, remote) else {
+        return Ok(None);
+    };
+    if local == remote {
+        return Ok(None);
+    }
+    if git.is_ancestor(repo_dir, &local, &remote).await? {
         git.update_branch(repo_dir, &branch, &remote, Some(&local))
             .await
             .with_context(|| format!("cannot fast-forward `{branch}` to `{remote:.12}`"))?;
+        return Ok(None);
     }
-    Ok(())
+    let kept = format!("refs/orch/stale/{branch}/{local}");
+    git.update_ref(repo_dir, &kept, &local, None)
+        .await
+        .with_context(|| format!("cannot keep `{branch}`'s {local:.12} as `{kept}`"))?;
+    git.update_branch(repo_dir, &branch, &remote, Some(&local))
+        .await
+        .with_context(|| format!("cannot move `{branch}` to the remote's `{remote:.12}`"))?;
+    let message = format!(
+        "`{branch}` here held {local:.12}, commits the remote does not have (an attempt that never completed); moved to the remote's {remote:.12}, the old commit kept as `{kept}`"
+    );
+    tracing::warn!(%work_item, %message, "stale work branch set aside");
+    Ok(Some(message))
 }
 
 /// Creates (or reuses, or repairs) the work item's worktree and resets it to the branch's

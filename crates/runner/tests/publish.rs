@@ -409,3 +409,104 @@ async fn a_clone_cut_short_by_a_kill_is_never_where_the_next_job_looks() {
         .collect();
     assert!(left.is_empty(), "no unfinished clone left: {left:?}");
 }
+
+/// Where work branches are shared, the remote's `orch/<id>` is the record: a node's commits
+/// the remote lacks (an attempt that committed and then lost its lease, its push refused by the
+/// fence) are set aside before its next stage, never built on and so never pushed over the
+/// stages other nodes completed meanwhile (the three-host test once saw each stage replace the
+/// previous one's commit). A branch only behind the remote is fast-forwarded, with nothing set
+/// aside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_attempt_the_remote_lacks_is_set_aside_never_built_on() {
+    let s = setup(Kind::Bare).await;
+    let root = s.clone.parent().unwrap().parent().unwrap().to_path_buf();
+    let item: orch_domain::ids::WorkItemId = "DEMO-1".parse().unwrap();
+    let branch = item.branch_name();
+    let demo = "demo".parse().unwrap();
+    let a = repos::RepoPaths::new(&root.join("repos"), &demo);
+    let b = repos::RepoPaths::new(&root.join("repos-b"), &demo);
+    repos::ensure_clone(&s.git, &root, &b, &demo, &s.repo)
+        .await
+        .unwrap();
+
+    // Node a runs the first stage and pushes it.
+    let wa = repos::prepare_worktree(&s.git, &a, &item, "main")
+        .await
+        .unwrap();
+    let first = commit(&s.git, &wa, "first.md", "1\n").await;
+    sh_git(&wa, &["push", "--quiet", "origin", &branch]).await;
+    // Node a's next attempt commits, then loses its lease: its push never happens.
+    let stale = commit(&s.git, &wa, "stale.md", "stale\n").await;
+    // Node b rescues that stage from the remote's branch and completes it.
+    assert_eq!(
+        repos::catch_up_work_branch(&s.git, &b, &item)
+            .await
+            .unwrap(),
+        None
+    );
+    let wb = repos::prepare_worktree(&s.git, &b, &item, "main")
+        .await
+        .unwrap();
+    assert_eq!(
+        rev(&wb, "HEAD").await,
+        first,
+        "b starts from the remote's branch"
+    );
+    let second = commit(&s.git, &wb, "second.md", "2\n").await;
+    sh_git(&wb, &["push", "--quiet", "origin", &branch]).await;
+
+    // Node a's next stage: its stale commit is set aside, kept, and gone from the worktree.
+    let said = repos::catch_up_work_branch(&s.git, &a, &item)
+        .await
+        .unwrap()
+        .expect("the stale attempt is set aside");
+    assert!(
+        said.contains(&stale[..12]) && said.contains(&second[..12]),
+        "{said}"
+    );
+    assert_eq!(
+        rev(&a.repo_dir, &format!("refs/heads/{branch}")).await,
+        second
+    );
+    assert_eq!(
+        rev(&a.repo_dir, &format!("refs/orch/stale/{branch}/{stale}")).await,
+        stale,
+        "the set-aside commit is kept"
+    );
+    let wa = repos::prepare_worktree(&s.git, &a, &item, "main")
+        .await
+        .unwrap();
+    assert_eq!(rev(&wa, "HEAD").await, second);
+    assert!(wa.join("second.md").exists() && !wa.join("stale.md").exists());
+    let third = commit(&s.git, &wa, "third.md", "3\n").await;
+    sh_git(&wa, &["push", "--quiet", "origin", &branch]).await;
+    let log = sh_git(&s.user, &["log", "--format=%H", &branch]).await;
+    assert!(
+        log.contains(&third) && log.contains(&second) && !log.contains(&stale),
+        "the remote holds every completed stage and no stale attempt:\n{log}"
+    );
+
+    // A local commit merely ahead of the remote (the push that never happened) is set aside
+    // too; a branch behind the remote is fast-forwarded with nothing set aside.
+    let ahead = commit(&s.git, &wa, "ahead.md", "x\n").await;
+    let said = repos::catch_up_work_branch(&s.git, &a, &item)
+        .await
+        .unwrap()
+        .expect("a commit the remote lacks is set aside");
+    assert!(said.contains(&ahead[..12]), "{said}");
+    assert_eq!(
+        rev(&a.repo_dir, &format!("refs/heads/{branch}")).await,
+        third
+    );
+    assert_eq!(
+        repos::catch_up_work_branch(&s.git, &b, &item)
+            .await
+            .unwrap(),
+        None,
+        "b is only behind"
+    );
+    assert_eq!(
+        rev(&b.repo_dir, &format!("refs/heads/{branch}")).await,
+        third
+    );
+}

@@ -334,12 +334,25 @@ impl Engine {
             paths.clone(),
             work_item.clone(),
             repo.clone(),
+            self.store.clone(),
+            (task.id, cx.job.id, stage.name.as_str().to_owned()),
         ));
         let prep = move || {
             let inputs = inputs.clone();
             Box::pin(async move {
-                let (git, paths, work_item, repo) = &*inputs;
-                ready_worktree(git, paths, work_item, repo, taken_over, adopting).await
+                let (git, paths, work_item, repo, store, (task, job, stage)) = &*inputs;
+                let set_aside =
+                    ready_worktree(git, paths, work_item, repo, taken_over, adopting).await?;
+                if let Some(message) = set_aside {
+                    let event = NewEvent::new(events::WORK_BRANCH_SET_ASIDE, message)
+                        .task(*task)
+                        .job(*job)
+                        .stage(stage.clone());
+                    if let Err(e) = store.append_event(event).await {
+                        tracing::warn!(error = %e, "could not append an event");
+                    }
+                }
+                Ok(())
             }) as futures::future::BoxFuture<'static, Result<()>>
         };
         let prep = if defers {
@@ -770,49 +783,47 @@ impl Engine {
     /// Publishes `orch/<id>` for the node that runs the next stage, fenced by the lease: an
     /// attempt whose lease was lost (a node cut off, then back) never pushes, so it cannot put
     /// its stale commits under the work of the attempt that replaced it. Should the remote hold
-    /// commits this worktree has not seen (pushed by a stale attempt in the instant before its
-    /// lease ran out), the lease holder's branch replaces them by compare-and-swap. A remote
-    /// that cannot be reached is a warning: the stage's work is committed here either way.
+    /// commits this worktree has not seen (pushed by a stale attempt of this job in the instant
+    /// before its lease ran out: the worktree started from the remote's branch,
+    /// [`repos::catch_up_work_branch`]), the lease holder's branch replaces them by
+    /// compare-and-swap. The push is part of the stage's work: a remote that cannot be reached
+    /// fails the attempt (the next one starts again from the remote's branch), since a stage
+    /// completed here but missing there would leave the node that runs the next stage on an
+    /// older branch.
     async fn push_work_branch(&self, cx: &JobContext, run: &StageRun) -> Result<()> {
         let branch = run.work_item.branch_name();
         cx.renew()
             .await
             .with_context(|| format!("not pushing `{branch}`"))?;
-        let Err(e) = self.git.push(&run.worktree, repos::ORIGIN, &branch).await else {
+        let Err(refused) = self.git.push(&run.worktree, repos::ORIGIN, &branch).await else {
             return Ok(());
         };
         let ours = self
             .git
             .rev_parse(&run.worktree, &format!("refs/heads/{branch}"))
-            .await?;
+            .await?
+            .with_context(|| format!("`{branch}` is gone from the worktree"))?;
         let theirs = self
             .git
             .ls_remote_branch(&run.worktree, repos::ORIGIN, &branch)
-            .await;
-        let (Some(ours), Ok(Some(theirs))) = (ours, theirs) else {
-            tracing::warn!(work_item = %run.work_item, error = %e, "could not push the work item's branch");
-            return Ok(());
-        };
+            .await
+            .with_context(|| format!("cannot push `{branch}` ({refused}), nor read the remote's"))?
+            .with_context(|| format!("cannot push `{branch}`: {refused}"))?;
         cx.renew()
             .await
             .with_context(|| format!("not replacing `{branch}` on the remote"))?;
-        match self
-            .git
+        self.git
             .push_with_lease(&run.worktree, repos::ORIGIN, &branch, Some(&theirs), &ours)
             .await
-        {
-            Ok(()) => {
-                let message = format!(
-                    "`{branch}` on the remote held {theirs:.12}, a commit this attempt had not seen (a stale attempt's push); replaced by this attempt's {ours:.12}"
-                );
-                tracing::warn!(work_item = %run.work_item, %message, "work branch replaced");
-                self.event(run, events::WORK_BRANCH_REPLACED, &message, None)
-                    .await;
-            }
-            Err(e) => {
-                tracing::warn!(work_item = %run.work_item, error = %e, "could not push the work item's branch");
-            }
-        }
+            .with_context(|| {
+                format!("cannot replace `{branch}` on the remote ({theirs:.12}) by {ours:.12}")
+            })?;
+        let message = format!(
+            "`{branch}` on the remote held {theirs:.12}, a commit this attempt had not seen (a stale attempt's push); replaced by this attempt's {ours:.12}"
+        );
+        tracing::warn!(work_item = %run.work_item, %message, "work branch replaced");
+        self.event(run, events::WORK_BRANCH_REPLACED, &message, None)
+            .await;
         Ok(())
     }
 
@@ -948,6 +959,7 @@ impl Engine {
 /// have moved it since this node last worked on the item, and always after a takeover), then
 /// the worktree created, reused or repaired and reset to the branch's committed state — unless
 /// the job is `adopting` a command an earlier orch started in that worktree (then it is kept).
+/// `Some`: a local attempt's commits the remote lacks were set aside (what, for an event).
 async fn ready_worktree(
     git: &Git,
     paths: &RepoPaths,
@@ -955,14 +967,15 @@ async fn ready_worktree(
     repo: &orch_domain::config::RepoConfig,
     taken_over: bool,
     adopting: bool,
-) -> Result<()> {
+) -> Result<Option<String>> {
     let existing = paths.worktree(work_item);
+    let mut set_aside = None;
     let worktree = if adopting && existing.join(".git").exists() {
         tracing::info!(%work_item, "the job adopts a command an earlier orch started: its worktree is kept as it is");
         existing
     } else {
         if taken_over || repos::shares_work_branches(git, &paths.repo_dir, repo).await {
-            repos::catch_up_work_branch(git, paths, work_item).await?;
+            set_aside = repos::catch_up_work_branch(git, paths, work_item).await?;
         }
         repos::prepare_worktree(git, paths, work_item, &repo.default_branch).await?
     };
@@ -975,7 +988,7 @@ async fn ready_worktree(
             work_item.branch_name()
         );
     }
-    Ok(())
+    Ok(set_aside)
 }
 
 /// A follow-up job of the same stage visit (see [`Engine::come_back`]).
