@@ -53,7 +53,7 @@ pub const TAKE_OVER_JOB: &str =
 /// worker whose node grace is `{grace}` (a parameter, NULL: never): the job has been ready for
 /// longer than the grace, and its node has not been seen (its beacon) for longer than the grace
 /// before `{now}`, or never. The cheap test on `available_at` comes first, so the beacon is
-/// looked up only for jobs that have waited that long (docs/benchmarks.md: 10,000 ready jobs
+/// looked up only for jobs that have waited that long (docs/benchmarks-history.md: 10,000 ready jobs
 /// pinned to a live node ahead in the claim order cost a lookup each, 1.4 → 13 ms per claim,
 /// without the test). The beacon is read as a scalar subquery (one `jobs_dedupe` lookup):
 /// written as `NOT EXISTS`, PostgreSQL's generic plan hashed a sequential scan of `jobs`.
