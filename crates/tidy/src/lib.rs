@@ -41,6 +41,13 @@
 //!   and users wrote. Elsewhere in `crates/orch/src`, shipped code (comments aside) uses no
 //!   printing macro (`println!`, `print!`, `eprintln!`, `eprint!`) and takes no
 //!   `std::io::stdout()`/`stderr()` handle (asking whether one is a terminal aside).
+//! - **`domain-pure`**: `crates/domain` decides from its arguments alone: its shipped code
+//!   (comments aside) touches no file, socket, process, environment variable or clock (no
+//!   `std::fs`, `File::`, `std::process`, `env::var`, `SystemTime`, `Instant::now`, `::now(`,
+//!   `TcpStream`/`TcpListener`/`UdpSocket`, `thread::sleep`, `std::io::stdin`, printing), and
+//!   its manifest's `[dependencies]` name no runtime, HTTP, database, clock or randomness crate
+//!   (`IMPURE_CRATES`). Time comes in as an argument; that is what lets `orch replay` re-derive a
+//!   decision and tests pin the clock.
 //!
 //! An exception that no longer matches anything is itself a failure, so the list only shrinks.
 
@@ -187,6 +194,31 @@ const MACHINE_ROOTS: &[&str] = &[
     concat!("/Use", "rs/"),
 ];
 
+/// What `crates/domain`'s shipped code may not touch (the `domain-pure` rule).
+const IMPURE_PATTERNS: &[&str] = &[
+    concat!("std::", "fs"),
+    concat!("fs::", "read"),
+    concat!("fs::", "write"),
+    concat!("File", "::"),
+    concat!("std::", "process"),
+    concat!("env::", "var"),
+    concat!("System", "Time"),
+    concat!("Instant::", "now"),
+    concat!("::now", "("),
+    concat!("Tcp", "Stream"),
+    concat!("Tcp", "Listener"),
+    concat!("Udp", "Socket"),
+    concat!("thread::", "sleep"),
+    concat!("io::", "stdin"),
+    concat!("print", "ln!"),
+    concat!("eprint", "ln!"),
+];
+/// Crates `crates/domain` may not depend on: runtimes, HTTP, databases, clocks, randomness.
+const IMPURE_CRATES: &[&str] = &[
+    "tokio", "reqwest", "hyper", "axum", "sqlx", "chrono", "time", "rand", "nix", "libc",
+    "getrandom",
+];
+
 /// The file that spells every control word (see the `control-words` rule).
 pub const CONTROL: &str = "crates/domain/src/control.rs";
 const MARKER_LITERAL: &str = concat!("\"[or", "ch:");
@@ -293,6 +325,24 @@ pub fn check_file_with(path: &str, text: &str, kinds: &[String]) -> Vec<Violatio
             && !line.contains(concat!(".is_", "terminal()"))
         {
             push("print-boundary", n, line);
+        }
+        if shipped
+            && in_crate("domain")
+            && !line.trim_start().starts_with("//")
+            && IMPURE_PATTERNS.iter().any(|p| line.contains(p))
+        {
+            push("domain-pure", n, line);
+        }
+        if is_manifest
+            && path == "crates/domain/Cargo.toml"
+            && section == "[dependencies]"
+            && IMPURE_CRATES.iter().any(|c| {
+                line.trim_start()
+                    .strip_prefix(c)
+                    .is_some_and(|rest| rest.trim_start().starts_with(['=', '.']))
+            })
+        {
+            push("domain-pure", n, line);
         }
         if shipped
             && path != CONTROL
@@ -480,6 +530,49 @@ mod tests {
         // Prose and lower case are not statements.
         assert!(rules("crates/api/src/x.rs", "// select a row from the list").is_empty());
         assert!(rules("crates/orch/src/main.rs", "\"debug,sqlx=warn\"").is_empty());
+    }
+
+    #[test]
+    fn io_and_clocks_in_domain_are_caught() {
+        for line in [
+            planted(&["let t = std::time::System", "Time::now();"]),
+            planted(&["let s = std::f", "s::read_to_string(p)?;"]),
+            planted(&["let v = std::env::v", "ar(\"HOME\");"]),
+            planted(&["let c = std::net::Tcp", "Stream::connect(a)?;"]),
+            planted(&["let n = Instant::n", "ow();"]),
+            planted(&["std::thread::sl", "eep(d);"]),
+        ] {
+            assert_eq!(
+                rules("crates/domain/src/monitor.rs", &line),
+                ["domain-pure"],
+                "{line}"
+            );
+            assert!(
+                !rules("crates/runner/src/time.rs", &line).contains(&"domain-pure"),
+                "other crates may: {line}"
+            );
+        }
+        // Parsing an address is pure; prose about the clock is not code.
+        assert!(rules("crates/domain/src/net.rs", "s.parse::<std::net::IpAddr>()").is_empty());
+        assert!(rules("crates/domain/src/x.rs", "// never reads the clock: now( is an argument").is_empty());
+        // Its unit tests may do what they like.
+        let text = planted(&[
+            "fn f() {}\n#[cfg(test)]\nmod tests {\n    fn t() { std::f",
+            "s::read(\"x\"); }\n}\n",
+        ]);
+        assert!(rules("crates/domain/src/x.rs", &text).is_empty());
+        // Its manifest takes no runtime, clock or randomness.
+        let manifest = |dep: &str| format!("[dependencies]\nserde.workspace = true\n{dep}\n");
+        for dep in ["tokio.workspace = true", "chrono = \"0.4\"", "rand = { version = \"0.9\" }"] {
+            assert_eq!(
+                rules("crates/domain/Cargo.toml", &manifest(dep)),
+                ["domain-pure"],
+                "{dep}"
+            );
+        }
+        assert!(rules("crates/domain/Cargo.toml", "[dev-dependencies]\ntokio.workspace = true\n").is_empty());
+        assert!(rules("crates/domain/Cargo.toml", &manifest("timeout-free.workspace = true")).is_empty());
+        assert!(rules("crates/runner/Cargo.toml", &manifest("tokio.workspace = true")).is_empty());
     }
 
     #[test]
