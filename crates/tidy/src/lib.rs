@@ -215,7 +215,16 @@ const IMPURE_PATTERNS: &[&str] = &[
 ];
 /// Crates `crates/domain` may not depend on: runtimes, HTTP, databases, clocks, randomness.
 const IMPURE_CRATES: &[&str] = &[
-    "tokio", "reqwest", "hyper", "axum", "sqlx", "chrono", "time", "rand", "nix", "libc",
+    "tokio",
+    "reqwest",
+    "hyper",
+    "axum",
+    "sqlx",
+    "chrono",
+    "time",
+    "rand",
+    "nix",
+    "libc",
     "getrandom",
 ];
 
@@ -507,7 +516,7 @@ mod tests {
         let sqlx = planted(&["let n = sql", "x::query(\"x\");"]);
         assert_eq!(rules("crates/runner/src/ops.rs", &sqlx), ["sql"]);
         assert_eq!(
-            rules("crates/orch/tests/cli.rs", &sqlx),
+            rules("crates/orch/tests/it/cli.rs", &sqlx),
             ["sql"],
             "tests too"
         );
@@ -554,7 +563,13 @@ mod tests {
         }
         // Parsing an address is pure; prose about the clock is not code.
         assert!(rules("crates/domain/src/net.rs", "s.parse::<std::net::IpAddr>()").is_empty());
-        assert!(rules("crates/domain/src/x.rs", "// never reads the clock: now( is an argument").is_empty());
+        assert!(
+            rules(
+                "crates/domain/src/x.rs",
+                "// never reads the clock: now( is an argument"
+            )
+            .is_empty()
+        );
         // Its unit tests may do what they like.
         let text = planted(&[
             "fn f() {}\n#[cfg(test)]\nmod tests {\n    fn t() { std::f",
@@ -563,16 +578,38 @@ mod tests {
         assert!(rules("crates/domain/src/x.rs", &text).is_empty());
         // Its manifest takes no runtime, clock or randomness.
         let manifest = |dep: &str| format!("[dependencies]\nserde.workspace = true\n{dep}\n");
-        for dep in ["tokio.workspace = true", "chrono = \"0.4\"", "rand = { version = \"0.9\" }"] {
+        for dep in [
+            "tokio.workspace = true",
+            "chrono = \"0.4\"",
+            "rand = { version = \"0.9\" }",
+        ] {
             assert_eq!(
                 rules("crates/domain/Cargo.toml", &manifest(dep)),
                 ["domain-pure"],
                 "{dep}"
             );
         }
-        assert!(rules("crates/domain/Cargo.toml", "[dev-dependencies]\ntokio.workspace = true\n").is_empty());
-        assert!(rules("crates/domain/Cargo.toml", &manifest("timeout-free.workspace = true")).is_empty());
-        assert!(rules("crates/runner/Cargo.toml", &manifest("tokio.workspace = true")).is_empty());
+        assert!(
+            rules(
+                "crates/domain/Cargo.toml",
+                "[dev-dependencies]\ntokio.workspace = true\n"
+            )
+            .is_empty()
+        );
+        assert!(
+            rules(
+                "crates/domain/Cargo.toml",
+                &manifest("timeout-free.workspace = true")
+            )
+            .is_empty()
+        );
+        assert!(
+            rules(
+                "crates/runner/Cargo.toml",
+                &manifest("tokio.workspace = true")
+            )
+            .is_empty()
+        );
     }
 
     #[test]
@@ -586,7 +623,7 @@ mod tests {
             assert_eq!(rules("crates/runner/src/x.rs", &line), ["spawn"], "{line}");
             assert!(rules("crates/exec/src/process.rs", &line).is_empty());
             assert!(
-                rules("crates/orch/tests/crash.rs", &line).is_empty(),
+                rules("crates/orch/tests/it/crash.rs", &line).is_empty(),
                 "tests"
             );
         }
@@ -619,7 +656,7 @@ mod tests {
         let axum = planted(&["use ax", "um::Json;"]);
         assert_eq!(rules("crates/runner/src/x.rs", &axum), ["wire-json"]);
         assert!(rules("crates/api/src/lib.rs", &axum).is_empty());
-        assert!(rules("crates/orch/tests/dashboard.rs", &axum).is_empty());
+        assert!(rules("crates/orch/tests/it/dashboard.rs", &axum).is_empty());
     }
 
     #[test]
@@ -672,7 +709,10 @@ mod tests {
         let marker = planted(&["let m = format!(\"[or", "ch:release-hold seq={seq}]\");"]);
         assert_eq!(rules("crates/runner/src/x.rs", &marker), ["control-words"]);
         assert!(rules(CONTROL, &kind).is_empty(), "the one place");
-        assert!(rules("crates/runner/tests/x.rs", &kind).is_empty(), "tests");
+        assert!(
+            rules("crates/runner/tests/it/x.rs", &kind).is_empty(),
+            "tests"
+        );
         let in_unit_tests = format!("fn f() {{}}\n#[cfg(test)]\nmod tests {{\n{kind}\n}}\n");
         assert!(rules("crates/api/src/story.rs", &in_unit_tests).is_empty());
         let comment = planted(&["// a `\"release", ".waiting\"` event"]);
@@ -705,7 +745,10 @@ mod tests {
                 rules("crates/runner/src/x.rs", &line).is_empty(),
                 "the binary only"
             );
-            assert!(rules("crates/orch/tests/cli.rs", &line).is_empty(), "tests");
+            assert!(
+                rules("crates/orch/tests/it/cli.rs", &line).is_empty(),
+                "tests"
+            );
         }
         let tty = planted(&["let tty = std::io::std", "out().is_terminal();"]);
         assert!(rules("crates/orch/src/demo/mod.rs", &tty).is_empty());
