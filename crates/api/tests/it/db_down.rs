@@ -92,10 +92,29 @@ async fn call(state: &ApiState, method: &str, uri: &str) -> (StatusCode, String)
     .unwrap_or_else(|_| panic!("{method} {uri} did not answer"))
     .unwrap();
     let status = resp.status();
+    let content_type = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_owned();
     let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
         .await
         .unwrap();
-    (status, String::from_utf8_lossy(&bytes).into_owned())
+    let text = String::from_utf8_lossy(&bytes).into_owned();
+    let path = uri.split('?').next().unwrap_or(uri);
+    let document = crate::contract::document();
+    if let Err(e) = crate::contract::check(
+        document,
+        method,
+        path,
+        status.as_u16(),
+        &content_type,
+        &text,
+    ) {
+        panic!("the answer breaks docs/openapi.yaml: {e}\n{text}");
+    }
+    (status, text)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

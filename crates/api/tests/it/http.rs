@@ -240,6 +240,7 @@ impl Harness {
     /// The single place that calls the router.
     async fn check(&self, req: Request<Body>, want: StatusCode) -> Answer {
         let what = format!("{} {}", req.method(), req.uri());
+        let (method, path) = (req.method().to_string(), req.uri().path().to_owned());
         let resp = app(self.state()).oneshot(req).await.unwrap();
         let status = resp.status();
         let headers = resp.headers().clone();
@@ -248,6 +249,21 @@ impl Harness {
             .unwrap();
         let text = String::from_utf8(bytes.to_vec()).unwrap();
         assert_eq!(status, want, "{what} answered {text}");
+        // Every answer is held to docs/openapi.yaml.
+        let content_type = headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if let Err(e) = crate::contract::check(
+            crate::contract::document(),
+            &method,
+            &path,
+            status.as_u16(),
+            content_type,
+            &text,
+        ) {
+            panic!("the answer breaks docs/openapi.yaml: {e}\n{text}");
+        }
         Answer {
             status,
             headers,

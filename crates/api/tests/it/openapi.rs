@@ -13,7 +13,7 @@ use orch_store::testing::TestDb;
 use serde_json::Value;
 use tower::ServiceExt;
 
-const DOC: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/openapi.yaml");
+const DOC: &str = "docs/openapi.yaml";
 const TOKEN: &str = "openapi-test-token";
 
 /// Operations that refuse everything: enough to tell a handler from the fallback.
@@ -45,8 +45,7 @@ impl Operations for Refuse {
 }
 
 fn document() -> Value {
-    let text = std::fs::read_to_string(DOC).unwrap_or_else(|e| panic!("read {DOC}: {e}"));
-    serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("parse {DOC}: {e}"))
+    crate::contract::document().clone()
 }
 
 /// `(METHOD, path)` of every operation in the document.
@@ -147,10 +146,28 @@ async fn every_route_in_the_table_reaches_a_handler() {
             .await
             .unwrap();
         let status = resp.status();
+        let content_type = resp
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
         let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
             .await
             .unwrap();
         let text = String::from_utf8_lossy(&bytes);
+        // What every route answers, refused or served, is what the document says.
+        let document = crate::contract::document();
+        if let Err(e) = crate::contract::check(
+            document,
+            method,
+            &uri,
+            status.as_u16(),
+            &content_type,
+            &text,
+        ) {
+            panic!("the answer breaks docs/openapi.yaml: {e}\n{text}");
+        }
         assert_ne!(
             status,
             StatusCode::METHOD_NOT_ALLOWED,
