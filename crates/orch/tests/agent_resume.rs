@@ -394,3 +394,8 @@ async fn aider_resumes_its_chat_after_the_host_is_lost() {
 async fn claude_code_starts_afresh_when_its_session_files_are_gone() {
     resume("claude", "claude-sonnet-4-5", true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aider_starts_afresh_when_its_chat_history_is_gone() {
+    resume("aider", "gpt-4.1", true).await;
+}

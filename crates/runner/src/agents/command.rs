@@ -707,8 +707,13 @@ async fn session_of(
                 .note_session(
                     orch_domain::control::events::AGENT_SESSION_RESUMED,
                     format!(
-                        "agent {} ({cli}): its run was lost (no result, supervisor gone);                          its session {id} continues",
-                        inv.agent
+                        "agent {} ({cli}): its run was lost (no result, supervisor gone); {} continues",
+                        inv.agent,
+                        if backend == Backend::Aider {
+                            "its chat history".to_owned()
+                        } else {
+                            format!("its session {id}")
+                        }
                     ),
                     serde_json::json!({"cli": cli, "session_id": id, "key": key,
                         "why": "the previous run's process was lost and its session files are still there"}),
