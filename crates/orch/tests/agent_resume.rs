@@ -370,8 +370,8 @@ async fn resume(preset: &str, model_name: &str, remove_files: bool) {
         "{run_data}"
     );
     println!(
-        "{preset}: {kind} ({}), APP-1 reached {}",
-        event.message, reached.stage
+        "{preset}: {kind} ({}), APP-1 reached {}; run {}",
+        event.message, reached.stage, run_data["sandbox"]
     );
 }
 
