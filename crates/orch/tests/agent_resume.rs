@@ -173,6 +173,12 @@ fn bodies(requests: &[Recorded], from: usize) -> Vec<String> {
 /// (with `remove_files`, removes the session's files) and runs orch again; checks what the
 /// model server sees and what is recorded.
 async fn resume(preset: &str, model_name: &str, remove_files: bool) {
+    resume_with(preset, model_name, remove_files, false).await;
+}
+
+/// [`resume`]; with `remove_note`, orch's note of the session id is removed too while orch is
+/// down (a run lost before orch read the id from the stream).
+async fn resume_with(preset: &str, model_name: &str, remove_files: bool, remove_note: bool) {
     let Some(program) = agent_cli(preset) else {
         return;
     };
@@ -260,6 +266,9 @@ async fn resume(preset: &str, model_name: &str, remove_files: bool) {
     );
     if remove_files {
         remove_session_files(preset, &state);
+    }
+    if remove_note {
+        std::fs::remove_file(state.join("session")).unwrap();
     }
     let before = server.requests().len();
     lost.store(true, Ordering::SeqCst);
@@ -349,6 +358,7 @@ async fn resume(preset: &str, model_name: &str, remove_files: bool) {
             assert!(first.contains(PROBE), "{first}");
             // The session resumed is the one the first run recorded.
             let id = data["session_id"].as_str().unwrap();
+            // (Without the note, found from the one rollout file's name: the same id.)
             assert_eq!(note.trim(), format!("{preset} {id}"));
         }
     }
@@ -398,4 +408,10 @@ async fn claude_code_starts_afresh_when_its_session_files_are_gone() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aider_starts_afresh_when_its_chat_history_is_gone() {
     resume("aider", "gpt-4.1", true).await;
+}
+
+/// Codex lost before orch recorded its thread id: the id comes from its one rollout file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_resumes_from_its_rollout_when_the_id_was_not_recorded() {
+    resume_with("codex", "gpt-5-codex", false, true).await;
 }

@@ -186,7 +186,10 @@ impl State {
                 },
             };
         }
-        let Some(id) = self.recorded(backend) else {
+        let Some(id) = self
+            .recorded(backend)
+            .or_else(|| self.codex_rollout_id(backend))
+        else {
             return Decision::Lost {
                 id: None,
                 why: "the lost run recorded no session id".into(),
@@ -216,6 +219,36 @@ impl State {
                 why: "the session's files are gone".into(),
             }
         }
+    }
+
+    /// Codex's session id from the name of its one rollout file
+    /// (`sessions/…/rollout-<time>-<uuid>.jsonl`) when orch did not read it from the stream
+    /// before the run was lost: the home is this try's own, so its only rollout is this run's.
+    /// More than one, or a name that does not end in a UUID, gives none.
+    fn codex_rollout_id(&self, backend: Backend) -> Option<String> {
+        if backend != Backend::Codex {
+            return None;
+        }
+        let mut names = Vec::new();
+        collect_files(
+            &self.home().join(".codex").join("sessions"),
+            &|n| n.starts_with("rollout-") && n.ends_with(".jsonl"),
+            3,
+            &mut names,
+        );
+        let [name] = names.as_slice() else {
+            return None;
+        };
+        let stem = name.strip_suffix(".jsonl")?;
+        let id = stem.get(stem.len().checked_sub(36)?..)?;
+        let uuid = id.bytes().enumerate().all(|(i, b)| {
+            if matches!(i, 8 | 13 | 18 | 23) {
+                b == b'-'
+            } else {
+                b.is_ascii_hexdigit()
+            }
+        });
+        (uuid && valid_id(id)).then(|| id.to_owned())
     }
 
     /// A sink that records the session id the CLI announces on stdout (Codex's
@@ -321,6 +354,28 @@ fn find_file(dir: &Path, matches: &dyn Fn(&str) -> bool, depth: usize) -> Option
     None
 }
 
+/// The names of the regular files (not links) below `dir`, at most `depth` folders down, that
+/// match; at most two are collected (one is all a caller takes).
+fn collect_files(dir: &Path, matches: &dyn Fn(&str) -> bool, depth: usize, out: &mut Vec<String>) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten().take(10_000) {
+        if out.len() > 1 {
+            return;
+        }
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if kind.is_file() && matches(&name) {
+            out.push(name);
+        } else if kind.is_dir() && depth > 0 {
+            collect_files(&entry.path(), matches, depth - 1, out);
+        }
+    }
+}
+
 /// Writes `name` in `dir` whole or not at all, durable once this returns.
 fn write_durable(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
     use std::io::Write as _;
@@ -398,6 +453,32 @@ mod tests {
         );
         std::fs::write(tmp.path().join(NOTE), "codex --help\n").unwrap();
         assert_eq!(state.recorded(Backend::Codex), None);
+        // No usable note: the one rollout's name gives the id only if it ends in a UUID.
+        assert!(matches!(
+            state.decide(Backend::Codex),
+            Decision::Lost { id: None, .. }
+        ));
+        let uuid = "01a24d00-2695-7b61-8011-b598b1f989ff";
+        std::fs::remove_file(day.join("rollout-2026-12-06T00-00-00-t1.jsonl")).unwrap();
+        std::fs::write(
+            day.join(format!("rollout-2026-12-06T00-00-00-{uuid}.jsonl")),
+            "{}",
+        )
+        .unwrap();
+        assert_eq!(
+            state.decide(Backend::Codex),
+            Decision::Resume { id: uuid.into() }
+        );
+        // Two rollouts: which one was this run's is not known.
+        std::fs::write(
+            day.join(format!("rollout-2026-12-06T00-00-01-{uuid}.jsonl")),
+            "{}",
+        )
+        .unwrap();
+        assert!(matches!(
+            state.decide(Backend::Codex),
+            Decision::Lost { id: None, .. }
+        ));
         state.clear().unwrap();
         assert!(!day.exists() && state.home().is_dir());
         assert_eq!(state.recorded(Backend::Codex), None);
