@@ -79,6 +79,12 @@ pub mod events {
     pub const COMMIT_DISCARDED: &str = "commit.discarded";
     /// An agent CLI reported a permission denial.
     pub const AGENT_PERMISSION_DENIED: &str = "agent.permission_denied";
+    /// An agent run whose process was lost (no result, supervisor gone) continues its CLI
+    /// session instead of starting again: `{cli, session_id, key, why}`.
+    pub const AGENT_SESSION_RESUMED: &str = "agent.session_resumed";
+    /// An agent run whose process was lost could not continue its session (its files are
+    /// gone, or no session was recorded) and starts afresh: `{cli, session_id, key, why}`.
+    pub const AGENT_SESSION_LOST: &str = "agent.session_lost";
     /// An attempt lost to a dead worker (a crash rescue, not counted as a failure). Their count
     /// per job is the restart-safe crash counter (no column).
     pub const JOB_RESCUED: &str = "job.rescued";
@@ -241,6 +247,8 @@ pub mod events {
         ARTIFACT_REJECTED,
         COMMIT_DISCARDED,
         AGENT_PERMISSION_DENIED,
+        AGENT_SESSION_RESUMED,
+        AGENT_SESSION_LOST,
         COMMAND_ADOPTED,
         COMMAND_RERUN,
         JOB_RESCUED,

@@ -242,6 +242,73 @@ fn kept_name(job: i64, name: &str) -> String {
     format!("j{job}.~{name}")
 }
 
+/// The durable state directory of the command keyed `key` (`j<job>.~state-<label>-<n>`,
+/// mode 0700, created if missing), beside its record but never inside it: what the command
+/// keeps across a lost run (an agent CLI's session files) lives here, apart from the
+/// supervisor's result files, and goes with the job's records ([`forget_job`]). `None`
+/// without supervision (nothing outlives the run then). A state path that is a link or a file
+/// is removed (never its target) and made again.
+pub fn state_dir(key: &str) -> io::Result<Option<PathBuf>> {
+    let Some(state) = STATE.get() else {
+        return Ok(None);
+    };
+    check_key(key)?;
+    let Some((job, rest)) = key.split_once('.') else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("the supervision key {key:?} names no job"),
+        ));
+    };
+    let dir = state.dir.join(format!("{job}.~state-{rest}"));
+    match std::fs::symlink_metadata(&dir) {
+        Ok(m) if m.is_dir() => return Ok(Some(dir)),
+        Ok(_) => {
+            tracing::warn!(dir = %dir.display(), "a command's state directory is not a directory: it is removed");
+            remove_record(&dir);
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new().mode(0o700).create(&dir)?;
+    Ok(Some(dir))
+}
+
+/// What is recorded of the command keyed `key` on this machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Recorded {
+    /// No record (or no supervision): the next run starts it.
+    Absent,
+    /// A record with a result, or whose supervisor is alive: the next run adopts it.
+    Kept,
+    /// A record without a result whose supervisor is gone (the machine restarted, or the
+    /// supervisor was killed): the next run runs it again ([`Supervision::Restarted`]). A
+    /// caller asks before building the command, to continue what the lost one began.
+    Lost,
+}
+
+/// What is recorded of the command keyed `key` (see [`Recorded`]).
+pub fn recorded(key: &str) -> Recorded {
+    let Some(state) = STATE.get() else {
+        return Recorded::Absent;
+    };
+    if check_key(key).is_err() {
+        return Recorded::Absent;
+    }
+    let rdir = state.dir.join(key);
+    match std::fs::symlink_metadata(&rdir) {
+        Ok(m) if m.is_dir() => {}
+        // Not a directory: removed and run again by `run`, as if lost.
+        Ok(_) => return Recorded::Lost,
+        Err(_) => return Recorded::Absent,
+    }
+    if std::fs::symlink_metadata(rdir.join(RESULT)).is_ok() || supervisor_alive(&rdir).is_some() {
+        Recorded::Kept
+    } else {
+        Recorded::Lost
+    }
+}
+
 /// Commands running under a supervisor on this machine: `(key, job, supervisor pid)`.
 pub fn running() -> Vec<(String, i64, i32)> {
     let Some(state) = STATE.get() else {
@@ -254,6 +321,10 @@ pub fn running() -> Vec<(String, i64, i32)> {
         .flatten()
         .filter_map(|e| {
             let key = e.file_name().to_string_lossy().into_owned();
+            // Notes and state directories (`j<job>.~…`) are no records.
+            if key.contains('~') {
+                return None;
+            }
             let job = key
                 .strip_prefix('j')
                 .and_then(|k| k.split_once('.'))

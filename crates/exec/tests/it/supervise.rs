@@ -473,3 +473,62 @@ async fn a_command_orphaned_while_orch_was_away_is_stopped_before_it_runs_again(
     }
     supervise::forget_job(9108);
 }
+
+/// A command's state directory (what an agent's session keeps across a lost run) sits beside
+/// its record, never inside it, is no record itself (a `supervisor` file planted in it names
+/// no running command), and goes with the job; `recorded` says before a run whether the
+/// command is absent, kept (adopt) or lost (run again).
+#[tokio::test]
+async fn a_state_directory_is_beside_the_record_and_lost_commands_are_told_apart() {
+    use supervise::Recorded;
+    records();
+    let work = tempfile::tempdir().unwrap();
+    let key = "j9109.agent-0";
+    assert_eq!(supervise::recorded(key), Recorded::Absent);
+    let state = supervise::state_dir(key).unwrap().unwrap();
+    assert_eq!(state, records().join("j9109.~state-agent-0"));
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(
+        std::fs::metadata(&state).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+    assert!(supervise::state_dir("j9109/../x").is_err());
+    // A planted supervisor note naming a live process (this one) is not taken for a record.
+    let me = std::process::id() as i32;
+    let start = orch_exec::records::start_time(me).unwrap();
+    std::fs::write(state.join("supervisor"), format!("{me} {start}")).unwrap();
+    assert!(
+        supervise::running()
+            .iter()
+            .all(|(k, _, _)| !k.contains('~')),
+        "{:?}",
+        supervise::running()
+    );
+    assert_eq!(supervise::recorded(key), Recorded::Absent);
+    let (pids, supervisor) = left_by_an_earlier_orch(key, work.path(), "60000").await;
+    assert_eq!(supervise::recorded(key), Recorded::Kept);
+    // The host is lost: the supervisor and its command die together, no result.
+    for pid in pids.iter().copied().chain([supervisor]) {
+        // SAFETY: kill with integer arguments; the pids are this test's orphans.
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    for pid in pids.iter().copied().chain([supervisor]) {
+        assert!(ended(pid, Duration::from_secs(5)).await, "pid {pid}");
+    }
+    assert_eq!(supervise::recorded(key), Recorded::Lost);
+    assert!(state.is_dir(), "the state outlives the lost command");
+    let out = run(&sh("echo again").cwd(work.path()).supervised(key))
+        .await
+        .unwrap();
+    assert_eq!(out.supervision, Supervision::Restarted);
+    assert_eq!(supervise::recorded(key), Recorded::Kept);
+    supervise::forget_job(9109);
+    assert!(!state.exists() && !records().join(key).exists());
+    // A link at the state's name is removed, never followed.
+    let elsewhere = tempfile::tempdir().unwrap();
+    symlink(elsewhere.path(), records().join("j9110.~state-agent-0")).unwrap();
+    let state = supervise::state_dir("j9110.agent-0").unwrap().unwrap();
+    assert!(std::fs::symlink_metadata(&state).unwrap().is_dir());
+    assert!(elsewhere.path().is_dir());
+    supervise::forget_job(9110);
+}

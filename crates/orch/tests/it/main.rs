@@ -3,6 +3,7 @@
 //! `cargo test -p orch --test it <suite>::`.
 
 mod agent_clis;
+mod agent_resume;
 mod bad_agents;
 mod bounded_input;
 mod campaign;

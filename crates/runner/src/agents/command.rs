@@ -8,8 +8,10 @@
 //! `{prompt_file}` placeholder in the arguments), deleted when the try ends. `ORCH_*`
 //! variables name the work item, stage, worktree and expected artifact.
 //!
-//! The presets run each CLI with a configuration home of its own per run (a temporary
-//! directory as `HOME`, and `CODEX_HOME` below it), so the orch user's settings, hooks and
+//! The presets run each CLI with a configuration home of its own per run (a directory of the
+//! run as `HOME`, and `CODEX_HOME` below it: the supervised command's durable state directory,
+//! so a lost run's session can continue, see [`super::resume`]; a temporary one without
+//! supervision), so the orch user's settings, hooks and
 //! logins do not leak in (`config_home = "user"` opts out), give each role only the tools it
 //! needs, and read the CLI's own report: tokens and cost, errors (classified permanent or
 //! transient, see [`Class`]) and permission denials. A run whose report cannot be read has
@@ -313,6 +315,42 @@ fn plan(config: &AgentConfig, role: Role, dirs: &Dirs, contained: bool) -> Resul
     })
 }
 
+/// How a try continues or names its CLI session ([`super::resume`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct SessionArgs {
+    /// Continue this session (a valid id; Aider: any value restores its chat history).
+    resume: Option<String>,
+    /// Start a new session with this id (Claude Code's `--session-id`).
+    new_id: Option<String>,
+}
+
+/// `plan` with the session arguments of its CLI: Claude Code `--resume <id>` or
+/// `--session-id <id>`, Codex `exec … resume <id> -`, Aider `--restore-chat-history`.
+fn with_session(mut plan: Plan, backend: Backend, session: &SessionArgs) -> Plan {
+    match (backend, &session.resume, &session.new_id) {
+        (Backend::Claude, Some(id), _) => {
+            plan.args.extend(["--resume".to_owned(), id.clone()]);
+        }
+        (Backend::Claude, None, Some(id)) => {
+            plan.args.extend(["--session-id".to_owned(), id.clone()]);
+        }
+        (Backend::Codex, Some(id), _) => {
+            // `resume <id>` is a subcommand of `exec`: after exec's options, before the
+            // prompt's `-`.
+            let at = if plan.via == PromptVia::Stdin && plan.args.last().is_some_and(|a| a == "-") {
+                plan.args.len() - 1
+            } else {
+                plan.args.len()
+            };
+            plan.args.insert(at, id.clone());
+            plan.args.insert(at, "resume".to_owned());
+        }
+        (Backend::Aider, Some(_), _) => plan.args.push("--restore-chat-history".to_owned()),
+        _ => {}
+    }
+    plan
+}
+
 /// A TOML string literal.
 fn toml_str(s: &str) -> String {
     Value::String(s.to_owned()).to_string()
@@ -358,12 +396,58 @@ fn user_config_dirs(backend: Backend) -> Vec<PathBuf> {
     names.iter().map(|n| home.join(n)).collect()
 }
 
+/// Whether the run's configuration home is its own (`config_home` unset or `run`).
+fn home_is_the_runs(config: &AgentConfig) -> bool {
+    matches!(
+        config.config_home.as_deref().map(str::trim),
+        None | Some("run")
+    )
+}
+
+/// Makes `dir` a real directory: a link or a file at its name (a kept home is the agent's
+/// to write) is removed, never followed.
+fn private_dir(dir: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(_) => std::fs::remove_file(dir)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::create_dir_all(dir)
+}
+
+/// Writes `name` in `dir` afresh: whatever was at the name is removed first (a link is
+/// removed, not followed) and the file is created new (`O_EXCL`: never through a link).
+fn write_new(dir: &Path, name: &str, text: &str) -> std::io::Result<()> {
+    let path = dir.join(name);
+    match std::fs::symlink_metadata(&path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(&path)?,
+        Ok(_) => std::fs::remove_file(&path)?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)?;
+    f.write_all(text.as_bytes())
+}
+
 /// Creates the run's private directories: a temporary directory (removed when dropped)
-/// holding `home/` unless `config_home` keeps the user's or names another.
-fn make_dirs(config: &AgentConfig) -> std::io::Result<(tempfile::TempDir, Dirs)> {
+/// holding `home/` unless `config_home` keeps the user's or names another. With a durable
+/// `state` ([`super::resume::State`]) its `home/` and `files/` are used instead, so the
+/// CLI's session outlives a lost run.
+fn make_dirs(
+    config: &AgentConfig,
+    state: Option<&super::resume::State>,
+) -> std::io::Result<(tempfile::TempDir, Dirs)> {
     let tmp = tempfile::Builder::new().prefix("orch-agent-").tempdir()?;
     let home = match config.config_home.as_deref().map(str::trim) {
-        None | Some("run") => Some(tmp.path().join("home")),
+        None | Some("run") => Some(
+            state
+                .map(super::resume::State::home)
+                .unwrap_or_else(|| tmp.path().join("home")),
+        ),
         Some("user") => None,
         Some(dir) => Some(PathBuf::from(dir)),
     };
@@ -371,15 +455,18 @@ fn make_dirs(config: &AgentConfig) -> std::io::Result<(tempfile::TempDir, Dirs)>
         std::fs::create_dir_all(h)?;
         // An identity of its own, so a CLI that wants one for git (Aider) finds it here
         // instead of writing it into the repository's configuration (read-only to it).
-        let gitconfig = h.join(".gitconfig");
-        if !gitconfig.exists() {
-            std::fs::write(
-                &gitconfig,
+        // The home may be a kept one the agent wrote before: never written through a link.
+        if std::fs::symlink_metadata(h.join(".gitconfig")).is_err() {
+            write_new(
+                h,
+                ".gitconfig",
                 "[user]\n\tname = orch agent\n\temail = agent@orch.invalid\n",
             )?;
         }
     }
-    let files = tmp.path().join("files");
+    let files = state
+        .map(super::resume::State::files)
+        .unwrap_or_else(|| tmp.path().join("files"));
     std::fs::create_dir_all(&files)?;
     Ok((tmp, Dirs { home, files }))
 }
@@ -387,7 +474,17 @@ fn make_dirs(config: &AgentConfig) -> std::io::Result<(tempfile::TempDir, Dirs)>
 /// Runs one try of a CLI backend.
 pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     let role = Role::of(inv.run.stage.name.as_str(), inv.agent.as_str());
-    let (tmp, dirs) = match make_dirs(inv.config) {
+    let key = inv.run.command_key("agent");
+    let backend = inv.config.backend;
+    let (state, session) = session_of(inv, &key).await;
+    let resumed_prompt;
+    let prompt: &str = if session.resume.is_some() {
+        resumed_prompt = format!("{}{}", super::resume::RESUME_NOTE, inv.prompt);
+        &resumed_prompt
+    } else {
+        inv.prompt
+    };
+    let (tmp, dirs) = match make_dirs(inv.config, state.as_ref()) {
         Ok(d) => d,
         Err(e) => {
             return TryResult::failed(
@@ -397,23 +494,24 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     };
     // The run's sandbox: the worktree and its private directory writable, its model endpoint
     // reachable, nothing of orch's in sight (`crate::contain`).
-    let extra = match &dirs.home {
+    let mut extra = match &dirs.home {
         Some(h) => vec![h.clone()],
         None => user_config_dirs(inv.config.backend),
     };
+    if state.is_some() {
+        extra.push(dirs.files.clone());
+    }
     let contained = match crate::contain::for_agent(inv.run, inv.config, tmp.path(), &extra) {
         Ok(c) => c,
         Err(e) => return TryResult::permanent(inv.error(e)),
     };
     let plan = match plan(inv.config, role, &dirs, contained.is_sandboxed()) {
-        Ok(p) => p,
+        Ok(p) => with_session(p, backend, &session),
         Err(e) => return TryResult::permanent(inv.error(e)),
     };
     if let (Some(text), Some(home)) = (&plan.codex_config, &dirs.home) {
         let dir = home.join(".codex");
-        if let Err(e) = std::fs::create_dir_all(&dir)
-            .and_then(|()| std::fs::write(dir.join("config.toml"), text))
-        {
+        if let Err(e) = private_dir(&dir).and_then(|()| write_new(&dir, "config.toml", text)) {
             return TryResult::failed(inv.error(format!(
                 "cannot write {}: {e}",
                 dir.join("config.toml").display()
@@ -423,7 +521,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     let wants_file =
         plan.via == PromptVia::File || plan.args.iter().any(|a| a.contains("{prompt_file}"));
     let prompt_file = if wants_file {
-        match write_prompt_file(inv.prompt, tmp.path()) {
+        match write_prompt_file(prompt, tmp.path()) {
             Ok(f) => Some(f),
             Err(e) => {
                 return TryResult::failed(
@@ -453,8 +551,17 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     for (key, value) in vars.env() {
         cmd = cmd.env(key, value);
     }
-    if let Some(t) = inv.transcript {
-        cmd = cmd.stdout_sink(t.sink());
+    let transcript = inv.transcript.map(super::transcript::Transcript::sink);
+    match (&state, backend) {
+        // The session id as the CLI announces it, recorded while it runs.
+        (Some(s), Backend::Claude | Backend::Codex) => {
+            cmd = cmd.stdout_sink(s.capture(backend, transcript));
+        }
+        _ => {
+            if let Some(sink) = transcript {
+                cmd = cmd.stdout_sink(sink);
+            }
+        }
     }
     for (key, value) in &plan.env {
         cmd = cmd.env(key, value);
@@ -490,10 +597,9 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         }
     }
     if plan.via == PromptVia::Stdin {
-        cmd = cmd.stdin(inv.prompt.as_bytes().to_vec());
+        cmd = cmd.stdin(prompt.as_bytes().to_vec());
     }
     let started = std::time::Instant::now();
-    let key = inv.run.command_key("agent");
     let out = run_process(&cmd.supervised(key.clone())).await;
     if let Ok(o) = &out {
         inv.run.note_supervision("agent", &key, o).await;
@@ -523,9 +629,10 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         // Aider's chat history says more than its console (the prompt, the replies, the
         // edits): it replaces the console output as the transcript.
         if let Some(t) = inv.transcript
-            && let Ok(history) = std::fs::read(dirs.files.join("chat.history.md"))
+            && let Ok(Some(history)) =
+                crate::fsutil::read_regular(&dirs.files.join("chat.history.md"))
         {
-            t.replace(&history);
+            t.replace(history.as_bytes());
         }
         let cleaned = clean_after_aider(&inv.run.git, inv.worktree).await;
         if !cleaned.is_empty() {
@@ -533,6 +640,11 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         }
     }
     drop(tmp);
+    if let Some(id) = &session.resume {
+        result
+            .data
+            .insert("resumed_session".into(), id.clone().into());
+    }
     result.data.insert("program".into(), plan.program.into());
     result
         .data
@@ -552,6 +664,91 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
             .into(),
     );
     result
+}
+
+/// The run's durable state and its session arguments: a fresh run of a resumable preset
+/// with its own home keeps its session in the state directory of `key` (Claude Code is given
+/// its id up front); a run whose earlier command was lost continues that session when its
+/// files are still there (`agent.session_resumed`), else starts afresh
+/// (`agent.session_lost`). An adopted command (running, or ended while orch was away) leaves
+/// the state as it is. Without supervision, or with another home, there is no state.
+async fn session_of(
+    inv: &Invocation<'_>,
+    key: &str,
+) -> (Option<super::resume::State>, SessionArgs) {
+    use super::resume::{Decision, State, cli_name, new_uuid, resumable};
+    use orch_exec::supervise::{Recorded, recorded};
+    let backend = inv.config.backend;
+    let mut args = SessionArgs::default();
+    if !resumable(backend) || !home_is_the_runs(inv.config) {
+        return (None, args);
+    }
+    let state = match State::open(key) {
+        Ok(Some(s)) => s,
+        Ok(None) => return (None, args),
+        Err(e) => {
+            tracing::warn!(key, error = %e, "cannot keep the agent's session: it runs in a temporary home");
+            return (None, args);
+        }
+    };
+    let was = recorded(key);
+    if was == Recorded::Kept {
+        return (Some(state), args);
+    }
+    let decision = if was == Recorded::Lost {
+        state.decide(backend)
+    } else {
+        Decision::Fresh
+    };
+    let cli = cli_name(backend);
+    match &decision {
+        Decision::Resume { id } => {
+            inv.run
+                .note_session(
+                    orch_domain::control::events::AGENT_SESSION_RESUMED,
+                    format!(
+                        "agent {} ({cli}): its run was lost (no result, supervisor gone); {} continues",
+                        inv.agent,
+                        if backend == Backend::Aider {
+                            "its chat history".to_owned()
+                        } else {
+                            format!("its session {id}")
+                        }
+                    ),
+                    serde_json::json!({"cli": cli, "session_id": id, "key": key,
+                        "why": "the previous run's process was lost and its session files are still there"}),
+                )
+                .await;
+            args.resume = Some(id.clone());
+        }
+        Decision::Lost { id, why } => {
+            inv.run
+                .note_session(
+                    orch_domain::control::events::AGENT_SESSION_LOST,
+                    format!(
+                        "agent {} ({cli}): its run was lost and cannot be continued ({why}): it starts afresh",
+                        inv.agent
+                    ),
+                    serde_json::json!({"cli": cli, "session_id": id, "key": key, "why": why}),
+                )
+                .await;
+        }
+        Decision::Fresh => {}
+    }
+    if args.resume.is_none() {
+        // A fresh start: nothing of an earlier session is kept.
+        if let Err(e) = state.clear() {
+            tracing::warn!(key, error = %e, "cannot clear the agent's state directory");
+            return (None, args);
+        }
+        if backend == Backend::Claude {
+            match new_uuid().and_then(|id| state.record(backend, &id).map(|()| id)) {
+                Ok(id) => args.new_id = Some(id),
+                Err(e) => tracing::warn!(key, error = %e, "cannot record the agent's session id"),
+            }
+        }
+    }
+    (Some(state), args)
 }
 
 /// Undoes what Aider does to a worktree besides the work: its `.aider*` files at the root
@@ -1485,6 +1682,37 @@ mod tests {
             map.insert(k.to_owned(), serde_json::from_str(v).unwrap());
         }
         serde_json::from_value(Value::Object(map)).unwrap()
+    }
+
+    #[test]
+    fn sessions_continue_on_each_cli_s_own_command_line() {
+        let resume = SessionArgs {
+            resume: Some("abc-1".into()),
+            new_id: None,
+        };
+        let fresh = SessionArgs {
+            resume: None,
+            new_id: Some("u-1".into()),
+        };
+        let with = |backend: &str, kind: Backend, s: &SessionArgs| {
+            let p = plan(&config(backend, ""), Role::Documents, &dirs(), false).unwrap();
+            with_session(p, kind, s).args
+        };
+        let codex = with("codex", Backend::Codex, &resume);
+        assert_eq!(codex[0], "exec");
+        assert_eq!(&codex[codex.len() - 3..], ["resume", "abc-1", "-"]);
+        assert!(!with("codex", Backend::Codex, &fresh).contains(&"resume".to_owned()));
+        let claude = with("claude", Backend::Claude, &resume);
+        assert!(claude.windows(2).any(|w| w == ["--resume", "abc-1"]));
+        assert!(!claude.contains(&"--session-id".to_owned()));
+        let claude = with("claude", Backend::Claude, &fresh);
+        assert!(claude.windows(2).any(|w| w == ["--session-id", "u-1"]));
+        assert!(
+            with("aider", Backend::Aider, &resume).contains(&"--restore-chat-history".to_owned())
+        );
+        assert!(
+            !with("aider", Backend::Aider, &fresh).contains(&"--restore-chat-history".to_owned())
+        );
     }
 
     fn dirs() -> Dirs {

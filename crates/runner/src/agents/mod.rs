@@ -31,6 +31,7 @@ mod command;
 mod files;
 mod openai;
 mod prompt;
+mod resume;
 pub mod transcript;
 
 use std::collections::BTreeMap;

@@ -172,6 +172,19 @@ impl StageRun {
         }
     }
 
+    /// Records an event about an agent's session (`agent.session_resumed`,
+    /// `agent.session_lost`), fenced by this job's lease. A failure is logged.
+    pub async fn note_session(&self, kind: &str, message: String, data: serde_json::Value) {
+        let event = orch_store::NewEvent::new(kind, message)
+            .task(self.task.id)
+            .job(self.job.id)
+            .stage(self.stage.name.as_str())
+            .data(data.to_string());
+        if let Err(e) = self.store.append_event_fenced(self.lease, event).await {
+            tracing::warn!(work_item = %self.work_item, kind, error = %e, "cannot record an agent session's event");
+        }
+    }
+
     /// This job's payload without any markers: what a re-enqueued job of the same stage visit
     /// should carry before its own marker is appended.
     pub fn base_content(&self) -> String {
