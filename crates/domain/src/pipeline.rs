@@ -103,6 +103,10 @@ pub struct StageDef {
     pub transitions: BTreeMap<On, Transition>,
     /// Whether the task waits for `orch approve` before this stage runs.
     pub approval: bool,
+    /// Whether the stage's jobs run on the node that enqueued them (deploy and observe: their
+    /// markers and the watch's state live on that machine until it is gone, then a takeover
+    /// moves them).
+    pub pinned: bool,
 }
 
 impl StageDef {
@@ -259,6 +263,7 @@ impl Pipeline {
             artifacts,
             transitions: transitions.into_iter().collect(),
             approval: false,
+            pinned: matches!(name, "deploy" | "observe"),
         };
         let stages = vec![
             def(
@@ -694,6 +699,13 @@ mod tests {
     fn default_pipeline_is_valid_and_in_order() {
         let p = Pipeline::default_pipeline();
         assert_eq!(p.validate(), Ok(()));
+        let pinned: Vec<&str> = p
+            .stages
+            .iter()
+            .filter(|d| d.pinned)
+            .map(|d| d.name.as_str())
+            .collect();
+        assert_eq!(pinned, ["deploy", "observe"], "the stages with local state");
         let names: Vec<&str> = p.stages.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(
             names,

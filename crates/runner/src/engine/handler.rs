@@ -28,8 +28,6 @@ use crate::worker::{JobContext, JobHandler, Outcome, Registry};
 pub const INTAKE: &str = "intake";
 /// Attempts of one stage job before its task fails.
 pub const STAGE_ATTEMPTS: i64 = 3;
-/// Stages whose jobs must run where the deploy's local state lives (design.md §10).
-const PINNED_STAGES: &[&str] = &["deploy", "observe"];
 
 /// Where the engine finds things.
 #[derive(Debug, Clone)]
@@ -168,7 +166,7 @@ impl Engine {
             .to_content(),
         )
         .max_attempts(STAGE_ATTEMPTS);
-        if PINNED_STAGES.contains(&stage) {
+        if def.pinned {
             job = job.node(self.cfg.node.clone());
         }
         Some(job)
@@ -521,7 +519,7 @@ impl Engine {
             .priority(priority)
             .max_attempts(STAGE_ATTEMPTS)
             .dedupe(dedupe::requeue_of(cx.job.id));
-        if PINNED_STAGES.contains(&sj.stage.as_str()) || cx.job.node.is_some() {
+        if run.stage.pinned || cx.job.node.is_some() {
             job = job.node(self.cfg.node.clone());
         }
         // A routine tick's follow-up goes with its completion, batched with other jobs'.
