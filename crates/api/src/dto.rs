@@ -1061,3 +1061,246 @@ pub struct RunTranscript {
     pub transcript: Option<String>,
     pub diff: Option<String>,
 }
+
+/// Query of `GET /report`: `repo`, `since`, `until` (see `orch_domain::report::parse_instant`).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReportQuery {
+    pub repo: Option<String>,
+    pub since: Option<String>,
+    pub until: Option<String>,
+}
+
+/// The delivery report (`GET /report`, `orch report --json`): the DORA keys and orch's own
+/// figures over `[since, until)`, overall and by repo. How each is computed:
+/// `orch_domain::report` and the README's "Delivery report".
+#[derive(Debug, Serialize)]
+pub struct DeliveryReport {
+    /// RFC 3339 UTC.
+    pub since: String,
+    pub until: String,
+    pub since_ms: i64,
+    pub until_ms: i64,
+    /// The repo asked for, if any.
+    pub repo: Option<String>,
+    pub overall: DeliveryFigures,
+    pub by_repo: Vec<RepoDelivery>,
+}
+
+/// One repo's figures in a [`DeliveryReport`].
+#[derive(Debug, Serialize)]
+pub struct RepoDelivery {
+    pub repo: String,
+    pub figures: DeliveryFigures,
+}
+
+/// The figures over one set of items.
+#[derive(Debug, Serialize)]
+pub struct DeliveryFigures {
+    pub dora: Dora,
+    pub items: ItemFigures,
+    pub staging: StagingFigures,
+    /// Waits for the release track that began in the range and have ended.
+    pub release_wait: DurationsDto,
+    /// The agent runs of the items that ended in the range, by backend and model.
+    pub by_agent: Vec<AgentDelivery>,
+}
+
+/// The four DORA keys over the production deploys in the range.
+#[derive(Debug, Serialize)]
+pub struct Dora {
+    pub deploys: u64,
+    pub deploys_per_day: f64,
+    /// Confirmed deploys: the deploy minus the item's submission.
+    pub lead_time_from_submission: DurationsDto,
+    /// Confirmed deploys: the deploy minus the item's first commit.
+    pub lead_time_from_first_commit: DurationsDto,
+    pub change_failures: u64,
+    pub rolled_back: u64,
+    pub reverted: u64,
+    /// `change_failures / deploys`; `null` without a deploy.
+    pub change_failure_rate: Option<f64>,
+    /// Failures detected in the range: detection to production verified healthy again.
+    pub time_to_restore: DurationsDto,
+    /// Failures detected in the range that no record shows restored.
+    pub unrestored: u64,
+}
+
+/// orch's figures over the items that ended in the range.
+#[derive(Debug, Serialize)]
+pub struct ItemFigures {
+    /// By outcome (`shipped`, `rolled_back`, `reverted`, `accepted`, `failed`, `cancelled`).
+    pub ended: std::collections::BTreeMap<String, u64>,
+    pub shipped: u64,
+    pub agent_runs: u64,
+    /// What every ended item's runs cost; `null` while `unknown_cost_runs > 0`.
+    pub cost_usd: Option<f64>,
+    pub known_cost_usd: f64,
+    pub unknown_cost_runs: u64,
+    /// `cost_usd / shipped`; `null` without a shipped item or while a cost is unknown.
+    pub cost_per_shipped_usd: Option<f64>,
+    /// `known_cost_usd / shipped` (a lower bound while a cost is unknown).
+    pub known_cost_per_shipped_usd: Option<f64>,
+    pub agent_runs_per_shipped: Option<f64>,
+    pub review_loops_per_shipped: Option<f64>,
+}
+
+/// Staging verdicts recorded in the range.
+#[derive(Debug, Serialize)]
+pub struct StagingFigures {
+    pub passed: u64,
+    /// The change failed staging.
+    pub change_failures: u64,
+    /// The staging environment failed, not the change.
+    pub infrastructure_errors: u64,
+}
+
+/// Durations in milliseconds (nearest-rank percentiles).
+#[derive(Debug, Serialize)]
+pub struct DurationsDto {
+    pub count: u64,
+    pub median_ms: Option<i64>,
+    pub p90_ms: Option<i64>,
+    pub mean_ms: Option<i64>,
+    pub total_ms: i64,
+}
+
+/// One agent backend and model's part of a [`DeliveryFigures`].
+#[derive(Debug, Serialize)]
+pub struct AgentDelivery {
+    pub backend: String,
+    /// `null`: the backend's default.
+    pub model: Option<String>,
+    pub runs: u64,
+    /// `null` while `unknown_cost_runs > 0`.
+    pub cost_usd: Option<f64>,
+    pub known_cost_usd: f64,
+    pub unknown_cost_runs: u64,
+    pub items: u64,
+    pub shipped: u64,
+    pub change_failures: u64,
+}
+
+impl DurationsDto {
+    fn new(d: &orch_domain::report::Durations) -> DurationsDto {
+        DurationsDto {
+            count: d.count,
+            median_ms: d.median_ms,
+            p90_ms: d.p90_ms,
+            mean_ms: d.mean_ms,
+            total_ms: d.total_ms,
+        }
+    }
+}
+
+impl DeliveryFigures {
+    fn new(f: &orch_domain::report::Figures) -> DeliveryFigures {
+        let known = |cost: f64, unknown: u64| (unknown == 0).then_some(cost);
+        let cost = known(f.cost_usd, f.unknown_cost_runs);
+        DeliveryFigures {
+            dora: Dora {
+                deploys: f.deploys,
+                deploys_per_day: f.deploys_per_day,
+                lead_time_from_submission: DurationsDto::new(&f.lead_time_from_submission),
+                lead_time_from_first_commit: DurationsDto::new(&f.lead_time_from_first_commit),
+                change_failures: f.change_failures,
+                rolled_back: f.rolled_back,
+                reverted: f.reverted,
+                change_failure_rate: f.change_failure_rate,
+                time_to_restore: DurationsDto::new(&f.time_to_restore),
+                unrestored: f.unrestored,
+            },
+            items: ItemFigures {
+                ended: f.ended.iter().map(|(k, v)| ((*k).to_owned(), *v)).collect(),
+                shipped: f.shipped,
+                agent_runs: f.agent_runs,
+                cost_usd: cost,
+                known_cost_usd: f.cost_usd,
+                unknown_cost_runs: f.unknown_cost_runs,
+                cost_per_shipped_usd: cost.and(f.cost_per_shipped_usd),
+                known_cost_per_shipped_usd: f.cost_per_shipped_usd,
+                agent_runs_per_shipped: f.agent_runs_per_shipped,
+                review_loops_per_shipped: f.review_loops_per_shipped,
+            },
+            staging: StagingFigures {
+                passed: f.staging.passed,
+                change_failures: f.staging.change_failures,
+                infrastructure_errors: f.staging.infrastructure_errors,
+            },
+            release_wait: DurationsDto::new(&f.release_wait),
+            by_agent: f
+                .by_agent
+                .iter()
+                .map(|a| AgentDelivery {
+                    backend: a.backend.clone(),
+                    model: a.model.clone(),
+                    runs: a.runs,
+                    cost_usd: known(a.cost_usd, a.unknown_cost_runs),
+                    known_cost_usd: a.cost_usd,
+                    unknown_cost_runs: a.unknown_cost_runs,
+                    items: a.items,
+                    shipped: a.shipped,
+                    change_failures: a.change_failures,
+                })
+                .collect(),
+        }
+    }
+}
+
+impl DeliveryReport {
+    /// The document of a computed report (`repo`: the repo it was asked for).
+    pub fn new(r: &orch_domain::report::Report, repo: Option<&str>) -> DeliveryReport {
+        use orch_domain::text::rfc3339_utc;
+        DeliveryReport {
+            since: rfc3339_utc(r.range.since),
+            until: rfc3339_utc(r.range.until),
+            since_ms: r.range.since,
+            until_ms: r.range.until,
+            repo: repo.map(str::to_owned),
+            overall: DeliveryFigures::new(&r.overall),
+            by_repo: r
+                .repos
+                .iter()
+                .map(|(repo, f)| RepoDelivery {
+                    repo: repo.clone(),
+                    figures: DeliveryFigures::new(f),
+                })
+                .collect(),
+        }
+    }
+}
+
+/// Reads the delivery report for a query (the route's and `orch report`'s one path): the repo
+/// checked by the domain's `RepoName` rules, the range parsed against `now`. `Err(Left)`: bad
+/// input (its message), `Err(Right)`: the store failed.
+pub async fn read_report(
+    store: &orch_store::Store,
+    repo: Option<&str>,
+    since: Option<&str>,
+    until: Option<&str>,
+    now: i64,
+) -> Result<DeliveryReport, ReportError> {
+    let repo = match repo {
+        Some(r) => Some(
+            r.parse::<orch_domain::ids::RepoName>()
+                .map_err(|e| ReportError::Input(format!("repo: {e}")))?,
+        ),
+        None => None,
+    };
+    let range = orch_domain::report::Range::parse(since, until, now).map_err(ReportError::Input)?;
+    let repo = repo.as_ref().map(|r| r.as_str());
+    let report = store
+        .report(range, repo)
+        .await
+        .map_err(ReportError::Store)?;
+    Ok(DeliveryReport::new(&report, repo))
+}
+
+/// Why [`read_report`] gave no report.
+#[derive(Debug)]
+pub enum ReportError {
+    /// Bad input: the message says which parameter and why.
+    Input(String),
+    /// The store failed.
+    Store(orch_store::StoreError),
+}

@@ -150,6 +150,9 @@ pub(crate) struct StoreFacts {
     pub runs_by_outcome: Vec<(String, String, i64)>,
     /// Every job retention has pruned (the latest `jobs.pruned` event's total).
     pub jobs_pruned_total: i64,
+    /// `(repo, production deploys, of them rolled back or reverted)` that ended in the last
+    /// 24 h (the delivery report over that window).
+    pub deploys_by_repo: Vec<(String, u64, u64)>,
 }
 
 /// One reading of everything `/metrics` shows.
@@ -199,6 +202,7 @@ impl Scrape {
             usage,
             runs_by_outcome,
             jobs_pruned_total,
+            deploys_by_repo: Vec::new(),
         }
     }
 }
@@ -461,6 +465,28 @@ impl Collector for Scrape {
             )?;
             for (outcome, n) in &s.tasks_by_outcome {
                 f.gauge(&[("outcome", outcome)], *n)?;
+            }
+            let mut f = family(
+                &mut enc,
+                "orch_production_deploys",
+                "Production deploys whose end (confirmed, failed or unconfirmed) fell in the last \
+                 24 h, by repo (from the events; `orch report` for any range).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (repo, deploys, _) in &s.deploys_by_repo {
+                f.gauge(&[("repo", repo)], *deploys as i64)?;
+            }
+            let mut f = family(
+                &mut enc,
+                "orch_production_change_failures",
+                "Of those deploys, the ones afterwards rolled back or reverted, by repo (the \
+                 change failure rate is this over orch_production_deploys).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (repo, _, failures) in &s.deploys_by_repo {
+                f.gauge(&[("repo", repo)], *failures as i64)?;
             }
             let mut f = family(
                 &mut enc,

@@ -82,29 +82,66 @@ pub(crate) async fn costs(State(state): State<ApiState>) -> ApiResult<Json<dto::
     Ok(Json(dto::CostReport::new(&rows)))
 }
 
+/// `GET /report?repo=&since=&until=`: the delivery report (DORA keys and orch's figures);
+/// 400 for a bad repo name or time, or an empty range.
+pub(crate) async fn report(
+    State(state): State<ApiState>,
+    ApiQuery(q): ApiQuery<dto::ReportQuery>,
+) -> ApiResult<Json<dto::DeliveryReport>> {
+    let now = state.store.now_ms();
+    match dto::read_report(
+        &state.store,
+        q.repo.as_deref(),
+        q.since.as_deref(),
+        q.until.as_deref(),
+        now,
+    )
+    .await
+    {
+        Ok(r) => Ok(Json(r)),
+        Err(dto::ReportError::Input(m)) => Err(AppError::bad_request(m)),
+        Err(dto::ReportError::Store(e)) => Err(AppError::store("the delivery report", &e)),
+    }
+}
+
 /// `GET /metrics`: always 200, in the Prometheus text format 0.0.4 or, when `Accept` asks for
 /// it, OpenMetrics; `orch_up 0` when the store did not answer.
 pub(crate) async fn metrics(State(state): State<ApiState>, headers: HeaderMap) -> Response {
     let format =
         metrics::Format::negotiate(headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()));
-    let (snap, usage, runs, outcomes, pruned) = tokio::join!(
+    let now = state.store.now_ms();
+    // The deploys of the views' recent window (a report over it reads only the tasks live or
+    // ended in it).
+    let window = orch_domain::report::Range {
+        since: now - orch_store::RECENT_WINDOW_MS,
+        until: now + 1,
+    };
+    let (snap, usage, runs, outcomes, pruned, delivery) = tokio::join!(
         QueueSnapshot::read(&state),
         state.store.usage_by_agent(),
         state.store.runs_by_agent_outcome(),
         crate::outcomes::counts(&state.store),
-        state.store.pruned_total()
+        state.store.pruned_total(),
+        state.store.report(window, None)
     );
-    let store = match (snap, usage, runs, outcomes, pruned) {
-        (Ok(snap), Ok(usage), Ok(runs), Ok(outcomes), Ok(pruned)) => Some(
-            metrics::Scrape::store_facts(&snap, &outcomes, usage, runs, pruned),
-        ),
-        (snap, usage, runs, outcomes, pruned) => {
+    let store = match (snap, usage, runs, outcomes, pruned, delivery) {
+        (Ok(snap), Ok(usage), Ok(runs), Ok(outcomes), Ok(pruned), Ok(delivery)) => {
+            let mut facts = metrics::Scrape::store_facts(&snap, &outcomes, usage, runs, pruned);
+            facts.deploys_by_repo = delivery
+                .repos
+                .iter()
+                .map(|(repo, f)| (repo.clone(), f.deploys, f.change_failures))
+                .collect();
+            Some(facts)
+        }
+        (snap, usage, runs, outcomes, pruned, delivery) => {
             let e = [
                 snap.err(),
                 usage.err(),
                 runs.err(),
                 outcomes.err(),
                 pruned.err(),
+                delivery.err(),
             ]
             .into_iter()
             .flatten()

@@ -68,6 +68,32 @@ pub enum Command {
     /// interleaved rounds of drains and pickup latency, with orch/peer ratios per round.
     /// `scripts/bench-peers` installs the peers and runs this.
     Peers(BenchPeersArgs),
+    /// `orch report` over a store of N finished work items (10,000) seeded through the store:
+    /// the binary's wall time and the store read plus computation, median of several runs.
+    Report(BenchReportArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BenchReportArgs {
+    /// Which backends to measure.
+    #[arg(long, value_enum, default_value = "all")]
+    pub backend: BenchBackend,
+    /// PostgreSQL server for the run; a fresh schema in its `orch_test` database is used.
+    #[arg(
+        long,
+        env = "ORCH_TEST_PG_URL",
+        default_value = "postgres://root@127.0.0.1:5432/test"
+    )]
+    pub pg_url: String,
+    /// Finished work items seeded.
+    #[arg(long, default_value_t = 10_000)]
+    pub items: usize,
+    /// Simulated minutes between two items' submissions.
+    #[arg(long, default_value_t = 30.0)]
+    pub minutes_apart: f64,
+    /// Reports timed (the median and the slowest are printed).
+    #[arg(long, default_value_t = 7)]
+    pub runs: usize,
 }
 
 #[derive(Debug, Args)]

@@ -12,6 +12,7 @@ mod items;
 mod peers;
 mod pgbench;
 mod queue;
+mod report;
 mod sandbox;
 mod scale;
 mod supervise;
@@ -83,6 +84,7 @@ async fn run(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Watches(args) => watches::watches(&cx, args).await,
         Command::Items(args) => items::items(&cx, args).await,
         Command::Peers(args) => peers::peers(&cx, args).await,
+        Command::Report(args) => report::report(&cx, args).await,
         Command::Sandbox { runs } => sandbox::sandbox(&cx, runs)
             .await
             .map(|()| ExitCode::SUCCESS),

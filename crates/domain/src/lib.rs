@@ -42,6 +42,7 @@ pub mod outcome;
 pub mod pipeline;
 pub mod protect;
 pub mod recovery;
+pub mod report;
 pub mod staging;
 pub mod text;
 pub mod transcript;

@@ -71,6 +71,11 @@ pub enum Command {
     /// What agent runs cost, by repo, by stage and by day (UTC), with the runs of unknown cost
     /// counted (the same report as `GET /costs`).
     Costs,
+    /// Delivery metrics: the four DORA keys (deployment frequency, lead time, change failure
+    /// rate, time to restore) and orch's own figures (cost, agent runs and review loops per
+    /// shipped item, staging verdicts, release-track waits, by agent backend and model), per
+    /// repo and overall (the same report as `GET /report`).
+    Report(ReportArgs),
     /// Prune now what retention removes (finished jobs of finished tasks older than `[settings]
     /// retention`), in small batches, each recorded as a `jobs.pruned` event; safe beside
     /// running workers and safe to kill.
@@ -115,6 +120,21 @@ pub struct StatusArgs {
     pub stage: Option<String>,
     #[arg(long, default_value_t = 50)]
     pub limit: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Only this repo's items.
+    #[arg(long)]
+    pub repo: Option<String>,
+    /// The range's start: an RFC 3339 time (2026-12-01T08:00:00Z), a date (2026-12-01, UTC),
+    /// epoch milliseconds, or a duration before now (90m, 36h, 7d, 2w). Default: 30 days before
+    /// `--until`.
+    #[arg(long)]
+    pub since: Option<String>,
+    /// The range's end (excluded), in the same forms. Default: now.
+    #[arg(long)]
+    pub until: Option<String>,
 }
 
 #[derive(Debug, Args)]

@@ -781,6 +781,46 @@ where
         Ok(events)
     }
 
+    /// The tasks a report over `[since, until)` reads (`repo`: one repo's only): the live ones
+    /// submitted before `until` and the ended ones that ended at or after `since` and were
+    /// submitted before `until`. Two index reads (`tasks_live`, a range of `tasks_ended`),
+    /// never the whole table; the range is written into the statements (see
+    /// [`sql::with_since`]), the repo is bound.
+    pub async fn tasks_alive_in(
+        &self,
+        since: Millis,
+        until: Millis,
+        repo: Option<&str>,
+    ) -> Result<Vec<Task>> {
+        let repo = repo.unwrap_or("");
+        let mut conn = self.d.reader().acquire().await?;
+        let mut tasks = Vec::new();
+        for statement in [&self.sql.report_live_tasks, &self.sql.report_ended_tasks] {
+            let text = sql::report_bounds(statement, since, until);
+            let rows: Vec<Task> = sqlx::query_as(sqlx::AssertSqlSafe(text))
+                .bind(repo)
+                .fetch_all(&mut *conn)
+                .await?;
+            tasks.extend(rows);
+        }
+        Ok(tasks)
+    }
+
+    /// The agent runs of these tasks, by task then oldest first; one statement per
+    /// [`EVENTS_OF_TASKS_CHUNK`] tasks (the index `agent_runs_task`).
+    pub async fn agent_runs_of_tasks(&self, task_ids: &[i64]) -> Result<Vec<AgentRun>> {
+        let mut runs = Vec::new();
+        for ids in task_ids.chunks(EVENTS_OF_TASKS_CHUNK) {
+            let ids = serde_json::to_string(ids).map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let chunk: Vec<AgentRun> = sqlx::query_as(self.sql.agent_runs_of_tasks.as_str())
+                .bind(ids)
+                .fetch_all(self.d.reader())
+                .await?;
+            runs.extend(chunk);
+        }
+        Ok(runs)
+    }
+
     pub async fn events_by_kind(
         &self,
         kind: &str,

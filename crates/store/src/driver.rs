@@ -44,6 +44,8 @@ pub trait Driver: Send + Sync + 'static {
     /// The `WHERE` of `events_of_tasks`: `$1 task ids, $2 kinds` (both JSON arrays; no kinds:
     /// every kind).
     const EVENTS_OF_TASKS_WHERE: &'static str;
+    /// The `WHERE` of `agent_runs_of_tasks`: `$1 task ids` (a JSON array).
+    const RUNS_OF_TASKS_WHERE: &'static str;
     /// → whether the orch schema exists (its `events` table), as a boolean.
     const SCHEMA_EXISTS: &'static str;
     /// This backend's migrations, oldest first.
@@ -147,6 +149,12 @@ pub struct Statements {
     pub tasks_ended_since: String,
     /// [`sql::oldest_ready`] on this driver.
     pub oldest_ready: String,
+    /// `$1 task ids` (a JSON array) → their agent runs, by task then oldest first.
+    pub agent_runs_of_tasks: String,
+    /// [`sql::report_live_tasks`] on this driver.
+    pub report_live_tasks: String,
+    /// [`sql::report_ended_tasks`] on this driver.
+    pub report_ended_tasks: String,
 }
 
 /// ` INDEXED BY <index>` where the driver takes it, else nothing.
@@ -187,6 +195,13 @@ impl Statements {
             )),
             tasks_ended_since: sql::tasks_ended_since(&indexed_by::<D>("tasks_ended")),
             oldest_ready: sql::oldest_ready(&indexed_by::<D>("jobs_queued_at")),
+            agent_runs_of_tasks: format!(
+                "SELECT {} FROM agent_runs {} ORDER BY task_id, id",
+                sql::AGENT_RUN_COLUMNS,
+                D::RUNS_OF_TASKS_WHERE
+            ),
+            report_live_tasks: sql::report_live_tasks(&indexed_by::<D>("tasks_live")),
+            report_ended_tasks: sql::report_ended_tasks(&indexed_by::<D>("tasks_ended")),
         }
     }
 }

@@ -524,6 +524,84 @@ impl Store {
         dispatch!(self, events_of_tasks(task_ids, kinds))
     }
 
+    /// The tasks a report over `[since, until)` reads: live ones submitted before `until`,
+    /// ended ones that ended at or after `since` and were submitted before `until`; `repo`:
+    /// one repo's only. Bounded index reads (`tasks_live`, a range of `tasks_ended`).
+    pub async fn tasks_alive_in(
+        &self,
+        since: Millis,
+        until: Millis,
+        repo: Option<&str>,
+    ) -> Result<Vec<Task>> {
+        dispatch!(self, tasks_alive_in(since, until, repo))
+    }
+
+    /// The agent runs of these tasks, by task then oldest first (one statement per
+    /// [`EVENTS_OF_TASKS_CHUNK`] tasks).
+    pub async fn agent_runs_of_tasks(&self, task_ids: &[i64]) -> Result<Vec<AgentRun>> {
+        dispatch!(self, agent_runs_of_tasks(task_ids))
+    }
+
+    /// What the delivery report over `range` reads (issue 32): each task
+    /// [`Store::tasks_alive_in`] the range with its events of [`orch_domain::report::kinds`]
+    /// and its agent runs, as the domain's records. Three bounded reads, the last two one
+    /// statement per [`EVENTS_OF_TASKS_CHUNK`] tasks.
+    pub async fn report_records(
+        &self,
+        range: orch_domain::report::Range,
+        repo: Option<&str>,
+    ) -> Result<Vec<orch_domain::report::ItemRecord>> {
+        use orch_domain::report::{ItemEvent, ItemRecord, ItemRun};
+        let tasks = self.tasks_alive_in(range.since, range.until, repo).await?;
+        let ids: Vec<i64> = tasks.iter().map(|t| t.id).collect();
+        let mut events = group_by_task(
+            self.events_of_tasks(&ids, &orch_domain::report::kinds())
+                .await?,
+        );
+        let mut runs: std::collections::HashMap<i64, Vec<ItemRun>> =
+            std::collections::HashMap::new();
+        for r in self.agent_runs_of_tasks(&ids).await? {
+            runs.entry(r.task_id).or_default().push(ItemRun {
+                backend: r.backend,
+                model: r.model,
+                cost_usd: r.cost_usd,
+            });
+        }
+        Ok(tasks
+            .into_iter()
+            .map(|t| ItemRecord {
+                events: events
+                    .remove(&t.id)
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|e| ItemEvent {
+                        data: e.data_value(),
+                        kind: e.kind,
+                        stage: e.stage,
+                        message: e.message,
+                        at: e.created_at,
+                    })
+                    .collect(),
+                runs: runs.remove(&t.id).unwrap_or_default(),
+                repo: t.repo,
+                stage: t.stage,
+                created_at: t.created_at,
+                updated_at: t.updated_at,
+            })
+            .collect())
+    }
+
+    /// The delivery report over `range` (`repo`: one repo's): [`Store::report_records`] read
+    /// by [`orch_domain::report::report`].
+    pub async fn report(
+        &self,
+        range: orch_domain::report::Range,
+        repo: Option<&str>,
+    ) -> Result<orch_domain::report::Report> {
+        let records = self.report_records(range, repo).await?;
+        Ok(orch_domain::report::report(&records, range))
+    }
+
     /// Events of one kind (any task), oldest first, after `after_id`.
     pub async fn events_by_kind(
         &self,

@@ -70,6 +70,10 @@ impl Driver for PgDriver {
     const EVENTS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN \
          (SELECT jsonb_array_elements_text($1::text::jsonb)::bigint) \
          AND ($2::text = '[]' OR kind IN (SELECT jsonb_array_elements_text($2::text::jsonb)))";
+    // `= ANY(ARRAY(…))`: the generic plan walks `agent_runs_task` (with `IN (SELECT …)` it
+    // hash-joined a scan of the whole table).
+    const RUNS_OF_TASKS_WHERE: &'static str =
+        "WHERE task_id = ANY(ARRAY(SELECT jsonb_array_elements_text($1::text::jsonb)::bigint))";
     const SCHEMA_EXISTS: &'static str = "SELECT to_regclass('events') IS NOT NULL";
     const MIGRATIONS: &'static [Migration] = migrate::POSTGRES;
     const INDEXED_BY: bool = false;

@@ -244,6 +244,36 @@ pub fn tasks_ended_since(hint: &str) -> String {
     )
 }
 
+/// `$1 repo ('' = every repo)` → the live tasks (not at a terminal stage) submitted before
+/// `{until}`: a read of the partial index `tasks_live` (`{hint}`), the work in flight. The
+/// bounds are written in by [`report_bounds`].
+pub fn report_live_tasks(hint: &str) -> String {
+    format!(
+        "SELECT {TASK_COLUMNS} FROM tasks{hint} \
+         WHERE stage NOT IN ('done', 'failed', 'cancelled') AND created_at < {{until}} \
+         AND ($1 = '' OR repo = $1) ORDER BY id"
+    )
+}
+
+/// `$1 repo ('' = every repo)` → the tasks that ended at or after `{since}` and were
+/// submitted before `{until}` (the only ended tasks a report over `[since, until)` can count
+/// anything of: nothing of a task happens after it ended or before it was submitted): a range
+/// of the partial index `tasks_ended` (`{hint}`).
+pub fn report_ended_tasks(hint: &str) -> String {
+    format!(
+        "SELECT {TASK_COLUMNS} FROM tasks{hint} \
+         WHERE stage IN ('done', 'failed', 'cancelled') AND updated_at >= {{since}} \
+         AND created_at < {{until}} AND ($1 = '' OR repo = $1) ORDER BY updated_at, id"
+    )
+}
+
+/// A report statement with its range written in, as [`with_since`] does (integers: safe).
+pub fn report_bounds(statement: &str, since: i64, until: i64) -> String {
+    statement
+        .replace("{since}", &since.to_string())
+        .replace("{until}", &until.to_string())
+}
+
 /// A window statement with its `$1` (the window's start) written into the text: the planner
 /// then sees how narrow the window is. PostgreSQL's connections plan prepared statements
 /// generically (`plan_cache_mode = force_generic_plan`), and a generic plan guesses a third of

@@ -59,6 +59,7 @@ impl Driver for SqliteDriver {
     const EVENTS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN \
          (SELECT value FROM json_each($1)) \
          AND ($2 = '[]' OR kind IN (SELECT value FROM json_each($2)))";
+    const RUNS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN (SELECT value FROM json_each($1))";
     const SCHEMA_EXISTS: &'static str = "SELECT EXISTS (SELECT 1 FROM sqlite_master \
          WHERE type = 'table' AND name = 'events')";
     const MIGRATIONS: &'static [Migration] = migrate::SQLITE;

@@ -270,3 +270,313 @@ pub async fn hold_job_row(
         Ok(())
     }))
 }
+
+/// One work item of a synthetic delivery history, written through the store by [`seed_item`]:
+/// submitted at `created` (stage `intake`), its agent runs, its events at their times, and its
+/// end (a terminal stage change) at its time.
+#[derive(Debug, Clone)]
+pub struct SeedItem {
+    pub repo: String,
+    pub created: i64,
+    /// `(at, kind, stage, data)`, oldest first.
+    pub events: Vec<(i64, &'static str, &'static str, serde_json::Value)>,
+    /// `(backend, model, cost)`: runs started at `created`, finished with their cost.
+    pub runs: Vec<(&'static str, &'static str, Option<f64>)>,
+    /// `(at, terminal stage, data of its terminal event)`; `None`: still live.
+    pub end: Option<(i64, &'static str, serde_json::Value)>,
+}
+
+/// Writes `item` through `store` at its times (the clock is set to each), as the engine would
+/// leave it: `create_task`, `start_agent_run`/`finish_agent_run`, `append_event`, and the end by
+/// `advance_stage` (fenced by the stage sequence).
+pub async fn seed_item(
+    store: &Store,
+    clock: &ManualClock,
+    prefix: &str,
+    item: &SeedItem,
+) -> Result<crate::Task, StoreError> {
+    use crate::{
+        AdvanceStage, AgentRunFinish, Fence, NewAgentRun, NewEvent, NewTask, WorkItemSpec,
+    };
+    use orch_domain::control::events;
+    clock.set(item.created);
+    let task = store
+        .create_task(NewTask {
+            work_item: WorkItemSpec::Next {
+                prefix: prefix.to_owned(),
+            },
+            repo: item.repo.clone(),
+            title: "seeded".to_owned(),
+            body: String::new(),
+            stage: "intake".to_owned(),
+            branch_prefix: "orch/".to_owned(),
+            event: NewEvent::new(events::TASK_SUBMITTED, "submitted"),
+            first_job: None,
+        })
+        .await?;
+    for (backend, model, cost) in &item.runs {
+        let run = store
+            .start_agent_run(NewAgentRun {
+                task_id: task.id,
+                job_id: None,
+                stage: "implementation".to_owned(),
+                agent: "developer".to_owned(),
+                backend: (*backend).to_owned(),
+                model: Some((*model).to_owned()),
+                attempt: 1,
+            })
+            .await?;
+        store
+            .finish_agent_run(
+                run,
+                AgentRunFinish {
+                    outcome: "success".to_owned(),
+                    cost_usd: *cost,
+                    data: "{}".to_owned(),
+                    ..AgentRunFinish::default()
+                },
+            )
+            .await?;
+    }
+    for (at, kind, stage, data) in &item.events {
+        clock.set(*at);
+        store
+            .append_event(
+                NewEvent::new(*kind, *kind)
+                    .task(task.id)
+                    .stage(*stage)
+                    .data(data.to_string()),
+            )
+            .await?;
+    }
+    let Some((at, stage, data)) = &item.end else {
+        return Ok(task);
+    };
+    let kind = orch_domain::control::terminal_event(stage)
+        .ok_or_else(|| StoreError::Invalid(format!("{stage} is not a terminal stage")))?;
+    clock.set(*at);
+    let adv = store
+        .advance_stage(AdvanceStage {
+            task_id: task.id,
+            expected_stage: "intake".to_owned(),
+            new_stage: (*stage).to_owned(),
+            fence: Fence::Seq(task.stage_seq),
+            event: NewEvent::new(kind, kind).data(data.to_string()),
+            next_job: None,
+        })
+        .await?;
+    Ok(adv.task)
+}
+
+/// The synthetic history of the delivery report's tests, from `d` (hours after it): six items
+/// whose figures are worked by hand where they are checked (`crates/store/tests/it/report.rs`,
+/// the same history as `orch_domain::report`'s unit tests):
+/// - A (repo `a`): shipped; a review loop; waited 1 h for the release track; submitted at
+///   `d`, first commit at +1 h, deployed at +5 h; 3 runs `claude`/`opus` at $1.
+/// - B (`a`): submitted +10 h, first commit +12 h, deployed +14 h; the watch FAILED at +15 h
+///   and production was rolled back, verified, at +15.5 h; 2 runs `codex`/`gpt-5` at $2.
+/// - C (`a`): submitted +20 h, first commit +21 h, deployed +22 h, FAILED at +23 h, rolled
+///   back at +24 h, reverted at +25 h; 1 run at $0.50.
+/// - D (`b`): submitted +30 h, first commit +31 h; failed staging for the change (+32 h), an
+///   infrastructure defer (+34 h), staged, deployed +36 h, shipped; 1 run of unknown cost.
+/// - E (`a`): submitted +40 h; an infrastructure defer, then failed at staging (+43 h); 1 run
+///   at $0.25.
+/// - F (`a`): five days before `d`, deployed and shipped then; 1 run at $100.
+pub fn report_history(d: i64) -> Vec<SeedItem> {
+    use orch_domain::control::{events as k, markers};
+    use serde_json::json;
+    const H: i64 = 3_600_000;
+    let adv = |from: &str, to: &str| json!({"from": from, "to": to});
+    let verdict = |v: &str, a: &str| json!({"verdict": v, "action": a});
+    let defer = || json!({"marker": markers::staging_defer(9)});
+    let done = || json!({"from": "lessons", "to": "done"});
+    let opus = |c: Option<f64>| ("claude", "opus", c);
+    vec![
+        SeedItem {
+            repo: "a".into(),
+            created: d,
+            events: vec![
+                (
+                    d + H / 2,
+                    k::STAGE_LOOP_BACK,
+                    "implementation",
+                    adv("review", "implementation"),
+                ),
+                (
+                    d + H,
+                    k::STAGE_ADVANCED,
+                    "review",
+                    adv("implementation", "review"),
+                ),
+                (d + 2 * H, k::RELEASE_WAITING, "verification", json!({})),
+                (
+                    d + 3 * H,
+                    k::STAGE_ADVANCED,
+                    "merge",
+                    adv("verification", "merge"),
+                ),
+                (d + 4 * H, k::RELEASE_STAGED, "staging", json!({})),
+                (
+                    d + 5 * H,
+                    k::DEPLOY_CONFIRMED,
+                    "deploy",
+                    json!({"revision": "a1"}),
+                ),
+                (
+                    d + 6 * H,
+                    k::POST_DEPLOY_VERDICT,
+                    "observe",
+                    verdict("HEALTHY", "none"),
+                ),
+            ],
+            runs: vec![opus(Some(1.0)), opus(Some(1.0)), opus(Some(1.0))],
+            end: Some((d + 7 * H, "done", done())),
+        },
+        SeedItem {
+            repo: "a".into(),
+            created: d + 10 * H,
+            events: vec![
+                (
+                    d + 12 * H,
+                    k::STAGE_ADVANCED,
+                    "review",
+                    adv("implementation", "review"),
+                ),
+                (d + 13 * H, k::RELEASE_STAGED, "staging", json!({})),
+                (
+                    d + 14 * H,
+                    k::DEPLOY_CONFIRMED,
+                    "deploy",
+                    json!({"revision": "b1"}),
+                ),
+                (
+                    d + 15 * H,
+                    k::POST_DEPLOY_VERDICT,
+                    "observe",
+                    verdict("FAILED", "rollback"),
+                ),
+                (
+                    d + 15 * H + H / 2,
+                    k::POST_DEPLOY_ROLLBACK,
+                    "observe",
+                    json!({"verified": true}),
+                ),
+                (
+                    d + 15 * H + H / 2,
+                    k::RELEASE_ROLLED_BACK,
+                    "observe",
+                    json!({"live": "a1"}),
+                ),
+            ],
+            runs: vec![("codex", "gpt-5", Some(2.0)), ("codex", "gpt-5", Some(2.0))],
+            end: Some((d + 16 * H, "done", done())),
+        },
+        SeedItem {
+            repo: "a".into(),
+            created: d + 20 * H,
+            events: vec![
+                (
+                    d + 21 * H,
+                    k::STAGE_ADVANCED,
+                    "review",
+                    adv("implementation", "review"),
+                ),
+                (
+                    d + 22 * H,
+                    k::DEPLOY_CONFIRMED,
+                    "deploy",
+                    json!({"revision": "c1"}),
+                ),
+                (
+                    d + 23 * H,
+                    k::POST_DEPLOY_VERDICT,
+                    "observe",
+                    verdict("FAILED", "rollback"),
+                ),
+                (
+                    d + 24 * H,
+                    k::POST_DEPLOY_ROLLBACK,
+                    "observe",
+                    json!({"verified": true}),
+                ),
+                (d + 25 * H, k::RELEASE_REVERTED, "observe", json!({})),
+            ],
+            runs: vec![opus(Some(0.5))],
+            end: Some((d + 26 * H, "done", done())),
+        },
+        SeedItem {
+            repo: "b".into(),
+            created: d + 30 * H,
+            events: vec![
+                (
+                    d + 31 * H,
+                    k::STAGE_ADVANCED,
+                    "review",
+                    adv("implementation", "review"),
+                ),
+                (
+                    d + 32 * H,
+                    k::STAGE_LOOP_BACK,
+                    "implementation",
+                    adv("staging", "implementation"),
+                ),
+                (
+                    d + 33 * H,
+                    k::STAGE_ADVANCED,
+                    "review",
+                    adv("implementation", "review"),
+                ),
+                (d + 34 * H, k::STAGE_REQUEUED, "staging", defer()),
+                (d + 35 * H, k::RELEASE_STAGED, "staging", json!({})),
+                (
+                    d + 36 * H,
+                    k::DEPLOY_CONFIRMED,
+                    "deploy",
+                    json!({"revision": "d1"}),
+                ),
+                (
+                    d + 37 * H,
+                    k::POST_DEPLOY_VERDICT,
+                    "observe",
+                    verdict("HEALTHY", "none"),
+                ),
+            ],
+            runs: vec![opus(None)],
+            end: Some((d + 38 * H, "done", done())),
+        },
+        SeedItem {
+            repo: "a".into(),
+            created: d + 40 * H,
+            events: vec![
+                (
+                    d + 41 * H,
+                    k::STAGE_ADVANCED,
+                    "review",
+                    adv("implementation", "review"),
+                ),
+                (d + 42 * H, k::STAGE_REQUEUED, "staging", defer()),
+            ],
+            runs: vec![opus(Some(0.25))],
+            end: Some((
+                d + 43 * H,
+                "failed",
+                json!({"from": "staging", "to": "failed", "stage": "staging"}),
+            )),
+        },
+        SeedItem {
+            repo: "a".into(),
+            created: d - 120 * H,
+            events: vec![
+                (
+                    d - 119 * H,
+                    k::STAGE_ADVANCED,
+                    "review",
+                    adv("implementation", "review"),
+                ),
+                (d - 96 * H, k::DEPLOY_CONFIRMED, "deploy", json!({})),
+            ],
+            runs: vec![opus(Some(100.0))],
+            end: Some((d - 95 * H, "done", done())),
+        },
+    ]
+}

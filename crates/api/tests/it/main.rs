@@ -6,3 +6,4 @@ mod contract;
 mod db_down;
 mod http;
 mod openapi;
+mod report;

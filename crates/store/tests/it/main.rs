@@ -3,4 +3,5 @@
 //! `cargo test -p orch-store --test it <suite>::`.
 
 mod conformance;
+mod report;
 mod schema;
