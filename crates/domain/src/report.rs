@@ -478,13 +478,21 @@ fn deploys_of(events: &[ItemEvent]) -> Vec<Deploy> {
         .map(|(i, _)| i)
         .collect();
     let mut out = Vec::new();
-    for (n, &start) in starts.iter().enumerate() {
-        // The deploy's segment: up to the next deploy or a retry (which starts over).
-        let end = events[start + 1..]
+    for (n, &at_end) in starts.iter().enumerate() {
+        // The deploy's segment is its visit: from its `deploy.started` (a deploy that fails
+        // rolls back and reverts *before* it records `deploy.failed`, so those facts come
+        // first) up to the next deploy's start, the next deploy's end, or a retry (which starts
+        // over). A history without `deploy.started` starts the segment after the previous end.
+        let floor = if n == 0 { 0 } else { starts[n - 1] + 1 };
+        let start = events[floor..=at_end]
             .iter()
-            .position(|e| e.kind == kind::TASK_RETRIED)
-            .map_or(events.len(), |p| start + 1 + p)
-            .min(starts.get(n + 1).copied().unwrap_or(events.len()));
+            .rposition(|e| e.kind == kind::DEPLOY_STARTED)
+            .map_or(at_end, |p| floor + p);
+        let next_start = events[at_end + 1..]
+            .iter()
+            .position(|e| e.kind == kind::TASK_RETRIED || e.kind == kind::DEPLOY_STARTED)
+            .map_or(events.len(), |p| at_end + 1 + p);
+        let end = next_start.min(starts.get(n + 1).copied().unwrap_or(events.len()));
         let seg = &events[start..end];
         let v = views(seg);
         let Some(f) = outcome::facts_of(control::DONE, &v) else {
@@ -502,7 +510,7 @@ fn deploys_of(events: &[ItemEvent]) -> Vec<Deploy> {
         } else {
             None
         };
-        let first = &seg[0];
+        let first = &events[at_end];
         let detected_at = failure.and_then(|_| {
             seg.iter().find_map(|e| {
                 let failed = match e.kind.as_str() {
@@ -946,6 +954,46 @@ mod tests {
             (2, Some(H / 2), Some(H), Some(3 * H / 4))
         );
         assert_eq!(f.unrestored, 0);
+    }
+
+    /// A deploy that fails its check is rolled back by the deployer, which records the
+    /// rollback before `deploy.failed`: still a deploy, a change failure and a restore.
+    #[test]
+    fn a_deploy_that_failed_and_was_rolled_back_is_a_change_failure() {
+        let at = D + H;
+        let events = vec![
+            adv("staging", "deploy", at),
+            ev(kind::DEPLOY_STARTED, "deploy", at + 60_000, json!({})),
+            ev(
+                kind::DEPLOY_ROLLBACK_STARTED,
+                "deploy",
+                at + 10 * 60_000,
+                json!({}),
+            ),
+            ev(
+                kind::DEPLOY_ROLLED_BACK,
+                "deploy",
+                at + 25 * 60_000,
+                json!({"verified": true}),
+            ),
+            ev(kind::DEPLOY_FAILED, "deploy", at + 26 * 60_000, json!({})),
+            ev(
+                kind::TASK_FAILED,
+                "failed",
+                at + 27 * 60_000,
+                json!({"from": "deploy", "to": "failed"}),
+            ),
+        ];
+        let items = vec![item("a", "failed", D, events, vec![])];
+        let f = report(&items, Range::new(D, D + 24 * H).unwrap()).overall;
+        assert_eq!(f.deploys, 1);
+        assert_eq!((f.rolled_back, f.change_failures), (1, 1));
+        assert_eq!(f.change_failure_rate, Some(1.0));
+        // Detected when the rollback started (+10 min), restored when it was verified (+25).
+        let t = &f.time_to_restore;
+        assert_eq!((t.count, t.median_ms), (1, Some(15 * 60_000)));
+        assert_eq!(f.unrestored, 0);
+        assert_eq!(f.lead_time_from_submission.count, 0, "not a healthy deploy");
     }
 
     #[test]
