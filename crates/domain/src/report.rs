@@ -63,6 +63,9 @@ pub fn kinds() -> Vec<&'static str> {
         kind::RELEASE_STAGED,
         kind::DEPLOY_ROLLBACK_STARTED,
         kind::POST_DEPLOY_ROLLBACK_STARTED,
+        // Where a deploy's visit starts and where a retry starts over (the deploy segments).
+        kind::DEPLOY_STARTED,
+        kind::TASK_RETRIED,
     ]);
     k.sort_unstable();
     k.dedup();
@@ -624,7 +627,15 @@ fn figures(items: &[&ItemRecord], range: Range) -> Figures {
                     if from_stage(e) == Some(STAGING_STAGE)
                         || e.data.get("stage").and_then(Value::as_str) == Some(STAGING_STAGE) =>
                 {
-                    f.staging.infrastructure_errors += 1;
+                    // The gate's value says whose failure it was: the staging tool's errors
+                    // ran out, or the change failed with its loops spent. Without one the
+                    // stage job itself failed (a tool or orch), which is not the change.
+                    match e.data.get("result").and_then(Value::as_str) {
+                        Some(r) if r != crate::pipeline::TOOL_ERROR_EXHAUSTED => {
+                            f.staging.change_failures += 1;
+                        }
+                        _ => f.staging.infrastructure_errors += 1,
+                    }
                 }
                 kind::RELEASE_WAITING => {
                     let end = ev[i + 1..].iter().find(|n| {
@@ -994,6 +1005,43 @@ mod tests {
         assert_eq!((t.count, t.median_ms), (1, Some(15 * 60_000)));
         assert_eq!(f.unrestored, 0);
         assert_eq!(f.lead_time_from_submission.count, 0, "not a healthy deploy");
+        // The store reads the kinds the segments need.
+        for k in [
+            kind::DEPLOY_STARTED,
+            kind::TASK_RETRIED,
+            kind::DEPLOY_FAILED,
+        ] {
+            assert!(kinds().contains(&k), "{k}");
+        }
+    }
+
+    /// A task that failed at staging is the change's failure when the gate said so (its
+    /// loops spent), the infrastructure's when the tool's errors ran out or the job failed.
+    #[test]
+    fn a_failure_at_staging_is_split_by_the_gates_value() {
+        let failed = |at: Millis, result: Option<&str>| {
+            let mut data = json!({"from": "staging", "to": "failed", "stage": "staging"});
+            if let Some(r) = result {
+                data["result"] = r.into();
+            }
+            item(
+                "a",
+                "failed",
+                D,
+                vec![ev(kind::TASK_FAILED, "failed", at, data)],
+                vec![],
+            )
+        };
+        let items = vec![
+            failed(D + H, Some("FAILED")),
+            failed(D + 2 * H, Some(crate::pipeline::TOOL_ERROR_EXHAUSTED)),
+            failed(D + 3 * H, None),
+        ];
+        let f = report(&items, Range::new(D, D + 24 * H).unwrap()).overall;
+        assert_eq!(
+            (f.staging.change_failures, f.staging.infrastructure_errors),
+            (1, 2)
+        );
     }
 
     #[test]
