@@ -107,16 +107,26 @@ pub fn open_regular(path: &Path) -> std::io::Result<File> {
     Ok(file)
 }
 
+/// The most [`read_regular`] reads: the files it reads are written by agents and the
+/// repository's code, and a sparse file of any size costs them nothing.
+pub const MAX_READ: u64 = 32 << 20;
+
 /// The text of the regular file at `path` ([`open_regular`]), lossy UTF-8; `Ok(None)` when
-/// there is none.
+/// there is none; an error when it is larger than [`MAX_READ`].
 pub fn read_regular(path: &Path) -> std::io::Result<Option<String>> {
-    let mut file = match open_regular(path) {
+    let file = match open_regular(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e),
     };
     let mut bytes = Vec::new();
-    file.read_to_end(&mut bytes)?;
+    file.take(MAX_READ + 1).read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > MAX_READ {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("{} is larger than {} MiB", path.display(), MAX_READ >> 20),
+        ));
+    }
     Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
 }
 
@@ -179,6 +189,14 @@ mod tests {
         // SAFETY: mkfifo with a valid NUL-terminated path.
         assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o644) }, 0);
         assert!(read_regular(&fifo).is_err());
+        // A sparse file far larger than the cap is refused after reading the cap, not read.
+        let huge = root.join("huge");
+        std::fs::File::create(&huge)
+            .unwrap()
+            .set_len(100 << 30)
+            .unwrap();
+        let err = read_regular(&huge).unwrap_err();
+        assert!(err.to_string().contains("larger than 32 MiB"), "{err}");
         assert_eq!(read_regular(&root.join("missing")).unwrap(), None);
     }
 }

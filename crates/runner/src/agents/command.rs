@@ -322,6 +322,9 @@ struct SessionArgs {
     resume: Option<String>,
     /// Start a new session with this id (Claude Code's `--session-id`).
     new_id: Option<String>,
+    /// The command is adopted (running, or ended while orch was away): orch writes nothing
+    /// into its home, which its agent may still be writing.
+    adopting: bool,
 }
 
 /// `plan` with the session arguments of its CLI: Claude Code `--resume <id>` or
@@ -440,6 +443,7 @@ fn write_new(dir: &Path, name: &str, text: &str) -> std::io::Result<()> {
 fn make_dirs(
     config: &AgentConfig,
     state: Option<&super::resume::State>,
+    adopting: bool,
 ) -> std::io::Result<(tempfile::TempDir, Dirs)> {
     let tmp = tempfile::Builder::new().prefix("orch-agent-").tempdir()?;
     let home = match config.config_home.as_deref().map(str::trim) {
@@ -456,7 +460,7 @@ fn make_dirs(
         // An identity of its own, so a CLI that wants one for git (Aider) finds it here
         // instead of writing it into the repository's configuration (read-only to it).
         // The home may be a kept one the agent wrote before: never written through a link.
-        if std::fs::symlink_metadata(h.join(".gitconfig")).is_err() {
+        if !adopting && std::fs::symlink_metadata(h.join(".gitconfig")).is_err() {
             write_new(
                 h,
                 ".gitconfig",
@@ -484,7 +488,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
     } else {
         inv.prompt
     };
-    let (tmp, dirs) = match make_dirs(inv.config, state.as_ref()) {
+    let (tmp, dirs) = match make_dirs(inv.config, state.as_ref(), session.adopting) {
         Ok(d) => d,
         Err(e) => {
             return TryResult::failed(
@@ -509,7 +513,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         Ok(p) => with_session(p, backend, &session),
         Err(e) => return TryResult::permanent(inv.error(e)),
     };
-    if let (Some(text), Some(home)) = (&plan.codex_config, &dirs.home) {
+    if let (Some(text), Some(home), false) = (&plan.codex_config, &dirs.home, session.adopting) {
         let dir = home.join(".codex");
         if let Err(e) = private_dir(&dir).and_then(|()| write_new(&dir, "config.toml", text)) {
             return TryResult::failed(inv.error(format!(
@@ -693,10 +697,15 @@ async fn session_of(
     };
     let was = recorded(key);
     if was == Recorded::Kept {
+        args.adopting = true;
         return (Some(state), args);
     }
+    let (task, attempt) = (inv.run.task.id, inv.run.lease.attempt);
     let decision = if was == Recorded::Lost {
-        state.decide(backend)
+        match state.continues(task, attempt) {
+            Ok(()) => state.decide(backend),
+            Err(why) => Decision::Lost { id: None, why },
+        }
     } else {
         Decision::Fresh
     };
@@ -747,6 +756,10 @@ async fn session_of(
                 Err(e) => tracing::warn!(key, error = %e, "cannot record the agent's session id"),
             }
         }
+    }
+    // This attempt owns the state now: only its successor may continue it.
+    if let Err(e) = state.bind(task, attempt) {
+        tracing::warn!(key, error = %e, "cannot bind the agent's state to its attempt; a lost run will start afresh");
     }
     (Some(state), args)
 }
@@ -1461,7 +1474,8 @@ fn codex_rollout_denials(dirs: &Dirs, result: &mut TryResult) {
     ) else {
         return;
     };
-    let Ok(text) = std::fs::read_to_string(&rollout) else {
+    // The rollout is the agent's file: read as a regular file, never through a link, bounded.
+    let Ok(Some(text)) = crate::fsutil::read_regular(&rollout) else {
         return;
     };
     for denial in parse_codex_rollout(&text) {
@@ -1688,11 +1702,11 @@ mod tests {
     fn sessions_continue_on_each_cli_s_own_command_line() {
         let resume = SessionArgs {
             resume: Some("abc-1".into()),
-            new_id: None,
+            ..SessionArgs::default()
         };
         let fresh = SessionArgs {
-            resume: None,
             new_id: Some("u-1".into()),
+            ..SessionArgs::default()
         };
         let with = |backend: &str, kind: Backend, s: &SessionArgs| {
             let p = plan(&config(backend, ""), Role::Documents, &dirs(), false).unwrap();

@@ -22,6 +22,9 @@ use orch_exec::process::OutputSink;
 
 /// orch's note of the session, in the state directory (not in the agent's part).
 const NOTE: &str = "session";
+/// orch's note of the task and lease attempt the state belongs to, beside [`NOTE`]: a lost
+/// run is continued only by the next attempt of the same task (`<task id> <attempt>`).
+const RUN: &str = "run";
 /// Bytes of the note read at most.
 const NOTE_MAX: u64 = 512;
 /// Longest session id accepted.
@@ -141,12 +144,44 @@ impl State {
                 Err(e) => return Err(e),
             }
         }
-        match std::fs::remove_file(self.dir.join(NOTE)) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(e),
+        for note in [NOTE, RUN] {
+            match std::fs::remove_file(self.dir.join(note)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(e),
+            }
         }
         self.make_parts()
+    }
+
+    /// Records that the state belongs to `task`'s lease attempt `attempt`, durably.
+    pub(crate) fn bind(&self, task: i64, attempt: i64) -> std::io::Result<()> {
+        write_durable(&self.dir, RUN, format!("{task} {attempt}\n").as_bytes())
+    }
+
+    /// The task and attempt the state was last bound to, if its note is readable.
+    pub(crate) fn bound(&self) -> Option<(i64, i64)> {
+        let bytes = read_bounded(&self.dir.join(RUN))?;
+        let text = std::str::from_utf8(&bytes).ok()?;
+        let (task, attempt) = text.trim().split_once(' ')?;
+        Some((task.parse().ok()?, attempt.parse().ok()?))
+    }
+
+    /// Whether a lost run in this state may be continued by `task`'s attempt `attempt`: only
+    /// by the attempt right after the one that was lost, of the same task. Another attempt in
+    /// between ran the job elsewhere (its worktree and branch moved on); another task means
+    /// the job id was used again. `Err` says why not.
+    pub(crate) fn continues(&self, task: i64, attempt: i64) -> Result<(), String> {
+        match self.bound() {
+            Some((t, a)) if t == task && a.checked_add(1) == Some(attempt) => Ok(()),
+            Some((t, _)) if t != task => {
+                Err("the state belongs to another task (its job id was used again)".into())
+            }
+            Some((_, a)) => Err(format!(
+                "the lost run was attempt {a}; attempt {attempt} follows other attempts (perhaps on another node)"
+            )),
+            None => Err("the lost run's state names no task and attempt".into()),
+        }
     }
 
     /// Records `id` as the session of `backend`'s run, durably.
@@ -394,6 +429,32 @@ fn write_durable(dir: &Path, name: &str, bytes: &[u8]) -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lost_run_is_continued_only_by_the_next_attempt_of_its_task() {
+        let tmp = tempfile::tempdir().unwrap();
+        let state = State {
+            dir: tmp.path().to_owned(),
+        };
+        state.make_parts().unwrap();
+        assert!(state.continues(7, 2).unwrap_err().contains("names no task"));
+        state.bind(7, 1).unwrap();
+        assert_eq!(state.bound(), Some((7, 1)));
+        assert_eq!(state.continues(7, 2), Ok(()));
+        assert!(
+            state
+                .continues(7, 3)
+                .unwrap_err()
+                .contains("other attempts")
+        );
+        assert!(state.continues(8, 2).unwrap_err().contains("another task"));
+        // A planted or mangled note is no binding.
+        std::fs::write(tmp.path().join(RUN), "7 x\n").unwrap();
+        assert_eq!(state.bound(), None);
+        state.bind(7, 1).unwrap();
+        state.clear().unwrap();
+        assert_eq!(state.bound(), None, "a fresh start forgets the binding");
+    }
 
     #[test]
     fn ids_that_could_be_options_or_paths_are_refused() {
