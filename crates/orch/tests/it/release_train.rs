@@ -746,7 +746,7 @@ async fn hold_keeps_the_repo_until_an_operator_approves() {
     let fixed: String = app
         .lines()
         .filter(|l| {
-            !l.contains("time.time() - STARTED > 2") && !l.contains("greeting not configured")
+            !l.contains("time.time() - STARTED > 4") && !l.contains("greeting not configured")
         })
         .map(|l| format!("{l}\n"))
         .collect();
