@@ -339,6 +339,29 @@ pub fn running() -> Vec<(String, i64, i32)> {
         .collect()
 }
 
+/// The jobs this machine keeps anything of (command records, notes, agent state
+/// directories), each once.
+pub fn jobs_with_records() -> Vec<i64> {
+    let Some(state) = STATE.get() else {
+        return Vec::new();
+    };
+    let Ok(entries) = std::fs::read_dir(&state.dir) else {
+        return Vec::new();
+    };
+    let mut jobs: Vec<i64> = entries
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.strip_prefix('j')
+                .and_then(|k| k.split_once('.'))
+                .and_then(|(j, _)| j.parse().ok())
+        })
+        .collect();
+    jobs.sort_unstable();
+    jobs.dedup();
+    jobs
+}
+
 /// Stops the command under the supervisor `pid` (SIGTERM: it stops the command's group and
 /// still writes the result).
 pub fn stop(pid: i32) {

@@ -39,39 +39,63 @@ impl Pass for SupervisedPass {
 
     async fn run(&self, store: &Store) -> anyhow::Result<()> {
         let running = orch_exec::supervise::running();
-        if running.is_empty() {
+        let recorded = orch_exec::supervise::jobs_with_records();
+        if running.is_empty() && recorded.is_empty() {
             return Ok(());
         }
         let ours = orch_exec::records::node_worker_ids(&self.children_dir);
-        let now = store.now_ms();
+        let live: std::collections::HashSet<i64> = running.iter().map(|(_, j, _)| *j).collect();
         for (key, job, pid) in running {
-            let why = match store.get_job(job).await? {
-                None => Some("its job no longer exists".to_owned()),
-                Some(j) => match j.state {
-                    orch_store::JobState::Running
-                        if j.lease_expires_at.is_some_and(|t| t > now)
-                            && j.locked_by.as_ref().is_some_and(|w| !ours.contains(w)) =>
-                    {
-                        Some(format!(
-                            "job {job} runs on {} now (taken over)",
-                            j.locked_by.unwrap_or_default()
-                        ))
-                    }
-                    orch_store::JobState::Done
-                    | orch_store::JobState::Failed
-                    | orch_store::JobState::Cancelled => {
-                        Some(format!("job {job} has ended ({:?})", j.state))
-                    }
-                    _ => None,
-                },
-            };
-            if let Some(why) = why {
+            if let Some(why) = not_ours(store, &ours, job).await? {
                 tracing::warn!(key, pid, %why, "stopping a supervised command that is no longer this machine's to run");
                 orch_exec::supervise::stop(pid);
             }
         }
+        // What is kept of a job this machine no longer runs (a lost command's record, an
+        // agent's session with its transcript) goes once the job has ended or another node
+        // holds it: its next attempt here could not continue it anyway
+        // (`agents::resume::State::continues`), and it must not linger for days.
+        for job in recorded {
+            if live.contains(&job) {
+                continue;
+            }
+            if let Some(why) = not_ours(store, &ours, job).await? {
+                tracing::info!(job, %why, "forgetting the records of a job this machine no longer runs");
+                orch_exec::supervise::forget_job(job);
+            }
+        }
         Ok(())
     }
+}
+
+/// Why `job` is no longer this machine's to run (`ours`: the worker ids of its orch
+/// processes, live and dead), or `None` while it may be.
+async fn not_ours(
+    store: &Store,
+    ours: &std::collections::HashSet<String>,
+    job: i64,
+) -> anyhow::Result<Option<String>> {
+    let now = store.now_ms();
+    Ok(match store.get_job(job).await? {
+        None => Some("its job no longer exists".to_owned()),
+        Some(j) => match j.state {
+            orch_store::JobState::Running
+                if j.lease_expires_at.is_some_and(|t| t > now)
+                    && j.locked_by.as_ref().is_some_and(|w| !ours.contains(w)) =>
+            {
+                Some(format!(
+                    "job {job} runs on {} now (taken over)",
+                    j.locked_by.unwrap_or_default()
+                ))
+            }
+            orch_store::JobState::Done
+            | orch_store::JobState::Failed
+            | orch_store::JobState::Cancelled => {
+                Some(format!("job {job} has ended ({:?})", j.state))
+            }
+            _ => None,
+        },
+    })
 }
 
 /// Re-queues or fails jobs whose lease expired.

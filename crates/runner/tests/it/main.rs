@@ -18,6 +18,7 @@ mod stages_merge;
 mod stages_staging;
 mod stages_tester;
 mod staging_inputs;
+mod supervised_pass;
 mod watch_ticks;
 mod worker;
 mod support {
