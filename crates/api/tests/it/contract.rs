@@ -24,6 +24,25 @@ pub fn document() -> &'static Value {
     })
 }
 
+/// Panics unless the answer (`uri` may carry a query; `headers` the answer's) keeps to
+/// docs/openapi.yaml: the one call every API test makes on what it got back.
+pub fn assert_answer(
+    method: &str,
+    uri: &str,
+    status: u16,
+    headers: &axum::http::HeaderMap,
+    body: &str,
+) {
+    let path = uri.split('?').next().unwrap_or(uri);
+    let content_type = headers
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("");
+    if let Err(e) = check(document(), method, path, status, content_type, body) {
+        panic!("the answer breaks docs/openapi.yaml: {e}\n{body}");
+    }
+}
+
 /// Checks one answer of the API against `doc`. `path` is the request's path (no query);
 /// `content_type` the answer's header (parameters allowed). Paths the document does not
 /// describe (the dashboard's pages, the router's fallback) are not the API's: `Ok`.

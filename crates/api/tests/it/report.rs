@@ -48,23 +48,12 @@ async fn get(state: &ApiState, uri: &str) -> (StatusCode, Value) {
         .await
         .unwrap();
     let status = resp.status();
-    let content_type = resp
-        .headers()
-        .get("content-type")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or("")
-        .to_owned();
+    let headers = resp.headers().clone();
     let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
         .await
         .unwrap();
     let text = String::from_utf8_lossy(&bytes);
-    let path = uri.split('?').next().unwrap_or(uri);
-    let document = crate::contract::document();
-    if let Err(e) =
-        crate::contract::check(document, "GET", path, status.as_u16(), &content_type, &text)
-    {
-        panic!("the answer breaks docs/openapi.yaml: {e}\n{text}");
-    }
+    crate::contract::assert_answer("GET", uri, status.as_u16(), &headers, &text);
     let v = serde_json::from_slice(&bytes)
         .unwrap_or_else(|e| panic!("{uri}: not JSON ({e}): {}", String::from_utf8_lossy(&bytes)));
     (status, v)
