@@ -354,15 +354,7 @@ fn session_of_line(line: &[u8]) -> Option<String> {
 
 /// Up to [`NOTE_MAX`] bytes of a regular file, not through a link.
 fn read_bounded(path: &Path) -> Option<Vec<u8>> {
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)
-        .ok()?;
-    if !f.metadata().ok()?.is_file() {
-        return None;
-    }
+    let f = crate::fsutil::open_regular(path).ok()?;
     let mut bytes = Vec::new();
     f.take(NOTE_MAX).read_to_end(&mut bytes).ok()?;
     Some(bytes)
