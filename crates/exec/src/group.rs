@@ -25,7 +25,7 @@ use tokio::process::{Child, Command};
 
 /// How long to wait for the group to disappear after SIGKILL before giving up with a warning
 /// (a process stuck in uninterruptible sleep cannot die until its I/O returns).
-const AFTER_KILL: Duration = Duration::from_secs(5);
+pub(crate) const AFTER_KILL: Duration = Duration::from_secs(5);
 /// Polling step while waiting for a group's members to die and be reaped.
 const POLL: Duration = Duration::from_millis(10);
 

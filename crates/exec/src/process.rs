@@ -689,6 +689,14 @@ pub(crate) async fn run_direct(cmd: &Cmd) -> Result<Output, SpawnError> {
     // The sandbox's relays stop and its cgroup goes (killing anything left in it).
     drop(prepared);
     group::reap_adopted();
+    // A run that must leave nothing behind: what left its group (a session of its own) ends
+    // with it, whether the run exited, timed out or was cancelled.
+    if cmd.no_daemons {
+        let killed = crate::records::stop_escaped(run_id, group::AFTER_KILL).await;
+        if !killed.is_empty() {
+            tracing::info!(?killed, cmd = %cmd, "stopped what the run left running outside its process group");
+        }
+    }
     let mut status = status.map_err(|source| SpawnError::Io {
         program: program(),
         source,

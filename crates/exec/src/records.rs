@@ -300,6 +300,25 @@ fn procs() -> Vec<i32> {
         .collect()
 }
 
+/// Stops what run `run` of this incarnation left running outside its process group once the
+/// run has ended (descendants that started a session of their own: `setsid`, a nested
+/// sandbox's `--new-session`): SIGKILL to each, then up to `wait` for them to die, reaping the
+/// ones orch adopted. For runs that must leave nothing behind ([`crate::Cmd::no_daemons`]).
+/// Returns the pids that were killed.
+pub(crate) async fn stop_escaped(run: u64, wait: Duration) -> Vec<i32> {
+    let killed = kill_marked(&[marker(run)]);
+    let deadline = Instant::now() + wait;
+    loop {
+        crate::group::reap_adopted();
+        if killed.iter().all(|&pid| dead_or_zombie(pid)) || Instant::now() >= deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    crate::group::reap_adopted();
+    killed
+}
+
 /// SIGKILLs every process (not running the orch binary itself) whose environment names one of
 /// the runs `dead` (`<incarnation>/<run>`).
 fn kill_marked(dead: &[String]) -> Vec<i32> {

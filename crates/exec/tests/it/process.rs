@@ -259,6 +259,48 @@ async fn a_daemon_that_left_the_group_is_reaped_when_it_exits() {
     assert!(!exists(pid), "the exited daemon {pid} was left as a zombie");
 }
 
+/// A run that must leave nothing behind (an agent): what it started in a session of its own
+/// ends with it, whether the run exited or met its timeout; the escaped processes are reaped.
+#[tokio::test]
+async fn a_run_that_may_leave_no_daemon_stops_what_left_its_group() {
+    // The daemon is in its own session before the run goes on (`ready`): else the group's
+    // sweep could reach it before its `setsid`, and the test would pass for the wrong reason.
+    const DAEMON: &str = "setsid sh -c 'touch ready; exec sleep 300' </dev/null >/dev/null 2>&1 & \
+                          while [ ! -f ready ]; do sleep 0.01; done; echo $!";
+    for (tail, timeout, status) in [
+        ("", Duration::from_secs(60), ExitKind::Exited(0)),
+        ("; sleep 300", Duration::from_secs(2), ExitKind::TimedOut),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let cmd = sh(&format!("{DAEMON}{tail}"))
+            .cwd(dir.path())
+            .no_daemons()
+            .timeout(timeout)
+            .kill_grace(Duration::from_millis(200));
+        let out = run(&cmd).await.unwrap();
+        assert_eq!(out.status, status, "{tail}");
+        let pid = pids(&out.stdout_lossy())[0];
+        assert!(
+            !exists(pid),
+            "{tail}: the escaped daemon {pid} outlived its run"
+        );
+    }
+    // Without the mark the daemon is what the command was run for (a deploy's service): it
+    // stays.
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(&sh(DAEMON).cwd(dir.path())).await.unwrap();
+    let pid = pids(&out.stdout_lossy())[0];
+    assert!(exists(pid), "a deploy's service must outlive the deploy");
+    // SAFETY: kill(2) on the pid this test started.
+    unsafe { libc::kill(pid, libc::SIGKILL) };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !has_exited(pid) {
+        assert!(Instant::now() < deadline, "the daemon {pid} did not die");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    run(&Cmd::new("true")).await.unwrap();
+}
+
 #[tokio::test]
 async fn megabytes_of_output_stay_bounded_with_exact_counts() {
     let cmd = sh("seq 1 1000000; seq 1 300000 >&2").output_limit(1000);
