@@ -318,6 +318,33 @@ where
         self.d.commit(tx, None).await
     }
 
+    pub async fn enqueue_fenced(
+        &self,
+        lease: Lease,
+        job: NewJob,
+        event: NewEvent,
+    ) -> Result<Enqueued> {
+        let now = self.now();
+        let mut tx = self.d.begin().await?;
+        if let Err(e) = self.lock_running(&mut tx, lease).await {
+            let _ = tx.rollback().await;
+            return Err(e);
+        }
+        let out = Self::insert_job(&mut tx, &job, now).await?;
+        // A duplicate is the follow-up an earlier attempt enqueued, its event with it.
+        let wake = if out.duplicate {
+            None
+        } else {
+            Self::insert_event(&mut tx, &event, now).await?;
+            Some(Announce {
+                due_at: due_at(std::slice::from_ref(&job), now),
+                now,
+            })
+        };
+        self.d.commit(tx, wake).await?;
+        Ok(out)
+    }
+
     pub async fn expire_leases_of(&self, worker_id: &str) -> Result<u64> {
         let res = sqlx::query(sql::EXPIRE_LEASES_OF)
             .bind(worker_id)

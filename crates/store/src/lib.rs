@@ -307,6 +307,21 @@ impl Store {
         dispatch!(self, nodes())
     }
 
+    /// Enqueues `job` on behalf of the running job `lease` and appends `event` with it, in one
+    /// transaction: the follow-up and the record that says so exist together or not at all.
+    /// Fenced: a stale attempt gets [`StoreError::LeaseLost`] and nothing is written. When the
+    /// job already exists (its dedupe key: an earlier attempt enqueued it, with its event),
+    /// nothing is written and the existing job is returned as a duplicate.
+    pub async fn enqueue_fenced(
+        &self,
+        lease: Lease,
+        job: NewJob,
+        event: NewEvent,
+    ) -> Result<Enqueued> {
+        validate_new_job(&job)?;
+        dispatch!(self, enqueue_fenced(lease, job, event))
+    }
+
     /// Re-pins a running job to `node` (the node that took it over from a node gone longer than
     /// the grace) and appends `event`, in one transaction. Fenced: a stale attempt gets
     /// [`StoreError::LeaseLost`] and nothing changes.

@@ -526,16 +526,20 @@ impl Engine {
         if routine && priority == 0 {
             return Ok(Outcome::DoneThen(Box::new(job)));
         }
-        self.store.enqueue(job).await?;
-        self.event(
-            run,
-            events::STAGE_REQUEUED,
-            &reason,
-            Some(serde_json::json!({
-                "delay_ms": delay_ms, "marker": marker, "priority": priority,
-            })),
-        )
-        .await;
+        // The follow-up and its `stage.requeued` are written together, fenced by this job's
+        // lease: a history never lacks a deferral that happened (a staging TOOL_ERROR's
+        // defers are counted from it).
+        let event = NewEvent::new(events::STAGE_REQUEUED, reason)
+            .task(run.task.id)
+            .job(run.job.id)
+            .stage(run.stage.name.as_str().to_owned())
+            .data(
+                serde_json::json!({
+                    "delay_ms": delay_ms, "marker": marker, "priority": priority,
+                })
+                .to_string(),
+            );
+        self.store.enqueue_fenced(cx.lease, job, event).await?;
         crate::failpoint::hit("engine.after_requeue");
         Ok(Outcome::Done)
     }

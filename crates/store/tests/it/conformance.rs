@@ -75,6 +75,7 @@ conformance!(
     a_never_seen_node_counts_from_when_its_job_became_ready,
     a_gone_nodes_job_waits_the_grace_once_ready,
     take_over_repins_the_job_fenced_by_its_lease,
+    a_follow_up_and_its_event_are_written_together_fenced_by_the_lease,
     every_terminal_stage_change_enqueues_one_task_ended_job,
 );
 
@@ -2356,6 +2357,56 @@ async fn take_over_repins_the_job_fenced_by_its_lease(db: TestDb) {
         s.take_over_job(lease, "box-c", event()).await,
         Err(StoreError::LeaseLost { .. })
     ));
+}
+
+async fn a_follow_up_and_its_event_are_written_together_fenced_by_the_lease(db: TestDb) {
+    let s = &db.store;
+    let task = new_task(s, false).await;
+    s.enqueue(NewJob::new("noop", "first").task(task.id))
+        .await
+        .unwrap();
+    let lease = claim_one(s, "w1").await.lease;
+    let follow_up = || {
+        NewJob::new("noop", "again")
+            .task(task.id)
+            .dedupe(format!("requeue-of-{}", lease.job_id))
+    };
+    let event = || NewEvent::new("stage.requeued", "deferred").task(task.id);
+    let requeued = async || {
+        s.task_events(task.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "stage.requeued")
+            .count()
+    };
+    let jobs = async || s.task_jobs(task.id).await.unwrap().len();
+    // A stale attempt writes neither the job nor the event.
+    let stale = Lease {
+        job_id: lease.job_id,
+        attempt: lease.attempt + 1,
+    };
+    assert!(matches!(
+        s.enqueue_fenced(stale, follow_up(), event()).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert_eq!((jobs().await, requeued().await), (1, 0));
+    let first = s.enqueue_fenced(lease, follow_up(), event()).await.unwrap();
+    assert!(!first.duplicate);
+    assert_eq!((jobs().await, requeued().await), (2, 1));
+    // The same follow-up again (a retried attempt): the job that exists, no second event.
+    let again = s.enqueue_fenced(lease, follow_up(), event()).await.unwrap();
+    assert!(again.duplicate);
+    assert_eq!(again.job_id, first.job_id);
+    assert_eq!((jobs().await, requeued().await), (2, 1));
+    // Once the job has ended, its attempt can enqueue nothing.
+    s.complete_and_claim(&[lease], None).await.unwrap();
+    let late = NewJob::new("noop", "late").task(task.id).dedupe("late");
+    assert!(matches!(
+        s.enqueue_fenced(lease, late, event()).await,
+        Err(StoreError::LeaseLost { .. })
+    ));
+    assert_eq!((jobs().await, requeued().await), (2, 1));
 }
 
 async fn a_gone_nodes_job_waits_the_grace_once_ready(db: TestDb) {
