@@ -769,6 +769,269 @@ pub(crate) async fn costs_page(State(state): State<ApiState>) -> Result<Response
 }
 
 #[derive(Template)]
+#[template(path = "report.html")]
+struct ReportPage {
+    version: String,
+    now: String,
+    live: bool,
+    /// The form's values, as asked.
+    repo: String,
+    since: String,
+    until: String,
+    /// The range read, in words.
+    range: String,
+    cards: Vec<(&'static str, String, &'static str)>,
+    chart_w: u32,
+    /// The weekly bars: deploys (and of them change failures) per week.
+    bars: Vec<WeekBar>,
+    weeks: Vec<WeekRow>,
+    stages: Vec<StageTimeRow>,
+    repos: Vec<(String, String, String, String, String)>,
+    agents: Vec<(String, String, String, String, String)>,
+}
+
+struct WeekBar {
+    x: u32,
+    /// Top and height of the whole bar (deploys) and of its failed part.
+    y: u32,
+    h: u32,
+    fail_y: u32,
+    fail_h: u32,
+    label: String,
+    title: String,
+}
+
+struct WeekRow {
+    week: String,
+    deploys: u64,
+    failures: u64,
+    rate: String,
+    lead: String,
+    restore: String,
+    shipped: u64,
+    cost: String,
+}
+
+struct StageTimeRow {
+    stage: String,
+    items: u64,
+    total: String,
+    median: String,
+    p90: String,
+    /// The bar's width: its share of the largest stage's total, in percent.
+    pct: u32,
+}
+
+/// Height of the weekly chart's bars area and the width of one week's slot, in px.
+const TREND_H: u32 = 120;
+const WEEK_W: u32 = 40;
+
+/// `GET /ui/report`: the delivery report (the `GET /report` document) with the trend per week
+/// and where time goes per stage; `?repo=`, `?since=`, `?until=` as the API's.
+pub(crate) async fn report_page(
+    State(state): State<ApiState>,
+    query: Result<ApiQuery<crate::dto::ReportQuery>, crate::error::AppError>,
+) -> Result<Response, PageError> {
+    let q = match query {
+        Ok(ApiQuery(q)) => q,
+        Err(e) => return Err(page_error(&state, StatusCode::BAD_REQUEST, e.message)),
+    };
+    // An empty form field is no filter.
+    fn given(v: &Option<String>) -> Option<&str> {
+        v.as_deref().map(str::trim).filter(|v| !v.is_empty())
+    }
+    let (repo, since, until) = (given(&q.repo), given(&q.since), given(&q.until));
+    let now = state.store.now_ms();
+    let r = match crate::dto::read_report(&state.store, repo, since, until, now).await {
+        Ok(r) => r,
+        Err(crate::dto::ReportError::Input(m)) => {
+            return Err(page_error(&state, StatusCode::BAD_REQUEST, m));
+        }
+        Err(crate::dto::ReportError::Store(e)) => {
+            return Err(store_error(&state, "the delivery report", &e));
+        }
+    };
+    let dur = |d: Option<i64>| d.map_or_else(|| "–".to_owned(), fmt_duration);
+    let rate = |r: Option<f64>| r.map_or_else(|| "–".to_owned(), |r| format!("{:.0}%", r * 100.0));
+    let usd = |known: f64, unknown: u64| {
+        if unknown > 0 {
+            format!("≥ ${known:.2}")
+        } else {
+            format!("${known:.2}")
+        }
+    };
+    let per = |v: Option<f64>| v.map_or_else(|| "–".to_owned(), |v| format!("{v:.1}"));
+    let o = &r.overall;
+    let cards = vec![
+        ("deploys", o.dora.deploys.to_string(), "deploys"),
+        (
+            "deploys per day",
+            format!("{:.2}", o.dora.deploys_per_day),
+            "per-day",
+        ),
+        (
+            "lead time (median, from submission)",
+            dur(o.dora.lead_time_from_submission.median_ms),
+            "lead",
+        ),
+        (
+            "change failure rate",
+            rate(o.dora.change_failure_rate),
+            "cfr",
+        ),
+        (
+            "time to restore (median)",
+            dur(o.dora.time_to_restore.median_ms),
+            "restore",
+        ),
+        ("shipped", o.items.shipped.to_string(), "shipped"),
+        (
+            "cost per shipped change",
+            o.items
+                .known_cost_per_shipped_usd
+                .map_or_else(|| "–".to_owned(), |c| usd(c, o.items.unknown_cost_runs)),
+            "cost",
+        ),
+        (
+            "agent runs per shipped",
+            per(o.items.agent_runs_per_shipped),
+            "runs",
+        ),
+        (
+            "review loops per shipped",
+            per(o.items.review_loops_per_shipped),
+            "loops",
+        ),
+        (
+            "staging: passed / change / infrastructure",
+            format!(
+                "{} / {} / {}",
+                o.staging.passed, o.staging.change_failures, o.staging.infrastructure_errors
+            ),
+            "staging",
+        ),
+        (
+            "release track wait (median)",
+            dur(o.release_wait.median_ms),
+            "wait",
+        ),
+    ];
+    let most = r.weekly.iter().map(|w| w.deploys).max().unwrap_or(0).max(1);
+    let scale = |n: u64| u32::try_from(n * u64::from(TREND_H) / most).unwrap_or(TREND_H);
+    let day = |s: &str| s.get(..10).unwrap_or(s).to_owned();
+    let bars = r
+        .weekly
+        .iter()
+        .zip(0_u32..)
+        .map(|(w, i)| {
+            let h = scale(w.deploys);
+            let fail_h = scale(w.change_failures.min(w.deploys));
+            WeekBar {
+                x: 4 + i * WEEK_W,
+                y: TREND_H + 4 - h,
+                h,
+                fail_y: TREND_H + 4 - fail_h,
+                fail_h,
+                label: day(&w.since).get(5..).unwrap_or_default().to_owned(),
+                title: format!(
+                    "week of {}: {} deploys, {} change failures",
+                    day(&w.since),
+                    w.deploys,
+                    w.change_failures
+                ),
+            }
+        })
+        .collect::<Vec<_>>();
+    let chart_w = 8 + WEEK_W * u32::try_from(bars.len()).unwrap_or(0);
+    let weeks = r
+        .weekly
+        .iter()
+        .rev()
+        .map(|w| WeekRow {
+            week: day(&w.since),
+            deploys: w.deploys,
+            failures: w.change_failures,
+            rate: rate(w.change_failure_rate),
+            lead: dur(w.lead_time_from_submission.median_ms),
+            restore: dur(w.time_to_restore.median_ms),
+            shipped: w.shipped,
+            cost: usd(w.known_cost_usd, w.unknown_cost_runs),
+        })
+        .collect();
+    let longest = r
+        .stage_time
+        .iter()
+        .map(|s| s.time.total_ms)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let stages = r
+        .stage_time
+        .iter()
+        .map(|s| StageTimeRow {
+            stage: s.stage.clone(),
+            items: s.time.count,
+            total: fmt_duration(s.time.total_ms),
+            median: dur(s.time.median_ms),
+            p90: dur(s.time.p90_ms),
+            pct: u32::try_from(s.time.total_ms.max(0) * 100 / longest).unwrap_or(100),
+        })
+        .collect();
+    let repos = r
+        .by_repo
+        .iter()
+        .map(|d| {
+            let f = &d.figures;
+            (
+                d.repo.clone(),
+                f.dora.deploys.to_string(),
+                rate(f.dora.change_failure_rate),
+                dur(f.dora.lead_time_from_submission.median_ms),
+                f.items.shipped.to_string(),
+            )
+        })
+        .collect();
+    let agents = o
+        .by_agent
+        .iter()
+        .map(|a| {
+            (
+                a.backend.clone(),
+                a.model.clone().unwrap_or_else(|| "(default)".to_owned()),
+                a.runs.to_string(),
+                usd(a.known_cost_usd, a.unknown_cost_runs),
+                format!("{} of {}", a.shipped, a.items),
+            )
+        })
+        .collect();
+    let page = ReportPage {
+        version: state.version.clone(),
+        now: fmt_time(now),
+        live: false,
+        repo: repo.unwrap_or_default().to_owned(),
+        since: since.unwrap_or_default().to_owned(),
+        until: until.unwrap_or_default().to_owned(),
+        range: format!(
+            "{} to {}{}",
+            r.since,
+            r.until,
+            r.repo
+                .as_deref()
+                .map(|repo| format!(", repo {repo}"))
+                .unwrap_or_default()
+        ),
+        cards,
+        chart_w,
+        bars,
+        weeks,
+        stages,
+        repos,
+        agents,
+    };
+    Ok(render(&page))
+}
+
+#[derive(Template)]
 #[template(path = "error.html")]
 struct ErrorPage {
     version: String,

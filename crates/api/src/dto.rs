@@ -1085,6 +1085,38 @@ pub struct DeliveryReport {
     pub repo: Option<String>,
     pub overall: DeliveryFigures,
     pub by_repo: Vec<RepoDelivery>,
+    /// The trend, week by week (Monday 00:00 UTC, cut to the range), oldest first; at most
+    /// the latest 104 weeks.
+    pub weekly: Vec<WeekDelivery>,
+    /// Where the time of the items that ended in the range went, stage by stage.
+    pub stage_time: Vec<StageTimeDto>,
+}
+
+/// One week of a [`DeliveryReport`]'s trend.
+#[derive(Debug, Serialize)]
+pub struct WeekDelivery {
+    /// RFC 3339 UTC; included.
+    pub since: String,
+    /// RFC 3339 UTC; excluded.
+    pub until: String,
+    pub since_ms: i64,
+    pub until_ms: i64,
+    pub deploys: u64,
+    pub change_failures: u64,
+    pub change_failure_rate: Option<f64>,
+    pub lead_time_from_submission: DurationsDto,
+    pub time_to_restore: DurationsDto,
+    pub shipped: u64,
+    pub known_cost_usd: f64,
+    pub unknown_cost_runs: u64,
+}
+
+/// One stage's part of the time of the items that ended in the range.
+#[derive(Debug, Serialize)]
+pub struct StageTimeDto {
+    pub stage: String,
+    /// Per item that visited the stage, its time there (all visits).
+    pub time: DurationsDto,
 }
 
 /// One repo's figures in a [`DeliveryReport`].
@@ -1264,6 +1296,32 @@ impl DeliveryReport {
                 .map(|(repo, f)| RepoDelivery {
                     repo: repo.clone(),
                     figures: DeliveryFigures::new(f),
+                })
+                .collect(),
+            weekly: r
+                .weekly
+                .iter()
+                .map(|(w, f)| WeekDelivery {
+                    since: rfc3339_utc(w.since),
+                    until: rfc3339_utc(w.until),
+                    since_ms: w.since,
+                    until_ms: w.until,
+                    deploys: f.deploys,
+                    change_failures: f.change_failures,
+                    change_failure_rate: f.change_failure_rate,
+                    lead_time_from_submission: DurationsDto::new(&f.lead_time_from_submission),
+                    time_to_restore: DurationsDto::new(&f.time_to_restore),
+                    shipped: f.shipped,
+                    known_cost_usd: f.cost_usd,
+                    unknown_cost_runs: f.unknown_cost_runs,
+                })
+                .collect(),
+            stage_time: r
+                .stage_time
+                .iter()
+                .map(|s| StageTimeDto {
+                    stage: s.stage.clone(),
+                    time: DurationsDto::new(&s.time),
                 })
                 .collect(),
         }

@@ -182,6 +182,7 @@ pub const ROUTES: &[RouteEntry] = &[
     ("GET", "/ui/tasks/{id}", RouteKind::Page),
     ("GET", "/ui/repos/{repo}", RouteKind::Page),
     ("GET", "/ui/costs", RouteKind::Page),
+    ("GET", "/ui/report", RouteKind::Page),
 ];
 
 /// The handler of one [`ROUTES`] entry; `None` for an entry without one (a bug the route
@@ -208,6 +209,7 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<ApiState>> {
         ("GET", "/ui/tasks/{id}") => get(dashboard::task_page),
         ("GET", "/ui/repos/{repo}") => get(dashboard::repo_page),
         ("GET", "/ui/costs") => get(dashboard::costs_page),
+        ("GET", "/ui/report") => get(dashboard::report_page),
         _ => return None,
     })
 }

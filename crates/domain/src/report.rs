@@ -420,6 +420,26 @@ pub struct Report {
     pub overall: Figures,
     /// By repo name, sorted.
     pub repos: Vec<(String, Figures)>,
+    /// The trend: every item's figures week by week (weeks start on Monday 00:00 UTC; the
+    /// first and last are cut to the range), oldest first, at most [`MAX_WEEKS`] (the latest).
+    pub weekly: Vec<(Range, Figures)>,
+    /// Where the time of the items that ended in the range went, stage by stage.
+    pub stage_time: Vec<StageTime>,
+}
+
+/// The most weeks a report's trend holds (about two years; older weeks are left out of the
+/// trend, never out of the report's figures).
+pub const MAX_WEEKS: usize = 104;
+
+/// How long the items that ended in the range stayed at one stage: per item, the sum of its
+/// visits (from entering the stage to leaving it, waits for an approval or the release track
+/// included).
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageTime {
+    /// The stage.
+    pub stage: String,
+    /// Per item that visited it, its time there.
+    pub time: Durations,
 }
 
 /// The report over `items` for `range` (items may be in any order; each item's events oldest
@@ -437,7 +457,121 @@ pub fn report(items: &[ItemRecord], range: Range) -> Report {
             .into_iter()
             .map(|(repo, items)| (repo.to_owned(), figures(&items, range)))
             .collect(),
+        weekly: weekly(&all, range),
+        stage_time: stage_time(&all, range),
     }
+}
+
+const WEEK_MS: Millis = 7 * DAY_MS;
+/// 1970-01-01 was a Thursday: the first Monday after the epoch is 4 days later.
+const MONDAY_MS: Millis = 4 * DAY_MS;
+
+/// The weeks of `range` (Monday 00:00 UTC to the next, cut to the range), the latest
+/// [`MAX_WEEKS`], oldest first.
+pub fn weeks(range: Range) -> Vec<Range> {
+    let monday = |t: Millis| t - (t - MONDAY_MS).rem_euclid(WEEK_MS);
+    let mut out = Vec::new();
+    let mut start = monday(range.until.saturating_sub(1));
+    while out.len() < MAX_WEEKS {
+        let since = start.max(range.since);
+        let until = start.saturating_add(WEEK_MS).min(range.until);
+        out.push(Range { since, until });
+        if since <= range.since {
+            break;
+        }
+        start -= WEEK_MS;
+    }
+    out.reverse();
+    out
+}
+
+/// [`figures`] week by week. Each week reads only the items whose record touches it (from
+/// the submission to the last event or update): every figure of a week comes from an event or
+/// an end inside it, so the others add nothing, and a long range costs about one pass.
+fn weekly(items: &[&ItemRecord], range: Range) -> Vec<(Range, Figures)> {
+    let weeks = weeks(range);
+    let mut of_week: Vec<Vec<&ItemRecord>> = vec![Vec::new(); weeks.len()];
+    for &item in items {
+        let last = item
+            .events
+            .iter()
+            .map(|e| e.at)
+            .chain([item.updated_at, item.created_at])
+            .max()
+            .unwrap_or(item.created_at);
+        let first = item
+            .events
+            .iter()
+            .map(|e| e.at)
+            .chain([item.created_at])
+            .min()
+            .unwrap_or(item.created_at);
+        let from = weeks.partition_point(|w| w.until <= first);
+        for (w, bucket) in weeks.iter().zip(of_week.iter_mut()).skip(from) {
+            if w.since > last {
+                break;
+            }
+            bucket.push(item);
+        }
+    }
+    weeks
+        .into_iter()
+        .zip(of_week)
+        .map(|(w, items)| (w, figures(&items, w)))
+        .collect()
+}
+
+/// Where the time of the items that ended in `range` went, stage by stage, in the order the
+/// stages first appear in the items' histories.
+fn stage_time(items: &[&ItemRecord], range: Range) -> Vec<StageTime> {
+    let mut order: Vec<String> = Vec::new();
+    let mut per_stage: BTreeMap<String, Vec<Millis>> = BTreeMap::new();
+    for item in items {
+        if !(control::is_terminal_stage(&item.stage) && range.contains(item.updated_at)) {
+            continue;
+        }
+        let mut spent: BTreeMap<String, Millis> = BTreeMap::new();
+        let mut visits: Vec<String> = Vec::new();
+        // The stage the item is at and since when; the first move names where it started.
+        let mut at: Option<(String, Millis)> = None;
+        for e in &item.events {
+            let entered = match e.kind.as_str() {
+                kind::STAGE_ADVANCED | kind::STAGE_LOOP_BACK | kind::TASK_RETRIED => {
+                    e.stage.clone()
+                }
+                k if kind::TASK_ENDED.contains(&k) => None,
+                _ => continue,
+            };
+            let current = at
+                .take()
+                .or_else(|| from_stage(e).map(|f| (f.to_owned(), item.created_at)));
+            if let Some((stage, since)) = current {
+                *spent.entry(stage.clone()).or_default() += (e.at - since).max(0);
+                visits.push(stage);
+            }
+            if let Some(stage) = entered.filter(|s| !control::is_terminal_stage(s)) {
+                at = Some((stage, e.at));
+            }
+        }
+        for stage in visits {
+            if !order.contains(&stage) {
+                order.push(stage);
+            }
+        }
+        for (stage, ms) in spent {
+            per_stage.entry(stage).or_default().push(ms);
+        }
+    }
+    order
+        .into_iter()
+        .filter_map(|stage| {
+            let samples = per_stage.remove(&stage)?;
+            Some(StageTime {
+                time: Durations::of(samples),
+                stage,
+            })
+        })
+        .collect()
 }
 
 fn from_stage(e: &ItemEvent) -> Option<&str> {
@@ -965,6 +1099,125 @@ mod tests {
             (2, Some(H / 2), Some(H), Some(3 * H / 4))
         );
         assert_eq!(f.unrestored, 0);
+    }
+
+    /// Weeks start on Monday 00:00 UTC and are cut to the range; a long range keeps the
+    /// latest [`MAX_WEEKS`].
+    #[test]
+    fn weeks_start_on_monday_and_are_cut_to_the_range() {
+        // D is Tuesday 2026-12-01; the next Monday is 2026-12-07.
+        let monday = D + 6 * 24 * H;
+        let w = weeks(Range::new(D, D + 10 * 24 * H).unwrap());
+        assert_eq!(
+            w,
+            vec![
+                Range::new(D, monday).unwrap(),
+                Range::new(monday, D + 10 * 24 * H).unwrap()
+            ]
+        );
+        assert_eq!(crate::text::rfc3339_utc(monday), "2026-12-07T00:00:00Z");
+        let one = weeks(Range::new(monday + H, monday + 2 * H).unwrap());
+        assert_eq!(one, vec![Range::new(monday + H, monday + 2 * H).unwrap()]);
+        let long = weeks(Range::new(0, monday + H).unwrap());
+        assert_eq!(long.len(), MAX_WEEKS);
+        assert_eq!(long.last().map(|r| r.until), Some(monday + H));
+        assert!(long.windows(2).all(|p| p[0].until == p[1].since));
+    }
+
+    /// Each week reads only the items that touch it, yet the counts of the weeks add up to the
+    /// whole range's.
+    #[test]
+    fn the_weekly_trend_adds_up_to_the_whole_range() {
+        let range = Range::new(D - 7 * 24 * H, D + 10 * 24 * H).unwrap();
+        let r = report(&history(), range);
+        assert_eq!(r.weekly.len(), 3, "{:?}", r.weekly);
+        let sum = |f: fn(&Figures) -> u64| r.weekly.iter().map(|(_, w)| f(w)).sum::<u64>();
+        let o = &r.overall;
+        assert_eq!(o.deploys, 5, "F counts in this range");
+        assert_eq!(sum(|f| f.deploys), o.deploys);
+        assert_eq!(sum(|f| f.rolled_back), o.rolled_back);
+        assert_eq!(sum(|f| f.reverted), o.reverted);
+        assert_eq!(sum(|f| f.shipped), o.shipped);
+        assert_eq!(sum(|f| f.agent_runs), o.agent_runs);
+        assert_eq!(sum(|f| f.staging.passed), o.staging.passed);
+        assert_eq!(
+            sum(|f| f.staging.infrastructure_errors),
+            o.staging.infrastructure_errors
+        );
+        // F deployed in the first week (Tuesday D-7d to Monday D-1d), the rest in the second.
+        assert_eq!(r.weekly[0].1.deploys, 1);
+        assert_eq!(r.weekly[1].1.deploys, 4);
+        assert_eq!(r.weekly[2].1.deploys, 0);
+    }
+
+    /// Where time goes: per item, the sum of its visits to each stage, from entering it to
+    /// leaving it; only the items that ended in the range.
+    #[test]
+    fn stage_time_sums_each_items_visits() {
+        let x = item(
+            "a",
+            "done",
+            D,
+            vec![
+                adv("intake", "analysis", D + H),
+                adv("analysis", "implementation", D + 3 * H),
+                adv("implementation", "review", D + 4 * H),
+                back("review", "implementation", D + 5 * H),
+                adv("implementation", "review", D + 7 * H),
+                ev(
+                    kind::TASK_DONE,
+                    "done",
+                    D + 8 * H,
+                    json!({"from": "review", "to": "done"}),
+                ),
+            ],
+            vec![],
+        );
+        let y = item(
+            "a",
+            "failed",
+            D,
+            vec![
+                adv("intake", "analysis", D + 2 * H),
+                ev(
+                    kind::TASK_FAILED,
+                    "failed",
+                    D + 6 * H,
+                    json!({"from": "analysis", "to": "failed"}),
+                ),
+            ],
+            vec![],
+        );
+        // Still running: not counted.
+        let z = item(
+            "a",
+            "review",
+            D,
+            vec![adv("intake", "review", D + H)],
+            vec![],
+        );
+        let r = report(&[x, y, z], Range::new(D, D + 24 * H).unwrap());
+        let got: Vec<(&str, u64, Millis, Option<Millis>)> = r
+            .stage_time
+            .iter()
+            .map(|s| {
+                (
+                    s.stage.as_str(),
+                    s.time.count,
+                    s.time.total_ms,
+                    s.time.p90_ms,
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                ("intake", 2, 3 * H, Some(2 * H)),
+                ("analysis", 2, 6 * H, Some(4 * H)),
+                ("implementation", 1, 3 * H, Some(3 * H)),
+                ("review", 1, 2 * H, Some(2 * H)),
+            ]
+        );
     }
 
     /// A deploy that fails its check is rolled back by the deployer, which records the

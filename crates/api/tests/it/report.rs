@@ -59,6 +59,19 @@ async fn get(state: &ApiState, uri: &str) -> (StatusCode, Value) {
     (status, v)
 }
 
+/// A dashboard page: its status and HTML.
+async fn page_of(state: &ApiState, uri: &str) -> (StatusCode, String) {
+    let resp = app(state.clone())
+        .oneshot(Request::get(uri).body(Body::empty()).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (status, String::from_utf8_lossy(&bytes).into_owned())
+}
+
 #[tokio::test]
 async fn the_report_route_answers_the_hand_computed_figures_and_refuses_bad_input() {
     let db = TestDb::sqlite().await;
@@ -94,6 +107,64 @@ async fn the_report_route_answers_the_hand_computed_figures_and_refuses_bad_inpu
     assert_eq!(r["overall"]["staging"]["infrastructure_errors"], 3);
     assert_eq!(r["overall"]["by_agent"][1]["backend"], "codex");
     assert_eq!(r["by_repo"][1]["repo"], "b");
+
+    // The trend: Tuesday 12-01 to Monday 12-07, then to the range's end; every deploy fell in
+    // the first week.
+    let weekly = r["weekly"].as_array().unwrap();
+    let spans: Vec<(&str, &str, u64)> = weekly
+        .iter()
+        .map(|w| {
+            (
+                w["since"].as_str().unwrap(),
+                w["until"].as_str().unwrap(),
+                w["deploys"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        spans,
+        [
+            ("2026-12-01T00:00:00Z", "2026-12-07T00:00:00Z", 4),
+            ("2026-12-07T00:00:00Z", "2026-12-11T00:00:00Z", 0)
+        ]
+    );
+    assert_eq!(weekly[0]["change_failures"], 2);
+    // Where time goes: only item A reached `merge`, at +3 h, and ended at +7 h.
+    let merge = r["stage_time"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["stage"] == "merge")
+        .unwrap_or_else(|| panic!("no merge in {}", r["stage_time"]));
+    assert_eq!(merge["time"]["count"], 1);
+    assert_eq!(merge["time"]["total_ms"], 4 * 3_600_000);
+
+    // The dashboard's page of the same report.
+    let page = page_of(&state, "/ui/report?since=2026-12-01&until=2026-12-11").await;
+    assert_eq!(page.0, StatusCode::OK, "{}", page.1);
+    for part in [
+        "2026-12-01T00:00:00Z to 2026-12-11T00:00:00Z",
+        "<div class=\"n\">4</div><div class=\"l\">deploys</div>",
+        "<div class=\"n\">50%</div><div class=\"l\">change failure rate</div>",
+        "<title>week of 2026-12-01: 4 deploys, 2 change failures</title>",
+        "data-stage=\"merge\" title=\"1 items; median 4h 00m, p90 4h 00m\"",
+        "<a href=\"/ui/repos/b\">b</a>",
+    ] {
+        assert!(page.1.contains(part), "{part} missing from:\n{}", page.1);
+    }
+    // An empty form field is no filter; bad input is a 400 page that says why.
+    let (status, _) = page_of(&state, "/ui/report?repo=&since=&until=").await;
+    assert_eq!(status, StatusCode::OK);
+    for (uri, says) in [
+        ("/ui/report?since=yesterday", "`yesterday` is not a time"),
+        ("/ui/report?repo=%3Cscript%3Ealert(1)", "repo:"),
+        ("/ui/report?limit=3", "limit"),
+    ] {
+        let (status, text) = page_of(&state, uri).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}");
+        assert!(text.contains(says), "{uri}: {text}");
+        assert!(!text.contains("<script>alert"), "{uri}: {text}");
+    }
 
     let (status, b) = get(&state, "/report?repo=b&since=2026-12-01&until=2026-12-11").await;
     assert_eq!(status, StatusCode::OK);

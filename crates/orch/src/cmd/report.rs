@@ -160,6 +160,54 @@ pub async fn run(cx: &Context, args: ReportArgs) -> Result<ExitCode> {
             &agents,
         ));
     }
+    if !report.stage_time.is_empty() {
+        outln("");
+        outln("Where time goes (items that ended in the range; per item, all its visits):");
+        let stages: Vec<Vec<String>> = report
+            .stage_time
+            .iter()
+            .map(|s| {
+                vec![
+                    s.stage.clone(),
+                    s.time.count.to_string(),
+                    dur(Some(s.time.total_ms)),
+                    dur(s.time.median_ms),
+                    dur(s.time.p90_ms),
+                ]
+            })
+            .collect();
+        crate::output::out(&table(
+            &["stage", "items", "total", "median", "p90"],
+            &stages,
+        ));
+    }
+    if report.weekly.len() > 1 {
+        outln("");
+        outln("Per week (Monday, UTC):");
+        let weeks: Vec<Vec<String>> = report
+            .weekly
+            .iter()
+            .map(|w| {
+                vec![
+                    w.since.get(..10).unwrap_or(&w.since).to_owned(),
+                    w.deploys.to_string(),
+                    w.change_failures.to_string(),
+                    dur(w.lead_time_from_submission.median_ms),
+                    w.shipped.to_string(),
+                ]
+            })
+            .collect();
+        crate::output::out(&table(
+            &[
+                "week of",
+                "deploys",
+                "change failures",
+                "lead time (median)",
+                "shipped",
+            ],
+            &weeks,
+        ));
+    }
     Ok(ExitCode::SUCCESS)
 }
 

@@ -10,7 +10,8 @@
 //! - a finished page stops polling, and a phone-width page does not scroll sideways.
 //!
 //! With `ORCH_UPDATE_SCREENSHOT=1` it also writes `docs/dashboard.png` (queue),
-//! `docs/dashboard-task.png` (APP-2) and `docs/dashboard-repo.png` (the repo page).
+//! `docs/dashboard-task.png` (APP-2), `docs/dashboard-repo.png` (the repo page) and
+//! `docs/dashboard-report.png` (the delivery report).
 //! Also checks `orch status` (outcome column) and `orch deploys` (the API's document) on the
 //! same data. Skips (with a note) without `python3`, and skips the browser part without
 //! `/usr/bin/chromium`; CI installs chromium.
@@ -291,6 +292,8 @@ impl Page {
 
     /// A PNG of the whole page at the current width.
     fn screenshot(&self, b: &mut Browser, path: &Path) {
+        // A tab in the background may never paint: the capture would wait for a frame.
+        b.call(Some(&self.session), "Page.bringToFront", json!({}));
         let m = b.call(Some(&self.session), "Page.getLayoutMetrics", json!({}));
         let size = &m["cssContentSize"];
         let clip =
@@ -305,6 +308,11 @@ impl Page {
         std::fs::write(path, png).unwrap();
         eprintln!("wrote {}", path.display());
     }
+}
+
+/// The repo's `docs/`, where `ORCH_UPDATE_SCREENSHOT=1` writes the screenshots.
+fn docs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs")
 }
 
 fn base64_decode(s: &str) -> Vec<u8> {
@@ -595,8 +603,59 @@ fn chromium_sees_live_updates_outcomes_the_watch_chart_and_token_actions() {
     assert!(history.contains("APP-1"), "{history}");
     assert!(history.contains("rolled back"), "{history}");
 
+    // 7. The delivery report over the demo: APP-1 shipped, APP-2 deployed and rolled back; a
+    // trend bar for this week, where the time went stage by stage, and nothing sideways on a
+    // phone.
+    let report = b.open(&format!("{base}/ui/report"), 1280, 900);
+    let cards = report.text(&mut b, "#report-cards");
+    assert!(cards.contains("deploys"), "{cards}");
+    let deploys = report.eval(
+        &mut b,
+        "document.querySelector('#report-cards [data-key=deploys] .n').textContent",
+    );
+    assert_eq!(
+        deploys,
+        json!("2"),
+        "APP-1 and APP-2 were deployed: {cards}"
+    );
+    let rate = report.eval(
+        &mut b,
+        "document.querySelector('#report-cards [data-key=cfr] .n').textContent",
+    );
+    assert_eq!(rate, json!("50%"), "APP-2 was rolled back: {cards}");
+    let bars = report.eval(
+        &mut b,
+        "Array.from(document.querySelectorAll('#report-trend rect')).filter(r => r.getBBox().height > 0).length",
+    );
+    assert!(
+        bars.as_u64().is_some_and(|n| n >= 2),
+        "a deploy bar and a failure bar: {bars}"
+    );
+    let stages = report.eval(
+        &mut b,
+        "Array.from(document.querySelectorAll('#report-stages .row')).map(r => r.dataset.stage)",
+    );
+    for stage in ["implementation", "staging", "deploy"] {
+        assert!(
+            stages
+                .as_array()
+                .is_some_and(|s| s.iter().any(|x| x == stage)),
+            "{stage} in {stages}"
+        );
+    }
+    let report_phone = b.open(&format!("{base}/ui/report"), 390, 844);
+    let overflow = report_phone.eval(
+        &mut b,
+        "document.documentElement.scrollWidth - document.documentElement.clientWidth",
+    );
+    assert!(
+        overflow.as_f64().is_some_and(|o| o <= 1.0),
+        "the report page is wider than a phone by {overflow} px"
+    );
+
     if std::env::var("ORCH_UPDATE_SCREENSHOT").as_deref() == Ok("1") {
-        let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs");
+        report.screenshot(&mut b, &docs_dir().join("dashboard-report.png"));
+        let docs = docs_dir();
         queue.screenshot(&mut b, &docs.join("dashboard.png"));
         task.eval(
             &mut b,

@@ -62,6 +62,9 @@ async fn report_over_a_seeded_history(db: TestDb) {
         "change failure rate",
         "0.0% (0 of 1)",
         "claude",
+        "Where time goes",
+        "Per week (Monday, UTC):",
+        "2026-12-07",
     ] {
         assert!(table.contains(line), "{line:?} missing from:\n{table}");
     }
