@@ -635,10 +635,7 @@ fn replay_watch(c: &StageChange, overrides: &Overrides, mut r: Replayed) -> Repl
         );
         Some((v, format!("superseded: {why}")))
     } else {
-        // The log is written after the verdict was reached, and a final verdict stays final
-        // as time passes with the same polls: its time (to the second, so its last
-        // millisecond) is a moment the decision had been made by.
-        let now = log.created_at_ms.saturating_add(999);
+        let now = decided_at(&log);
         match monitor::decide_with(&log.series, &log.params, &t, log.armed_at_ms, now) {
             WatchDecision::Final(v, why) => {
                 Some(monitor::discount_lost_evidence(v, why, log.lost.as_deref()))
@@ -682,6 +679,27 @@ fn replay_watch(c: &StageChange, overrides: &Overrides, mut r: Replayed) -> Repl
         }
     }
     r
+}
+
+/// When the recorded verdict was reached. The tick that polled last decides at its poll's
+/// time: when today's rules are final there (an early FAILED, the last slot polled), that is
+/// the moment, and changed rules that are not final then would have gone on polling. Else the
+/// verdict came later without a poll (the slots left were missed): by the time the log was
+/// written. Times in the log are to the second, so each is taken at its last millisecond (a
+/// final verdict stays final as time passes with the same polls).
+fn decided_at(log: &WatchLogRecord) -> i64 {
+    let last_poll = log
+        .series
+        .iter()
+        .map(|p| p.at_ms)
+        .max()
+        .unwrap_or(log.armed_at_ms)
+        .saturating_add(999);
+    let today = Thresholds::default();
+    match monitor::decide_with(&log.series, &log.params, &today, log.armed_at_ms, last_poll) {
+        WatchDecision::Final(..) => last_poll,
+        WatchDecision::Continue { .. } => log.created_at_ms.saturating_add(999).max(last_poll),
+    }
 }
 
 // ---- reading the logs back -----------------------------------------------------------------
