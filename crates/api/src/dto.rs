@@ -1362,3 +1362,110 @@ pub enum ReportError {
     /// The store failed.
     Store(orch_store::StoreError),
 }
+
+/// `orch replay --json`: every decision of the items replayed (issue 32), recorded against
+/// replayed, with the thresholds changed by `--set` and the counts. How each decision is
+/// replayed: `orch_domain::replay`.
+#[derive(Debug, Serialize)]
+pub struct ReplayReport {
+    /// The thresholds `--set` changed (`key` → value); empty: today's rules.
+    pub overrides: BTreeMap<String, u32>,
+    /// The range of `--repo … --since`, RFC 3339 UTC, when one was asked for.
+    pub since: Option<String>,
+    pub until: Option<String>,
+    pub repo: Option<String>,
+    pub items: Vec<ReplayItem>,
+    pub summary: ReplaySummary,
+}
+
+/// One work item's replayed decisions, oldest first.
+#[derive(Debug, Serialize)]
+pub struct ReplayItem {
+    pub work_item_id: String,
+    pub repo: String,
+    pub decisions: Vec<ReplayDecision>,
+}
+
+/// One decision: what was recorded, what the rules decide from the same inputs now.
+#[derive(Debug, Serialize)]
+pub struct ReplayDecision {
+    /// The stage change (event id) the decision belongs to.
+    pub event_id: i64,
+    pub at_ms: i64,
+    /// `gate`, `route`, `staging` or `watch`.
+    pub kind: &'static str,
+    pub stage: String,
+    pub what: String,
+    pub recorded: String,
+    /// The replayed decision, or `cannot replay: …`.
+    pub replayed: String,
+    /// `agrees`, `differs` or `cannot replay`.
+    pub agreement: &'static str,
+    pub detail: String,
+    /// For a watch: whether a rollback ran, and whether the replayed verdict would run one
+    /// (`null`: the replay cannot tell).
+    pub rollback: Option<ReplayRollback>,
+}
+
+/// A watch's rollback, recorded and replayed.
+#[derive(Debug, Serialize)]
+pub struct ReplayRollback {
+    pub recorded: bool,
+    pub replayed: Option<bool>,
+}
+
+/// The counts of a [`ReplayReport`] (`orch_domain::replay::Summary`).
+#[derive(Debug, Serialize)]
+pub struct ReplaySummary {
+    pub items: u32,
+    pub decisions: u32,
+    pub agree: u32,
+    pub differ: u32,
+    pub unreplayable: u32,
+    pub watches: u32,
+    pub rollbacks_recorded: u32,
+    pub rollbacks_replayed: u32,
+    pub rollbacks_avoided: u32,
+    pub rollbacks_added: u32,
+    pub rollbacks_undetermined: u32,
+}
+
+impl ReplayDecision {
+    /// The wire shape of a replayed decision.
+    pub fn from_domain(d: &orch_domain::replay::Replayed) -> ReplayDecision {
+        ReplayDecision {
+            event_id: d.event_id,
+            at_ms: d.at_ms,
+            kind: d.kind.as_str(),
+            stage: d.stage.clone(),
+            what: d.what.clone(),
+            recorded: d.recorded.clone(),
+            replayed: d.replayed.clone(),
+            agreement: d.agreement.as_str(),
+            detail: d.detail.clone(),
+            rollback: d.rollback.map(|r| ReplayRollback {
+                recorded: r.recorded,
+                replayed: r.replayed,
+            }),
+        }
+    }
+}
+
+impl ReplaySummary {
+    /// The wire shape of the counts over `items` items.
+    pub fn from_domain(items: u32, s: &orch_domain::replay::Summary) -> ReplaySummary {
+        ReplaySummary {
+            items,
+            decisions: s.decisions,
+            agree: s.agree,
+            differ: s.differ,
+            unreplayable: s.unreplayable,
+            watches: s.watches,
+            rollbacks_recorded: s.rollbacks_recorded,
+            rollbacks_replayed: s.rollbacks_replayed,
+            rollbacks_avoided: s.rollbacks_avoided,
+            rollbacks_added: s.rollbacks_added,
+            rollbacks_undetermined: s.rollbacks_undetermined,
+        }
+    }
+}

@@ -26,6 +26,8 @@
 //!   hostile names, the changed-files limit), checked before anything is committed.
 //! - [`transcript`]: an agent run's stored transcript read as a conversation (messages, tool
 //!   calls and results, commands and exit codes), per CLI format.
+//! - [`replay`]: every decision of a work item re-derived from its recorded inputs (artifacts,
+//!   staging log, the watch's series) with today's rules, optionally changed thresholds.
 //! - [`control`]: the control words stored in the database, spelled once: terminal stages,
 //!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]
@@ -42,6 +44,7 @@ pub mod outcome;
 pub mod pipeline;
 pub mod protect;
 pub mod recovery;
+pub mod replay;
 pub mod report;
 pub mod staging;
 pub mod text;

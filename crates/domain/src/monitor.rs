@@ -365,6 +365,32 @@ pub enum Decision {
     Final(Verdict, String),
 }
 
+/// The thresholds of the verdict rules. Production decides with [`Thresholds::default`] (the
+/// constants above, design.md §7); `orch replay --set post_deploy.…=N` asks what other values
+/// would have decided on the same recorded series, through the same [`decide_with`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Thresholds {
+    /// FAILED once this many FAIL polls follow each other ([`FAILED_CONSECUTIVE_FAILS`]).
+    pub failed_consecutive_fails: u32,
+    /// FAILED once the FAIL polls are more than this many ([`FAILED_TOTAL_FAILS_ABOVE`]).
+    pub failed_total_fails_above: u32,
+    /// HEALTHY allows at most this many FAIL polls ([`HEALTHY_MAX_FAILS`]).
+    pub healthy_max_fails: u32,
+    /// HEALTHY needs this many trailing valid polls, all PASS ([`HEALTHY_LAST_VALID_PASS`]).
+    pub healthy_last_valid_pass: usize,
+}
+
+impl Default for Thresholds {
+    fn default() -> Self {
+        Thresholds {
+            failed_consecutive_fails: FAILED_CONSECUTIVE_FAILS,
+            failed_total_fails_above: FAILED_TOTAL_FAILS_ABOVE,
+            healthy_max_fails: HEALTHY_MAX_FAILS,
+            healthy_last_valid_pass: HEALTHY_LAST_VALID_PASS,
+        }
+    }
+}
+
 /// Decides from the series so far (design.md §7):
 /// - FAILED, at any time, on [`FAILED_CONSECUTIVE_FAILS`] (3) FAIL polls one after another, or
 ///   on more than [`FAILED_TOTAL_FAILS_ABOVE`] (3) FAIL polls in all;
@@ -376,21 +402,36 @@ pub enum Decision {
 /// "Consecutive" means adjacent in the series: an ERROR or NODATA poll between two FAIL polls
 /// breaks the run. A tick polled twice counts once.
 pub fn decide(series: &[Poll], params: &WatchParams, armed_at_ms: i64, now_ms: i64) -> Decision {
+    decide_with(series, params, &Thresholds::default(), armed_at_ms, now_ms)
+}
+
+/// [`decide`] with explicit thresholds: the one implementation of the rules.
+pub fn decide_with(
+    series: &[Poll],
+    params: &WatchParams,
+    t: &Thresholds,
+    armed_at_ms: i64,
+    now_ms: i64,
+) -> Decision {
     let stats = SeriesStats::of(series);
-    if stats.max_consecutive_fail >= FAILED_CONSECUTIVE_FAILS {
+    let consecutive = t.failed_consecutive_fails;
+    let above = t.failed_total_fails_above;
+    let max_fails = t.healthy_max_fails;
+    let last_n = t.healthy_last_valid_pass;
+    if stats.max_consecutive_fail >= consecutive {
         return Decision::Final(
             Verdict::Failed,
             format!(
-                "{} consecutive FAIL polls (FAILED at {FAILED_CONSECUTIVE_FAILS}); {} FAIL of {} polls",
+                "{} consecutive FAIL polls (FAILED at {consecutive}); {} FAIL of {} polls",
                 stats.max_consecutive_fail, stats.fail, stats.polls
             ),
         );
     }
-    if stats.fail > FAILED_TOTAL_FAILS_ABOVE {
+    if stats.fail > above {
         return Decision::Final(
             Verdict::Failed,
             format!(
-                "{} FAIL polls of {} (FAILED above {FAILED_TOTAL_FAILS_ABOVE})",
+                "{} FAIL polls of {} (FAILED above {above})",
                 stats.fail, stats.polls
             ),
         );
@@ -416,21 +457,19 @@ pub fn decide(series: &[Poll], params: &WatchParams, armed_at_ms: i64, now_ms: i
         .rev()
         .map(|p| p.status())
         .filter(|s| s.is_valid())
-        .take(HEALTHY_LAST_VALID_PASS)
+        .take(last_n)
         .collect();
     let mut missing = Vec::new();
-    if stats.fail > HEALTHY_MAX_FAILS {
+    if stats.fail > max_fails {
         missing.push(format!(
-            "{} FAIL polls (HEALTHY allows at most {HEALTHY_MAX_FAILS})",
+            "{} FAIL polls (HEALTHY allows at most {max_fails})",
             stats.fail
         ));
     }
-    if last_valid.len() < HEALTHY_LAST_VALID_PASS
-        || last_valid.iter().any(|s| *s != CheckOutcome::Pass)
-    {
+    if last_valid.len() < last_n || last_valid.iter().any(|s| *s != CheckOutcome::Pass) {
         let shown: Vec<&str> = last_valid.iter().rev().map(|s| s.as_str()).collect();
         missing.push(format!(
-            "the last {HEALTHY_LAST_VALID_PASS} valid polls are not all PASS (last valid: [{}])",
+            "the last {last_n} valid polls are not all PASS (last valid: [{}])",
             shown.join(", ")
         ));
     }
@@ -443,7 +482,7 @@ pub fn decide(series: &[Poll], params: &WatchParams, armed_at_ms: i64, now_ms: i
         Decision::Final(
             Verdict::Healthy,
             format!(
-                "{valid} of {planned} planned polls valid, {} FAIL, the last {HEALTHY_LAST_VALID_PASS} valid polls PASS",
+                "{valid} of {planned} planned polls valid, {} FAIL, the last {last_n} valid polls PASS",
                 stats.fail
             ),
         )
@@ -453,6 +492,47 @@ pub fn decide(series: &[Poll], params: &WatchParams, armed_at_ms: i64, now_ms: i
             format!("not enough evidence of health: {}", missing.join("; ")),
         )
     }
+}
+
+/// Lost evidence is never proof of health (design.md §7): a HEALTHY verdict reached on a
+/// series that lost polls (a corrupt series, a node gone mid-watch) becomes DEGRADED, the
+/// loss said in the reason; other verdicts stand. The monitor applies it to every verdict it
+/// acts on, and replay to every verdict it re-derives.
+pub fn discount_lost_evidence(
+    verdict: Verdict,
+    reason: String,
+    lost: Option<&str>,
+) -> (Verdict, String) {
+    match (lost, verdict) {
+        (Some(lost), Verdict::Healthy) => (
+            Verdict::Degraded,
+            format!("{reason}; but evidence was lost ({lost}): not proof of health"),
+        ),
+        (_, v) => (v, reason),
+    }
+}
+
+/// The verdict of a watch a newer deploy superseded: the evidence so far judged as at the
+/// deadline; a window not over by that judgement is DEGRADED (cut short: not enough evidence).
+/// Lost evidence is discounted as always ([`discount_lost_evidence`]).
+pub fn judge_superseded(
+    series: &[Poll],
+    params: &WatchParams,
+    t: &Thresholds,
+    armed_at_ms: i64,
+    lost: Option<&str>,
+) -> (Verdict, String) {
+    let (verdict, why) = match decide_with(
+        series,
+        params,
+        t,
+        armed_at_ms,
+        deadline_ms(params, armed_at_ms),
+    ) {
+        Decision::Final(v, why) => (v, why),
+        Decision::Continue { .. } => (Verdict::Degraded, "the window is not over".to_owned()),
+    };
+    discount_lost_evidence(verdict, why, lost)
 }
 
 /// What to do about a verdict.

@@ -76,6 +76,11 @@ pub enum Command {
     /// shipped item, staging verdicts, release-track waits, by agent backend and model), per
     /// repo and overall (the same report as `GET /report`).
     Report(ReportArgs),
+    /// Re-derive every decision of a work item (gates, next stages, the staging classification,
+    /// the post-deploy watch's verdict) from what was recorded, with today's rules, and say
+    /// which agree; `--set` asks what other thresholds would have decided. Reads only: no
+    /// network, no writes. Exit 1 when a decision disagrees (without --set).
+    Replay(ReplayArgs),
     /// Prune now what retention removes (finished jobs of finished tasks older than `[settings]
     /// retention`), in small batches, each recorded as a `jobs.pruned` event; safe beside
     /// running workers and safe to kill.
@@ -120,6 +125,27 @@ pub struct StatusArgs {
     pub stage: Option<String>,
     #[arg(long, default_value_t = 50)]
     pub limit: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct ReplayArgs {
+    /// A work item id like APP-12; or `--repo` for every item of a repo in a range.
+    #[arg(required_unless_present = "repo", conflicts_with = "repo")]
+    pub id: Option<String>,
+    /// Every item of this repo alive in the range (`--since`, `--until`).
+    #[arg(long)]
+    pub repo: Option<String>,
+    /// The range's start, as `orch report` reads it. Default: 30 days before `--until`.
+    #[arg(long, requires = "repo")]
+    pub since: Option<String>,
+    /// The range's end (excluded). Default: now.
+    #[arg(long, requires = "repo")]
+    pub until: Option<String>,
+    /// Replay with a threshold changed, `key=value` (repeatable): post_deploy.failure_limit,
+    /// post_deploy.consecutive_fail_limit, post_deploy.healthy_max_fails,
+    /// post_deploy.healthy_last_valid_pass, staging.defer_limit.
+    #[arg(long = "set", value_name = "KEY=VALUE")]
+    pub set: Vec<String>,
 }
 
 #[derive(Debug, Args)]

@@ -5,6 +5,7 @@ mod doctor;
 mod gc;
 mod init;
 mod queue;
+mod replay;
 mod report;
 mod tasks;
 pub mod worker;
@@ -46,6 +47,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Doctor => doctor::run(&cx).await,
         Command::Costs => queue::costs(&cx).await,
         Command::Report(args) => report::run(&cx, args).await,
+        Command::Replay(args) => replay::run(&cx, args).await,
         Command::Gc(args) => gc::run(&cx, args).await,
         Command::Deploys(args) => deploys::run(&cx, &args.repo).await,
         Command::Submit(args) => tasks::submit(&cx, args).await,

@@ -11,7 +11,8 @@
 //! twice, each started run ended (a kill of orch cuts none in
 //! half: they run under orch's supervisor and the restarted orch adopts them), the same agent
 //! runs per item and stage (none paid for twice), no job left running, no agent run left open,
-//! and no process of a dead incarnation left alive.
+//! and no process of a dead incarnation left alive; and `orch replay` agrees with every
+//! decision both runs recorded.
 //! `ORCH_CAMPAIGN_SEED` replays a run; `ORCH_CAMPAIGN_KILLS` sets the number of kills.
 
 use crate::common;
@@ -676,6 +677,25 @@ async fn campaign(postgres: bool, procs: &[&str]) {
         ),
         "seed {seed}: some attempt was lost to a kill and `orch logs` says so:\n{logs}"
     );
+    // `orch replay` (issue 32): every decision of both runs, re-derived from what each
+    // recorded with today's rules, agrees with what was decided, kills or not.
+    for s in [&clean, &killed] {
+        let out = s
+            .command()
+            .args(["--json", "replay", "--repo", "service"])
+            .output()
+            .unwrap();
+        let doc: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap_or_default();
+        let summary = &doc["summary"];
+        assert!(
+            out.status.success() && summary["differ"] == 0 && summary["unreplayable"] == 0,
+            "seed {seed}: replay of the {} run: {}\n{}",
+            s.dir.display(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert_eq!(summary["items"], ITEMS.len(), "seed {seed}: {summary}");
+    }
     let left = left_behind(&incarnations);
     assert!(
         left.is_empty(),

@@ -26,6 +26,7 @@ mod operators;
 mod pipeline;
 mod pipeline_openai;
 mod release_train;
+mod replay;
 mod report;
 mod self_deploy;
 mod signals;

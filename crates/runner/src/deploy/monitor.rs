@@ -22,8 +22,9 @@ use std::time::Duration;
 use orch_deploystate::{ArmedRead, ArmedRecord, WatchState, list_active};
 use orch_domain::control::markers;
 use orch_domain::monitor::{
-    ActionTaken, CheckOutcome, Decision, Poll, PostDeployLog, Verdict, WatchParams, decide,
-    planned_polls, render_post_deploy_log, tick_at_ms,
+    ActionTaken, CheckOutcome, Decision, Poll, PostDeployLog, Thresholds, Verdict, WatchParams,
+    decide, discount_lost_evidence, judge_superseded, planned_polls, render_post_deploy_log,
+    tick_at_ms,
 };
 use orch_domain::recovery::Trouble;
 use orch_store::{JobCount, NewEvent, NewJob, Store};
@@ -333,13 +334,8 @@ impl MonitorExecutor {
                 // that fail, the retry starts over with nothing half done (no rollback run whose
                 // bookkeeping waits behind a git failure).
                 run.ensure_worktree().await?;
-                let (verdict, reason) = match (&series.lost, verdict) {
-                    (Some(lost), Verdict::Healthy) => (
-                        Verdict::Degraded,
-                        format!("{reason}; but evidence was lost ({lost}): not proof of health"),
-                    ),
-                    (_, v) => (v, reason),
-                };
+                let (verdict, reason) =
+                    discount_lost_evidence(verdict, reason, series.lost.as_deref());
                 let ending = self.react(run, seq, armed, verdict, reason).await?;
                 finish(
                     run,
@@ -373,22 +369,13 @@ impl MonitorExecutor {
         // As before any final action: prepared first (see `tick`).
         run.ensure_worktree().await?;
         let series = ws.series();
-        let (verdict, why) = match decide(
+        let (verdict, why) = judge_superseded(
             &series.polls,
             &armed.params,
+            &Thresholds::default(),
             armed.armed_at_ms,
-            armed.deadline_ms,
-        ) {
-            Decision::Final(v, why) => (v, why),
-            Decision::Continue { .. } => (Verdict::Degraded, "the window is not over".to_owned()),
-        };
-        let (verdict, why) = match (&series.lost, verdict) {
-            (Some(lost), Verdict::Healthy) => (
-                Verdict::Degraded,
-                format!("{why}; but evidence was lost ({lost})"),
-            ),
-            (_, v) => (v, why),
-        };
+            series.lost.as_deref(),
+        );
         let reason = format!(
             "superseded by {by} (deploy of `{by_revision}`) after {} polls; judged on the evidence so far: {why}",
             series.polls.len()
