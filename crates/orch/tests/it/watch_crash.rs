@@ -183,3 +183,87 @@ async fn a_watch_killed_at_random_instants_counts_each_tick_once_and_rolls_back_
     assert!(count("post_deploy.verdict") <= 1, "{schedule}: one verdict");
     store.close().await;
 }
+
+/// A kill between the watch's recorded verdict and its `done` (failpoint
+/// `monitor.before_done`, the process aborts like kill -9): the restarted orch runs the ending
+/// again, finds the verdict recorded, and the item ends with one verdict, the log on its branch
+/// and one rollback. The verdict used to be recorded after `done`: a kill there left a watch
+/// marked done, and the re-run advanced the stage with neither the verdict nor the log.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_between_the_verdict_and_done_loses_neither() {
+    if !python_available() {
+        return skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let store = open(&dir).await;
+    // APP-1 deploys the release to roll back to, watched HEALTHY without the failpoint.
+    let serve = Serve::start(&dir, 50);
+    orch(
+        &dir,
+        &[
+            "submit",
+            "--repo",
+            "service",
+            "--title",
+            "Add a /version endpoint",
+        ],
+    );
+    let first = wait_for(&store, "APP-1", Duration::from_secs(300), Task::is_terminal).await;
+    assert_eq!(first.stage, "done");
+    serve.terminate().await;
+
+    let mut cmd = Serve::command(&dir, "127.0.0.1:0");
+    cmd.env("ORCH_FAILPOINTS", "monitor.before_done");
+    let serve = Serve::spawn(cmd);
+    orch(
+        &dir,
+        &[
+            "submit",
+            "--repo",
+            "service",
+            "--title",
+            "Make the greeting configurable",
+        ],
+    );
+    let status = serve.wait_exit(Duration::from_secs(300)).await;
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the failpoint aborted orch: {status:?}"
+    );
+    let cut = task(&store, "APP-2").await.unwrap();
+    assert_eq!(cut.stage, "observe", "cut short while ending its watch");
+    let events = store.task_events(cut.id).await.unwrap();
+    let count =
+        |events: &[orch_store::Event], kind: &str| events.iter().filter(|e| e.kind == kind).count();
+    assert_eq!(
+        count(&events, "post_deploy.verdict"),
+        1,
+        "recorded before the cut"
+    );
+
+    let serve = Serve::start(&dir, 50);
+    let end = wait_for(&store, "APP-2", Duration::from_secs(240), Task::is_terminal).await;
+    serve.terminate().await;
+    stop_service(&dir);
+    reap_orphans();
+    assert_eq!(end.stage, "done");
+    let repo = dir.join(".orch/repos/service");
+    let log = git_show(
+        &repo,
+        "orch/APP-2:docs/work-items/APP-2/16-post-deploy-log.md",
+    )
+    .expect("the post-deploy log on orch/APP-2");
+    assert!(log.contains("post_deploy_status: FAILED"), "{log}");
+    assert!(log.contains("action_taken: rollback"), "{log}");
+    let events = store.task_events(end.id).await.unwrap();
+    assert_eq!(count(&events, "post_deploy.verdict"), 1, "one verdict");
+    assert_eq!(
+        count(&events, "post_deploy.rollback_started"),
+        1,
+        "the rollback ran once"
+    );
+    store.close().await;
+}

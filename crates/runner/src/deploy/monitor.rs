@@ -769,29 +769,56 @@ async fn finish(
     if ending.verdict == Verdict::Failed {
         release_reaction(run, revision, &ending).await?;
     }
+    // The verdict is recorded before `done` is written: a crash between the two leaves the
+    // watch not done, so the ending job runs again, decides the same from the same polls and
+    // finds its verdict already recorded. The other order lost it: a re-run found the watch
+    // done and advanced the stage with neither the verdict nor the log.
+    if !verdict_recorded(run, seq).await? {
+        record(
+            run,
+            seq,
+            events::POST_DEPLOY_VERDICT,
+            format!(
+                "post-deploy watch {}: {} (action {})",
+                ending.verdict.as_str(),
+                ending.reason,
+                ending.action.as_str()
+            ),
+            data([
+                ("verdict", json!(ending.verdict.as_str())),
+                ("action", json!(ending.action.as_str())),
+                ("revision", json!(revision)),
+                ("log_written", json!(written.is_ok())),
+                ("evidence_lost", json!(evidence_lost)),
+            ]),
+        )
+        .await?;
+    }
+    crate::failpoint::hit("monitor.before_done");
     if !ws.mark_done(&summary) {
         tracing::warn!(work_item = %run.work_item, "post-deploy watch: `done` not written; a later job repeats the ending, not the reaction");
     }
-    record(
-        run,
-        seq,
-        events::POST_DEPLOY_VERDICT,
-        format!(
-            "post-deploy watch {}: {} (action {})",
-            ending.verdict.as_str(),
-            ending.reason,
-            ending.action.as_str()
-        ),
-        data([
-            ("verdict", json!(ending.verdict.as_str())),
-            ("action", json!(ending.action.as_str())),
-            ("revision", json!(revision)),
-            ("log_written", json!(written.is_ok())),
-            ("evidence_lost", json!(evidence_lost)),
-        ]),
-    )
-    .await?;
     Ok(StageEffect::Produced { outcome: None })
+}
+
+/// Whether this watch (visit `seq`, since an operator's retry re-armed it, if one did) has
+/// recorded its verdict already: the ending of a job cut short after the record runs again.
+async fn verdict_recorded(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
+    let history = run.store.task_events(run.task.id).await?;
+    let since = history
+        .iter()
+        .rposition(|e| {
+            matches!(
+                e.kind.as_str(),
+                events::TASK_RETRIED | events::POST_DEPLOY_REARMED
+            )
+        })
+        .map_or(0, |i| i + 1);
+    Ok(
+        super::of_visit(&history[since..], seq, events::POST_DEPLOY_VERDICT)
+            .next()
+            .is_some(),
+    )
 }
 
 /// The release train's part of a FAILED watch (before `done` is written, so a re-run after a

@@ -284,6 +284,21 @@ impl Serve {
         reap_orphans();
     }
 
+    /// Waits up to `within` for orch to exit on its own (a failpoint aborts it); its status,
+    /// or `None` when it was still running (then it is killed with its group).
+    pub async fn wait_exit(mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        match tokio::time::timeout(within, self.child.wait()).await {
+            Ok(status) => {
+                reap_orphans();
+                status.ok()
+            }
+            Err(_) => {
+                self.kill_group().await;
+                None
+            }
+        }
+    }
+
     /// SIGTERM, up to 20 s to exit, then reaps the orphans.
     pub async fn terminate(self) {
         terminate(self.child).await;
