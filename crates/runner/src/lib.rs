@@ -15,6 +15,7 @@ pub mod live_config;
 pub mod maintenance;
 pub mod notify;
 pub mod ops;
+mod pacing;
 pub mod release;
 pub mod repos;
 pub mod stages;

@@ -28,6 +28,7 @@ use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
 use crate::histogram::{self, Histogram, LabeledHistograms};
+use crate::pacing::{AfterClaim, Capacity, Pacing};
 
 /// What a handler tells the runtime about its job.
 #[derive(Debug)]
@@ -614,25 +615,18 @@ impl Fetcher {
         let mut pending_done: Vec<Lease> = Vec::new();
         // The follow-ups of finished jobs in `pending_done`, inserted just before them.
         let mut follow_ups: Vec<FollowUp> = Vec::new();
-        let mut next_poll = Instant::now();
-        let mut error_backoff = Duration::from_millis(50);
-        // Whether this turn claims: after a job ended (unless the queue was drained), the poll
-        // timer, a wake-up for a job due now, an error or a full claim; not after a wake-up for
-        // a job due later (a watch's next tick), which only moves the timer up (a claim then
-        // would find nothing).
-        let mut look = true;
-        let cooldown = self.config.cooldown();
-        // The last claim came back with fewer jobs than it asked for (nothing more was due),
-        // and no wake-up for a job due now and no poll has come since: a finished job is no
-        // reason to claim. A wake-up or poll that could not claim (the buffer full) clears it,
-        // so the next finished job claims. Never set without a cooldown.
-        let mut drained = false;
-        // The `Wake::now_seq` this loop has seen: a change is a job due now, even when a later
-        // announcement for a delayed job came before this loop read the first.
-        let mut seen_now = wake.borrow().now_seq;
-        let mut last_claim: Option<Instant> = None;
-        // When the finished jobs in `pending_done` are marked done at the latest.
-        let mut flush_at: Option<Instant> = None;
+        // When to claim, how much, when to flush and when to look next: `crate::pacing`.
+        let mut pacing = Pacing::new(
+            self.config.cooldown(),
+            self.config.poll_interval,
+            wake.borrow().now_seq,
+            Instant::now(),
+        );
+        let cap = Capacity {
+            slots: self.slots,
+            prefetch: self.prefetch,
+            batch: self.batch,
+        };
         // Stagger loops a little so per-job loops do not claim in lockstep.
         if self.index > 0 {
             tokio::time::sleep(Duration::from_millis(self.index as u64)).await;
@@ -641,33 +635,24 @@ impl Fetcher {
             let stopping = stop.is_cancelled();
             while let Some(res) = running.try_join_next() {
                 self.finish(res, &mut pending_done, &mut follow_ups).await;
-                look |= !drained;
+                pacing.job_finished();
             }
-            if pending_done.is_empty() {
-                flush_at = None;
-            } else if flush_at.is_none() {
-                flush_at = Some(Instant::now() + cooldown);
-            }
+            pacing.pending(pending_done.len(), Instant::now());
             self.start_buffered(&mut buffer, &mut running);
-            let capacity = self.slots + self.prefetch;
-            let want = if stopping || kinds.is_empty() || !look {
-                0
-            } else {
-                let have = running.len() + buffer.len();
-                if buffer.len() < self.slots.max(1).div_ceil(2).max(1) || self.prefetch == 0 {
-                    capacity.saturating_sub(have).min(self.batch)
-                } else {
-                    0
-                }
-            };
-            // Finished jobs ride with the next claim, or go when a batch is full, when the
-            // cooldown since the first of them has passed (a follow-up, a watch's next tick, is
-            // due at its own time: held back no longer), or at a stop.
-            let flush = !pending_done.is_empty()
-                && (want > 0
-                    || stopping
-                    || pending_done.len() >= self.batch.max(1)
-                    || flush_at.is_some_and(|at| at <= Instant::now()));
+            let want = pacing.want(
+                stopping,
+                !kinds.is_empty(),
+                running.len(),
+                buffer.len(),
+                cap,
+            );
+            let flush = pacing.flush(
+                pending_done.len(),
+                want,
+                stopping,
+                self.batch,
+                Instant::now(),
+            );
             if want > 0 || flush {
                 let claim = (want > 0).then(|| Claim {
                     worker_id: self.config.worker_id.clone(),
@@ -681,7 +666,7 @@ impl Fetcher {
                     match self.store.enqueue_many(as_held(&follow_ups)).await {
                         Ok(_) => follow_ups.clear(),
                         Err(e) => {
-                            self.back_off(&mut error_backoff, "enqueueing follow-up jobs", &e)
+                            self.back_off(&mut pacing, "enqueueing follow-up jobs", &e)
                                 .await;
                             continue;
                         }
@@ -698,40 +683,22 @@ impl Fetcher {
                         if want > 0 {
                             self.stats.claim_query.observe(started.elapsed());
                         }
-                        error_backoff = Duration::from_millis(50);
                         self.settle_done(&pending_done, &out.fenced);
                         pending_done.clear();
-                        flush_at = None;
                         let got = out.claimed.len();
                         self.accept(out.claimed, &mut buffer, started);
                         self.start_buffered(&mut buffer, &mut running);
-                        if want > 0 {
-                            last_claim = Some(started);
-                            drained = got < want && !cooldown.is_zero();
-                        }
-                        if want > 0 && got == want {
-                            // The queue had at least as much as we asked for: ask again soon.
-                            next_poll = Instant::now();
-                            continue;
-                        }
-                        if want > 0 {
-                            let (idle, due_before) = self.idle_sleep(&kinds, claimed_at).await;
-                            if due_before {
-                                // A job was due when this claim looked and it did not get it
-                                // (another loop took or had locked it): not drained, no
-                                // cooldown.
-                                drained = false;
-                                next_poll = Instant::now();
-                            } else {
-                                // Drained: the next claim when the next job comes due, but
-                                // not within the cooldown (what comes due meanwhile waits).
-                                next_poll = (Instant::now() + idle).max(started + cooldown);
+                        match pacing.claimed(want, got, started) {
+                            AfterClaim::Again => continue,
+                            AfterClaim::Wait { asked: true } => {
+                                let (idle, due_before) = self.idle_sleep(&kinds, claimed_at).await;
+                                pacing.idle(idle, due_before, started, Instant::now());
                             }
+                            AfterClaim::Wait { asked: false } => {}
                         }
                     }
                     Err(e) => {
-                        self.back_off(&mut error_backoff, "claim/complete", &e)
-                            .await;
+                        self.back_off(&mut pacing, "claim/complete", &e).await;
                         continue;
                     }
                 }
@@ -750,54 +717,37 @@ impl Fetcher {
                 .await;
                 continue;
             }
-            look = false;
-            let wake_at = flush_at.map_or(next_poll, |at| at.min(next_poll));
+            let wake_at = pacing.wait_until();
             tokio::select! {
                 res = running.join_next(), if !running.is_empty() => {
                     if let Some(res) = res {
                         self.finish(res, &mut pending_done, &mut follow_ups).await;
                     }
-                    look = !drained;
+                    pacing.job_finished();
                 }
                 changed = wake.changed() => {
                     if changed.is_err() {
                         // The store's wake-up source is gone; rely on polling.
                         wake = self.store.wakeups();
-                        seen_now = wake.borrow().now_seq;
-                        (look, drained) = (true, false);
+                        pacing.resubscribed(wake.borrow().now_seq);
                     } else {
                         let w = *wake.borrow_and_update();
                         let wait = w.due_at.saturating_sub(self.store.now_ms());
-                        if w.now_seq != seen_now || wait <= 0 {
-                            seen_now = w.now_seq;
-                            (look, drained) = (true, false);
-                        } else {
-                            let due = Instant::now()
-                                + Duration::from_millis(u64::try_from(wait).unwrap_or(0));
-                            let not_before = last_claim.map_or(due, |at| at + cooldown);
-                            next_poll = next_poll.min(due.max(not_before));
-                        }
+                        pacing.woken(w.now_seq, wait, Instant::now());
                     }
                 }
-                _ = tokio::time::sleep_until(wake_at.into()) => {
-                    if Instant::now() >= next_poll {
-                        next_poll = Instant::now() + self.config.poll_interval;
-                        (look, drained) = (true, false);
-                    }
-                }
-                _ = stop.cancelled() => {
-                    look = true;
-                }
+                _ = tokio::time::sleep_until(wake_at.into()) => pacing.timer(Instant::now()),
+                _ = stop.cancelled() => pacing.stop_requested(),
             }
         }
     }
 
-    /// After a store error: counts it, says so and waits `backoff`, which doubles (at most 5 s).
-    async fn back_off(&self, backoff: &mut Duration, what: &str, e: &StoreError) {
+    /// After a store error: counts it, says so and waits the pacing's backoff (doubling, at
+    /// most 5 s).
+    async fn back_off(&self, pacing: &mut Pacing, what: &str, e: &StoreError) {
         self.stats.store_errors.fetch_add(1, Ordering::Relaxed);
         tracing::warn!(error = %e, "{what} failed; retrying with backoff");
-        tokio::time::sleep(*backoff).await;
-        *backoff = (*backoff * 2).min(Duration::from_secs(5));
+        tokio::time::sleep(pacing.failed()).await;
     }
 
     /// How long until the next job this loop may run comes due (at most the poll interval),
