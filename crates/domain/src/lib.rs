@@ -26,6 +26,8 @@
 //!   hostile names, the changed-files limit), checked before anything is committed.
 //! - [`transcript`]: an agent run's stored transcript read as a conversation (messages, tool
 //!   calls and results, commands and exit codes), per CLI format.
+//! - [`forge`]: `[repos.<name>.forge]`, issues as work items' requests (bounded, stored as
+//!   data), pagination and the pause a forge's answer calls for (issue 31).
 //! - [`control`]: the control words stored in the database, spelled once: terminal stages,
 //!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]
@@ -33,6 +35,7 @@
 pub mod artifact;
 pub mod config;
 pub mod control;
+pub mod forge;
 pub mod gate;
 pub mod ids;
 pub mod monitor;
