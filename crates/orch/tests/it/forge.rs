@@ -367,29 +367,40 @@ fn free_port() -> u16 {
 /// `orch serve` of the demo in `dir` with the forge's token and secret in its environment; its
 /// log in `<dir>/serve.log`.
 fn spawn_serve(dir: &Path, url: Option<&str>, port: u16) -> tokio::process::Child {
-    let log = std::fs::File::create(dir.join("serve.log")).unwrap();
+    spawn_orch(
+        dir,
+        url,
+        "serve.log",
+        &[
+            "serve",
+            "--bind",
+            &format!("127.0.0.1:{port}"),
+            "--grace-s",
+            "1",
+        ],
+    )
+}
+
+/// `orch <args>` (serve, worker) of the demo in `dir`, with the forge's token and secret in
+/// its environment, logging to `<dir>/<log>`.
+fn spawn_orch(dir: &Path, url: Option<&str>, log: &str, args: &[&str]) -> tokio::process::Child {
+    let log = std::fs::File::create(dir.join(log)).unwrap();
     let mut cmd = tokio::process::Command::new(ORCH);
     cmd.arg("--config").arg(dir.join("orch.toml"));
     if let Some(url) = url {
         cmd.args(["--database-url", url]);
     }
-    cmd.args([
-        "serve",
-        "--bind",
-        &format!("127.0.0.1:{port}"),
-        "--grace-s",
-        "1",
-    ])
-    .env("ORCH_LOG", "info")
-    .env(TOKEN_VAR, TOKEN)
-    .env(SECRET_VAR, SECRET)
-    .env_remove("ORCH_FAILPOINTS")
-    .stdin(Stdio::null())
-    .stdout(Stdio::null())
-    .stderr(Stdio::from(log))
-    .process_group(0)
-    .kill_on_drop(true);
-    cmd.spawn().expect("spawn orch serve")
+    cmd.args(args)
+        .env("ORCH_LOG", "info")
+        .env(TOKEN_VAR, TOKEN)
+        .env(SECRET_VAR, SECRET)
+        .env_remove("ORCH_FAILPOINTS")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(log))
+        .process_group(0)
+        .kill_on_drop(true);
+    cmd.spawn().expect("spawn orch")
 }
 
 /// The demo's config with the forge section and an approval before `analysis` (so items stop
@@ -733,6 +744,39 @@ async fn story(backend: &str) {
     assert!(rest.contains("cut at"), "the cut is said");
     assert!(r6.len() < 34 * 1024, "bounded: {} bytes", r6.len());
 
+    // 5b. A delivery larger than an API call (GitHub's issue bodies reach 64 K characters) is
+    //     taken; one over the webhook's 1 MiB limit is refused (413) and changes nothing.
+    let big = webhook_example("opened", 10, "Ten", &"y".repeat(100 * 1024));
+    let (status, answer) = deliver(port, &big, "d-10", SECRET).await;
+    assert_eq!(
+        (status, &answer["work_item_id"]),
+        (202, &json!("GH-10")),
+        "{answer}"
+    );
+    let huge = webhook_example("opened", 11, "Eleven", &"z".repeat(2 * 1024 * 1024));
+    let (status, answer) = deliver(port, &huge, "d-11", SECRET).await;
+    assert_eq!(status, 413, "{answer}");
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(30),
+        "GH-10 from a 100 KiB delivery",
+        || {
+            let s = s.clone();
+            async move { s.get_task_by_work_item("GH-10").await.unwrap().is_some() }
+        },
+    )
+    .await;
+    let t10 = common::task(&store, "GH-10").await;
+    assert!(t10.body.len() < 33 * 1024, "bounded: {}", t10.body.len());
+    assert!(
+        store
+            .get_task_by_work_item("GH-11")
+            .await
+            .unwrap()
+            .is_none()
+    );
+
     // 6. A 403 with Retry-After is waited out.
     {
         let mut h = hub.lock().unwrap();
@@ -821,9 +865,9 @@ async fn story(backend: &str) {
     assert!(resumed.len() >= 2, "{resumed:?}");
     assert_eq!(
         forge_tasks(&store).await,
-        ["GH-5", "GH-6", "GH-7", "GH-8", "GH-9"]
+        ["GH-10", "GH-5", "GH-6", "GH-7", "GH-8", "GH-9"]
     );
-    for id in ["GH-5", "GH-6", "GH-7", "GH-8", "GH-9"] {
+    for id in ["GH-10", "GH-5", "GH-6", "GH-7", "GH-8", "GH-9"] {
         let t = common::task(&store, id).await;
         assert!(!t.is_terminal(), "{id} ended: {}", t.stage);
     }
@@ -867,7 +911,7 @@ async fn story(backend: &str) {
     assert!(!log.contains(TOKEN), "the token is in the log");
     assert!(!log.contains(SECRET), "the webhook secret is in the log");
     let mut events = Vec::new();
-    for id in ["GH-5", "GH-6", "GH-7", "GH-8", "GH-9"] {
+    for id in ["GH-10", "GH-5", "GH-6", "GH-7", "GH-8", "GH-9"] {
         let t = common::task(&store, id).await;
         events.extend(store.task_events(t.id).await.unwrap());
     }
@@ -977,4 +1021,73 @@ async fn an_idle_poll_of_ten_repositories_costs_almost_nothing() {
     );
     let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
     assert!(ok, "{text}");
+}
+
+/// Several processes on one PostgreSQL all poll (no leader): an `orch serve` and an `orch
+/// worker` race to create the same issues' items, and each issue is one item with one
+/// `task.submitted`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_processes_polling_one_postgres_create_each_issue_once() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure(&dir, &api, 1);
+    let url = orch_store::testing::fresh_pg_schema().await;
+    common::orch_db(&dir, &url, &["migrate"]);
+    let store = Store::connect(&url, ConnectOptions::default())
+        .await
+        .unwrap();
+    let ids: Vec<String> = (1..=6).map(|n| format!("GH-{n}")).collect();
+    hub.lock().unwrap().issues = (1..=6)
+        .map(|n| issue_like(&template, n, &format!("Issue {n}"), "body"))
+        .collect();
+    let serve = spawn_serve(&dir, Some(&url), free_port());
+    let worker = spawn_orch(
+        &dir,
+        Some(&url),
+        "worker.log",
+        &["worker", "--worker-id", "forge-second", "--grace-s", "1"],
+    );
+    let s = store.clone();
+    wait_until(&dir, Duration::from_secs(60), "six items", || {
+        let s = s.clone();
+        async move { forge_tasks(&s).await.len() >= 6 }
+    })
+    .await;
+    // Both processes have polled the listing by now (each its first, counted, poll).
+    wait_until(&dir, Duration::from_secs(30), "two pollers", || {
+        let n = hub.lock().unwrap().counted;
+        async move { n >= 6 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    common::terminate(serve).await;
+    common::terminate(worker).await;
+    let mut want = ids.clone();
+    want.sort();
+    assert_eq!(forge_tasks(&store).await, want);
+    for id in &ids {
+        let t = common::task(&store, id).await;
+        let submitted = store
+            .task_events(t.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == "task.submitted")
+            .count();
+        assert_eq!(submitted, 1, "{id}");
+    }
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    assert!(ok, "{text}");
+    store.close().await;
 }
