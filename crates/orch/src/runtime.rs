@@ -139,6 +139,7 @@ impl Runtime {
         passes.push(Arc::new(orch_runner::forge::ForgePass::new(
             self.live.clone(),
             self.engine.config().pipeline.clone(),
+            self.counters.clone(),
         )));
         passes.push(Arc::new(orch_runner::maintenance::SupervisedPass {
             every: lease.max(Duration::from_secs(1)),

@@ -223,13 +223,20 @@ struct CachedPage {
     next: Option<String>,
 }
 
+/// What one poll of a repo's listing did, counted also when it stopped early.
+#[derive(Debug, Default)]
+struct Tally {
+    /// Requests sent.
+    requests: u32,
+    /// Of those, answered 304 (not counted by GitHub's rate limit).
+    not_modified: u32,
+    /// Items created.
+    created: u32,
+}
+
 /// What one poll of a repo's listing found.
 #[derive(Debug, Default)]
 pub struct PollResult {
-    /// Requests sent.
-    pub requests: u32,
-    /// Of those, answered 304 (not counted by GitHub's rate limit).
-    pub not_modified: u32,
     /// Items created.
     pub created: Vec<String>,
     /// The pause the last answer asked for (a used-up quota), if any.
@@ -254,6 +261,21 @@ struct RepoPoll {
     pages: HashMap<String, CachedPage>,
 }
 
+/// The counter group of the forge in `GET /queue` and `/metrics` (`orch_forge_*`): requests
+/// sent, of them answered 304 (free of rate limit), items created by polling, times polling
+/// started waiting (`forge.waiting`) and resumed (`forge.resumed`): waiting now is
+/// `waits - resumed`.
+pub const COUNTERS: (&str, &[&str]) = (
+    "forge",
+    &[
+        "requests",
+        "not_modified",
+        "items_created",
+        "waits",
+        "resumed",
+    ],
+);
+
 /// Polls each configured repo's forge for labeled open issues, every `poll_interval_s`, as a
 /// maintenance pass (every process runs it; creation is idempotent, so no leader is needed).
 pub struct ForgePass {
@@ -261,15 +283,22 @@ pub struct ForgePass {
     pub pipeline: Arc<Pipeline>,
     /// How often the pass looks whether a repo's poll is due.
     pub tick: Duration,
+    counters: Arc<crate::counters::Counters>,
     state: Mutex<HashMap<String, RepoPoll>>,
 }
 
 impl ForgePass {
-    pub fn new(live: LiveConfig, pipeline: Arc<Pipeline>) -> ForgePass {
+    pub fn new(
+        live: LiveConfig,
+        pipeline: Arc<Pipeline>,
+        counters: Arc<crate::counters::Counters>,
+    ) -> ForgePass {
+        counters.declare(COUNTERS.0, COUNTERS.1);
         ForgePass {
             live,
             pipeline,
             tick: Duration::from_secs(1),
+            counters,
             state: Mutex::new(HashMap::new()),
         }
     }
@@ -310,7 +339,23 @@ impl ForgePass {
         }
         let interval_ms =
             i64::try_from(forge_cfg.poll_interval_s.saturating_mul(1000)).unwrap_or(i64::MAX);
-        let result = poll(store, &self.pipeline, name, forge_cfg, &mut st.pages).await;
+        let mut tally = Tally::default();
+        let result = poll(
+            store,
+            &self.pipeline,
+            name,
+            forge_cfg,
+            &mut st.pages,
+            &mut tally,
+        )
+        .await;
+        let group = COUNTERS.0;
+        self.counters
+            .add(group, "requests", u64::from(tally.requests));
+        self.counters
+            .add(group, "not_modified", u64::from(tally.not_modified));
+        self.counters
+            .add(group, "items_created", u64::from(tally.created));
         let now = store.now_ms();
         let (pause, note) = match &result {
             Ok(r) => (r.pause.clone(), None),
@@ -341,6 +386,7 @@ impl ForgePass {
                 tracing::warn!(repo = %name, forge = %forge_cfg.repo, wait_s = p.secs, failures = st.failures, "forge: {why}");
                 if st.waiting_since_ms.is_none() {
                     st.waiting_since_ms = Some(now);
+                    self.counters.incr(group, "waits");
                     let event = NewEvent::new(
                         events::FORGE_WAITING,
                         format!(
@@ -361,6 +407,7 @@ impl ForgePass {
             None => {
                 st.next_at_ms = now.saturating_add(interval_ms.max(1));
                 if let Some(since) = st.waiting_since_ms.take() {
+                    self.counters.incr(group, "resumed");
                     let waited_s = (now - since) / 1000;
                     let event = NewEvent::new(
                         events::FORGE_RESUMED,
@@ -415,6 +462,7 @@ async fn poll(
     name: &RepoName,
     forge_cfg: &ForgeConfig,
     pages: &mut HashMap<String, CachedPage>,
+    tally: &mut Tally,
 ) -> Result<PollResult, PollError> {
     let fail = |status: u16, message: String| PollError {
         answer: Answer {
@@ -447,7 +495,7 @@ async fn poll(
         if let Some(c) = &cached {
             req = req.header("if-none-match", c.etag.as_str());
         }
-        out.requests += 1;
+        tally.requests += 1;
         let resp = req.send().await.map_err(|e| {
             fail(
                 0,
@@ -461,7 +509,7 @@ async fn poll(
         let status = resp.status().as_u16();
         let answer = answer_of(status, resp.headers());
         if status == 304 {
-            out.not_modified += 1;
+            tally.not_modified += 1;
             out.pause = forge::pause_after(
                 &answer,
                 store.now_ms() / 1000,
@@ -499,7 +547,10 @@ async fn poll(
         })?;
         for issue in issues.iter().filter(|i| i.pull_request.is_none()) {
             match create_item(store, pipeline, name, forge_cfg, &issue.issue(), Via::Poll).await {
-                Ok(Created::New(id)) => out.created.push(id),
+                Ok(Created::New(id)) => {
+                    tally.created += 1;
+                    out.created.push(id);
+                }
                 Ok(Created::Existed(_)) => {}
                 Err(e) => {
                     // The store, not the forge: wait as for an outage; the page is asked for

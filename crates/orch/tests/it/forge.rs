@@ -456,19 +456,31 @@ fn signature(secret: &str, body: &[u8]) -> String {
 
 /// POSTs `payload` to orch's webhook route as GitHub would: status and JSON answer.
 async fn deliver(port: u16, payload: &Value, delivery: &str, secret: &str) -> (u16, Value) {
+    post_hook(port, "service", "issues", payload, delivery, Some(secret)).await
+}
+
+/// POSTs `payload` to `/hooks/github/<repo>` as event `event`, signed with `secret` (unsigned
+/// when `None`): status and JSON answer.
+async fn post_hook(
+    port: u16,
+    repo: &str,
+    event: &str,
+    payload: &Value,
+    delivery: &str,
+    secret: Option<&str>,
+) -> (u16, Value) {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let body = serde_json::to_vec(payload).unwrap();
-    let resp = reqwest::Client::new()
-        .post(format!("http://127.0.0.1:{port}/hooks/github/service"))
+    let mut req = reqwest::Client::new()
+        .post(format!("http://127.0.0.1:{port}/hooks/github/{repo}"))
         .header("content-type", "application/json")
-        .header("x-github-event", "issues")
+        .header("x-github-event", event)
         .header("x-github-delivery", delivery)
-        .header("x-hub-signature-256", signature(secret, &body))
-        .header("user-agent", "GitHub-Hookshot/forge-test")
-        .body(body)
-        .send()
-        .await
-        .unwrap();
+        .header("user-agent", "GitHub-Hookshot/forge-test");
+    if let Some(secret) = secret {
+        req = req.header("x-hub-signature-256", signature(secret, &body));
+    }
+    let resp = req.body(body).send().await.unwrap();
     let status = resp.status().as_u16();
     let v = resp.json().await.unwrap_or(Value::Null);
     (status, v)
@@ -620,6 +632,22 @@ async fn story(backend: &str) {
         "a refused delivery queued a job: {:?}",
         stats.counts
     );
+
+    // An unsigned delivery is refused too; a delivery for a repo orch does not know is 404; a
+    // signed `ping` (what GitHub sends when the hook is made) is taken and changes nothing.
+    let (status, answer) = post_hook(port, "service", "issues", &labeled, "d-unsigned", None).await;
+    assert_eq!(status, 401, "{answer}");
+    let (status, answer) =
+        post_hook(port, "nope", "issues", &labeled, "d-nope", Some(SECRET)).await;
+    assert_eq!(status, 404, "{answer}");
+    let ping = json!({"zen": "Keep it logically awesome.", "hook_id": 1});
+    let (status, answer) = post_hook(port, "service", "ping", &ping, "d-ping", Some(SECRET)).await;
+    assert_eq!(
+        (status, &answer["accepted"]),
+        (200, &json!(false)),
+        "{answer}"
+    );
+    assert!(forge_tasks(&store).await.is_empty());
 
     // 3. The same delivery twice: one item.
     let (status, answer) = deliver(port, &labeled, "d-5", SECRET).await;
@@ -871,6 +899,32 @@ async fn story(backend: &str) {
         let t = common::task(&store, id).await;
         assert!(!t.is_terminal(), "{id} ended: {}", t.stage);
     }
+
+    // The waiting is visible on /metrics too (this process's counters).
+    let metrics = reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{port}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let value = |name: &str| -> u64 {
+        metrics
+            .lines()
+            .find(|l| l.starts_with(name) && !l.starts_with('#'))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or_else(|| panic!("no {name} in /metrics:\n{metrics}")) as u64
+    };
+    assert!(value("orch_forge_waits") >= 2, "{metrics}");
+    assert!(value("orch_forge_resumed") >= 2, "{metrics}");
+    assert!(value("orch_forge_not_modified") >= 2, "{metrics}");
+    assert!(
+        value("orch_forge_requests") > value("orch_forge_not_modified"),
+        "{metrics}"
+    );
+    assert!(value("orch_forge_items_created") >= 4, "{metrics}");
 
     common::terminate(serve).await;
 
