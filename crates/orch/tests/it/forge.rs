@@ -11,7 +11,8 @@
 //! the same delivery twice is one item; the same issue seen by the poll and by the webhook is
 //! one item; the issue's title and body are `01-request.md`, a hostile body (a frontmatter
 //! fence, YAML, 40 KiB) stays bounded text under orch's frontmatter; the listing's `Link`
-//! pages are followed; a 403 with `Retry-After` is waited out; a forge that is down leaves
+//! pages are followed; a 403 with `Retry-After` is waited out, and a used-up quota until its
+//! reset; a forge that is down leaves
 //! polling waiting (`forge.waiting`, backing off) and then resuming (`forge.resumed`); the
 //! token appears in no log line, event or artifact.
 
@@ -105,6 +106,10 @@ struct Hub {
     down: bool,
     /// Answer the next listing with 403 and this `Retry-After`.
     retry_after_next: Option<u64>,
+    /// Answer the next listing with 403, the quota used up until this many seconds from now.
+    quota_out_next: Option<u64>,
+    /// Whether the answer being made says the quota is used up (remaining 0).
+    quota_out: bool,
     /// Every exchange, for the description check.
     exchanges: Vec<Value>,
     /// Each listing request: when, its status.
@@ -196,6 +201,21 @@ async fn hub_handler(
                 json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest"}),
             ),
         )
+    } else if let Some(secs) = hub.quota_out_next.take() {
+        hub.quota_out = true;
+        let reset = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+            + secs;
+        out_headers.retain(|(k, _)| k != "x-ratelimit-reset");
+        out_headers.push(("x-ratelimit-reset".into(), reset.to_string()));
+        (
+            403,
+            Some(
+                json!({"message": "API rate limit exceeded for user ID 1.", "documentation_url": "https://docs.github.com/rest/overview/rate-limits-for-the-rest-api"}),
+            ),
+        )
     } else if let Some(secs) = hub.retry_after_next.take() {
         out_headers.push(("retry-after".into(), secs.to_string()));
         (
@@ -280,7 +300,11 @@ async fn hub_handler(
     } else {
         hub.counted += 1;
     }
-    let remaining = 5000u64.saturating_sub(hub.counted);
+    let remaining = if std::mem::take(&mut hub.quota_out) {
+        0
+    } else {
+        5000u64.saturating_sub(hub.counted)
+    };
     out_headers.push(("x-ratelimit-remaining".into(), remaining.to_string()));
     out_headers.push(("x-ratelimit-used".into(), hub.counted.to_string()));
     if listing {
@@ -833,6 +857,34 @@ async fn story(backend: &str) {
         assert!(
             gap >= Duration::from_millis(2900),
             "the next poll came {gap:?} after Retry-After: 3"
+        );
+    }
+
+    // 6b. A used-up quota (403, X-RateLimit-Remaining: 0) is waited out until its reset.
+    hub.lock().unwrap().quota_out_next = Some(3);
+    let at = hub.lock().unwrap().listings.len();
+    wait_until(
+        &dir,
+        Duration::from_secs(30),
+        "the poll after the used-up quota",
+        || {
+            let n = hub.lock().unwrap().listings.len();
+            async move { n >= at + 2 }
+        },
+    )
+    .await;
+    {
+        let h = hub.lock().unwrap();
+        let i = h.listings[at..]
+            .iter()
+            .position(|(_, s)| *s == 403)
+            .map(|i| i + at)
+            .expect("the 403 was sent");
+        let gap = h.listings[i + 1].0 - h.listings[i].0;
+        // The reset is in whole seconds: at least 2 s of the 3 are left when it is read.
+        assert!(
+            gap >= Duration::from_millis(1900),
+            "the next poll came {gap:?} after a quota used up for 3 s"
         );
     }
 
