@@ -303,14 +303,6 @@ impl ForgePass {
         }
     }
 
-    /// Whether any repo of `config` is polled.
-    pub fn wanted(config: &Config) -> bool {
-        config
-            .repos
-            .values()
-            .any(|r| r.forge.as_ref().is_some_and(|f| f.poll_interval_s > 0))
-    }
-
     fn take_state(&self, key: &str) -> RepoPoll {
         match self.state.lock() {
             Ok(mut m) => m.remove(key).unwrap_or_default(),
@@ -484,8 +476,10 @@ async fn poll(
     let mut url = Some(first_page_url(forge_cfg).map_err(|e| fail(400, e))?);
     let mut out = PollResult::default();
     let mut seen = 0;
+    let mut visited = std::collections::HashSet::new();
     while let Some(page_url) = url.take() {
         seen += 1;
+        visited.insert(page_url.clone());
         if seen > MAX_PAGES {
             tracing::warn!(forge = %forge_cfg.repo, "forge: more than {MAX_PAGES} pages of labeled issues; the rest waits for the next poll");
             break;
@@ -586,6 +580,8 @@ async fn poll(
         );
         url = next;
     }
+    // Pages the listing no longer has (it shrank) are forgotten.
+    pages.retain(|page, _| visited.contains(page));
     Ok(out)
 }
 
