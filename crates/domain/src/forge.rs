@@ -151,8 +151,8 @@ pub fn work_item_id(prefix: &Prefix, number: u64) -> String {
 /// The most bytes of an issue's body that reach `01-request.md`; the rest is cut, and the
 /// request says so. An issue body is attacker-controlled text that becomes an agent's prompt.
 pub const MAX_ISSUE_BODY_BYTES: usize = 32 * 1024;
-/// The most characters of a work item's title (the submit rule's limit).
-pub const MAX_TITLE_CHARS: usize = 200;
+/// The most bytes of a work item's title (the submit rule's limit).
+pub const MAX_TITLE_BYTES: usize = 200;
 
 /// An issue as orch takes it from the forge.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -168,7 +168,7 @@ pub struct Issue {
 }
 
 /// A work item's title and body made from an issue: the title one line of at most
-/// [`MAX_TITLE_CHARS`] characters (control characters become spaces; an empty one is
+/// [`MAX_TITLE_BYTES`] bytes, cut at a character boundary (control characters become spaces; an empty one is
 /// `Issue #<n>`), the body bounded to [`MAX_ISSUE_BODY_BYTES`] (cut at a character boundary,
 /// the cut said), NUL characters replaced (no database stores them), and a first line that
 /// says where the text came from. The body is the request's Markdown body, never its
@@ -180,7 +180,11 @@ pub fn request_of(repo: &str, issue: &Issue) -> (String, String) {
         .map(|c| if c.is_control() { ' ' } else { c })
         .collect();
     let one_line = one_line.split_whitespace().collect::<Vec<_>>().join(" ");
-    let mut title: String = one_line.chars().take(MAX_TITLE_CHARS).collect();
+    let mut cut = one_line.len().min(MAX_TITLE_BYTES);
+    while !one_line.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut title = one_line[..cut].trim_end().to_owned();
     if title.is_empty() {
         title = format!("Issue #{}", issue.number);
     }
@@ -350,7 +354,11 @@ mod tests {
             title: "é".repeat(500),
             ..issue("")
         };
-        assert_eq!(request_of("o/r", &long).0.chars().count(), MAX_TITLE_CHARS);
+        let cut = request_of("o/r", &long).0;
+        assert_eq!(
+            (cut.len(), cut.chars().count()),
+            (MAX_TITLE_BYTES, MAX_TITLE_BYTES / 2)
+        );
         let blank = Issue {
             title: " \u{7}\n".into(),
             ..issue("")

@@ -7,9 +7,10 @@
 //!   whichever way orch learns of it, created with `WorkItemSpec::Exact`, so the store's unique
 //!   work item id makes a second creation (another process polling the same PostgreSQL, a
 //!   webhook racing the poll, a redelivery) a no-op. No leader is needed.
-//! - The request is created through the submit path ([`crate::ops`]'s rules, `create_task`,
-//!   then the `intake` stage writes `01-request.md`); the issue's text is bounded and only ever
-//!   the request's body ([`orch_domain::forge::request_of`]).
+//! - The item is made as a submit makes one ([`crate::ops::new_task`]: its title and body
+//!   rules, stage `intake` with its first job, `task.submitted`; then the `intake` stage writes
+//!   `01-request.md`); the issue's text is bounded and only ever the request's body
+//!   ([`orch_domain::forge::request_of`]).
 //! - The token is read from the environment variable the config names when a request is made;
 //!   it is sent only in the `Authorization` header to the configured API and never written to
 //!   a log line, an event or an error (errors name the status, never the request).
@@ -25,12 +26,12 @@ use std::time::Duration;
 
 use hmac::{KeyInit as _, Mac as _};
 use orch_domain::config::{Config, RepoConfig};
-use orch_domain::control::actor::{self, Actor};
+use orch_domain::control::actor::Actor;
 use orch_domain::control::{dedupe, events, jobs};
 use orch_domain::forge::{self, Answer, ForgeConfig, Issue};
 use orch_domain::ids::RepoName;
 use orch_domain::pipeline::Pipeline;
-use orch_store::{NewEvent, NewJob, NewTask, Store, StoreError, WorkItemSpec};
+use orch_store::{NewEvent, NewJob, Store, StoreError, WorkItemSpec};
 use serde::Deserialize;
 use serde_json::json;
 
@@ -95,35 +96,30 @@ pub async fn create_item(
             via.as_str()
         ),
     };
-    let (stage, first) = crate::engine::first_job(pipeline);
-    let created = store
-        .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(id.clone()),
-            repo: repo.as_str().to_owned(),
-            title: title.clone(),
-            body,
-            stage,
-            branch_prefix: "orch/".into(),
-            event: NewEvent::new(
-                events::TASK_SUBMITTED,
-                format!("submitted {}: {title}", by.describe()),
-            )
-            .data(
-                json!({
-                    actor::KEY: by.data(),
-                    "forge": {
-                        "kind": "github",
-                        "repo": forge_cfg.repo,
-                        "issue": issue.number,
-                        "url": issue.html_url,
-                        "via": via.as_str(),
-                    }
-                })
-                .to_string(),
-            ),
-            first_job: Some(first),
-        })
-        .await;
+    let mut extra = serde_json::Map::new();
+    extra.insert(
+        "forge".to_owned(),
+        json!({
+            "kind": "github",
+            "repo": forge_cfg.repo,
+            "issue": issue.number,
+            "url": issue.html_url,
+            "via": via.as_str(),
+        }),
+    );
+    // The submit's own rules and shape; `request_of` keeps within them, so a refusal here
+    // is a bug, reported as the store's kind of refusal.
+    let task = crate::ops::new_task(
+        pipeline,
+        repo,
+        WorkItemSpec::Exact(id.clone()),
+        &title,
+        &body,
+        &by,
+        extra,
+    )
+    .map_err(|e| StoreError::Invalid(format!("issue #{} as a request: {e}", issue.number)))?;
+    let created = store.create_task(task).await;
     match created {
         Ok(_) => {
             tracing::info!(work_item = %id, forge = %forge_cfg.repo, issue = issue.number, via = via.as_str(),
@@ -546,6 +542,10 @@ async fn poll(
                     out.created.push(id);
                 }
                 Ok(Created::Existed(_)) => {}
+                Err(StoreError::Invalid(why)) => {
+                    // One issue that cannot be a request must not hold up the others.
+                    tracing::warn!(forge = %forge_cfg.repo, issue = issue.number, "forge: issue not taken: {why}");
+                }
                 Err(e) => {
                     // The store, not the forge: wait as for an outage; the page is asked for
                     // again (its ETag was not kept).
