@@ -441,53 +441,90 @@ impl crate::maintenance::Pass for ForgePass {
     }
 }
 
-/// One poll of `repo`'s labeled open issues, page by page, each page asked for with its last
-/// ETag; creates the item of every issue not yet one. A page's ETag is kept only once its
-/// issues are all items, so a failure in between is retried by the next poll.
-async fn poll(
-    store: &Store,
-    pipeline: &Pipeline,
-    name: &RepoName,
-    forge_cfg: &ForgeConfig,
-    pages: &mut HashMap<String, CachedPage>,
-    tally: &mut Tally,
-) -> Result<PollResult, PollError> {
-    let fail = |status: u16, message: String| PollError {
+/// One page of a forge's listing of labeled open issues, asked for with the ETag orch had.
+#[derive(Debug)]
+pub enum Page {
+    /// Unchanged since that ETag (on GitHub: free of rate limit).
+    NotModified { answer: Answer },
+    /// The page: its issues (pull requests left out), its ETag, where the next page is.
+    Fresh {
+        answer: Answer,
+        issues: Vec<Issue>,
+        etag: Option<String>,
+        next: Option<String>,
+    },
+}
+
+/// What orch asks of a forge to take its issues in: the small interface a GitLab or Forgejo
+/// implementation follows ([`GitHub`] is the first). The rest is the same for every forge and
+/// stays out of it: pacing ([`forge::pause_after`] on each [`Answer`]), the ETags kept per
+/// page, creating items, `forge.waiting`. (Webhook deliveries are GitHub's so far:
+/// [`receive_webhook`].)
+#[async_trait::async_trait]
+pub trait Forge: Send + Sync {
+    /// The listing's first page: the open issues carrying the configured label.
+    fn first_page(&self) -> Result<String, String>;
+    /// One page of the listing, conditional on `etag`; an error is the answer that stopped it.
+    async fn page(&self, url: &str, etag: Option<&str>) -> Result<Page, PollError>;
+}
+
+/// The forge `forge_cfg` names, with its token read from its variable now.
+pub fn connect(forge_cfg: &ForgeConfig) -> Result<Box<dyn Forge>, PollError> {
+    match forge_cfg.kind {
+        forge::ForgeKind::Github => Ok(Box::new(GitHub::connect(forge_cfg)?)),
+    }
+}
+
+/// GitHub's REST API (github.com or GitHub Enterprise Server at `api_url`).
+pub struct GitHub {
+    cfg: ForgeConfig,
+    client: reqwest::Client,
+    /// Sent only in the `Authorization` header to `api_url`; never shown (no `Debug`).
+    token: String,
+}
+
+impl GitHub {
+    pub fn connect(forge_cfg: &ForgeConfig) -> Result<GitHub, PollError> {
+        let token = secret_from_env(&forge_cfg.token_env).ok_or_else(|| {
+            poll_error(
+                401,
+                format!(
+                    "the environment variable {} holding the token is not set",
+                    forge_cfg.token_env
+                ),
+            )
+        })?;
+        Ok(GitHub {
+            cfg: forge_cfg.clone(),
+            client: client().map_err(|e| poll_error(0, e))?,
+            token,
+        })
+    }
+}
+
+fn poll_error(status: u16, message: String) -> PollError {
+    PollError {
         answer: Answer {
             status,
             ..Answer::default()
         },
         message,
-    };
-    let token = secret_from_env(&forge_cfg.token_env).ok_or_else(|| {
-        fail(
-            401,
-            format!(
-                "the environment variable {} holding the token is not set",
-                forge_cfg.token_env
-            ),
-        )
-    })?;
-    let client = client().map_err(|e| fail(0, e))?;
-    let mut url = Some(first_page_url(forge_cfg).map_err(|e| fail(400, e))?);
-    let mut out = PollResult::default();
-    let mut seen = 0;
-    let mut visited = std::collections::HashSet::new();
-    while let Some(page_url) = url.take() {
-        seen += 1;
-        visited.insert(page_url.clone());
-        if seen > MAX_PAGES {
-            tracing::warn!(forge = %forge_cfg.repo, "forge: more than {MAX_PAGES} pages of labeled issues; the rest waits for the next poll");
-            break;
+    }
+}
+
+#[async_trait::async_trait]
+impl Forge for GitHub {
+    fn first_page(&self) -> Result<String, String> {
+        first_page_url(&self.cfg)
+    }
+
+    async fn page(&self, url: &str, etag: Option<&str>) -> Result<Page, PollError> {
+        let mut req = github_request(&self.client, url, &self.token);
+        if let Some(etag) = etag {
+            req = req.header("if-none-match", etag);
         }
-        let mut req = github_request(&client, &page_url, &token);
-        let cached = pages.get(&page_url).cloned();
-        if let Some(c) = &cached {
-            req = req.header("if-none-match", c.etag.as_str());
-        }
-        tally.requests += 1;
         let resp = req.send().await.map_err(|e| {
-            fail(
+            poll_error(
                 0,
                 if e.is_timeout() {
                     format!("no answer within {} s", REQUEST_TIMEOUT.as_secs())
@@ -499,17 +536,7 @@ async fn poll(
         let status = resp.status().as_u16();
         let answer = answer_of(status, resp.headers());
         if status == 304 {
-            tally.not_modified += 1;
-            out.pause = forge::pause_after(
-                &answer,
-                store.now_ms() / 1000,
-                0,
-                0,
-                forge_cfg.max_backoff_s,
-                0.5,
-            );
-            url = cached.and_then(|c| c.next);
-            continue;
+            return Ok(Page::NotModified { answer });
         }
         if status != 200 {
             return Err(PollError {
@@ -517,17 +544,17 @@ async fn poll(
                 message: format!("listing the issues answered HTTP {status}"),
             });
         }
-        let etag = resp
-            .headers()
-            .get("etag")
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let next = resp
-            .headers()
-            .get("link")
-            .and_then(|v| v.to_str().ok())
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let etag = header("etag");
+        let next = header("link")
+            .as_deref()
             .and_then(forge::next_link)
-            .filter(|n| same_origin(n, &forge_cfg.api_url));
+            .filter(|n| same_origin(n, &self.cfg.api_url));
         let issues: Vec<ApiIssue> = resp.json().await.map_err(|_| PollError {
             answer: Answer {
                 status: 502,
@@ -535,8 +562,73 @@ async fn poll(
             },
             message: "the listing is not a JSON array of issues".to_owned(),
         })?;
-        for issue in issues.iter().filter(|i| i.pull_request.is_none()) {
-            match create_item(store, pipeline, name, forge_cfg, &issue.issue(), Via::Poll).await {
+        Ok(Page::Fresh {
+            answer,
+            issues: issues
+                .iter()
+                .filter(|i| i.pull_request.is_none())
+                .map(ApiIssue::issue)
+                .collect(),
+            etag,
+            next,
+        })
+    }
+}
+
+/// One poll of `repo`'s labeled open issues, page by page, each page asked for with its last
+/// ETag; creates the item of every issue not yet one. A page's ETag is kept only once its
+/// issues are all items, so a failure in between is retried by the next poll.
+async fn poll(
+    store: &Store,
+    pipeline: &Pipeline,
+    name: &RepoName,
+    forge_cfg: &ForgeConfig,
+    pages: &mut HashMap<String, CachedPage>,
+    tally: &mut Tally,
+) -> Result<PollResult, PollError> {
+    let forge = connect(forge_cfg)?;
+    let mut url = Some(forge.first_page().map_err(|e| poll_error(400, e))?);
+    let mut out = PollResult::default();
+    let mut seen = 0;
+    let mut visited = std::collections::HashSet::new();
+    while let Some(page_url) = url.take() {
+        seen += 1;
+        visited.insert(page_url.clone());
+        if seen > MAX_PAGES {
+            tracing::warn!(forge = %forge_cfg.repo, "forge: more than {MAX_PAGES} pages of labeled issues; the rest waits for the next poll");
+            break;
+        }
+        let cached = pages.get(&page_url).cloned();
+        tally.requests += 1;
+        let page = forge
+            .page(&page_url, cached.as_ref().map(|c| c.etag.as_str()))
+            .await?;
+        let pause = |answer: &Answer| {
+            forge::pause_after(
+                answer,
+                store.now_ms() / 1000,
+                0,
+                0,
+                forge_cfg.max_backoff_s,
+                0.5,
+            )
+        };
+        let (answer, issues, etag, next) = match page {
+            Page::NotModified { answer } => {
+                tally.not_modified += 1;
+                out.pause = pause(&answer);
+                url = cached.and_then(|c| c.next);
+                continue;
+            }
+            Page::Fresh {
+                answer,
+                issues,
+                etag,
+                next,
+            } => (answer, issues, etag, next),
+        };
+        for issue in &issues {
+            match create_item(store, pipeline, name, forge_cfg, issue, Via::Poll).await {
                 Ok(Created::New(id)) => {
                     tally.created += 1;
                     out.created.push(id);
@@ -549,7 +641,7 @@ async fn poll(
                 Err(e) => {
                     // The store, not the forge: wait as for an outage; the page is asked for
                     // again (its ETag was not kept).
-                    return Err(fail(
+                    return Err(poll_error(
                         0,
                         format!("cannot create the item of issue #{}: {e}", issue.number),
                     ));
@@ -570,14 +662,7 @@ async fn poll(
                 pages.remove(&page_url);
             }
         }
-        out.pause = forge::pause_after(
-            &answer,
-            store.now_ms() / 1000,
-            0,
-            0,
-            forge_cfg.max_backoff_s,
-            0.5,
-        );
+        out.pause = pause(&answer);
         url = next;
     }
     // Pages the listing no longer has (it shrank) are forgotten.
