@@ -88,6 +88,21 @@ pub struct SubmitBody {
     pub body: String,
 }
 
+/// Answer of `POST /hooks/github/{repo}` for a delivery whose signature held.
+#[derive(Debug, Serialize)]
+pub struct WebhookAnswer {
+    /// Whether the delivery leads to a work item.
+    pub accepted: bool,
+    /// The work item, when accepted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub work_item_id: Option<String>,
+    /// Whether this delivery id was taken before (nothing new was queued).
+    pub duplicate: bool,
+    /// Why nothing is done, when not accepted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
 /// Answer of `POST /tasks`.
 #[derive(Debug, Serialize)]
 pub struct Submitted {

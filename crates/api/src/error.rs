@@ -117,6 +117,7 @@ impl From<OpError> for AppError {
             OpError::Conflict(m) => AppError::new(StatusCode::CONFLICT, "conflict", m),
             OpError::Invalid(m) => AppError::invalid(m),
             OpError::Internal(m) => AppError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", m),
+            OpError::Unauthorized(m) => AppError::new(StatusCode::UNAUTHORIZED, "bad_signature", m),
             OpError::Unavailable(m) => AppError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store_unavailable",

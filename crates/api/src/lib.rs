@@ -43,7 +43,8 @@ use error::AppError;
 pub use id::validate_work_item_id;
 pub use ops::{
     Actor, ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, ReleaseTrack,
-    RunTranscript, RunnerCounters, SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
+    RunTranscript, RunnerCounters, SeriesPoint, SubmitRequest, SubmitResult, WebhookDelivery,
+    WebhookReply, WorkerTimings,
 };
 
 /// How a finished task ended, from its events (oldest first): the domain's one rule
@@ -101,6 +102,11 @@ pub async fn demo_report_json(
 pub const FINISHED_WINDOW_LABEL: &str = "finished in the last 24 h";
 
 pub const BODY_LIMIT: usize = orch_domain::MAX_REQUEST_BYTES;
+/// Largest webhook delivery accepted (`POST /hooks/github/{repo}`): 1 MiB.
+pub const WEBHOOK_BODY_LIMIT: usize = 1024 * 1024;
+/// The path prefix of forge webhooks: not authenticated by the token (the forge cannot send
+/// it) but by each delivery's signature, which the handler verifies before anything else.
+pub const WEBHOOK_PREFIX: &str = "/hooks/github/";
 /// Longest a request may take, body included, before it gets 408.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Longest a client may take to send the request body.
@@ -178,6 +184,7 @@ pub const ROUTES: &[RouteEntry] = &[
     ("GET", "/costs", RouteKind::Api),
     ("GET", "/report", RouteKind::Api),
     ("GET", "/openapi.yaml", RouteKind::Api),
+    ("POST", "/hooks/github/{repo}", RouteKind::Api),
     ("GET", "/", RouteKind::Page),
     ("GET", "/ui/tasks/{id}", RouteKind::Page),
     ("GET", "/ui/repos/{repo}", RouteKind::Page),
@@ -205,6 +212,11 @@ fn handler(method: &str, path: &str) -> Option<MethodRouter<ApiState>> {
         ("GET", "/costs") => get(routes::costs),
         ("GET", "/report") => get(routes::report),
         ("GET", "/openapi.yaml") => get(routes::openapi),
+        // A forge's deliveries can be larger than an API call (the whole issue, repository
+        // and sender objects); still bounded.
+        ("POST", "/hooks/github/{repo}") => {
+            post(routes::github_webhook).layer(DefaultBodyLimit::max(WEBHOOK_BODY_LIMIT))
+        }
         ("GET", "/") => get(dashboard::index),
         ("GET", "/ui/tasks/{id}") => get(dashboard::task_page),
         ("GET", "/ui/repos/{repo}") => get(dashboard::repo_page),

@@ -19,6 +19,35 @@ pub struct SubmitRequest {
     pub body: String,
 }
 
+/// One webhook delivery from a forge (`POST /hooks/github/{repo}`), as received: the raw
+/// body (its signature is over these bytes) and the headers orch reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebhookDelivery {
+    /// The repo named in the URL (not yet checked against the config).
+    pub repo: String,
+    /// `X-GitHub-Event`.
+    pub event: Option<String>,
+    /// `X-GitHub-Delivery`.
+    pub delivery: Option<String>,
+    /// `X-Hub-Signature-256`.
+    pub signature: Option<String>,
+    /// The body, byte for byte.
+    pub body: Vec<u8>,
+}
+
+/// What orch did with a delivery whose signature held.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WebhookReply {
+    /// The issue's item is created (or was already): `duplicate` when this delivery id was
+    /// taken before.
+    Queued {
+        work_item_id: String,
+        duplicate: bool,
+    },
+    /// Nothing for orch in it, and why.
+    Ignored(String),
+}
+
 /// What a submit created.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SubmitResult {
@@ -101,6 +130,9 @@ pub enum OpError {
     /// Something broke on the server side (500). The message is logged and returned.
     #[error("internal error: {0}")]
     Internal(String),
+    /// The caller could not prove who it is (401): a webhook delivery's signature.
+    #[error("unauthorized: {0}")]
+    Unauthorized(String),
     /// The database cannot be reached or used right now (503).
     #[error("the database is unavailable: {0}")]
     Unavailable(String),
@@ -162,6 +194,15 @@ pub trait Operations: Send + Sync {
     /// Creates a task for a new work item (stage `intake`, first job enqueued); `by` made the
     /// call (recorded in its event).
     async fn submit(&self, req: SubmitRequest, by: &Actor) -> Result<SubmitResult, OpError>;
+    /// Takes a forge's webhook delivery: verifies its signature, then queues the item of the
+    /// labeled issue it is about (once per delivery id, once per issue). A refused delivery
+    /// changes nothing. The default (no forge here) refuses every delivery as not found.
+    async fn forge_webhook(&self, delivery: WebhookDelivery) -> Result<WebhookReply, OpError> {
+        Err(OpError::NotFound(format!(
+            "no forge webhook for repo {}",
+            delivery.repo
+        )))
+    }
     /// Releases a task waiting at an approval gate.
     async fn approve(&self, work_item_id: &str, by: &Actor) -> Result<(), OpError>;
     /// Re-runs a failed task's last stage.

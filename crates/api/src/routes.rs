@@ -14,7 +14,7 @@ use crate::error::AppError;
 use crate::extract::{ApiJson, ApiQuery, Caller};
 use crate::id::{WorkItemPath, validate_work_item_id};
 use crate::metrics;
-use crate::ops::{Actor, SubmitRequest};
+use crate::ops::{Actor, SubmitRequest, WebhookDelivery, WebhookReply};
 use crate::snapshot::QueueSnapshot;
 
 /// Tasks listed when the query names no limit.
@@ -297,6 +297,59 @@ pub(crate) async fn task_artifact(
         .ok_or_else(|| {
             AppError::not_found(format!("work item {id} has no artifact {}", name.as_str()))
         })
+}
+
+/// `POST /hooks/github/{repo}`: a GitHub webhook delivery (issue 31). Not authenticated by
+/// the token but by `X-Hub-Signature-256`, checked by the operations before anything else:
+/// 401 and nothing changed when it does not hold; 202 when the delivery leads to a work item
+/// (`duplicate` for a delivery id taken before), 200 when there is nothing in it for orch.
+pub(crate) async fn github_webhook(
+    State(state): State<ApiState>,
+    Path(repo): Path<String>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+) -> ApiResult<Response> {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    };
+    let delivery = WebhookDelivery {
+        repo,
+        event: text("x-github-event"),
+        delivery: text("x-github-delivery"),
+        signature: text("x-hub-signature-256"),
+        body: body.to_vec(),
+    };
+    let answer = match state.ops.forge_webhook(delivery).await {
+        Ok(WebhookReply::Queued {
+            work_item_id,
+            duplicate,
+        }) => (
+            StatusCode::ACCEPTED,
+            dto::WebhookAnswer {
+                accepted: true,
+                work_item_id: Some(work_item_id),
+                duplicate,
+                reason: None,
+            },
+        ),
+        Ok(WebhookReply::Ignored(reason)) => (
+            StatusCode::OK,
+            dto::WebhookAnswer {
+                accepted: false,
+                work_item_id: None,
+                duplicate: false,
+                reason: Some(reason),
+            },
+        ),
+        Err(e) => {
+            tracing::warn!(error = %e, "refused a forge webhook delivery");
+            return Err(e.into());
+        }
+    };
+    Ok((answer.0, Json(answer.1)).into_response())
 }
 
 /// `POST /tasks` with `{repo, title, body}`: 201 and the new work item's id.

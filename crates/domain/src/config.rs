@@ -411,6 +411,10 @@ pub struct RepoConfig {
     /// toolchains' own). orch's token and database URL are never passed. Default none.
     #[serde(default)]
     pub env: Vec<String>,
+    /// `[repos.<name>.forge]`: the forge the repo lives on; its labeled issues become work
+    /// items (issue 31). Default none.
+    #[serde(default)]
+    pub forge: Option<crate::forge::ForgeConfig>,
 }
 
 /// `[repos.<name>.sandbox]`: the sandbox of the repo's agents and of its own code.
@@ -897,6 +901,48 @@ impl Config {
                         repo.prefix
                     ),
                 ));
+            }
+        }
+        for (name, repo) in &self.repos {
+            let Some(forge) = &repo.forge else { continue };
+            let section = format!("repos.{name}.forge");
+            forge
+                .check()
+                .map_err(|(key, reason)| invalid(section.clone(), key, reason))?;
+            // `<prefix>-<issue number>` must never be a number orch allocates for a repo, nor
+            // another forge's issue.
+            if let Some(other) = prefixes.insert(&forge.prefix, name) {
+                return Err(invalid(
+                    section,
+                    "prefix",
+                    format!(
+                        "prefix `{}` is already used by [repos.{other}] (each forge needs its own)",
+                        forge.prefix
+                    ),
+                ));
+            }
+            for var in [Some(&forge.token_env), forge.webhook_secret_env.as_ref()]
+                .into_iter()
+                .flatten()
+            {
+                if let Some((agent, _)) = self.agents.iter().find(|(_, a)| a.env.contains(var)) {
+                    return Err(invalid(
+                        section,
+                        "token_env",
+                        format!(
+                            "`{var}` is also in [agents.{agent}] env: the forge's secrets never reach an agent"
+                        ),
+                    ));
+                }
+                if repo.env.contains(var) {
+                    return Err(invalid(
+                        section,
+                        "token_env",
+                        format!(
+                            "`{var}` is also in [repos.{name}] env: the forge's secrets never reach the repo's commands"
+                        ),
+                    ));
+                }
             }
         }
         for (name, agent) in &self.agents {
@@ -1717,6 +1763,51 @@ mod tests {
         assert_eq!(repo.alert_webhook_format, WebhookFormat::Orch);
         assert_eq!(c.settings.link_base(), "http://127.0.0.1:7878");
         assert_eq!(c.pipeline().unwrap(), Pipeline::default_pipeline());
+    }
+
+    #[test]
+    fn a_forge_section_is_read_and_checked() {
+        let forge = "[repos.app.forge]\nkind = \"github\"\nrepo = \"octo/app\"\ntoken_env = \"GH_TOKEN\"\nlabel = \"orch\"\n";
+        let probe = |c: &Config| {
+            let f = c.repos[&"app".parse::<RepoName>().unwrap()]
+                .forge
+                .clone()
+                .unwrap();
+            format!(
+                "{} {} {} {}",
+                f.prefix, f.api_url, f.poll_interval_s, f.max_backoff_s
+            )
+        };
+        check(
+            &format!("{REPO}{forge}"),
+            &[],
+            probe,
+            Ok("GH https://api.github.com 60 900"),
+        );
+        check(
+            &format!("{REPO}{forge}prefix = \"APP\"\n"),
+            &[],
+            probe,
+            Err("[repos.app.forge] prefix: prefix `APP` is already used by [repos.app]"),
+        );
+        check(
+            &format!("{REPO}env = [\"GH_TOKEN\"]\n{forge}"),
+            &[],
+            probe,
+            Err("never reach the repo's commands"),
+        );
+        check(
+            &format!("{REPO}{}", forge.replace("octo/app", "octo")),
+            &[],
+            probe,
+            Err("[repos.app.forge] repo:"),
+        );
+        check(
+            &format!("{REPO}{}", forge.replace("\"github\"", "\"gitlab\"")),
+            &[],
+            probe,
+            Err("unknown variant `gitlab`"),
+        );
     }
 
     #[test]

@@ -232,6 +232,13 @@ pub mod events {
     /// `{branch, commit, files, published}`.
     pub const TRAIL_PUBLISHED: &str = "trail.published";
 
+    // The forge (issue 31; task-less: the issue is no item yet).
+    /// Requests to a repo's forge wait: an outage, a rate limit, a refused token. Written when
+    /// the waiting starts (not per try): `{repo, forge, why, wait_s, failures}`.
+    pub const FORGE_WAITING: &str = "forge.waiting";
+    /// The forge answered again after [`FORGE_WAITING`]: `{repo, forge, waited_s}`.
+    pub const FORGE_RESUMED: &str = "forge.resumed";
+
     /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
     pub const ALL: &[&str] = &[
         TASK_SUBMITTED,
@@ -300,6 +307,8 @@ pub mod events {
         NOTIFY_DELIVERED,
         NOTIFY_FAILED,
         TRAIL_PUBLISHED,
+        FORGE_WAITING,
+        FORGE_RESUMED,
     ];
 
     /// The kinds that end a task.
@@ -460,6 +469,10 @@ pub mod jobs {
     /// One notification's delivery to the repo's webhook, retried with backoff. Its content is
     /// the notification document.
     pub const NOTIFY: &str = "notify";
+    /// An issue a forge's webhook delivered: it creates the issue's work item (once; the
+    /// poll may create it first). Its content is `{"repo", "via", "issue": {number, title,
+    /// body, html_url}}`.
+    pub const FORGE_ISSUE: &str = "forge-issue";
 }
 
 /// Dedupe keys: a key is unique forever in `jobs`, so enqueueing under the same key twice (a
@@ -493,6 +506,12 @@ pub mod dedupe {
     /// `event_id` (`notify:<event>`): one delivery job per event, however often it is asked for.
     pub fn notify(event_id: i64) -> String {
         format!("notify:{event_id}")
+    }
+
+    /// The key of the [`super::jobs::FORGE_ISSUE`] job of webhook delivery `delivery` to repo
+    /// `repo` (`forge-delivery:<repo>:<delivery>`): a delivery sent twice is taken once.
+    pub fn forge_delivery(repo: &str, delivery: &str) -> String {
+        format!("forge-delivery:{repo}:{delivery}")
     }
 
     /// A dedupe key orch wrote, read back.

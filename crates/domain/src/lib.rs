@@ -28,6 +28,8 @@
 //!   calls and results, commands and exit codes), per CLI format.
 //! - [`replay`]: every decision of a work item re-derived from its recorded inputs (artifacts,
 //!   staging log, the watch's series) with today's rules, optionally changed thresholds.
+//! - [`forge`]: `[repos.<name>.forge]`, issues as work items' requests (bounded, stored as
+//!   data), pagination and the pause a forge's answer calls for (issue 31).
 //! - [`control`]: the control words stored in the database, spelled once: terminal stages,
 //!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]
@@ -35,6 +37,7 @@
 pub mod artifact;
 pub mod config;
 pub mod control;
+pub mod forge;
 pub mod gate;
 pub mod ids;
 pub mod monitor;

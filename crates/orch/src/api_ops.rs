@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use orch_api::{
     Actor, ArtifactFile, ConfigReport, Histogram, Observation, OpError, Operations, RunnerCounters,
-    SeriesPoint, SubmitRequest, SubmitResult, WorkerTimings,
+    SeriesPoint, SubmitRequest, SubmitResult, WebhookDelivery, WebhookReply, WorkerTimings,
 };
 use orch_deploystate::{ArmedRead, WatchState};
 use orch_runner::histogram::HistogramSnapshot;
@@ -53,6 +53,31 @@ impl Operations for ApiOps {
             work_item_id: task.work_item_id,
             task_id: task.id,
         })
+    }
+
+    async fn forge_webhook(&self, d: WebhookDelivery) -> Result<WebhookReply, OpError> {
+        use orch_runner::forge::{self, Received, WebhookError};
+        let config = self.runtime.live.current();
+        let headers = forge::Delivery {
+            event: d.event,
+            delivery: d.delivery,
+            signature: d.signature,
+        };
+        let store = self.runtime.engine.store();
+        match forge::receive_webhook(store, &config, &d.repo, &headers, &d.body).await {
+            Ok(Received::Queued {
+                work_item,
+                duplicate,
+            }) => Ok(WebhookReply::Queued {
+                work_item_id: work_item,
+                duplicate,
+            }),
+            Ok(Received::Ignored(why)) => Ok(WebhookReply::Ignored(why)),
+            Err(WebhookError::NotFound(m)) => Err(OpError::NotFound(m)),
+            Err(WebhookError::Unauthorized(m)) => Err(OpError::Unauthorized(m)),
+            Err(WebhookError::Invalid(m)) => Err(OpError::Invalid(m)),
+            Err(WebhookError::Store(e)) => Err(OpError::from(anyhow::Error::new(e))),
+        }
     }
 
     async fn approve(&self, id: &str, by: &Actor) -> Result<(), OpError> {

@@ -134,6 +134,13 @@ impl Runtime {
             repos_dir: self.repos_dir.clone(),
             node: self.engine.config().node.clone(),
         }));
+        // The forges' labeled issues (issue 31): a no-op for repos without `[repos.<name>.forge]`,
+        // read from the live config, so a reload can add or remove one.
+        passes.push(Arc::new(orch_runner::forge::ForgePass::new(
+            self.live.clone(),
+            self.engine.config().pipeline.clone(),
+            self.counters.clone(),
+        )));
         passes.push(Arc::new(orch_runner::maintenance::SupervisedPass {
             every: lease.max(Duration::from_secs(1)),
             children_dir: crate::cmd::worker::children_dir(&self.repos_dir),

@@ -9,6 +9,7 @@ pub mod deploy;
 pub mod ended;
 pub mod engine;
 pub mod failpoint;
+pub mod forge;
 pub mod fsutil;
 pub mod histogram;
 pub mod live_config;

@@ -43,6 +43,36 @@ pub async fn submit(
             }
         )));
     };
+    let task = store
+        .create_task(new_task(
+            pipeline,
+            &repo_name,
+            WorkItemSpec::Next {
+                prefix: repo_cfg.prefix.as_str().to_owned(),
+            },
+            title,
+            body,
+            by,
+            serde_json::Map::new(),
+        )?)
+        .await?;
+    Ok(task)
+}
+
+/// The task a new work item of `repo` is: stage `intake` with its first job and its
+/// `task.submitted` event naming `by` (with `extra` beside `by` in its data), after the
+/// request's rules: the title one line of 1 to 200 bytes without control characters (trimmed),
+/// the body at most [`MAX_REQUEST_BYTES`]. The one shape of a new item, for a submit and for a
+/// forge's issue ([`crate::forge::create_item`]).
+pub fn new_task(
+    pipeline: &Pipeline,
+    repo: &RepoName,
+    work_item: WorkItemSpec,
+    title: &str,
+    body: &str,
+    by: &Actor,
+    extra: serde_json::Map<String, serde_json::Value>,
+) -> OpsResult<NewTask> {
     let title = title.trim();
     if title.is_empty() || title.len() > 200 || title.chars().any(char::is_control) {
         return Err(OpsError::Invalid(
@@ -56,26 +86,23 @@ pub async fn submit(
             MAX_REQUEST_BYTES / 1024
         )));
     }
+    let mut data = extra;
+    data.insert(actor::KEY.to_owned(), by.data());
     let (stage, first) = first_job(pipeline);
-    let task = store
-        .create_task(NewTask {
-            work_item: WorkItemSpec::Next {
-                prefix: repo_cfg.prefix.as_str().to_owned(),
-            },
-            repo: repo_name.as_str().to_owned(),
-            title: title.to_owned(),
-            body: body.to_owned(),
-            stage,
-            branch_prefix: "orch/".into(),
-            event: NewEvent::new(
-                events::TASK_SUBMITTED,
-                format!("submitted {}: {title}", by.describe()),
-            )
-            .data(serde_json::json!({ actor::KEY: by.data() }).to_string()),
-            first_job: Some(first),
-        })
-        .await?;
-    Ok(task)
+    Ok(NewTask {
+        work_item,
+        repo: repo.as_str().to_owned(),
+        title: title.to_owned(),
+        body: body.to_owned(),
+        stage,
+        branch_prefix: "orch/".into(),
+        event: NewEvent::new(
+            events::TASK_SUBMITTED,
+            format!("submitted {}: {title}", by.describe()),
+        )
+        .data(serde_json::Value::Object(data).to_string()),
+        first_job: Some(first),
+    })
 }
 
 #[derive(Debug, thiserror::Error)]

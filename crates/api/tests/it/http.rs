@@ -1583,6 +1583,11 @@ async fn actions_reach_operations_and_map_their_errors() {
             StatusCode::SERVICE_UNAVAILABLE,
             "store_unavailable",
         ),
+        (
+            OpError::Unauthorized("the signature does not match".into()),
+            StatusCode::UNAUTHORIZED,
+            "bad_signature",
+        ),
     ] {
         *h.ops.refuse_next.lock().unwrap() = Some(err.clone());
         let a = h
@@ -1595,6 +1600,7 @@ async fn actions_reach_operations_and_map_their_errors() {
             | OpError::Conflict(m)
             | OpError::Invalid(m)
             | OpError::Internal(m)
+            | OpError::Unauthorized(m)
             | OpError::Unavailable(m) => m,
         };
         assert!(msg.contains(inner.as_str()), "{msg}");

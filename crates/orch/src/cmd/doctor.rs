@@ -526,6 +526,17 @@ async fn repos(r: &mut Report, cx: &Context, config: &Config) {
             );
         }
         sandbox(r, name.as_str(), repo);
+        if let Some(forge_cfg) = &repo.forge {
+            use orch_runner::forge::{Finding, inspect};
+            for f in inspect(name.as_str(), forge_cfg, branch).await {
+                match f {
+                    Finding::Ok(what) => r.push(Status::Ok, what, ""),
+                    Finding::Note(what, fix) => r.push(Status::Note, what, fix),
+                    Finding::Warn(what, fix) => r.push(Status::Warn, what, fix),
+                    Finding::Fail(what, fix) => r.push(Status::Fail, what, fix),
+                }
+            }
+        }
     }
 }
 

@@ -17,6 +17,7 @@ mod dashboard;
 mod demo_cleanup;
 mod doctor_agents;
 mod failure_matrix;
+mod forge;
 mod gc_crash;
 mod hostile;
 mod hostile_artifacts;

@@ -147,6 +147,16 @@ impl Engine {
                 live: self.cfg.live.clone(),
             }),
         );
+        // A forge's webhook deliveries: each creates its issue's item (once).
+        registry.register(
+            crate::forge::FORGE_ISSUE,
+            Duration::from_secs(60),
+            Arc::new(crate::forge::ForgeIssueHandler {
+                store: self.store.clone(),
+                live: self.cfg.live.clone(),
+                pipeline: self.cfg.pipeline.clone(),
+            }),
+        );
     }
 
     /// The job that runs `stage` for visit `seq`, or `None` for a terminal stage.

@@ -137,6 +137,8 @@ impl Project {
         cmd.env("OTHER_AGENT_KEY", &secrets[1])
             .env("DATABASE_URL", &secrets[2])
             .env("AWS_SECRET_ACCESS_KEY", &secrets[3])
+            // A forge's token (issue 31), named by `[repos.<name>.forge] token_env`.
+            .env("ORCH_HOSTILE_GITHUB_TOKEN", &secrets[5])
             .env("ANALYST_KEY", ANALYST_KEY)
             .env("HOME", &home);
         Serve::spawn(cmd)
@@ -178,12 +180,13 @@ impl Project {
 /// password, a cloud key, a private ssh key in orch's HOME. Each project's are its own
 /// ([`Project::secrets`]): tests run side by side, and a file another test's project holds is
 /// not this orch's secret.
-const SECRETS: [&str; 5] = [
+const SECRETS: [&str; 6] = [
     "tok-3b7e-orch-token",
     "key-9c1d-other-agent",
     "postgres://orch:pw-51a0@db/orch",
     "aws-77f2-secret",
     "ssh-private-0c4b",
+    "ghp-5e21-forge-token",
 ];
 /// The attacker's own key: it may see this one (proves the channel works).
 const ANALYST_KEY: &str = "key-own-analyst-42";
@@ -376,6 +379,12 @@ note "PPID environ:"; tr '\0' '\n' < /proc/$PPID/environ >> "$NOTES" 2>/dev/null
 for f in "$HOME/.ssh/id_ed25519" ~root/.ssh/id_ed25519 ~root/.ssh/id_rsa ~root/.claude/.credentials.json; do cat "$f" >> "$NOTES" 2>/dev/null; done
 for f in "$ORCH_WORKTREE"/../../../../../home-of-orch/.ssh/id_ed25519; do cat "$f" >> "$NOTES" 2>/dev/null; done"#;
     let p = Project::new("analyst", |_| body.to_owned(), false);
+    // The repo has a forge whose token is in orch's environment (polling off: no network).
+    p.edit_config(|t| {
+        t + "\n[repos.service.forge]\nkind = \"github\"\nrepo = \"octo/service\"\n\
+             api_url = \"http://127.0.0.1:9\"\ntoken_env = \"ORCH_HOSTILE_GITHUB_TOKEN\"\n\
+             label = \"orch\"\npoll_interval_s = 0\n"
+    });
     p.submit("Steal the keys");
     let serve = p.serve(free_port());
     let t = past(&p, "analysis").await;

@@ -56,6 +56,7 @@ pub fn repo_config(prefix: &str) -> RepoConfig {
             ..Default::default()
         },
         env: Vec::new(),
+        forge: None,
     }
 }
 
