@@ -23,6 +23,12 @@ pub(crate) async fn require_token(
     // A forge's webhook cannot carry orch's token: its deliveries are signed instead, and the
     // one handler under this prefix refuses (401) a delivery whose signature does not hold.
     if *req.method() == Method::POST && req.uri().path().starts_with(crate::WEBHOOK_PREFIX) {
+        // Nobody without the token gets a body read (up to a MiB) before the delivery at
+        // least looks signed: a flood of unsigned posts is refused from its headers.
+        if let Err(why) = looks_signed(req.headers()) {
+            tracing::warn!(path = %req.uri().path(), "refused an unsigned webhook delivery");
+            return AppError::new(StatusCode::UNAUTHORIZED, "bad_signature", why).into_response();
+        }
         return next.run(req).await;
     }
     if let Err(e) = same_origin(req.headers()) {
@@ -40,6 +46,23 @@ pub(crate) async fn require_token(
             );
             e.into_response()
         }
+    }
+}
+
+/// Whether a webhook delivery carries a well-formed `X-Hub-Signature-256` (`sha256=` and 64
+/// hex digits). Its check against the body is the handler's; this only spares reading the
+/// body of a delivery that cannot pass it.
+fn looks_signed(headers: &HeaderMap) -> Result<(), String> {
+    let value = headers
+        .get("x-hub-signature-256")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default();
+    match value.strip_prefix("sha256=") {
+        Some(hex) if hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(()),
+        _ => Err(
+            "the delivery carries no well-formed X-Hub-Signature-256 (sha256=<64 hex digits>)"
+                .to_owned(),
+        ),
     }
 }
 

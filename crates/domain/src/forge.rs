@@ -251,6 +251,9 @@ pub struct Pause {
     pub failure: bool,
 }
 
+/// The longest a rate limit's answer (`Retry-After`, the quota's reset) makes orch wait.
+pub const MAX_RATE_LIMIT_PAUSE_S: u64 = 3_600;
+
 /// The pause after `answer`, or `None` when the next request may go at the usual interval.
 /// `failures` counts the answers in a row that were failures, this one included; `jitter` in
 /// `[0, 1)` spreads retries (a quarter either way). Rules: a secondary rate limit
@@ -267,12 +270,16 @@ pub fn pause_after(
     max_backoff_s: u64,
     jitter: f64,
 ) -> Option<Pause> {
-    let until_reset = |reset: i64| u64::try_from(reset.saturating_sub(now_s)).unwrap_or(0) + 1;
+    // A forge that asks for more than an hour (GitHub's quota resets hourly) is not believed
+    // past it: a hostile or broken answer cannot stop the polling for years.
+    let until_reset = |reset: i64| {
+        (u64::try_from(reset.saturating_sub(now_s)).unwrap_or(0) + 1).min(MAX_RATE_LIMIT_PAUSE_S)
+    };
     let status = answer.status;
     let limited = status == 403 || status == 429;
     if limited && let Some(secs) = answer.retry_after.as_deref().and_then(retry_after_secs) {
         return Some(Pause {
-            secs: secs.max(1),
+            secs: secs.clamp(1, MAX_RATE_LIMIT_PAUSE_S),
             why: format!("HTTP {status} with Retry-After: {secs} s (secondary rate limit)"),
             failure: false,
         });
@@ -436,6 +443,24 @@ mod tests {
             ..answer(200)
         };
         assert_eq!(pause_after(&last, 990, 0, 60, 900, 0.0).unwrap().secs, 11);
+        // A hostile or broken answer asks for years: an hour at most.
+        let forever = Answer {
+            retry_after: Some("9223372036854775".into()),
+            ..answer(429)
+        };
+        assert_eq!(
+            pause_after(&forever, 0, 1, 60, 900, 0.0).unwrap().secs,
+            MAX_RATE_LIMIT_PAUSE_S
+        );
+        let far_reset = Answer {
+            remaining: Some(0),
+            reset: Some(i64::MAX),
+            ..answer(403)
+        };
+        assert_eq!(
+            pause_after(&far_reset, 0, 1, 60, 900, 0.0).unwrap().secs,
+            MAX_RATE_LIMIT_PAUSE_S
+        );
         // Outages grow from the interval to the cap, spread by the jitter.
         let d1 = pause_after(&answer(503), 0, 1, 2, 10, 0.5).unwrap();
         let d3 = pause_after(&answer(0), 0, 3, 2, 10, 0.5).unwrap();

@@ -44,6 +44,42 @@ pub const BASE_PREFIXES: [&str; 1] = ["LC_"];
 /// and database URLs.
 pub const NEVER: [&str; 4] = orch_domain::net::SECRET_VARS;
 
+/// Variables the configuration names as holding secrets (a forge's token and webhook secret),
+/// kept, like [`NEVER`], out of every child's environment: see [`treat_as_secret`].
+static CONFIGURED: std::sync::Mutex<Vec<String>> = std::sync::Mutex::new(Vec::new());
+
+/// Records that variables `names` hold secrets the configuration uses: from then on no child
+/// gets them, the supervisor of a stage's command included (which otherwise starts with orch's
+/// whole environment, readable through its `/proc/<pid>/environ`). Called for every
+/// configuration read, first and reloaded; names are only ever added.
+pub fn treat_as_secret<'a>(names: impl IntoIterator<Item = &'a str>) {
+    let mut known = CONFIGURED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    for name in names {
+        if !name.is_empty() && !known.iter().any(|k| k == name) {
+            known.push(name.to_owned());
+        }
+    }
+}
+
+/// Whether `name` is [`NEVER`] or named by the configuration as a secret.
+pub fn is_secret(name: &str) -> bool {
+    NEVER.contains(&name)
+        || CONFIGURED
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .any(|k| k == name)
+}
+
+/// Every variable of orch's environment that [`is_secret`].
+pub fn secrets_present() -> Vec<OsString> {
+    std::env::vars_os()
+        .filter_map(|(k, _)| k.to_str().is_some_and(is_secret).then_some(k))
+        .collect()
+}
+
 /// Whether `name` is in [`BASE`] or starts with one of [`BASE_PREFIXES`].
 pub fn is_base(name: &str) -> bool {
     BASE.contains(&name) || BASE_PREFIXES.iter().any(|p| name.starts_with(p))
@@ -56,7 +92,7 @@ pub fn allowed(extra: &[String]) -> Vec<(OsString, OsString)> {
             let Some(k) = k.to_str() else {
                 return false;
             };
-            !NEVER.contains(&k) && (is_base(k) || extra.iter().any(|e| e == k))
+            !is_secret(k) && (is_base(k) || extra.iter().any(|e| e == k))
         })
         .collect()
 }
@@ -77,6 +113,10 @@ pub unsafe fn take_from_own_environment(names: &[&str]) -> Vec<(String, String)>
         }
     }
     if taken.is_empty() {
+        // Still not readable by other processes of its user: a secret the configuration names
+        // (a forge's token) is in the environment too, and the config is read later.
+        // SAFETY: prctl with plain integers.
+        unsafe { libc::prctl(libc::PR_SET_DUMPABLE, 0, 0, 0, 0) };
         return taken;
     }
     unsafe extern "C" {

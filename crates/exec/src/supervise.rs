@@ -720,6 +720,21 @@ async fn start(
         .try_clone()
         .map_err(|e| io_err("cannot share the supervisor's log".into(), e))?;
     let mut command = tokio::process::Command::new(&state.program);
+    // The supervisor's environment is no more than its command gets from orch's: it
+    // outlives orch in a session of its own, and its `/proc/<pid>/environ` is readable by the
+    // user's processes (an unsandboxed agent reads its parent's). A command on an allowlist
+    // (an agent) needs only those variables from it; one that inherits (a deploy) needs
+    // orch's environment, never its secrets.
+    if cmd.env_clear || cmd.allow_env.is_some() {
+        command.env_clear();
+        command.envs(crate::env::allowed(
+            cmd.allow_env.as_deref().unwrap_or_default(),
+        ));
+    } else {
+        for name in crate::env::secrets_present() {
+            command.env_remove(name);
+        }
+    }
     command
         .arg(ARG)
         .arg(rdir)

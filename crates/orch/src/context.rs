@@ -161,8 +161,19 @@ pub fn load_config(path: &Path) -> std::result::Result<Option<Config>, String> {
 
 /// Parses config `text` read from `path`; the error is `file:line: what` (see [`load_config`]).
 pub fn parse_config(path: &Path, text: &str) -> std::result::Result<Config, String> {
-    Config::from_toml_str(text, &|k: &str| crate::secrets::var(k))
-        .map_err(|e| describe_config_error(path, text, &e))
+    let config = Config::from_toml_str(text, &|k: &str| crate::secrets::var(k))
+        .map_err(|e| describe_config_error(path, text, &e))?;
+    // The variables holding a forge's secrets reach no child, its supervisor included.
+    orch_exec::env::treat_as_secret(
+        config
+            .repos
+            .values()
+            .filter_map(|r| r.forge.as_ref())
+            .flat_map(|f| {
+                std::iter::once(f.token_env.as_str()).chain(f.webhook_secret_env.as_deref())
+            }),
+    );
+    Ok(config)
 }
 
 /// `file:line: error`, with the line found for errors that do not carry one (a value that

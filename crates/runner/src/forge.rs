@@ -365,8 +365,9 @@ impl ForgePass {
         }
         match pause {
             Some(p) => {
-                st.next_at_ms =
-                    now + i64::try_from(p.secs.saturating_mul(1000)).unwrap_or(i64::MAX / 2);
+                st.next_at_ms = now.saturating_add(
+                    i64::try_from(p.secs.saturating_mul(1000)).unwrap_or(i64::MAX / 2),
+                );
                 let why = match &note {
                     Some(m) => format!("{}: {m}", p.why),
                     None => p.why.clone(),
@@ -593,7 +594,11 @@ async fn poll(
     let mut visited = std::collections::HashSet::new();
     while let Some(page_url) = url.take() {
         seen += 1;
-        visited.insert(page_url.clone());
+        if !visited.insert(page_url.clone()) {
+            // A `Link` back to a page this poll has read: the listing is not a list.
+            tracing::warn!(forge = %forge_cfg.repo, "forge: the pages' `Link` headers go round in a circle; the rest waits for the next poll");
+            break;
+        }
         if seen > MAX_PAGES {
             tracing::warn!(forge = %forge_cfg.repo, "forge: more than {MAX_PAGES} pages of labeled issues; the rest waits for the next poll");
             break;
@@ -663,6 +668,11 @@ async fn poll(
             }
         }
         out.pause = pause(&answer);
+        if out.pause.is_some() {
+            // The quota is used up (or the forge asked to wait): the next page would only be
+            // refused.
+            break;
+        }
         url = next;
     }
     // Pages the listing no longer has (it shrank) are forgotten.

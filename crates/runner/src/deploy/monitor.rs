@@ -801,8 +801,9 @@ async fn finish(
     Ok(StageEffect::Produced { outcome: None })
 }
 
-/// Whether this watch (visit `seq`, since an operator's retry re-armed it, if one did) has
-/// recorded its verdict already: the ending of a job cut short after the record runs again.
+/// Whether this watch (visit `seq`, since an operator's retry or another node's takeover
+/// re-armed it, if one did) has recorded its verdict already: the ending of a job cut short
+/// after the record runs again. A re-armed watch decides anew and records its own verdict.
 async fn verdict_recorded(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
     let history = run.store.task_events(run.task.id).await?;
     let since = history
@@ -810,7 +811,7 @@ async fn verdict_recorded(run: &StageRun, seq: i64) -> anyhow::Result<bool> {
         .rposition(|e| {
             matches!(
                 e.kind.as_str(),
-                events::TASK_RETRIED | events::POST_DEPLOY_REARMED
+                events::TASK_RETRIED | events::POST_DEPLOY_REARMED | events::POST_DEPLOY_TAKEN_OVER
             )
         })
         .map_or(0, |i| i + 1);

@@ -408,6 +408,41 @@ for f in "$ORCH_WORKTREE"/../../../../../home-of-orch/.ssh/id_ed25519; do cat "$
     assert!(!notes.contains("SSH_AUTH_SOCK"), "{notes}");
 }
 
+/// Without the sandbox an agent can read its parent's `/proc/<pid>/environ`: the parent is
+/// orch's supervisor of the run, which outlives orch in a session of its own. It starts with
+/// orch's environment minus every secret, the forge's token named in orch.toml included.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsandboxed_agent_finds_no_secret_in_its_supervisor() {
+    if !sandbox_here() {
+        return;
+    }
+    let body = r#"note "PARENT:"; tr '\0' ' ' < /proc/$PPID/cmdline >> "$NOTES"; echo >> "$NOTES"
+note "PARENT ENV:"; tr '\0' '\n' < /proc/$PPID/environ >> "$NOTES" 2>&1"#;
+    let p = Project::new("analyst", |_| body.to_owned(), true);
+    p.edit_config(|t| {
+        t + "\n[repos.service.forge]\nkind = \"github\"\nrepo = \"octo/service\"\n\
+             api_url = \"http://127.0.0.1:9\"\ntoken_env = \"ORCH_HOSTILE_GITHUB_TOKEN\"\n\
+             label = \"orch\"\npoll_interval_s = 0\n"
+    });
+    p.submit("Read the supervisor");
+    let serve = p.serve(free_port());
+    past(&p, "analysis").await;
+    serve.terminate().await;
+    let notes = p.artifact("APP-1", "02-requirements.md");
+    // The parent is the supervisor, and its environment was read (the control).
+    assert!(notes.contains("__supervise"), "{notes}");
+    assert!(
+        notes.contains("PATH="),
+        "the supervisor's environment was read: {notes}"
+    );
+    for secret in p.secrets() {
+        assert!(
+            !notes.contains(secret.as_str()),
+            "the supervisor's environment holds {secret}: {notes}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_agent_cannot_act_as_an_operator() {
     if !sandbox_here() {
