@@ -499,7 +499,9 @@ async fn killed_at_random(pg: bool) {
             let got = outcomes(&store, &ids).await;
             s.terminate().await;
             stop_services(&dir);
-            let report = common::stuck_report(&store, &ids).await;
+            // Every item, ended ones too, with its whole history: a hold's cause can lie in
+            // another item's deploy.
+            let report = common::items_report(&store, &ids, true, 200).await;
             let log = std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default();
             let tail: Vec<&str> = log
                 .lines()
@@ -509,8 +511,19 @@ async fn killed_at_random(pg: bool) {
                 .into_iter()
                 .rev()
                 .collect();
+            // What the service itself saw: every deploy and rollback run (start and end, with
+            // the revision) and which release answered after each.
+            let service = ["deploys.log", "effects.log"]
+                .iter()
+                .map(|f| {
+                    let text = std::fs::read_to_string(dir.join("service-state").join(f))
+                        .unwrap_or_else(|e| format!("(unreadable: {e})"));
+                    format!("{f}:\n{text}")
+                })
+                .collect::<Vec<_>>()
+                .join("\n");
             panic!(
-                "seed {seed}: not every item ended after {kills} kills (held: {held:?}): {got:?}\n{report}\nthe last serve's log:\n{}",
+                "seed {seed}: not every item ended after {kills} kills (held: {held:?}): {got:?}\n{report}\nthe last serve's log:\n{}\n{service}",
                 tail.join("\n")
             );
         }
