@@ -508,8 +508,9 @@ pub mod dedupe {
         format!("notify:{event_id}")
     }
 
-    /// The key of the [`super::jobs::FORGE_ISSUE`] job of webhook delivery `delivery` to repo
-    /// `repo` (`forge-delivery:<repo>:<delivery>`): a delivery sent twice is taken once.
+    /// The key of the [`super::jobs::FORGE_ISSUE`] job of a webhook delivery to repo `repo`
+    /// whose signed body is `delivery` (its HMAC, `forge-delivery:<repo>:<hmac>`): a delivery
+    /// sent twice, or replayed under another delivery id, is taken once.
     pub fn forge_delivery(repo: &str, delivery: &str) -> String {
         format!("forge-delivery:{repo}:{delivery}")
     }

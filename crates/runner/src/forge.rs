@@ -809,9 +809,10 @@ struct IssueJob {
 
 /// Takes one webhook delivery for repo `repo`: verifies its signature with the secret the
 /// repo's forge names (before reading anything else of it), then for an `issues` event about
-/// an open issue carrying the label enqueues a [`FORGE_ISSUE`] job under the delivery's id
-/// (dedupe `forge-delivery:<repo>:<id>`): the same delivery twice is one job, and the job's
-/// creation is idempotent like the poll's. A refused delivery changes nothing.
+/// an open issue carrying the label enqueues a [`FORGE_ISSUE`] job keyed by the body's
+/// signature (dedupe `forge-delivery:<repo>:<hmac>`): the same delivery twice, or its body
+/// replayed under another delivery id, is one job, and the job's creation is idempotent like
+/// the poll's. A refused delivery changes nothing.
 pub async fn receive_webhook(
     store: &Store,
     config: &Config,
@@ -847,7 +848,8 @@ pub async fn receive_webhook(
                 .into(),
         ));
     }
-    let id = delivery
+    // Required and well-formed, as GitHub always sends it (the dedupe key is the signature).
+    delivery
         .delivery
         .as_deref()
         .filter(|d| {
@@ -905,7 +907,17 @@ pub async fn receive_webhook(
     };
     let text = serde_json::to_string(&content)
         .map_err(|e| WebhookError::Invalid(format!("cannot keep the issue: {e}")))?;
-    let job = NewJob::new(FORGE_ISSUE, text).dedupe(dedupe::forge_delivery(name.as_str(), id));
+    // Keyed by the body's signature, not by `X-GitHub-Delivery` alone: the id is not signed,
+    // so a signed body replayed under new ids would be a new job each time. A redelivery is
+    // the same body, hence the same key.
+    let signature = delivery
+        .signature
+        .as_deref()
+        .and_then(|s| s.trim().strip_prefix("sha256="))
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let job =
+        NewJob::new(FORGE_ISSUE, text).dedupe(dedupe::forge_delivery(name.as_str(), &signature));
     let queued = store.enqueue(job).await?;
     Ok(Received::Queued {
         work_item,

@@ -8,8 +8,8 @@
 //!
 //! The story, in one run of `orch serve` per backend: an idle poll is a 304 with the ETag and
 //! costs no rate limit; a webhook with a wrong signature is refused (401) and changes nothing;
-//! the same delivery twice is one item; the same issue seen by the poll and by the webhook is
-//! one item; the issue's title and body are `01-request.md`, a hostile body (a frontmatter
+//! the same delivery twice (or its signed body under new delivery ids) is one item; the same
+//! issue seen by the poll and by the webhook is one item; the issue's title and body are `01-request.md`, a hostile body (a frontmatter
 //! fence, YAML, 40 KiB) stays bounded text under orch's frontmatter; the listing's `Link`
 //! pages are followed; a 403 with `Retry-After` is waited out, and a used-up quota until its
 //! reset; a forge that is down leaves
@@ -684,6 +684,16 @@ async fn story(backend: &str) {
         (202, &json!(true)),
         "{answer}"
     );
+    // The delivery id is not signed: the same signed body replayed under new ids is still
+    // the one delivery.
+    for replay in ["d-5-replayed", "d-5-again"] {
+        let (status, answer) = deliver(port, &labeled, replay, SECRET).await;
+        assert_eq!(
+            (status, &answer["duplicate"]),
+            (202, &json!(true)),
+            "{replay}: {answer}"
+        );
+    }
     let s = store.clone();
     wait_until(
         &dir,
