@@ -555,7 +555,7 @@ impl Forge for GitHub {
         let next = header("link")
             .as_deref()
             .and_then(forge::next_link)
-            .filter(|n| same_origin(n, &self.cfg.api_url));
+            .filter(|n| listing_page(n, &self.cfg.api_url, &self.cfg.repo));
         let issues: Vec<ApiIssue> = resp.json().await.map_err(|_| PollError {
             answer: Answer {
                 status: 502,
@@ -709,6 +709,30 @@ fn same_origin(url: &str, api_url: &str) -> bool {
         }
         _ => false,
     }
+}
+
+/// Whether `url`, a `Link` of the listing, is another page of this repository's issues on the
+/// configured API: the same origin ([`same_origin`]) and the path of the listing
+/// (`/repos/<owner>/<name>/issues`, or `/repositories/<id>/issues` as GitHub's own links
+/// name it) under the API's base path. Anything else is not followed: its issues would be
+/// taken as this repository's.
+fn listing_page(url: &str, api_url: &str, repo: &str) -> bool {
+    if !same_origin(url, api_url) {
+        return false;
+    }
+    let (Ok(url), Ok(api)) = (reqwest::Url::parse(url), reqwest::Url::parse(api_url)) else {
+        return false;
+    };
+    let base = api.path().trim_end_matches('/');
+    let Some(rest) = url.path().strip_prefix(base) else {
+        return false;
+    };
+    if rest.eq_ignore_ascii_case(&format!("/repos/{repo}/issues")) {
+        return true;
+    }
+    rest.strip_prefix("/repositories/")
+        .and_then(|r| r.strip_suffix("/issues"))
+        .is_some_and(|id| !id.is_empty() && id.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// The headers of a webhook delivery orch reads.
@@ -1171,6 +1195,45 @@ mod tests {
         assert!(!same_origin(
             "http://api.github.com/x",
             "https://api.github.com"
+        ));
+        // The same API, but not this repository's listing.
+        let api = "https://api.github.com";
+        assert!(listing_page(
+            "https://api.github.com/repos/octo/app/issues?labels=orch&page=2",
+            api,
+            "octo/app"
+        ));
+        assert!(listing_page(
+            "https://api.github.com/repositories/1300192/issues?page=3",
+            api,
+            "octo/app"
+        ));
+        assert!(!listing_page(
+            "https://api.github.com/repos/other/repo/issues?page=2",
+            api,
+            "octo/app"
+        ));
+        assert!(!listing_page(
+            "https://api.github.com/user/repos?page=2",
+            api,
+            "octo/app"
+        ));
+        assert!(!listing_page(
+            "https://api.github.com/repositories/12x/issues",
+            api,
+            "octo/app"
+        ));
+        // GitHub Enterprise Server: under the API's base path.
+        let ghe = "https://ghe.example.com/api/v3";
+        assert!(listing_page(
+            "https://ghe.example.com/api/v3/repos/octo/app/issues?page=2",
+            ghe,
+            "octo/app"
+        ));
+        assert!(!listing_page(
+            "https://ghe.example.com/repos/octo/app/issues?page=2",
+            ghe,
+            "octo/app"
         ));
     }
 }
