@@ -117,6 +117,11 @@ pub fn spawn(
                     tracing::error!(
                         "{why}; still running the config loaded earlier (fix the file: it is re-read when it changes)"
                     );
+                    // The state file first: whoever sees the stale config in `/healthz` finds
+                    // it in `orch status` too.
+                    let mut st = live.state();
+                    st.stale = Some(why.clone());
+                    write_state(&file, &config_path, &st);
                     live.mark_stale(why);
                 }
             }

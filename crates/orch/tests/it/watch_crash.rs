@@ -267,3 +267,71 @@ async fn a_kill_between_the_verdict_and_done_loses_neither() {
     );
     store.close().await;
 }
+
+/// A kill between a deploy's recorded outcome and its deploy record (failpoint
+/// `deploy.before_record_deployed`): the restarted orch replays the visit's outcome and writes
+/// the record it lacks, once. Before, the replay advanced without it, and the deploy history
+/// missed a deploy that happened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kill_between_the_deploys_outcome_and_its_record_loses_neither() {
+    if !python_available() {
+        return skip("python3 is not installed: the demo's sample service cannot run");
+    }
+    become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let store = open(&dir).await;
+    let mut cmd = Serve::command(&dir, "127.0.0.1:0");
+    cmd.env("ORCH_FAILPOINTS", "deploy.before_record_deployed");
+    let serve = Serve::spawn(cmd);
+    orch(
+        &dir,
+        &[
+            "submit",
+            "--repo",
+            "service",
+            "--title",
+            "Add a /version endpoint",
+        ],
+    );
+    let status = serve.wait_exit(Duration::from_secs(300)).await;
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the failpoint aborted orch: {status:?}"
+    );
+    let cut = task(&store, "APP-1").await.unwrap();
+    let count =
+        |events: &[orch_store::Event], kind: &str| events.iter().filter(|e| e.kind == kind).count();
+    let events = store.task_events(cut.id).await.unwrap();
+    assert_eq!(
+        count(&events, "deploy.confirmed"),
+        1,
+        "cut after the outcome"
+    );
+    assert_eq!(
+        count(&events, "release.deployed"),
+        0,
+        "and before the record"
+    );
+
+    let serve = Serve::start(&dir, 50);
+    let end = wait_for(&store, "APP-1", Duration::from_secs(240), Task::is_terminal).await;
+    serve.terminate().await;
+    stop_service(&dir);
+    reap_orphans();
+    assert_eq!(end.stage, "done");
+    let events = store.task_events(end.id).await.unwrap();
+    assert_eq!(count(&events, "deploy.confirmed"), 1, "deployed once");
+    assert_eq!(count(&events, "release.deployed"), 1, "recorded once");
+    let deployed = events
+        .iter()
+        .find(|e| e.kind == "release.deployed")
+        .unwrap();
+    assert!(
+        deployed.data.contains("\"confirmed\":true"),
+        "{}",
+        deployed.data
+    );
+    store.close().await;
+}

@@ -293,6 +293,18 @@ async fn replay(run: &StageRun, seq: i64) -> anyhow::Result<Option<StageEffect>>
         return Ok(None);
     };
     tracing::info!(work_item = %run.work_item, kind = %e.kind, "deploy: outcome already recorded for this visit; replaying it");
+    // The deploy record (`release.deployed`) is written after the outcome: an attempt that
+    // died or lost its lease in between left it out, and the re-run writes it now.
+    let deployed = events
+        .iter()
+        .any(|d| d.kind == events::RELEASE_DEPLOYED && event_seq(d) == Some(seq));
+    if !deployed
+        && e.kind != events::DEPLOY_SKIPPED
+        && let Some(revision) = super::event_str(e, "revision")
+    {
+        crate::release::record_deployed(run, seq, &revision, e.kind == events::DEPLOY_CONFIRMED)
+            .await;
+    }
     let outcome = match e.kind.as_str() {
         events::DEPLOY_CONFIRMED | events::DEPLOY_SKIPPED => {
             GateOutcome::pass(CONFIRMED.to_owned(), e.message.clone())
@@ -669,6 +681,7 @@ impl DeployerExecutor {
         )
         .await?;
         run.counters.incr("deployer", "confirmed");
+        crate::failpoint::hit("deploy.before_record_deployed");
         crate::release::record_deployed(run, seq, revision, true).await;
         if !state.clear_state() {
             tracing::warn!(work_item = %run.work_item, "deploy: confirmed, but the markers could not be cleared (the recorded event keeps re-runs from deploying)");
