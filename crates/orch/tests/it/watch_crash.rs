@@ -215,29 +215,15 @@ async fn a_kill_between_the_verdict_and_done_loses_neither() {
     assert_eq!(first.stage, "done");
     serve.terminate().await;
 
-    let mut cmd = Serve::command(&dir, "127.0.0.1:0");
-    cmd.env("ORCH_FAILPOINTS", "monitor.before_done");
-    let serve = Serve::spawn(cmd);
-    orch(
+    submit_until_failpoint(
         &dir,
-        &[
-            "submit",
-            "--repo",
-            "service",
-            "--title",
-            "Make the greeting configurable",
-        ],
-    );
-    let status = serve.wait_exit(Duration::from_secs(300)).await;
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "the failpoint aborted orch: {status:?}"
-    );
+        "monitor.before_done",
+        "Make the greeting configurable",
+    )
+    .await;
     let cut = task(&store, "APP-2").await.unwrap();
     assert_eq!(cut.stage, "observe", "cut short while ending its watch");
     let events = store.task_events(cut.id).await.unwrap();
-    let count =
-        |events: &[orch_store::Event], kind: &str| events.iter().filter(|e| e.kind == kind).count();
     assert_eq!(
         count(&events, "post_deploy.verdict"),
         1,
@@ -282,27 +268,13 @@ async fn a_kill_between_the_deploys_outcome_and_its_record_loses_neither() {
     let dir = tmp.path().join("demo");
     demo_setup(&dir);
     let store = open(&dir).await;
-    let mut cmd = Serve::command(&dir, "127.0.0.1:0");
-    cmd.env("ORCH_FAILPOINTS", "deploy.before_record_deployed");
-    let serve = Serve::spawn(cmd);
-    orch(
+    submit_until_failpoint(
         &dir,
-        &[
-            "submit",
-            "--repo",
-            "service",
-            "--title",
-            "Add a /version endpoint",
-        ],
-    );
-    let status = serve.wait_exit(Duration::from_secs(300)).await;
-    assert!(
-        status.is_some_and(|s| !s.success()),
-        "the failpoint aborted orch: {status:?}"
-    );
+        "deploy.before_record_deployed",
+        "Add a /version endpoint",
+    )
+    .await;
     let cut = task(&store, "APP-1").await.unwrap();
-    let count =
-        |events: &[orch_store::Event], kind: &str| events.iter().filter(|e| e.kind == kind).count();
     let events = store.task_events(cut.id).await.unwrap();
     assert_eq!(
         count(&events, "deploy.confirmed"),
@@ -334,4 +306,23 @@ async fn a_kill_between_the_deploys_outcome_and_its_record_loses_neither() {
         deployed.data
     );
     store.close().await;
+}
+
+/// Submits `title` to an `orch serve` of the demo in `dir` with failpoint `failpoint` active,
+/// and waits for that process to abort there (as kill -9 would leave it).
+async fn submit_until_failpoint(dir: &Path, failpoint: &str, title: &str) {
+    let mut cmd = Serve::command(dir, "127.0.0.1:0");
+    cmd.env("ORCH_FAILPOINTS", failpoint);
+    let serve = Serve::spawn(cmd);
+    orch(dir, &["submit", "--repo", "service", "--title", title]);
+    let status = serve.wait_exit(Duration::from_secs(300)).await;
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "the failpoint {failpoint} aborted orch: {status:?}"
+    );
+}
+
+/// How many of `events` are of `kind`.
+fn count(events: &[orch_store::Event], kind: &str) -> usize {
+    events.iter().filter(|e| e.kind == kind).count()
 }
