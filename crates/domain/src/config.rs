@@ -337,7 +337,9 @@ pub struct RepoConfig {
     /// Timeout of the deploy and rollback commands, in seconds. Default 900.
     #[serde(default = "default_deploy_timeout_s")]
     pub deploy_timeout_s: u64,
-    /// The rollback command, run when the post-deploy watch decides FAILED.
+    /// The rollback command, run when the post-deploy watch decides FAILED. Its environment
+    /// names the failed revision (`ORCH_REVISION`) and the one orch's deploy record says was
+    /// live before it (`ORCH_ROLLBACK_TO`; empty when unknown).
     pub rollback: Option<String>,
     /// Health endpoint polled after a deploy.
     pub health_url: Option<String>,

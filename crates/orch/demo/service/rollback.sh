@@ -7,7 +7,12 @@ env="$1"; port="$2"; state="$3"
 mkdir -p "$state"
 log_run() { echo "$1 rollback $env ${rev:-?} $(date +%s%N) ${2:-}" >> "$state/deploys.log"; }
 trap 'log_run end $?' EXIT
-prev="$(cat "$state/run/$env.prev")"
+# orch names the release to go back to (ORCH_ROLLBACK_TO, from its own deploy record); the
+# one this script remembers is the fallback when orch does not know it.
+prev="${ORCH_ROLLBACK_TO:-}"
+if [ -z "$prev" ] || [ ! -d "$state/releases/$prev" ]; then
+    prev="$(cat "$state/run/$env.prev")"
+fi
 rev="$prev"
 log_run start
 sh "$(dirname "$0")/stop.sh" "$env" "$state"

@@ -316,6 +316,35 @@ async fn replay(run: &StageRun, seq: i64) -> anyhow::Result<Option<StageEffect>>
     }))
 }
 
+/// The revision to go back to when the service runs `observed` before visit `seq`'s deploy.
+/// When `observed` is a revision an earlier visit of this same item deployed (a deploy cut
+/// short by a crash or a takeover, after which the item was merged and staged again), it is
+/// not a release to return to — it is this change's own earlier build — so the answer is what
+/// ran before *that* deploy, followed back through the item's visits. `None` when that is
+/// unknown (the caller then falls back to the release record).
+fn before_own_deploys(
+    history: &[orch_store::Event],
+    seq: i64,
+    observed: Option<String>,
+) -> Option<String> {
+    let mut previous = observed?;
+    // Each step goes to a strictly earlier visit, so the walk ends; the bound is a guard.
+    let mut before = seq;
+    for _ in 0..history.len() {
+        let own = history.iter().rev().find(|e| {
+            e.kind == events::DEPLOY_STARTED
+                && event_seq(e).is_some_and(|s| s < before)
+                && super::event_str(e, "revision").is_some_and(|r| revision_matches(&r, &previous))
+        });
+        let Some(own) = own else {
+            return Some(previous);
+        };
+        before = event_seq(own).unwrap_or(0);
+        previous = super::event_str(own, "previous")?;
+    }
+    Some(previous)
+}
+
 fn produced(outcome: GateOutcome) -> StageEffect {
     StageEffect::Produced {
         outcome: Some(outcome),
@@ -402,9 +431,11 @@ impl DeployerExecutor {
         let previous = match &run.repo.revision_url {
             Some(url) => {
                 let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
-                live_revision(url, timeout)
+                let observed = live_revision(url, timeout)
                     .await
-                    .filter(|live| !revision_matches(&revision, live))
+                    .filter(|live| !revision_matches(&revision, live));
+                let history = run.store.task_events(run.task.id).await?;
+                before_own_deploys(&history, seq, observed)
             }
             None => None,
         };
@@ -444,7 +475,7 @@ impl DeployerExecutor {
         command: &str,
         revision: &str,
     ) -> anyhow::Result<StageEffect> {
-        let result = run_repo_command(run, "deploy", command, revision).await;
+        let result = run_repo_command(run, "deploy", command, revision, &[]).await;
         crate::failpoint::hit("deploy.after_command");
         let (success, detail) = match &result {
             Ok(out) if out.status == ExitKind::Cancelled => {
@@ -807,5 +838,65 @@ fn initiated_revision(state: &DeployState) -> Option<String> {
             tracing::warn!(path = %path.display(), error = %e, "deploy: cannot read the INITIATED marker");
             None
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sha(c: char) -> String {
+        c.to_string().repeat(40)
+    }
+
+    fn started(id: i64, seq: i64, revision: &str, previous: Option<&str>) -> orch_store::Event {
+        orch_store::Event {
+            id,
+            task_id: Some(1),
+            job_id: Some(id),
+            kind: events::DEPLOY_STARTED.to_owned(),
+            stage: Some("deploy".to_owned()),
+            message: String::new(),
+            data: json!({"seq": seq, "revision": revision, "previous": previous}).to_string(),
+            created_at: 0,
+        }
+    }
+
+    #[test]
+    fn a_release_of_another_change_is_the_one_to_go_back_to() {
+        let history = [started(1, 1, &sha('b'), Some(sha('a').as_str()))];
+        assert_eq!(
+            before_own_deploys(&history, 2, Some(sha('c'))).as_deref(),
+            Some(sha('c').as_str())
+        );
+        assert_eq!(before_own_deploys(&history, 2, None), None);
+    }
+
+    #[test]
+    fn this_items_own_earlier_build_is_never_the_one_to_go_back_to() {
+        // Visit 1 deployed `bbbb` over `aaaa` and was cut short; the item was merged and staged
+        // again as `cccc` (visit 2, also cut short), and visit 3 finds `cccc` serving.
+        let history = [
+            started(1, 1, &sha('b'), Some(sha('a').as_str())),
+            started(2, 2, &sha('c'), Some(sha('b').as_str())),
+        ];
+        assert_eq!(
+            before_own_deploys(&history, 3, Some(sha('c'))).as_deref(),
+            Some(sha('a').as_str())
+        );
+        // The service may name a short revision.
+        assert_eq!(
+            before_own_deploys(&history, 3, Some("bbbbbbbb".to_owned())).as_deref(),
+            Some(sha('a').as_str())
+        );
+        // What ran before the first deploy was not known: neither is the answer.
+        let unknown = [started(1, 1, &sha('b'), None)];
+        assert_eq!(before_own_deploys(&unknown, 2, Some(sha('b'))), None);
+        // A later visit's events are not earlier builds.
+        let later = [started(5, 4, &sha('b'), Some(sha('a').as_str()))];
+        assert_eq!(
+            before_own_deploys(&later, 3, Some(sha('b'))).as_deref(),
+            Some(sha('b').as_str())
+        );
     }
 }

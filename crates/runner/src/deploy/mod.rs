@@ -230,14 +230,15 @@ pub(crate) fn event_str(event: &Event, key: &str) -> Option<String> {
 }
 
 /// Runs a repo command (`label`: `deploy`, `rollback`) with `sh -c` in a checkout of
-/// `revision`, with the deploy timeout, `ORCH_WORK_ITEM` and `ORCH_REVISION`, stopped when the
-/// run is cancelled. It runs under a supervisor: a restart of orch while it runs neither cuts
+/// `revision`, with the deploy timeout, `ORCH_WORK_ITEM`, `ORCH_REVISION` and `env`, stopped
+/// when the run is cancelled. It runs under a supervisor: a restart of orch while it runs neither cuts
 /// it in half nor runs it twice (the restarted orch adopts it).
 pub(crate) async fn run_repo_command(
     run: &StageRun,
     label: &str,
     command: &str,
     revision: &str,
+    env: &[(&str, &str)],
 ) -> Result<Output, SpawnError> {
     // The command runs in a checkout of exactly the revision it is about.
     let cwd = match crate::repos::release_checkout(&run.git, &crate::release::paths(run), revision)
@@ -252,7 +253,7 @@ pub(crate) async fn run_repo_command(
     // Trusted (orch's configuration names it; what it runs passed review and staging): on the
     // host, with the allowlisted environment.
     let contained = crate::contain::for_trusted(&run.repo);
-    let cmd = contained.apply(
+    let cmd = env.iter().fold(
         Cmd::new("sh")
             .arg("-c")
             .arg(command)
@@ -262,7 +263,9 @@ pub(crate) async fn run_repo_command(
             .env("ORCH_REPO", run.repo_name.as_str())
             .timeout(Duration::from_secs(run.repo.deploy_timeout_s.max(1)))
             .cancel_on(run.cancel.clone()),
+        |cmd, (key, value)| cmd.env(key, value),
     );
+    let cmd = contained.apply(cmd);
     let key = run.command_key(label);
     let out = run_process(&cmd.supervised(key.clone())).await;
     if let Ok(o) = &out {

@@ -333,7 +333,18 @@ async fn roll_back(
     command: &str,
     tried: &mut Vec<String>,
 ) -> anyhow::Result<(Rolled, Sight, bool)> {
-    let out = run_repo_command(run, "rollback", command, case.revision).await;
+    // The revision to go back to, as orch's own record says (empty when it does not know):
+    // a rollback command that keeps its own "previous" may have it wrong after a deploy was
+    // cut short and the change deployed again.
+    let to = case.previous.as_deref().unwrap_or_default();
+    let out = run_repo_command(
+        run,
+        "rollback",
+        command,
+        case.revision,
+        &[("ORCH_ROLLBACK_TO", to)],
+    )
+    .await;
     if kinds.started == WATCH.started {
         crate::failpoint::hit("monitor.after_rollback");
     }
