@@ -325,27 +325,16 @@ impl TaskDeployDto {
         events
             .iter()
             .filter(|e| e.kind == orch_domain::control::events::RELEASE_DEPLOYED)
-            .map(|e| {
-                let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
-                let s = |k: &str| v[k].as_str().map(str::to_owned);
-                TaskDeployDto {
+            .filter_map(|e| {
+                let d =
+                    orch_domain::payload::read::<orch_domain::payload::ReleaseDeployed>(&e.data)?;
+                Some(TaskDeployDto {
                     at_ms: e.created_at,
-                    revision: s("revision"),
-                    previous_revision: s("previous_revision"),
-                    confirmed: v["confirmed"].as_bool().unwrap_or(false),
-                    items: v["items"]
-                        .as_array()
-                        .map(|a| {
-                            a.iter()
-                                .map(|i| ShippedItemDto {
-                                    work_item: i["work_item"].as_str().unwrap_or("?").to_owned(),
-                                    commit: i["commit"].as_str().map(str::to_owned),
-                                    change: i["change"].as_str().unwrap_or("merge").to_owned(),
-                                })
-                                .collect()
-                        })
-                        .unwrap_or_default(),
-                }
+                    revision: Some(d.revision),
+                    previous_revision: d.previous_revision,
+                    confirmed: d.confirmed,
+                    items: d.items.iter().map(ShippedItemDto::from).collect(),
+                })
             })
             .collect()
     }
@@ -897,6 +886,16 @@ pub struct ShippedItemDto {
     pub commit: Option<String>,
     /// `merge` or `revert`.
     pub change: String,
+}
+
+impl From<&orch_domain::payload::ShippedChange> for ShippedItemDto {
+    fn from(c: &orch_domain::payload::ShippedChange) -> ShippedItemDto {
+        ShippedItemDto {
+            work_item: c.work_item.clone(),
+            commit: (!c.commit.is_empty()).then(|| c.commit.clone()),
+            change: c.change.as_str().to_owned(),
+        }
+    }
 }
 
 /// An item reverted on the default branch after a deploy.

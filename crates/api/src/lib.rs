@@ -56,18 +56,15 @@ pub fn task_outcome(
     outcomes::of(task, events)
 }
 
-/// The JSON of `GET /repos/{repo}/deploys` (for `orch deploys --json`); `None` when the repo
+/// The document of `GET /repos/{repo}/deploys` (also `orch deploys`); `None` when the repo
 /// has no task.
-pub async fn repo_deploys_json(
+pub async fn repo_deploys(
     store: &Store,
     repo: &str,
-) -> Result<Option<serde_json::Value>, orch_store::StoreError> {
-    let Some(story) = repos::read(store, repo).await? else {
-        return Ok(None);
-    };
-    Ok(Some(
-        serde_json::to_value(dto::RepoDeploys::from(&story)).unwrap_or_default(),
-    ))
+) -> Result<Option<dto::RepoDeploys>, orch_store::StoreError> {
+    Ok(repos::read(store, repo)
+        .await?
+        .map(|story| dto::RepoDeploys::from(&story)))
 }
 
 /// The JSON of `orch --json demo` ([`dto::DemoReport`]): `repo`'s story when the demo ran,

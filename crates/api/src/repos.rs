@@ -12,6 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use orch_domain::control::events;
 use orch_domain::outcome::TaskOutcome;
+use orch_domain::payload::{self, ReleaseDeployed};
 use orch_store::{Event, Store, StoreError, Task, TaskFilter};
 use serde_json::Value;
 
@@ -127,35 +128,30 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
     // Deploys: the release train's events; tasks with none fall back to deploy.confirmed.
     let mut deploys: Vec<Deploy> = Vec::new();
     let released = take(&mut events, events::RELEASE_DEPLOYED);
-    for e in &released {
-        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
-        if str_of(&d, "repo").is_some_and(|r| r != repo) {
-            continue;
-        }
-        let items = d
-            .get("items")
-            .and_then(Value::as_array)
-            .map(|items| {
-                items
-                    .iter()
-                    .filter_map(|i| {
-                        Some(ShippedItem {
-                            work_item: str_of(i, "work_item")?,
-                            commit: str_of(i, "commit"),
-                            change: str_of(i, "change").unwrap_or_else(|| "merge".to_owned()),
-                        })
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+    let released: Vec<(Event, ReleaseDeployed)> = released
+        .into_iter()
+        .filter_map(|e| {
+            let d = payload::read::<ReleaseDeployed>(&e.data)?;
+            (d.repo == repo).then_some((e, d))
+        })
+        .collect();
+    for (e, d) in &released {
         deploys.push(Deploy {
             event_id: e.id,
             at_ms: e.created_at,
             deployed_by: work_item(e),
-            revision: str_of(&d, "revision"),
-            previous_revision: str_of(&d, "previous_revision"),
-            seq: d.get("seq").and_then(Value::as_i64),
-            items,
+            revision: Some(d.revision.clone()),
+            previous_revision: d.previous_revision.clone(),
+            seq: d.seq,
+            items: d
+                .items
+                .iter()
+                .map(|i| ShippedItem {
+                    work_item: i.work_item.clone(),
+                    commit: (!i.commit.is_empty()).then(|| i.commit.clone()),
+                    change: i.change.as_str().to_owned(),
+                })
+                .collect(),
             source: events::RELEASE_DEPLOYED,
             verdict: None,
             rolled_back: false,
@@ -167,10 +163,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
     // of the same revision is skipped.
     let released_revs: std::collections::HashSet<(Option<i64>, Option<String>)> = released
         .iter()
-        .map(|e| {
-            let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
-            (e.task_id, str_of(&d, "revision"))
-        })
+        .map(|(e, d)| (e.task_id, Some(d.revision.clone())))
         .collect();
     for e in take(&mut events, events::DEPLOY_CONFIRMED) {
         let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);

@@ -30,6 +30,8 @@
 //!   staging log, the watch's series) with today's rules, optionally changed thresholds.
 //! - [`forge`]: `[repos.<name>.forge]`, issues as work items' requests (bounded, stored as
 //!   data), pagination and the pause a forge's answer calls for (issue 31).
+//! - [`payload`]: the data of the events more than one crate reads, as types (serde both
+//!   ways): `release.deployed`, `release.rolled_back`.
 //! - [`control`]: the control words stored in the database, spelled once: terminal stages,
 //!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]
@@ -44,6 +46,7 @@ pub mod monitor;
 pub mod net;
 pub mod notice;
 pub mod outcome;
+pub mod payload;
 pub mod pipeline;
 pub mod protect;
 pub mod recovery;

@@ -305,7 +305,7 @@ fn outcome_notice(
         .iter()
         .rev()
         .find(|e| e.kind == events::RELEASE_DEPLOYED)
-        .map(data);
+        .and_then(|e| orch_domain::payload::read::<orch_domain::payload::ReleaseDeployed>(&e.data));
     let checked = recent
         .iter()
         .rev()
@@ -369,8 +369,8 @@ fn outcome_notice(
         title: task.title.clone(),
         repo: task.repo.clone(),
         stage: o.stage.clone().unwrap_or_else(|| task.stage.clone()),
-        revision: deployed.as_ref().and_then(|d| text(d, "revision")),
-        previous_revision: deployed.as_ref().and_then(|d| text(d, "previous_revision")),
+        revision: deployed.as_ref().map(|d| d.revision.clone()),
+        previous_revision: deployed.and_then(|d| d.previous_revision),
         outcome: Some(o.outcome.as_str().to_owned()),
         verdict: None,
         action: None,

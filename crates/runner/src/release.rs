@@ -32,6 +32,7 @@ use std::path::Path;
 
 use anyhow::{Context as _, Result, bail};
 use orch_domain::control::events;
+use orch_domain::payload::{self, Change, ReleaseDeployed, ReleaseRolledBack, ShippedChange};
 use orch_domain::pipeline::Pipeline;
 use orch_domain::text::one_line;
 use orch_exec::RevertResult;
@@ -226,20 +227,16 @@ pub async fn live_revision(store: &Store, repo: &str) -> Result<Option<String>> 
             let Some(last) = page.last() else { break };
             after = last.id;
             for e in &page {
-                if field(e, "repo").as_deref() != Some(repo) {
-                    continue;
-                }
                 let live = if kind == events::RELEASE_DEPLOYED {
-                    if value(e)
-                        .get("confirmed")
-                        .and_then(serde_json::Value::as_bool)
-                        != Some(true)
-                    {
-                        continue;
+                    match payload::read::<ReleaseDeployed>(&e.data) {
+                        Some(d) if d.repo == repo && d.confirmed => Some(d.revision),
+                        _ => continue,
                     }
-                    field(e, "revision")
                 } else {
-                    field(e, "live")
+                    match payload::read::<ReleaseRolledBack>(&e.data) {
+                        Some(r) if r.repo == repo => r.live,
+                        _ => continue,
+                    }
                 };
                 if best.as_ref().is_none_or(|(id, _)| e.id > *id) {
                     best = Some((e.id, live));
@@ -248,16 +245,6 @@ pub async fn live_revision(store: &Store, repo: &str) -> Result<Option<String>> 
         }
     }
     Ok(best.and_then(|(_, live)| live))
-}
-
-/// One change a deploy shipped.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ShippedChange {
-    pub work_item: String,
-    pub commit: String,
-    /// `merge` (the item's change), `revert` (the revert of a change shipped before) or
-    /// `reverted` (merged and reverted within the range: not in the deployed revision).
-    pub change: &'static str,
 }
 
 /// The most commits read to list what a deploy shipped.
@@ -287,12 +274,12 @@ pub async fn shipped_changes(
                 .find_map(|l| l.strip_prefix(key).map(|v| v.trim().to_owned()))
         };
         let (work_item, change) = if let Some(item) = trailer("Orch-Revert:") {
-            (item, "revert")
+            (item, Change::Revert)
         } else if let Some(item) = trailer("Work-Item:") {
             if matches!(trailer("Stage:").as_deref(), Some("audit" | "lessons")) {
                 continue;
             }
-            (item, "merge")
+            (item, Change::Merge)
         } else {
             continue;
         };
@@ -313,17 +300,17 @@ pub async fn shipped_changes(
     // says so (`reverted`), so a list never shows it as shipped.
     let both: Vec<String> = out
         .iter()
-        .filter(|c| c.change == "revert")
+        .filter(|c| c.change == Change::Revert)
         .filter(|r| {
             out.iter()
-                .any(|m| m.change == "merge" && m.work_item == r.work_item)
+                .any(|m| m.change == Change::Merge && m.work_item == r.work_item)
         })
         .map(|r| r.work_item.clone())
         .collect();
-    out.retain(|c| !(both.contains(&c.work_item) && c.change == "merge"));
+    out.retain(|c| !(both.contains(&c.work_item) && c.change == Change::Merge));
     for c in &mut out {
-        if c.change == "revert" && both.contains(&c.work_item) {
-            c.change = "reverted";
+        if c.change == Change::Revert && both.contains(&c.work_item) {
+            c.change = Change::Reverted;
         }
     }
     Ok(out)
@@ -360,41 +347,33 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
             Vec::new()
         }
     };
-    let names: Vec<String> = items
-        .iter()
-        .map(|c| match c.change {
-            "merge" => c.work_item.clone(),
-            other => format!("{} ({other})", c.work_item),
-        })
-        .collect();
-    let items_json: Vec<serde_json::Value> = items
-        .iter()
-        .map(|c| json!({"work_item": c.work_item, "commit": c.commit, "change": c.change}))
-        .collect();
+    let names: Vec<String> = items.iter().map(ShippedChange::label).collect();
+    let message = format!(
+        "deploy of `{revision}` {}: ships {}",
+        if confirmed {
+            "confirmed"
+        } else {
+            "not confirmed"
+        },
+        if names.is_empty() {
+            "no new work item".to_owned()
+        } else {
+            names.join(", ")
+        }
+    );
+    let data = ReleaseDeployed {
+        repo: run.repo_name.as_str().to_owned(),
+        revision: revision.to_owned(),
+        previous_revision: prev,
+        confirmed,
+        items,
+        seq: Some(seq),
+    };
     record(
         run,
         events::RELEASE_DEPLOYED,
-        format!(
-            "deploy of `{revision}` {}: ships {}",
-            if confirmed {
-                "confirmed"
-            } else {
-                "not confirmed"
-            },
-            if names.is_empty() {
-                "no new work item".to_owned()
-            } else {
-                names.join(", ")
-            }
-        ),
-        json!({
-            "repo": run.repo_name.as_str(),
-            "revision": revision,
-            "previous_revision": prev,
-            "confirmed": confirmed,
-            "items": items_json,
-            "seq": seq,
-        }),
+        message,
+        serde_json::to_value(data).unwrap_or_default(),
     )
     .await;
 }
@@ -406,26 +385,27 @@ pub async fn shipped_section(run: &StageRun) -> String {
     let Ok(Some(e)) = latest(run, events::RELEASE_DEPLOYED).await else {
         return String::new();
     };
-    let v = value(&e);
-    let items: Vec<String> = v["items"]
-        .as_array()
-        .map(|a| {
-            a.iter()
-                .map(|i| {
-                    let id = i["work_item"].as_str().unwrap_or("?");
-                    let commit = i["commit"].as_str().unwrap_or("");
-                    match i["change"].as_str() {
-                        Some("merge") | None => format!("- {id} (`{commit:.12}`)"),
-                        Some(change) => format!("- {id}: {change} (`{commit:.12}`)"),
-                    }
-                })
-                .collect()
+    let Some(d) = payload::read::<ReleaseDeployed>(&e.data) else {
+        tracing::warn!(work_item = %run.work_item, event = e.id, "a release.deployed event of another shape: no section on what the deploy shipped");
+        return String::new();
+    };
+    let items: Vec<String> = d
+        .items
+        .iter()
+        .map(|i| match i.change {
+            Change::Merge => format!("- {} (`{:.12}`)", i.work_item, i.commit),
+            change => format!(
+                "- {}: {} (`{:.12}`)",
+                i.work_item,
+                change.as_str(),
+                i.commit
+            ),
         })
-        .unwrap_or_default();
+        .collect();
     format!(
         "\n## What this deploy shipped\n\n- revision: `{}`\n- previous live revision: `{}`\n- work items between them:\n\n{}\n",
-        v["revision"].as_str().unwrap_or("?"),
-        v["previous_revision"].as_str().unwrap_or("unknown"),
+        d.revision,
+        d.previous_revision.as_deref().unwrap_or("unknown"),
         if items.is_empty() {
             "- (none recorded)".to_owned()
         } else {
@@ -443,7 +423,12 @@ pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&st
             "production rolled back from `{revision}` to `{}`",
             live.unwrap_or("the previous release")
         ),
-        json!({"repo": run.repo_name.as_str(), "revision": revision, "live": live}),
+        serde_json::to_value(ReleaseRolledBack {
+            repo: run.repo_name.as_str().to_owned(),
+            revision: revision.to_owned(),
+            live: live.map(str::to_owned),
+        })
+        .unwrap_or_default(),
     )
     .await;
 }
@@ -451,7 +436,7 @@ pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&st
 /// The revision that was live before this task's deploy (from its `release.deployed`).
 pub async fn previous_of_deploy(run: &StageRun) -> Option<String> {
     let e = latest(run, events::RELEASE_DEPLOYED).await.ok()??;
-    field(&e, "previous_revision")
+    payload::read::<ReleaseDeployed>(&e.data)?.previous_revision
 }
 
 /// What [`revert`] did.
@@ -681,7 +666,8 @@ pub async fn announce_hold(run: &StageRun, event_id: i64, at_ms: i64, reason: &s
     let deployed = history
         .iter()
         .rev()
-        .find(|e| e.kind == events::RELEASE_DEPLOYED);
+        .find(|e| e.kind == events::RELEASE_DEPLOYED)
+        .and_then(|e| payload::read::<ReleaseDeployed>(&e.data));
     let id = run.work_item.as_str();
     let notice = Notice {
         version: notice::VERSION,
@@ -692,8 +678,8 @@ pub async fn announce_hold(run: &StageRun, event_id: i64, at_ms: i64, reason: &s
         title: run.task.title.clone(),
         repo: run.repo_name.as_str().to_owned(),
         stage: run.stage.name.as_str().to_owned(),
-        revision: deployed.and_then(|e| field(e, "revision")),
-        previous_revision: deployed.and_then(|e| field(e, "previous_revision")),
+        revision: deployed.as_ref().map(|d| d.revision.clone()),
+        previous_revision: deployed.and_then(|d| d.previous_revision),
         outcome: None,
         verdict: None,
         action: None,

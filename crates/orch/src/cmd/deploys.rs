@@ -4,7 +4,6 @@
 use std::process::ExitCode;
 
 use anyhow::{Context as _, Result};
-use serde_json::Value;
 
 use crate::context::Context;
 use crate::output::{print_json, table};
@@ -12,51 +11,50 @@ use crate::output::{print_json, table};
 pub async fn run(cx: &Context, repo: &str) -> Result<ExitCode> {
     let repo: orch_domain::ids::RepoName = repo.parse()?;
     let store = cx.open_store().await?;
-    let doc = orch_api::repo_deploys_json(&store, repo.as_str()).await;
+    let doc = orch_api::repo_deploys(&store, repo.as_str()).await;
     store.close().await;
     let doc = doc?.with_context(|| format!("repo {repo} has no work items"))?;
     if cx.json {
-        print_json(&doc);
+        print_json(&serde_json::to_value(&doc)?);
         return Ok(ExitCode::SUCCESS);
     }
-    let s = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_owned();
-    let list = |v: &Value, k: &str| {
-        v.get(k)
-            .and_then(Value::as_array)
-            .cloned()
-            .unwrap_or_default()
-    };
     crate::output::outln(&format!("repo {repo}\n"));
-    let deploys = list(&doc, "deploys");
-    if deploys.is_empty() {
+    if doc.deploys.is_empty() {
         crate::output::outln("no production deploy recorded yet");
     } else {
-        let rows: Vec<Vec<String>> = deploys
+        let rows: Vec<Vec<String>> = doc
+            .deploys
             .iter()
             .rev()
             .map(|d| {
-                let items: Vec<String> = list(d, "items")
+                let items: Vec<String> = d
+                    .items
                     .iter()
-                    .map(|i| match s(i, "change").as_str() {
-                        "merge" | "" => s(i, "work_item"),
-                        c => format!("{} ({c})", s(i, "work_item")),
+                    .map(|i| match i.change.as_str() {
+                        "merge" | "" => i.work_item.clone(),
+                        c => format!("{} ({c})", i.work_item),
                     })
                     .collect();
                 let mut after = Vec::new();
-                if d.get("rolled_back").and_then(Value::as_bool) == Some(true) {
+                if d.rolled_back {
                     after.push("rolled back".to_owned());
                 }
-                if d.get("rollback_failed").and_then(Value::as_bool) == Some(true) {
+                if d.rollback_failed {
                     after.push("rollback failed".to_owned());
                 }
-                for r in list(d, "reverts") {
-                    after.push(format!("reverted {}", s(&r, "work_item")));
+                for r in &d.reverts {
+                    after.push(format!("reverted {}", r.work_item));
                 }
                 vec![
-                    jiff_time(d.get("at_ms").and_then(Value::as_i64).unwrap_or(0)),
-                    s(d, "revision").chars().take(12).collect(),
+                    jiff_time(d.at_ms),
+                    d.revision
+                        .as_deref()
+                        .unwrap_or_default()
+                        .chars()
+                        .take(12)
+                        .collect(),
                     items.join(", "),
-                    s(d, "verdict"),
+                    d.verdict.clone().unwrap_or_default(),
                     after.join("; "),
                 ]
             })
@@ -66,24 +64,22 @@ pub async fn run(cx: &Context, repo: &str) -> Result<ExitCode> {
             &rows,
         ));
     }
-    let in_flight = list(&doc, "in_flight");
     crate::output::outln(&format!(
         "\nin flight: {}",
-        if in_flight.is_empty() {
+        if doc.in_flight.is_empty() {
             "none".to_owned()
         } else {
-            in_flight
+            doc.in_flight
                 .iter()
-                .map(|t| format!("{} ({})", s(t, "work_item_id"), s(t, "stage")))
+                .map(|t| format!("{} ({})", t.work_item_id, t.stage))
                 .collect::<Vec<_>>()
                 .join(", ")
         }
     ));
-    let lessons = list(&doc, "lessons");
-    if !lessons.is_empty() {
+    if !doc.lessons.is_empty() {
         crate::output::outln("\nlessons:");
-        for l in lessons.iter().take(10) {
-            crate::output::outln(&format!("  {}  {}", s(l, "work_item"), s(l, "message")));
+        for l in doc.lessons.iter().take(10) {
+            crate::output::outln(&format!("  {}  {}", l.work_item, l.message));
         }
     }
     Ok(ExitCode::SUCCESS)

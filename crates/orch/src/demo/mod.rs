@@ -649,25 +649,15 @@ async fn summary(
         .events_by_kind(events::RELEASE_DEPLOYED, 0, 1000)
         .await?;
     for e in &deploys {
-        let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
-        let items: Vec<String> = v["items"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|i| {
-                        let id = i["work_item"].as_str().unwrap_or("?");
-                        match i["change"].as_str() {
-                            Some("merge") => id.to_owned(),
-                            other => format!("{id} ({})", other.unwrap_or("?")),
-                        }
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
+        let Some(d) = orch_domain::payload::read::<orch_domain::payload::ReleaseDeployed>(&e.data)
+        else {
+            continue;
+        };
+        let items: Vec<String> = d.items.iter().map(|i| i.label()).collect();
         say!(
             "    {:.12}  {}  ships: {}",
-            v["revision"].as_str().unwrap_or("?"),
-            if v["confirmed"] == true {
+            d.revision,
+            if d.confirmed {
                 "confirmed"
             } else {
                 "not confirmed"
