@@ -130,6 +130,27 @@ pub fn read_regular(path: &Path) -> std::io::Result<Option<String>> {
     Ok(Some(String::from_utf8_lossy(&bytes).into_owned()))
 }
 
+/// A regular file (not a link) below `dir`, at most `depth` folders down, whose name matches.
+pub fn find_file(dir: &Path, matches: &dyn Fn(&str) -> bool, depth: usize) -> Option<PathBuf> {
+    for entry in std::fs::read_dir(dir).ok()?.flatten().take(10_000) {
+        let Ok(kind) = entry.file_type() else {
+            continue;
+        };
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        if kind.is_file() && matches(&name) {
+            return Some(entry.path());
+        }
+        if kind.is_dir()
+            && depth > 0
+            && let Some(found) = find_file(&entry.path(), matches, depth - 1)
+        {
+            return Some(found);
+        }
+    }
+    None
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -235,12 +235,7 @@ async fn agents(r: &mut Report, config: &Config) {
             }
             continue;
         }
-        let preset = match a.backend {
-            Backend::Claude => Some("claude"),
-            Backend::Codex => Some("codex"),
-            Backend::Aider => Some("aider"),
-            Backend::Command | Backend::Openai => None,
-        };
+        let preset = orch_runner::agents::preset_name(a.backend);
         if preset.is_some() {
             preset_key(r, name.as_str(), a);
             if let Some(endpoint) = &a.endpoint {

@@ -29,6 +29,12 @@ use super::{
     mentions_transient,
 };
 
+// One file per CLI preset: its flags, environment, session arguments, output parser, the
+// files of its own in a user's HOME and the versions orch's real-CLI tests ran.
+mod aider;
+mod claude;
+mod codex;
+
 /// Bytes kept from the end of stdout and of stderr. Claude Code's result object is the whole
 /// of its stdout, so this bounds the largest result it can report.
 const OUTPUT_LIMIT: usize = 4 * 1024 * 1024;
@@ -39,28 +45,6 @@ const TRANSIENT_SCAN_BYTES: usize = 8 * 1024;
 pub(crate) const DEFAULT_MAX_TURNS: u32 = 50;
 /// Retries a CLI makes itself on API errors, by default.
 pub(crate) const DEFAULT_CLI_RETRIES: u32 = 2;
-
-/// Claude Code tools no role gets unless configured: the web, scheduling, sub-agents,
-/// worktree switching and messaging.
-const CLAUDE_DENIED_TOOLS: [&str; 17] = [
-    "WebFetch",
-    "WebSearch",
-    "Agent",
-    "Task",
-    "CronCreate",
-    "CronDelete",
-    "CronList",
-    "ScheduleWakeup",
-    "Workflow",
-    "SendMessage",
-    "EnterWorktree",
-    "ExitWorktree",
-    "Skill",
-    "TaskCreate",
-    "TaskUpdate",
-    "TaskStop",
-    "ReportFindings",
-];
 
 /// Tools whose denial means the agent could not do its work (a write, an edit, a command):
 /// such a run fails for good.
@@ -83,13 +67,6 @@ impl Role {
             Role::Commands
         } else {
             Role::Documents
-        }
-    }
-
-    fn claude_tools(self) -> &'static [&'static str] {
-        match self {
-            Role::Documents => &["Read", "Write", "Edit"],
-            Role::Commands => &["Read", "Write", "Edit", "Bash"],
         }
     }
 }
@@ -133,13 +110,6 @@ struct Dirs {
 /// `contained`: orch's own sandbox runs the CLI (a CLI's own sandbox cannot be set up inside
 /// it: Codex's then runs with full access inside orch's).
 fn plan(config: &AgentConfig, role: Role, dirs: &Dirs, contained: bool) -> Result<Plan, String> {
-    let model_args = |flag: &str| -> Vec<String> {
-        config
-            .model
-            .iter()
-            .flat_map(|m| [flag.to_owned(), m.clone()])
-            .collect()
-    };
     let program = |default: &str| {
         config
             .command
@@ -147,7 +117,6 @@ fn plan(config: &AgentConfig, role: Role, dirs: &Dirs, contained: bool) -> Resul
             .filter(|c| !c.trim().is_empty())
             .unwrap_or_else(|| default.to_owned())
     };
-    let strs = |a: &[&str]| a.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
     let mut env: Vec<(String, String)> = Vec::new();
     if let Some(home) = &dirs.home {
         env.push(("HOME".into(), home.display().to_string()));
@@ -167,152 +136,45 @@ fn plan(config: &AgentConfig, role: Role, dirs: &Dirs, contained: bool) -> Resul
             env,
             codex_config: None,
         },
-        Backend::Claude => {
-            let allowed: Vec<String> = match &config.allowed_tools {
-                Some(list) => list.clone(),
-                None => strs(role.claude_tools()),
-            };
-            let disallowed: Vec<String> = match &config.disallowed_tools {
-                Some(list) => list.clone(),
-                None => strs(&CLAUDE_DENIED_TOOLS),
-            };
-            // The tools the model is offered: the role's, plus any allowed by configuration
-            // (`Bash(git status:*)` offers `Bash`), minus the refused ones.
-            let mut offered: Vec<String> = strs(role.claude_tools());
-            for a in &allowed {
-                let name = a.split('(').next().unwrap_or(a).trim().to_owned();
-                if !name.is_empty() && !offered.contains(&name) {
-                    offered.push(name);
-                }
-            }
-            offered.retain(|t| !disallowed.contains(t));
-            // stream-json (which `-p` wants with `--verbose`): every message, tool call and
-            // tool result as a line, the result object last — the run's transcript.
-            let mut args = strs(&[
-                "-p",
-                "--output-format",
-                "stream-json",
-                "--verbose",
-                "--max-turns",
-            ]);
-            args.push(config.max_turns.unwrap_or(DEFAULT_MAX_TURNS).to_string());
-            args.push("--tools".into());
-            args.push(offered.join(","));
-            if !allowed.is_empty() {
-                args.push("--allowedTools".into());
-                args.push(allowed.join(","));
-            }
-            if !disallowed.is_empty() {
-                args.push("--disallowedTools".into());
-                args.push(disallowed.join(","));
-            }
-            env.push((
-                "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC".into(),
-                "1".into(),
-            ));
-            env.push(("CLAUDE_CODE_MAX_RETRIES".into(), retries.to_string()));
-            if let Some(url) = &config.endpoint {
-                env.push(("ANTHROPIC_BASE_URL".into(), url.clone()));
-            }
-            Plan {
-                program: program("claude"),
-                args: [args, model_args("--model"), config.args.clone()].concat(),
-                via: config.prompt_via,
-                parser: Parser::Claude,
-                env,
-                codex_config: None,
-            }
-        }
-        Backend::Codex => {
-            let stdin_marker = match config.prompt_via {
-                PromptVia::Stdin => strs(&["-"]),
-                PromptVia::File => Vec::new(),
-            };
-            let codex_config = dirs.home.as_ref().map(|home| {
-                env.push((
-                    "CODEX_HOME".into(),
-                    home.join(".codex").display().to_string(),
-                ));
-                codex_config(config, retries)
-            });
-            Plan {
-                program: program("codex"),
-                args: [
-                    strs(&[
-                        "exec",
-                        "--json",
-                        "-s",
-                        if contained {
-                            "danger-full-access"
-                        } else {
-                            "workspace-write"
-                        },
-                        "--skip-git-repo-check",
-                    ]),
-                    model_args("-m"),
-                    config.args.clone(),
-                    stdin_marker,
-                ]
-                .concat(),
-                via: config.prompt_via,
-                parser: Parser::Codex,
-                env,
-                codex_config,
-            }
-        }
-        Backend::Aider => {
-            let file = |name: &str| dirs.files.join(name).display().to_string();
-            let mut args = strs(&[
-                "--yes-always",
-                "--no-auto-commits",
-                "--no-dirty-commits",
-                "--no-gitignore",
-                "--map-tokens",
-                "0",
-                "--no-auto-lint",
-                "--no-detect-urls",
-                "--no-check-update",
-                "--no-show-release-notes",
-                "--no-analytics",
-                "--no-pretty",
-                "--no-fancy-input",
-                "--no-show-model-warnings",
-            ]);
-            args.extend([
-                "--chat-history-file".to_owned(),
-                file("chat.history.md"),
-                "--input-history-file".to_owned(),
-                file("input.history"),
-                "--llm-history-file".to_owned(),
-                file("llm.history"),
-                "--message-file".to_owned(),
-                "{prompt_file}".to_owned(),
-            ]);
-            if let Some(model) = &config.model {
-                // An OpenAI-compatible endpoint is reached through litellm's `openai/` route.
-                let model = if config.endpoint.is_some() && !model.contains('/') {
-                    format!("openai/{model}")
-                } else {
-                    model.clone()
-                };
-                args.extend(["--model".to_owned(), model]);
-            }
-            if let Some(url) = &config.endpoint {
-                args.extend(["--openai-api-base".to_owned(), url.clone()]);
-            }
-            // litellm would fetch its price list from the internet on every start.
-            env.push(("LITELLM_LOCAL_MODEL_COST_MAP".into(), "True".into()));
-            Plan {
-                program: program("aider"),
-                args: [args, config.args.clone()].concat(),
-                via: PromptVia::File,
-                parser: Parser::Aider,
-                env,
-                codex_config: None,
-            }
-        }
+        Backend::Claude => claude::plan(config, role, program(claude::NAME), env, retries),
+        Backend::Codex => codex::plan(config, dirs, contained, program(codex::NAME), env, retries),
+        Backend::Aider => aider::plan(config, dirs, program(aider::NAME), env),
         Backend::Openai => return Err("the `openai` backend is not a command".to_owned()),
     })
+}
+
+/// The CLI name of a preset backend (`None`: not a preset).
+pub(super) fn preset_name(backend: Backend) -> Option<&'static str> {
+    match backend {
+        Backend::Claude => Some(claude::NAME),
+        Backend::Codex => Some(codex::NAME),
+        Backend::Aider => Some(aider::NAME),
+        Backend::Command | Backend::Openai => None,
+    }
+}
+
+/// The oldest and newest versions of preset `name`'s CLI that orch's real-CLI tests ran;
+/// empty for a name that is no preset.
+pub(super) fn preset_tested(name: &str) -> (&'static str, &'static str) {
+    match name {
+        claude::NAME => claude::TESTED,
+        codex::NAME => codex::TESTED,
+        aider::NAME => aider::TESTED,
+        _ => ("", ""),
+    }
+}
+
+/// `[flag, model]` when the agent names a model.
+fn model_args(config: &AgentConfig, flag: &str) -> Vec<String> {
+    config
+        .model
+        .iter()
+        .flat_map(|m| [flag.to_owned(), m.clone()])
+        .collect()
+}
+
+fn strs(a: &[&str]) -> Vec<String> {
+    a.iter().map(|s| (*s).to_owned()).collect()
 }
 
 /// How a try continues or names its CLI session ([`super::resume`]).
@@ -330,58 +192,13 @@ struct SessionArgs {
 /// `plan` with the session arguments of its CLI: Claude Code `--resume <id>` or
 /// `--session-id <id>`, Codex `exec … resume <id> -`, Aider `--restore-chat-history`.
 fn with_session(mut plan: Plan, backend: Backend, session: &SessionArgs) -> Plan {
-    match (backend, &session.resume, &session.new_id) {
-        (Backend::Claude, Some(id), _) => {
-            plan.args.extend(["--resume".to_owned(), id.clone()]);
-        }
-        (Backend::Claude, None, Some(id)) => {
-            plan.args.extend(["--session-id".to_owned(), id.clone()]);
-        }
-        (Backend::Codex, Some(id), _) => {
-            // `resume <id>` is a subcommand of `exec`: after exec's options, before the
-            // prompt's `-`.
-            let at = if plan.via == PromptVia::Stdin && plan.args.last().is_some_and(|a| a == "-") {
-                plan.args.len() - 1
-            } else {
-                plan.args.len()
-            };
-            plan.args.insert(at, id.clone());
-            plan.args.insert(at, "resume".to_owned());
-        }
-        (Backend::Aider, Some(_), _) => plan.args.push("--restore-chat-history".to_owned()),
-        _ => {}
+    match backend {
+        Backend::Claude => claude::with_session(&mut plan, session),
+        Backend::Codex => codex::with_session(&mut plan, session),
+        Backend::Aider => aider::with_session(&mut plan, session),
+        Backend::Command | Backend::Openai => {}
     }
     plan
-}
-
-/// A TOML string literal.
-fn toml_str(s: &str) -> String {
-    Value::String(s.to_owned()).to_string()
-}
-
-/// `$CODEX_HOME/config.toml` of a run: a provider `orch` speaking the Responses API at the
-/// agent's `endpoint` (OpenAI's by default) with the key from `api_key_env`.
-fn codex_config(config: &AgentConfig, retries: u32) -> String {
-    let base_url = config
-        .endpoint
-        .clone()
-        .unwrap_or_else(|| "https://api.openai.com/v1".to_owned());
-    let key = config
-        .api_key_env
-        .clone()
-        .unwrap_or_else(|| "OPENAI_API_KEY".to_owned());
-    let mut text = String::from("# Written by orch for one agent run.\n");
-    if let Some(model) = &config.model {
-        text.push_str(&format!("model = {}\n", toml_str(model)));
-    }
-    text.push_str(&format!(
-        "model_provider = \"orch\"\napproval_policy = \"never\"\n\n[model_providers.orch]\n\
-         name = \"orch\"\nbase_url = {}\nwire_api = \"responses\"\nenv_key = {}\n\
-         request_max_retries = {retries}\nstream_max_retries = {retries}\n",
-        toml_str(&base_url),
-        toml_str(&key)
-    ));
-    text
 }
 
 /// With `config_home = "user"`, the CLI's own files in the orch user's `HOME` (its login and
@@ -391,9 +208,9 @@ fn user_config_dirs(backend: Backend) -> Vec<PathBuf> {
         return Vec::new();
     };
     let names: &[&str] = match backend {
-        Backend::Claude => &[".claude", ".claude.json"],
-        Backend::Codex => &[".codex"],
-        Backend::Aider => &[".aider"],
+        Backend::Claude => claude::USER_CONFIG,
+        Backend::Codex => codex::USER_CONFIG,
+        Backend::Aider => aider::USER_CONFIG,
         Backend::Command | Backend::Openai => &[],
     };
     names.iter().map(|n| home.join(n)).collect()
@@ -627,7 +444,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         Err(e) => TryResult::failed(inv.error(e.to_string())),
     };
     if plan.parser == Parser::Codex {
-        codex_rollout_denials(&dirs, &mut result);
+        codex::rollout_denials(&dirs, &mut result);
     }
     if plan.parser == Parser::Aider {
         // Aider's chat history says more than its console (the prompt, the replies, the
@@ -638,7 +455,7 @@ pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
         {
             t.replace(history.as_bytes());
         }
-        let cleaned = clean_after_aider(&inv.run.git, inv.worktree).await;
+        let cleaned = aider::clean_after(&inv.run.git, inv.worktree).await;
         if !cleaned.is_empty() {
             result.data.insert("aider_cleaned".into(), json!(cleaned));
         }
@@ -762,58 +579,6 @@ async fn session_of(
         tracing::warn!(key, error = %e, "cannot bind the agent's state to its attempt; a lost run will start afresh");
     }
     (Some(state), args)
-}
-
-/// Undoes what Aider does to a worktree besides the work: its `.aider*` files at the root
-/// and the files it `git add`s (the index is reset to `HEAD`; the engine commits what the
-/// stage may commit). Returns what was removed or unstaged.
-async fn clean_after_aider(git: &orch_exec::Git, worktree: &Path) -> Vec<String> {
-    let mut cleaned = Vec::new();
-    if let Ok(entries) = std::fs::read_dir(worktree) {
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(".aider") {
-                let path = entry.path();
-                let removed = if path.is_dir() {
-                    std::fs::remove_dir_all(&path)
-                } else {
-                    std::fs::remove_file(&path)
-                };
-                match removed {
-                    Ok(()) => cleaned.push(name),
-                    Err(e) => {
-                        tracing::warn!(path = %path.display(), error = %e, "cannot remove aider's file")
-                    }
-                }
-            }
-        }
-    }
-    let staged =
-        run_process(
-            &git.command(worktree)
-                .args(["diff", "--cached", "--name-only", "-z"]),
-        )
-        .await;
-    if let Ok(out) = staged
-        && out.success()
-    {
-        let names: Vec<String> = out
-            .stdout_lossy()
-            .split('\0')
-            .filter(|s| !s.is_empty())
-            .map(|s| format!("unstaged {s}"))
-            .collect();
-        if !names.is_empty() {
-            match run_process(&git.command(worktree).args(["reset", "-q"])).await {
-                Ok(o) if o.success() => cleaned.extend(names),
-                Ok(o) => {
-                    tracing::warn!(output = %o.tail_text(5), "cannot reset aider's staged files")
-                }
-                Err(e) => tracing::warn!(error = %e, "cannot reset aider's staged files"),
-            }
-        }
-    }
-    cleaned
 }
 
 /// The prompt in a private temporary file in the run's own directory `dir` (outside the
@@ -1090,9 +855,9 @@ fn interpret(inv: &Invocation<'_>, plan: &Plan, out: &Output) -> TryResult {
     result.exit_code = Some(i64::from(code));
     let parsed = match plan.parser {
         Parser::Plain => Parsed::default(),
-        Parser::Claude => parse_claude(&out.stdout_lossy()),
-        Parser::Codex => parse_codex(&out.stdout_lossy()),
-        Parser::Aider => parse_aider(&format!("{}\n{}", out.stdout_lossy(), out.stderr_lossy())),
+        Parser::Claude => claude::parse(&out.stdout_lossy()),
+        Parser::Codex => codex::parse(&out.stdout_lossy()),
+        Parser::Aider => aider::parse(&format!("{}\n{}", out.stdout_lossy(), out.stderr_lossy())),
     };
     result.usage = parsed.usage;
     result.data.extend(parsed.data);
@@ -1213,475 +978,10 @@ fn input_summary(input: &Value) -> String {
     bound_text(&text, 300)
 }
 
-/// Claude Code's `--output-format json` result: one object (`"type": "result"`), or, with
-/// `--verbose`, an array or lines of events ending in it.
-fn parse_claude(stdout: &str) -> Parsed {
-    let mut parsed = Parsed::default();
-    let Some(result) = find_claude_result(stdout) else {
-        return parsed;
-    };
-    if let Some(usage) = result.get("usage") {
-        let cache = int(usage, "cache_creation_input_tokens").unwrap_or(0)
-            + int(usage, "cache_read_input_tokens").unwrap_or(0);
-        parsed.usage.input = int(usage, "input_tokens").map(|i| i + cache);
-        parsed.usage.output = int(usage, "output_tokens");
-    }
-    parsed.usage.cost_usd = result.get("total_cost_usd").and_then(Value::as_f64);
-    for key in [
-        "session_id",
-        "num_turns",
-        "duration_ms",
-        "subtype",
-        "api_error_status",
-        "api_error",
-        "terminal_reason",
-        "stop_reason",
-        "errors",
-    ] {
-        if let Some(v) = result.get(key).filter(|v| !v.is_null()) {
-            parsed.data.insert(format!("claude_{key}"), v.clone());
-        }
-    }
-    if let Some(models) = result.get("modelUsage").and_then(Value::as_object) {
-        let names: Vec<Value> = models.keys().map(|k| Value::from(k.as_str())).collect();
-        parsed
-            .data
-            .insert("claude_models".into(), Value::Array(names));
-    }
-    for d in result
-        .get("permission_denials")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-    {
-        let tool = d
-            .get("tool_name")
-            .and_then(Value::as_str)
-            .unwrap_or("unknown")
-            .to_owned();
-        parsed.denials.push(Denial {
-            required: REQUIRED_TOOLS.contains(&tool.as_str()),
-            detail: input_summary(d.get("tool_input").unwrap_or(&Value::Null)),
-            tool,
-        });
-    }
-    let subtype = result.get("subtype").and_then(Value::as_str).unwrap_or("");
-    let errors: Vec<String> = result
-        .get("errors")
-        .and_then(Value::as_array)
-        .into_iter()
-        .flatten()
-        .map(|e| {
-            e.as_str()
-                .map(str::to_owned)
-                .unwrap_or_else(|| e.to_string())
-        })
-        .collect();
-    let status = result.get("api_error_status").and_then(Value::as_i64);
-    let is_error = result.get("is_error").and_then(Value::as_bool) == Some(true);
-    if is_error || subtype.starts_with("error") {
-        let text = result
-            .get("result")
-            .and_then(Value::as_str)
-            .filter(|s| !s.trim().is_empty())
-            .map(str::to_owned)
-            .or_else(|| (!errors.is_empty()).then(|| errors.join("; ")))
-            .unwrap_or_else(|| {
-                if subtype.is_empty() {
-                    "is_error is true".to_owned()
-                } else {
-                    subtype.to_owned()
-                }
-            });
-        let mut text = text.trim().to_owned();
-        if let Some(status) = status {
-            text = format!("API error {status}: {text}");
-        }
-        if subtype.starts_with("error_") {
-            text = format!("{subtype}: {text}");
-            if !errors.is_empty() && !text.contains(&errors[0]) {
-                text = format!("{text} ({})", errors.join("; "));
-            }
-        }
-        // The structured fields first (newer Claude Code: `api_error` names the kind, e.g.
-        // "connection_failed"; `api_error_status` the HTTP status), the message text last.
-        let api_error = result.get("api_error").and_then(Value::as_str);
-        parsed.auth = matches!(status, Some(401 | 403))
-            || api_error.is_some_and(|k| k.contains("auth") || k.contains("permission"));
-        parsed.class = Some(
-            match (subtype, status, api_error.and_then(class_of_api_error)) {
-                ("error_max_turns" | "error_max_budget_usd", _, _) => Class::Permanent,
-                (_, Some(s), _) => class_of_status(s),
-                (_, None, Some(c)) => c,
-                _ => class_of_text(&text),
-            },
-        );
-        parsed.error = Some(bound_text(&text, MAX_ERROR_BYTES));
-    }
-    parsed
-}
-
-fn find_claude_result(stdout: &str) -> Option<Value> {
-    let is_result = |v: &Value| v.get("type").and_then(Value::as_str) == Some("result");
-    match serde_json::from_str::<Value>(stdout.trim()) {
-        Ok(v) if is_result(&v) => return Some(v),
-        Ok(Value::Array(events)) => return events.into_iter().rev().find(is_result),
-        _ => {}
-    }
-    stdout
-        .lines()
-        .rev()
-        .filter_map(|l| serde_json::from_str::<Value>(l.trim()).ok())
-        .find(is_result)
-}
-
-/// Words of a command's output that mean the sandbox refused it.
-const SANDBOX_DENIED: [&str; 3] = [
-    "read-only file system",
-    "operation not permitted",
-    "permission denied",
-];
-
-/// Codex CLI's `exec --json` events: usage summed over `turn.completed`; a `turn.failed`, or
-/// an `error` event not followed by a completed turn, is the run's error. `error` *items*
-/// (e.g. "Model metadata … not found") are warnings. A command the sandbox refused is a
-/// denial.
-fn parse_codex(stdout: &str) -> Parsed {
-    let mut parsed = Parsed::default();
-    let (mut input, mut cached, mut output, mut turns) = (0i64, 0i64, 0i64, 0i64);
-    let mut failed: Option<String> = None;
-    let mut pending: Option<String> = None;
-    let mut warnings: Vec<Value> = Vec::new();
-    let mut failed_commands: Vec<Value> = Vec::new();
-    let mut commands = 0i64;
-    for line in stdout.lines() {
-        let Ok(event) = serde_json::from_str::<Value>(line.trim()) else {
-            continue;
-        };
-        let message = |v: &Value| -> String {
-            v.get("error")
-                .and_then(|e| e.get("message").and_then(Value::as_str).or(e.as_str()))
-                .or_else(|| v.get("message").and_then(Value::as_str))
-                .unwrap_or("unknown error")
-                .to_owned()
-        };
-        match event.get("type").and_then(Value::as_str) {
-            Some("turn.completed") => {
-                let usage = event.get("usage").unwrap_or(&Value::Null);
-                input += int(usage, "input_tokens").unwrap_or(0);
-                cached += int(usage, "cached_input_tokens").unwrap_or(0);
-                output += int(usage, "output_tokens").unwrap_or(0);
-                turns += 1;
-                pending = None;
-            }
-            Some("turn.failed") => failed = Some(message(&event)),
-            Some("error") => pending = Some(message(&event)),
-            Some("thread.started") => {
-                if let Some(id) = event.get("thread_id") {
-                    parsed.data.insert("codex_thread_id".into(), id.clone());
-                }
-            }
-            Some("item.completed") => {
-                let item = event.get("item").unwrap_or(&Value::Null);
-                match item.get("type").and_then(Value::as_str) {
-                    Some("error") => {
-                        warnings.push(item.get("message").cloned().unwrap_or_else(|| item.clone()))
-                    }
-                    Some("command_execution") => {
-                        commands += 1;
-                        let code = item.get("exit_code").and_then(Value::as_i64);
-                        if code.is_some_and(|c| c != 0) {
-                            let command = item
-                                .get("command")
-                                .and_then(Value::as_str)
-                                .unwrap_or_default();
-                            let out = item
-                                .get("aggregated_output")
-                                .and_then(Value::as_str)
-                                .unwrap_or_default();
-                            failed_commands.push(json!({
-                                "command": bound_text(command, 300),
-                                "exit_code": code,
-                                "output": bound_text(out, 500),
-                            }));
-                            let lower = out.to_lowercase();
-                            if SANDBOX_DENIED.iter().any(|w| lower.contains(w)) {
-                                parsed.denials.push(Denial {
-                                    tool: "sandbox".into(),
-                                    detail: bound_text(command, 300),
-                                    required: true,
-                                });
-                            }
-                        }
-                    }
-                    _ => {}
-                }
-            }
-            _ => {}
-        }
-    }
-    if turns > 0 {
-        parsed.usage.input = Some(input);
-        parsed.usage.output = Some(output);
-        parsed
-            .data
-            .insert("codex_cached_input_tokens".into(), cached.into());
-        parsed.data.insert("codex_turns".into(), turns.into());
-    }
-    parsed.data.insert("codex_commands".into(), commands.into());
-    if !warnings.is_empty() {
-        parsed
-            .data
-            .insert("codex_warnings".into(), Value::Array(warnings));
-    }
-    if !failed_commands.is_empty() {
-        parsed.data.insert(
-            "codex_failed_commands".into(),
-            Value::Array(failed_commands),
-        );
-    }
-    parsed.error = failed.or(pending).map(|e| bound_text(&e, MAX_ERROR_BYTES));
-    if let Some(e) = &parsed.error {
-        parsed.class = Some(class_of_text(e));
-    }
-    parsed
-}
-
-/// Adds the sandbox refusals that Codex's `exec --json` events leave out. Codex 0.171 emits
-/// no `command_execution` item for an `exec_command` the sandbox refuses before its early-exit
-/// window closes (a plain `touch` outside the workspace): the model gets "Read-only file
-/// system" but the JSONL shows nothing. The session's rollout
-/// (`$CODEX_HOME/sessions/…/rollout-…-<thread id>.jsonl`, read before the run's home is
-/// removed) has every call and its output.
-fn codex_rollout_denials(dirs: &Dirs, result: &mut TryResult) {
-    let Some(thread) = result.data.get("codex_thread_id").and_then(Value::as_str) else {
-        return;
-    };
-    let codex_home = match &dirs.home {
-        Some(home) => Some(home.join(".codex")),
-        None => std::env::var_os("CODEX_HOME")
-            .map(PathBuf::from)
-            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".codex"))),
-    };
-    let Some(sessions) = codex_home.map(|h| h.join("sessions")) else {
-        return;
-    };
-    let suffix = format!("-{thread}.jsonl");
-    let Some(rollout) = find_file(
-        &sessions,
-        &|name: &str| name.starts_with("rollout-") && name.ends_with(&suffix),
-        4,
-    ) else {
-        return;
-    };
-    // The rollout is the agent's file: read as a regular file, never through a link, bounded.
-    let Ok(Some(text)) = crate::fsutil::read_regular(&rollout) else {
-        return;
-    };
-    for denial in parse_codex_rollout(&text) {
-        // The same refusal seen in the events too (as `/bin/bash -lc '<cmd>'`) counts once.
-        if !result
-            .denials
-            .iter()
-            .any(|d| d.tool == denial.tool && d.detail.contains(denial.detail.as_str()))
-        {
-            result.denials.push(denial);
-        }
-    }
-}
-
-/// The first file under `dir` (at most `depth` levels down) whose name `matches`.
-fn find_file(dir: &Path, matches: &dyn Fn(&str) -> bool, depth: usize) -> Option<PathBuf> {
-    for entry in std::fs::read_dir(dir).ok()?.flatten() {
-        let path = entry.path();
-        let Ok(kind) = entry.file_type() else {
-            continue;
-        };
-        if kind.is_file() && matches(&entry.file_name().to_string_lossy()) {
-            return Some(path);
-        }
-        if kind.is_dir()
-            && depth > 0
-            && let Some(found) = find_file(&path, matches, depth - 1)
-        {
-            return Some(found);
-        }
-    }
-    None
-}
-
-/// The sandbox refusals in a Codex rollout: a tool call whose output reports a non-zero exit
-/// ("Process exited with code 1", "Exit code: 1") and words of a refusal.
-fn parse_codex_rollout(text: &str) -> Vec<Denial> {
-    let mut commands: std::collections::HashMap<String, String> = Default::default();
-    let mut denials = Vec::new();
-    for line in text.lines() {
-        let Ok(entry) = serde_json::from_str::<Value>(line.trim()) else {
-            continue;
-        };
-        let Some(item) = entry.get("payload") else {
-            continue;
-        };
-        let call_id = item
-            .get("call_id")
-            .and_then(Value::as_str)
-            .unwrap_or_default()
-            .to_owned();
-        match item.get("type").and_then(Value::as_str) {
-            Some("function_call" | "custom_tool_call" | "local_shell_call") => {
-                let args = item
-                    .get("arguments")
-                    .and_then(Value::as_str)
-                    .and_then(|a| serde_json::from_str::<Value>(a).ok())
-                    .or_else(|| item.get("action").cloned())
-                    .unwrap_or(Value::Null);
-                let command = match args.get("cmd").or_else(|| args.get("command")) {
-                    Some(Value::String(c)) => c.clone(),
-                    Some(Value::Array(parts)) => parts
-                        .iter()
-                        .filter_map(Value::as_str)
-                        .collect::<Vec<_>>()
-                        .join(" "),
-                    _ => continue,
-                };
-                commands.insert(call_id, command);
-            }
-            Some("function_call_output" | "custom_tool_call_output") => {
-                let Some(command) = commands.get(&call_id) else {
-                    continue;
-                };
-                let output = match item.get("output") {
-                    Some(Value::String(o)) => o.clone(),
-                    Some(other) => other.to_string(),
-                    None => continue,
-                };
-                let lower = output.to_lowercase();
-                let code = ["exited with code ", "exit code: ", "\"exit_code\":"]
-                    .iter()
-                    .find_map(|marker| {
-                        let at = lower.find(marker)? + marker.len();
-                        let digits: String = lower[at..]
-                            .trim_start()
-                            .chars()
-                            .take_while(|c| c.is_ascii_digit() || *c == '-')
-                            .collect();
-                        digits.parse::<i64>().ok()
-                    });
-                if code.is_some_and(|c| c != 0) && SANDBOX_DENIED.iter().any(|w| lower.contains(w))
-                {
-                    denials.push(Denial {
-                        tool: "sandbox".into(),
-                        detail: bound_text(command, 300),
-                        required: true,
-                    });
-                }
-            }
-            _ => {}
-        }
-    }
-    denials
-}
-
-/// A count as Aider prints it: `596`, `1.2k`, `3.4M`.
-fn aider_count(s: &str) -> Option<i64> {
-    let s = s.trim().replace(',', "");
-    let (num, mult) = match s.chars().last()? {
-        'k' | 'K' => (&s[..s.len() - 1], 1e3),
-        'm' | 'M' => (&s[..s.len() - 1], 1e6),
-        _ => (s.as_str(), 1.0),
-    };
-    num.parse::<f64>().ok().map(|n| (n * mult).round() as i64)
-}
-
-/// Aider's console output: `Tokens: 2.3k sent, 1.1k cache write, 18 received.` per reply
-/// (summed), `Cost: $0.01 message, $0.02 session.` when it knows the model's price (the last
-/// session figure), `Applied edit to <file>`; an error (`litellm.…Error`, "The API
-/// provider's servers are down…") not followed by a reply is the run's error, whatever the
-/// exit code (Aider exits 0 when authentication fails or its retries run out).
-fn parse_aider(text: &str) -> Parsed {
-    let mut parsed = Parsed::default();
-    let (mut sent, mut received, mut replies) = (0i64, 0i64, 0i64);
-    let mut cost: Option<f64> = None;
-    let mut edits: Vec<Value> = Vec::new();
-    // The errors since the last reply.
-    let mut errors: Vec<String> = Vec::new();
-    let lines: Vec<&str> = text.lines().collect();
-    for (i, line) in lines.iter().enumerate() {
-        let l = line.trim();
-        if let Some(rest) = l.strip_prefix("Tokens:") {
-            replies += 1;
-            errors.clear();
-            let counts = rest.split("Cost:").next().unwrap_or(rest);
-            for part in counts.trim().trim_end_matches('.').split(',') {
-                let part = part.trim();
-                if let Some(n) = part.strip_suffix(" sent") {
-                    sent += aider_count(n).unwrap_or(0);
-                } else if let Some(n) = part.strip_suffix(" received") {
-                    received += aider_count(n).unwrap_or(0);
-                }
-            }
-            if let Some(c) = l.split("Cost:").nth(1) {
-                for part in c.split(',') {
-                    if let Some(v) = part
-                        .trim()
-                        .strip_suffix("session.")
-                        .or_else(|| part.trim().strip_suffix("session"))
-                    {
-                        cost = v.trim().trim_start_matches('$').parse().ok().or(cost);
-                    }
-                }
-            }
-        } else if let Some(c) = l.strip_prefix("Cost:") {
-            for part in c.split(',') {
-                if let Some(v) = part.trim().trim_end_matches('.').strip_suffix("session") {
-                    cost = v.trim().trim_start_matches('$').parse().ok().or(cost);
-                }
-            }
-        } else if let Some(f) = l.strip_prefix("Applied edit to ") {
-            edits.push(f.trim().into());
-        } else if (l.starts_with("litellm.") && l.contains("Error"))
-            || l.starts_with("The API provider's servers are down")
-            || l.starts_with("The API provider is not able to authenticate")
-            || l.starts_with("The API provider has rate limited you")
-            || l.contains("AuthenticationError")
-            || l.starts_with("Error: ")
-        {
-            // The error's message may continue on the next lines (Aider wraps them).
-            let mut msg = l.to_owned();
-            for next in lines.iter().skip(i + 1).take(6) {
-                let n = next.trim();
-                if n.is_empty() || n.starts_with("Retrying in") {
-                    break;
-                }
-                msg.push(' ');
-                msg.push_str(n);
-            }
-            errors.push(msg);
-        }
-    }
-    if replies > 0 {
-        parsed.usage.input = Some(sent);
-        parsed.usage.output = Some(received);
-        parsed.data.insert("aider_replies".into(), replies.into());
-    }
-    parsed.usage.cost_usd = cost;
-    if !edits.is_empty() {
-        parsed
-            .data
-            .insert("aider_edits".into(), Value::Array(edits));
-    }
-    if !errors.is_empty() {
-        errors.dedup();
-        let msg = errors.join(" ");
-        parsed.class = Some(class_of_text(&msg));
-        parsed.error = Some(bound_text(&msg, MAX_ERROR_BYTES));
-    }
-    parsed
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use super::{aider, claude, codex};
 
     fn config(backend: &str, extra: &str) -> AgentConfig {
         let text = format!("backend = \"{backend}\"\n{extra}");
@@ -1975,7 +1275,7 @@ mod tests {
     #[test]
     fn claude_result_gives_tokens_cost_and_errors() {
         let ok = r#"{"type":"result","subtype":"success","is_error":false,"duration_ms":1200,"num_turns":3,"result":"done","session_id":"s1","total_cost_usd":0.0123,"usage":{"input_tokens":100,"output_tokens":50,"cache_creation_input_tokens":10,"cache_read_input_tokens":5}}"#;
-        let p = parse_claude(ok);
+        let p = claude::parse(ok);
         assert_eq!(
             p.usage,
             TokenUsage {
@@ -1989,15 +1289,15 @@ mod tests {
 
         let err = r#"{"type":"result","subtype":"success","is_error":true,"result":"Credit balance is too low","total_cost_usd":0}"#;
         assert_eq!(
-            parse_claude(err).error.as_deref(),
+            claude::parse(err).error.as_deref(),
             Some("Credit balance is too low")
         );
 
         let verbose = format!(r#"[{{"type":"system"}},{ok}]"#);
-        assert_eq!(parse_claude(&verbose).usage.output, Some(50));
+        assert_eq!(claude::parse(&verbose).usage.output, Some(50));
         let lines = format!("{{\"type\":\"system\"}}\nnoise\n{ok}\n");
-        assert_eq!(parse_claude(&lines).usage.input, Some(115));
-        assert_eq!(parse_claude("not json at all"), Parsed::default());
+        assert_eq!(claude::parse(&lines).usage.input, Some(115));
+        assert_eq!(claude::parse("not json at all"), Parsed::default());
     }
 
     #[test]
@@ -2009,7 +1309,7 @@ mod tests {
             "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":1000,\"cached_input_tokens\":200,\"output_tokens\":50}}\n",
             "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":500,\"cached_input_tokens\":0,\"output_tokens\":25}}\n",
         );
-        let p = parse_codex(ok);
+        let p = codex::parse(ok);
         assert_eq!(
             (p.usage.input, p.usage.output, p.usage.cost_usd),
             (Some(1500), Some(75), None)
@@ -2022,21 +1322,21 @@ mod tests {
 
         let failed = "{\"type\":\"turn.failed\",\"error\":{\"message\":\"stream disconnected\"}}\n";
         assert_eq!(
-            parse_codex(failed).error.as_deref(),
+            codex::parse(failed).error.as_deref(),
             Some("stream disconnected")
         );
         let error = "{\"type\":\"error\",\"message\":\"429 Too Many Requests\"}\n";
         assert_eq!(
-            parse_codex(error).error.as_deref(),
+            codex::parse(error).error.as_deref(),
             Some("429 Too Many Requests")
         );
-        assert_eq!(parse_codex("").usage, TokenUsage::default());
+        assert_eq!(codex::parse("").usage, TokenUsage::default());
     }
 
     #[test]
     fn claude_errors_keep_status_turn_limit_text_and_denials() {
         let max_turns = r#"{"type":"result","subtype":"error_max_turns","is_error":true,"num_turns":3,"errors":["Reached maximum number of turns (2)"],"total_cost_usd":0.01,"usage":{"input_tokens":10,"output_tokens":5},"permission_denials":[]}"#;
-        let p = parse_claude(max_turns);
+        let p = claude::parse(max_turns);
         assert_eq!(p.class, Some(Class::Permanent));
         let e = p.error.unwrap();
         assert!(
@@ -2045,7 +1345,7 @@ mod tests {
         );
 
         let api = r#"{"type":"result","subtype":"success","is_error":true,"api_error_status":500,"result":"API Error: 500 boom. This is usually temporary.","usage":{"input_tokens":0,"output_tokens":0}}"#;
-        let p = parse_claude(api);
+        let p = claude::parse(api);
         assert_eq!(p.class, Some(Class::Transient));
         assert_eq!(
             p.data.get("claude_api_error_status"),
@@ -2053,30 +1353,30 @@ mod tests {
         );
         assert!(p.error.unwrap().contains("API error 500"));
         let auth = r#"{"type":"result","subtype":"success","is_error":true,"api_error_status":401,"result":"Invalid API key"}"#;
-        assert_eq!(parse_claude(auth).class, Some(Class::Permanent));
-        assert!(parse_claude(auth).auth);
+        assert_eq!(claude::parse(auth).class, Some(Class::Permanent));
+        assert!(claude::parse(auth).auth);
 
         // The structured fields decide before the words: newer Claude Code names the kind.
         let refused = r#"{"type":"result","subtype":"success","is_error":true,"terminal_reason":"api_error","api_error":"connection_failed","result":"API Error: Connection refused"}"#;
-        let p = parse_claude(refused);
+        let p = claude::parse(refused);
         assert_eq!(p.class, Some(Class::Transient));
         assert_eq!(
             p.data.get("claude_api_error"),
             Some(&Value::from("connection_failed"))
         );
         let kind_says_auth = r#"{"type":"result","subtype":"success","is_error":true,"api_error":"authentication_failed","result":"rate limit words do not decide"}"#;
-        let p = parse_claude(kind_says_auth);
+        let p = claude::parse(kind_says_auth);
         assert_eq!(p.class, Some(Class::Permanent));
         assert!(p.auth);
         // 2.1.197 has no kind: its words, which used to slip past the text match.
         let old = r#"{"type":"result","subtype":"success","is_error":true,"result":"Unable to connect to API (ConnectionRefused)"}"#;
-        assert_eq!(parse_claude(old).class, Some(Class::Transient));
+        assert_eq!(claude::parse(old).class, Some(Class::Transient));
         let login = r#"{"type":"result","subtype":"success","is_error":true,"result":"Not logged in · Please run /login"}"#;
-        assert_eq!(parse_claude(login).class, Some(Class::Permanent));
+        assert_eq!(claude::parse(login).class, Some(Class::Permanent));
         assert!(is_auth_text("Not logged in · Please run /login"));
 
         let denied = r#"{"type":"result","subtype":"success","is_error":false,"result":"done","usage":{"input_tokens":1,"output_tokens":1},"permission_denials":[{"tool_name":"Bash","tool_use_id":"t1","tool_input":{"command":"python3 -m unittest -q"}},{"tool_name":"WebFetch","tool_use_id":"t2","tool_input":{"url":"http://x"}}]}"#;
-        let p = parse_claude(denied);
+        let p = claude::parse(denied);
         assert_eq!(p.error, None);
         assert_eq!(
             p.denials,
@@ -2104,7 +1404,7 @@ mod tests {
             "{\"type\":\"item.completed\",\"item\":{\"id\":\"item_2\",\"type\":\"command_execution\",\"command\":\"false\",\"aggregated_output\":\"\",\"exit_code\":1,\"status\":\"failed\"}}\n",
             "{\"type\":\"turn.completed\",\"usage\":{\"input_tokens\":10,\"cached_input_tokens\":0,\"output_tokens\":2}}\n",
         );
-        let p = parse_codex(out);
+        let p = codex::parse(out);
         assert_eq!(p.error, None);
         assert_eq!((p.usage.input, p.usage.output), (Some(10), Some(2)));
         assert_eq!(p.denials.len(), 1, "{:?}", p.denials);
@@ -2115,7 +1415,7 @@ mod tests {
         );
         assert_eq!(p.data["codex_warnings"].as_array().map(Vec::len), Some(1));
         let failed = "{\"type\":\"error\",\"message\":\"unexpected status 401 Unauthorized: bad key\"}\n{\"type\":\"turn.failed\",\"error\":{\"message\":\"unexpected status 401 Unauthorized: bad key\"}}\n";
-        assert_eq!(parse_codex(failed).class, Some(Class::Permanent));
+        assert_eq!(codex::parse(failed).class, Some(Class::Permanent));
     }
 
     #[test]
@@ -2127,7 +1427,7 @@ mod tests {
             "{\"type\":\"response_item\",\"payload\":{\"type\":\"function_call\",\"name\":\"exec_command\",\"arguments\":\"{\\\"cmd\\\":\\\"grep -r denied .\\\"}\",\"call_id\":\"c1\"}}\n",
             "{\"type\":\"response_item\",\"payload\":{\"type\":\"function_call_output\",\"call_id\":\"c1\",\"output\":\"Process exited with code 0\\nOutput:\\nlog: permission denied\\n\"}}\n",
         );
-        let d = parse_codex_rollout(rollout);
+        let d = codex::parse_rollout(rollout);
         assert_eq!(d.len(), 1, "{d:?}");
         assert_eq!(
             (d[0].tool.as_str(), d[0].detail.as_str()),
@@ -2139,7 +1439,7 @@ mod tests {
     #[test]
     fn aider_output_gives_tokens_cost_and_errors_whatever_the_exit_code() {
         let ok = "Aider v0.86.2\nI will write it.\n\nTokens: 2.3k sent, 18 received. Cost: $0.0070 message, $0.0070 session.\n\nnotes/x.md\nApplied edit to notes/x.md\n";
-        let p = parse_aider(ok);
+        let p = aider::parse(ok);
         assert_eq!(
             p.usage,
             TokenUsage {
@@ -2150,13 +1450,13 @@ mod tests {
         );
         assert_eq!(p.error, None);
         let retried = "litellm.RateLimitError: RateLimitError: OpenAIException - slow down\nRetrying in 0.2 seconds...\nTokens: 596 sent, 18 received.\nApplied edit to a.md\n";
-        let p = parse_aider(retried);
+        let p = aider::parse(retried);
         assert_eq!((p.error, p.usage.input), (None, Some(596)));
         let auth = "litellm.AuthenticationError: AuthenticationError: OpenAIException - Incorrect API key\nThe API provider is not able to authenticate you. Check your API key.\n";
-        let p = parse_aider(auth);
+        let p = aider::parse(auth);
         assert_eq!(p.class, Some(Class::Permanent));
         assert_eq!(p.usage, TokenUsage::default());
         let down = "litellm.InternalServerError: InternalServerError: OpenAIException - boom\nThe API provider's servers are down or overloaded.\nRetrying in 0.2 seconds...\n";
-        assert_eq!(parse_aider(down).class, Some(Class::Transient));
+        assert_eq!(aider::parse(down).class, Some(Class::Transient));
     }
 }

@@ -1020,16 +1020,15 @@ impl TryResult {
 }
 
 pub use command::missing_key_message;
+/// The CLI name of a preset backend (`claude`, `codex`, `aider`); `None` for `command` and `openai`.
+pub fn preset_name(backend: Backend) -> Option<&'static str> {
+    command::preset_name(backend)
+}
 
 /// The oldest and newest versions of a preset's CLI (`claude`, `codex`, `aider`) that orch's
 /// real-CLI tests ran (see the README); `orch doctor` warns outside them.
 pub fn tested_versions(tool: &str) -> (&'static str, &'static str) {
-    match tool {
-        "claude" => ("2.1.197", "2.1.332"),
-        "codex" => ("0.171.0", "0.171.0"),
-        "aider" => ("0.86.2", "0.86.2"),
-        _ => ("", ""),
-    }
+    command::preset_tested(tool)
 }
 
 /// The first `N.N[.N…]` version in `text`, as numbers (compare as a list).
@@ -1040,14 +1039,12 @@ pub fn version_in(text: &str) -> Option<Vec<u64>> {
         .and_then(|w| w.split('.').map(|p| p.parse().ok()).collect())
 }
 
-/// The `agent_runs.backend` of a backend kind.
-fn backend_name(backend: Backend) -> &'static str {
+/// The `agent_runs.backend` of a backend kind (a preset's: its CLI's name).
+pub fn backend_name(backend: Backend) -> &'static str {
     match backend {
         Backend::Command => "command",
-        Backend::Claude => "claude",
-        Backend::Codex => "codex",
-        Backend::Aider => "aider",
         Backend::Openai => "openai",
+        preset => command::preset_name(preset).unwrap_or("command"),
     }
 }
 

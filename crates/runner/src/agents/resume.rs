@@ -57,13 +57,7 @@ pub(crate) enum Decision {
 
 /// The CLI's name in events.
 pub(crate) fn cli_name(backend: Backend) -> &'static str {
-    match backend {
-        Backend::Claude => "claude",
-        Backend::Codex => "codex",
-        Backend::Aider => "aider",
-        Backend::Command => "command",
-        Backend::Openai => "openai",
-    }
+    super::backend_name(backend)
 }
 
 /// Whether `backend` can continue a session.
@@ -234,11 +228,11 @@ impl State {
         let found = match backend {
             Backend::Claude => {
                 let name = format!("{id}.jsonl");
-                find_file(&home.join(".claude").join("projects"), &|n| n == name, 1)
+                crate::fsutil::find_file(&home.join(".claude").join("projects"), &|n| n == name, 1)
             }
             Backend::Codex => {
                 let suffix = format!("-{id}.jsonl");
-                find_file(
+                crate::fsutil::find_file(
                     &home.join(".codex").join("sessions"),
                     &|n| n.starts_with("rollout-") && n.ends_with(&suffix),
                     3,
@@ -358,27 +352,6 @@ fn read_bounded(path: &Path) -> Option<Vec<u8>> {
     let mut bytes = Vec::new();
     f.take(NOTE_MAX).read_to_end(&mut bytes).ok()?;
     Some(bytes)
-}
-
-/// A regular file (not a link) below `dir`, at most `depth` folders down, whose name matches.
-fn find_file(dir: &Path, matches: &dyn Fn(&str) -> bool, depth: usize) -> Option<PathBuf> {
-    for entry in std::fs::read_dir(dir).ok()?.flatten().take(10_000) {
-        let Ok(kind) = entry.file_type() else {
-            continue;
-        };
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
-        if kind.is_file() && matches(&name) {
-            return Some(entry.path());
-        }
-        if kind.is_dir()
-            && depth > 0
-            && let Some(found) = find_file(&entry.path(), matches, depth - 1)
-        {
-            return Some(found);
-        }
-    }
-    None
 }
 
 /// The names of the regular files (not links) below `dir`, at most `depth` folders down, that
