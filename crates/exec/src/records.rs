@@ -306,7 +306,15 @@ fn procs() -> Vec<i32> {
 /// ones orch adopted. For runs that must leave nothing behind ([`crate::Cmd::no_daemons`]).
 /// Returns the pids that were killed.
 pub(crate) async fn stop_escaped(run: u64, wait: Duration) -> Vec<i32> {
-    let killed = kill_marked(&[marker(run)]);
+    // Reading every process's environ is blocking file I/O: off the async workers.
+    let marked = [marker(run)];
+    let killed = match tokio::task::spawn_blocking(move || kill_marked(&marked)).await {
+        Ok(killed) => killed,
+        Err(e) => {
+            tracing::warn!(run, error = %e, "the sweep for a run's escaped processes did not finish");
+            Vec::new()
+        }
+    };
     let deadline = Instant::now() + wait;
     loop {
         crate::group::reap_adopted();
