@@ -1116,7 +1116,7 @@ pub async fn inspect(name: &str, forge_cfg: &ForgeConfig, default_branch: &str) 
         } else {
             out.push(Finding::Warn(
                 format!("{what}: the token may only read the repository"),
-                "issues still become items; later steps (pull requests, statuses, comments) need write access: Issues, Pull requests, Contents, Commit statuses read/write".into(),
+                "issues still become items, but their pull requests, statuses and outcome comments need write access: Issues, Pull requests, Contents, Commit statuses read/write".into(),
             ));
         }
     }

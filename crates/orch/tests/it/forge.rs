@@ -1507,13 +1507,21 @@ async fn two_processes_polling_one_postgres_create_each_issue_once() {
 /// The demo's config with the forge section and an approval before `verification`: an item
 /// waits there after the agents' review, which is where a pull request's reviews act.
 fn configure_reviews(dir: &Path, api: &str) {
+    configure_sync(dir, api, true);
+}
+
+/// The demo's config with the forge section, and an approval before `verification` when
+/// `approval`.
+fn configure_sync(dir: &Path, api: &str, approval: bool) {
     let path = dir.join("orch.toml");
     let mut text = std::fs::read_to_string(&path).unwrap();
     text.push_str(&format!(
         "\n[repos.service.forge]\nkind = \"github\"\nrepo = \"{OWNER_REPO}\"\napi_url = \"{api}\"\n\
-         token_env = \"{TOKEN_VAR}\"\nlabel = \"{LABEL}\"\npoll_interval_s = 1\nmax_backoff_s = 2\n\n\
-         [pipeline.stages.verification]\napproval = true\n"
+         token_env = \"{TOKEN_VAR}\"\nlabel = \"{LABEL}\"\npoll_interval_s = 1\nmax_backoff_s = 2\n"
     ));
+    if approval {
+        text.push_str("\n[pipeline.stages.verification]\napproval = true\n");
+    }
     std::fs::write(&path, text).unwrap();
 }
 
@@ -1827,12 +1835,28 @@ async fn pulls_story(backend: &str) {
     if let Some(url) = &url {
         approve.args(["--database-url", url]);
     }
+    // GitHub is down while GH-2 goes on: its sync waits (`forge.waiting` on the item), the
+    // item does not, and the sync resumes when GitHub answers again.
+    hub.lock().unwrap().down = true;
     let out = approve.args(["approve", "GH-2"]).output().unwrap();
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let s = store.clone();
+    wait_until(&dir, Duration::from_secs(60), "GH-2's sync waiting", || {
+        let s = s.clone();
+        async move {
+            events_of(&s, "GH-2")
+                .await
+                .iter()
+                .any(|e| e.kind == "forge.waiting")
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    hub.lock().unwrap().down = false;
     let t2 = common::wait_terminal(&store, "GH-2", Duration::from_secs(300)).await;
     let s = store.clone();
     wait_until(
@@ -1875,6 +1899,17 @@ async fn pulls_story(backend: &str) {
             "a rolled-back item's issue stays open"
         );
     }
+    let ev2 = events_of(&store, "GH-2").await;
+    let waiting = ev2.iter().position(|e| e.kind == "forge.waiting").unwrap();
+    assert!(
+        ev2[waiting].message.contains("HTTP 503"),
+        "{}",
+        ev2[waiting].message
+    );
+    assert!(
+        ev2[waiting..].iter().any(|e| e.kind == "forge.resumed"),
+        "the sync resumed"
+    );
     let watch = states_of(&hub, "GH-2", "orch/observe");
     assert_eq!(
         watch.last().map(String::as_str),
@@ -2036,5 +2071,94 @@ async fn a_crash_after_opening_the_pull_request_opens_no_second_one() {
     };
     let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
     assert!(ok, "{text}");
+    store.close().await;
+}
+
+/// The other crash window: `orch serve` dies right after commenting the outcome on the issue
+/// and before recording it; the next `orch serve` finds its comment by the ending's marker and
+/// says the outcome once, then closes the shipped item's issue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_the_outcome_comment_posts_no_second_one() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure_sync(&dir, &api, false);
+    let store = common::open(&dir).await;
+    hub.lock().unwrap().issues = vec![issue_like(&template, 4, "Add a note", "please")];
+    let port = free_port();
+    let args = [
+        "serve",
+        "--bind",
+        &format!("127.0.0.1:{port}"),
+        "--grace-s",
+        "1",
+    ];
+    let mut dying = spawn_orch_failing(
+        &dir,
+        None,
+        "serve.log",
+        &args,
+        Some("forge.after_outcome_comment"),
+    );
+    let status = tokio::time::timeout(Duration::from_secs(300), dying.wait())
+        .await
+        .expect("orch reached the failpoint")
+        .unwrap();
+    assert!(!status.success(), "orch died at the failpoint: {status:?}");
+    common::reap_orphans();
+    assert_eq!(
+        hub.lock().unwrap().prs.comments.get(&4).map(Vec::len),
+        Some(1)
+    );
+    assert!(
+        !events_of(&store, "GH-4")
+            .await
+            .iter()
+            .any(|e| e.kind == "forge.outcome"),
+        "orch died before recording it"
+    );
+    let serve = spawn_orch(&dir, None, "serve2.log", &args);
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(120),
+        "GH-4's outcome recorded",
+        || {
+            let s = s.clone();
+            async move {
+                events_of(&s, "GH-4")
+                    .await
+                    .iter()
+                    .any(|e| e.kind == "forge.outcome")
+            }
+        },
+    )
+    .await;
+    common::terminate(serve).await;
+    assert_eq!(common::task(&store, "GH-4").await.stage, "done");
+    {
+        let h = hub.lock().unwrap();
+        let pull = h.prs.pull_number("orch/GH-4").expect("GH-4's pull request");
+        for n in [4, pull] {
+            let said = h.prs.comments.get(&n).map(Vec::len);
+            assert_eq!(said, Some(1), "one outcome comment on #{n}");
+        }
+        assert!(
+            h.prs
+                .issue_patches
+                .iter()
+                .any(|(n, b)| *n == 4 && b["state"] == "closed"),
+            "the shipped item's issue is closed"
+        );
+    }
     store.close().await;
 }
