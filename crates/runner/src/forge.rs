@@ -1,6 +1,8 @@
 //! The forge integration (issue 31), GitHub first: labeled open issues become work items, by
 //! polling with conditional requests ([`ForgePass`]) and by signed webhook deliveries
-//! ([`receive_webhook`], whose job [`ForgeIssueHandler`] runs).
+//! ([`receive_webhook`], whose job [`ForgeIssueHandler`] runs). The REST calls of the way back
+//! (pull requests, statuses, reviews, comments) are their own section below; what to send and
+//! when is [`crate::forge_sync`]'s.
 //!
 //! Invariants:
 //! - Once per issue: an issue's item is `<prefix>-<number>` ([`orch_domain::forge::work_item_id`])

@@ -15,6 +15,13 @@
 //! reset; a forge that is down leaves
 //! polling waiting (`forge.waiting`, backing off) and then resuming (`forge.resumed`); the
 //! token appears in no log line, event or artifact.
+//!
+//! The way back (issue 31's second part, `pulls_story`): a draft pull request per item with a
+//! status per stage and its description kept current, a review requesting changes looping the
+//! item back with its text in the developer's prompt, an approving review passing an approval
+//! stage, the outcome on the issue and the pull request (closed when shipped, open when
+//! rolled back), a GitHub outage waited out by the sync and not by the item; and two kill
+//! points (after opening the pull request, after the outcome comment) that repeat nothing.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
