@@ -441,6 +441,21 @@ pub struct Review {
     /// The review's page.
     #[serde(default)]
     pub url: Option<String>,
+    /// The reviewer's standing in the repository (GitHub's `author_association`).
+    #[serde(default)]
+    pub association: Option<String>,
+}
+
+impl Review {
+    /// Whether the reviewer may steer the item: the repository's owner, a member of its
+    /// organization or a collaborator. Anyone can review a public repository's pull request;
+    /// their review neither passes an approval nor sends the item back.
+    pub fn trusted(&self) -> bool {
+        matches!(
+            self.association.as_deref(),
+            Some("OWNER" | "MEMBER" | "COLLABORATOR")
+        )
+    }
 }
 
 /// A line comment of a review (untrusted text).
@@ -933,7 +948,9 @@ mod tests {
             ),
             commit: None,
             url: None,
+            association: Some("NONE".into()),
         };
+        assert!(!review.trusted());
         let comments = vec![LineComment {
             path: "app.py".into(),
             line: Some(3),

@@ -1212,6 +1212,8 @@ struct ApiReview {
     commit_id: Option<String>,
     #[serde(default)]
     html_url: Option<String>,
+    #[serde(default)]
+    author_association: Option<String>,
 }
 
 #[derive(Debug, Clone, Deserialize)]
@@ -1453,6 +1455,7 @@ impl GitHub {
                 body: r.body.unwrap_or_default(),
                 commit: r.commit_id,
                 url: r.html_url,
+                association: r.author_association,
             }));
             if n < 100 {
                 break;

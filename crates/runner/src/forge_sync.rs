@@ -357,6 +357,13 @@ impl ForgeSyncPass {
                 {
                     continue;
                 }
+                if !review.trusted() {
+                    // Anyone may review a public repository's pull request: only the
+                    // repository's people steer the item.
+                    tracing::info!(work_item = %task.work_item_id, review = review.id,
+                        "forge sync: a review by someone without write access to {} is not acted on", forge_cfg.repo);
+                    continue;
+                }
                 let key = dedupe::forge_review(&forge_cfg.repo, pull, review.id);
                 let job = job_of(
                     &SyncJob::Review {
@@ -928,7 +935,7 @@ impl ForgeSyncHandler {
         pull: u64,
         review: &forge::Review,
     ) -> Result<Outcome, SyncError> {
-        if reviews_taken(&item.history).contains(&review.id) {
+        if reviews_taken(&item.history).contains(&review.id) || !review.trusted() {
             return Ok(Outcome::Done);
         }
         let task = &item.task;

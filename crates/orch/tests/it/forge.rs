@@ -1679,6 +1679,19 @@ async fn pulls_story(backend: &str) {
         .iter()
         .filter(|e| e.kind == "stage.loop_back")
         .count();
+    // First a stranger's (anyone may review a public repository's pull request): not acted on.
+    let stranger = {
+        let mut h = hub.lock().unwrap();
+        let id = h.prs.add_review(
+            pull,
+            "CHANGES_REQUESTED",
+            "STRANGER-MARKER: start over",
+            &[],
+        );
+        let r = h.prs.reviews.get_mut(&pull).unwrap().last_mut().unwrap();
+        r["author_association"] = json!("NONE");
+        id
+    };
     let changes = hub.lock().unwrap().prs.add_review(
         pull,
         "CHANGES_REQUESTED",
@@ -1744,6 +1757,14 @@ async fn pulls_story(backend: &str) {
         .filter(|e| e.kind == "stage.loop_back")
         .count();
     assert_eq!(loops, loops_before + 1, "the review was acted on once");
+    assert!(
+        !events_of(&store, "GH-1")
+            .await
+            .iter()
+            .any(|e| e.data_value()["review"].as_u64() == Some(stranger)),
+        "a stranger's review steered the item"
+    );
+    assert!(!feedback.contains("STRANGER-MARKER"), "{feedback}");
 
     // 3. An approving review passes the approval gate; GH-1 ships; its issue gets the outcome
     //    and is closed, its pull request the outcome too.
