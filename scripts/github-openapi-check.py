@@ -6,12 +6,13 @@
 
 Each line of the exchanges file is one request and its answer:
     {"method", "path", "query": [[k, v], ...], "request_headers": {lower-case: value},
-     "status", "response_headers": {...}, "body": <JSON or null>}
+     "request_body": <JSON or null>, "status", "response_headers": {...}, "body": <JSON or null>}
 
 Checked against the description, per exchange:
 - the method and path are an operation of the description;
 - every query parameter is one the operation declares, its value valid for the parameter's
   schema (integers, enums, ...), and every required parameter is present; path parameters too;
+- a JSON request body (POST, PATCH) valid for the operation's `requestBody` schema;
 - GitHub's request rule: a User-Agent header;
 - the status is one the operation documents and the JSON body valid for its schema (OpenAPI
   3.0 `nullable` honoured, `$ref`s resolved in the description), except three statuses the
@@ -146,6 +147,13 @@ class Checker:
         for name, p in query.items():
             if p.get("required") and name not in seen:
                 errors.append(f"{where}: required query parameter {name} is missing")
+        if ex.get("request_body") is not None:
+            content = (deref(self.spec, op.get("requestBody", {})).get("content") or {})
+            schema = (content.get("application/json") or {}).get("schema")
+            if schema is None:
+                errors.append(f"{where}: the operation takes no JSON request body")
+            else:
+                errors += self.schema_errors(schema, ex["request_body"], f"{where}: request body")
         req_headers = ex.get("request_headers", {})
         if not req_headers.get("user-agent"):
             errors.append(f"{where}: no User-Agent (GitHub refuses such requests)")

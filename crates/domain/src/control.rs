@@ -238,6 +238,18 @@ pub mod events {
     pub const FORGE_WAITING: &str = "forge.waiting";
     /// The forge answered again after [`FORGE_WAITING`]: `{repo, forge, waited_s}`.
     pub const FORGE_RESUMED: &str = "forge.resumed";
+    // The forge, for an item that came from a forge's issue (issue 31's second part).
+    /// The item's pull request was found or opened on the forge: `{number, url, head, base,
+    /// opened}` (`opened`: false when an existing one was found by its head).
+    pub const FORGE_PULL: &str = "forge.pull";
+    /// The forge sync caught up with the item's events up to event `through`: `{through,
+    /// pull, statuses}` (the statuses set, `[{context, state}]`). The sync's cursor.
+    pub const FORGE_SYNCED: &str = "forge.synced";
+    /// A review of the item's pull request was taken: `{review, state, pull, action, by}`
+    /// (`action`: `loop_back`, `approved` or `noted`, with `why`).
+    pub const FORGE_REVIEW: &str = "forge.review";
+    /// The item's outcome was said on the forge: `{outcome, issue, pull, comments, closed}`.
+    pub const FORGE_OUTCOME: &str = "forge.outcome";
 
     /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
     pub const ALL: &[&str] = &[
@@ -309,6 +321,10 @@ pub mod events {
         TRAIL_PUBLISHED,
         FORGE_WAITING,
         FORGE_RESUMED,
+        FORGE_PULL,
+        FORGE_SYNCED,
+        FORGE_REVIEW,
+        FORGE_OUTCOME,
     ];
 
     /// The kinds that end a task.
@@ -473,6 +489,11 @@ pub mod jobs {
     /// poll may create it first). Its content is `{"repo", "via", "issue": {number, title,
     /// body, html_url}}`.
     pub const FORGE_ISSUE: &str = "forge-issue";
+    /// The forge sync of an item that came from a forge's issue: its pull request, statuses
+    /// and description (`{"what": "sync", "task", "through"}`), one review acted on (`{"what":
+    /// "review", "task", "pull", "review": {...}}`) or its outcome said (`{"what": "outcome",
+    /// "task", "seq"}`). Task-less: a forge that does not answer never fails an item.
+    pub const FORGE_SYNC: &str = "forge-sync";
 }
 
 /// Dedupe keys: a key is unique forever in `jobs`, so enqueueing under the same key twice (a
@@ -513,6 +534,26 @@ pub mod dedupe {
     /// sent twice, or replayed under another delivery id, is taken once.
     pub fn forge_delivery(repo: &str, delivery: &str) -> String {
         format!("forge-delivery:{repo}:{delivery}")
+    }
+
+    /// The key of the [`super::jobs::FORGE_SYNC`] job that brings task `task_id`'s forge up to
+    /// its event `through` (`forge-sync:<task>:<through>`): one sync per new event, whichever
+    /// process notices it.
+    pub fn forge_sync(task_id: i64, through: i64) -> String {
+        format!("forge-sync:{task_id}:{through}")
+    }
+
+    /// The key of the [`super::jobs::FORGE_SYNC`] job that acts on review `review` of pull
+    /// request `pull` of the forge repository `forge` (`forge-review:<owner/name>:<pull>:<review>`):
+    /// a review is acted on once.
+    pub fn forge_review(forge: &str, pull: u64, review: u64) -> String {
+        format!("forge-review:{forge}:{pull}:{review}")
+    }
+
+    /// The key of the [`super::jobs::FORGE_SYNC`] job that says task `task_id`'s outcome on
+    /// the forge when it ended as visit `stage_seq` (`forge-outcome:<task>:<seq>`).
+    pub fn forge_outcome(task_id: i64, stage_seq: i64) -> String {
+        format!("forge-outcome:{task_id}:{stage_seq}")
     }
 
     /// A dedupe key orch wrote, read back.

@@ -141,6 +141,10 @@ impl Runtime {
             self.engine.config().pipeline.clone(),
             self.counters.clone(),
         )));
+        // Their items' pull requests, statuses, reviews and outcomes (issue 31, second part).
+        passes.push(Arc::new(orch_runner::forge_sync::ForgeSyncPass::new(
+            self.live.clone(),
+        )));
         passes.push(Arc::new(orch_runner::maintenance::SupervisedPass {
             every: lease.max(Duration::from_secs(1)),
             children_dir: crate::cmd::worker::children_dir(&self.repos_dir),
@@ -154,6 +158,15 @@ impl Runtime {
         builtin::register(&mut r);
         let timeout = Duration::from_secs(self.config.settings.agent_timeout_s.max(60) + 300);
         self.engine.register(&mut r, timeout);
+        // The forge sync's jobs (task-less; they need the operations for an approving review).
+        r.register(
+            orch_runner::forge_sync::FORGE_SYNC,
+            Duration::from_secs(120),
+            Arc::new(orch_runner::forge_sync::ForgeSyncHandler::new(
+                self.ops.clone(),
+                self.engine.clone(),
+            )),
+        );
         r
     }
 }

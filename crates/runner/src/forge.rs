@@ -1,6 +1,8 @@
 //! The forge integration (issue 31), GitHub first: labeled open issues become work items, by
 //! polling with conditional requests ([`ForgePass`]) and by signed webhook deliveries
-//! ([`receive_webhook`], whose job [`ForgeIssueHandler`] runs).
+//! ([`receive_webhook`], whose job [`ForgeIssueHandler`] runs). The REST calls of the way back
+//! (pull requests, statuses, reviews, comments) are their own section below; what to send and
+//! when is [`crate::forge_sync`]'s.
 //!
 //! Invariants:
 //! - Once per issue: an issue's item is `<prefix>-<number>` ([`orch_domain::forge::work_item_id`])
@@ -97,15 +99,19 @@ pub async fn create_item(
         ),
     };
     let mut extra = serde_json::Map::new();
+    // The item's origin, typed (`forge::Origin`): what the forge sync reads back to open the
+    // pull request, follow reviews and say the outcome on the issue.
+    let origin = forge::Origin {
+        kind: "github".to_owned(),
+        repo: forge_cfg.repo.clone(),
+        issue: issue.number,
+        url: issue.html_url.clone(),
+        via: Some(via.as_str().to_owned()),
+    };
     extra.insert(
-        "forge".to_owned(),
-        json!({
-            "kind": "github",
-            "repo": forge_cfg.repo,
-            "issue": issue.number,
-            "url": issue.html_url,
-            "via": via.as_str(),
-        }),
+        forge::Origin::KEY.to_owned(),
+        serde_json::to_value(&origin)
+            .map_err(|e| StoreError::Invalid(format!("issue #{}: {e}", issue.number)))?,
     );
     // The submit's own rules and shape; `request_of` keeps within them, so a refusal here
     // is a bug, reported as the store's kind of refusal.
@@ -188,8 +194,18 @@ fn client() -> Result<reqwest::Client, String> {
 
 /// The headers every request to GitHub carries (the token aside).
 fn github_request(client: &reqwest::Client, url: &str, token: &str) -> reqwest::RequestBuilder {
+    github_method(client, reqwest::Method::GET, url, token)
+}
+
+/// [`github_request`] with another method.
+fn github_method(
+    client: &reqwest::Client,
+    method: reqwest::Method,
+    url: &str,
+    token: &str,
+) -> reqwest::RequestBuilder {
     client
-        .get(url)
+        .request(method, url)
         .header("accept", "application/vnd.github+json")
         .header("x-github-api-version", API_VERSION)
         .header("user-agent", concat!("orch/", env!("CARGO_PKG_VERSION")))
@@ -1102,7 +1118,7 @@ pub async fn inspect(name: &str, forge_cfg: &ForgeConfig, default_branch: &str) 
         } else {
             out.push(Finding::Warn(
                 format!("{what}: the token may only read the repository"),
-                "issues still become items; later steps (pull requests, statuses, comments) need write access: Issues, Pull requests, Contents, Commit statuses read/write".into(),
+                "issues still become items, but their pull requests, statuses and outcome comments need write access: Issues, Pull requests, Contents, Commit statuses read/write".into(),
             ));
         }
     }
@@ -1152,6 +1168,415 @@ pub async fn inspect(name: &str, forge_cfg: &ForgeConfig, default_branch: &str) 
         ));
     }
     out
+}
+
+// =========================================================================================
+// Pull requests out, statuses, reviews in, outcomes back (issue 31, second part): the REST
+// calls, one method each. What to send and when is `crate::forge_sync`'s; the texts are
+// `orch_domain::forge`'s. Every answer that is not the documented success is a `PollError`
+// carrying the answer, so the caller paces itself with `forge::pause_after` as polling does.
+// =========================================================================================
+
+/// A pull request, as orch reads it.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ApiPull {
+    pub number: u64,
+    pub html_url: String,
+    pub state: String,
+    pub head: ApiRef,
+}
+
+/// A pull request's head or base.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ApiRef {
+    #[serde(rename = "ref")]
+    pub name: String,
+    pub sha: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct ApiUser {
+    #[serde(default)]
+    login: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct ApiReview {
+    id: u64,
+    #[serde(default)]
+    user: Option<ApiUser>,
+    #[serde(default)]
+    body: Option<String>,
+    state: String,
+    #[serde(default)]
+    commit_id: Option<String>,
+    #[serde(default)]
+    html_url: Option<String>,
+    #[serde(default)]
+    author_association: Option<String>,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct ApiReviewComment {
+    path: String,
+    #[serde(default)]
+    line: Option<u64>,
+    #[serde(default)]
+    original_line: Option<u64>,
+    body: String,
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct ApiComment {
+    #[serde(default)]
+    body: Option<String>,
+}
+
+/// The reviews of a pull request, asked for with the ETag of the last answer.
+#[derive(Debug)]
+pub enum ReviewsPage {
+    NotModified,
+    Fresh {
+        reviews: Vec<forge::Review>,
+        etag: Option<String>,
+    },
+}
+
+/// The most pages of a pull request's reviews or an issue's comments read (100 a page).
+const MAX_LIST_PAGES: usize = 10;
+
+impl GitHub {
+    /// `<api>/repos/<owner>/<name><tail>`.
+    fn repo_api(&self, tail: &str) -> Result<String, PollError> {
+        let (owner, name) = self
+            .cfg
+            .owner_and_name()
+            .ok_or_else(|| poll_error(400, format!("`{}` is not owner/name", self.cfg.repo)))?;
+        Ok(format!(
+            "{}/repos/{owner}/{name}{tail}",
+            self.cfg.api_url.trim_end_matches('/')
+        ))
+    }
+
+    /// Sends one request (JSON body optional); the answer when its status is in `ok`, else a
+    /// `PollError` with the answer (the request is never in it).
+    async fn call(
+        &self,
+        method: reqwest::Method,
+        url: &str,
+        body: Option<&serde_json::Value>,
+        etag: Option<&str>,
+        ok: &[u16],
+        what: &str,
+    ) -> Result<(u16, reqwest::header::HeaderMap, serde_json::Value), PollError> {
+        let mut req = github_method(&self.client, method, url, &self.token);
+        if let Some(etag) = etag {
+            req = req.header("if-none-match", etag);
+        }
+        if let Some(body) = body {
+            req = req.json(body);
+        }
+        let resp = req.send().await.map_err(|e| {
+            poll_error(
+                0,
+                if e.is_timeout() {
+                    format!("{what}: no answer within {} s", REQUEST_TIMEOUT.as_secs())
+                } else {
+                    format!("{what}: the connection failed")
+                },
+            )
+        })?;
+        let status = resp.status().as_u16();
+        let answer = answer_of(status, resp.headers());
+        if !ok.contains(&status) {
+            return Err(PollError {
+                answer,
+                message: format!("{what} answered HTTP {status}"),
+            });
+        }
+        let headers = resp.headers().clone();
+        if status == 304 || status == 204 {
+            return Ok((status, headers, serde_json::Value::Null));
+        }
+        let value = resp.json().await.map_err(|_| PollError {
+            answer: Answer {
+                status: 502,
+                ..answer.clone()
+            },
+            message: format!("{what}: the answer is not JSON"),
+        })?;
+        Ok((status, headers, value))
+    }
+
+    /// The pull request whose head is `branch` of this repository, open or not (the newest).
+    pub async fn find_pull(&self, branch: &str) -> Result<Option<ApiPull>, PollError> {
+        let (owner, _) = self
+            .cfg
+            .owner_and_name()
+            .ok_or_else(|| poll_error(400, format!("`{}` is not owner/name", self.cfg.repo)))?;
+        let url = reqwest::Url::parse_with_params(
+            &self.repo_api("/pulls")?,
+            &[
+                ("head", format!("{owner}:{branch}").as_str()),
+                ("state", "all"),
+                ("per_page", "100"),
+            ],
+        )
+        .map_err(|e| poll_error(400, format!("cannot build the pulls URL: {e}")))?;
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                url.as_str(),
+                None,
+                None,
+                &[200],
+                "listing the pull requests",
+            )
+            .await?;
+        let pulls: Vec<ApiPull> = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the pull requests are not a JSON array".into()))?;
+        // The open one first, else the newest (the listing is newest first).
+        Ok(pulls
+            .iter()
+            .find(|p| p.state == "open" && p.head.name == branch)
+            .or_else(|| pulls.iter().find(|p| p.head.name == branch))
+            .cloned())
+    }
+
+    /// Opens a draft pull request of `branch` onto `base`; `None` when GitHub refuses it as
+    /// invalid (422: one exists already, or the branch is not on GitHub).
+    pub async fn open_pull(
+        &self,
+        title: &str,
+        branch: &str,
+        base: &str,
+        body: &str,
+    ) -> Result<Option<ApiPull>, PollError> {
+        let req = json!({"title": title, "head": branch, "base": base, "body": body,
+                         "draft": true, "maintainer_can_modify": false});
+        let (status, _, value) = self
+            .call(
+                reqwest::Method::POST,
+                &self.repo_api("/pulls")?,
+                Some(&req),
+                None,
+                &[201, 422],
+                "opening the pull request",
+            )
+            .await?;
+        if status == 422 {
+            return Ok(None);
+        }
+        serde_json::from_value(value)
+            .map(Some)
+            .map_err(|_| poll_error(502, "the new pull request is not one".into()))
+    }
+
+    /// Sets pull request `number`'s description.
+    pub async fn set_pull_body(&self, number: u64, body: &str) -> Result<ApiPull, PollError> {
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::PATCH,
+                &self.repo_api(&format!("/pulls/{number}"))?,
+                Some(&json!({ "body": body })),
+                None,
+                &[200],
+                "updating the pull request",
+            )
+            .await?;
+        serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the updated pull request is not one".into()))
+    }
+
+    /// Sets the commit status `context` of commit `sha`; `false` when GitHub does not know
+    /// the commit (422: the branch is not on GitHub), which waits for nothing.
+    pub async fn set_status(
+        &self,
+        sha: &str,
+        state: forge::StatusState,
+        context: &str,
+        description: &str,
+        target_url: &str,
+    ) -> Result<bool, PollError> {
+        if sha.len() != 40 || !sha.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(poll_error(400, format!("`{sha}` is not a commit id")));
+        }
+        let mut req = json!({"state": state.as_str(), "context": context,
+                             "description": forge::status_description(description)});
+        if target_url.starts_with("https://") || target_url.starts_with("http://") {
+            req["target_url"] = json!(target_url);
+        }
+        let (status, _, _) = self
+            .call(
+                reqwest::Method::POST,
+                &self.repo_api(&format!("/statuses/{sha}"))?,
+                Some(&req),
+                None,
+                &[201, 422],
+                "setting a commit status",
+            )
+            .await?;
+        Ok(status == 201)
+    }
+
+    /// The reviews of pull request `number`, conditional on `etag` (the first page's).
+    pub async fn reviews(&self, number: u64, etag: Option<&str>) -> Result<ReviewsPage, PollError> {
+        let mut out = Vec::new();
+        let mut first_etag = None;
+        for page in 1..=MAX_LIST_PAGES {
+            let url =
+                self.repo_api(&format!("/pulls/{number}/reviews?per_page=100&page={page}"))?;
+            let (status, headers, value) = self
+                .call(
+                    reqwest::Method::GET,
+                    &url,
+                    None,
+                    if page == 1 { etag } else { None },
+                    &[200, 304],
+                    "listing the reviews",
+                )
+                .await?;
+            if status == 304 {
+                return Ok(ReviewsPage::NotModified);
+            }
+            if page == 1 {
+                first_etag = headers
+                    .get("etag")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+            }
+            let reviews: Vec<ApiReview> = serde_json::from_value(value)
+                .map_err(|_| poll_error(502, "the reviews are not a JSON array".into()))?;
+            let n = reviews.len();
+            out.extend(reviews.into_iter().map(|r| forge::Review {
+                id: r.id,
+                state: r.state,
+                user: r.user.and_then(|u| u.login).unwrap_or_default(),
+                body: r.body.unwrap_or_default(),
+                commit: r.commit_id,
+                url: r.html_url,
+                association: r.author_association,
+            }));
+            if n < 100 {
+                break;
+            }
+        }
+        Ok(ReviewsPage::Fresh {
+            reviews: out,
+            etag: first_etag,
+        })
+    }
+
+    /// The line comments of review `review` of pull request `number` (the first 100).
+    pub async fn review_comments(
+        &self,
+        number: u64,
+        review: u64,
+    ) -> Result<Vec<forge::LineComment>, PollError> {
+        let url = self.repo_api(&format!(
+            "/pulls/{number}/reviews/{review}/comments?per_page=100"
+        ))?;
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &url,
+                None,
+                None,
+                &[200],
+                "listing a review's comments",
+            )
+            .await?;
+        let comments: Vec<ApiReviewComment> = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the review's comments are not a JSON array".into()))?;
+        Ok(comments
+            .into_iter()
+            .map(|c| forge::LineComment {
+                path: c.path,
+                line: c.line.or(c.original_line),
+                body: c.body,
+            })
+            .collect())
+    }
+
+    /// Whether issue (or pull request) `number` has a comment starting with `marker`.
+    pub async fn has_comment(&self, number: u64, marker: &str) -> Result<bool, PollError> {
+        for page in 1..=MAX_LIST_PAGES {
+            let url = self.repo_api(&format!(
+                "/issues/{number}/comments?per_page=100&page={page}"
+            ))?;
+            let (_, _, value) = self
+                .call(
+                    reqwest::Method::GET,
+                    &url,
+                    None,
+                    None,
+                    &[200],
+                    "listing the comments",
+                )
+                .await?;
+            let comments: Vec<ApiComment> = serde_json::from_value(value)
+                .map_err(|_| poll_error(502, "the comments are not a JSON array".into()))?;
+            if comments
+                .iter()
+                .any(|c| c.body.as_deref().is_some_and(|b| b.starts_with(marker)))
+            {
+                return Ok(true);
+            }
+            if comments.len() < 100 {
+                break;
+            }
+        }
+        Ok(false)
+    }
+
+    /// Comments on issue (or pull request) `number`.
+    pub async fn comment(&self, number: u64, body: &str) -> Result<(), PollError> {
+        self.call(
+            reqwest::Method::POST,
+            &self.repo_api(&format!("/issues/{number}/comments"))?,
+            Some(&json!({ "body": body })),
+            None,
+            &[201],
+            "commenting",
+        )
+        .await?;
+        Ok(())
+    }
+
+    /// Closes issue `number` as completed.
+    pub async fn close_issue(&self, number: u64) -> Result<(), PollError> {
+        self.call(
+            reqwest::Method::PATCH,
+            &self.repo_api(&format!("/issues/{number}"))?,
+            Some(&json!({"state": "closed", "state_reason": "completed"})),
+            None,
+            &[200],
+            "closing the issue",
+        )
+        .await?;
+        Ok(())
+    }
+}
+
+/// The item's pull request, once per item: the one whose head is `branch` if there is one
+/// (found by its head, so a crash between opening it and recording its number opens no
+/// second one), else a new draft. `Ok(None)`: GitHub refuses to open one (the branch is not
+/// on GitHub).
+pub async fn find_or_open_pull(
+    gh: &GitHub,
+    title: &str,
+    branch: &str,
+    base: &str,
+    body: &str,
+) -> Result<Option<(ApiPull, bool)>, PollError> {
+    if let Some(p) = gh.find_pull(branch).await? {
+        return Ok(Some((p, false)));
+    }
+    match gh.open_pull(title, branch, base, body).await? {
+        Some(p) => Ok(Some((p, true))),
+        // Refused: perhaps another process opened it a moment ago.
+        None => Ok(gh.find_pull(branch).await?.map(|p| (p, false))),
+    }
 }
 
 #[cfg(test)]

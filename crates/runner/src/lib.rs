@@ -10,6 +10,7 @@ pub mod ended;
 pub mod engine;
 pub mod failpoint;
 pub mod forge;
+pub mod forge_sync;
 pub mod fsutil;
 pub mod histogram;
 pub mod live_config;

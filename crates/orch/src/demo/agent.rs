@@ -97,7 +97,7 @@ pub(crate) fn produce(e: &Env, request: &str, prompt: &str, scenario: Scenario) 
     match e.stage.as_str() {
         "analysis" => analysis(e, request, prompt),
         "architecture" => architecture(e),
-        "implementation" => implementation(e, scenario),
+        "implementation" => implementation(e, scenario, prompt),
         "review" => review(e, scenario),
         other => anyhow::bail!("the demo agent has no script for stage {other}"),
     }
@@ -231,7 +231,21 @@ fn edit(path: &Path, from: &str, to: &str) -> Result<()> {
         .with_context(|| format!("cannot write {}", path.display()))
 }
 
-fn implementation(e: &Env, scenario: Scenario) -> Result<usize> {
+/// What a pull request's review that sent the item back asked, as the developer read it in
+/// its prompt (the loop back's feedback, `11-pull-request-review.md`): the review's first line.
+fn pull_request_review(prompt: &str) -> Option<String> {
+    if !prompt.contains("pull-request-review.md") {
+        return None;
+    }
+    let after = prompt.split("## The review").nth(1)?;
+    after
+        .lines()
+        .map(str::trim)
+        .find(|l| !l.is_empty() && !l.starts_with("```") && !l.starts_with("~~~"))
+        .map(|l| l.chars().take(200).collect())
+}
+
+fn implementation(e: &Env, scenario: Scenario, prompt: &str) -> Result<usize> {
     if scenario == Scenario::Note {
         let dir = e.worktree.join("notes");
         std::fs::create_dir_all(&dir)
@@ -319,11 +333,14 @@ fn implementation(e: &Env, scenario: Scenario) -> Result<usize> {
             "Added `GET /version`."
         }
     };
+    let addressed = pull_request_review(prompt)
+        .map(|r| format!("\n\nAddressed the pull request's review, which said: {r}"))
+        .unwrap_or_default();
     write(
         e,
         "10-implementation.md",
         front(e, "developer", &[]),
-        format!("# Implementation\n\n{summary}\n\nFiles: `app.py`, `test_app.py`.\n"),
+        format!("# Implementation\n\n{summary}{addressed}\n\nFiles: `app.py`, `test_app.py`.\n"),
     )
 }
 

@@ -1,0 +1,1263 @@
+//! The forge sync (issue 31, second part): for every work item that came from a forge's issue
+//! (its `task.submitted` carries a [`forge::Origin`]), orch's side of the story goes back to
+//! the forge: a draft pull request of `orch/<id>` once implementation starts, its description
+//! kept current, a commit status `orch/<stage>` per stage, the pull request's reviews acted
+//! on (a change request sends the item back to implementation with the review as the
+//! developer's feedback; an approval satisfies an `approval = true` stage the item waits at),
+//! and the outcome said on the issue and the pull request (the issue closed when it shipped).
+//!
+//! Outbox style, restart-safe, no leader:
+//! - [`ForgeSyncPass`] (every process) reads each forge item's events and enqueues a
+//!   [`FORGE_SYNC`] job keyed by the newest event (`forge-sync:<task>:<event>`), so whichever
+//!   process notices first, one job per new event. The job records its cursor
+//!   (`forge.synced {through}`) when everything up to that event is on the forge; a crash
+//!   before that replays the job, and everything it sends is idempotent (a status is set, a
+//!   description replaced, the pull request found by its head before one is opened).
+//! - The pass also reads each open pull request's reviews (conditional on their ETag) and
+//!   enqueues one job per review that asks for something (`forge-review:<forge>:<pull>:<id>`,
+//!   unique forever); the job's stage change carries the review's id, so the review is acted
+//!   on once even after its job row is pruned.
+//! - The outcome is one job per ending (`forge-outcome:<task>:<seq>`); its comment starts with
+//!   a marker it looks for before posting, so a crash between posting and recording posts
+//!   nothing twice.
+//! - The jobs are task-less: a forge that does not answer never fails an item. They wait,
+//!   retried with the pause `forge::pause_after` decides (`forge.waiting` when they start
+//!   waiting, `forge.resumed` after).
+//! - The token stays in [`crate::forge::GitHub`]; review text is untrusted input, bounded and
+//!   defused by [`forge::review_feedback`], and reaches the developer only as the Markdown body
+//!   of the feedback document `11-pull-request-review.md` on the work branch.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use anyhow::Context as _;
+use orch_domain::config::{Config, RepoConfig};
+use orch_domain::control::actor::{self, Actor};
+use orch_domain::control::{self, dedupe, events, jobs};
+use orch_domain::forge::{self, ForgeConfig, Origin, ReviewState, StatusState};
+use orch_domain::ids::{RepoName, WorkItemId};
+use orch_store::{AdvanceStage, Event, Fence, JobState, NewEvent, NewJob, Store, Task, TaskFilter};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::engine::Engine;
+use crate::forge::{GitHub, PollError, ReviewsPage};
+use crate::live_config::LiveConfig;
+use crate::ops::{Ops, OpsError};
+use crate::repos::{self, RepoPaths};
+use crate::worker::{JobContext, JobHandler, Outcome};
+
+/// The job kind.
+pub const FORGE_SYNC: &str = jobs::FORGE_SYNC;
+/// The stage whose start opens the pull request, and where a change request sends the item.
+pub const IMPLEMENTATION: &str = "implementation";
+/// How often the pass reads the forge items' events (the store only).
+pub const SCAN_EVERY: Duration = Duration::from_secs(2);
+/// Ended items are followed this long after they ended (their outcome is said by then).
+pub const FOLLOW_ENDED_MS: i64 = 24 * 3600 * 1000;
+/// The most items of a repo the pass reads per scan (newest first).
+pub const MAX_ITEMS: u32 = 1000;
+/// A forge sync job is retried, paced, as long as this (it fails no item).
+const MAX_ATTEMPTS: i64 = 100_000;
+
+/// A [`FORGE_SYNC`] job's content.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(tag = "what", rename_all = "lowercase")]
+enum SyncJob {
+    /// Bring the forge up to the task's event `through`.
+    Sync { task: i64, through: i64 },
+    /// Act on one review of pull request `pull`.
+    Review {
+        task: i64,
+        pull: u64,
+        review: forge::Review,
+    },
+    /// Say the outcome of the ending that was visit `seq`.
+    Outcome { task: i64, seq: i64 },
+}
+
+fn job_of(content: &SyncJob, key: String) -> Option<NewJob> {
+    let text = serde_json::to_string(content).ok()?;
+    Some(
+        NewJob::new(FORGE_SYNC, text)
+            .dedupe(key)
+            .max_attempts(MAX_ATTEMPTS),
+    )
+}
+
+/// The item's origin on the forge, from its `task.submitted`.
+pub fn origin_of(events: &[Event]) -> Option<Origin> {
+    events
+        .iter()
+        .find(|e| e.kind == events::TASK_SUBMITTED)
+        .and_then(|e| Origin::of(&e.data_value()))
+}
+
+fn is_forge_kind(kind: &str) -> bool {
+    kind.starts_with("forge.")
+}
+
+/// The newest event the forge follows (the sync's own events aside).
+fn through_of(events: &[Event]) -> i64 {
+    events
+        .iter()
+        .filter(|e| !is_forge_kind(&e.kind))
+        .map(|e| e.id)
+        .max()
+        .unwrap_or(0)
+}
+
+/// The sync's cursor: the newest event already on the forge.
+fn cursor_of(events: &[Event]) -> i64 {
+    events
+        .iter()
+        .filter(|e| e.kind == events::FORGE_SYNCED)
+        .filter_map(|e| e.data_value()["through"].as_i64())
+        .max()
+        .unwrap_or(0)
+}
+
+/// The item's pull request's number, once found or opened.
+fn pull_of(events: &[Event]) -> Option<u64> {
+    events
+        .iter()
+        .rev()
+        .find(|e| e.kind == events::FORGE_PULL)
+        .and_then(|e| e.data_value()["number"].as_u64())
+}
+
+/// The reviews already acted on: named by `forge.review` or by the loop back they caused.
+fn reviews_taken(events: &[Event]) -> HashSet<u64> {
+    events
+        .iter()
+        .filter(|e| e.kind == events::FORGE_REVIEW || e.kind == events::STAGE_LOOP_BACK)
+        .filter_map(|e| e.data_value()["review"].as_u64())
+        .collect()
+}
+
+fn forge_of(config: &Config, repo: &str) -> Option<(RepoName, RepoConfig, ForgeConfig)> {
+    let name: RepoName = repo.parse().ok()?;
+    let repo = config.repos.get(&name)?.clone();
+    let f = repo.forge.clone()?;
+    Some((name, repo, f))
+}
+
+/// The state of stage `stage`'s status as the events say, in event order: which stages each
+/// event touched, and the latest state of each.
+fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
+    let mut out = Vec::new();
+    for e in events {
+        let d = e.data_value();
+        let from = d["from"].as_str().map(str::to_owned);
+        let to = d["to"].as_str().map(str::to_owned);
+        match e.kind.as_str() {
+            k if k == events::STAGE_STARTED => {
+                if let Some(stage) = &e.stage {
+                    out.push((e.id, stage.clone(), StatusState::Pending, e.message.clone()));
+                }
+            }
+            k if k == events::STAGE_ADVANCED => {
+                if let Some(from) = from {
+                    let outcome = d["outcome"].as_str().unwrap_or("passed").to_owned();
+                    // A stage whose failure does not send the item back (the watch's rollback
+                    // goes on to lessons) still failed.
+                    let state = match outcome.as_str() {
+                        "NOT_SUCCESS"
+                        | "FAILED"
+                        | "CONFLICT"
+                        | "DEGRADED"
+                        | "TOOL_ERROR_EXHAUSTED" => StatusState::Failure,
+                        _ => StatusState::Success,
+                    };
+                    out.push((e.id, from, state, outcome));
+                }
+                if d["awaiting_approval"].as_bool() == Some(true)
+                    && let Some(to) = to
+                {
+                    out.push((
+                        e.id,
+                        to,
+                        StatusState::Pending,
+                        "waiting for an approval (an approving review gives it)".to_owned(),
+                    ));
+                }
+            }
+            k if k == events::STAGE_LOOP_BACK => {
+                if let Some(from) = from {
+                    out.push((
+                        e.id,
+                        from,
+                        StatusState::Failure,
+                        format!(
+                            "sent back to {}: {}",
+                            to.as_deref().unwrap_or("an earlier stage"),
+                            e.message
+                        ),
+                    ));
+                }
+            }
+            k if k == events::STAGE_APPROVED => {
+                if let Some(stage) = &e.stage {
+                    out.push((e.id, stage.clone(), StatusState::Pending, e.message.clone()));
+                }
+            }
+            k if k == events::TASK_DONE => {
+                if let Some(from) = from {
+                    out.push((e.id, from, StatusState::Success, "done".to_owned()));
+                }
+            }
+            k if k == events::TASK_FAILED => {
+                if let Some(stage) = d["stage"].as_str().map(str::to_owned).or(from) {
+                    out.push((e.id, stage, StatusState::Failure, e.message.clone()));
+                }
+            }
+            k if k == events::TASK_CANCELLED => {
+                if let Some(from) = from {
+                    out.push((e.id, from, StatusState::Error, e.message.clone()));
+                }
+            }
+            _ => {}
+        }
+    }
+    out
+}
+
+/// The per-repo state of the pass: when the reviews are next read, the ETag of each pull
+/// request's reviews, and whether reading them waits (an outage, a rate limit).
+#[derive(Debug, Default)]
+struct RepoSync {
+    next_reviews_ms: i64,
+    failures: u32,
+    waiting_since_ms: Option<i64>,
+    etags: HashMap<u64, String>,
+}
+
+/// Enqueues the forge sync's jobs: one per new event of a forge item, one per review that asks
+/// for something. Every process runs it; the jobs' dedupe keys make each once.
+pub struct ForgeSyncPass {
+    pub live: LiveConfig,
+    pub tick: Duration,
+    state: Mutex<HashMap<String, RepoSync>>,
+}
+
+impl ForgeSyncPass {
+    pub fn new(live: LiveConfig) -> ForgeSyncPass {
+        ForgeSyncPass {
+            live,
+            tick: SCAN_EVERY,
+            state: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn take_state(&self, key: &str) -> RepoSync {
+        match self.state.lock() {
+            Ok(mut m) => m.remove(key).unwrap_or_default(),
+            Err(_) => RepoSync::default(),
+        }
+    }
+
+    fn put_state(&self, key: String, state: RepoSync) {
+        if let Ok(mut m) = self.state.lock() {
+            m.insert(key, state);
+        }
+    }
+
+    async fn scan_repo(
+        &self,
+        store: &Store,
+        name: &RepoName,
+        forge_cfg: &ForgeConfig,
+    ) -> anyhow::Result<()> {
+        let key = format!("{name}\n{}\n{}", forge_cfg.repo, forge_cfg.api_url);
+        let mut st = self.take_state(&key);
+        let result = self.scan(store, name, forge_cfg, &mut st).await;
+        self.put_state(key, st);
+        result
+    }
+
+    async fn scan(
+        &self,
+        store: &Store,
+        name: &RepoName,
+        forge_cfg: &ForgeConfig,
+        st: &mut RepoSync,
+    ) -> anyhow::Result<()> {
+        let now = store.now_ms();
+        let reviews_due = now >= st.next_reviews_ms;
+        let prefix = format!("{}-", forge_cfg.prefix);
+        let tasks = store
+            .list_tasks(&TaskFilter {
+                repo: Some(name.as_str().to_owned()),
+                limit: MAX_ITEMS,
+                ..TaskFilter::default()
+            })
+            .await?;
+        let mut gh: Option<GitHub> = None;
+        let mut failed: Option<PollError> = None;
+        for task in tasks {
+            if !task.work_item_id.starts_with(&prefix)
+                || (task.is_terminal() && task.updated_at < now - FOLLOW_ENDED_MS)
+            {
+                continue;
+            }
+            let history = store.task_events(task.id).await?;
+            let Some(origin) = origin_of(&history) else {
+                continue;
+            };
+            if !origin.repo.eq_ignore_ascii_case(&forge_cfg.repo) {
+                continue;
+            }
+            let through = through_of(&history);
+            if through > cursor_of(&history)
+                && let Some(job) = job_of(
+                    &SyncJob::Sync {
+                        task: task.id,
+                        through,
+                    },
+                    dedupe::forge_sync(task.id, through),
+                )
+            {
+                store.enqueue(job).await?;
+            }
+            if !reviews_due || task.is_terminal() || failed.is_some() {
+                continue;
+            }
+            let Some(pull) = pull_of(&history) else {
+                continue;
+            };
+            if gh.is_none() {
+                match GitHub::connect(forge_cfg) {
+                    Ok(g) => gh = Some(g),
+                    Err(e) => {
+                        failed = Some(e);
+                        continue;
+                    }
+                }
+            }
+            let Some(g) = gh.as_ref() else { continue };
+            let page = match g
+                .reviews(pull, st.etags.get(&pull).map(String::as_str))
+                .await
+            {
+                Ok(p) => p,
+                Err(e) => {
+                    failed = Some(e);
+                    continue;
+                }
+            };
+            let ReviewsPage::Fresh { reviews, etag } = page else {
+                continue;
+            };
+            let taken = reviews_taken(&history);
+            let mut all_queued = true;
+            for review in reviews {
+                if ReviewState::of(&review.state) == ReviewState::Other
+                    || taken.contains(&review.id)
+                {
+                    continue;
+                }
+                if !review.trusted() {
+                    // Anyone may review a public repository's pull request: only the
+                    // repository's people steer the item.
+                    tracing::info!(work_item = %task.work_item_id, review = review.id,
+                        "forge sync: a review by someone without write access to {} is not acted on", forge_cfg.repo);
+                    continue;
+                }
+                let key = dedupe::forge_review(&forge_cfg.repo, pull, review.id);
+                let job = job_of(
+                    &SyncJob::Review {
+                        task: task.id,
+                        pull,
+                        review,
+                    },
+                    key,
+                );
+                match job {
+                    Some(job) => {
+                        store.enqueue(job).await?;
+                    }
+                    None => all_queued = false,
+                }
+            }
+            match etag {
+                Some(etag) if all_queued => {
+                    st.etags.insert(pull, etag);
+                }
+                _ => {
+                    st.etags.remove(&pull);
+                }
+            }
+        }
+        if reviews_due {
+            self.paced(store, name, forge_cfg, st, failed).await;
+        }
+        Ok(())
+    }
+
+    /// When the reviews are read next, and `forge.waiting`/`forge.resumed` as polling says them.
+    async fn paced(
+        &self,
+        store: &Store,
+        name: &RepoName,
+        forge_cfg: &ForgeConfig,
+        st: &mut RepoSync,
+        failed: Option<PollError>,
+    ) {
+        let now = store.now_ms();
+        let interval_s = match forge_cfg.poll_interval_s {
+            0 => 60,
+            s => s,
+        };
+        let Some(e) = failed else {
+            st.failures = 0;
+            st.next_reviews_ms = now.saturating_add(
+                i64::try_from(interval_s.saturating_mul(1000)).unwrap_or(i64::MAX / 2),
+            );
+            if let Some(since) = st.waiting_since_ms.take() {
+                let waited_s = (now - since) / 1000;
+                let event = NewEvent::new(
+                    events::FORGE_RESUMED,
+                    format!(
+                        "GitHub {} answers again; reading the pull requests' reviews for repo {name} resumed after {waited_s} s",
+                        forge_cfg.repo
+                    ),
+                )
+                .data(json!({"repo": name.as_str(), "forge": forge_cfg.repo, "waited_s": waited_s, "what": "reviews"}).to_string());
+                if let Err(e) = store.append_event(event).await {
+                    tracing::warn!(error = %e, "forge sync: cannot record forge.resumed");
+                }
+            }
+            return;
+        };
+        st.failures = st.failures.saturating_add(1);
+        let pause = forge::pause_after(
+            &e.answer,
+            now / 1000,
+            st.failures,
+            interval_s,
+            forge_cfg.max_backoff_s,
+            jitter(),
+        )
+        .unwrap_or(forge::Pause {
+            secs: interval_s,
+            why: e.message.clone(),
+            failure: true,
+        });
+        st.next_reviews_ms = now
+            .saturating_add(i64::try_from(pause.secs.saturating_mul(1000)).unwrap_or(i64::MAX / 2));
+        let why = format!("{}: {}", pause.why, e.message);
+        tracing::warn!(repo = %name, forge = %forge_cfg.repo, wait_s = pause.secs, "forge sync: {why}");
+        if st.waiting_since_ms.is_none() {
+            st.waiting_since_ms = Some(now);
+            let event = NewEvent::new(
+                events::FORGE_WAITING,
+                format!(
+                    "reading the pull requests' reviews on GitHub {} for repo {name} waits {} s: {why}; no item fails",
+                    forge_cfg.repo, pause.secs
+                ),
+            )
+            .data(json!({"repo": name.as_str(), "forge": forge_cfg.repo, "why": why,
+                         "wait_s": pause.secs, "failures": st.failures, "what": "reviews"}).to_string());
+            if let Err(e) = store.append_event(event).await {
+                tracing::warn!(error = %e, "forge sync: cannot record forge.waiting");
+            }
+        }
+    }
+}
+
+fn jitter() -> f64 {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    f64::from(nanos) / 1e9
+}
+
+#[async_trait::async_trait]
+impl crate::maintenance::Pass for ForgeSyncPass {
+    fn name(&self) -> &'static str {
+        "forge-sync"
+    }
+
+    fn every(&self) -> Duration {
+        self.tick
+    }
+
+    async fn run(&self, store: &Store) -> anyhow::Result<()> {
+        let config = self.live.current();
+        for (name, repo) in &config.repos {
+            let Some(forge_cfg) = repo.forge.as_ref() else {
+                continue;
+            };
+            self.scan_repo(store, name, forge_cfg).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Why a sync job could not finish: the forge (waited for), or anything else.
+enum SyncError {
+    Forge(PollError),
+    Other(anyhow::Error),
+}
+
+impl From<PollError> for SyncError {
+    fn from(e: PollError) -> SyncError {
+        SyncError::Forge(e)
+    }
+}
+
+impl From<anyhow::Error> for SyncError {
+    fn from(e: anyhow::Error) -> SyncError {
+        SyncError::Other(e)
+    }
+}
+
+impl From<orch_store::StoreError> for SyncError {
+    fn from(e: orch_store::StoreError) -> SyncError {
+        SyncError::Other(e.into())
+    }
+}
+
+/// Runs the [`FORGE_SYNC`] jobs.
+pub struct ForgeSyncHandler {
+    pub ops: Ops,
+    pub engine: Arc<Engine>,
+    /// One job per item at a time in this process: the next one reads what the last one
+    /// recorded (its pull request) instead of racing it to open a second.
+    locks: Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+impl ForgeSyncHandler {
+    pub fn new(ops: Ops, engine: Arc<Engine>) -> ForgeSyncHandler {
+        ForgeSyncHandler {
+            ops,
+            engine,
+            locks: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn lock_of(&self, task_id: i64) -> Arc<tokio::sync::Mutex<()>> {
+        match self.locks.lock() {
+            Ok(mut m) => {
+                if m.len() > 1024 {
+                    m.retain(|_, l| Arc::strong_count(l) > 1);
+                }
+                m.entry(task_id).or_default().clone()
+            }
+            Err(_) => Arc::new(tokio::sync::Mutex::new(())),
+        }
+    }
+}
+
+/// One forge item, read once.
+struct Item {
+    task: Task,
+    history: Vec<Event>,
+    origin: Origin,
+    name: RepoName,
+    repo: RepoConfig,
+    forge_cfg: ForgeConfig,
+}
+
+#[async_trait::async_trait]
+impl JobHandler for ForgeSyncHandler {
+    async fn run(&self, cx: JobContext) -> anyhow::Result<Outcome> {
+        let job: SyncJob = match serde_json::from_str(&cx.job.task_content) {
+            Ok(j) => j,
+            Err(e) => {
+                tracing::warn!(job = cx.job.id, error = %e, "forge sync: unreadable job; dropped");
+                return Ok(Outcome::Done);
+            }
+        };
+        let task_id = match &job {
+            SyncJob::Sync { task, .. }
+            | SyncJob::Review { task, .. }
+            | SyncJob::Outcome { task, .. } => *task,
+        };
+        let lock = self.lock_of(task_id);
+        let _held = lock.lock().await;
+        let Some(item) = self.item(task_id).await? else {
+            return Ok(Outcome::Done);
+        };
+        let result = match job {
+            SyncJob::Sync { through, .. } => self.sync(&cx, &item, through).await,
+            SyncJob::Review { pull, review, .. } => self.review(&cx, &item, pull, &review).await,
+            SyncJob::Outcome { seq, .. } => self.outcome(&cx, &item, seq).await,
+        };
+        let attempt = cx.lease.attempt;
+        match result {
+            Ok(outcome) => {
+                if attempt > 1 && self.waited(&item, cx.job.id).await {
+                    let event = NewEvent::new(
+                        events::FORGE_RESUMED,
+                        format!(
+                            "GitHub {} answers again; the forge sync of {} went on at try {attempt}",
+                            item.forge_cfg.repo, item.task.work_item_id
+                        ),
+                    )
+                    .task(item.task.id)
+                    .job(cx.job.id)
+                    .data(json!({"repo": item.name.as_str(), "forge": item.forge_cfg.repo, "attempt": attempt}).to_string());
+                    cx.store.append_event_fenced(cx.lease, event).await?;
+                }
+                Ok(outcome)
+            }
+            Err(SyncError::Forge(e)) => {
+                let now = cx.store.now_ms();
+                let failures = u32::try_from(attempt).unwrap_or(u32::MAX);
+                let pause = forge::pause_after(
+                    &e.answer,
+                    now / 1000,
+                    failures,
+                    2,
+                    item.forge_cfg.max_backoff_s,
+                    jitter(),
+                )
+                .unwrap_or(forge::Pause {
+                    secs: 2,
+                    why: e.message.clone(),
+                    failure: true,
+                });
+                let why = format!("{}: {}", pause.why, e.message);
+                tracing::warn!(work_item = %item.task.work_item_id, forge = %item.forge_cfg.repo, wait_s = pause.secs, "forge sync waits: {why}");
+                if !self.waited(&item, cx.job.id).await {
+                    let event = NewEvent::new(
+                        events::FORGE_WAITING,
+                        format!(
+                            "the forge sync of {} with GitHub {} waits {} s: {why}; the item does not wait for it, and the sync resumes by itself",
+                            item.task.work_item_id, item.forge_cfg.repo, pause.secs
+                        ),
+                    )
+                    .task(item.task.id)
+                    .job(cx.job.id)
+                    .data(json!({"repo": item.name.as_str(), "forge": item.forge_cfg.repo, "why": why,
+                                 "wait_s": pause.secs, "failures": failures}).to_string());
+                    cx.store.append_event_fenced(cx.lease, event).await?;
+                }
+                Ok(Outcome::Retry {
+                    error: why,
+                    delay: Duration::from_secs(pause.secs.max(1)),
+                })
+            }
+            Err(SyncError::Other(e)) => Err(e),
+        }
+    }
+}
+
+impl ForgeSyncHandler {
+    async fn item(&self, task_id: i64) -> anyhow::Result<Option<Item>> {
+        let store = self.engine.store();
+        let Some(task) = store.get_task(task_id).await? else {
+            return Ok(None);
+        };
+        let history = store.task_events(task.id).await?;
+        let Some(origin) = origin_of(&history) else {
+            return Ok(None);
+        };
+        let config = self.engine.config().live.current();
+        let Some((name, repo, forge_cfg)) = forge_of(&config, &task.repo) else {
+            tracing::info!(work_item = %task.work_item_id, "forge sync: the repo no longer has a forge; nothing sent");
+            return Ok(None);
+        };
+        Ok(Some(Item {
+            task,
+            history,
+            origin,
+            name,
+            repo,
+            forge_cfg,
+        }))
+    }
+
+    /// Whether job `job` already said it waits.
+    async fn waited(&self, item: &Item, job: i64) -> bool {
+        let store = self.engine.store();
+        match store.task_events(item.task.id).await {
+            Ok(events) => events
+                .iter()
+                .any(|e| e.kind == events::FORGE_WAITING && e.job_id == Some(job)),
+            Err(_) => true,
+        }
+    }
+
+    fn task_url(&self, item: &Item) -> String {
+        let config = self.engine.config().live.current();
+        orch_domain::notice::links(
+            &config.settings.link_base(),
+            &item.task.work_item_id,
+            &item.task.repo,
+        )
+        .task
+    }
+
+    fn paths(&self, item: &Item) -> RepoPaths {
+        RepoPaths::new(&self.engine.config().repos_dir, &item.name)
+    }
+
+    /// The branch's head in orch's clone, when it has one.
+    async fn head(&self, item: &Item) -> Option<String> {
+        let paths = self.paths(item);
+        self.engine
+            .git()
+            .rev_parse(&paths.repo_dir, &format!("refs/heads/{}", item.task.branch))
+            .await
+            .ok()
+            .flatten()
+    }
+
+    async fn pull_view(&self, item: &Item) -> forge::PullView {
+        let paths = self.paths(item);
+        let work_item = item.task.work_item_id.clone();
+        let dir = format!("docs/work-items/{work_item}");
+        let documents = match self
+            .engine
+            .git()
+            .files_at(
+                &paths.repo_dir,
+                &format!("refs/heads/{}", item.task.branch),
+                &dir,
+            )
+            .await
+        {
+            Ok(files) => files
+                .into_iter()
+                .filter_map(|(path, _)| {
+                    path.strip_prefix(&format!("{dir}/"))
+                        .filter(|n| !n.contains('/'))
+                        .map(str::to_owned)
+                })
+                .collect(),
+            Err(_) => Vec::new(),
+        };
+        let outcome_of_stage = |stage: &str| {
+            item.history
+                .iter()
+                .rev()
+                .filter(|e| e.kind == events::STAGE_ADVANCED || e.kind == events::STAGE_LOOP_BACK)
+                .find(|e| e.data_value()["from"].as_str() == Some(stage))
+                .and_then(|e| e.data_value()["outcome"].as_str().map(str::to_owned))
+        };
+        let latest = |kind: &str| {
+            item.history
+                .iter()
+                .rev()
+                .find(|e| e.kind == kind)
+                .map(|e| e.message.clone())
+        };
+        let awaiting = item
+            .history
+            .iter()
+            .rev()
+            .find(|e| control::events::STAGE_ENTERED.contains(&e.kind.as_str()))
+            .is_some_and(|e| e.data_value()["awaiting_approval"].as_bool() == Some(true))
+            && !item
+                .history
+                .iter()
+                .rev()
+                .take_while(|e| !control::events::STAGE_ENTERED.contains(&e.kind.as_str()))
+                .any(|e| e.kind == events::STAGE_APPROVED);
+        let outcome = orch_store::outcome_of_events(&item.task.stage, &item.history)
+            .map(|o| o.outcome.label().to_owned());
+        forge::PullView {
+            work_item,
+            issue: item.origin.issue,
+            web: item.origin.web_url(),
+            branch: item.task.branch.clone(),
+            stage: item.task.stage.clone(),
+            awaiting_approval: awaiting,
+            documents,
+            tests: outcome_of_stage("verification"),
+            staging: outcome_of_stage("staging"),
+            deploy: latest(events::RELEASE_DEPLOYED),
+            watch: latest(events::POST_DEPLOY_VERDICT),
+            outcome,
+            task_url: self.task_url(item),
+        }
+    }
+
+    /// Brings the forge up to event `through`: the pull request (once implementation has
+    /// started), the statuses of the stages the new events touched, the description; then the
+    /// outcome's job when the item has ended, and the cursor.
+    async fn sync(&self, cx: &JobContext, item: &Item, through: i64) -> Result<Outcome, SyncError> {
+        if cursor_of(&item.history) >= through {
+            return Ok(Outcome::Done);
+        }
+        let cursor = cursor_of(&item.history);
+        let through = through.max(through_of(&item.history));
+        let gh = GitHub::connect(&item.forge_cfg)?;
+        let started = item.history.iter().any(|e| {
+            e.stage.as_deref() == Some(IMPLEMENTATION)
+                || e.data_value()["from"].as_str() == Some(IMPLEMENTATION)
+        });
+        let mut pull = pull_of(&item.history);
+        let view = self.pull_view(item).await;
+        let body = forge::pull_body(&view);
+        let mut opened_now = false;
+        if pull.is_none() && started {
+            let found = crate::forge::find_or_open_pull(
+                &gh,
+                &item.task.title,
+                &item.task.branch,
+                &item.repo.default_branch,
+                &body,
+            )
+            .await?;
+            crate::failpoint::hit("forge.after_pull_opened");
+            match found {
+                Some((p, opened)) => {
+                    opened_now = opened;
+                    let event = NewEvent::new(
+                        events::FORGE_PULL,
+                        format!(
+                            "{} pull request {}#{} of `{}` ({})",
+                            if opened {
+                                "opened the draft"
+                            } else {
+                                "found the"
+                            },
+                            item.forge_cfg.repo,
+                            p.number,
+                            item.task.branch,
+                            p.html_url
+                        ),
+                    )
+                    .task(item.task.id)
+                    .job(cx.job.id)
+                    .data(
+                        json!({"number": p.number, "url": p.html_url, "head": item.task.branch,
+                                 "base": item.repo.default_branch, "opened": opened})
+                        .to_string(),
+                    );
+                    cx.store.append_event_fenced(cx.lease, event).await?;
+                    pull = Some(p.number);
+                }
+                None => {
+                    tracing::warn!(work_item = %item.task.work_item_id, forge = %item.forge_cfg.repo,
+                        "forge sync: GitHub refused the pull request of `{}` (is the branch on GitHub? the repo needs `url` or a bare repository as its remote)", item.task.branch);
+                }
+            }
+        }
+        // The statuses of the stages the new events touched, each at its latest state.
+        let mut latest: BTreeMap<String, (StatusState, String)> = BTreeMap::new();
+        let mut touched: HashSet<String> = HashSet::new();
+        for (id, stage, state, text) in statuses_of(&item.history) {
+            if id > through {
+                continue;
+            }
+            if id > cursor {
+                touched.insert(stage.clone());
+            }
+            latest.insert(stage, (state, text));
+        }
+        let mut sent = Vec::new();
+        if let Some(sha) = self.head(item).await {
+            let url = self.task_url(item);
+            for (stage, (state, text)) in &latest {
+                if !touched.contains(stage) {
+                    continue;
+                }
+                let context = forge::status_context(stage);
+                if gh.set_status(&sha, *state, &context, text, &url).await? {
+                    sent.push(json!({"context": context, "state": state.as_str()}));
+                }
+            }
+        }
+        if let Some(number) = pull
+            && !opened_now
+        {
+            gh.set_pull_body(number, &body).await?;
+        }
+        if item.task.is_terminal()
+            && let Some(job) = job_of(
+                &SyncJob::Outcome {
+                    task: item.task.id,
+                    seq: item.task.stage_seq,
+                },
+                dedupe::forge_outcome(item.task.id, item.task.stage_seq),
+            )
+        {
+            cx.store.enqueue(job).await?;
+        }
+        let event = NewEvent::new(
+            events::FORGE_SYNCED,
+            format!(
+                "GitHub {} is up to date with {} ({} status{} set)",
+                item.forge_cfg.repo,
+                item.task.work_item_id,
+                sent.len(),
+                if sent.len() == 1 { "" } else { "es" }
+            ),
+        )
+        .task(item.task.id)
+        .job(cx.job.id)
+        .data(json!({"through": through, "pull": pull, "statuses": sent}).to_string());
+        cx.store.append_event_fenced(cx.lease, event).await?;
+        Ok(Outcome::Done)
+    }
+
+    async fn note(
+        &self,
+        cx: &JobContext,
+        item: &Item,
+        pull: u64,
+        review: &forge::Review,
+        action: &str,
+        why: &str,
+    ) -> Result<Outcome, SyncError> {
+        let user = orch_domain::text::escape(&review.user);
+        let event = NewEvent::new(
+            events::FORGE_REVIEW,
+            format!(
+                "review {} of {}#{pull} by {user} ({}): {why}",
+                review.id, item.forge_cfg.repo, review.state
+            ),
+        )
+        .task(item.task.id)
+        .job(cx.job.id)
+        .data(
+            json!({"review": review.id, "state": review.state, "pull": pull, "action": action,
+                     "why": why, "by": review.user})
+            .to_string(),
+        );
+        cx.store.append_event_fenced(cx.lease, event).await?;
+        Ok(Outcome::Done)
+    }
+
+    /// Acts on one review, once: an approval lets the item go on from the approval stage it
+    /// waits at; a change request sends it back to implementation with the review as its
+    /// feedback. Anything else is noted (`forge.review`, `action: noted`).
+    async fn review(
+        &self,
+        cx: &JobContext,
+        item: &Item,
+        pull: u64,
+        review: &forge::Review,
+    ) -> Result<Outcome, SyncError> {
+        if reviews_taken(&item.history).contains(&review.id) || !review.trusted() {
+            return Ok(Outcome::Done);
+        }
+        let task = &item.task;
+        let actor = Actor::Orch {
+            what: format!(
+                "review {} of GitHub pull request {}#{pull} by {}",
+                review.id,
+                item.forge_cfg.repo,
+                orch_domain::text::escape(&review.user)
+            ),
+        };
+        if task.is_terminal() {
+            return self
+                .note(
+                    cx,
+                    item,
+                    pull,
+                    review,
+                    "noted",
+                    &format!("the item has ended ({})", task.stage),
+                )
+                .await;
+        }
+        let pipeline = &self.engine.config().pipeline;
+        let stage_def = pipeline
+            .stages
+            .iter()
+            .find(|s| s.name.as_str() == task.stage);
+        match ReviewState::of(&review.state) {
+            ReviewState::Approved => {
+                if !stage_def.is_some_and(|s| s.approval) {
+                    return self
+                        .note(
+                            cx,
+                            item,
+                            pull,
+                            review,
+                            "noted",
+                            &format!(
+                                "the item is at stage {}, which waits for no approval",
+                                task.stage
+                            ),
+                        )
+                        .await;
+                }
+                match self.ops.approve(&task.work_item_id, &actor).await {
+                    Ok(_) => {
+                        self.note(
+                            cx,
+                            item,
+                            pull,
+                            review,
+                            "approved",
+                            &format!("approved stage {}", task.stage),
+                        )
+                        .await
+                    }
+                    Err(OpsError::Conflict(why)) => {
+                        self.note(cx, item, pull, review, "noted", &why).await
+                    }
+                    Err(e) => Err(SyncError::Other(anyhow::anyhow!(
+                        "approving {}: {e}",
+                        task.work_item_id
+                    ))),
+                }
+            }
+            ReviewState::ChangesRequested => {
+                self.request_changes(cx, item, pull, review, &actor).await
+            }
+            ReviewState::Other => Ok(Outcome::Done),
+        }
+    }
+
+    async fn request_changes(
+        &self,
+        cx: &JobContext,
+        item: &Item,
+        pull: u64,
+        review: &forge::Review,
+        actor: &Actor,
+    ) -> Result<Outcome, SyncError> {
+        let task = &item.task;
+        let pipeline = &self.engine.config().pipeline;
+        let index = |name: &str| pipeline.stages.iter().position(|s| s.name.as_str() == name);
+        let track = crate::release::track(pipeline);
+        let (Some(at), Some(implementation)) = (index(&task.stage), index(IMPLEMENTATION)) else {
+            return self
+                .note(
+                    cx,
+                    item,
+                    pull,
+                    review,
+                    "noted",
+                    "the pipeline has no implementation stage to send the item back to",
+                )
+                .await;
+        };
+        if at <= implementation || track.stages.contains(&task.stage) {
+            return self
+                .note(
+                    cx,
+                    item,
+                    pull,
+                    review,
+                    "noted",
+                    &format!(
+                        "the item is at stage {}: only an item between implementation and the release track goes back",
+                        task.stage
+                    ),
+                )
+                .await;
+        }
+        let loops = control::loops_used(item.history.iter().map(|e| e.kind.as_str()));
+        if loops >= pipeline.max_loops {
+            return self
+                .note(
+                    cx,
+                    item,
+                    pull,
+                    review,
+                    "noted",
+                    &format!("the item has used its {loops} loops back"),
+                )
+                .await;
+        }
+        let jobs = cx.store.task_jobs(task.id).await?;
+        if jobs.iter().any(|j| matches!(j.state, JobState::Running)) {
+            // The stage's own job decides first; the review waits for it to end.
+            return Ok(Outcome::Retry {
+                error: format!(
+                    "{} is running stage {}; the review waits",
+                    task.work_item_id, task.stage
+                ),
+                delay: Duration::from_secs(2),
+            });
+        }
+        let gh = GitHub::connect(&item.forge_cfg)?;
+        let comments = gh.review_comments(pull, review.id).await?;
+        let text = forge::review_feedback(
+            &task.work_item_id,
+            &item.forge_cfg.repo,
+            pull,
+            review,
+            &comments,
+        );
+        self.commit_feedback(cx, item, &text).await?;
+        let Some(next_job) = self.engine.stage_job(IMPLEMENTATION, task.stage_seq + 1) else {
+            return self
+                .note(
+                    cx,
+                    item,
+                    pull,
+                    review,
+                    "noted",
+                    "the implementation stage has no job",
+                )
+                .await;
+        };
+        let message = format!(
+            "{} requests changes: back to {IMPLEMENTATION} with the review as feedback",
+            actor.describe()
+        );
+        let adv = AdvanceStage {
+            task_id: task.id,
+            expected_stage: task.stage.clone(),
+            new_stage: IMPLEMENTATION.to_owned(),
+            fence: Fence::Seq(task.stage_seq),
+            event: NewEvent::new(events::STAGE_LOOP_BACK, message).job(cx.job.id).data(
+                json!({"from": task.stage, "to": IMPLEMENTATION, "outcome": "CHANGES_REQUESTED",
+                       "feedback": forge::REVIEW_FEEDBACK, "review": review.id, "pull": pull,
+                       actor::KEY: actor.data()})
+                .to_string(),
+            ),
+            next_job: Some(next_job),
+        };
+        match cx.store.advance_stage(adv).await {
+            Ok(_) => Ok(Outcome::Done),
+            // The item moved meanwhile: look again with what it is now.
+            Err(orch_store::StoreError::StageConflict { .. }) => Ok(Outcome::Retry {
+                error: format!(
+                    "{} moved on; the review is looked at again",
+                    task.work_item_id
+                ),
+                delay: Duration::from_secs(1),
+            }),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Commits the review's feedback document on the work branch (a compare-and-swap of the
+    /// branch, pushed where work branches are shared, never forced); nothing when the branch
+    /// already holds it.
+    async fn commit_feedback(
+        &self,
+        cx: &JobContext,
+        item: &Item,
+        text: &str,
+    ) -> Result<(), SyncError> {
+        let git = self.engine.git();
+        let paths = self.paths(item);
+        let work_item: WorkItemId = item
+            .task
+            .work_item_id
+            .parse()
+            .map_err(|e| anyhow::anyhow!("work item {}: {e}", item.task.work_item_id))?;
+        let shared = repos::shares_work_branches(git, &paths.repo_dir, &item.repo).await;
+        if shared {
+            repos::catch_up_work_branch(git, &paths, &work_item).await?;
+        }
+        let branch = &item.task.branch;
+        let head = git
+            .rev_parse(&paths.repo_dir, &format!("refs/heads/{branch}"))
+            .await
+            .map_err(anyhow::Error::from)?
+            .with_context(|| format!("`{branch}` is not in orch's clone"))?;
+        let path = format!("{}/{}", work_item.artifact_dir(), forge::REVIEW_FEEDBACK);
+        let now = git
+            .show_file(&paths.repo_dir, &head, &path)
+            .await
+            .map_err(anyhow::Error::from)?;
+        if now.as_deref() == Some(text) {
+            return Ok(());
+        }
+        let message = format!(
+            "{work_item}: the pull request's review, as feedback\n\nWork-Item: {work_item}\nStage: review\n"
+        );
+        let commit = git
+            .commit_files_onto(
+                &paths.repo_dir,
+                &head,
+                &[(path, text.as_bytes().to_vec())],
+                &message,
+            )
+            .await
+            .map_err(anyhow::Error::from)?;
+        cx.renew().await.context("not moving the work branch")?;
+        git.update_branch(&paths.repo_dir, branch, &commit, Some(&head))
+            .await
+            .with_context(|| format!("cannot move `{branch}` to the review's commit"))?;
+        if shared {
+            git.push(&paths.repo_dir, repos::ORIGIN, branch)
+                .await
+                .with_context(|| format!("cannot push `{branch}` with the review"))?;
+        }
+        Ok(())
+    }
+
+    /// Says the outcome of the ending that was visit `seq` on the issue and the pull request,
+    /// once (a comment with the ending's marker is looked for first), and closes the issue when
+    /// the item shipped.
+    async fn outcome(&self, cx: &JobContext, item: &Item, seq: i64) -> Result<Outcome, SyncError> {
+        let task = &item.task;
+        if !task.is_terminal() || task.stage_seq != seq {
+            return Ok(Outcome::Done);
+        }
+        if item
+            .history
+            .iter()
+            .any(|e| e.kind == events::FORGE_OUTCOME && e.data_value()["seq"].as_i64() == Some(seq))
+        {
+            return Ok(Outcome::Done);
+        }
+        let Some(o) = orch_store::outcome_of_events(&task.stage, &item.history) else {
+            return Ok(Outcome::Done);
+        };
+        let deployed = item
+            .history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::RELEASE_DEPLOYED);
+        let revision = deployed
+            .and_then(|e| e.data_value()["revision"].as_str().map(str::to_owned))
+            .or(o.live.clone());
+        let view = forge::OutcomeView {
+            work_item: task.work_item_id.clone(),
+            seq,
+            outcome: o.outcome.as_str().to_owned(),
+            reason: o.reason.clone(),
+            revision,
+            deploy: deployed.map(|e| e.message.clone()),
+            task_url: self.task_url(item),
+        };
+        let text = forge::outcome_comment(&view);
+        let marker = forge::outcome_marker(&task.work_item_id, seq);
+        let gh = GitHub::connect(&item.forge_cfg)?;
+        let pull = pull_of(&item.history);
+        let mut said = Vec::new();
+        for number in std::iter::once(item.origin.issue).chain(pull) {
+            if !gh.has_comment(number, &marker).await? {
+                gh.comment(number, &text).await?;
+                crate::failpoint::hit("forge.after_outcome_comment");
+            }
+            said.push(number);
+        }
+        let shipped = o.outcome == orch_domain::outcome::Outcome::Shipped;
+        if shipped {
+            gh.close_issue(item.origin.issue).await?;
+        }
+        let event = NewEvent::new(
+            events::FORGE_OUTCOME,
+            format!(
+                "{} {}: said on GitHub {}#{}{}{}",
+                task.work_item_id,
+                o.outcome.label(),
+                item.forge_cfg.repo,
+                item.origin.issue,
+                pull.map(|p| format!(" and #{p}")).unwrap_or_default(),
+                if shipped {
+                    "; the issue is closed"
+                } else {
+                    "; the issue stays open"
+                }
+            ),
+        )
+        .task(task.id)
+        .job(cx.job.id)
+        .data(
+            json!({"outcome": o.outcome.as_str(), "seq": seq, "issue": item.origin.issue,
+                     "pull": pull, "comments": said, "closed": shipped})
+            .to_string(),
+        );
+        cx.store.append_event_fenced(cx.lease, event).await?;
+        Ok(Outcome::Done)
+    }
+}
