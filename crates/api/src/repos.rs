@@ -12,7 +12,7 @@ use std::collections::{BTreeMap, HashMap};
 
 use orch_domain::control::events;
 use orch_domain::outcome::TaskOutcome;
-use orch_domain::payload::{self, ReleaseDeployed};
+use orch_domain::payload::{self, ReleaseDeployed, RollbackResult, WatchVerdict};
 use orch_store::{Event, Store, StoreError, Task, TaskFilter};
 use serde_json::Value;
 
@@ -207,15 +207,15 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
     .iter()
     .flat_map(|k| events.get(k).cloned().unwrap_or_default())
     .filter_map(|e| {
-        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
+        let result = payload::read::<RollbackResult>(&e.data);
         let verified = match e.kind.as_str() {
             events::DEPLOY_ROLLED_BACK => true,
             // `attempted: false`: no rollback ran at all.
-            events::DEPLOY_ROLLBACK_FAILED if d.get("attempted") == Some(&Value::Bool(false)) => {
+            events::DEPLOY_ROLLBACK_FAILED if result.as_ref().is_some_and(|r| !r.attempted) => {
                 return None;
             }
             events::DEPLOY_ROLLBACK_FAILED => false,
-            _ => d.get("verified") == Some(&Value::Bool(true)),
+            _ => result.is_some_and(|r| r.verified),
         };
         Some((e, verified))
     })
@@ -229,8 +229,8 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             .map_or(i64::MAX, |d| d.event_id);
         let in_window = |e: &&Event| e.id > from && e.id < until && work_item(e) == task_wi;
         deploys[i].verdict = verdicts.iter().find(in_window).map(|e| {
-            let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
-            str_of(&d, "verdict").unwrap_or_else(|| e.message.clone())
+            payload::read::<WatchVerdict>(&e.data)
+                .map_or_else(|| e.message.clone(), |v| v.verdict.as_str().to_owned())
         });
         // The latest rollback result in the window says how it ended.
         let last = rollbacks

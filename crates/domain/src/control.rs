@@ -459,8 +459,19 @@ pub mod markers {
         task_content.lines().filter_map(parse_line).collect()
     }
 
+    /// How every marker line starts.
+    pub const PREFIX: &str = "[orch:";
+
+    /// `text` (written by someone else: an issue, a review) with every marker opening broken
+    /// by a zero-width space, so no line of it reads back as a marker or as one of orch's
+    /// HTML-comment tags.
+    pub fn defuse(text: &str) -> String {
+        text.replace(PREFIX, "[orch\u{200B}:")
+            .replace("<!-- orch:", "<!-- orch\u{200B}:")
+    }
+
     fn parse_line(line: &str) -> Option<Marker> {
-        let rest = line.trim().strip_prefix("[orch:")?;
+        let rest = line.trim().strip_prefix(PREFIX)?;
         let (name, rest) = rest.split_once(" seq=")?;
         let name = *ALL.iter().find(|n| **n == name)?;
         let (seq, tail) = rest.split_once(']')?;

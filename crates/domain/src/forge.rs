@@ -483,9 +483,7 @@ pub fn untrusted_text(text: &str) -> String {
             c => c,
         })
         .collect();
-    clean
-        .replace("[orch:", "[orch\u{200B}:")
-        .replace("<!-- orch:", "<!-- orch\u{200B}:")
+    crate::control::markers::defuse(&clean)
 }
 
 /// `text` cut to at most `max` bytes at a character boundary, and whether it was cut.

@@ -31,7 +31,7 @@
 //! - [`forge`]: `[repos.<name>.forge]`, issues as work items' requests (bounded, stored as
 //!   data), pagination and the pause a forge's answer calls for (issue 31).
 //! - [`payload`]: the data of the events more than one crate reads, as types (serde both
-//!   ways): `release.deployed`, `release.rolled_back`.
+//!   ways): `release.deployed`, `release.rolled_back`, rollback results, `post_deploy.verdict`.
 //! - [`control`]: the control words stored in the database, spelled once: terminal stages,
 //!   event kinds, job markers and dedupe keys (with their parsers).
 #![warn(missing_docs)]

@@ -6,10 +6,17 @@
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::monitor::{ActionTaken, Verdict};
+
 /// Reads an event's data (JSON text) as `T`; `None` when it is not that shape (a row of
 /// another kind, or corrupt): the reader skips it, never invents one.
 pub fn read<T: DeserializeOwned>(data: &str) -> Option<T> {
     serde_json::from_str(data).ok()
+}
+
+/// Reads an event's data already parsed as JSON as `T` (see [`read`]).
+pub fn read_value<T: DeserializeOwned>(data: &serde_json::Value) -> Option<T> {
+    T::deserialize(data).ok()
 }
 
 /// How a change reached a deployed revision.
@@ -92,6 +99,51 @@ pub struct ReleaseRolledBack {
     pub live: Option<String>,
 }
 
+/// The result of a rollback: `deploy.rolled_back` / `deploy.rollback_failed` (the deployer's)
+/// and `post_deploy.rollback` (the watch's, verified or not).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RollbackResult {
+    /// The revision rolled back.
+    pub revision: String,
+    /// Production was verified back (healthy, and no longer at `revision`).
+    #[serde(default)]
+    pub verified: bool,
+    /// A rollback command ran (rows of old versions say `false` when none did).
+    #[serde(default = "yes")]
+    pub attempted: bool,
+    /// What the service named after it, when it answered.
+    #[serde(default)]
+    pub live: Option<String>,
+    /// The visit of the stage.
+    #[serde(default)]
+    pub seq: Option<i64>,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// `post_deploy.verdict`: how a post-deploy watch ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WatchVerdict {
+    /// The verdict.
+    pub verdict: Verdict,
+    /// What the monitor did about it.
+    pub action: ActionTaken,
+    /// The watched revision.
+    #[serde(default)]
+    pub revision: String,
+    /// `16-post-deploy-log.md` was written.
+    #[serde(default)]
+    pub log_written: bool,
+    /// What of the watch's evidence was lost (a corrupt state file), when some was.
+    #[serde(default)]
+    pub evidence_lost: Option<String>,
+    /// The visit of the stage.
+    #[serde(default)]
+    pub seq: Option<i64>,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,5 +184,37 @@ mod tests {
         );
         assert_eq!(read::<ReleaseDeployed>(r#"{"repo":"app"}"#), None);
         assert_eq!(read::<ReleaseDeployed>("not json"), None);
+    }
+
+    #[test]
+    fn a_rollback_and_a_verdict_read_back_in_their_stored_words() {
+        let r = RollbackResult {
+            revision: "b".repeat(40),
+            verified: true,
+            attempted: true,
+            live: Some("a".repeat(40)),
+            seq: Some(2),
+        };
+        let text = serde_json::to_string(&r).unwrap_or_default();
+        assert_eq!(read::<RollbackResult>(&text), Some(r));
+        // An old row: `attempted` absent means a rollback ran.
+        let old = read::<RollbackResult>(r#"{"revision":"abc","verified":false}"#);
+        assert_eq!(old.map(|r| r.attempted), Some(true));
+        let v = WatchVerdict {
+            verdict: Verdict::Failed,
+            action: ActionTaken::RollbackFailed,
+            revision: "c".repeat(40),
+            log_written: true,
+            evidence_lost: None,
+            seq: Some(1),
+        };
+        let value = serde_json::to_value(&v).unwrap_or_default();
+        assert_eq!(value["verdict"], "FAILED");
+        assert_eq!(value["action"], "rollback_failed");
+        assert_eq!(read_value::<WatchVerdict>(&value), Some(v));
+        assert_eq!(
+            read::<WatchVerdict>(r#"{"verdict":"MAYBE","action":"none"}"#),
+            None
+        );
     }
 }

@@ -315,8 +315,8 @@ fn outcome_notice(
         .iter()
         .rev()
         .find(|e| e.kind == events::POST_DEPLOY_VERDICT)
-        .map(data)
-        .filter(|v| v["verdict"] == json!("HEALTHY"));
+        .and_then(|e| orch_domain::payload::read::<orch_domain::payload::WatchVerdict>(&e.data))
+        .filter(|v| v.verdict == orch_domain::monitor::Verdict::Healthy);
     let live = match (&checked, &healthy_watch) {
         (Some(c), _) => Some(notice::Live {
             revision: text(c, "settled_at").or_else(|| text(c, "live")),
@@ -324,7 +324,7 @@ fn outcome_notice(
             description: text(c, "description").unwrap_or_default(),
         }),
         (None, Some(v)) => {
-            let rev = text(v, "revision");
+            let rev = Some(v.revision.clone()).filter(|r| !r.is_empty());
             Some(notice::Live {
                 description: format!(
                     "`{}` watched HEALTHY",

@@ -634,12 +634,14 @@ async fn summary(
             .iter()
             .rev()
             .find(|e| e.kind == events::POST_DEPLOY_VERDICT)
-            .map(|v| serde_json::from_str::<serde_json::Value>(&v.data).unwrap_or_default());
-        if let Some(data) = &verdict {
+            .and_then(|v| {
+                orch_domain::payload::read::<orch_domain::payload::WatchVerdict>(&v.data)
+            });
+        if let Some(v) = &verdict {
             say!(
                 "    post-deploy watch: {} → action: {}",
-                data["verdict"].as_str().unwrap_or("?"),
-                data["action"].as_str().unwrap_or("?")
+                v.verdict.as_str(),
+                v.action.as_str()
             );
         }
         say!();

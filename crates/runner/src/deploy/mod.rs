@@ -117,6 +117,21 @@ pub fn visit_seq(run: &StageRun) -> i64 {
         .unwrap_or(run.task.stage_seq)
 }
 
+/// [`record`] with a typed payload ([`orch_domain::payload`]) as the data.
+pub(crate) async fn record_payload<T: serde::Serialize>(
+    run: &StageRun,
+    seq: i64,
+    kind: &str,
+    message: impl Into<String>,
+    payload: &T,
+) -> anyhow::Result<()> {
+    let data = match serde_json::to_value(payload)? {
+        serde_json::Value::Object(map) => map,
+        other => anyhow::bail!("the payload of a {kind} event is not an object: {other}"),
+    };
+    record(run, seq, kind, message, data).await
+}
+
 /// Appends an event for this run's task and job, with `seq` added to `data`, fenced by the
 /// job's lease (an attempt that lost its job records nothing: `StoreError::LeaseLost`).
 pub(crate) async fn record(

@@ -774,7 +774,7 @@ async fn finish(
     // finds its verdict already recorded. The other order lost it: a re-run found the watch
     // done and advanced the stage with neither the verdict nor the log.
     if !verdict_recorded(run, seq).await? {
-        record(
+        super::record_payload(
             run,
             seq,
             events::POST_DEPLOY_VERDICT,
@@ -784,13 +784,14 @@ async fn finish(
                 ending.reason,
                 ending.action.as_str()
             ),
-            data([
-                ("verdict", json!(ending.verdict.as_str())),
-                ("action", json!(ending.action.as_str())),
-                ("revision", json!(revision)),
-                ("log_written", json!(written.is_ok())),
-                ("evidence_lost", json!(evidence_lost)),
-            ]),
+            &orch_domain::payload::WatchVerdict {
+                verdict: ending.verdict,
+                action: ending.action,
+                revision: revision.to_owned(),
+                log_written: written.is_ok(),
+                evidence_lost: evidence_lost.map(str::to_owned),
+                seq: Some(seq),
+            },
         )
         .await?;
     }

@@ -25,6 +25,8 @@ use orch_store::Event;
 use serde_json::json;
 
 use super::probe::Probe;
+use orch_domain::payload::{self, RollbackResult};
+
 use super::{OUTPUT_TAIL_LINES, data, event_seq, event_str, events, record, run_repo_command};
 use crate::engine::StageRun;
 
@@ -379,13 +381,14 @@ async fn roll_back(
     if let Some(why) = failed {
         tried.push(orch_domain::text::one_line_max(&why, 300));
         let sight = look(run).await;
-        let data = data([
-            ("revision", json!(case.revision)),
-            ("verified", json!(false)),
-            ("attempted", json!(true)),
-            ("live", json!(sight.live)),
-        ]);
-        record(run, seq, kinds.failed, &why, data).await?;
+        let result = RollbackResult {
+            revision: case.revision.to_owned(),
+            verified: false,
+            attempted: true,
+            live: sight.live.clone(),
+            seq: Some(seq),
+        };
+        super::record_payload(run, seq, kinds.failed, &why, &result).await?;
         return Ok((Rolled::Failed, sight, true));
     }
     let situation = Situation {
@@ -448,19 +451,14 @@ async fn record_result(
     };
     tried.push(message.clone());
     let kind = if verified { kinds.ok } else { kinds.failed };
-    record(
-        run,
-        seq,
-        kind,
-        &message,
-        data([
-            ("revision", json!(rev)),
-            ("verified", json!(verified)),
-            ("attempted", json!(true)),
-            ("live", json!(sight.live)),
-        ]),
-    )
-    .await?;
+    let result = RollbackResult {
+        revision: rev.to_owned(),
+        verified,
+        attempted: true,
+        live: sight.live.clone(),
+        seq: Some(seq),
+    };
+    super::record_payload(run, seq, kind, &message, &result).await?;
     Ok(if verified {
         Rolled::Verified
     } else {
@@ -470,16 +468,15 @@ async fn record_result(
 
 /// The rollback result this visit recorded, with whether it was verified.
 fn rollback_result<'a>(history: &'a [Event], seq: i64, kinds: &Kinds) -> Option<(&'a Event, bool)> {
+    let result = |e: &Event| payload::read::<RollbackResult>(&e.data);
     let e = history.iter().rev().find(|e| {
         event_seq(e) == Some(seq)
             && (e.kind == kinds.ok || e.kind == kinds.failed)
             && !(e.kind == events::DEPLOY_ROLLBACK_FAILED
-                && serde_json::from_str::<serde_json::Value>(&e.data)
-                    .is_ok_and(|v| v["attempted"] == json!(false)))
+                && result(e).is_some_and(|r| !r.attempted))
     })?;
     let verified = if kinds.ok == kinds.failed {
-        serde_json::from_str::<serde_json::Value>(&e.data)
-            .is_ok_and(|v| v["verified"] == json!(true))
+        result(e).is_some_and(|r| r.verified)
     } else {
         e.kind == kinds.ok
     };
