@@ -657,3 +657,121 @@ async fn a_protected_main_is_released_through_the_api_on_sqlite() {
 async fn a_protected_main_is_released_through_the_api_on_postgres() {
     story("postgres").await;
 }
+
+/// `merge_method = "fast-forward"`, with GitHub down when the release reaches it: the release
+/// waits visibly (`forge.waiting` on the item, retrying with backoff), fails nothing, and once
+/// GitHub answers `main` is moved (`PATCH …/git/refs`, no force) to exactly the staged commit,
+/// which is what is deployed.
+async fn fast_forward_through_an_outage(backend: &str) {
+    if !specs_available() {
+        return;
+    }
+    if !common::python_available() {
+        return skip(
+            "python3 is not installed: the demo's service and the description check need it",
+        );
+    }
+    common::become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    let bare = protect(&dir, &api, "fast-forward");
+    {
+        let spec: Value =
+            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+        let mut h = hub.lock().unwrap();
+        h.release.bare = Some(bare.clone());
+        h.release.git_ref_example = spec["components"]["examples"]["git-ref"]["value"].clone();
+        h.down_for_release = true;
+    }
+    let url = match backend {
+        "postgres" => {
+            let url = orch_store::testing::fresh_pg_schema().await;
+            common::orch_db(&dir, &url, &["migrate"]);
+            Some(url)
+        }
+        _ => None,
+    };
+    let store = match &url {
+        Some(u) => Store::connect(u, ConnectOptions::default()).await.unwrap(),
+        None => common::open(&dir).await,
+    };
+    let serve = serve(&dir, url.as_deref(), "");
+    submit(&dir, url.as_deref(), "Add a /version endpoint");
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(300),
+        "the release waiting for GitHub",
+        || {
+            let s = s.clone();
+            async move {
+                match s.get_task_by_work_item("APP-1").await.unwrap() {
+                    Some(t) => s
+                        .task_events(t.id)
+                        .await
+                        .unwrap()
+                        .iter()
+                        .any(|e| e.kind == "forge.waiting"),
+                    None => false,
+                }
+            }
+        },
+    )
+    .await;
+    // Down a while longer: retried with backoff, nothing fails, nothing is deployed.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let t = common::task(&store, "APP-1").await;
+    assert_eq!(t.stage, "deploy");
+    let evs = events_of(&store, "APP-1").await;
+    assert!(!evs.iter().any(|e| e.kind == "deploy.started"));
+    assert_eq!(
+        evs.iter().filter(|e| e.kind == "forge.waiting").count(),
+        1,
+        "one forge.waiting per waiting, not per try"
+    );
+    let tries = hub
+        .lock()
+        .unwrap()
+        .exchanges
+        .iter()
+        .filter(|e| e["method"] == "PATCH")
+        .count();
+    assert!(tries >= 2, "{tries} tries in 5 s of outage");
+    hub.lock().unwrap().down_for_release = false;
+
+    let t = wait_ended(&dir, &store, "APP-1").await;
+    serve.terminate().await;
+    assert_eq!(t.stage, "done");
+    let evs = events_of(&store, "APP-1").await;
+    assert!(evs.iter().any(|e| e.kind == "forge.resumed"));
+    let staged = evs
+        .iter()
+        .rev()
+        .find(|e| e.kind == "release.staged")
+        .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
+        .unwrap();
+    assert_eq!(hub.lock().unwrap().release.ref_updates, 1);
+    assert!(hub.lock().unwrap().release.merges.is_empty());
+    assert_eq!(git(&bare, &["rev-parse", "main"]).unwrap(), staged);
+    let deployed = evs.iter().find(|e| e.kind == "release.deployed").unwrap();
+    assert_eq!(data(deployed)["revision"], json!(staged));
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    eprintln!("{backend}: {text}");
+    assert!(ok, "{text}");
+    common::stop_service(&dir);
+    common::reap_orphans();
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_forward_waits_out_an_outage_on_sqlite() {
+    fast_forward_through_an_outage("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_forward_waits_out_an_outage_on_postgres() {
+    fast_forward_through_an_outage("postgres").await;
+}
