@@ -1027,6 +1027,48 @@ async fn forge_revert(
     }
 }
 
+/// Publishes the audit commit `commit` (made on `main`: the item's last documents and its
+/// lessons) through the forge's API when the default branch refuses orch's push, on the
+/// branch `orch/audit/<id>`; the commit the forge made, with exactly the audit commit's tree.
+/// Idempotent as the audit is: a re-run finds the documents on the default branch.
+pub async fn publish_audit_through_forge(
+    run: &StageRun,
+    main: &str,
+    commit: &str,
+    message: &str,
+) -> Result<String> {
+    let cfg = run
+        .repo
+        .forge
+        .clone()
+        .context("the repo has no forge to publish the audit trail through")?;
+    let id = run.work_item.as_str();
+    let (title, body) = message.split_once('\n').unwrap_or((message, ""));
+    let publication = Publication {
+        head: format!("orch/audit/{id}"),
+        old: main,
+        new: commit,
+        pull_title: title.to_owned(),
+        pull_body: format!(
+            "The documents of {id}'s last stages and its lessons, after its release.\n\nDo not push to this branch: orch owns it."
+        ),
+        title: title.to_owned(),
+        message: body.trim_start().to_owned(),
+    };
+    let seq = crate::deploy::visit_seq(run);
+    match publish_through_forge(run, &cfg, seq, &publication, None).await? {
+        ForgePublished::Published { commit, .. } => {
+            repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+            Ok(commit)
+        }
+        ForgePublished::Mismatch { commit, why, .. } => bail!(
+            "GitHub {} put `{commit:.12}` on `{}` for {id}'s audit trail, which is not the audit commit: {why}",
+            cfg.repo,
+            run.repo.default_branch
+        ),
+    }
+}
+
 /// Records `release.reverted`: the item's change `old..new` taken out by `sha`.
 async fn record_reverted(run: &StageRun, old: &str, new: &str, sha: &str, why: &str) {
     record(
