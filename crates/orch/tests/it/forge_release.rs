@@ -16,6 +16,7 @@
 //!    item is then staged again and released.
 //!    That item breaks production after its deploy (the demo's greeting change): rolled back,
 //!    its revert reaches the protected `main` through the API as well.
+//!    Each item's audit trail (its last documents, its lessons) reaches `main` the same way.
 //! 3. `orch doctor` says releases go through the API (squash).
 
 use std::path::{Path, PathBuf};
@@ -521,10 +522,23 @@ async fn story(backend: &str) {
     let second = serve(&dir, url.as_deref(), "");
     let t1 = wait_ended(&dir, &store, "APP-1").await;
     assert_eq!(t1.stage, "done", "APP-1");
+    // The release's pull request merged once across the kill; then the audit trail's (the
+    // item's last documents), through the API as well.
     let squash = {
         let h = hub.lock().unwrap();
-        assert_eq!(h.release.merges.len(), 1, "merged once across the kill");
-        h.release.merges[0].2.clone()
+        let merges = &h.release.merges;
+        assert_eq!(merges.len(), 2, "{merges:?}");
+        assert_eq!(
+            merges[1].0, 2,
+            "the release's pull request merged once: {merges:?}"
+        );
+        assert!(
+            git(&bare, &["log", "-1", "--format=%B", &merges[1].2])
+                .unwrap()
+                .contains("Stage: audit")
+        );
+        assert_eq!(git(&bare, &["rev-parse", "main"]).unwrap(), merges[1].2);
+        merges[0].2.clone()
     };
     let evs = events_of(&store, "APP-1").await;
     let staged = evs
@@ -584,29 +598,31 @@ async fn story(backend: &str) {
     );
     assert_eq!(t2.stage, "done", "APP-2 after the mismatch");
     // The demo's greeting change breaks production after its deploy: rolled back, and its
-    // revert reaches the protected `main` through the API too (a fourth merge).
+    // revert reaches the protected `main` through the API too. APP-2's merges: the tampered
+    // one, the release, the revert, the audit trail.
     let merges = hub.lock().unwrap().release.merges.clone();
-    assert_eq!(merges.len(), 4, "{merges:?}");
+    assert_eq!(merges.len(), 6, "{merges:?}");
+    assert_eq!(merges[2].2, tampered);
     let deployed = evs
         .iter()
         .rev()
         .find(|e| e.kind == "release.deployed")
         .unwrap();
-    assert_eq!(data(deployed)["revision"], json!(merges[2].2));
+    assert_eq!(data(deployed)["revision"], json!(merges[3].2));
     let reverted = evs
         .iter()
         .find(|e| e.kind == "release.reverted")
         .unwrap_or_else(|| panic!("no release.reverted: {evs:#?}"));
-    assert_eq!(data(reverted)["revert_commit"], json!(merges[3].2));
+    assert_eq!(data(reverted)["revert_commit"], json!(merges[4].2));
     assert!(
-        git(&bare, &["log", "-1", "--format=%B", &merges[3].2])
+        git(&bare, &["log", "-1", "--format=%B", &merges[4].2])
             .unwrap()
             .contains("Orch-Revert: APP-2")
     );
     assert!(
         git(
             &bare,
-            &["merge-base", "--is-ancestor", &merges[3].2, "main"]
+            &["merge-base", "--is-ancestor", &merges[4].2, "main"]
         )
         .is_ok()
     );
@@ -752,9 +768,15 @@ async fn fast_forward_through_an_outage(backend: &str) {
         .find(|e| e.kind == "release.staged")
         .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
         .unwrap();
-    assert_eq!(hub.lock().unwrap().release.ref_updates, 1);
+    // Two ref moves: the release (to exactly the staged commit) and the audit trail on it.
+    assert_eq!(hub.lock().unwrap().release.ref_updates, 2);
     assert!(hub.lock().unwrap().release.merges.is_empty());
-    assert_eq!(git(&bare, &["rev-parse", "main"]).unwrap(), staged);
+    assert_eq!(git(&bare, &["rev-parse", "main^"]).unwrap(), staged);
+    assert!(
+        git(&bare, &["log", "-1", "--format=%B", "main"])
+            .unwrap()
+            .contains("Stage: audit")
+    );
     let deployed = evs.iter().find(|e| e.kind == "release.deployed").unwrap();
     assert_eq!(data(deployed)["revision"], json!(staged));
     let exchanges = hub.lock().unwrap().exchanges.clone();
