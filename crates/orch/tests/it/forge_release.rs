@@ -797,3 +797,95 @@ async fn fast_forward_waits_out_an_outage_on_sqlite() {
 async fn fast_forward_waits_out_an_outage_on_postgres() {
     fast_forward_through_an_outage("postgres").await;
 }
+
+/// `merge_method = "merge"`: GitHub's merge commit sits on the `main` the release was built on
+/// with the staged commit as its second parent; it has the staged tree and is what ships.
+async fn merge_commit(backend: &str) {
+    if !specs_available() {
+        return;
+    }
+    if !common::python_available() {
+        return skip(
+            "python3 is not installed: the demo's service and the description check need it",
+        );
+    }
+    common::become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    let bare = protect(&dir, &api, "merge");
+    {
+        let spec: Value =
+            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+        let ex = &spec["components"]["examples"];
+        let mut h = hub.lock().unwrap();
+        h.release.bare = Some(bare.clone());
+        h.release.pull_example = ex["pull-request"]["value"].clone();
+        h.release.pull_simple_example = ex["pull-request-simple-items"]["value"][0].clone();
+    }
+    let url = match backend {
+        "postgres" => {
+            let url = orch_store::testing::fresh_pg_schema().await;
+            common::orch_db(&dir, &url, &["migrate"]);
+            Some(url)
+        }
+        _ => None,
+    };
+    let store = match &url {
+        Some(u) => Store::connect(u, ConnectOptions::default()).await.unwrap(),
+        None => common::open(&dir).await,
+    };
+    let main_before = git(&bare, &["rev-parse", "main"]).unwrap();
+    let serve = serve(&dir, url.as_deref(), "");
+    submit(&dir, url.as_deref(), "Add a /version endpoint");
+    let t = wait_ended(&dir, &store, "APP-1").await;
+    serve.terminate().await;
+    assert_eq!(t.stage, "done");
+    let evs = events_of(&store, "APP-1").await;
+    let staged = evs
+        .iter()
+        .rev()
+        .find(|e| e.kind == "release.staged")
+        .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
+        .unwrap();
+    let merges = hub.lock().unwrap().release.merges.clone();
+    assert!(merges.iter().all(|m| m.1 == "merge"), "{merges:?}");
+    let merged = &merges[0].2;
+    let parents = git(&bare, &["rev-list", "--parents", "-n", "1", merged]).unwrap();
+    assert_eq!(
+        parents.split(' ').skip(1).collect::<Vec<_>>(),
+        [main_before.as_str(), staged.as_str()]
+    );
+    assert_eq!(
+        git(&bare, &["rev-parse", &format!("{merged}^{{tree}}")]).unwrap(),
+        git(&bare, &["rev-parse", &format!("{staged}^{{tree}}")]).unwrap()
+    );
+    let deployed = evs.iter().find(|e| e.kind == "release.deployed").unwrap();
+    assert_eq!(data(deployed)["revision"], json!(merged));
+    assert_eq!(data(deployed)["staged"], json!(staged));
+    // The item's change is listed as shipped (its trailers come with the merged history).
+    assert!(
+        data(deployed)["items"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|i| i["work_item"] == "APP-1")),
+        "{deployed:?}"
+    );
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    eprintln!("{backend}: {text}");
+    assert!(ok, "{text}");
+    common::stop_service(&dir);
+    common::reap_orphans();
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merge_commit_ships_the_staged_tree_on_sqlite() {
+    merge_commit("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merge_commit_ships_the_staged_tree_on_postgres() {
+    merge_commit("postgres").await;
+}
