@@ -127,7 +127,7 @@ pub(crate) struct Hub {
     branch: Value,
     /// The release endpoints (pull requests, refs) acting on a real bare repository.
     pub(crate) release: crate::forge_release::Releases,
-    /// Answer 503 to everything.
+    /// Answer 503 to the release endpoints (pull requests, refs).
     pub(crate) down_for_release: bool,
 }
 
