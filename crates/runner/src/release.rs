@@ -18,7 +18,11 @@
 //!    exactly the commit the candidate was built on to exactly the staged commit (a
 //!    compare-and-swap on orch's clone and on the remote). If the default branch moved
 //!    meanwhile (a push from outside orch), the task goes back to `merge` to rebuild the
-//!    candidate and stage it again.
+//!    candidate and stage it again. A remote that refuses the push although nobody moved the
+//!    branch (a protected branch) is published through the repo's forge instead
+//!    ([`crate::forge::release`]): the ref moved to exactly the staged commit, or the item's
+//!    release pull request merged with its head pinned; the forge's commit is deployed only
+//!    if its tree is exactly the staged tree (else `release.forge_mismatch`, back to `merge`).
 //! 3. **Production ships exactly the staged commit**, and every deploy records the items it
 //!    shipped (`release.deployed`: revision, previous live revision, the work items between).
 //! 4. **A rolled-back change is taken out.** With `on_failure = "revert"` the change is
