@@ -200,6 +200,15 @@ pub mod events {
     pub const RELEASE_PROMOTING: &str = "release.promoting";
     /// The default branch now holds the staged commit: `{repo, old, new, seq}`.
     pub const RELEASE_PROMOTED: &str = "release.promoted";
+    /// The default branch refused orch's push: the staged commit is about to be published
+    /// through the forge's API (written before the call, so a re-run finds the merge by its
+    /// pull request or the branch and never merges twice): `{repo, forge, method, pull, branch,
+    /// old, staged, seq}` (`pull` is `null` for `fast-forward`).
+    pub const RELEASE_FORGE_MERGING: &str = "release.forge_merging";
+    /// What the forge put on the default branch does not have exactly the staged tree: nothing
+    /// is deployed and the item goes back to the merge gate: `{repo, forge, method, staged,
+    /// merged, staged_tree, merged_tree, seq}`.
+    pub const RELEASE_FORGE_MISMATCH: &str = "release.forge_mismatch";
     /// A production deploy ended: `{repo, revision, previous_revision, confirmed, items, seq}`.
     pub const RELEASE_DEPLOYED: &str = "release.deployed";
     /// Production was rolled back from this item's deploy: `{repo, revision, live}`.
@@ -309,6 +318,8 @@ pub mod events {
         RELEASE_STAGED,
         RELEASE_PROMOTING,
         RELEASE_PROMOTED,
+        RELEASE_FORGE_MERGING,
+        RELEASE_FORGE_MISMATCH,
         RELEASE_DEPLOYED,
         RELEASE_ROLLED_BACK,
         RELEASE_REVERTED,

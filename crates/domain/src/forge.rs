@@ -53,6 +53,41 @@ pub struct ForgeConfig {
     /// webhook route refuses every delivery for this repo.
     #[serde(default)]
     pub webhook_secret_env: Option<String>,
+    /// How a release reaches the default branch when a direct push to it is refused (a
+    /// protected branch): through the API, by this method. Default `merge`.
+    #[serde(default)]
+    pub merge_method: MergeMethod,
+}
+
+/// How the release train publishes through the forge's API when the default branch refuses
+/// a direct push. Whatever the method, orch fetches what the forge made and deploys it only
+/// when its tree is exactly the tree staging verified.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum MergeMethod {
+    /// The branch's ref is moved to exactly the staged commit (`PATCH …/git/refs/heads/<branch>`,
+    /// `force: false`): the token must be allowed past the protection.
+    FastForward,
+    /// The item's pull request is merged with a merge commit (its parents: the default branch
+    /// and the staged commit).
+    #[default]
+    Merge,
+    /// The item's pull request is squashed into one commit on the default branch.
+    Squash,
+    /// The item's pull request's commits are rebased onto the default branch.
+    Rebase,
+}
+
+impl MergeMethod {
+    /// The config's (and, but for `fast-forward`, GitHub's `merge_method`) spelling.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MergeMethod::FastForward => "fast-forward",
+            MergeMethod::Merge => "merge",
+            MergeMethod::Squash => "squash",
+            MergeMethod::Rebase => "rebase",
+        }
+    }
 }
 
 fn default_api_url() -> String {
@@ -914,6 +949,7 @@ mod tests {
             poll_interval_s: 60,
             max_backoff_s: 900,
             webhook_secret_env: None,
+            merge_method: MergeMethod::default(),
         };
         assert_eq!(c.check(), Ok(()));
         assert_eq!(c.owner_and_name(), Some(("octo", "hello")));

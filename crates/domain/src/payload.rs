@@ -82,6 +82,13 @@ pub struct ReleaseDeployed {
     /// The changes between `previous_revision` and `revision`, oldest first.
     #[serde(default)]
     pub items: Vec<ShippedChange>,
+    /// Released through the forge: the staged commit whose tree `revision` has (the forge made
+    /// `revision` of it: a merge, a squash, a rebase).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub staged: Option<String>,
+    /// How the forge made `revision` (the merge method), with `staged`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub via: Option<String>,
     /// The visit of the deploy stage that deployed it.
     #[serde(default)]
     pub seq: Option<i64>,
@@ -167,6 +174,8 @@ mod tests {
                     change: Change::Reverted,
                 },
             ],
+            staged: None,
+            via: None,
             seq: Some(3),
         };
         let text = serde_json::to_string(&d).unwrap_or_default();

@@ -40,6 +40,9 @@ use serde_json::json;
 use crate::live_config::LiveConfig;
 use crate::worker::{JobContext, JobHandler, Outcome};
 
+/// Publishing a release through the API when the default branch refuses orch's push.
+pub mod release;
+
 /// The kind of the job a webhook delivery enqueues.
 pub const FORGE_ISSUE: &str = jobs::FORGE_ISSUE;
 /// GitHub's REST API version orch speaks.
@@ -1127,9 +1130,18 @@ pub async fn inspect(name: &str, forge_cfg: &ForgeConfig, default_branch: &str) 
         Ok(r) if r.status().as_u16() == 200 => {
             let b: serde_json::Value = r.json().await.unwrap_or_default();
             if b["protected"].as_bool().unwrap_or(false) {
+                let how = match forge_cfg.merge_method {
+                    forge::MergeMethod::FastForward => "the branch's ref is moved to exactly the staged commit (PATCH git/refs, no force): the token must be allowed past the protection".to_owned(),
+                    m => format!("the item's pull request is merged with its head pinned to the staged commit, merge_method {}", m.as_str()),
+                };
                 out.push(Finding::Note(
-                    format!("{what}: branch {default_branch} is protected"),
-                    "orch's merge gate moves the default branch itself: the token's user must be allowed to push to it (or bypass the rules), else publishing a release fails and the item waits".into(),
+                    format!(
+                        "{what}: branch {default_branch} is protected: releases go through the API ({})",
+                        forge_cfg.merge_method.as_str()
+                    ),
+                    format!(
+                        "when a direct push to {default_branch} is refused, {how}; orch deploys only a commit whose tree is exactly the staged tree (else the item goes back to the merge gate). The token needs Contents and Pull requests read/write"
+                    ),
                 ));
             } else {
                 out.push(Finding::Note(

@@ -18,7 +18,11 @@
 //!    exactly the commit the candidate was built on to exactly the staged commit (a
 //!    compare-and-swap on orch's clone and on the remote). If the default branch moved
 //!    meanwhile (a push from outside orch), the task goes back to `merge` to rebuild the
-//!    candidate and stage it again.
+//!    candidate and stage it again. A remote that refuses the push although nobody moved the
+//!    branch (a protected branch) is published through the repo's forge instead
+//!    ([`crate::forge::release`]): the ref moved to exactly the staged commit, or the item's
+//!    release pull request merged with its head pinned; the forge's commit is deployed only
+//!    if its tree is exactly the staged tree (else `release.forge_mismatch`, back to `merge`).
 //! 3. **Production ships exactly the staged commit**, and every deploy records the items it
 //!    shipped (`release.deployed`: revision, previous live revision, the work items between).
 //! 4. **A rolled-back change is taken out.** With `on_failure = "revert"` the change is
@@ -134,14 +138,25 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
     let done = latest(run, events::RELEASE_PROMOTED)
         .await?
-        .filter(|e| seq_of(e) == Some(seq) && field(e, "new").as_deref() == Some(&staged));
+        .filter(|e| seq_of(e) == Some(seq) && staged_of(e).as_deref() == Some(&staged));
     if let Some(done) = done {
-        // A later job of the same visit (a finalizer defer, a re-run).
-        if run.git.is_ancestor(&run.repo_dir, &staged, &main).await? {
+        // A later job of the same visit (a finalizer defer, a re-run). Through the forge, the
+        // promoted commit is the forge's (same tree as the staged one).
+        let new = field(&done, "new").unwrap_or_else(|| staged.clone());
+        if run.git.is_ancestor(&run.repo_dir, &new, &main).await? {
             let old = field(&done, "old").unwrap_or_default();
-            return Ok(Promotion::Promoted { old, new: staged });
+            return Ok(Promotion::Promoted { old, new });
         }
         return Ok(Promotion::Moved { main, staged });
+    }
+    // A publication through the forge that an earlier attempt began: found and finished
+    // (by the pull request's merged state or the branch), never done twice.
+    let through_forge = latest(run, events::RELEASE_FORGE_MERGING)
+        .await?
+        .filter(|e| seq_of(e) == Some(seq) && field(e, "staged").as_deref() == Some(&staged));
+    if let Some(intent) = through_forge {
+        let old = field(&intent, "old").context("the release.forge_merging event has no old")?;
+        return forge_promotion(run, seq, &old, &staged, Some(&intent)).await;
     }
     let intent = latest(run, events::RELEASE_PROMOTING)
         .await?
@@ -172,8 +187,23 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     )
     .await
     .context("cannot record the promotion's intent; the default branch was not moved")?;
-    let published =
-        repos::move_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &staged).await?;
+    let published = match repos::move_default_branch(
+        &run.git,
+        &run.repo_dir,
+        &run.repo,
+        &main,
+        &staged,
+    )
+    .await
+    {
+        Ok(published) => published,
+        // A protected branch: through the forge's API, when the repo has one.
+        Err(e) if repos::push_refused(&e) && run.repo.forge.is_some() => {
+            tracing::info!(work_item = %run.work_item, error = %e, "the default branch refused the push; publishing through the forge");
+            return forge_promotion(run, seq, &main, &staged, None).await;
+        }
+        Err(e) => return Err(e),
+    };
     note_unpublished(run, &published).await;
     crate::failpoint::hit("release.after_promote");
     finish_promotion(run, seq, &main, &staged).await;
@@ -182,6 +212,382 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
         new: staged,
     })
 }
+
+/// The staged commit a `release.promoted` event promoted: its `staged` (a promotion through
+/// the forge, whose `new` is the forge's commit), else its `new`.
+fn staged_of(e: &Event) -> Option<String> {
+    field(e, "staged").or_else(|| field(e, "new"))
+}
+
+/// One publication through the forge: `new` onto the default branch, from exactly `old`.
+struct Publication<'a> {
+    /// The branch orch owns that carries `new` (the pull request's head).
+    head: String,
+    old: &'a str,
+    new: &'a str,
+    /// The pull request's title and body; the commit's title and message (merge, squash).
+    pull_title: String,
+    pull_body: String,
+    title: String,
+    message: String,
+}
+
+/// What the forge put on the default branch.
+enum ForgePublished {
+    /// `commit` (the staged commit itself, or the forge's merge/squash/rebase of it) has
+    /// exactly the verified tree and descends from `old`.
+    Published { commit: String, pull: Option<u64> },
+    /// It does not: nothing may be deployed from it.
+    Mismatch {
+        commit: String,
+        why: String,
+        staged_tree: String,
+        merged_tree: String,
+    },
+}
+
+/// Promotes through the forge's API (the default branch refused orch's push): the staged
+/// commit goes to `orch/release/<id>`, then the default branch takes it (the ref moved, or the
+/// pull request merged with its head pinned), and what the forge made is checked against the
+/// staged tree. `intent` is an earlier attempt's `release.forge_merging`, to finish.
+async fn forge_promotion(
+    run: &StageRun,
+    seq: i64,
+    old: &str,
+    staged: &str,
+    intent: Option<&Event>,
+) -> Result<Promotion> {
+    let cfg = run
+        .repo
+        .forge
+        .clone()
+        .context("the repo has no forge to publish the release through")?;
+    let id = run.work_item.as_str();
+    let title = one_line(&run.task.title);
+    let method = cfg.merge_method;
+    let publication = Publication {
+        head: format!("orch/release/{id}"),
+        old,
+        new: staged,
+        pull_title: format!("{id}: {title}"),
+        pull_body: format!(
+            "Released by orch: exactly the commit staging verified (`{staged}`), onto `{}` at `{old}`.\n\nDo not push to this branch: orch owns it.",
+            run.repo.default_branch
+        ),
+        title: format!("{id}: {title}"),
+        message: format!(
+            "Staging verified exactly {staged}; published through GitHub ({}).\n\nWork-Item: {id}\nStage: {}\n",
+            method.as_str(),
+            run.stage.name
+        ),
+    };
+    let outcome = publish_through_forge(run, &cfg, seq, &publication, intent).await?;
+    let via = format!("GitHub {} ({})", cfg.repo, method.as_str());
+    match outcome {
+        ForgePublished::Published { commit, pull } => {
+            // orch's clone takes what the forge made (a fast-forward of its branch).
+            repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+            let branch = run.repo.default_branch.as_str();
+            record(
+                run,
+                events::RELEASE_PROMOTED,
+                format!(
+                    "`{branch}` now holds `{commit}` through {via}, with exactly the tree of the staged `{staged}` (was `{old}`)"
+                ),
+                json!({"repo": run.repo_name.as_str(), "old": old, "new": commit, "staged": staged,
+                       "via": via, "pull": pull, "seq": seq}),
+            )
+            .await;
+            Ok(Promotion::Promoted {
+                old: old.to_owned(),
+                new: commit,
+            })
+        }
+        ForgePublished::Mismatch {
+            commit,
+            why,
+            staged_tree,
+            merged_tree,
+        } => {
+            record(
+                run,
+                events::RELEASE_FORGE_MISMATCH,
+                format!(
+                    "{via} put `{commit}` on `{}`, which is not what staging verified: {why}; nothing is deployed, the item goes back to the merge gate",
+                    run.repo.default_branch
+                ),
+                json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "method": method.as_str(),
+                       "staged": staged, "merged": commit, "staged_tree": staged_tree,
+                       "merged_tree": merged_tree, "seq": seq}),
+            )
+            .await;
+            let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+            Ok(Promotion::Moved {
+                main,
+                staged: staged.to_owned(),
+            })
+        }
+    }
+}
+
+/// Publishes `p.new` onto the default branch through the forge's API and checks what the
+/// forge made. The intent (`release.forge_merging`) is written, fenced, before the call that
+/// moves the branch; an earlier attempt's `intent` is finished instead: a pull request found
+/// merged is not merged again, a branch found holding the commit is not moved again.
+async fn publish_through_forge(
+    run: &StageRun,
+    cfg: &orch_domain::forge::ForgeConfig,
+    seq: i64,
+    p: &Publication<'_>,
+    intent: Option<&Event>,
+) -> Result<ForgePublished> {
+    use crate::forge::release::Api;
+    use orch_domain::forge::MergeMethod;
+    let branch = run.repo.default_branch.as_str();
+    let method = cfg.merge_method;
+    let api = through_forge(run, cfg, || async { Api::new(cfg) }).await?;
+    let intent_data = |pull: Option<u64>| {
+        json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "method": method.as_str(),
+               "pull": pull, "branch": p.head, "old": p.old, "staged": p.new, "seq": seq})
+    };
+    let mut merged: Option<String> = None;
+    let mut pull_no: Option<u64> = None;
+    if method == MergeMethod::FastForward {
+        // Already there (an earlier attempt moved it): not moved again.
+        if intent.is_some()
+            && let Some(remote) = run
+                .git
+                .ls_remote_branch(&run.repo_dir, repos::ORIGIN, branch)
+                .await?
+            && run.git.fetch(&run.repo_dir, repos::ORIGIN).await.is_ok()
+            && run.git.is_ancestor(&run.repo_dir, p.new, &remote).await?
+        {
+            merged = Some(p.new.to_owned());
+        }
+        if merged.is_none() {
+            // The commit must be on the forge before its ref can point at it.
+            repos::push_owned_branch(&run.git, &run.repo_dir, &p.head, p.new).await?;
+            if intent.is_none() {
+                record_fenced(
+                    run,
+                    events::RELEASE_FORGE_MERGING,
+                    format!(
+                        "`{branch}` refused orch's push: moving it to `{}` through GitHub {} (PATCH git/refs, no force)",
+                        p.new, cfg.repo
+                    ),
+                    intent_data(None),
+                )
+                .await
+                .context("cannot record the intent to publish through the forge; nothing was published")?;
+            }
+            through_forge(run, cfg, || api.update_branch(branch, p.new)).await?;
+            merged = Some(p.new.to_owned());
+        }
+    } else {
+        let earlier = intent.and_then(|e| value(e)["pull"].as_u64());
+        if let Some(n) = earlier {
+            let pull = through_forge(run, cfg, || api.pull(n)).await?;
+            if pull.merged {
+                // Merged before the attempt that asked for it could record it.
+                merged = Some(pull.merge_commit_sha.with_context(|| {
+                    format!("pull request #{n} is merged but names no merge commit")
+                })?);
+                pull_no = Some(n);
+            } else if pull.state == "open" {
+                pull_no = Some(n);
+            }
+        }
+        if merged.is_none() {
+            repos::push_owned_branch(&run.git, &run.repo_dir, &p.head, p.new).await?;
+            let n = match pull_no {
+                Some(n) => n,
+                None => {
+                    through_forge(run, cfg, || {
+                        api.find_or_open_release_pull(&p.head, branch, &p.pull_title, &p.pull_body)
+                    })
+                    .await?
+                    .number
+                }
+            };
+            if earlier != Some(n) {
+                record_fenced(
+                    run,
+                    events::RELEASE_FORGE_MERGING,
+                    format!(
+                        "`{branch}` refused orch's push: merging pull request #{n} of GitHub {} ({}) with its head pinned to `{}`",
+                        cfg.repo,
+                        method.as_str(),
+                        p.new
+                    ),
+                    intent_data(Some(n)),
+                )
+                .await
+                .context("cannot record the intent to merge through the forge; nothing was merged")?;
+            }
+            let sha = through_forge(run, cfg, || {
+                api.merge_pull(n, p.new, method.as_str(), &p.title, &p.message)
+            })
+            .await?;
+            crate::failpoint::hit("release.after_forge_merge");
+            merged = Some(sha);
+            pull_no = Some(n);
+        }
+    }
+    let commit = merged.context("the forge made no commit")?;
+    verify_forge_commit(run, method, p.old, p.new, commit, pull_no).await
+}
+
+/// Checks what the forge put on the default branch: `commit` must have exactly the tree of
+/// `verified` and descend from `old`; a merge or a squash must sit right on `old` (a branch
+/// that moved in between is not what staging verified).
+async fn verify_forge_commit(
+    run: &StageRun,
+    method: orch_domain::forge::MergeMethod,
+    old: &str,
+    verified: &str,
+    commit: String,
+    pull: Option<u64>,
+) -> Result<ForgePublished> {
+    use orch_domain::forge::MergeMethod;
+    let dir = &run.repo_dir;
+    run.git
+        .fetch(dir, repos::ORIGIN)
+        .await
+        .context("cannot fetch what the forge made")?;
+    if run
+        .git
+        .rev_parse(dir, &format!("{commit}^{{commit}}"))
+        .await?
+        .is_none()
+    {
+        bail!(
+            "the forge's commit {commit:.12} is not in `{}` after a fetch",
+            repos::ORIGIN
+        );
+    }
+    let tree = |rev: String| async move {
+        run.git
+            .rev_parse(dir, &format!("{rev}^{{tree}}"))
+            .await?
+            .with_context(|| format!("{rev:.12} has no tree"))
+    };
+    let staged_tree = tree(verified.to_owned()).await?;
+    let merged_tree = tree(commit.clone()).await?;
+    let why = if staged_tree != merged_tree {
+        Some(format!(
+            "its tree {merged_tree:.12} is not the staged tree {staged_tree:.12}"
+        ))
+    } else if !run.git.is_ancestor(dir, old, &commit).await? {
+        Some(format!(
+            "it does not descend from `{old:.12}`, where the default branch was"
+        ))
+    } else if matches!(method, MergeMethod::Merge | MergeMethod::Squash)
+        && run
+            .git
+            .rev_parse(dir, &format!("{commit}^1"))
+            .await?
+            .as_deref()
+            != Some(old)
+    {
+        Some(format!(
+            "its parent is not `{old:.12}`: the default branch moved before the merge"
+        ))
+    } else {
+        None
+    };
+    Ok(match why {
+        None => ForgePublished::Published { commit, pull },
+        Some(why) => ForgePublished::Mismatch {
+            commit,
+            why,
+            staged_tree,
+            merged_tree,
+        },
+    })
+}
+
+/// Runs one call to the forge until it is answered: an outage or a rate limit is waited out
+/// (backing off as polling does, `forge.waiting` once when the waiting starts and
+/// `forge.resumed` when it ends: the item never fails for it); a refusal is an error.
+async fn through_forge<T, F, Fut>(
+    run: &StageRun,
+    cfg: &orch_domain::forge::ForgeConfig,
+    mut call: F,
+) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, crate::forge::release::Failure>>,
+{
+    use crate::forge::release::Failure;
+    let mut failures = 0u32;
+    let mut since: Option<i64> = None;
+    loop {
+        match call().await {
+            Ok(v) => {
+                if let Some(since) = since {
+                    let waited_s = (run.store.now_ms() - since) / 1000;
+                    record(
+                        run,
+                        events::FORGE_RESUMED,
+                        format!(
+                            "GitHub {} answers again; the release of {} goes on after {waited_s} s",
+                            cfg.repo, run.work_item
+                        ),
+                        json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "waited_s": waited_s}),
+                    )
+                    .await;
+                }
+                return Ok(v);
+            }
+            Err(Failure::Refused { message, .. }) => {
+                bail!(
+                    "GitHub {} refused the release of {}: {message}",
+                    cfg.repo,
+                    run.work_item
+                )
+            }
+            Err(Failure::Outage { answer, message }) => {
+                failures = failures.saturating_add(1);
+                let now = run.store.now_ms();
+                let pause = orch_domain::forge::pause_after(
+                    &answer,
+                    now / 1000,
+                    failures,
+                    RETRY_S,
+                    cfg.max_backoff_s,
+                    crate::forge::release::jitter(),
+                );
+                let (secs, why) = match pause {
+                    Some(p) => (p.secs.max(1), format!("{}: {message}", p.why)),
+                    None => (RETRY_S, message),
+                };
+                tracing::warn!(work_item = %run.work_item, forge = %cfg.repo, wait_s = secs, failures, "forge: the release waits: {why}");
+                if since.is_none() {
+                    since = Some(now);
+                    record(
+                        run,
+                        events::FORGE_WAITING,
+                        format!(
+                            "the release of {} through GitHub {} waits {secs} s: {why}; the item does not fail, it goes on when GitHub answers",
+                            run.work_item, cfg.repo
+                        ),
+                        json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "why": why,
+                               "wait_s": secs, "failures": failures}),
+                    )
+                    .await;
+                }
+                tokio::select! {
+                    () = run.cancel.cancelled() => bail!("cancelled while waiting for GitHub {}", cfg.repo),
+                    () = tokio::time::sleep(std::time::Duration::from_secs(secs)) => {}
+                }
+            }
+        }
+    }
+}
+
+/// The first pause of a release waiting for the forge, doubling with each failure up to the
+/// forge's `max_backoff_s`.
+const RETRY_S: u64 = 2;
 
 /// A release that reached orch's clone but not the user's checkout (it has local changes) is
 /// said in an event: the user must take it in by hand (or clean the checkout; the next release
@@ -348,8 +754,23 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
         }
     };
     let names: Vec<String> = items.iter().map(ShippedChange::label).collect();
+    // Published through the forge: the deployed commit is the forge's, with exactly the staged
+    // commit's tree (checked before the deploy); the record names both.
+    let through_forge = latest(run, events::RELEASE_PROMOTED)
+        .await
+        .ok()
+        .flatten()
+        .filter(|e| field(e, "new").as_deref() == Some(revision))
+        .and_then(|e| Some((field(&e, "staged")?, field(&e, "via")?)))
+        .filter(|(staged, _)| staged != revision);
+    let forge_note = through_forge
+        .as_ref()
+        .map(|(staged, via)| {
+            format!(" (the commit {via} made of the staged `{staged}`, the same tree)")
+        })
+        .unwrap_or_default();
     let message = format!(
-        "deploy of `{revision}` {}: ships {}",
+        "deploy of `{revision}`{forge_note} {}: ships {}",
         if confirmed {
             "confirmed"
         } else {
@@ -361,12 +782,15 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
             names.join(", ")
         }
     );
+    let (staged, via) = through_forge.unzip();
     let data = ReleaseDeployed {
         repo: run.repo_name.as_str().to_owned(),
         revision: revision.to_owned(),
         previous_revision: prev,
         confirmed,
         items,
+        staged,
+        via,
         seq: Some(seq),
     };
     record(
@@ -526,6 +950,11 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
                 record_reverted(run, &old, &new, &sha, why).await;
                 return Ok(Reverted::Reverted { commit: sha });
             }
+            // A protected branch: the revert goes through the forge's API, like a promotion.
+            Err(e) if repos::push_refused(&e) && run.repo.forge.is_some() => {
+                tracing::info!(work_item = %run.work_item, error = %e, "the default branch refused the revert; publishing through the forge");
+                return forge_revert(run, &old, &new, &main, &sha, &message, why).await;
+            }
             Err(e) if attempt < 2 => {
                 tracing::warn!(work_item = %run.work_item, error = %e, "the revert lost a race for the default branch; again");
             }
@@ -536,6 +965,98 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
         "the revert of {} kept losing the race for `{branch}`",
         run.work_item
     )
+}
+
+/// Publishes the revert commit `sha` (made on `main`) through the forge's API: the branch
+/// `orch/revert/<id>`, then as a promotion. What the forge made must have exactly the revert's
+/// tree; else the repo holds. A re-run after a kill finds the revert on the branch by its
+/// trailer (`Orch-Revert:`, kept in the forge's commit message) and does not publish it again.
+async fn forge_revert(
+    run: &StageRun,
+    old: &str,
+    new: &str,
+    main: &str,
+    sha: &str,
+    message: &str,
+    why: &str,
+) -> Result<Reverted> {
+    let cfg = run
+        .repo
+        .forge
+        .clone()
+        .context("the repo has no forge to publish the revert through")?;
+    let id = run.work_item.as_str();
+    let (title, body) = message.split_once('\n').unwrap_or((message, ""));
+    let publication = Publication {
+        head: format!("orch/revert/{id}"),
+        old: main,
+        new: sha,
+        pull_title: title.to_owned(),
+        pull_body: format!(
+            "orch reverts {id}: production rolled it back ({}).\n\nDo not push to this branch: orch owns it.",
+            one_line(why)
+        ),
+        title: title.to_owned(),
+        message: body.trim_start().to_owned(),
+    };
+    let seq = crate::deploy::visit_seq(run);
+    match publish_through_forge(run, &cfg, seq, &publication, None).await? {
+        ForgePublished::Published { commit, .. } => {
+            repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+            write_revert_log(run, old, new, &commit, why)?;
+            crate::failpoint::hit("release.after_revert_published");
+            record_reverted(run, old, new, &commit, why).await;
+            Ok(Reverted::Reverted { commit })
+        }
+        ForgePublished::Mismatch { commit, why, .. } => Ok(Reverted::Held {
+            reason: format!(
+                "GitHub {} put `{commit:.12}` on `{}` for the revert of {id}, which is not the verified revert: {why}",
+                cfg.repo, run.repo.default_branch
+            ),
+        }),
+    }
+}
+
+/// Publishes the audit commit `commit` (made on `main`: the item's last documents and its
+/// lessons) through the forge's API when the default branch refuses orch's push, on the
+/// branch `orch/audit/<id>`; the commit the forge made, with exactly the audit commit's tree.
+/// Idempotent as the audit is: a re-run finds the documents on the default branch.
+pub async fn publish_audit_through_forge(
+    run: &StageRun,
+    main: &str,
+    commit: &str,
+    message: &str,
+) -> Result<String> {
+    let cfg = run
+        .repo
+        .forge
+        .clone()
+        .context("the repo has no forge to publish the audit trail through")?;
+    let id = run.work_item.as_str();
+    let (title, body) = message.split_once('\n').unwrap_or((message, ""));
+    let publication = Publication {
+        head: format!("orch/audit/{id}"),
+        old: main,
+        new: commit,
+        pull_title: title.to_owned(),
+        pull_body: format!(
+            "The documents of {id}'s last stages and its lessons, after its release.\n\nDo not push to this branch: orch owns it."
+        ),
+        title: title.to_owned(),
+        message: body.trim_start().to_owned(),
+    };
+    let seq = crate::deploy::visit_seq(run);
+    match publish_through_forge(run, &cfg, seq, &publication, None).await? {
+        ForgePublished::Published { commit, .. } => {
+            repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+            Ok(commit)
+        }
+        ForgePublished::Mismatch { commit, why, .. } => bail!(
+            "GitHub {} put `{commit:.12}` on `{}` for {id}'s audit trail, which is not the audit commit: {why}",
+            cfg.repo,
+            run.repo.default_branch
+        ),
+    }
 }
 
 /// Records `release.reverted`: the item's change `old..new` taken out by `sha`.

@@ -579,6 +579,51 @@ pub async fn publish_default_branch(
     Ok(published)
 }
 
+/// The remote refused to move the default branch although nobody else had moved it (a
+/// protected branch, a hook): not a lost race. The release train then publishes through the
+/// forge's API when the repo has one ([`crate::release`]).
+#[derive(Debug)]
+pub struct PushRefused {
+    pub message: String,
+}
+
+impl std::fmt::Display for PushRefused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for PushRefused {}
+
+/// Whether `e` is (or wraps) a [`PushRefused`].
+pub fn push_refused(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| c.is::<PushRefused>())
+}
+
+/// Puts exactly `new` on `branch` of `origin`, a branch orch owns (a release's
+/// `orch/release/<id>`): by a lease on where the remote has it now, so a concurrent push by
+/// another orch process is not overwritten blindly.
+pub async fn push_owned_branch(git: &Git, repo_dir: &Path, branch: &str, new: &str) -> Result<()> {
+    let found = git
+        .ls_remote_branch(repo_dir, ORIGIN, branch)
+        .await
+        .with_context(|| format!("cannot read `{branch}` on `{ORIGIN}`"))?;
+    if found.as_deref() == Some(new) {
+        return Ok(());
+    }
+    let url = git.remote_url(repo_dir, ORIGIN).await?.unwrap_or_default();
+    git.push_with_lease(repo_dir, ORIGIN, branch, found.as_deref(), new)
+        .await
+        .map_err(|e| {
+            anyhow::anyhow!(
+                "cannot push {} to `{branch}` on {}: {}",
+                short(new),
+                redact_url(&url),
+                redact_in(&e.to_string(), &url)
+            )
+        })
+}
+
 fn lost_race(target: &str, branch: &str, old: Option<&str>, found: Option<&str>) -> anyhow::Error {
     anyhow::anyhow!(
         "`{branch}` in {target} is at {}, not at {} as orch last saw it: someone else moved it; orch does not overwrite it (the merge is redone from the new state)",
@@ -625,6 +670,13 @@ async fn push_with_lease(
                 Ok(found) if found.as_deref() != old => {
                     Err(lost_race(&target, branch, old, found.as_deref()))
                 }
+                // Nobody moved it, yet the push was refused: a protected branch, a hook.
+                Ok(_) => Err(anyhow::Error::new(PushRefused {
+                    message: format!(
+                        "{target} refused to move `{branch}` (still at {}, as orch last saw it): {push_err}",
+                        old.map_or("nothing".to_owned(), short)
+                    ),
+                })),
                 _ => Err(anyhow::anyhow!(
                     "cannot push `{branch}` to {target}: {push_err}"
                 )),

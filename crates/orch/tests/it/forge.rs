@@ -38,15 +38,15 @@ use serde_json::{Value, json};
 
 use crate::common::{self, ORCH, demo_setup, git_show, skip};
 
-const TOKEN: &str = "ghp_forgeTestTokenThatMustNeverLeak0123";
+pub(crate) const TOKEN: &str = "ghp_forgeTestTokenThatMustNeverLeak0123";
 const SECRET: &str = "webhook-secret-of-the-forge-test";
-const TOKEN_VAR: &str = "ORCH_TEST_GITHUB_TOKEN";
+pub(crate) const TOKEN_VAR: &str = "ORCH_TEST_GITHUB_TOKEN";
 const SECRET_VAR: &str = "ORCH_TEST_GITHUB_WEBHOOK_SECRET";
-const OWNER_REPO: &str = "Codertocat/Hello-World";
+pub(crate) const OWNER_REPO: &str = "Codertocat/Hello-World";
 const LABEL: &str = "bug";
 
 /// Where `scripts/install-forge-specs` put GitHub's descriptions.
-fn specs_dir() -> PathBuf {
+pub(crate) fn specs_dir() -> PathBuf {
     std::env::var_os("ORCH_FORGE_SPECS")
         .map(PathBuf::from)
         .unwrap_or_else(|| {
@@ -55,7 +55,7 @@ fn specs_dir() -> PathBuf {
         })
 }
 
-fn openapi_path() -> PathBuf {
+pub(crate) fn openapi_path() -> PathBuf {
     specs_dir().join("node_modules/@octokit/openapi/generated/api.github.com.json")
 }
 
@@ -64,7 +64,7 @@ fn examples_path() -> PathBuf {
 }
 
 /// Whether the descriptions are here; when not, says SKIPPED (or fails where they are required).
-fn specs_available() -> bool {
+pub(crate) fn specs_available() -> bool {
     if openapi_path().is_file() && examples_path().is_file() {
         return true;
     }
@@ -105,7 +105,7 @@ fn issue_like(template: &Value, number: u64, title: &str, body: &str) -> Value {
 /// The GitHub stand-in's state: the labeled open issues it lists, the faults it is told to
 /// inject, and what it saw.
 #[derive(Default)]
-struct Hub {
+pub(crate) struct Hub {
     issues: Vec<Value>,
     /// Forced page size (GitHub allows 100; smaller here, so `Link` pages are followed).
     page_size: usize,
@@ -118,7 +118,7 @@ struct Hub {
     /// Whether the answer being made says the quota is used up (remaining 0).
     quota_out: bool,
     /// Every exchange, for the description check.
-    exchanges: Vec<Value>,
+    pub(crate) exchanges: Vec<Value>,
     /// Each listing request: when, its status.
     listings: Vec<(Instant, u16)>,
     /// Requests GitHub would count against the rate limit (everything but 304).
@@ -126,7 +126,7 @@ struct Hub {
     /// 304 answers.
     not_modified: u64,
     /// Requests that came without `Bearer <token>`.
-    unauthenticated: u64,
+    pub(crate) unauthenticated: u64,
     base: String,
     /// `GET /repos/{owner}/{repo}` and `GET …/branches/main` (for `orch doctor`): the
     /// description's own examples.
@@ -134,6 +134,10 @@ struct Hub {
     branch: Value,
     /// The pull requests, statuses, reviews and comments side (issue 31, second part).
     prs: PullSide,
+    /// The release endpoints (pull requests, refs) acting on a real bare repository.
+    pub(crate) release: crate::forge_release::Releases,
+    /// Answer 503 to the release endpoints (pull requests, refs).
+    pub(crate) down_for_release: bool,
 }
 
 /// What the stand-in keeps of pull requests, statuses, reviews and comments, each answer made
@@ -371,7 +375,7 @@ impl PullSide {
     }
 }
 
-type Shared = Arc<Mutex<Hub>>;
+pub(crate) type Shared = Arc<Mutex<Hub>>;
 
 fn etag_of(text: &str) -> String {
     // FNV-1a: stable across runs, enough to tell two listings apart.
@@ -442,8 +446,16 @@ async fn hub_handler(
                 json!({"message": "Bad credentials", "documentation_url": "https://docs.github.com/rest"}),
             ),
         )
-    } else if hub.down {
+    } else if hub.down || (hub.down_for_release && crate::forge_release::is_release_path(&path)) {
         (503, Some(json!({"message": "Service Unavailable"})))
+    } else if let Some((status, body)) = crate::forge_release::route(
+        &mut hub.release,
+        method.as_str(),
+        &path,
+        &query,
+        &request_body,
+    ) {
+        (status, Some(body))
     } else if path == format!("/repos/{OWNER_REPO}") {
         out_headers.push(("x-oauth-scopes".into(), "repo, read:org".into()));
         (200, Some(hub.repository.clone()))
@@ -614,7 +626,7 @@ async fn hub_handler(
 }
 
 /// Starts the stand-in on a free loopback port: its state and base URL.
-async fn start_hub() -> (Shared, String) {
+pub(crate) async fn start_hub() -> (Shared, String) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let spec: Value =
@@ -669,7 +681,7 @@ async fn start_hub() -> (Shared, String) {
     (hub, base)
 }
 
-fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
@@ -830,7 +842,7 @@ async fn forge_tasks(store: &Store) -> Vec<String> {
 }
 
 /// Polls `cond` every 100 ms for up to `limit`; fails with `what` and the serve log.
-async fn wait_until<F, Fut>(dir: &Path, limit: Duration, what: &str, mut cond: F)
+pub(crate) async fn wait_until<F, Fut>(dir: &Path, limit: Duration, what: &str, mut cond: F)
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -850,7 +862,7 @@ where
 }
 
 /// Runs the description check over `exchanges`: (passed, its output).
-fn check_exchanges(dir: &Path, name: &str, exchanges: &[Value]) -> (bool, String) {
+pub(crate) fn check_exchanges(dir: &Path, name: &str, exchanges: &[Value]) -> (bool, String) {
     let file = dir.join(name);
     let lines: Vec<String> = exchanges.iter().map(|e| e.to_string()).collect();
     std::fs::write(&file, lines.join("\n")).unwrap();

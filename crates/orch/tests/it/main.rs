@@ -18,6 +18,7 @@ mod demo_cleanup;
 mod doctor_agents;
 mod failure_matrix;
 mod forge;
+mod forge_release;
 mod gc_crash;
 mod hostile;
 mod hostile_artifacts;

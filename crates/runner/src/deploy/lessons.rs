@@ -473,6 +473,17 @@ async fn publish(
                     &commit[..commit.len().min(12)]
                 ));
             }
+            // A protected branch: through the forge's API, like the release itself.
+            Err(e) if crate::repos::push_refused(&e) && run.repo.forge.is_some() => {
+                let commit =
+                    crate::release::publish_audit_through_forge(run, &main, &commit, &message)
+                        .await?;
+                return Ok(format!(
+                    "{} file(s) put on `{branch}` through the forge as {}",
+                    files.len(),
+                    &commit[..commit.len().min(12)]
+                ));
+            }
             Err(e) if attempt < 2 => {
                 tracing::warn!(work_item = %run.work_item, error = %format!("{e:#}"), "the audit commit lost a race for the default branch; again");
             }

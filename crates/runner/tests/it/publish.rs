@@ -510,3 +510,56 @@ async fn a_local_attempt_the_remote_lacks_is_set_aside_never_built_on() {
         third
     );
 }
+
+/// A remote that refuses the default branch's push while nobody moved it (a pre-receive hook,
+/// as branch protection) is a `PushRefused` (the release train then goes through the forge);
+/// a branch someone else moved is a lost race, not a refusal. A branch orch owns still takes
+/// its pushes (`push_owned_branch`, by a lease on where the remote has it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protected_branch_refuses_the_push_and_says_so_apart_from_a_lost_race() {
+    use std::os::unix::fs::PermissionsExt as _;
+    for kind in [Kind::Bare, Kind::FileUrl] {
+        let s = setup(kind).await;
+        let hook = s.user.join("hooks/pre-receive");
+        std::fs::write(
+            &hook,
+            "#!/bin/sh\nwhile read old new ref; do\n  [ \"$ref\" = refs/heads/main ] && { echo 'GH006: Protected branch update failed' >&2; exit 1; }\ndone\nexit 0\n",
+        )
+        .unwrap();
+        std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let old = rev(&s.clone, "main").await;
+        let new = commit(&s.git, &s.clone, "feature.txt", "new\n").await;
+        let err = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &new)
+            .await
+            .unwrap_err();
+        assert!(repos::push_refused(&err), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("refused to move `main`"),
+            "{err:#}"
+        );
+        assert_eq!(rev(&s.user, "refs/heads/main").await, old, "nothing moved");
+
+        // The branch orch owns takes the commit, and takes a later one over it.
+        repos::push_owned_branch(&s.git, &s.clone, "orch/release/DEMO-1", &new)
+            .await
+            .unwrap();
+        assert_eq!(rev(&s.user, "refs/heads/orch/release/DEMO-1").await, new);
+        let newer = commit(&s.git, &s.clone, "more.txt", "more\n").await;
+        repos::push_owned_branch(&s.git, &s.clone, "orch/release/DEMO-1", &newer)
+            .await
+            .unwrap();
+        assert_eq!(rev(&s.user, "refs/heads/orch/release/DEMO-1").await, newer);
+
+        // Someone else moved `main` (as the forge's merge does): a lost race, not a refusal.
+        std::fs::remove_file(&hook).unwrap();
+        sh_git(&s.user, &["update-ref", "refs/heads/main", &new, &old]).await;
+        let err = repos::publish_default_branch(&s.git, &s.clone, &s.repo, &old, &newer)
+            .await
+            .unwrap_err();
+        assert!(!repos::push_refused(&err), "{err:#}");
+        assert!(
+            format!("{err:#}").contains("someone else moved it"),
+            "{err:#}"
+        );
+    }
+}

@@ -1,0 +1,891 @@
+//! Releasing into a protected default branch through GitHub's API (issue 31), end to end: the
+//! real `orch serve`, on SQLite and on PostgreSQL, a repository whose bare remote refuses every
+//! direct push to `main` with a pre-receive hook (as branch protection does), and the GitHub
+//! stand-in of `forge.rs`, whose pull request and ref endpoints act on that same bare
+//! repository with real git (a real merge, squash or ref move). Every exchange is held to
+//! GitHub's OpenAPI description afterwards.
+//!
+//! The story, per backend (squash):
+//! 1. orch is killed -9 (a failpoint) right after GitHub merged the item's pull request and
+//!    before orch recorded it; the restarted orch finds the pull request merged, checks the
+//!    tree, and deploys — one merge in all; `main` gained exactly one commit (the squash),
+//!    whose tree is exactly the staged tree, and the deploy record names it and the staged
+//!    commit.
+//! 2. The stand-in's next merge puts an extra file in the tree: orch sees a tree that is not
+//!    the staged tree, deploys nothing of it, and sends the item back to the merge gate; the
+//!    item is then staged again and released.
+//!    That item breaks production after its deploy (the demo's greeting change): rolled back,
+//!    its revert reaches the protected `main` through the API as well.
+//!    Each item's audit trail (its last documents, its lessons) reaches `main` the same way.
+//! 3. `orch doctor` says releases go through the API (squash).
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use orch_store::{ConnectOptions, Store};
+use serde_json::{Value, json};
+
+use crate::common::{self, ORCH, demo_setup, skip};
+use crate::forge::{
+    OWNER_REPO, TOKEN, TOKEN_VAR, check_exchanges, free_port, openapi_path, specs_available,
+    start_hub, wait_until,
+};
+
+/// The stand-in's release side: pull requests and the default branch of a real bare repo.
+#[derive(Default)]
+pub(crate) struct Releases {
+    pub bare: Option<PathBuf>,
+    pub pulls: Vec<PullState>,
+    /// Each merge the stand-in made: (pull request, method, commit).
+    pub merges: Vec<(u64, String, String)>,
+    /// Each `PATCH …/git/refs/…` that moved the branch.
+    pub ref_updates: u64,
+    /// The next merge adds a file the pull request does not have.
+    pub tamper_next: bool,
+    /// The description's examples the answers are made from.
+    pub pull_example: Value,
+    pub pull_simple_example: Value,
+    pub git_ref_example: Value,
+}
+
+pub(crate) struct PullState {
+    number: u64,
+    title: String,
+    body: String,
+    head: String,
+    base: String,
+    state: String,
+    merge_commit_sha: Option<String>,
+}
+
+fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(dir)
+        .args(args)
+        .env("GIT_AUTHOR_NAME", "GitHub")
+        .env("GIT_AUTHOR_EMAIL", "noreply@github.com")
+        .env("GIT_COMMITTER_NAME", "GitHub")
+        .env("GIT_COMMITTER_EMAIL", "noreply@github.com")
+        .output()
+        .map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).trim().to_owned())
+    } else {
+        Err(String::from_utf8_lossy(&out.stderr).into_owned())
+    }
+}
+
+fn error(message: &str) -> Value {
+    json!({"message": message, "documentation_url": "https://docs.github.com/rest/pulls/pulls"})
+}
+
+/// Whether `path` is one of the release endpoints.
+pub(crate) fn is_release_path(path: &str) -> bool {
+    path.strip_prefix(&format!("/repos/{OWNER_REPO}"))
+        .is_some_and(|rest| rest.starts_with("/pulls") || rest.starts_with("/git/refs/"))
+}
+
+impl Releases {
+    fn pull_json(&self, p: &PullState, bare: &Path, simple: bool) -> Value {
+        let mut v = if simple {
+            self.pull_simple_example.clone()
+        } else {
+            self.pull_example.clone()
+        };
+        let api = format!(
+            "https://api.github.com/repos/{OWNER_REPO}/pulls/{}",
+            p.number
+        );
+        let head_sha = git(bare, &["rev-parse", &format!("refs/heads/{}", p.head)])
+            .unwrap_or_else(|_| "0".repeat(40));
+        let base_sha =
+            git(bare, &["rev-parse", &format!("refs/heads/{}", p.base)]).unwrap_or_default();
+        let merged = p.merge_commit_sha.is_some();
+        v["number"] = json!(p.number);
+        v["id"] = json!(5000 + p.number);
+        v["url"] = json!(api);
+        v["html_url"] = json!(format!("https://github.com/{OWNER_REPO}/pull/{}", p.number));
+        v["title"] = json!(p.title);
+        v["body"] = json!(p.body);
+        v["state"] = json!(p.state);
+        v["merge_commit_sha"] = json!(p.merge_commit_sha);
+        let at = if merged {
+            json!("2026-12-07T03:00:00Z")
+        } else {
+            Value::Null
+        };
+        v["merged_at"] = at.clone();
+        v["closed_at"] = at;
+        v["head"]["ref"] = json!(p.head);
+        v["head"]["sha"] = json!(head_sha);
+        v["head"]["label"] = json!(format!("Codertocat:{}", p.head));
+        // The description's own example lists a requested team without the `type` its schema
+        // requires (the check found it); a pull request orch opens requests no team.
+        v["requested_teams"] = json!([]);
+        v["base"]["ref"] = json!(p.base);
+        v["base"]["sha"] = json!(base_sha);
+        if !simple {
+            v["merged"] = json!(merged);
+            if !merged {
+                v["merged_by"] = Value::Null;
+            }
+        }
+        v
+    }
+
+    /// A squash or merge of `head` onto `main`, made with git in the bare repository.
+    fn merge(&mut self, bare: &Path, n: u64, req: &Value) -> (u16, Value) {
+        let Some(i) = self.pulls.iter().position(|p| p.number == n) else {
+            return (404, error("Not Found"));
+        };
+        if self.pulls[i].state != "open" {
+            return (405, error("Pull Request is not mergeable"));
+        }
+        let head = match git(
+            bare,
+            &["rev-parse", &format!("refs/heads/{}", self.pulls[i].head)],
+        ) {
+            Ok(h) => h,
+            Err(_) => return (422, error("Head branch does not exist")),
+        };
+        if req["sha"].as_str() != Some(head.as_str()) {
+            return (
+                409,
+                error("Head branch was modified. Review and try the merge again."),
+            );
+        }
+        let main = git(bare, &["rev-parse", "refs/heads/main"]).unwrap();
+        let Ok(tree) = git(bare, &["merge-tree", "--write-tree", &main, &head]) else {
+            return (405, error("Pull Request is not mergeable"));
+        };
+        let mut tree = tree.lines().next().unwrap_or_default().to_owned();
+        if std::mem::take(&mut self.tamper_next) {
+            tree = with_extra_file(bare, &tree);
+        }
+        let message = format!(
+            "{}\n\n{}",
+            req["commit_title"].as_str().unwrap_or("Merge"),
+            req["commit_message"].as_str().unwrap_or("")
+        );
+        let method = req["merge_method"].as_str().unwrap_or("merge").to_owned();
+        let commit = match method.as_str() {
+            "merge" => git(
+                bare,
+                &[
+                    "commit-tree",
+                    &tree,
+                    "-p",
+                    &main,
+                    "-p",
+                    &head,
+                    "-m",
+                    &message,
+                ],
+            ),
+            "squash" => git(bare, &["commit-tree", &tree, "-p", &main, "-m", &message]),
+            _ => {
+                return (
+                    405,
+                    error("Rebase merges are not allowed on this repository."),
+                );
+            }
+        }
+        .unwrap();
+        git(bare, &["update-ref", "refs/heads/main", &commit, &main]).unwrap();
+        self.pulls[i].state = "closed".into();
+        self.pulls[i].merge_commit_sha = Some(commit.clone());
+        self.merges.push((n, method, commit.clone()));
+        (
+            200,
+            json!({"sha": commit, "merged": true, "message": "Pull Request successfully merged"}),
+        )
+    }
+}
+
+/// `tree` with a file `EXTRA.txt` added: a merge that is not what was staged.
+fn with_extra_file(bare: &Path, tree: &str) -> String {
+    let index = bare.join("tamper.index");
+    let blob = {
+        let mut child = std::process::Command::new("git")
+            .arg("-C")
+            .arg(bare)
+            .args(["hash-object", "-w", "--stdin"])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        use std::io::Write as _;
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(b"not what staging verified\n")
+            .unwrap();
+        let out = child.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(bare)
+            .args(args)
+            .env("GIT_INDEX_FILE", &index)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    run(&["read-tree", tree]);
+    run(&[
+        "update-index",
+        "--add",
+        "--cacheinfo",
+        &format!("100644,{blob},EXTRA.txt"),
+    ]);
+    let out = run(&["write-tree"]);
+    let _ = std::fs::remove_file(&index);
+    out
+}
+
+/// The stand-in's release endpoints: `None` when `path` is not one of them.
+pub(crate) fn route(
+    r: &mut Releases,
+    method: &str,
+    path: &str,
+    query: &[(String, String)],
+    body: &[u8],
+) -> Option<(u16, Value)> {
+    if !is_release_path(path) {
+        return None;
+    }
+    let rest = path.strip_prefix(&format!("/repos/{OWNER_REPO}"))?;
+    let bare = r.bare.clone()?;
+    let req: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
+    let q = |k: &str| query.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone());
+    Some(match (method, rest) {
+        ("GET", "/pulls") => {
+            let head = q("head").unwrap_or_default();
+            let state = q("state").unwrap_or_else(|| "open".into());
+            let list: Vec<Value> = r
+                .pulls
+                .iter()
+                .filter(|p| head.is_empty() || head == format!("Codertocat:{}", p.head))
+                .filter(|p| state == "all" || p.state == state)
+                .map(|p| r.pull_json(p, &bare, true))
+                .collect();
+            (200, Value::Array(list))
+        }
+        ("POST", "/pulls") => {
+            let head = req["head"].as_str().unwrap_or_default().to_owned();
+            if git(&bare, &["rev-parse", &format!("refs/heads/{head}")]).is_err() {
+                return Some((422, error("Validation Failed")));
+            }
+            let number = r.pulls.len() as u64 + 1;
+            r.pulls.push(PullState {
+                number,
+                title: req["title"].as_str().unwrap_or_default().to_owned(),
+                body: req["body"].as_str().unwrap_or_default().to_owned(),
+                head,
+                base: req["base"].as_str().unwrap_or("main").to_owned(),
+                state: "open".into(),
+                merge_commit_sha: None,
+            });
+            let p = r.pulls.last().unwrap();
+            (201, r.pull_json(p, &bare, false))
+        }
+        ("PATCH", "/git/refs/heads%2Fmain") => {
+            let sha = req["sha"].as_str().unwrap_or_default();
+            let main = git(&bare, &["rev-parse", "refs/heads/main"]).unwrap();
+            let ff = git(&bare, &["merge-base", "--is-ancestor", &main, sha]).is_ok();
+            if !ff || req["force"] != json!(false) {
+                return Some((422, error("Update is not a fast forward")));
+            }
+            git(&bare, &["update-ref", "refs/heads/main", sha, &main]).unwrap();
+            r.ref_updates += 1;
+            let mut v = r.git_ref_example.clone();
+            v["ref"] = json!("refs/heads/main");
+            v["object"]["sha"] = json!(sha);
+            (200, v)
+        }
+        _ => {
+            let n = rest.strip_prefix("/pulls/")?;
+            if let Some(n) = n.strip_suffix("/merge") {
+                let n: u64 = n.parse().ok()?;
+                if method != "PUT" {
+                    return None;
+                }
+                r.merge(&bare, n, &req)
+            } else {
+                let n: u64 = n.parse().ok()?;
+                match r.pulls.iter().find(|p| p.number == n) {
+                    Some(p) if method == "GET" => (200, r.pull_json(p, &bare, false)),
+                    _ => (404, error("Not Found")),
+                }
+            }
+        }
+    })
+}
+
+/// The demo with its repository behind a bare remote that refuses direct pushes to `main`
+/// (a pre-receive hook, as branch protection), and the forge section (no polling).
+fn protect(dir: &Path, api: &str, method: &str) -> PathBuf {
+    let bare = dir.join("service.git");
+    let out = std::process::Command::new("git")
+        .args(["clone", "--quiet", "--bare"])
+        .arg(dir.join("service"))
+        .arg(&bare)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let hook = bare.join("hooks/pre-receive");
+    std::fs::write(
+        &hook,
+        "#!/bin/sh\nwhile read old new ref; do\n  if [ \"$ref\" = refs/heads/main ]; then\n    echo \"remote: error: GH006: Protected branch update failed for refs/heads/main.\" >&2\n    exit 1\n  fi\ndone\nexit 0\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&hook, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = dir.join("orch.toml");
+    let text = std::fs::read_to_string(&path).unwrap();
+    assert!(text.contains("path = \"service\"\n"), "{text}");
+    let mut text = text.replace("path = \"service\"\n", "path = \"service.git\"\n");
+    text.push_str(&format!(
+        "\n[repos.service.forge]\nkind = \"github\"\nrepo = \"{OWNER_REPO}\"\napi_url = \"{api}\"\n\
+         token_env = \"{TOKEN_VAR}\"\nlabel = \"orch\"\npoll_interval_s = 0\nmax_backoff_s = 2\n\
+         merge_method = \"{method}\"\n"
+    ));
+    std::fs::write(&path, text).unwrap();
+    bare
+}
+
+/// `orch serve` of the demo in `dir` with the forge's token, fast demo agents, short leases
+/// and the failpoints `failpoints` (empty: none), logging to `<dir>/serve.log` (appended).
+fn serve(dir: &Path, url: Option<&str>, failpoints: &str) -> common::Serve {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join("serve.log"))
+        .unwrap();
+    let mut cmd = common::Serve::command(dir, &format!("127.0.0.1:{}", free_port()));
+    if let Some(url) = url {
+        cmd.args(["--database-url", url]);
+    }
+    cmd.env("ORCH_LOG", "info")
+        .env(TOKEN_VAR, TOKEN)
+        .stderr(Stdio::from(log));
+    if !failpoints.is_empty() {
+        cmd.env("ORCH_FAILPOINTS", failpoints);
+    }
+    common::Serve::spawn(cmd)
+}
+
+fn submit(dir: &Path, url: Option<&str>, title: &str) {
+    let mut cmd = std::process::Command::new(ORCH);
+    cmd.arg("--config").arg(dir.join("orch.toml"));
+    if let Some(url) = url {
+        cmd.args(["--database-url", url]);
+    }
+    let out = cmd
+        .args([
+            "submit", "--repo", "service", "--title", title, "--body", title,
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+async fn events_of(store: &Store, id: &str) -> Vec<orch_store::Event> {
+    let t = common::task(store, id).await;
+    store.task_events(t.id).await.unwrap()
+}
+
+fn data(e: &orch_store::Event) -> Value {
+    serde_json::from_str(&e.data).unwrap_or(Value::Null)
+}
+
+async fn wait_ended(dir: &Path, store: &Store, id: &str) -> orch_store::Task {
+    let s = store.clone();
+    let id2 = id.to_owned();
+    wait_until(
+        dir,
+        Duration::from_secs(300),
+        &format!("{id} ended"),
+        || {
+            let s = s.clone();
+            let id = id2.clone();
+            async move {
+                s.get_task_by_work_item(&id)
+                    .await
+                    .unwrap()
+                    .is_some_and(|t| t.is_terminal())
+            }
+        },
+    )
+    .await;
+    common::task(store, id).await
+}
+
+async fn story(backend: &str) {
+    if !specs_available() {
+        return;
+    }
+    if !common::python_available() {
+        return skip(
+            "python3 is not installed: the demo's service and the description check need it",
+        );
+    }
+    common::become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    let bare = protect(&dir, &api, "squash");
+    {
+        let spec: Value =
+            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+        let ex = &spec["components"]["examples"];
+        let mut h = hub.lock().unwrap();
+        h.release.bare = Some(bare.clone());
+        h.release.pull_example = ex["pull-request"]["value"].clone();
+        h.release.pull_simple_example = ex["pull-request-simple-items"]["value"][0].clone();
+        h.release.git_ref_example = ex["git-ref"]["value"].clone();
+        assert!(h.release.pull_example.is_object() && h.release.git_ref_example.is_object());
+    }
+    // The hook refuses a direct push, as GitHub refuses one to a protected branch.
+    let probe = git(
+        &bare,
+        &[
+            "commit-tree",
+            "main^{tree}",
+            "-p",
+            "main",
+            "-m",
+            "a direct push",
+        ],
+    )
+    .unwrap();
+    let refused = git(
+        &bare,
+        &["push", "--quiet", ".", &format!("{probe}:refs/heads/main")],
+    );
+    assert!(
+        refused.as_ref().is_err_and(|e| e.contains("GH006")),
+        "the hook let a push to main in: {refused:?}"
+    );
+    let url = match backend {
+        "postgres" => {
+            let url = orch_store::testing::fresh_pg_schema().await;
+            common::orch_db(&dir, &url, &["migrate"]);
+            Some(url)
+        }
+        _ => None,
+    };
+    let store = match &url {
+        Some(u) => Store::connect(u, ConnectOptions::default()).await.unwrap(),
+        None => common::open(&dir).await,
+    };
+    let main_before = git(&bare, &["rev-parse", "main"]).unwrap();
+
+    // 1. Killed -9 between GitHub's merge and orch's record of it.
+    let first = serve(&dir, url.as_deref(), "release.after_forge_merge");
+    submit(&dir, url.as_deref(), "Add a /version endpoint");
+    let status = first.wait_exit(Duration::from_secs(300)).await;
+    assert!(
+        status.is_some(),
+        "orch did not stop at the failpoint; log:\n{}",
+        std::fs::read_to_string(dir.join("serve.log")).unwrap_or_default()
+    );
+    {
+        let h = hub.lock().unwrap();
+        assert_eq!(h.release.merges.len(), 1, "one merge before the kill");
+        assert_eq!(h.release.merges[0].1, "squash");
+    }
+    let before = events_of(&store, "APP-1").await;
+    assert!(before.iter().any(|e| e.kind == "release.forge_merging"));
+    assert!(!before.iter().any(|e| e.kind == "release.promoted"));
+    assert!(!before.iter().any(|e| e.kind == "deploy.started"));
+
+    let second = serve(&dir, url.as_deref(), "");
+    let t1 = wait_ended(&dir, &store, "APP-1").await;
+    assert_eq!(t1.stage, "done", "APP-1");
+    // The release's pull request merged once across the kill; then the audit trail's (the
+    // item's last documents), through the API as well.
+    let squash = {
+        let h = hub.lock().unwrap();
+        let merges = &h.release.merges;
+        assert_eq!(merges.len(), 2, "{merges:?}");
+        assert_eq!(
+            merges[1].0, 2,
+            "the release's pull request merged once: {merges:?}"
+        );
+        assert!(
+            git(&bare, &["log", "-1", "--format=%B", &merges[1].2])
+                .unwrap()
+                .contains("Stage: audit")
+        );
+        assert_eq!(git(&bare, &["rev-parse", "main"]).unwrap(), merges[1].2);
+        merges[0].2.clone()
+    };
+    let evs = events_of(&store, "APP-1").await;
+    let staged = evs
+        .iter()
+        .rev()
+        .find(|e| e.kind == "release.staged")
+        .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
+        .unwrap();
+    // `main` gained exactly one commit, the squash, with exactly the staged tree.
+    let added = git(&bare, &["rev-list", &format!("{main_before}..{squash}")]).unwrap();
+    assert_eq!(added.lines().collect::<Vec<_>>(), [squash.as_str()]);
+    assert!(
+        git(&bare, &["merge-base", "--is-ancestor", &squash, "main"]).is_ok(),
+        "the squash is on main"
+    );
+    assert_eq!(
+        git(&bare, &["rev-parse", &format!("{squash}^{{tree}}")]).unwrap(),
+        git(&bare, &["rev-parse", &format!("{staged}^{{tree}}")]).unwrap()
+    );
+    let promoted = evs.iter().find(|e| e.kind == "release.promoted").unwrap();
+    assert_eq!(data(promoted)["new"], json!(squash));
+    assert_eq!(data(promoted)["staged"], json!(staged));
+    let deployed = evs.iter().find(|e| e.kind == "release.deployed").unwrap();
+    assert_eq!(data(deployed)["revision"], json!(squash), "{deployed:?}");
+    assert_eq!(data(deployed)["staged"], json!(staged), "{deployed:?}");
+    assert!(deployed.message.contains(&staged), "{}", deployed.message);
+
+    // 2. GitHub's merge is not the staged tree: nothing of it is deployed, back to the merge gate.
+    hub.lock().unwrap().release.tamper_next = true;
+    submit(&dir, url.as_deref(), "Make the greeting configurable");
+    let t2 = wait_ended(&dir, &store, "APP-2").await;
+    second.terminate().await;
+    let evs = events_of(&store, "APP-2").await;
+    let mismatch = evs
+        .iter()
+        .find(|e| e.kind == "release.forge_mismatch")
+        .unwrap_or_else(|| panic!("no release.forge_mismatch: {evs:#?}"));
+    let tampered = data(mismatch)["merged"].as_str().unwrap().to_owned();
+    let all_deploys: Vec<String> = [events_of(&store, "APP-1").await, evs.clone()]
+        .concat()
+        .iter()
+        .filter(|e| matches!(e.kind.as_str(), "deploy.started" | "release.deployed"))
+        .filter_map(|e| data(e)["revision"].as_str().map(str::to_owned))
+        .collect();
+    assert!(!all_deploys.is_empty());
+    assert!(
+        !all_deploys.contains(&tampered),
+        "the tampered merge was deployed: {all_deploys:?}"
+    );
+    let at = evs
+        .iter()
+        .position(|e| e.kind == "release.forge_mismatch")
+        .unwrap();
+    assert!(
+        evs[at..].iter().any(|e| e.kind == "release.staged"),
+        "the item was not staged again after the mismatch"
+    );
+    assert_eq!(t2.stage, "done", "APP-2 after the mismatch");
+    // The demo's greeting change breaks production after its deploy: rolled back, and its
+    // revert reaches the protected `main` through the API too. APP-2's merges: the tampered
+    // one, the release, the revert, the audit trail.
+    let merges = hub.lock().unwrap().release.merges.clone();
+    assert_eq!(merges.len(), 6, "{merges:?}");
+    assert_eq!(merges[2].2, tampered);
+    let deployed = evs
+        .iter()
+        .rev()
+        .find(|e| e.kind == "release.deployed")
+        .unwrap();
+    assert_eq!(data(deployed)["revision"], json!(merges[3].2));
+    let reverted = evs
+        .iter()
+        .find(|e| e.kind == "release.reverted")
+        .unwrap_or_else(|| panic!("no release.reverted: {evs:#?}"));
+    assert_eq!(data(reverted)["revert_commit"], json!(merges[4].2));
+    assert!(
+        git(&bare, &["log", "-1", "--format=%B", &merges[4].2])
+            .unwrap()
+            .contains("Orch-Revert: APP-2")
+    );
+    assert!(
+        git(
+            &bare,
+            &["merge-base", "--is-ancestor", &merges[4].2, "main"]
+        )
+        .is_ok()
+    );
+
+    // 3. `orch doctor` says how releases reach the protected branch.
+    let mut doctor = std::process::Command::new(ORCH);
+    doctor.arg("--config").arg(dir.join("orch.toml"));
+    if let Some(url) = &url {
+        doctor.args(["--database-url", url]);
+    }
+    let out = doctor.arg("doctor").env(TOKEN_VAR, TOKEN).output().unwrap();
+    let report =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    assert!(
+        report.contains("branch main is protected: releases go through the API (squash)"),
+        "{report}"
+    );
+    assert!(!report.contains(TOKEN));
+
+    let log = std::fs::read_to_string(dir.join("serve.log")).unwrap();
+    assert!(!log.contains(TOKEN), "the token is in the log");
+    for e in [events_of(&store, "APP-1").await, evs].concat() {
+        assert!(
+            !e.message.contains(TOKEN) && !e.data.contains(TOKEN),
+            "{e:?}"
+        );
+    }
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    assert!(exchanges.iter().any(|e| e["method"] == "PUT"));
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    eprintln!("{backend}: {text}");
+    assert!(
+        ok,
+        "the release's exchanges break GitHub's description:\n{text}"
+    );
+    assert_eq!(hub.lock().unwrap().unauthenticated, 0);
+    common::stop_service(&dir);
+    common::reap_orphans();
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protected_main_is_released_through_the_api_on_sqlite() {
+    story("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_protected_main_is_released_through_the_api_on_postgres() {
+    story("postgres").await;
+}
+
+/// `merge_method = "fast-forward"`, with GitHub down when the release reaches it: the release
+/// waits visibly (`forge.waiting` on the item, retrying with backoff), fails nothing, and once
+/// GitHub answers `main` is moved (`PATCH …/git/refs`, no force) to exactly the staged commit,
+/// which is what is deployed.
+async fn fast_forward_through_an_outage(backend: &str) {
+    if !specs_available() {
+        return;
+    }
+    if !common::python_available() {
+        return skip(
+            "python3 is not installed: the demo's service and the description check need it",
+        );
+    }
+    common::become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    let bare = protect(&dir, &api, "fast-forward");
+    {
+        let spec: Value =
+            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+        let mut h = hub.lock().unwrap();
+        h.release.bare = Some(bare.clone());
+        h.release.git_ref_example = spec["components"]["examples"]["git-ref"]["value"].clone();
+        h.down_for_release = true;
+    }
+    let url = match backend {
+        "postgres" => {
+            let url = orch_store::testing::fresh_pg_schema().await;
+            common::orch_db(&dir, &url, &["migrate"]);
+            Some(url)
+        }
+        _ => None,
+    };
+    let store = match &url {
+        Some(u) => Store::connect(u, ConnectOptions::default()).await.unwrap(),
+        None => common::open(&dir).await,
+    };
+    let serve = serve(&dir, url.as_deref(), "");
+    submit(&dir, url.as_deref(), "Add a /version endpoint");
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(300),
+        "the release waiting for GitHub",
+        || {
+            let s = s.clone();
+            async move {
+                match s.get_task_by_work_item("APP-1").await.unwrap() {
+                    Some(t) => s
+                        .task_events(t.id)
+                        .await
+                        .unwrap()
+                        .iter()
+                        .any(|e| e.kind == "forge.waiting"),
+                    None => false,
+                }
+            }
+        },
+    )
+    .await;
+    // Down a while longer: retried with backoff, nothing fails, nothing is deployed.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let t = common::task(&store, "APP-1").await;
+    assert_eq!(t.stage, "deploy");
+    let evs = events_of(&store, "APP-1").await;
+    assert!(!evs.iter().any(|e| e.kind == "deploy.started"));
+    assert_eq!(
+        evs.iter().filter(|e| e.kind == "forge.waiting").count(),
+        1,
+        "one forge.waiting per waiting, not per try"
+    );
+    let tries = hub
+        .lock()
+        .unwrap()
+        .exchanges
+        .iter()
+        .filter(|e| e["method"] == "PATCH")
+        .count();
+    assert!(tries >= 2, "{tries} tries in 5 s of outage");
+    hub.lock().unwrap().down_for_release = false;
+
+    let t = wait_ended(&dir, &store, "APP-1").await;
+    serve.terminate().await;
+    assert_eq!(t.stage, "done");
+    let evs = events_of(&store, "APP-1").await;
+    assert!(evs.iter().any(|e| e.kind == "forge.resumed"));
+    let staged = evs
+        .iter()
+        .rev()
+        .find(|e| e.kind == "release.staged")
+        .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
+        .unwrap();
+    // Two ref moves: the release (to exactly the staged commit) and the audit trail on it.
+    assert_eq!(hub.lock().unwrap().release.ref_updates, 2);
+    assert!(hub.lock().unwrap().release.merges.is_empty());
+    assert_eq!(git(&bare, &["rev-parse", "main^"]).unwrap(), staged);
+    assert!(
+        git(&bare, &["log", "-1", "--format=%B", "main"])
+            .unwrap()
+            .contains("Stage: audit")
+    );
+    let deployed = evs.iter().find(|e| e.kind == "release.deployed").unwrap();
+    assert_eq!(data(deployed)["revision"], json!(staged));
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    eprintln!("{backend}: {text}");
+    assert!(ok, "{text}");
+    common::stop_service(&dir);
+    common::reap_orphans();
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_forward_waits_out_an_outage_on_sqlite() {
+    fast_forward_through_an_outage("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fast_forward_waits_out_an_outage_on_postgres() {
+    fast_forward_through_an_outage("postgres").await;
+}
+
+/// `merge_method = "merge"`: GitHub's merge commit sits on the `main` the release was built on
+/// with the staged commit as its second parent; it has the staged tree and is what ships.
+async fn merge_commit(backend: &str) {
+    if !specs_available() {
+        return;
+    }
+    if !common::python_available() {
+        return skip(
+            "python3 is not installed: the demo's service and the description check need it",
+        );
+    }
+    common::become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    let bare = protect(&dir, &api, "merge");
+    {
+        let spec: Value =
+            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+        let ex = &spec["components"]["examples"];
+        let mut h = hub.lock().unwrap();
+        h.release.bare = Some(bare.clone());
+        h.release.pull_example = ex["pull-request"]["value"].clone();
+        h.release.pull_simple_example = ex["pull-request-simple-items"]["value"][0].clone();
+    }
+    let url = match backend {
+        "postgres" => {
+            let url = orch_store::testing::fresh_pg_schema().await;
+            common::orch_db(&dir, &url, &["migrate"]);
+            Some(url)
+        }
+        _ => None,
+    };
+    let store = match &url {
+        Some(u) => Store::connect(u, ConnectOptions::default()).await.unwrap(),
+        None => common::open(&dir).await,
+    };
+    let main_before = git(&bare, &["rev-parse", "main"]).unwrap();
+    let serve = serve(&dir, url.as_deref(), "");
+    submit(&dir, url.as_deref(), "Add a /version endpoint");
+    let t = wait_ended(&dir, &store, "APP-1").await;
+    serve.terminate().await;
+    assert_eq!(t.stage, "done");
+    let evs = events_of(&store, "APP-1").await;
+    let staged = evs
+        .iter()
+        .rev()
+        .find(|e| e.kind == "release.staged")
+        .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
+        .unwrap();
+    let merges = hub.lock().unwrap().release.merges.clone();
+    assert!(merges.iter().all(|m| m.1 == "merge"), "{merges:?}");
+    let merged = &merges[0].2;
+    let parents = git(&bare, &["rev-list", "--parents", "-n", "1", merged]).unwrap();
+    assert_eq!(
+        parents.split(' ').skip(1).collect::<Vec<_>>(),
+        [main_before.as_str(), staged.as_str()]
+    );
+    assert_eq!(
+        git(&bare, &["rev-parse", &format!("{merged}^{{tree}}")]).unwrap(),
+        git(&bare, &["rev-parse", &format!("{staged}^{{tree}}")]).unwrap()
+    );
+    let deployed = evs.iter().find(|e| e.kind == "release.deployed").unwrap();
+    assert_eq!(data(deployed)["revision"], json!(merged));
+    assert_eq!(data(deployed)["staged"], json!(staged));
+    // The item's change is listed as shipped (its trailers come with the merged history).
+    assert!(
+        data(deployed)["items"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|i| i["work_item"] == "APP-1")),
+        "{deployed:?}"
+    );
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    eprintln!("{backend}: {text}");
+    assert!(ok, "{text}");
+    common::stop_service(&dir);
+    common::reap_orphans();
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merge_commit_ships_the_staged_tree_on_sqlite() {
+    merge_commit("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merge_commit_ships_the_staged_tree_on_postgres() {
+    merge_commit("postgres").await;
+}
