@@ -15,11 +15,31 @@ use crate::gate::{
 };
 use crate::ids::{AgentName, ArtifactName, StageName, WorkItemId};
 
-/// The job kinds whose stages form a repo's **release track**: at most one task of a repo is
-/// at any of these stages at a time (merge → staging → deploy → observe → lessons), so the
-/// candidate that staging verified is exactly what reaches the default branch and production.
-pub const RELEASE_TRACK_AGENTS: [&str; 4] =
-    ["merge-gate", "deployer", "post-deploy-monitor", "lessons"];
+/// The names of the runner's built-in executors, which a [`StageDef::executor`] names: the
+/// runner registers each one under its name here, and the engine runs a stage with the
+/// executor its descriptor names (never by the stage's or the agent's name).
+pub mod executors {
+    /// Every LLM stage: the agent backends (the stage's `agent` picks the configured one).
+    pub const AGENT: &str = "agent";
+    /// Writes `01-request.md` from the submitted request.
+    pub const INTAKE: &str = "intake";
+    /// Runs the repo's tests (`12-test-report.md`).
+    pub const TESTER: &str = "tester";
+    /// Builds and verifies the release candidate (`14-merge-log.md`).
+    pub const MERGE_GATE: &str = "merge-gate";
+    /// The staging runner of ORCH-115 (`15-staging-log.md`).
+    pub const STAGING: &str = "staging";
+    /// Promotes the staged commit, then deploys it (the deployer and its finalizer).
+    pub const DEPLOY: &str = "deploy";
+    /// The post-deploy watch, one poll per job (ORCH-021).
+    pub const MONITOR: &str = "post-deploy-monitor";
+    /// `17-lessons.md` and the repo's lessons file.
+    pub const LESSONS: &str = "lessons";
+}
+
+/// The release train's record of a revert (`18-revert.md`), which the stages that may roll a
+/// change back (deploy, observe) write beside their own documents.
+pub const REVERT_LOG: &str = "18-revert.md";
 
 /// The outcome value with which the deploy stage sends a task back to `merge` when the
 /// default branch moved since its candidate was staged.
@@ -107,9 +127,92 @@ pub struct StageDef {
     /// markers and the watch's state live on that machine until it is gone, then a takeover
     /// moves them).
     pub pinned: bool,
+    /// The executor that does the stage's work: a name the runner's table of executors knows
+    /// ([`executors`] for the built-in ones).
+    pub executor: String,
+    /// Whether the stage may write code anywhere outside the protected places (the developer's
+    /// `implementation`; its agent also runs the repo's commands).
+    pub writes_code: bool,
+    /// Whether the stage writes the repo's lessons file (`lessons`).
+    pub writes_lessons: bool,
+    /// Documents the stage may write in its item's folder besides its own artifacts (deploy and
+    /// observe: the release train's [`REVERT_LOG`]); no other stage's gate reads them.
+    pub also_writes: Vec<ArtifactName>,
+    /// Whether the stage is on the repo's **release track**: at most one task of a repo is at
+    /// any of these stages at a time (merge → staging → deploy → observe → lessons), so the
+    /// candidate that staging verified is exactly what reaches the default branch and
+    /// production.
+    pub release_track: bool,
 }
 
 impl StageDef {
+    /// A stage named `name`, run by `executor` (with `agent`'s job kind, if any), with no
+    /// artifacts, no transitions and every policy flag off: set the fields that apply.
+    pub fn new(
+        name: StageName,
+        agent: Option<AgentName>,
+        kind: StageKind,
+        executor: &str,
+    ) -> StageDef {
+        StageDef {
+            name,
+            agent,
+            kind,
+            artifacts: Vec::new(),
+            transitions: BTreeMap::new(),
+            approval: false,
+            pinned: false,
+            executor: executor.to_owned(),
+            writes_code: false,
+            writes_lessons: false,
+            also_writes: Vec::new(),
+            release_track: false,
+        }
+    }
+
+    /// The stage run by executor `name`.
+    pub fn run_by(mut self, name: &str) -> StageDef {
+        self.executor = name.to_owned();
+        self
+    }
+
+    /// The stage on the repo's release track ([`StageDef::release_track`]).
+    pub fn on_release_track(mut self) -> StageDef {
+        self.release_track = true;
+        self
+    }
+
+    /// The stage's jobs pinned to the node that enqueued them ([`StageDef::pinned`]).
+    pub fn keeping_local_state(mut self) -> StageDef {
+        self.pinned = true;
+        self
+    }
+
+    /// The stage may write code ([`StageDef::writes_code`]).
+    pub fn writing_code(mut self) -> StageDef {
+        self.writes_code = true;
+        self
+    }
+
+    /// The stage writes the lessons file ([`StageDef::writes_lessons`]).
+    pub fn writing_lessons(mut self) -> StageDef {
+        self.writes_lessons = true;
+        self
+    }
+
+    /// The stage may also write document `name` ([`StageDef::also_writes`]).
+    pub fn also_writing(mut self, name: ArtifactName) -> StageDef {
+        self.also_writes.push(name);
+        self
+    }
+
+    /// The job kind of the stage's jobs: its agent's name, else the stage's own (`intake`).
+    pub fn job_kind(&self) -> &str {
+        self.agent
+            .as_ref()
+            .map_or(self.name.as_str(), |a| a.as_str())
+    }
+
     /// Runs the stage's gate over the files in the work item's folder (name and content of each).
     pub fn check(&self, work_item: &WorkItemId, files: &[(ArtifactName, &str)]) -> GateOutcome {
         check_artifacts(&self.artifacts, work_item, files)
@@ -173,6 +276,9 @@ pub enum PipelineError {
     /// An LLM stage has no agent.
     #[error("stage `{0}` is an LLM stage but names no agent")]
     MissingAgent(StageName),
+    /// A stage names no executor.
+    #[error("stage `{0}` names no executor")]
+    MissingExecutor(StageName),
     /// A stage has more than one artifact with a status key.
     #[error("stage `{0}` has more than one artifact with a status key")]
     SeveralStatusKeys(StageName),
@@ -256,14 +362,17 @@ impl Pipeline {
                    agent: Option<&'static str>,
                    kind: StageKind,
                    artifacts: Vec<ArtifactSpec>,
-                   transitions: Vec<(On, Transition)>| StageDef {
-            name: stage(name),
-            agent: agent.map(AgentName::known),
-            kind,
-            artifacts,
-            transitions: transitions.into_iter().collect(),
-            approval: false,
-            pinned: matches!(name, "deploy" | "observe"),
+                   transitions: Vec<(On, Transition)>| {
+            // A runner's stage names its executor below ([`StageDef::run_by`]).
+            let executor = match kind {
+                Llm => executors::AGENT,
+                Deterministic => "",
+            };
+            StageDef {
+                artifacts,
+                transitions: transitions.into_iter().collect(),
+                ..StageDef::new(stage(name), agent.map(AgentName::known), kind, executor)
+            }
         };
         let stages = vec![
             def(
@@ -275,7 +384,8 @@ impl Pipeline {
                     (On::Pass, next("analysis")),
                     (On::NotSuccess, Transition::Fail),
                 ],
-            ),
+            )
+            .run_by(executors::INTAKE),
             def(
                 "analysis",
                 Some("analyst"),
@@ -309,7 +419,8 @@ impl Pipeline {
                     (On::Pass, next("review")),
                     (On::NotSuccess, Transition::Fail),
                 ],
-            ),
+            )
+            .writing_code(),
             def(
                 "review",
                 Some("reviewer"),
@@ -334,7 +445,8 @@ impl Pipeline {
                     (value("FAILED"), back_to_implementation("12-test-report.md")),
                     (On::NotSuccess, back_to_implementation("12-test-report.md")),
                 ],
-            ),
+            )
+            .run_by(executors::TESTER),
             def(
                 "merge",
                 Some("merge-gate"),
@@ -346,7 +458,9 @@ impl Pipeline {
                     (value("FAILED"), Transition::Fail),
                     (On::NotSuccess, Transition::Fail),
                 ],
-            ),
+            )
+            .run_by(executors::MERGE_GATE)
+            .on_release_track(),
             def(
                 "staging",
                 Some("deployer"),
@@ -358,7 +472,9 @@ impl Pipeline {
                     (value(TOOL_ERROR_EXHAUSTED), Transition::Fail),
                     (On::NotSuccess, back_to_implementation("15-staging-log.md")),
                 ],
-            ),
+            )
+            .run_by(executors::STAGING)
+            .on_release_track(),
             // The deployer and its finalizer report the outcome directly (events, no artifact).
             def(
                 "deploy",
@@ -372,7 +488,11 @@ impl Pipeline {
                     (value(RESTAGE), next("merge")),
                     (On::NotSuccess, Transition::Fail),
                 ],
-            ),
+            )
+            .run_by(executors::DEPLOY)
+            .on_release_track()
+            .keeping_local_state()
+            .also_writing(artifact(REVERT_LOG)),
             // The post-deploy log is written best-effort; the watch's reaction (rollback,
             // alert) has happened by now, so every outcome goes on to lessons.
             def(
@@ -384,7 +504,11 @@ impl Pipeline {
                     (On::Pass, next("lessons")),
                     (On::NotSuccess, next("lessons")),
                 ],
-            ),
+            )
+            .run_by(executors::MONITOR)
+            .on_release_track()
+            .keeping_local_state()
+            .also_writing(artifact(REVERT_LOG)),
             // The change is live: a problem writing lessons does not undo that.
             def(
                 "lessons",
@@ -395,7 +519,10 @@ impl Pipeline {
                     (On::Pass, Transition::Done),
                     (On::NotSuccess, Transition::Done),
                 ],
-            ),
+            )
+            .run_by(executors::LESSONS)
+            .on_release_track()
+            .writing_lessons(),
         ];
         Pipeline {
             stages,
@@ -403,15 +530,11 @@ impl Pipeline {
         }
     }
 
-    /// The stages of the release track (see [`RELEASE_TRACK_AGENTS`]), in pipeline order.
+    /// The stages of the release track ([`StageDef::release_track`]), in pipeline order.
     pub fn release_track(&self) -> Vec<StageName> {
         self.stages
             .iter()
-            .filter(|s| {
-                s.agent
-                    .as_ref()
-                    .is_some_and(|a| RELEASE_TRACK_AGENTS.contains(&a.as_str()))
-            })
+            .filter(|s| s.release_track)
             .map(|s| s.name.clone())
             .collect()
     }
@@ -561,6 +684,9 @@ impl Pipeline {
         if def.kind == StageKind::Llm && def.agent.is_none() {
             return Err(PipelineError::MissingAgent(stage.clone()));
         }
+        if def.executor.is_empty() {
+            return Err(PipelineError::MissingExecutor(stage.clone()));
+        }
         if def
             .artifacts
             .iter()
@@ -706,6 +832,53 @@ mod tests {
             .map(|d| d.name.as_str())
             .collect();
         assert_eq!(pinned, ["deploy", "observe"], "the stages with local state");
+        let flagged = |flag: fn(&StageDef) -> bool| -> Vec<&str> {
+            p.stages
+                .iter()
+                .filter(|d| flag(d))
+                .map(|d| d.name.as_str())
+                .collect()
+        };
+        assert_eq!(
+            flagged(|d| d.release_track),
+            ["merge", "staging", "deploy", "observe", "lessons"],
+            "the release track"
+        );
+        assert_eq!(flagged(|d| d.writes_code), ["implementation"]);
+        assert_eq!(flagged(|d| d.writes_lessons), ["lessons"]);
+        assert_eq!(
+            flagged(|d| d.also_writes.iter().any(|a| a.as_str() == REVERT_LOG)),
+            ["deploy", "observe"],
+            "the stages that may record a revert"
+        );
+        let runs: Vec<(&str, &str, &str)> = p
+            .stages
+            .iter()
+            .map(|d| (d.name.as_str(), d.job_kind(), d.executor.as_str()))
+            .collect();
+        assert_eq!(
+            runs,
+            [
+                ("intake", "intake", executors::INTAKE),
+                ("analysis", "analyst", executors::AGENT),
+                ("architecture", "architect", executors::AGENT),
+                ("implementation", "developer", executors::AGENT),
+                ("review", "reviewer", executors::AGENT),
+                ("verification", "tester", executors::TESTER),
+                ("merge", "merge-gate", executors::MERGE_GATE),
+                ("staging", "deployer", executors::STAGING),
+                ("deploy", "deployer", executors::DEPLOY),
+                ("observe", "post-deploy-monitor", executors::MONITOR),
+                ("lessons", "lessons", executors::LESSONS),
+            ],
+            "each stage's job kind and executor"
+        );
+        let mut nameless = p.clone();
+        nameless.stages[5].executor.clear();
+        assert_eq!(
+            nameless.validate(),
+            Err(PipelineError::MissingExecutor(s("verification")))
+        );
         let names: Vec<&str> = p.stages.iter().map(|d| d.name.as_str()).collect();
         assert_eq!(
             names,

@@ -113,9 +113,10 @@ pub struct Scope {
 }
 
 impl Scope {
-    /// The scope of `stage` of `pipeline` for `work_item`: its own artifacts are its
-    /// documents; the developer's stage (`implementation`) writes code; the lessons stage
-    /// (agent `lessons`) writes `lessons_file`.
+    /// The scope of `stage` of `pipeline` for `work_item`, read from its descriptor: its own
+    /// artifacts and [`StageDef::also_writes`] are its documents; a stage that
+    /// [`StageDef::writes_code`] (the developer's `implementation`) writes code; one that
+    /// [`StageDef::writes_lessons`] (`lessons`) writes `lessons_file`.
     pub fn of(
         pipeline: &Pipeline,
         stage: &StageDef,
@@ -137,15 +138,22 @@ impl Scope {
             work_item: work_item.clone(),
             stage: stage.name.clone(),
             kind: stage.kind,
-            writes_code: stage.kind == StageKind::Llm && stage.name.as_str() == "implementation",
-            documents: stage.artifacts.iter().map(|a| a.name.clone()).collect(),
+            writes_code: stage.writes_code,
+            documents: stage
+                .artifacts
+                .iter()
+                .map(|a| a.name.clone())
+                .chain(
+                    stage
+                        .also_writes
+                        .iter()
+                        .cloned()
+                        .map(ArtifactPattern::Exact),
+                )
+                .collect(),
             others,
             lessons_file: lessons_file.trim_start_matches("./").to_owned(),
-            writes_lessons: stage.kind == StageKind::Deterministic
-                && stage
-                    .agent
-                    .as_ref()
-                    .is_some_and(|a| a.as_str() == "lessons"),
+            writes_lessons: stage.writes_lessons,
             max_files,
         }
     }
@@ -673,10 +681,26 @@ mod tests {
                     "`verification` writes no code: it may write only 12-test-report.md there",
                 )],
             ),
+            // Deploy writes no document of its own, only the release train's revert record
+            // (its descriptor's `also_writes`); the watch's log is observe's.
             (
                 "deploy",
-                vec![file(b"docs/work-items/APP-1/16-post-deploy-log.md")],
-                vec![("runner_document", "`deploy` may write nothing there")],
+                vec![
+                    file(b"docs/work-items/APP-1/16-post-deploy-log.md"),
+                    file(b"docs/work-items/APP-1/18-revert.md"),
+                ],
+                vec![(
+                    "runner_document",
+                    "`deploy` may write only 18-revert.md there",
+                )],
+            ),
+            (
+                "staging",
+                vec![file(b"docs/work-items/APP-1/18-revert.md")],
+                vec![(
+                    "not_a_document",
+                    "not one of `staging`'s documents; in `docs/work-items/APP-1/` it may write only 15-staging-log.md",
+                )],
             ),
         ];
         for (stage, changes, expect) in cases {

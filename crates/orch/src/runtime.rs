@@ -1,21 +1,18 @@
 //! Wiring: the engine with every stage executor, the worker registry, the operator
-//! operations, and the HTTP API's view of them. The one place that knows which executor runs
-//! which stage.
+//! operations, and the HTTP API's view of them. Which executor runs which stage is each
+//! stage's descriptor's word (`StageDef::executor`); the built-in executors are
+//! `orch_runner::catalogue`.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context as _, Result};
 use orch_domain::config::Config;
-use orch_runner::agents::AgentExecutor;
 use orch_runner::builtin;
 use orch_runner::counters::Counters;
-use orch_runner::deploy::{DeployerExecutor, LessonsExecutor, MonitorExecutor};
-use orch_runner::engine::dispatch::{ByStage, Promote};
-use orch_runner::engine::{Engine, EngineConfig, INTAKE, intake::IntakeExecutor};
-use orch_runner::live_config::{LiveConfig, Reloading};
+use orch_runner::engine::{Engine, EngineConfig};
+use orch_runner::live_config::LiveConfig;
 use orch_runner::ops::Ops;
-use orch_runner::stages::{MergeGateExecutor, StagingExecutor, TesterExecutor};
 use orch_runner::worker::Registry;
 use orch_store::Store;
 
@@ -74,41 +71,11 @@ impl Runtime {
             },
             counters.clone(),
         );
-        engine.set_executor(INTAKE, Arc::new(IntakeExecutor));
-        // One executor (one global agent concurrency limit) for every LLM stage's agent.
-        // Rebuilt from the config in use when it was reloaded (agents' commands, models, …).
-        let agents = Arc::new(Reloading::new(live.clone(), |c: &Config| {
-            AgentExecutor::new(c.agents.clone(), &c.settings)
-        }));
-        let llm_agents: Vec<String> = engine
-            .config()
-            .pipeline
-            .stages
-            .iter()
-            .filter(|s| s.kind == orch_domain::pipeline::StageKind::Llm)
-            .filter_map(|s| s.agent.as_ref().map(|a| a.as_str().to_owned()))
-            .collect();
-        for agent in llm_agents {
-            engine.set_executor(&agent, agents.clone());
-        }
-        engine.set_executor("tester", Arc::new(TesterExecutor::new(counters.clone())));
-        engine.set_executor(
-            "merge-gate",
-            Arc::new(MergeGateExecutor::new(counters.clone())),
-        );
-        // One job kind, two stages: the stage is the discriminator (ORCH-115 D1).
-        let deployer = ByStage::new()
-            .with("staging", Arc::new(StagingExecutor::new(counters.clone())))
-            .with(
-                "deploy",
-                Arc::new(Promote {
-                    inner: Arc::new(DeployerExecutor::default()),
-                }),
-            );
-        engine.set_executor("deployer", Arc::new(deployer));
-        engine.set_executor("post-deploy-monitor", Arc::new(MonitorExecutor::default()));
-        engine.set_executor("lessons", Arc::new(LessonsExecutor));
-        orch_runner::deploy::declare_counters(&counters);
+        // Each stage gets the executor its descriptor names, from the built-in ones.
+        let executors = orch_runner::catalogue::builtin(&counters, &live);
+        engine
+            .install(&executors)
+            .context("cannot wire the pipeline's stages")?;
         let engine = Arc::new(engine);
         let ops = Ops::new(store.clone(), engine.clone());
         Ok(Runtime {

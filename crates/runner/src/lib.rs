@@ -3,6 +3,7 @@
 
 pub mod agents;
 pub mod builtin;
+pub mod catalogue;
 pub mod contain;
 pub mod counters;
 pub mod deploy;

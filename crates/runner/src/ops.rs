@@ -88,7 +88,8 @@ pub fn new_task(
     }
     let mut data = extra;
     data.insert(actor::KEY.to_owned(), by.data());
-    let (stage, first) = first_job(pipeline);
+    let (stage, first) = first_job(pipeline)
+        .ok_or_else(|| OpsError::Invalid("the pipeline has no stages".into()))?;
     Ok(NewTask {
         work_item,
         repo: repo.as_str().to_owned(),

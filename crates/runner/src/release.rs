@@ -47,10 +47,10 @@ use crate::engine::StageRun;
 use crate::repos::{self, RepoPaths};
 
 /// The artifact recording a revert.
-pub const REVERT_LOG: &str = "18-revert.md";
+pub const REVERT_LOG: &str = orch_domain::pipeline::REVERT_LOG;
 
-/// How long a task waiting for the release track waits between tries.
-pub const WAIT_S: u64 = 3;
+/// How long a task waiting for the release track waits between tries (the engine's).
+pub const WAIT_S: u64 = crate::engine::TRACK_WAIT_S;
 
 /// The guard for entering the release track of `pipeline`.
 pub fn track(pipeline: &Pipeline) -> Exclusive {

@@ -48,6 +48,12 @@
 //!   its manifest's `[dependencies]` name no runtime, HTTP, database, clock or randomness crate
 //!   (`IMPURE_CRATES`). Time comes in as an argument; that is what lets `orch replay` re-derive a
 //!   decision and tests pin the clock.
+//! - **`engine-layering`**: the pipeline engine knows no particular stage. No line of
+//!   `crates/runner/src/engine/` (code, comments and tests alike: a doc link is an arrow too)
+//!   refers to the deploy tail or the release train (`crate::deploy`, `crate::release`, a
+//!   `super::` path to them, or a `use crate::{…}` list naming them): the engine reads a
+//!   stage's descriptor and asks its executor, and those modules plug in as executors
+//!   (`crates/runner/src/catalogue.rs`), never the other way round.
 //!
 //! An exception that no longer matches anything is itself a failure, so the list only shrinks.
 
@@ -240,6 +246,10 @@ const PRINT_PATTERNS: &[&str] = &[
 ];
 /// The binary's output module, where printing happens.
 const OUTPUT: &str = "crates/orch/src/output.rs";
+/// The pipeline engine's folder (the `engine-layering` rule).
+pub const ENGINE: &str = "crates/runner/src/engine/";
+/// The modules the engine may not refer to: the deploy tail and the release train.
+const ABOVE_ENGINE: &[&str] = &["deploy", "release"];
 
 /// The event kinds [`CONTROL`] defines: the values of its `pub const NAME: &str = "a.b";`
 /// lines (a dotted lower-case word; the terminal stages have no dot).
@@ -353,6 +363,9 @@ pub fn check_file_with(path: &str, text: &str, kinds: &[String]) -> Vec<Violatio
         {
             push("domain-pure", n, line);
         }
+        if path.starts_with(ENGINE) && is_rs && refers_above_engine(line) {
+            push("engine-layering", n, line);
+        }
         if shipped
             && path != CONTROL
             && !line.trim_start().starts_with("//")
@@ -386,6 +399,27 @@ fn shipped_lines(text: &str) -> usize {
         }
     }
     lines.len()
+}
+
+/// Whether an engine line names a module the engine may not depend on: a `crate::` or
+/// `super::` path to it, or a `use crate::{…}` list that names it.
+fn refers_above_engine(line: &str) -> bool {
+    ABOVE_ENGINE.iter().any(|m| {
+        let word_at = |at: usize| {
+            let after = line[at + m.len()..].chars().next();
+            !after.is_some_and(|c| c.is_alphanumeric() || c == '_')
+        };
+        let path = |prefix: &str| {
+            line.match_indices(&format!("{prefix}{m}"))
+                .any(|(at, _)| word_at(at + prefix.len()))
+        };
+        let listed = line.contains("crate::{")
+            && line.match_indices(m).any(|(at, _)| {
+                let before = line[..at].chars().next_back();
+                matches!(before, Some('{' | ' ' | ',')) && word_at(at)
+            });
+        path("crate::") || path("super::") || listed
+    })
 }
 
 fn has_sql_statement(line: &str) -> bool {
@@ -724,6 +758,45 @@ mod tests {
             "\"orch.toml\"",
         ] {
             assert!(rules("crates/runner/src/x.rs", other).is_empty(), "{other}");
+        }
+    }
+
+    #[test]
+    fn the_engine_referring_to_the_deploy_tail_or_the_release_train_is_caught() {
+        let engine = |file: &str| format!("{ENGINE}{file}");
+        for line in [
+            planted(&["        if job.agent == crate::dep", "loy::MONITOR_AGENT {"]),
+            planted(&[
+                "        match crate::rel",
+                "ease::promote(run, seq).await? {",
+            ]),
+            planted(&["use crate::rel", "ease::{self, Promotion};"]),
+            planted(&["use crate::{counters::Counters, dep", "loy};"]),
+            planted(&["use super::super::rel", "ease;"]),
+            planted(&["/// after [`crate::rel", "ease::WAIT_S`]"]),
+        ] {
+            assert_eq!(
+                rules(&engine("handler.rs"), &line),
+                ["engine-layering"],
+                "{line}"
+            );
+            assert_eq!(rules(&engine("guard.rs"), &line), ["engine-layering"]);
+            // Its unit tests too: an arrow in a test is an arrow.
+            let in_tests = format!("fn f() {{}}\n#[cfg(test)]\nmod tests {{\n{line}\n}}\n");
+            assert_eq!(rules(&engine("mod.rs"), &in_tests), ["engine-layering"]);
+            // The other way round is the design: the deploy tail uses the engine.
+            assert!(rules("crates/runner/src/deploy/monitor.rs", &line).is_empty());
+            assert!(rules("crates/runner/src/catalogue.rs", &line).is_empty());
+        }
+        // What only looks alike: other modules, words that start the same, prose.
+        for line in [
+            "use crate::repos::{self, RepoPaths};",
+            "use crate::{counters::Counters, repos};",
+            "let released = crate::releases_of(x);",
+            "// the release train's stages are on the release track",
+            "let deployer = run.stage.executor.as_str();",
+        ] {
+            assert!(rules(&engine("handler.rs"), line).is_empty(), "{line}");
         }
     }
 

@@ -50,8 +50,8 @@ pub(crate) const DEFAULT_CLI_RETRIES: u32 = 2;
 /// such a run fails for good.
 const REQUIRED_TOOLS: [&str; 5] = ["Write", "Edit", "MultiEdit", "NotebookEdit", "Bash"];
 
-/// What a role may do: document stages read and write files; the developer (and any tester
-/// agent) also runs the repo's commands.
+/// What a role may do: document stages read and write files; the stage that may write code
+/// (the developer's) also runs the repo's commands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Role {
     /// Reads and writes files.
@@ -61,9 +61,10 @@ pub(crate) enum Role {
 }
 
 impl Role {
-    /// The role of `agent` running `stage`.
-    pub(crate) fn of(stage: &str, agent: &str) -> Role {
-        if stage == "implementation" || matches!(agent, "developer" | "tester") {
+    /// The role of the agent running `stage`, from its descriptor
+    /// ([`orch_domain::pipeline::StageDef::writes_code`]).
+    pub(crate) fn of(stage: &orch_domain::pipeline::StageDef) -> Role {
+        if stage.writes_code {
             Role::Commands
         } else {
             Role::Documents
@@ -294,7 +295,7 @@ fn make_dirs(
 
 /// Runs one try of a CLI backend.
 pub(crate) async fn run(inv: &Invocation<'_>) -> TryResult {
-    let role = Role::of(inv.run.stage.name.as_str(), inv.agent.as_str());
+    let role = Role::of(&inv.run.stage);
     let key = inv.run.command_key("agent");
     let backend = inv.config.backend;
     let (state, session) = session_of(inv, &key).await;

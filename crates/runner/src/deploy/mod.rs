@@ -5,6 +5,8 @@
 //!
 //! Map:
 //! - [`probe`]: the HTTP checks (health, live revision) with FAIL/ERROR told apart.
+//! - [`promote`]: `deploy` stage's executor: the release train's promotion of the staged
+//!   commit, then the deployer.
 //! - [`deployer`]: `deploy` stage: the deploy command under self-deploy markers, the
 //!   finalizer's bounded restart-safe confirmation, arming the watch.
 //! - [`monitor`]: `observe` stage: one poll per job, the verdict, rollback or alert, the
@@ -44,6 +46,7 @@ pub mod deployer;
 pub mod lessons;
 pub mod monitor;
 pub mod probe;
+pub mod promote;
 pub mod recover;
 
 use std::time::Duration;
@@ -63,6 +66,7 @@ pub use lessons::LessonsExecutor;
 pub use monitor::{
     ActiveWatchInfo, MonitorExecutor, RecoveryAction, active_watches, recover_watches,
 };
+pub use promote::Promote;
 
 /// The job kind of the `deploy` stage (and of `staging`, handled elsewhere).
 pub const DEPLOYER_AGENT: &str = "deployer";

@@ -151,6 +151,17 @@ impl StageExecutor for MonitorExecutor {
     fn defers_worktree(&self) -> bool {
         true
     }
+
+    /// The watch's first poll is due after the repo's initial delay: so is its first job.
+    fn first_delay_s(&self, repo: &orch_domain::config::RepoConfig) -> u64 {
+        repo.post_deploy.initial_delay_s
+    }
+
+    /// A task that failed (in any stage) leaves no watch armed and no deploy markers: a retry
+    /// deploys afresh ([`crate::release::end_watch`]).
+    fn task_failed(&self, repos_dir: &std::path::Path, task: &orch_store::Task, reason: &str) {
+        crate::release::end_watch(repos_dir, &task.repo, &task.work_item_id, reason);
+    }
 }
 
 impl MonitorExecutor {

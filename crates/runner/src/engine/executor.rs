@@ -3,7 +3,7 @@
 //! task, the worktree, committing artifacts, the gate, the decision and the fenced stage
 //! change. An executor only does the work and reports what happened.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use futures::future::BoxFuture;
@@ -238,5 +238,49 @@ pub trait StageExecutor: Send + Sync + 'static {
     /// only when it was prepared. Saves the git work of every such job.
     fn defers_worktree(&self) -> bool {
         false
+    }
+
+    /// How long after its stage is entered the stage's first job is due, in seconds (the
+    /// watch's first poll waits for the repo's `post_deploy.initial_delay_s`); 0: at once.
+    fn first_delay_s(&self, repo: &RepoConfig) -> u64 {
+        let _ = repo;
+        0
+    }
+
+    /// The engine moved `task` to `failed` (from any stage): an executor that keeps state of
+    /// its own for a task outside the database (the deploy's markers, the watch's files under
+    /// `repos_dir`) ends it here, so nothing stays armed for a task that is over. Never fails.
+    fn task_failed(&self, repos_dir: &Path, task: &Task, reason: &str) {
+        let _ = (repos_dir, task, reason);
+    }
+}
+
+/// The executors a process has, by name ([`orch_domain::pipeline::StageDef::executor`]): the
+/// runtime fills it with the built-in ones and [`crate::engine::Engine::install`] gives each
+/// stage of the pipeline the one its descriptor names.
+#[derive(Clone, Default)]
+pub struct Executors {
+    by_name: std::collections::BTreeMap<String, Arc<dyn StageExecutor>>,
+}
+
+impl Executors {
+    pub fn new() -> Executors {
+        Executors::default()
+    }
+
+    /// Adds (or replaces) the executor called `name`.
+    pub fn with(mut self, name: &str, executor: Arc<dyn StageExecutor>) -> Executors {
+        self.by_name.insert(name.to_owned(), executor);
+        self
+    }
+
+    /// The executor called `name`.
+    pub fn get(&self, name: &str) -> Option<Arc<dyn StageExecutor>> {
+        self.by_name.get(name).cloned()
+    }
+
+    /// The names it holds, in order.
+    pub fn names(&self) -> Vec<&str> {
+        self.by_name.keys().map(String::as_str).collect()
     }
 }

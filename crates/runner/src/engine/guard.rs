@@ -24,7 +24,6 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Result;
 use orch_domain::control::events;
-use orch_domain::gate::ArtifactPattern;
 use orch_domain::pipeline::{Pipeline, StageKind};
 use orch_domain::protect::{self, Change, Entry, Rule, Scope, Violation};
 use orch_exec::git::{Changed, Git, GitError};
@@ -46,23 +45,17 @@ pub(crate) enum Verdict {
     Refused { reason: String },
 }
 
-/// The rules for `run`'s stage: the domain's scope, plus the documents the release train
-/// writes during a deploy or a watch (`18-revert.md`).
+/// The rules for `run`'s stage: the domain's scope, read from the stage's descriptor (its
+/// documents, [`orch_domain::pipeline::StageDef::also_writes`], whether it writes code or the
+/// lessons file).
 pub(crate) fn scope(pipeline: &Pipeline, run: &StageRun) -> Scope {
-    let mut scope = Scope::of(
+    Scope::of(
         pipeline,
         &run.stage,
         &run.work_item,
         &run.repo.lessons_file,
         usize::try_from(run.settings.max_changed_files).unwrap_or(usize::MAX),
-    );
-    let releases = run.stage.agent.as_ref().is_some_and(|a| {
-        [crate::deploy::DEPLOYER_AGENT, crate::deploy::MONITOR_AGENT].contains(&a.as_str())
-    });
-    if releases && let Ok(name) = crate::release::REVERT_LOG.parse() {
-        scope.documents.push(ArtifactPattern::Exact(name));
-    }
-    scope
+    )
 }
 
 /// Checks what `run`'s stage left and acts on it (see the module docs).

@@ -15,19 +15,22 @@ use orch_domain::gate::{GateOutcome, Verdict};
 use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
 use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
-use orch_store::{AdvanceStage, Fence, JobState, NewEvent, NewJob, Store, StoreError, Task};
+use orch_store::{
+    AdvanceStage, Exclusive, Fence, JobState, NewEvent, NewJob, Store, StoreError, Task,
+};
 
 use super::{
-    StageEffect, StageExecutor, StageJob, StageRun, StageStart, WorktreePrep, artifacts, guard,
+    Executors, StageEffect, StageExecutor, StageJob, StageRun, StageStart, WorktreePrep, artifacts,
+    guard,
 };
 use crate::counters::Counters;
 use crate::repos::{self, RepoPaths};
 use crate::worker::{JobContext, JobHandler, Outcome, Registry};
 
-/// The job kind (agent) of stage `intake`, which has no agent of its own.
-pub const INTAKE: &str = "intake";
 /// Attempts of one stage job before its task fails.
 pub const STAGE_ATTEMPTS: i64 = 3;
+/// How long a task waiting to enter the release track waits between tries.
+pub const TRACK_WAIT_S: u64 = 3;
 
 /// Where the engine finds things.
 #[derive(Debug, Clone)]
@@ -49,6 +52,7 @@ pub struct Engine {
     store: Store,
     cfg: EngineConfig,
     git: Git,
+    /// Each stage's executor, by stage name ([`Engine::install`]).
     executors: HashMap<String, Arc<dyn StageExecutor>>,
     counters: Arc<Counters>,
     /// One stage job per task at a time in this process: two jobs of one stage visit (a
@@ -57,15 +61,13 @@ pub struct Engine {
     task_locks: std::sync::Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-/// A new task's first stage and the job that runs it (visit 0). Needs only the pipeline: a
-/// submit inserts one row and builds no engine.
-pub fn first_job(pipeline: &Pipeline) -> (String, NewJob) {
-    let (stage, kind) = pipeline.stages.first().map_or_else(
-        || (INTAKE.to_owned(), INTAKE.to_owned()),
-        |s| (s.name.to_string(), job_kind(s)),
-    );
+/// A new task's first stage and the job that runs it (visit 0), `None` for a pipeline without
+/// stages. Needs only the pipeline: a submit inserts one row and builds no engine.
+pub fn first_job(pipeline: &Pipeline) -> Option<(String, NewJob)> {
+    let first = pipeline.stages.first()?;
+    let stage = first.name.to_string();
     let job = NewJob::new(
-        kind,
+        job_kind(first),
         StageJob {
             stage: stage.clone(),
             seq: 0,
@@ -73,15 +75,24 @@ pub fn first_job(pipeline: &Pipeline) -> (String, NewJob) {
         .to_content(),
     )
     .max_attempts(STAGE_ATTEMPTS);
-    (stage, job)
+    Some((stage, job))
 }
 
-/// The job kind of a stage: its agent, or `intake`.
+/// The job kind of a stage ([`StageDef::job_kind`]: its agent, else its own name).
 pub fn job_kind(stage: &StageDef) -> String {
-    stage
-        .agent
-        .as_ref()
-        .map_or_else(|| INTAKE.to_owned(), |a| a.as_str().to_owned())
+    stage.job_kind().to_owned()
+}
+
+/// The guard for entering the release track of `pipeline`: its stages whose descriptor says
+/// [`StageDef::release_track`].
+fn track(pipeline: &Pipeline) -> Exclusive {
+    Exclusive {
+        stages: pipeline
+            .release_track()
+            .iter()
+            .map(|s| s.as_str().to_owned())
+            .collect(),
+    }
 }
 
 impl Engine {
@@ -109,9 +120,43 @@ impl Engine {
         }
     }
 
-    /// Sets the executor of job kind `agent`.
-    pub fn set_executor(&mut self, agent: &str, executor: Arc<dyn StageExecutor>) {
-        self.executors.insert(agent.to_owned(), executor);
+    /// Gives every stage of the pipeline the executor its descriptor names
+    /// ([`StageDef::executor`]) from `executors`: how the runtime wires the stages. Fails,
+    /// installing nothing, when a stage names an executor that `executors` lacks.
+    pub fn install(&mut self, executors: &Executors) -> Result<()> {
+        let mut chosen = Vec::new();
+        let mut missing = Vec::new();
+        for def in &self.cfg.pipeline.stages {
+            match executors.get(&def.executor) {
+                Some(e) => chosen.push((def.name.as_str().to_owned(), e)),
+                None => missing.push(format!("`{}` (executor `{}`)", def.name, def.executor)),
+            }
+        }
+        if !missing.is_empty() {
+            anyhow::bail!(
+                "no executor for stage {}; this build has {}",
+                missing.join(", "),
+                executors.names().join(", ")
+            );
+        }
+        self.executors.extend(chosen);
+        Ok(())
+    }
+
+    /// Sets the executor of every stage whose jobs are of kind `kind`, for a rig that runs
+    /// only some stages (a test, a benchmark); the runtime uses [`Engine::install`].
+    pub fn set_executor(&mut self, kind: &str, executor: Arc<dyn StageExecutor>) {
+        for def in &self.cfg.pipeline.stages {
+            if def.job_kind() == kind {
+                self.executors
+                    .insert(def.name.as_str().to_owned(), executor.clone());
+            }
+        }
+    }
+
+    /// The executor of stage `stage`, if this process has one.
+    fn executor(&self, stage: &str) -> Option<&Arc<dyn StageExecutor>> {
+        self.executors.get(stage)
     }
 
     pub fn store(&self) -> &Store {
@@ -229,11 +274,7 @@ impl Engine {
         if markers::is_release_wait(&cx.job.task_content)
             && self
                 .store
-                .track_holder(
-                    &task.repo,
-                    task.id,
-                    &crate::release::track(&self.cfg.pipeline),
-                )
+                .track_holder(&task.repo, task.id, &track(&self.cfg.pipeline))
                 .await?
                 .is_some()
         {
@@ -330,8 +371,7 @@ impl Engine {
         // A job that only retries entering the release track finishes at once: never deferred.
         let defers = !markers::is_release_wait(&cx.job.task_content)
             && self
-                .executors
-                .get(&job_kind(&stage))
+                .executor(stage.name.as_str())
                 .is_some_and(|e| e.defers_worktree());
         // A command this job started before orch restarted (an agent still writing, or done
         // writing while orch was away) is adopted: its worktree is taken as it is, not reset.
@@ -451,8 +491,11 @@ impl Engine {
 
     async fn run_stage(&self, cx: &JobContext, sj: StageJob, run: StageRun) -> Result<Outcome> {
         let kind = job_kind(&run.stage);
-        let Some(executor) = self.executors.get(&kind).cloned() else {
-            let reason = format!("no executor for agent {kind} in this process");
+        let Some(executor) = self.executor(run.stage.name.as_str()).cloned() else {
+            let reason = format!(
+                "no executor for stage {} (agent {kind}) in this process",
+                run.stage.name
+            );
             return self.fail_task(cx, &run.task, &reason).await;
         };
         // A watch's ticks (a deferring executor's follow-up jobs) say what they did in their own
@@ -625,12 +668,13 @@ impl Engine {
             None
         } else {
             self.stage_job(&next, run.task.stage_seq + 1).map(|job| {
-                // The watch's first poll is due after its initial delay: so is its first job.
-                if job.agent == crate::deploy::MONITOR_AGENT {
-                    let delay = run.repo.post_deploy.initial_delay_s;
-                    job.delay_s(i64::try_from(delay).unwrap_or(i64::MAX / 1000))
-                } else {
-                    job
+                // A stage whose first job is due later (a watch's first poll, after its
+                // initial delay) says so through its executor.
+                match self.executor(&next).map(|e| e.first_delay_s(&run.repo)) {
+                    Some(delay) if delay > 0 => {
+                        job.delay_s(i64::try_from(delay).unwrap_or(i64::MAX / 1000))
+                    }
+                    _ => job,
                 }
             })
         };
@@ -659,7 +703,9 @@ impl Engine {
             }
             // The outcome from the recorded facts, by the rule every view applies.
             let history = self.store.task_events(run.task.id).await?;
-            data["outcome"] = crate::release::outcome_now(&next, &history).into();
+            data["outcome"] = orch_store::outcome_of_events(&next, &history)
+                .map_or(control::FAILED, |o| o.outcome.as_str())
+                .into();
         }
         let adv = AdvanceStage {
             task_id: run.task.id,
@@ -671,7 +717,7 @@ impl Engine {
                 .data(data.to_string()),
             next_job,
         };
-        let track = crate::release::track(&self.cfg.pipeline);
+        let track = track(&self.cfg.pipeline);
         let entering_track = track.stages.contains(&next)
             && !track.stages.iter().any(|s| s == run.stage.name.as_str());
         let advanced = if entering_track {
@@ -846,7 +892,7 @@ impl Engine {
     }
 
     /// The release track of the repo is held by another task: this job's stage is done, so a
-    /// job of the same kind comes back after [`crate::release::WAIT_S`] to try the stage change
+    /// job of the same kind comes back after [`TRACK_WAIT_S`] to try the stage change
     /// again (without redoing the work). The first wait of a visit is an event.
     async fn wait_for_track(
         &self,
@@ -876,7 +922,7 @@ impl Engine {
     }
 
     /// Enqueues the job that tries entering the release track again after
-    /// [`crate::release::WAIT_S`]: this job's payload with `[orch:release-wait seq=N]`, once per
+    /// [`TRACK_WAIT_S`]: this job's payload with `[orch:release-wait seq=N]`, once per
     /// job (its dedupe key). A job pinned to a node stays pinned, to this node: it is this
     /// node's, or this node has just taken it over.
     async fn requeue_for_track(&self, cx: &JobContext, task_id: i64, seq: i64) -> Result<()> {
@@ -890,7 +936,7 @@ impl Engine {
         };
         let mut job = NewJob::new(cx.job.agent.clone(), content)
             .task(task_id)
-            .delay_s(i64::try_from(crate::release::WAIT_S).unwrap_or(3))
+            .delay_s(i64::try_from(TRACK_WAIT_S).unwrap_or(3))
             .max_attempts(STAGE_ATTEMPTS)
             .dedupe(dedupe::requeue_of(cx.job.id));
         if cx.job.node.is_some() {
@@ -922,18 +968,27 @@ impl Engine {
             })
             .await;
         if res.is_ok() {
-            crate::release::end_watch(
-                &self.cfg.repos_dir,
-                &task.repo,
-                &task.work_item_id,
-                &format!("the task failed: {reason}"),
-            );
+            // Every executor hears of it: one that keeps local state for the task (the deploy's
+            // markers, the watch) ends it, wherever the task failed.
+            let reason = format!("the task failed: {reason}");
+            for executor in self.distinct_executors() {
+                executor.task_failed(&self.cfg.repos_dir, task, &reason);
+            }
         }
         match res {
             Ok(_) | Err(StoreError::StageConflict { .. }) => Ok(Outcome::Done),
             Err(StoreError::LeaseLost { .. }) => Ok(Outcome::Marked),
             Err(e) => Err(e.into()),
         }
+    }
+
+    /// Each installed executor once (one may serve several stages).
+    fn distinct_executors(&self) -> Vec<&Arc<dyn StageExecutor>> {
+        let mut seen = std::collections::HashSet::new();
+        self.executors
+            .values()
+            .filter(|e| seen.insert(Arc::as_ptr(e).cast::<()>()))
+            .collect()
     }
 
     async fn event(

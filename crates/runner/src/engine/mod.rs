@@ -2,18 +2,24 @@
 //! jobs (the task has moved on), prepares the work item's worktree, runs the stage's
 //! executor, commits its artifacts on the work item's branch, reads them back through the
 //! stage's gate, decides the next stage and changes it with the fenced `advance_stage`.
+//!
+//! The engine knows no particular stage: what it does around one (pin its jobs to a node,
+//! guard its commits, serialize the release track, which executor runs it) it reads from the
+//! stage's descriptor ([`orch_domain::pipeline::StageDef`]); what depends on the runner (the
+//! first job's delay, local state to end when a task fails) it asks the stage's
+//! [`StageExecutor`]. The runtime hands it the executors ([`Executors`], [`Engine::install`]).
+//! Nothing here names the deploy tail's or the release train's modules (tidy rule
+//! `engine-layering`): they plug in through those two.
 
 pub mod artifacts;
-pub mod dispatch;
 pub mod executor;
 mod guard;
 mod handler;
-pub mod intake;
 
 pub use executor::{
-    StageEffect, StageExecutor, StageRun, StageStart, WorktreePrep, YIELD_PRIORITY,
+    Executors, StageEffect, StageExecutor, StageRun, StageStart, WorktreePrep, YIELD_PRIORITY,
 };
-pub use handler::{Engine, EngineConfig, INTAKE, STAGE_ATTEMPTS, first_job, job_kind};
+pub use handler::{Engine, EngineConfig, STAGE_ATTEMPTS, TRACK_WAIT_S, first_job, job_kind};
 
 /// The payload of a stage job: which stage visit it belongs to. Markers (defers, ticks) are
 /// appended after the first line, so counting them is a substring count (seed ORCH-115 D-2).

@@ -19,6 +19,7 @@ mod stages_staging;
 mod stages_tester;
 mod staging_inputs;
 mod supervised_pass;
+mod toy_stage;
 mod watch_ticks;
 mod worker;
 mod support {

@@ -3,7 +3,7 @@
 
 use orch_domain::artifact::{Artifact, Frontmatter, MODEL_NOT_APPLICABLE, Value};
 
-use super::{StageEffect, StageExecutor, StageRun};
+use crate::engine::{StageEffect, StageExecutor, StageRun};
 use crate::time::rfc3339;
 
 pub struct IntakeExecutor;
