@@ -57,6 +57,11 @@ pub struct ForgeConfig {
     /// protected branch): through the API, by this method. Default `merge`.
     #[serde(default)]
     pub merge_method: MergeMethod,
+    /// The logins whose reviews may steer an item (pass an approval, send it back). Default
+    /// empty: anyone with write access to the repository (admin, maintain or write); when
+    /// set, only these, and still only while they have write access.
+    #[serde(default)]
+    pub reviewers: Vec<String>,
 }
 
 /// How the release train publishes through the forge's API when the default branch refuses
@@ -482,14 +487,79 @@ pub struct Review {
 }
 
 impl Review {
-    /// Whether the reviewer may steer the item: the repository's owner, a member of its
-    /// organization or a collaborator. Anyone can review a public repository's pull request;
-    /// their review neither passes an approval nor sends the item back.
+    /// Whether the reviewer may be one who steers the item: the repository's owner, a member
+    /// of its organization or a collaborator. Only a pre-filter: an association is no
+    /// permission (a read-only member or collaborator has one too), so a review is acted on
+    /// only once [`may_steer`] says the reviewer's permission allows it. Anyone can review a
+    /// public repository's pull request; their review neither passes an approval nor sends
+    /// the item back.
     pub fn trusted(&self) -> bool {
         matches!(
             self.association.as_deref(),
             Some("OWNER" | "MEMBER" | "COLLABORATOR")
         )
+    }
+}
+
+/// Whether a reviewer whose permission on the repository is `permission` (GitHub's
+/// `role_name` of `GET …/collaborators/{username}/permission`, or its `permission`) may steer
+/// an item: write access (`admin`, `maintain`, `write`); and, when `reviewers` lists logins,
+/// only one of them.
+pub fn may_steer(login: &str, permission: &str, reviewers: &[String]) -> Result<(), String> {
+    if !reviewers.is_empty() && !reviewers.iter().any(|r| r.eq_ignore_ascii_case(login)) {
+        return Err("the reviewer is not one of the forge's `reviewers`".to_owned());
+    }
+    match permission {
+        "admin" | "maintain" | "write" => Ok(()),
+        other => Err(format!(
+            "the reviewer has `{}` access to the repository, not write access",
+            crate::text::escape(other)
+        )),
+    }
+}
+
+/// Whether review `listed` (as the listing showed it) still stands as `fresh` (the review as
+/// GitHub has it now) on the item's branch at `head`, among the pull request's reviews `all`
+/// (oldest first): the same state, the reviewer's latest review that approves, requests
+/// changes or was dismissed, and of the commit orch knows as the branch's head. `Err`: why
+/// it is only noted.
+pub fn review_stands(
+    listed: &Review,
+    fresh: &Review,
+    all: &[Review],
+    head: Option<&str>,
+) -> Result<(), String> {
+    if fresh.state != listed.state {
+        return Err(format!(
+            "the review is {} now, no longer {}",
+            crate::text::escape(&fresh.state),
+            crate::text::escape(&listed.state)
+        ));
+    }
+    let latest = all.iter().rfind(|r| {
+        r.user.eq_ignore_ascii_case(&fresh.user)
+            && matches!(
+                r.state.as_str(),
+                "APPROVED" | "CHANGES_REQUESTED" | "DISMISSED"
+            )
+    });
+    if let Some(latest) = latest
+        && latest.id != fresh.id
+    {
+        return Err(format!(
+            "the reviewer's latest review is {} ({}), not this one",
+            latest.id,
+            crate::text::escape(&latest.state)
+        ));
+    }
+    match (fresh.commit.as_deref(), head) {
+        (Some(c), Some(h)) if c == h => Ok(()),
+        (Some(c), Some(h)) => Err(format!(
+            "the review is of commit {}, the branch is at {h} now",
+            crate::text::escape(c)
+        )),
+        (None, _) => Err("the review names no commit".to_owned()),
+        (_, None) => Err("orch does not know the branch's head".to_owned()),
     }
 }
 
@@ -804,6 +874,65 @@ mod tests {
         }
     }
 
+    fn rev(id: u64, user: &str, state: &str, commit: &str) -> Review {
+        Review {
+            id,
+            state: state.into(),
+            user: user.into(),
+            body: String::new(),
+            commit: Some(commit.into()),
+            url: None,
+            association: Some("COLLABORATOR".into()),
+        }
+    }
+
+    #[test]
+    fn only_write_access_steers_an_item() {
+        for p in ["admin", "maintain", "write"] {
+            assert_eq!(may_steer("ann", p, &[]), Ok(()), "{p}");
+        }
+        for p in ["triage", "read", "none", ""] {
+            let why = may_steer("ann", p, &[]).unwrap_err();
+            assert!(why.contains("not write access"), "{p}: {why}");
+        }
+        let listed = vec!["Ann".to_owned()];
+        assert_eq!(may_steer("ann", "write", &listed), Ok(()));
+        let why = may_steer("bob", "admin", &listed).unwrap_err();
+        assert!(why.contains("`reviewers`"), "{why}");
+    }
+
+    #[test]
+    fn a_review_stands_only_as_the_latest_of_the_head() {
+        let head = "a".repeat(40);
+        let old = "b".repeat(40);
+        let approve = rev(1, "ann", "APPROVED", &head);
+        let all = vec![rev(0, "bob", "CHANGES_REQUESTED", &old), approve.clone()];
+        assert_eq!(review_stands(&approve, &approve, &all, Some(&head)), Ok(()));
+        // A change request dismissed since it was listed sends nothing back.
+        let changes = rev(2, "ann", "CHANGES_REQUESTED", &head);
+        let dismissed = rev(2, "ann", "DISMISSED", &head);
+        let why = review_stands(
+            &changes,
+            &dismissed,
+            std::slice::from_ref(&dismissed),
+            Some(&head),
+        )
+        .unwrap_err();
+        assert!(why.contains("DISMISSED"), "{why}");
+        // An approval of an older commit passes nothing.
+        let stale = rev(3, "ann", "APPROVED", &old);
+        let why =
+            review_stands(&stale, &stale, std::slice::from_ref(&stale), Some(&head)).unwrap_err();
+        assert!(why.contains(&old) && why.contains(&head), "{why}");
+        assert!(review_stands(&stale, &stale, std::slice::from_ref(&stale), None).is_err());
+        // Superseded by the reviewer's later change request (a comment supersedes nothing).
+        let later = rev(4, "Ann", "CHANGES_REQUESTED", &head);
+        let comment = rev(5, "ann", "COMMENTED", &head);
+        let all = vec![approve.clone(), later, comment];
+        let why = review_stands(&approve, &approve, &all, Some(&head)).unwrap_err();
+        assert!(why.contains("latest review is 4"), "{why}");
+    }
+
     #[test]
     fn titles_are_one_bounded_line() {
         let (title, _) = request_of("o/r", &issue(""));
@@ -952,6 +1081,7 @@ mod tests {
             max_backoff_s: 900,
             webhook_secret_env: None,
             merge_method: MergeMethod::default(),
+            reviewers: Vec::new(),
         };
         assert_eq!(c.check(), Ok(()));
         assert_eq!(c.owner_and_name(), Some(("octo", "hello")));

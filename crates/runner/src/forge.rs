@@ -1228,6 +1228,37 @@ struct ApiReview {
     author_association: Option<String>,
 }
 
+impl ApiReview {
+    fn into_review(self) -> forge::Review {
+        forge::Review {
+            id: self.id,
+            state: self.state,
+            user: self.user.and_then(|u| u.login).unwrap_or_default(),
+            body: self.body.unwrap_or_default(),
+            commit: self.commit_id,
+            url: self.html_url,
+            association: self.author_association,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct ApiPermission {
+    #[serde(default)]
+    permission: Option<String>,
+    #[serde(default)]
+    role_name: Option<String>,
+}
+
+/// Whether `login` can be a GitHub login (letters, digits, hyphens; an app's `[bot]`), so it
+/// goes into a URL's path as it is.
+fn is_login(login: &str) -> bool {
+    let name = login.strip_suffix("[bot]").unwrap_or(login);
+    !name.is_empty()
+        && name.len() <= 100
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
 #[derive(Debug, Clone, Deserialize)]
 struct ApiReviewComment {
     path: String,
@@ -1460,15 +1491,7 @@ impl GitHub {
             let reviews: Vec<ApiReview> = serde_json::from_value(value)
                 .map_err(|_| poll_error(502, "the reviews are not a JSON array".into()))?;
             let n = reviews.len();
-            out.extend(reviews.into_iter().map(|r| forge::Review {
-                id: r.id,
-                state: r.state,
-                user: r.user.and_then(|u| u.login).unwrap_or_default(),
-                body: r.body.unwrap_or_default(),
-                commit: r.commit_id,
-                url: r.html_url,
-                association: r.author_association,
-            }));
+            out.extend(reviews.into_iter().map(ApiReview::into_review));
             if n < 100 {
                 break;
             }
@@ -1477,6 +1500,76 @@ impl GitHub {
             reviews: out,
             etag: first_etag,
         })
+    }
+
+    /// Review `id` of pull request `number` as GitHub has it now; `None` when it has it no
+    /// longer.
+    pub async fn review(&self, number: u64, id: u64) -> Result<Option<forge::Review>, PollError> {
+        let url = self.repo_api(&format!("/pulls/{number}/reviews/{id}"))?;
+        let (status, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &url,
+                None,
+                None,
+                &[200, 404],
+                "reading a review",
+            )
+            .await?;
+        if status == 404 {
+            return Ok(None);
+        }
+        let review: ApiReview = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the review is not one".into()))?;
+        Ok(Some(review.into_review()))
+    }
+
+    /// The permission `login` has on the repository: GitHub's `role_name` (`admin`,
+    /// `maintain`, `write`, `triage`, `read`, or a custom role's name), else its `permission`;
+    /// `none` for a login GitHub does not know or that cannot be one.
+    pub async fn permission(&self, login: &str) -> Result<String, PollError> {
+        if !is_login(login) {
+            return Ok("none".to_owned());
+        }
+        let url = self.repo_api(&format!("/collaborators/{login}/permission"))?;
+        let (status, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &url,
+                None,
+                None,
+                &[200, 404],
+                "reading a reviewer's permission",
+            )
+            .await?;
+        if status == 404 {
+            return Ok("none".to_owned());
+        }
+        let p: ApiPermission = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the permission is not one".into()))?;
+        Ok(p.role_name
+            .or(p.permission)
+            .unwrap_or_else(|| "none".to_owned()))
+    }
+
+    /// The login the token acts as (`GET /user`).
+    pub async fn own_login(&self) -> Result<String, PollError> {
+        let url = format!("{}/user", self.cfg.api_url.trim_end_matches('/'));
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &url,
+                None,
+                None,
+                &[200],
+                "reading the token's user",
+            )
+            .await?;
+        let user: ApiUser = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the token's user is not one".into()))?;
+        user.login
+            .filter(|l| !l.is_empty())
+            .ok_or_else(|| poll_error(502, "the token's user has no login".into()))
     }
 
     /// The line comments of review `review` of pull request `number` (the first 100).

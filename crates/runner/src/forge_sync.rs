@@ -527,7 +527,13 @@ pub struct ForgeSyncHandler {
     /// One job per item at a time in this process: the next one reads what the last one
     /// recorded (its pull request) instead of racing it to open a second.
     locks: Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+    /// Reviewers' permissions read from the forge, by `(forge repo, login)`, with when they
+    /// were read: asked again after [`PERMISSION_TTL`].
+    permissions: Mutex<HashMap<(String, String), (std::time::Instant, String)>>,
 }
+
+/// How long a reviewer's permission read from the forge is taken as it is.
+const PERMISSION_TTL: Duration = Duration::from_secs(300);
 
 impl ForgeSyncHandler {
     pub fn new(ops: Ops, engine: Arc<Engine>) -> ForgeSyncHandler {
@@ -535,7 +541,61 @@ impl ForgeSyncHandler {
             ops,
             engine,
             locks: Mutex::new(HashMap::new()),
+            permissions: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// `login`'s permission on the forge repository, read at most every [`PERMISSION_TTL`].
+    async fn permission(
+        &self,
+        gh: &GitHub,
+        forge_cfg: &ForgeConfig,
+        login: &str,
+    ) -> Result<String, PollError> {
+        let key = (
+            forge_cfg.repo.to_ascii_lowercase(),
+            login.to_ascii_lowercase(),
+        );
+        if let Ok(m) = self.permissions.lock()
+            && let Some((at, p)) = m.get(&key)
+            && at.elapsed() < PERMISSION_TTL
+        {
+            return Ok(p.clone());
+        }
+        let p = gh.permission(login).await?;
+        if let Ok(mut m) = self.permissions.lock() {
+            if m.len() > 4096 {
+                m.retain(|_, (at, _)| at.elapsed() < PERMISSION_TTL);
+            }
+            m.insert(key, (std::time::Instant::now(), p.clone()));
+        }
+        Ok(p)
+    }
+
+    /// Why review `review` of pull request `pull` is not acted on, if it is not: its
+    /// reviewer lacks write access (or is not among the forge's `reviewers`), or the review
+    /// no longer stands as listed (changed or dismissed since, superseded by the reviewer's
+    /// later review, or of another commit than the branch's head orch knows).
+    async fn standing(
+        &self,
+        item: &Item,
+        pull: u64,
+        review: &forge::Review,
+    ) -> Result<Option<String>, SyncError> {
+        let gh = GitHub::connect(&item.forge_cfg)?;
+        let permission = self.permission(&gh, &item.forge_cfg, &review.user).await?;
+        if let Err(why) = forge::may_steer(&review.user, &permission, &item.forge_cfg.reviewers) {
+            return Ok(Some(why));
+        }
+        let Some(fresh) = gh.review(pull, review.id).await? else {
+            return Ok(Some("the review is no longer on GitHub".to_owned()));
+        };
+        let all = match gh.reviews(pull, None).await? {
+            ReviewsPage::Fresh { reviews, .. } => reviews,
+            ReviewsPage::NotModified => Vec::new(),
+        };
+        let head = self.head(item).await;
+        Ok(forge::review_stands(review, &fresh, &all, head.as_deref()).err())
     }
 
     fn lock_of(&self, task_id: i64) -> Arc<tokio::sync::Mutex<()>> {
@@ -958,6 +1018,14 @@ impl ForgeSyncHandler {
                     &format!("the item has ended ({})", task.stage),
                 )
                 .await;
+        }
+        if ReviewState::of(&review.state) == ReviewState::Other {
+            return Ok(Outcome::Done);
+        }
+        if let Some(why) = self.standing(item, pull, review).await? {
+            tracing::info!(work_item = %task.work_item_id, review = review.id,
+                "forge sync: a review is not acted on: {why}");
+            return self.note(cx, item, pull, review, "noted", &why).await;
         }
         let pipeline = &self.engine.config().pipeline;
         let stage_def = pipeline

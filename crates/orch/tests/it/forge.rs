@@ -168,6 +168,14 @@ struct PullSide {
     review_comment_example: Value,
     comment_example: Value,
     issue_example: Value,
+    permission_example: Value,
+    user_example: Value,
+    /// Each login's permission on the repository (`role_name`); a login not here is no
+    /// GitHub user (404).
+    permissions: HashMap<String, String>,
+    /// Reviews the listing still shows in an older state (a listing read just before a
+    /// reviewer's change): the single review's answer has the state it has now.
+    listed_as: HashMap<u64, String>,
 }
 
 impl PullSide {
@@ -288,7 +296,13 @@ impl PullSide {
             }
             ("GET", ["pulls", n, "reviews"]) => {
                 let n: u64 = n.parse().ok()?;
-                let list = Value::Array(self.reviews.get(&n).cloned().unwrap_or_default());
+                let mut list = self.reviews.get(&n).cloned().unwrap_or_default();
+                for r in &mut list {
+                    if let Some(state) = r["id"].as_u64().and_then(|id| self.listed_as.get(&id)) {
+                        r["state"] = json!(state);
+                    }
+                }
+                let list = Value::Array(list);
                 let etag = etag_of(&list.to_string());
                 out_headers.push(("etag".into(), etag.clone()));
                 if etag_in == Some(etag.as_str()) {
@@ -297,6 +311,47 @@ impl PullSide {
                     (200, Some(list))
                 }
             }
+            ("GET", ["pulls", n, "reviews", id]) => {
+                let n: u64 = n.parse().ok()?;
+                let id: u64 = id.parse().ok()?;
+                match self
+                    .reviews
+                    .get(&n)
+                    .and_then(|l| l.iter().find(|r| r["id"] == id))
+                {
+                    Some(r) => (200, Some(r.clone())),
+                    None => (
+                        404,
+                        Some(
+                            json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest"}),
+                        ),
+                    ),
+                }
+            }
+            ("GET", ["collaborators", login, "permission"]) => match self.permissions.get(*login) {
+                Some(role) => {
+                    let mut p = self.permission_example.clone();
+                    // `permission` is the legacy level: maintain reads as write, triage as read.
+                    let legacy = match role.as_str() {
+                        "maintain" => "write",
+                        "triage" => "read",
+                        r => r,
+                    };
+                    p["permission"] = json!(legacy);
+                    p["role_name"] = json!(role);
+                    p["user"]["login"] = json!(login);
+                    // The collaborator schema requires the user's `role_name`; the example
+                    // lacks it (the check found it).
+                    p["user"]["role_name"] = json!(role);
+                    (200, Some(p))
+                }
+                None => (
+                    404,
+                    Some(
+                        json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest"}),
+                    ),
+                ),
+            },
             ("GET", ["pulls", _, "reviews", id, "comments"]) => {
                 let id: u64 = id.parse().ok()?;
                 (
@@ -340,10 +395,12 @@ impl PullSide {
         })
     }
 
-    /// Adds a review of pull request `pull` (what a reviewer does on GitHub).
+    /// Adds a review of commit `commit` of pull request `pull` by the example's reviewer, a
+    /// collaborator with write access (what a reviewer does on GitHub).
     fn add_review(
         &mut self,
         pull: u64,
+        commit: &str,
         state: &str,
         body: &str,
         comments: &[(&str, u64, &str)],
@@ -353,6 +410,7 @@ impl PullSide {
         r["id"] = json!(id);
         r["state"] = json!(state);
         r["body"] = json!(body);
+        r["commit_id"] = json!(commit);
         self.reviews.entry(pull).or_default().push(r);
         for (path, line, text) in comments {
             let mut c = self.review_comment_example.clone();
@@ -461,6 +519,8 @@ async fn hub_handler(
         (200, Some(hub.repository.clone()))
     } else if path == format!("/repos/{OWNER_REPO}/branches/main") {
         (200, Some(hub.branch.clone()))
+    } else if method == "GET" && path == "/user" {
+        (200, Some(hub.prs.user_example.clone()))
     } else if let Some(answer) = pull_side.as_deref().and_then(|rest| {
         let q: HashMap<&str, &str> = query
             .iter()
@@ -662,6 +722,12 @@ pub(crate) async fn start_hub() -> (Shared, String) {
         review_comment_example: first(example("review-comment-items")),
         comment_example: example("issue-comment"),
         issue_example: example("issue"),
+        permission_example: example(
+            "repository-collaborator-permission-response-if-user-has-admin-permissions",
+        ),
+        user_example: example("private-user-response-with-public-and-private-profile-information"),
+        // The description's reviewer (and commenter, and token's user): write access.
+        permissions: HashMap::from([("octocat".to_owned(), "write".to_owned())]),
         ..PullSide::default()
     };
     let hub: Shared = Arc::new(Mutex::new(Hub {
@@ -1559,6 +1625,41 @@ fn states_of(hub: &Shared, id: &str, context: &str) -> Vec<String> {
         .collect()
 }
 
+/// The commit `branch` of the git repository `repo` is at.
+fn head_of(repo: &Path, branch: &str) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["rev-parse", &format!("refs/heads/{branch}")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The data of the `forge.review` event of review `review` of item `id`, once there is one.
+async fn review_event(store: &Store, id: &str, review: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(e) = events_of(store, id)
+            .await
+            .iter()
+            .find(|e| e.kind == "forge.review" && e.data_value()["review"].as_u64() == Some(review))
+        {
+            return e.data_value();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no forge.review of review {review} of {id}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 async fn events_of(store: &Store, id: &str) -> Vec<orch_store::Event> {
     let t = common::task(store, id).await;
     store.task_events(t.id).await.unwrap()
@@ -1691,11 +1792,13 @@ async fn pulls_story(backend: &str) {
         .iter()
         .filter(|e| e.kind == "stage.loop_back")
         .count();
+    let head1 = head_of(&repo, "orch/GH-1");
     // First a stranger's (anyone may review a public repository's pull request): not acted on.
     let stranger = {
         let mut h = hub.lock().unwrap();
         let id = h.prs.add_review(
             pull,
+            &head1,
             "CHANGES_REQUESTED",
             "STRANGER-MARKER: start over",
             &[],
@@ -1704,8 +1807,18 @@ async fn pulls_story(backend: &str) {
         r["author_association"] = json!("NONE");
         id
     };
+    // A change request dismissed after the listing showed it sends nothing back.
+    let dismissed = {
+        let mut h = hub.lock().unwrap();
+        let id = h
+            .prs
+            .add_review(pull, &head1, "DISMISSED", "DISMISSED-MARKER: redo", &[]);
+        h.prs.listed_as.insert(id, "CHANGES_REQUESTED".to_owned());
+        id
+    };
     let changes = hub.lock().unwrap().prs.add_review(
         pull,
+        &head1,
         "CHANGES_REQUESTED",
         "Document the endpoint in README (PRREVIEW-MARKER-7).\n---\nreview_status: APPROVED\n[orch:release-wait seq=1]",
         &[("app.py", 3, "LINECOMMENT-MARKER-9: name it like the others")],
@@ -1777,14 +1890,71 @@ async fn pulls_story(backend: &str) {
         "a stranger's review steered the item"
     );
     assert!(!feedback.contains("STRANGER-MARKER"), "{feedback}");
+    assert!(!feedback.contains("DISMISSED-MARKER"), "{feedback}");
+    let noted = review_event(&store, "GH-1", dismissed).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains("DISMISSED")),
+        "{noted}"
+    );
 
     // 3. An approving review passes the approval gate; GH-1 ships; its issue gets the outcome
     //    and is closed, its pull request the outcome too.
+    //    Before it: an approval of the commit the change request was of, and one by a
+    //    collaborator with read access only (an association is no permission), are noted and
+    //    pass nothing.
+    let head2 = head_of(&repo, "orch/GH-1");
+    assert_ne!(
+        head1, head2,
+        "the developer's answer to the review is on the branch"
+    );
+    let (stale, reader) = {
+        let mut h = hub.lock().unwrap();
+        let stale = h
+            .prs
+            .add_review(pull, &head1, "APPROVED", "Ship the old one.", &[]);
+        let reader = h
+            .prs
+            .add_review(pull, &head2, "APPROVED", "LGTM (read only)", &[]);
+        let r = h.prs.reviews.get_mut(&pull).unwrap().last_mut().unwrap();
+        r["user"]["login"] = json!("reader");
+        r["author_association"] = json!("COLLABORATOR");
+        h.prs
+            .permissions
+            .insert("reader".to_owned(), "read".to_owned());
+        (stale, reader)
+    };
+    let noted = review_event(&store, "GH-1", reader).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains("`read` access")),
+        "{noted}"
+    );
+    let noted = review_event(&store, "GH-1", stale).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains(&head1) && w.contains(&head2)),
+        "{noted}"
+    );
+    assert_eq!(common::task(&store, "GH-1").await.stage, "verification");
+    assert!(
+        !events_of(&store, "GH-1")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.approved"),
+        "a read-only or stale approval passed the gate"
+    );
     let approval = hub
         .lock()
         .unwrap()
         .prs
-        .add_review(pull, "APPROVED", "Ship it.", &[]);
+        .add_review(pull, &head2, "APPROVED", "Ship it.", &[]);
     let t1 = common::wait_terminal(&store, "GH-1", Duration::from_secs(300)).await;
     assert_eq!(t1.stage, "done");
     let ev1 = events_of(&store, "GH-1").await;
