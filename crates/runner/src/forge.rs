@@ -1271,8 +1271,11 @@ struct ApiReviewComment {
 
 #[derive(Debug, Clone, Deserialize)]
 struct ApiComment {
+    id: u64,
     #[serde(default)]
     body: Option<String>,
+    #[serde(default)]
+    user: Option<ApiUser>,
 }
 
 /// The reviews of a pull request, asked for with the ETag of the last answer.
@@ -1603,8 +1606,15 @@ impl GitHub {
             .collect())
     }
 
-    /// Whether issue (or pull request) `number` has a comment starting with `marker`.
-    pub async fn has_comment(&self, number: u64, marker: &str) -> Result<bool, PollError> {
+    /// The id of a comment on issue (or pull request) `number` that `author` (orch's own
+    /// login, [`GitHub::own_login`]) wrote and that starts with `marker`. Anyone can comment,
+    /// and the marker is predictable: a stranger's comment with it is no comment of orch's.
+    pub async fn own_comment(
+        &self,
+        number: u64,
+        marker: &str,
+        author: &str,
+    ) -> Result<Option<u64>, PollError> {
         for page in 1..=MAX_LIST_PAGES {
             let url = self.repo_api(&format!(
                 "/issues/{number}/comments?per_page=100&page={page}"
@@ -1621,31 +1631,37 @@ impl GitHub {
                 .await?;
             let comments: Vec<ApiComment> = serde_json::from_value(value)
                 .map_err(|_| poll_error(502, "the comments are not a JSON array".into()))?;
-            if comments
-                .iter()
-                .any(|c| c.body.as_deref().is_some_and(|b| b.starts_with(marker)))
-            {
-                return Ok(true);
+            if let Some(c) = comments.iter().find(|c| {
+                c.body.as_deref().is_some_and(|b| b.starts_with(marker))
+                    && c.user
+                        .as_ref()
+                        .and_then(|u| u.login.as_deref())
+                        .is_some_and(|l| l.eq_ignore_ascii_case(author))
+            }) {
+                return Ok(Some(c.id));
             }
             if comments.len() < 100 {
                 break;
             }
         }
-        Ok(false)
+        Ok(None)
     }
 
-    /// Comments on issue (or pull request) `number`.
-    pub async fn comment(&self, number: u64, body: &str) -> Result<(), PollError> {
-        self.call(
-            reqwest::Method::POST,
-            &self.repo_api(&format!("/issues/{number}/comments"))?,
-            Some(&json!({ "body": body })),
-            None,
-            &[201],
-            "commenting",
-        )
-        .await?;
-        Ok(())
+    /// Comments on issue (or pull request) `number`: the new comment's id.
+    pub async fn comment(&self, number: u64, body: &str) -> Result<u64, PollError> {
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::POST,
+                &self.repo_api(&format!("/issues/{number}/comments"))?,
+                Some(&json!({ "body": body })),
+                None,
+                &[201],
+                "commenting",
+            )
+            .await?;
+        let c: ApiComment = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the new comment is not one".into()))?;
+        Ok(c.id)
     }
 
     /// Closes issue `number` as completed.

@@ -2372,3 +2372,151 @@ async fn a_crash_after_the_outcome_comment_posts_no_second_one() {
     }
     store.close().await;
 }
+
+/// An approving review is recorded (`forge.review`, `approving`, the stage and visit) before
+/// orch approves: orch dies right after the record, and the next process makes that approval,
+/// once, for that visit. And a stranger's comment carrying orch's outcome marker (anyone can
+/// comment, the marker is predictable) does not stand for orch's own outcome comment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_recording_an_approval_makes_it_once() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure_reviews(&dir, &api);
+    let store = common::open(&dir).await;
+    {
+        let mut h = hub.lock().unwrap();
+        h.issues = vec![issue_like(&template, 5, "Add a note", "please")];
+        // A stranger's comments with every marker the outcome could carry.
+        let mut fakes = Vec::new();
+        for seq in 0..=60 {
+            let mut c = h.prs.comment_example.clone();
+            c["id"] = json!(h.prs.id());
+            c["user"]["login"] = json!("mallory");
+            c["body"] = json!(format!(
+                "{}\nnot orch's",
+                orch_domain::forge::outcome_marker("GH-5", seq)
+            ));
+            fakes.push(c);
+        }
+        h.prs.comments.insert(5, fakes);
+    }
+    let port = free_port();
+    let args = [
+        "serve",
+        "--bind",
+        &format!("127.0.0.1:{port}"),
+        "--grace-s",
+        "1",
+    ];
+    let mut dying = spawn_orch_failing(
+        &dir,
+        None,
+        "serve.log",
+        &args,
+        Some("forge.after_approving"),
+    );
+    common::wait_for_task(
+        &store,
+        "GH-5",
+        Duration::from_secs(240),
+        "verification",
+        |t| t.stage == "verification",
+    )
+    .await;
+    let repo = dir.join(".orch/repos/service");
+    let pull = {
+        let h = hub.clone();
+        wait_until(&dir, Duration::from_secs(60), "GH-5's pull request", || {
+            let h = h.clone();
+            async move { h.lock().unwrap().prs.pull_number("orch/GH-5").is_some() }
+        })
+        .await;
+        hub.lock().unwrap().prs.pull_number("orch/GH-5").unwrap()
+    };
+    let head = head_of(&repo, "orch/GH-5");
+    let approval = hub
+        .lock()
+        .unwrap()
+        .prs
+        .add_review(pull, &head, "APPROVED", "Ship it.", &[]);
+    let status = tokio::time::timeout(Duration::from_secs(120), dying.wait())
+        .await
+        .expect("orch reached the failpoint")
+        .unwrap();
+    assert!(!status.success(), "orch died at the failpoint: {status:?}");
+    common::reap_orphans();
+    let recorded = review_event(&store, "GH-5", approval).await;
+    assert_eq!(recorded["action"], "approving", "{recorded}");
+    assert_eq!(recorded["stage"], "verification", "{recorded}");
+    assert!(
+        !events_of(&store, "GH-5")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.approved"),
+        "orch died before approving"
+    );
+    let serve = spawn_orch(&dir, None, "serve2.log", &args);
+    let t = common::wait_terminal(&store, "GH-5", Duration::from_secs(300)).await;
+    assert_eq!(t.stage, "done");
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(60),
+        "GH-5's outcome on GitHub",
+        || {
+            let s = s.clone();
+            async move {
+                events_of(&s, "GH-5")
+                    .await
+                    .iter()
+                    .any(|e| e.kind == "forge.outcome")
+            }
+        },
+    )
+    .await;
+    common::terminate(serve).await;
+    let ev = events_of(&store, "GH-5").await;
+    let approved: Vec<_> = ev.iter().filter(|e| e.kind == "stage.approved").collect();
+    assert_eq!(approved.len(), 1, "{approved:?}");
+    assert!(
+        approved[0].message.contains(&format!("review {approval}")),
+        "{}",
+        approved[0].message
+    );
+    let outcome = ev.iter().find(|e| e.kind == "forge.outcome").unwrap();
+    let ids = outcome.data_value()["comment_ids"].clone();
+    {
+        let h = hub.lock().unwrap();
+        let ours: Vec<&Value> = h.prs.comments[&5]
+            .iter()
+            .filter(|c| c["user"]["login"] == "octocat")
+            .collect();
+        assert_eq!(
+            ours.len(),
+            1,
+            "orch said the outcome despite the stranger's markers"
+        );
+        assert!(
+            ours[0]["body"]
+                .as_str()
+                .is_some_and(|b| b.contains("shipped")),
+            "{}",
+            ours[0]
+        );
+        assert_eq!(
+            ids[0], ours[0]["id"],
+            "the outcome records its comment: {ids}"
+        );
+    }
+    store.close().await;
+}
