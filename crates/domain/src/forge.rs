@@ -575,6 +575,30 @@ pub struct LineComment {
     pub body: String,
 }
 
+/// The change requests that still stand among a pull request's reviews `all` (oldest first):
+/// each reviewer's latest review that approves, requests changes or was dismissed, where it
+/// requests changes, by someone other than `approver` whose association is the repository's
+/// ([`Review::trusted`]; the caller checks their permission). GitHub's own rule: a pull
+/// request is not approved while one stands.
+pub fn standing_change_requests<'a>(all: &'a [Review], approver: &str) -> Vec<&'a Review> {
+    let mut latest: Vec<&Review> = Vec::new();
+    for r in all {
+        if !matches!(
+            r.state.as_str(),
+            "APPROVED" | "CHANGES_REQUESTED" | "DISMISSED"
+        ) {
+            continue;
+        }
+        latest.retain(|l| !l.user.eq_ignore_ascii_case(&r.user));
+        latest.push(r);
+    }
+    latest
+        .into_iter()
+        .filter(|r| r.state == "CHANGES_REQUESTED")
+        .filter(|r| !r.user.eq_ignore_ascii_case(approver) && r.trusted())
+        .collect()
+}
+
 /// `text` as data a prompt may hold: NUL and control characters but newline and tab replaced,
 /// and orch's own markers (`[orch:`, `<!-- orch:`) defused, so review text cannot pass for
 /// what orch writes.
@@ -931,6 +955,34 @@ mod tests {
         let all = vec![approve.clone(), later, comment];
         let why = review_stands(&approve, &approve, &all, Some(&head)).unwrap_err();
         assert!(why.contains("latest review is 4"), "{why}");
+    }
+
+    #[test]
+    fn a_standing_change_request_is_each_reviewers_latest() {
+        let h = "a".repeat(40);
+        let mut stranger = rev(9, "eve", "CHANGES_REQUESTED", &h);
+        stranger.association = Some("NONE".into());
+        let all = vec![
+            rev(1, "bob", "CHANGES_REQUESTED", &h),
+            rev(2, "carol", "CHANGES_REQUESTED", &h),
+            rev(3, "ann", "APPROVED", &h),
+            rev(4, "carol", "COMMENTED", &h),
+            rev(5, "bob", "APPROVED", &h),
+            rev(6, "ann", "CHANGES_REQUESTED", &h),
+            stranger,
+        ];
+        let ids: Vec<u64> = standing_change_requests(&all, "ann")
+            .iter()
+            .map(|r| r.id)
+            .collect();
+        assert_eq!(
+            ids,
+            vec![2],
+            "carol's stands; bob approved since; ann is the approver"
+        );
+        let mut dismissed = all.clone();
+        dismissed.push(rev(7, "carol", "DISMISSED", &h));
+        assert!(standing_change_requests(&dismissed, "ann").is_empty());
     }
 
     #[test]

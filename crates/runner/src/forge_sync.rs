@@ -625,7 +625,23 @@ impl ForgeSyncHandler {
             ReviewsPage::NotModified => Vec::new(),
         };
         let head = self.head(item).await;
-        Ok(forge::review_stands(review, &fresh, &all, head.as_deref()).err())
+        if let Err(why) = forge::review_stands(review, &fresh, &all, head.as_deref()) {
+            return Ok(Some(why));
+        }
+        if ReviewState::of(&fresh.state) == ReviewState::Approved {
+            // GitHub's own rule: no approval while a change request with write access stands.
+            for cr in forge::standing_change_requests(&all, &fresh.user) {
+                let permission = self.permission(&gh, &item.forge_cfg, &cr.user).await?;
+                if forge::may_steer(&cr.user, &permission, &item.forge_cfg.reviewers).is_ok() {
+                    return Ok(Some(format!(
+                        "review {} by {} still requests changes",
+                        cr.id,
+                        orch_domain::text::escape(&cr.user)
+                    )));
+                }
+            }
+        }
+        Ok(None)
     }
 
     fn lock_of(&self, task_id: i64) -> Arc<tokio::sync::Mutex<()>> {
@@ -1182,7 +1198,27 @@ impl ForgeSyncHandler {
                 )
                 .await;
         };
-        if at <= implementation || track.stages.contains(&task.stage) {
+        if track.stages.contains(&task.stage) {
+            // Said on the pull request: the reviewer would otherwise hear nothing.
+            let why = format!(
+                "the item is at stage {}, on the release track: a review cannot send it back from there",
+                task.stage
+            );
+            let gh = GitHub::connect(&item.forge_cfg)?;
+            gh.comment(
+                pull,
+                &format!(
+                    "orch cannot act on review {}: {} is at stage `{}`, on the release \
+                     track, and a change request cannot send it back to {IMPLEMENTATION} from \
+                     there. Cancel the item (or let it fail) and open a new one, or roll back \
+                     after it ships.",
+                    review.id, task.work_item_id, task.stage
+                ),
+            )
+            .await?;
+            return self.note(cx, item, pull, review, "noted", &why).await;
+        }
+        if at <= implementation {
             return self
                 .note(
                     cx,

@@ -1910,8 +1910,18 @@ async fn pulls_story(backend: &str) {
         head1, head2,
         "the developer's answer to the review is on the branch"
     );
-    let (stale, reader) = {
+    let (stale, reader, carols) = {
         let mut h = hub.lock().unwrap();
+        // Carol (write access) requested changes of the older commit: noted as stale, it
+        // still stands until she approves (GitHub's rule).
+        let carols = h
+            .prs
+            .add_review(pull, &head1, "CHANGES_REQUESTED", "Not yet.", &[]);
+        let r = h.prs.reviews.get_mut(&pull).unwrap().last_mut().unwrap();
+        r["user"]["login"] = json!("carol");
+        h.prs
+            .permissions
+            .insert("carol".to_owned(), "maintain".to_owned());
         let stale = h
             .prs
             .add_review(pull, &head1, "APPROVED", "Ship the old one.", &[]);
@@ -1924,8 +1934,10 @@ async fn pulls_story(backend: &str) {
         h.prs
             .permissions
             .insert("reader".to_owned(), "read".to_owned());
-        (stale, reader)
+        (stale, reader, carols)
     };
+    let noted = review_event(&store, "GH-1", carols).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
     let noted = review_event(&store, "GH-1", reader).await;
     assert_eq!(noted["action"], "noted", "{noted}");
     assert!(
@@ -1950,11 +1962,30 @@ async fn pulls_story(backend: &str) {
             .any(|e| e.kind == "stage.approved"),
         "a read-only or stale approval passed the gate"
     );
-    let approval = hub
+    // An approval while carol's change request stands passes nothing; hers, then, does.
+    let blocked = hub
         .lock()
         .unwrap()
         .prs
         .add_review(pull, &head2, "APPROVED", "Ship it.", &[]);
+    let noted = review_event(&store, "GH-1", blocked).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"].as_str().is_some_and(
+            |w| w.contains(&format!("review {carols} by carol still requests changes"))
+        ),
+        "{noted}"
+    );
+    assert_eq!(common::task(&store, "GH-1").await.stage, "verification");
+    let approval = {
+        let mut h = hub.lock().unwrap();
+        let id = h
+            .prs
+            .add_review(pull, &head2, "APPROVED", "Now it is fine.", &[]);
+        let r = h.prs.reviews.get_mut(&pull).unwrap().last_mut().unwrap();
+        r["user"]["login"] = json!("carol");
+        id
+    };
     let t1 = common::wait_terminal(&store, "GH-1", Duration::from_secs(300)).await;
     assert_eq!(t1.stage, "done");
     let ev1 = events_of(&store, "GH-1").await;
@@ -2518,5 +2549,76 @@ async fn a_crash_after_recording_an_approval_makes_it_once() {
             "the outcome records its comment: {ids}"
         );
     }
+    store.close().await;
+}
+
+/// A change request at a release-track stage (here `deploy`, made to wait for an approval)
+/// cannot send the item back: orch says so on the pull request instead of staying silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_request_on_the_release_track_is_answered_on_the_pull_request() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure_sync(&dir, &api, false);
+    let path = dir.join("orch.toml");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("\n[pipeline.stages.deploy]\napproval = true\n");
+    std::fs::write(&path, text).unwrap();
+    let store = common::open(&dir).await;
+    hub.lock().unwrap().issues = vec![issue_like(&template, 6, "Add a note", "please")];
+    let serve = spawn_serve(&dir, None, free_port());
+    common::wait_for_task(&store, "GH-6", Duration::from_secs(300), "deploy", |t| {
+        t.stage == "deploy"
+    })
+    .await;
+    let h2 = hub.clone();
+    wait_until(&dir, Duration::from_secs(60), "GH-6's pull request", || {
+        let h = h2.clone();
+        async move { h.lock().unwrap().prs.pull_number("orch/GH-6").is_some() }
+    })
+    .await;
+    let pull = hub.lock().unwrap().prs.pull_number("orch/GH-6").unwrap();
+    let head = head_of(&dir.join(".orch/repos/service"), "orch/GH-6");
+    let changes =
+        hub.lock()
+            .unwrap()
+            .prs
+            .add_review(pull, &head, "CHANGES_REQUESTED", "Stop!", &[]);
+    let noted = review_event(&store, "GH-6", changes).await;
+    common::terminate(serve).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains("release track")),
+        "{noted}"
+    );
+    let said: Vec<String> = hub.lock().unwrap().prs.comments[&pull]
+        .iter()
+        .filter_map(|c| c["body"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        said.iter().any(|b| b.contains(&format!("review {changes}"))
+            && b.contains("release track")
+            && b.contains("`deploy`")),
+        "{said:?}"
+    );
+    assert_eq!(common::task(&store, "GH-6").await.stage, "deploy");
+    assert!(
+        !events_of(&store, "GH-6")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.loop_back"),
+        "sent back from the release track"
+    );
     store.close().await;
 }
