@@ -795,32 +795,36 @@ pub struct PullView {
 pub fn pull_body(v: &PullView) -> String {
     let doc = |name: &str| {
         format!(
-            "{}/blob/{}/docs/work-items/{}/{name}",
-            v.web, v.branch, v.work_item
+            "{}/blob/{}/docs/work-items/{}/{}",
+            url_text(&v.web),
+            url_path(&v.branch),
+            url_path(&v.work_item),
+            url_path(name)
         )
     };
+    let documents: Vec<&String> = v.documents.iter().filter(|d| is_document_name(d)).collect();
     let mut out = format!(
         "{}\nWork item **{}** from issue #{} (driven by orch: this pull request follows the item; \
          orch merges it through its own release train).\n\n",
         pull_marker(&v.work_item),
-        v.work_item,
+        md_text(&v.work_item),
         v.issue
     );
     let stage = match (&v.outcome, v.awaiting_approval) {
-        (Some(o), _) => format!("ended: **{o}**"),
+        (Some(o), _) => format!("ended: **{}**", md_text(o)),
         (None, true) => format!(
-            "`{}`, waiting for an approval (an approving review of this pull request gives it)",
-            v.stage
+            "{}, waiting for an approval (an approving review of this pull request gives it)",
+            md_code(&v.stage)
         ),
-        (None, false) => format!("`{}`", v.stage),
+        (None, false) => md_code(&v.stage),
     };
     out.push_str(&format!("- Stage: {stage}\n"));
-    out.push_str(&format!("- Task page: {}\n", v.task_url));
+    out.push_str(&format!("- Task page: {}\n", url_text(&v.task_url)));
     let mut line = |label: &str, value: &Option<String>, file: Option<&str>| {
         if let Some(value) = value {
-            let value = status_description(value);
+            let value = md_text(&status_description(value));
             match file {
-                Some(f) if v.documents.iter().any(|d| d == f) => {
+                Some(f) if documents.iter().any(|d| *d == f) => {
                     out.push_str(&format!("- {label}: {value} ([{f}]({}))\n", doc(f)))
                 }
                 _ => out.push_str(&format!("- {label}: {value}\n")),
@@ -831,9 +835,9 @@ pub fn pull_body(v: &PullView) -> String {
     line("Staging", &v.staging, Some("15-staging-log.md"));
     line("Deploy", &v.deploy, None);
     line("Post-deploy watch", &v.watch, Some("16-post-deploy-log.md"));
-    if !v.documents.is_empty() {
+    if !documents.is_empty() {
         out.push_str("\n**Documents** (on the branch):\n\n");
-        for d in &v.documents {
+        for d in documents {
             out.push_str(&format!("- [{d}]({})\n", doc(d)));
         }
     }
@@ -841,6 +845,79 @@ pub fn pull_body(v: &PullView) -> String {
         "\nA review that requests changes sends the item back to implementation with the \
          review as the developer's feedback.\n",
     );
+    out
+}
+
+/// Whether `name` is one of an item's document names (`NN-words.md`: two digits, lowercase
+/// letters, digits and hyphens): what an agent names otherwise is not listed.
+pub fn is_document_name(name: &str) -> bool {
+    let Some(stem) = name.strip_suffix(".md") else {
+        return false;
+    };
+    let b = stem.as_bytes();
+    b.len() > 3
+        && b[0].is_ascii_digit()
+        && b[1].is_ascii_digit()
+        && b[2] == b'-'
+        && b[3..]
+            .iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+}
+
+/// `text` as inline Markdown that says only what it says: one line, hidden characters
+/// dropped, markers defused ([`untrusted_line`]), every character Markdown or HTML acts on
+/// backslash-escaped, and `@` mentions broken (`@` and a zero-width space), so nobody is
+/// notified and nothing becomes a link, an image or markup.
+pub fn md_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in untrusted_line(text).chars() {
+        match c {
+            '\\' | '`' | '*' | '_' | '{' | '}' | '[' | ']' | '(' | ')' | '<' | '>' | '#' | '!'
+            | '|' | '~' | '&' | '+' | '-' | '.' => {
+                out.push('\\');
+                out.push(c);
+            }
+            '@' => out.push_str("@\u{200B}"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// `text` as inline code: its backticks replaced, one line.
+fn md_code(text: &str) -> String {
+    format!("`{}`", untrusted_line(text).replace('`', "'"))
+}
+
+/// `text` percent-encoded as a URL path (`/` kept).
+fn url_path(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~' | b'/') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// A URL of orch's own (the dashboard, the repository's page) with what could end a
+/// Markdown link or autolink early percent-encoded.
+fn url_text(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_graphic()
+            && !matches!(
+                b,
+                b'(' | b')' | b'<' | b'>' | b'`' | b'"' | b'[' | b']' | b'\\'
+            )
+        {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
     out
 }
 
@@ -1038,6 +1115,48 @@ mod tests {
         assert!(doc.contains("````text\n```\nbreak out\n````"), "{doc}");
         assert!(doc.contains("### `evil ## Done.py:3`"), "{doc}");
         assert!(!doc.contains("\n## Done.py"), "{doc}");
+    }
+
+    #[test]
+    fn the_pull_body_takes_nothing_as_markdown() {
+        let v = PullView {
+            work_item: "GH-1".into(),
+            issue: 1,
+            web: "https://github.com/o/r".into(),
+            branch: "orch/GH-1".into(),
+            stage: "verification".into(),
+            awaiting_approval: true,
+            documents: vec![
+                "10-implementation.md".into(),
+                "12-test-report.md".into(),
+                "x](https://evil.example) @admin.md".into(),
+                "10-Implementation.md".into(),
+                "../11-x.md".into(),
+            ],
+            tests: Some("pass [click](https://evil.example) @octo-org/admins ![i](x)".into()),
+            task_url: "https://orch.example/ui/tasks/GH-1".into(),
+            ..PullView::default()
+        };
+        let body = pull_body(&v);
+        assert!(
+            body.contains("- [10-implementation.md](https://github.com/o/r/blob/orch/GH-1/docs/work-items/GH-1/10-implementation.md)"),
+            "{body}"
+        );
+        assert!(!body.contains("evil.example)"), "{body}");
+        assert!(
+            !body.contains("Implementation.md") && !body.contains("../"),
+            "{body}"
+        );
+        assert!(!body.contains("](https://evil"), "{body}");
+        assert!(
+            !body.contains("@octo") && body.contains("@\u{200B}octo"),
+            "{body}"
+        );
+        assert!(!body.contains("![i]"), "{body}");
+        assert!(body.contains("([12-test-report.md]("), "{body}");
+        assert!(is_document_name("16-post-deploy-log.md"));
+        assert!(!is_document_name("1-x.md") && !is_document_name("12-.md\n"));
+        assert_eq!(url_path("a b/(c)"), "a%20b/%28c%29");
     }
 
     #[test]
