@@ -1196,6 +1196,9 @@ pub struct ApiPull {
     pub html_url: String,
     pub state: String,
     pub head: ApiRef,
+    /// When it was merged (`null` while it was not).
+    #[serde(default)]
+    pub merged_at: Option<String>,
 }
 
 /// A pull request's head or base.
@@ -1416,6 +1419,22 @@ impl GitHub {
         serde_json::from_value(value)
             .map(Some)
             .map_err(|_| poll_error(502, "the new pull request is not one".into()))
+    }
+
+    /// Pull request `number`.
+    pub async fn pull(&self, number: u64) -> Result<ApiPull, PollError> {
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &self.repo_api(&format!("/pulls/{number}"))?,
+                None,
+                None,
+                &[200],
+                "reading the pull request",
+            )
+            .await?;
+        serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the pull request is not one".into()))
     }
 
     /// Sets pull request `number`'s description.

@@ -613,6 +613,32 @@ impl ForgeSyncHandler {
         review: &forge::Review,
     ) -> Result<Option<String>, SyncError> {
         let gh = GitHub::connect(&item.forge_cfg)?;
+        let p = gh.pull(pull).await?;
+        if p.state == "closed" && p.merged_at.is_none() {
+            // Someone closed the item's pull request: its reviews no longer speak for the
+            // item. Said on the issue, once per pull request.
+            let marker = format!("<!-- {}:closed-pull {pull} -->", "orch");
+            let own = self.own_login(&gh, &item.forge_cfg).await?;
+            if gh
+                .own_comment(item.origin.issue, &marker, &own)
+                .await?
+                .is_none()
+            {
+                gh.comment(
+                    item.origin.issue,
+                    &format!(
+                        "{marker}\nPull request #{pull} of {} was closed without being merged: \
+                         orch does not act on its reviews. Approve the item with `orch approve` \
+                         (or the dashboard), or cancel it.",
+                        item.task.work_item_id
+                    ),
+                )
+                .await?;
+            }
+            return Ok(Some(format!(
+                "pull request #{pull} is closed without being merged"
+            )));
+        }
         let permission = self.permission(&gh, &item.forge_cfg, &review.user).await?;
         if let Err(why) = forge::may_steer(&review.user, &permission, &item.forge_cfg.reviewers) {
             return Ok(Some(why));

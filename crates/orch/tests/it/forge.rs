@@ -268,6 +268,27 @@ impl PullSide {
                     (201, self.pull_of(&full, number))
                 }
             }
+            ("GET", ["pulls", n]) => {
+                let n: u64 = n.parse().ok()?;
+                let full = self.pull_example.clone();
+                match self.pull_of(&full, n) {
+                    Some(mut p) => {
+                        let closed = p["state"] == "closed";
+                        p["merged"] = json!(false);
+                        p["merged_at"] = Value::Null;
+                        if closed {
+                            p["closed_at"] = json!("2011-01-26T19:01:12Z");
+                        }
+                        (200, Some(p))
+                    }
+                    None => (
+                        404,
+                        Some(
+                            json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest"}),
+                        ),
+                    ),
+                }
+            }
             ("PATCH", ["pulls", n]) => {
                 let n: u64 = n.parse().ok()?;
                 let Some(p) = self.pulls.iter_mut().find(|p| p["number"] == n) else {
@@ -2620,5 +2641,88 @@ async fn a_change_request_on_the_release_track_is_answered_on_the_pull_request()
             .any(|e| e.kind == "stage.loop_back"),
         "sent back from the release track"
     );
+    store.close().await;
+}
+
+/// Someone closes the item's pull request without merging it: an approval given on it after
+/// that passes nothing, and orch says so on the issue (once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reviews_on_a_closed_pull_request_pass_nothing() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure_reviews(&dir, &api);
+    let store = common::open(&dir).await;
+    hub.lock().unwrap().issues = vec![issue_like(&template, 7, "Add a note", "please")];
+    let serve = spawn_serve(&dir, None, free_port());
+    common::wait_for_task(
+        &store,
+        "GH-7",
+        Duration::from_secs(240),
+        "verification",
+        |t| t.stage == "verification",
+    )
+    .await;
+    let h2 = hub.clone();
+    wait_until(&dir, Duration::from_secs(60), "GH-7's pull request", || {
+        let h = h2.clone();
+        async move { h.lock().unwrap().prs.pull_number("orch/GH-7").is_some() }
+    })
+    .await;
+    let head = head_of(&dir.join(".orch/repos/service"), "orch/GH-7");
+    let (pull, approval) = {
+        let mut h = hub.lock().unwrap();
+        let pull = h.prs.pull_number("orch/GH-7").unwrap();
+        let p = h
+            .prs
+            .pulls
+            .iter_mut()
+            .find(|p| p["number"] == pull)
+            .unwrap();
+        p["state"] = json!("closed");
+        let approval = h.prs.add_review(pull, &head, "APPROVED", "Ship it.", &[]);
+        (pull, approval)
+    };
+    let noted = review_event(&store, "GH-7", approval).await;
+    common::terminate(serve).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"].as_str().is_some_and(|w| w.contains("closed")),
+        "{noted}"
+    );
+    assert_eq!(common::task(&store, "GH-7").await.stage, "verification");
+    assert!(
+        !events_of(&store, "GH-7")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.approved"),
+        "a closed pull request's approval passed the gate"
+    );
+    let said: Vec<String> = hub
+        .lock()
+        .unwrap()
+        .prs
+        .comments
+        .get(&7)
+        .map(|c| {
+            c.iter()
+                .filter_map(|c| c["body"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let about: Vec<&String> = said
+        .iter()
+        .filter(|b| b.contains(&format!("#{pull}")) && b.contains("closed without being merged"))
+        .collect();
+    assert_eq!(about.len(), 1, "{said:?}");
     store.close().await;
 }
