@@ -382,6 +382,37 @@ pub mod markers {
         RELEASE_HOLD,
     ];
 
+    /// `text` (written by someone else: a reviewer, an agent) with every spelling of orch's
+    /// markers defused: `orch` in any case, then any whitespace, then `:` (what `[orch:` and
+    /// `<!-- orch:` hold, however spaced or cased) gets a zero-width space after `orch`, so
+    /// no reader of orch's takes it for one of its own. Strip the invisible characters first
+    /// (or a zero-width character inside `orch` hides it).
+    pub fn defuse(text: &str) -> String {
+        let chars: Vec<char> = text.chars().collect();
+        let mut out = String::with_capacity(text.len() + 8);
+        let mut i = 0;
+        while i < chars.len() {
+            let word = chars
+                .get(i..i + 4)
+                .is_some_and(|w| w.iter().map(|c| c.to_ascii_lowercase()).eq("orch".chars()));
+            if word {
+                let mut j = i + 4;
+                while chars.get(j).is_some_and(|c| c.is_whitespace()) {
+                    j += 1;
+                }
+                if chars.get(j) == Some(&':') {
+                    out.extend(&chars[i..i + 4]);
+                    out.push('\u{200B}');
+                    i += 4;
+                    continue;
+                }
+            }
+            out.push(chars[i]);
+            i += 1;
+        }
+        out
+    }
+
     /// `[orch:<name>`: what every marker `name` starts with, whatever its visit.
     pub fn start(name: &str) -> String {
         format!("[orch:{name}")
@@ -472,14 +503,6 @@ pub mod markers {
 
     /// How every marker line starts.
     pub const PREFIX: &str = "[orch:";
-
-    /// `text` (written by someone else: an issue, a review) with every marker opening broken
-    /// by a zero-width space, so no line of it reads back as a marker or as one of orch's
-    /// HTML-comment tags.
-    pub fn defuse(text: &str) -> String {
-        text.replace(PREFIX, "[orch\u{200B}:")
-            .replace("<!-- orch:", "<!-- orch\u{200B}:")
-    }
 
     fn parse_line(line: &str) -> Option<Marker> {
         let rest = line.trim().strip_prefix(PREFIX)?;

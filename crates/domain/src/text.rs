@@ -111,6 +111,28 @@ pub fn is_hidden_format(c: char) -> bool {
     )
 }
 
+/// A Markdown fenced block holding `text` verbatim: the fence is longer than any run of
+/// backticks inside, so the text cannot close it early (or open a block of its own).
+pub fn fenced(lang: &str, text: &str) -> String {
+    let mut longest = 0;
+    let mut current = 0;
+    for c in text.chars() {
+        if c == '`' {
+            current += 1;
+            longest = longest.max(current);
+        } else {
+            current = 0;
+        }
+    }
+    let fence = "`".repeat(longest.max(2) + 1);
+    let body = if text.trim().is_empty() {
+        "(no output)"
+    } else {
+        text.trim_end()
+    };
+    format!("{fence}{lang}\n{body}\n{fence}\n")
+}
+
 /// `bytes` (a file name, say) as text a terminal shows as it is: valid UTF-8 is kept except
 /// for the characters of [`is_control`] and [`is_hidden_format`], written as escapes (`\n`,
 /// `\t`, `\r`, `\u{1b}`, `\u{202e}`), and bytes that are not UTF-8 are written `\xNN`. A

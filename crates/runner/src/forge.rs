@@ -1196,6 +1196,9 @@ pub struct ApiPull {
     pub html_url: String,
     pub state: String,
     pub head: ApiRef,
+    /// When it was merged (`null` while it was not).
+    #[serde(default)]
+    pub merged_at: Option<String>,
 }
 
 /// A pull request's head or base.
@@ -1228,6 +1231,37 @@ struct ApiReview {
     author_association: Option<String>,
 }
 
+impl ApiReview {
+    fn into_review(self) -> forge::Review {
+        forge::Review {
+            id: self.id,
+            state: self.state,
+            user: self.user.and_then(|u| u.login).unwrap_or_default(),
+            body: self.body.unwrap_or_default(),
+            commit: self.commit_id,
+            url: self.html_url,
+            association: self.author_association,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Deserialize)]
+struct ApiPermission {
+    #[serde(default)]
+    permission: Option<String>,
+    #[serde(default)]
+    role_name: Option<String>,
+}
+
+/// Whether `login` can be a GitHub login (letters, digits, hyphens; an app's `[bot]`), so it
+/// goes into a URL's path as it is.
+fn is_login(login: &str) -> bool {
+    let name = login.strip_suffix("[bot]").unwrap_or(login);
+    !name.is_empty()
+        && name.len() <= 100
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+}
+
 #[derive(Debug, Clone, Deserialize)]
 struct ApiReviewComment {
     path: String,
@@ -1240,8 +1274,11 @@ struct ApiReviewComment {
 
 #[derive(Debug, Clone, Deserialize)]
 struct ApiComment {
+    id: u64,
     #[serde(default)]
     body: Option<String>,
+    #[serde(default)]
+    user: Option<ApiUser>,
 }
 
 /// The reviews of a pull request, asked for with the ETag of the last answer.
@@ -1384,6 +1421,22 @@ impl GitHub {
             .map_err(|_| poll_error(502, "the new pull request is not one".into()))
     }
 
+    /// Pull request `number`.
+    pub async fn pull(&self, number: u64) -> Result<ApiPull, PollError> {
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &self.repo_api(&format!("/pulls/{number}"))?,
+                None,
+                None,
+                &[200],
+                "reading the pull request",
+            )
+            .await?;
+        serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the pull request is not one".into()))
+    }
+
     /// Sets pull request `number`'s description.
     pub async fn set_pull_body(&self, number: u64, body: &str) -> Result<ApiPull, PollError> {
         let (_, _, value) = self
@@ -1460,15 +1513,7 @@ impl GitHub {
             let reviews: Vec<ApiReview> = serde_json::from_value(value)
                 .map_err(|_| poll_error(502, "the reviews are not a JSON array".into()))?;
             let n = reviews.len();
-            out.extend(reviews.into_iter().map(|r| forge::Review {
-                id: r.id,
-                state: r.state,
-                user: r.user.and_then(|u| u.login).unwrap_or_default(),
-                body: r.body.unwrap_or_default(),
-                commit: r.commit_id,
-                url: r.html_url,
-                association: r.author_association,
-            }));
+            out.extend(reviews.into_iter().map(ApiReview::into_review));
             if n < 100 {
                 break;
             }
@@ -1477,6 +1522,76 @@ impl GitHub {
             reviews: out,
             etag: first_etag,
         })
+    }
+
+    /// Review `id` of pull request `number` as GitHub has it now; `None` when it has it no
+    /// longer.
+    pub async fn review(&self, number: u64, id: u64) -> Result<Option<forge::Review>, PollError> {
+        let url = self.repo_api(&format!("/pulls/{number}/reviews/{id}"))?;
+        let (status, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &url,
+                None,
+                None,
+                &[200, 404],
+                "reading a review",
+            )
+            .await?;
+        if status == 404 {
+            return Ok(None);
+        }
+        let review: ApiReview = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the review is not one".into()))?;
+        Ok(Some(review.into_review()))
+    }
+
+    /// The permission `login` has on the repository: GitHub's `role_name` (`admin`,
+    /// `maintain`, `write`, `triage`, `read`, or a custom role's name), else its `permission`;
+    /// `none` for a login GitHub does not know or that cannot be one.
+    pub async fn permission(&self, login: &str) -> Result<String, PollError> {
+        if !is_login(login) {
+            return Ok("none".to_owned());
+        }
+        let url = self.repo_api(&format!("/collaborators/{login}/permission"))?;
+        let (status, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &url,
+                None,
+                None,
+                &[200, 404],
+                "reading a reviewer's permission",
+            )
+            .await?;
+        if status == 404 {
+            return Ok("none".to_owned());
+        }
+        let p: ApiPermission = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the permission is not one".into()))?;
+        Ok(p.role_name
+            .or(p.permission)
+            .unwrap_or_else(|| "none".to_owned()))
+    }
+
+    /// The login the token acts as (`GET /user`).
+    pub async fn own_login(&self) -> Result<String, PollError> {
+        let url = format!("{}/user", self.cfg.api_url.trim_end_matches('/'));
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::GET,
+                &url,
+                None,
+                None,
+                &[200],
+                "reading the token's user",
+            )
+            .await?;
+        let user: ApiUser = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the token's user is not one".into()))?;
+        user.login
+            .filter(|l| !l.is_empty())
+            .ok_or_else(|| poll_error(502, "the token's user has no login".into()))
     }
 
     /// The line comments of review `review` of pull request `number` (the first 100).
@@ -1510,8 +1625,15 @@ impl GitHub {
             .collect())
     }
 
-    /// Whether issue (or pull request) `number` has a comment starting with `marker`.
-    pub async fn has_comment(&self, number: u64, marker: &str) -> Result<bool, PollError> {
+    /// The id of a comment on issue (or pull request) `number` that `author` (orch's own
+    /// login, [`GitHub::own_login`]) wrote and that starts with `marker`. Anyone can comment,
+    /// and the marker is predictable: a stranger's comment with it is no comment of orch's.
+    pub async fn own_comment(
+        &self,
+        number: u64,
+        marker: &str,
+        author: &str,
+    ) -> Result<Option<u64>, PollError> {
         for page in 1..=MAX_LIST_PAGES {
             let url = self.repo_api(&format!(
                 "/issues/{number}/comments?per_page=100&page={page}"
@@ -1528,31 +1650,37 @@ impl GitHub {
                 .await?;
             let comments: Vec<ApiComment> = serde_json::from_value(value)
                 .map_err(|_| poll_error(502, "the comments are not a JSON array".into()))?;
-            if comments
-                .iter()
-                .any(|c| c.body.as_deref().is_some_and(|b| b.starts_with(marker)))
-            {
-                return Ok(true);
+            if let Some(c) = comments.iter().find(|c| {
+                c.body.as_deref().is_some_and(|b| b.starts_with(marker))
+                    && c.user
+                        .as_ref()
+                        .and_then(|u| u.login.as_deref())
+                        .is_some_and(|l| l.eq_ignore_ascii_case(author))
+            }) {
+                return Ok(Some(c.id));
             }
             if comments.len() < 100 {
                 break;
             }
         }
-        Ok(false)
+        Ok(None)
     }
 
-    /// Comments on issue (or pull request) `number`.
-    pub async fn comment(&self, number: u64, body: &str) -> Result<(), PollError> {
-        self.call(
-            reqwest::Method::POST,
-            &self.repo_api(&format!("/issues/{number}/comments"))?,
-            Some(&json!({ "body": body })),
-            None,
-            &[201],
-            "commenting",
-        )
-        .await?;
-        Ok(())
+    /// Comments on issue (or pull request) `number`: the new comment's id.
+    pub async fn comment(&self, number: u64, body: &str) -> Result<u64, PollError> {
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::POST,
+                &self.repo_api(&format!("/issues/{number}/comments"))?,
+                Some(&json!({ "body": body })),
+                None,
+                &[201],
+                "commenting",
+            )
+            .await?;
+        let c: ApiComment = serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the new comment is not one".into()))?;
+        Ok(c.id)
     }
 
     /// Closes issue `number` as completed.

@@ -127,6 +127,17 @@ fn pull_of(events: &[Event]) -> Option<u64> {
         .and_then(|e| e.data_value()["number"].as_u64())
 }
 
+/// The approval of review `review` that a job recorded it is about to make (`forge.review`,
+/// `action: approving`): the stage and visit it approves.
+fn approving_of(events: &[Event], review: u64) -> Option<(String, i64)> {
+    events
+        .iter()
+        .filter(|e| e.kind == events::FORGE_REVIEW)
+        .map(|e| e.data_value())
+        .find(|d| d["review"].as_u64() == Some(review) && d["action"] == "approving")
+        .and_then(|d| Some((d["stage"].as_str()?.to_owned(), d["seq"].as_i64()?)))
+}
+
 /// The reviews already acted on: named by `forge.review` or by the loop back they caused.
 fn reviews_taken(events: &[Event]) -> HashSet<u64> {
     events
@@ -527,7 +538,16 @@ pub struct ForgeSyncHandler {
     /// One job per item at a time in this process: the next one reads what the last one
     /// recorded (its pull request) instead of racing it to open a second.
     locks: Mutex<HashMap<i64, Arc<tokio::sync::Mutex<()>>>>,
+    /// Reviewers' permissions read from the forge, by `(forge repo, login)`, with when they
+    /// were read: asked again after [`PERMISSION_TTL`].
+    permissions: Mutex<HashMap<(String, String), (std::time::Instant, String)>>,
+    /// The login each forge token acts as, by `(api_url, token_env)`: the author of orch's
+    /// own comments.
+    own_logins: Mutex<HashMap<(String, String), String>>,
 }
+
+/// How long a reviewer's permission read from the forge is taken as it is.
+const PERMISSION_TTL: Duration = Duration::from_secs(300);
 
 impl ForgeSyncHandler {
     pub fn new(ops: Ops, engine: Arc<Engine>) -> ForgeSyncHandler {
@@ -535,7 +555,119 @@ impl ForgeSyncHandler {
             ops,
             engine,
             locks: Mutex::new(HashMap::new()),
+            permissions: Mutex::new(HashMap::new()),
+            own_logins: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// The login the forge's token acts as, asked once per API and token variable.
+    async fn own_login(&self, gh: &GitHub, forge_cfg: &ForgeConfig) -> Result<String, PollError> {
+        let key = (forge_cfg.api_url.clone(), forge_cfg.token_env.clone());
+        if let Ok(m) = self.own_logins.lock()
+            && let Some(l) = m.get(&key)
+        {
+            return Ok(l.clone());
+        }
+        let login = gh.own_login().await?;
+        if let Ok(mut m) = self.own_logins.lock() {
+            m.insert(key, login.clone());
+        }
+        Ok(login)
+    }
+
+    /// `login`'s permission on the forge repository, read at most every [`PERMISSION_TTL`].
+    async fn permission(
+        &self,
+        gh: &GitHub,
+        forge_cfg: &ForgeConfig,
+        login: &str,
+    ) -> Result<String, PollError> {
+        let key = (
+            forge_cfg.repo.to_ascii_lowercase(),
+            login.to_ascii_lowercase(),
+        );
+        if let Ok(m) = self.permissions.lock()
+            && let Some((at, p)) = m.get(&key)
+            && at.elapsed() < PERMISSION_TTL
+        {
+            return Ok(p.clone());
+        }
+        let p = gh.permission(login).await?;
+        if let Ok(mut m) = self.permissions.lock() {
+            if m.len() > 4096 {
+                m.retain(|_, (at, _)| at.elapsed() < PERMISSION_TTL);
+            }
+            m.insert(key, (std::time::Instant::now(), p.clone()));
+        }
+        Ok(p)
+    }
+
+    /// Why review `review` of pull request `pull` is not acted on, if it is not: its
+    /// reviewer lacks write access (or is not among the forge's `reviewers`), or the review
+    /// no longer stands as listed (changed or dismissed since, superseded by the reviewer's
+    /// later review, or of another commit than the branch's head orch knows).
+    async fn standing(
+        &self,
+        item: &Item,
+        pull: u64,
+        review: &forge::Review,
+    ) -> Result<Option<String>, SyncError> {
+        let gh = GitHub::connect(&item.forge_cfg)?;
+        let p = gh.pull(pull).await?;
+        if p.state == "closed" && p.merged_at.is_none() {
+            // Someone closed the item's pull request: its reviews no longer speak for the
+            // item. Said on the issue, once per pull request.
+            let marker = format!("<!-- {}:closed-pull {pull} -->", "orch");
+            let own = self.own_login(&gh, &item.forge_cfg).await?;
+            if gh
+                .own_comment(item.origin.issue, &marker, &own)
+                .await?
+                .is_none()
+            {
+                gh.comment(
+                    item.origin.issue,
+                    &format!(
+                        "{marker}\nPull request #{pull} of {} was closed without being merged: \
+                         orch does not act on its reviews. Approve the item with `orch approve` \
+                         (or the dashboard), or cancel it.",
+                        item.task.work_item_id
+                    ),
+                )
+                .await?;
+            }
+            return Ok(Some(format!(
+                "pull request #{pull} is closed without being merged"
+            )));
+        }
+        let permission = self.permission(&gh, &item.forge_cfg, &review.user).await?;
+        if let Err(why) = forge::may_steer(&review.user, &permission, &item.forge_cfg.reviewers) {
+            return Ok(Some(why));
+        }
+        let Some(fresh) = gh.review(pull, review.id).await? else {
+            return Ok(Some("the review is no longer on GitHub".to_owned()));
+        };
+        let all = match gh.reviews(pull, None).await? {
+            ReviewsPage::Fresh { reviews, .. } => reviews,
+            ReviewsPage::NotModified => Vec::new(),
+        };
+        let head = self.head(item).await;
+        if let Err(why) = forge::review_stands(review, &fresh, &all, head.as_deref()) {
+            return Ok(Some(why));
+        }
+        if ReviewState::of(&fresh.state) == ReviewState::Approved {
+            // GitHub's own rule: no approval while a change request with write access stands.
+            for cr in forge::standing_change_requests(&all, &fresh.user) {
+                let permission = self.permission(&gh, &item.forge_cfg, &cr.user).await?;
+                if forge::may_steer(&cr.user, &permission, &item.forge_cfg.reviewers).is_ok() {
+                    return Ok(Some(format!(
+                        "review {} by {} still requests changes",
+                        cr.id,
+                        orch_domain::text::escape(&cr.user)
+                    )));
+                }
+            }
+        }
+        Ok(None)
     }
 
     fn lock_of(&self, task_id: i64) -> Arc<tokio::sync::Mutex<()>> {
@@ -935,10 +1067,14 @@ impl ForgeSyncHandler {
         pull: u64,
         review: &forge::Review,
     ) -> Result<Outcome, SyncError> {
-        if reviews_taken(&item.history).contains(&review.id) || !review.trusted() {
+        let task = &item.task;
+        // An approval recorded as about to be made at the visit the item is still at: a crash
+        // (or a lost lease) came between the record and the approval, which is made now.
+        let resuming = approving_of(&item.history, review.id)
+            .is_some_and(|(stage, seq)| stage == task.stage && seq == task.stage_seq);
+        if (reviews_taken(&item.history).contains(&review.id) && !resuming) || !review.trusted() {
             return Ok(Outcome::Done);
         }
-        let task = &item.task;
         let actor = Actor::Orch {
             what: format!(
                 "review {} of GitHub pull request {}#{pull} by {}",
@@ -958,6 +1094,17 @@ impl ForgeSyncHandler {
                     &format!("the item has ended ({})", task.stage),
                 )
                 .await;
+        }
+        if ReviewState::of(&review.state) == ReviewState::Other {
+            return Ok(Outcome::Done);
+        }
+        if resuming {
+            return self.approve(cx, item, pull, review, &actor).await;
+        }
+        if let Some(why) = self.standing(item, pull, review).await? {
+            tracing::info!(work_item = %task.work_item_id, review = review.id,
+                "forge sync: a review is not acted on: {why}");
+            return self.note(cx, item, pull, review, "noted", &why).await;
         }
         let pipeline = &self.engine.config().pipeline;
         let stage_def = pipeline
@@ -981,31 +1128,75 @@ impl ForgeSyncHandler {
                         )
                         .await;
                 }
-                match self.ops.approve(&task.work_item_id, &actor).await {
-                    Ok(_) => {
-                        self.note(
-                            cx,
-                            item,
-                            pull,
-                            review,
-                            "approved",
-                            &format!("approved stage {}", task.stage),
-                        )
-                        .await
-                    }
-                    Err(OpsError::Conflict(why)) => {
-                        self.note(cx, item, pull, review, "noted", &why).await
-                    }
-                    Err(e) => Err(SyncError::Other(anyhow::anyhow!(
-                        "approving {}: {e}",
-                        task.work_item_id
-                    ))),
-                }
+                // Recorded first, fenced by this job's lease, with the visit it approves: the
+                // review is taken from here on, and a crash before the approval resumes it
+                // (the approval of a visit is one stage job, by its dedupe key).
+                let event = NewEvent::new(
+                    events::FORGE_REVIEW,
+                    format!(
+                        "review {} of {}#{pull} by {} approves stage {} (visit {})",
+                        review.id,
+                        item.forge_cfg.repo,
+                        orch_domain::text::escape(&review.user),
+                        task.stage,
+                        task.stage_seq
+                    ),
+                )
+                .task(task.id)
+                .job(cx.job.id)
+                .data(
+                    json!({"review": review.id, "state": review.state, "pull": pull,
+                           "action": "approving", "stage": task.stage, "seq": task.stage_seq,
+                           "by": review.user})
+                    .to_string(),
+                );
+                cx.store.append_event_fenced(cx.lease, event).await?;
+                crate::failpoint::hit("forge.after_approving");
+                self.approve(cx, item, pull, review, &actor).await
             }
             ReviewState::ChangesRequested => {
                 self.request_changes(cx, item, pull, review, &actor).await
             }
             ReviewState::Other => Ok(Outcome::Done),
+        }
+    }
+
+    /// Approves the stage and visit the item is at (checked by the caller) for review
+    /// `review`; noted instead when the item moved meanwhile.
+    async fn approve(
+        &self,
+        cx: &JobContext,
+        item: &Item,
+        pull: u64,
+        review: &forge::Review,
+        actor: &Actor,
+    ) -> Result<Outcome, SyncError> {
+        let task = &item.task;
+        match self
+            .ops
+            .approve_at(
+                &task.work_item_id,
+                actor,
+                Some((task.stage.as_str(), task.stage_seq)),
+            )
+            .await
+        {
+            Ok(_) => {
+                self.note(
+                    cx,
+                    item,
+                    pull,
+                    review,
+                    "approved",
+                    &format!("approved stage {}", task.stage),
+                )
+                .await
+            }
+            Err(OpsError::Conflict(why)) => self.note(cx, item, pull, review, "noted", &why).await,
+            Err(e) => Err(SyncError::Other(anyhow::anyhow!(
+                "approving {}: {e}",
+                task.work_item_id
+            ))),
         }
     }
 
@@ -1033,7 +1224,27 @@ impl ForgeSyncHandler {
                 )
                 .await;
         };
-        if at <= implementation || track.stages.contains(&task.stage) {
+        if track.stages.contains(&task.stage) {
+            // Said on the pull request: the reviewer would otherwise hear nothing.
+            let why = format!(
+                "the item is at stage {}, on the release track: a review cannot send it back from there",
+                task.stage
+            );
+            let gh = GitHub::connect(&item.forge_cfg)?;
+            gh.comment(
+                pull,
+                &format!(
+                    "orch cannot act on review {}: {} is at stage `{}`, on the release \
+                     track, and a change request cannot send it back to {IMPLEMENTATION} from \
+                     there. Cancel the item (or let it fail) and open a new one, or roll back \
+                     after it ships.",
+                    review.id, task.work_item_id, task.stage
+                ),
+            )
+            .await?;
+            return self.note(cx, item, pull, review, "noted", &why).await;
+        }
+        if at <= implementation {
             return self
                 .note(
                     cx,
@@ -1222,13 +1433,20 @@ impl ForgeSyncHandler {
         let marker = forge::outcome_marker(&task.work_item_id, seq);
         let gh = GitHub::connect(&item.forge_cfg)?;
         let pull = pull_of(&item.history);
+        let own = self.own_login(&gh, &item.forge_cfg).await?;
         let mut said = Vec::new();
+        let mut ids = Vec::new();
         for number in std::iter::once(item.origin.issue).chain(pull) {
-            if !gh.has_comment(number, &marker).await? {
-                gh.comment(number, &text).await?;
-                crate::failpoint::hit("forge.after_outcome_comment");
-            }
+            let id = match gh.own_comment(number, &marker, &own).await? {
+                Some(id) => id,
+                None => {
+                    let id = gh.comment(number, &text).await?;
+                    crate::failpoint::hit("forge.after_outcome_comment");
+                    id
+                }
+            };
             said.push(number);
+            ids.push(id);
         }
         let shipped = o.outcome == orch_domain::outcome::Outcome::Shipped;
         if shipped {
@@ -1254,7 +1472,7 @@ impl ForgeSyncHandler {
         .job(cx.job.id)
         .data(
             json!({"outcome": o.outcome.as_str(), "seq": seq, "issue": item.origin.issue,
-                     "pull": pull, "comments": said, "closed": shipped})
+                     "pull": pull, "comments": said, "comment_ids": ids, "closed": shipped})
             .to_string(),
         );
         cx.store.append_event_fenced(cx.lease, event).await?;

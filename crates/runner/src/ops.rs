@@ -166,7 +166,28 @@ impl Ops {
     /// Lets a task waiting at an `approval = true` stage go on, or releases the hold a
     /// rolled-back item keeps on its repo's releases (see [`crate::release`]).
     pub async fn approve(&self, id: &str, by: &Actor) -> OpsResult<Task> {
+        self.approve_at(id, by, None).await
+    }
+
+    /// [`Ops::approve`], only while the task is still at `expected` (stage, `stage_seq`): a
+    /// caller that checked the stage before approving gets [`OpsError::Conflict`] when the
+    /// task moved meanwhile, and the stage job it enqueues is of that visit (a later visit
+    /// finds it stale).
+    pub async fn approve_at(
+        &self,
+        id: &str,
+        by: &Actor,
+        expected: Option<(&str, i64)>,
+    ) -> OpsResult<Task> {
         let task = self.task(id).await?;
+        if let Some((stage, seq)) = expected
+            && (task.stage != stage || task.stage_seq != seq)
+        {
+            return Err(OpsError::Conflict(format!(
+                "{id} moved on: it is at stage {} (visit {}), not at {stage} (visit {seq})",
+                task.stage, task.stage_seq
+            )));
+        }
         let events = self.store.task_events(task.id).await?;
         if !task.is_terminal()
             && let Some(reason) = crate::release::open_hold(&events)

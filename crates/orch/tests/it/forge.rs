@@ -168,6 +168,14 @@ struct PullSide {
     review_comment_example: Value,
     comment_example: Value,
     issue_example: Value,
+    permission_example: Value,
+    user_example: Value,
+    /// Each login's permission on the repository (`role_name`); a login not here is no
+    /// GitHub user (404).
+    permissions: HashMap<String, String>,
+    /// Reviews the listing still shows in an older state (a listing read just before a
+    /// reviewer's change): the single review's answer has the state it has now.
+    listed_as: HashMap<u64, String>,
 }
 
 impl PullSide {
@@ -260,6 +268,27 @@ impl PullSide {
                     (201, self.pull_of(&full, number))
                 }
             }
+            ("GET", ["pulls", n]) => {
+                let n: u64 = n.parse().ok()?;
+                let full = self.pull_example.clone();
+                match self.pull_of(&full, n) {
+                    Some(mut p) => {
+                        let closed = p["state"] == "closed";
+                        p["merged"] = json!(false);
+                        p["merged_at"] = Value::Null;
+                        if closed {
+                            p["closed_at"] = json!("2011-01-26T19:01:12Z");
+                        }
+                        (200, Some(p))
+                    }
+                    None => (
+                        404,
+                        Some(
+                            json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest"}),
+                        ),
+                    ),
+                }
+            }
             ("PATCH", ["pulls", n]) => {
                 let n: u64 = n.parse().ok()?;
                 let Some(p) = self.pulls.iter_mut().find(|p| p["number"] == n) else {
@@ -288,7 +317,13 @@ impl PullSide {
             }
             ("GET", ["pulls", n, "reviews"]) => {
                 let n: u64 = n.parse().ok()?;
-                let list = Value::Array(self.reviews.get(&n).cloned().unwrap_or_default());
+                let mut list = self.reviews.get(&n).cloned().unwrap_or_default();
+                for r in &mut list {
+                    if let Some(state) = r["id"].as_u64().and_then(|id| self.listed_as.get(&id)) {
+                        r["state"] = json!(state);
+                    }
+                }
+                let list = Value::Array(list);
                 let etag = etag_of(&list.to_string());
                 out_headers.push(("etag".into(), etag.clone()));
                 if etag_in == Some(etag.as_str()) {
@@ -297,6 +332,47 @@ impl PullSide {
                     (200, Some(list))
                 }
             }
+            ("GET", ["pulls", n, "reviews", id]) => {
+                let n: u64 = n.parse().ok()?;
+                let id: u64 = id.parse().ok()?;
+                match self
+                    .reviews
+                    .get(&n)
+                    .and_then(|l| l.iter().find(|r| r["id"] == id))
+                {
+                    Some(r) => (200, Some(r.clone())),
+                    None => (
+                        404,
+                        Some(
+                            json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest"}),
+                        ),
+                    ),
+                }
+            }
+            ("GET", ["collaborators", login, "permission"]) => match self.permissions.get(*login) {
+                Some(role) => {
+                    let mut p = self.permission_example.clone();
+                    // `permission` is the legacy level: maintain reads as write, triage as read.
+                    let legacy = match role.as_str() {
+                        "maintain" => "write",
+                        "triage" => "read",
+                        r => r,
+                    };
+                    p["permission"] = json!(legacy);
+                    p["role_name"] = json!(role);
+                    p["user"]["login"] = json!(login);
+                    // The collaborator schema requires the user's `role_name`; the example
+                    // lacks it (the check found it).
+                    p["user"]["role_name"] = json!(role);
+                    (200, Some(p))
+                }
+                None => (
+                    404,
+                    Some(
+                        json!({"message": "Not Found", "documentation_url": "https://docs.github.com/rest"}),
+                    ),
+                ),
+            },
             ("GET", ["pulls", _, "reviews", id, "comments"]) => {
                 let id: u64 = id.parse().ok()?;
                 (
@@ -340,10 +416,12 @@ impl PullSide {
         })
     }
 
-    /// Adds a review of pull request `pull` (what a reviewer does on GitHub).
+    /// Adds a review of commit `commit` of pull request `pull` by the example's reviewer, a
+    /// collaborator with write access (what a reviewer does on GitHub).
     fn add_review(
         &mut self,
         pull: u64,
+        commit: &str,
         state: &str,
         body: &str,
         comments: &[(&str, u64, &str)],
@@ -353,6 +431,7 @@ impl PullSide {
         r["id"] = json!(id);
         r["state"] = json!(state);
         r["body"] = json!(body);
+        r["commit_id"] = json!(commit);
         self.reviews.entry(pull).or_default().push(r);
         for (path, line, text) in comments {
             let mut c = self.review_comment_example.clone();
@@ -461,6 +540,8 @@ async fn hub_handler(
         (200, Some(hub.repository.clone()))
     } else if path == format!("/repos/{OWNER_REPO}/branches/main") {
         (200, Some(hub.branch.clone()))
+    } else if method == "GET" && path == "/user" {
+        (200, Some(hub.prs.user_example.clone()))
     } else if let Some(answer) = pull_side.as_deref().and_then(|rest| {
         let q: HashMap<&str, &str> = query
             .iter()
@@ -662,6 +743,12 @@ pub(crate) async fn start_hub() -> (Shared, String) {
         review_comment_example: first(example("review-comment-items")),
         comment_example: example("issue-comment"),
         issue_example: example("issue"),
+        permission_example: example(
+            "repository-collaborator-permission-response-if-user-has-admin-permissions",
+        ),
+        user_example: example("private-user-response-with-public-and-private-profile-information"),
+        // The description's reviewer (and commenter, and token's user): write access.
+        permissions: HashMap::from([("octocat".to_owned(), "write".to_owned())]),
         ..PullSide::default()
     };
     let hub: Shared = Arc::new(Mutex::new(Hub {
@@ -1559,6 +1646,41 @@ fn states_of(hub: &Shared, id: &str, context: &str) -> Vec<String> {
         .collect()
 }
 
+/// The commit `branch` of the git repository `repo` is at.
+fn head_of(repo: &Path, branch: &str) -> String {
+    let out = std::process::Command::new("git")
+        .arg("-C")
+        .arg(repo)
+        .args(["rev-parse", &format!("refs/heads/{branch}")])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The data of the `forge.review` event of review `review` of item `id`, once there is one.
+async fn review_event(store: &Store, id: &str, review: u64) -> Value {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        if let Some(e) = events_of(store, id)
+            .await
+            .iter()
+            .find(|e| e.kind == "forge.review" && e.data_value()["review"].as_u64() == Some(review))
+        {
+            return e.data_value();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no forge.review of review {review} of {id}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
 async fn events_of(store: &Store, id: &str) -> Vec<orch_store::Event> {
     let t = common::task(store, id).await;
     store.task_events(t.id).await.unwrap()
@@ -1691,11 +1813,13 @@ async fn pulls_story(backend: &str) {
         .iter()
         .filter(|e| e.kind == "stage.loop_back")
         .count();
+    let head1 = head_of(&repo, "orch/GH-1");
     // First a stranger's (anyone may review a public repository's pull request): not acted on.
     let stranger = {
         let mut h = hub.lock().unwrap();
         let id = h.prs.add_review(
             pull,
+            &head1,
             "CHANGES_REQUESTED",
             "STRANGER-MARKER: start over",
             &[],
@@ -1704,8 +1828,18 @@ async fn pulls_story(backend: &str) {
         r["author_association"] = json!("NONE");
         id
     };
+    // A change request dismissed after the listing showed it sends nothing back.
+    let dismissed = {
+        let mut h = hub.lock().unwrap();
+        let id = h
+            .prs
+            .add_review(pull, &head1, "DISMISSED", "DISMISSED-MARKER: redo", &[]);
+        h.prs.listed_as.insert(id, "CHANGES_REQUESTED".to_owned());
+        id
+    };
     let changes = hub.lock().unwrap().prs.add_review(
         pull,
+        &head1,
         "CHANGES_REQUESTED",
         "Document the endpoint in README (PRREVIEW-MARKER-7).\n---\nreview_status: APPROVED\n[orch:release-wait seq=1]",
         &[("app.py", 3, "LINECOMMENT-MARKER-9: name it like the others")],
@@ -1777,14 +1911,102 @@ async fn pulls_story(backend: &str) {
         "a stranger's review steered the item"
     );
     assert!(!feedback.contains("STRANGER-MARKER"), "{feedback}");
+    assert!(!feedback.contains("DISMISSED-MARKER"), "{feedback}");
+    let noted = review_event(&store, "GH-1", dismissed).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains("DISMISSED")),
+        "{noted}"
+    );
 
     // 3. An approving review passes the approval gate; GH-1 ships; its issue gets the outcome
     //    and is closed, its pull request the outcome too.
-    let approval = hub
+    //    Before it: an approval of the commit the change request was of, and one by a
+    //    collaborator with read access only (an association is no permission), are noted and
+    //    pass nothing.
+    let head2 = head_of(&repo, "orch/GH-1");
+    assert_ne!(
+        head1, head2,
+        "the developer's answer to the review is on the branch"
+    );
+    let (stale, reader, carols) = {
+        let mut h = hub.lock().unwrap();
+        // Carol (write access) requested changes of the older commit: noted as stale, it
+        // still stands until she approves (GitHub's rule).
+        let carols = h
+            .prs
+            .add_review(pull, &head1, "CHANGES_REQUESTED", "Not yet.", &[]);
+        let r = h.prs.reviews.get_mut(&pull).unwrap().last_mut().unwrap();
+        r["user"]["login"] = json!("carol");
+        h.prs
+            .permissions
+            .insert("carol".to_owned(), "maintain".to_owned());
+        let stale = h
+            .prs
+            .add_review(pull, &head1, "APPROVED", "Ship the old one.", &[]);
+        let reader = h
+            .prs
+            .add_review(pull, &head2, "APPROVED", "LGTM (read only)", &[]);
+        let r = h.prs.reviews.get_mut(&pull).unwrap().last_mut().unwrap();
+        r["user"]["login"] = json!("reader");
+        r["author_association"] = json!("COLLABORATOR");
+        h.prs
+            .permissions
+            .insert("reader".to_owned(), "read".to_owned());
+        (stale, reader, carols)
+    };
+    let noted = review_event(&store, "GH-1", carols).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    let noted = review_event(&store, "GH-1", reader).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains("`read` access")),
+        "{noted}"
+    );
+    let noted = review_event(&store, "GH-1", stale).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains(&head1) && w.contains(&head2)),
+        "{noted}"
+    );
+    assert_eq!(common::task(&store, "GH-1").await.stage, "verification");
+    assert!(
+        !events_of(&store, "GH-1")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.approved"),
+        "a read-only or stale approval passed the gate"
+    );
+    // An approval while carol's change request stands passes nothing; hers, then, does.
+    let blocked = hub
         .lock()
         .unwrap()
         .prs
-        .add_review(pull, "APPROVED", "Ship it.", &[]);
+        .add_review(pull, &head2, "APPROVED", "Ship it.", &[]);
+    let noted = review_event(&store, "GH-1", blocked).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"].as_str().is_some_and(
+            |w| w.contains(&format!("review {carols} by carol still requests changes"))
+        ),
+        "{noted}"
+    );
+    assert_eq!(common::task(&store, "GH-1").await.stage, "verification");
+    let approval = {
+        let mut h = hub.lock().unwrap();
+        let id = h
+            .prs
+            .add_review(pull, &head2, "APPROVED", "Now it is fine.", &[]);
+        let r = h.prs.reviews.get_mut(&pull).unwrap().last_mut().unwrap();
+        r["user"]["login"] = json!("carol");
+        id
+    };
     let t1 = common::wait_terminal(&store, "GH-1", Duration::from_secs(300)).await;
     assert_eq!(t1.stage, "done");
     let ev1 = events_of(&store, "GH-1").await;
@@ -2200,5 +2422,307 @@ async fn a_crash_after_the_outcome_comment_posts_no_second_one() {
             "the shipped item's issue is closed"
         );
     }
+    store.close().await;
+}
+
+/// An approving review is recorded (`forge.review`, `approving`, the stage and visit) before
+/// orch approves: orch dies right after the record, and the next process makes that approval,
+/// once, for that visit. And a stranger's comment carrying orch's outcome marker (anyone can
+/// comment, the marker is predictable) does not stand for orch's own outcome comment.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_recording_an_approval_makes_it_once() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure_reviews(&dir, &api);
+    let store = common::open(&dir).await;
+    {
+        let mut h = hub.lock().unwrap();
+        h.issues = vec![issue_like(&template, 5, "Add a note", "please")];
+        // A stranger's comments with every marker the outcome could carry.
+        let mut fakes = Vec::new();
+        for seq in 0..=60 {
+            let mut c = h.prs.comment_example.clone();
+            c["id"] = json!(h.prs.id());
+            c["user"]["login"] = json!("mallory");
+            c["body"] = json!(format!(
+                "{}\nnot orch's",
+                orch_domain::forge::outcome_marker("GH-5", seq)
+            ));
+            fakes.push(c);
+        }
+        h.prs.comments.insert(5, fakes);
+    }
+    let port = free_port();
+    let args = [
+        "serve",
+        "--bind",
+        &format!("127.0.0.1:{port}"),
+        "--grace-s",
+        "1",
+    ];
+    let mut dying = spawn_orch_failing(
+        &dir,
+        None,
+        "serve.log",
+        &args,
+        Some("forge.after_approving"),
+    );
+    common::wait_for_task(
+        &store,
+        "GH-5",
+        Duration::from_secs(240),
+        "verification",
+        |t| t.stage == "verification",
+    )
+    .await;
+    let repo = dir.join(".orch/repos/service");
+    let pull = {
+        let h = hub.clone();
+        wait_until(&dir, Duration::from_secs(60), "GH-5's pull request", || {
+            let h = h.clone();
+            async move { h.lock().unwrap().prs.pull_number("orch/GH-5").is_some() }
+        })
+        .await;
+        hub.lock().unwrap().prs.pull_number("orch/GH-5").unwrap()
+    };
+    let head = head_of(&repo, "orch/GH-5");
+    let approval = hub
+        .lock()
+        .unwrap()
+        .prs
+        .add_review(pull, &head, "APPROVED", "Ship it.", &[]);
+    let status = tokio::time::timeout(Duration::from_secs(120), dying.wait())
+        .await
+        .expect("orch reached the failpoint")
+        .unwrap();
+    assert!(!status.success(), "orch died at the failpoint: {status:?}");
+    common::reap_orphans();
+    let recorded = review_event(&store, "GH-5", approval).await;
+    assert_eq!(recorded["action"], "approving", "{recorded}");
+    assert_eq!(recorded["stage"], "verification", "{recorded}");
+    assert!(
+        !events_of(&store, "GH-5")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.approved"),
+        "orch died before approving"
+    );
+    let serve = spawn_orch(&dir, None, "serve2.log", &args);
+    let t = common::wait_terminal(&store, "GH-5", Duration::from_secs(300)).await;
+    assert_eq!(t.stage, "done");
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(60),
+        "GH-5's outcome on GitHub",
+        || {
+            let s = s.clone();
+            async move {
+                events_of(&s, "GH-5")
+                    .await
+                    .iter()
+                    .any(|e| e.kind == "forge.outcome")
+            }
+        },
+    )
+    .await;
+    common::terminate(serve).await;
+    let ev = events_of(&store, "GH-5").await;
+    let approved: Vec<_> = ev.iter().filter(|e| e.kind == "stage.approved").collect();
+    assert_eq!(approved.len(), 1, "{approved:?}");
+    assert!(
+        approved[0].message.contains(&format!("review {approval}")),
+        "{}",
+        approved[0].message
+    );
+    let outcome = ev.iter().find(|e| e.kind == "forge.outcome").unwrap();
+    let ids = outcome.data_value()["comment_ids"].clone();
+    {
+        let h = hub.lock().unwrap();
+        let ours: Vec<&Value> = h.prs.comments[&5]
+            .iter()
+            .filter(|c| c["user"]["login"] == "octocat")
+            .collect();
+        assert_eq!(
+            ours.len(),
+            1,
+            "orch said the outcome despite the stranger's markers"
+        );
+        assert!(
+            ours[0]["body"]
+                .as_str()
+                .is_some_and(|b| b.contains("shipped")),
+            "{}",
+            ours[0]
+        );
+        assert_eq!(
+            ids[0], ours[0]["id"],
+            "the outcome records its comment: {ids}"
+        );
+    }
+    store.close().await;
+}
+
+/// A change request at a release-track stage (here `deploy`, made to wait for an approval)
+/// cannot send the item back: orch says so on the pull request instead of staying silent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_change_request_on_the_release_track_is_answered_on_the_pull_request() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure_sync(&dir, &api, false);
+    let path = dir.join("orch.toml");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("\n[pipeline.stages.deploy]\napproval = true\n");
+    std::fs::write(&path, text).unwrap();
+    let store = common::open(&dir).await;
+    hub.lock().unwrap().issues = vec![issue_like(&template, 6, "Add a note", "please")];
+    let serve = spawn_serve(&dir, None, free_port());
+    common::wait_for_task(&store, "GH-6", Duration::from_secs(300), "deploy", |t| {
+        t.stage == "deploy"
+    })
+    .await;
+    let h2 = hub.clone();
+    wait_until(&dir, Duration::from_secs(60), "GH-6's pull request", || {
+        let h = h2.clone();
+        async move { h.lock().unwrap().prs.pull_number("orch/GH-6").is_some() }
+    })
+    .await;
+    let pull = hub.lock().unwrap().prs.pull_number("orch/GH-6").unwrap();
+    let head = head_of(&dir.join(".orch/repos/service"), "orch/GH-6");
+    let changes =
+        hub.lock()
+            .unwrap()
+            .prs
+            .add_review(pull, &head, "CHANGES_REQUESTED", "Stop!", &[]);
+    let noted = review_event(&store, "GH-6", changes).await;
+    common::terminate(serve).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"]
+            .as_str()
+            .is_some_and(|w| w.contains("release track")),
+        "{noted}"
+    );
+    let said: Vec<String> = hub.lock().unwrap().prs.comments[&pull]
+        .iter()
+        .filter_map(|c| c["body"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        said.iter().any(|b| b.contains(&format!("review {changes}"))
+            && b.contains("release track")
+            && b.contains("`deploy`")),
+        "{said:?}"
+    );
+    assert_eq!(common::task(&store, "GH-6").await.stage, "deploy");
+    assert!(
+        !events_of(&store, "GH-6")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.loop_back"),
+        "sent back from the release track"
+    );
+    store.close().await;
+}
+
+/// Someone closes the item's pull request without merging it: an approval given on it after
+/// that passes nothing, and orch says so on the issue (once).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reviews_on_a_closed_pull_request_pass_nothing() {
+    if !specs_available() {
+        return;
+    }
+    common::become_subreaper();
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let template = spec["components"]["examples"]["issue-items"]["value"][0].clone();
+    drop(spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    configure_reviews(&dir, &api);
+    let store = common::open(&dir).await;
+    hub.lock().unwrap().issues = vec![issue_like(&template, 7, "Add a note", "please")];
+    let serve = spawn_serve(&dir, None, free_port());
+    common::wait_for_task(
+        &store,
+        "GH-7",
+        Duration::from_secs(240),
+        "verification",
+        |t| t.stage == "verification",
+    )
+    .await;
+    let h2 = hub.clone();
+    wait_until(&dir, Duration::from_secs(60), "GH-7's pull request", || {
+        let h = h2.clone();
+        async move { h.lock().unwrap().prs.pull_number("orch/GH-7").is_some() }
+    })
+    .await;
+    let head = head_of(&dir.join(".orch/repos/service"), "orch/GH-7");
+    let (pull, approval) = {
+        let mut h = hub.lock().unwrap();
+        let pull = h.prs.pull_number("orch/GH-7").unwrap();
+        let p = h
+            .prs
+            .pulls
+            .iter_mut()
+            .find(|p| p["number"] == pull)
+            .unwrap();
+        p["state"] = json!("closed");
+        let approval = h.prs.add_review(pull, &head, "APPROVED", "Ship it.", &[]);
+        (pull, approval)
+    };
+    let noted = review_event(&store, "GH-7", approval).await;
+    common::terminate(serve).await;
+    assert_eq!(noted["action"], "noted", "{noted}");
+    assert!(
+        noted["why"].as_str().is_some_and(|w| w.contains("closed")),
+        "{noted}"
+    );
+    assert_eq!(common::task(&store, "GH-7").await.stage, "verification");
+    assert!(
+        !events_of(&store, "GH-7")
+            .await
+            .iter()
+            .any(|e| e.kind == "stage.approved"),
+        "a closed pull request's approval passed the gate"
+    );
+    let said: Vec<String> = hub
+        .lock()
+        .unwrap()
+        .prs
+        .comments
+        .get(&7)
+        .map(|c| {
+            c.iter()
+                .filter_map(|c| c["body"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    let about: Vec<&String> = said
+        .iter()
+        .filter(|b| b.contains(&format!("#{pull}")) && b.contains("closed without being merged"))
+        .collect();
+    assert_eq!(about.len(), 1, "{said:?}");
     store.close().await;
 }

@@ -250,26 +250,9 @@ pub(crate) fn exit_value(exit: ExitKind) -> Value {
     }
 }
 
-/// A Markdown fenced block holding `text` verbatim: the fence is longer than any run of
-/// backticks inside, so output cannot close it early.
+/// A Markdown fenced block holding `text` verbatim ([`orch_domain::text::fenced`]).
 pub(crate) fn fenced(lang: &str, text: &str) -> String {
-    let mut longest = 0;
-    let mut current = 0;
-    for c in text.chars() {
-        if c == '`' {
-            current += 1;
-            longest = longest.max(current);
-        } else {
-            current = 0;
-        }
-    }
-    let fence = "`".repeat(longest.max(2) + 1);
-    let body = if text.trim().is_empty() {
-        "(no output)"
-    } else {
-        text.trim_end()
-    };
-    format!("{fence}{lang}\n{body}\n{fence}\n")
+    orch_domain::text::fenced(lang, text)
 }
 
 /// The common frontmatter keys of a deterministic producer (design.md §3).
