@@ -291,6 +291,35 @@ pub const COUNTERS: (&str, &[&str]) = (
     ],
 );
 
+/// What a pass keeps between its turns per configured forge repo (`state_key`), in memory: a
+/// turn takes a repo's state out, works on it, and puts it back.
+pub(crate) struct RepoStates<T>(Mutex<HashMap<String, T>>);
+
+impl<T: Default> RepoStates<T> {
+    pub(crate) fn new() -> RepoStates<T> {
+        RepoStates(Mutex::new(HashMap::new()))
+    }
+
+    /// The state of `key` (a fresh one when there is none, or the lock is poisoned).
+    pub(crate) fn take(&self, key: &str) -> T {
+        match self.0.lock() {
+            Ok(mut m) => m.remove(key).unwrap_or_default(),
+            Err(_) => T::default(),
+        }
+    }
+
+    pub(crate) fn put(&self, key: String, state: T) {
+        if let Ok(mut m) = self.0.lock() {
+            m.insert(key, state);
+        }
+    }
+}
+
+/// The key of a repo's forge state: a config change to the forge's repo or API starts afresh.
+pub(crate) fn state_key(name: &RepoName, forge_cfg: &ForgeConfig) -> String {
+    format!("{name}\n{}\n{}", forge_cfg.repo, forge_cfg.api_url)
+}
+
 /// Polls each configured repo's forge for labeled open issues, every `poll_interval_s`, as a
 /// maintenance pass (every process runs it; creation is idempotent, so no leader is needed).
 pub struct ForgePass {
@@ -299,7 +328,7 @@ pub struct ForgePass {
     /// How often the pass looks whether a repo's poll is due.
     pub tick: Duration,
     counters: Arc<crate::counters::Counters>,
-    state: Mutex<HashMap<String, RepoPoll>>,
+    state: RepoStates<RepoPoll>,
 }
 
 impl ForgePass {
@@ -314,20 +343,7 @@ impl ForgePass {
             pipeline,
             tick: Duration::from_secs(1),
             counters,
-            state: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn take_state(&self, key: &str) -> RepoPoll {
-        match self.state.lock() {
-            Ok(mut m) => m.remove(key).unwrap_or_default(),
-            Err(_) => RepoPoll::default(),
-        }
-    }
-
-    fn put_state(&self, key: String, state: RepoPoll) {
-        if let Ok(mut m) = self.state.lock() {
-            m.insert(key, state);
+            state: crate::forge::RepoStates::new(),
         }
     }
 
@@ -337,11 +353,11 @@ impl ForgePass {
         name: &RepoName,
         forge_cfg: &ForgeConfig,
     ) -> anyhow::Result<()> {
-        let key = format!("{name}\n{}\n{}", forge_cfg.repo, forge_cfg.api_url);
+        let key = state_key(name, forge_cfg);
         let now = store.now_ms();
-        let mut st = self.take_state(&key);
+        let mut st = self.state.take(&key);
         if now < st.next_at_ms {
-            self.put_state(key, st);
+            self.state.put(key, st);
             return Ok(());
         }
         let interval_ms =
@@ -434,7 +450,7 @@ impl ForgePass {
                 }
             }
         }
-        self.put_state(key, st);
+        self.state.put(key, st);
         Ok(())
     }
 }
@@ -1309,6 +1325,28 @@ impl GitHub {
 
     /// Sends one request (JSON body optional); the answer when its status is in `ok`, else a
     /// `PollError` with the answer (the request is never in it).
+    /// `GET url` answered with one of `ok`, its JSON read as `T`; `None` for a 404 (when `ok`
+    /// holds it). A body that is not `T` is an error naming `what`.
+    async fn get<T: serde::de::DeserializeOwned>(
+        &self,
+        url: &str,
+        ok: &[u16],
+        what: &str,
+    ) -> Result<Option<T>, PollError> {
+        let (status, _, value) = self
+            .call(reqwest::Method::GET, url, None, None, ok, what)
+            .await?;
+        if status == 404 {
+            return Ok(None);
+        }
+        serde_json::from_value(value).map(Some).map_err(|_| {
+            poll_error(
+                502,
+                format!("{what}: GitHub's answer is not the documented shape"),
+            )
+        })
+    }
+
     async fn call(
         &self,
         method: reqwest::Method,
@@ -1528,22 +1566,8 @@ impl GitHub {
     /// longer.
     pub async fn review(&self, number: u64, id: u64) -> Result<Option<forge::Review>, PollError> {
         let url = self.repo_api(&format!("/pulls/{number}/reviews/{id}"))?;
-        let (status, _, value) = self
-            .call(
-                reqwest::Method::GET,
-                &url,
-                None,
-                None,
-                &[200, 404],
-                "reading a review",
-            )
-            .await?;
-        if status == 404 {
-            return Ok(None);
-        }
-        let review: ApiReview = serde_json::from_value(value)
-            .map_err(|_| poll_error(502, "the review is not one".into()))?;
-        Ok(Some(review.into_review()))
+        let review: Option<ApiReview> = self.get(&url, &[200, 404], "reading a review").await?;
+        Ok(review.map(ApiReview::into_review))
     }
 
     /// The permission `login` has on the repository: GitHub's `role_name` (`admin`,
@@ -1554,21 +1578,12 @@ impl GitHub {
             return Ok("none".to_owned());
         }
         let url = self.repo_api(&format!("/collaborators/{login}/permission"))?;
-        let (status, _, value) = self
-            .call(
-                reqwest::Method::GET,
-                &url,
-                None,
-                None,
-                &[200, 404],
-                "reading a reviewer's permission",
-            )
+        let p: Option<ApiPermission> = self
+            .get(&url, &[200, 404], "reading a reviewer's permission")
             .await?;
-        if status == 404 {
+        let Some(p) = p else {
             return Ok("none".to_owned());
-        }
-        let p: ApiPermission = serde_json::from_value(value)
-            .map_err(|_| poll_error(502, "the permission is not one".into()))?;
+        };
         Ok(p.role_name
             .or(p.permission)
             .unwrap_or_else(|| "none".to_owned()))
@@ -1577,19 +1592,8 @@ impl GitHub {
     /// The login the token acts as (`GET /user`).
     pub async fn own_login(&self) -> Result<String, PollError> {
         let url = format!("{}/user", self.cfg.api_url.trim_end_matches('/'));
-        let (_, _, value) = self
-            .call(
-                reqwest::Method::GET,
-                &url,
-                None,
-                None,
-                &[200],
-                "reading the token's user",
-            )
-            .await?;
-        let user: ApiUser = serde_json::from_value(value)
-            .map_err(|_| poll_error(502, "the token's user is not one".into()))?;
-        user.login
+        let user: Option<ApiUser> = self.get(&url, &[200], "reading the token's user").await?;
+        user.and_then(|u| u.login)
             .filter(|l| !l.is_empty())
             .ok_or_else(|| poll_error(502, "the token's user has no login".into()))
     }
@@ -1603,19 +1607,11 @@ impl GitHub {
         let url = self.repo_api(&format!(
             "/pulls/{number}/reviews/{review}/comments?per_page=100"
         ))?;
-        let (_, _, value) = self
-            .call(
-                reqwest::Method::GET,
-                &url,
-                None,
-                None,
-                &[200],
-                "listing a review's comments",
-            )
+        let comments: Option<Vec<ApiReviewComment>> = self
+            .get(&url, &[200], "listing a review's comments")
             .await?;
-        let comments: Vec<ApiReviewComment> = serde_json::from_value(value)
-            .map_err(|_| poll_error(502, "the review's comments are not a JSON array".into()))?;
         Ok(comments
+            .unwrap_or_default()
             .into_iter()
             .map(|c| forge::LineComment {
                 path: c.path,

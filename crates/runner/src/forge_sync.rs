@@ -249,7 +249,7 @@ struct RepoSync {
 pub struct ForgeSyncPass {
     pub live: LiveConfig,
     pub tick: Duration,
-    state: Mutex<HashMap<String, RepoSync>>,
+    state: crate::forge::RepoStates<RepoSync>,
 }
 
 impl ForgeSyncPass {
@@ -257,20 +257,7 @@ impl ForgeSyncPass {
         ForgeSyncPass {
             live,
             tick: SCAN_EVERY,
-            state: Mutex::new(HashMap::new()),
-        }
-    }
-
-    fn take_state(&self, key: &str) -> RepoSync {
-        match self.state.lock() {
-            Ok(mut m) => m.remove(key).unwrap_or_default(),
-            Err(_) => RepoSync::default(),
-        }
-    }
-
-    fn put_state(&self, key: String, state: RepoSync) {
-        if let Ok(mut m) = self.state.lock() {
-            m.insert(key, state);
+            state: crate::forge::RepoStates::new(),
         }
     }
 
@@ -280,10 +267,10 @@ impl ForgeSyncPass {
         name: &RepoName,
         forge_cfg: &ForgeConfig,
     ) -> anyhow::Result<()> {
-        let key = format!("{name}\n{}\n{}", forge_cfg.repo, forge_cfg.api_url);
-        let mut st = self.take_state(&key);
+        let key = crate::forge::state_key(name, forge_cfg);
+        let mut st = self.state.take(&key);
         let result = self.scan(store, name, forge_cfg, &mut st).await;
-        self.put_state(key, st);
+        self.state.put(key, st);
         result
     }
 

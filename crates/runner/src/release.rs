@@ -232,6 +232,37 @@ struct Publication<'a> {
     message: String,
 }
 
+impl<'a> Publication<'a> {
+    /// The publication of commit `new` (made on `old`, the default branch) on the branch
+    /// `orch/<what>/<id>`: the pull request titled by `message`'s first line, its body
+    /// `pull_body` and a word that orch owns the branch; with the repo's forge.
+    fn of_commit(
+        run: &StageRun,
+        what: &str,
+        old: &'a str,
+        new: &'a str,
+        message: &str,
+        pull_body: String,
+    ) -> Result<(orch_domain::forge::ForgeConfig, Publication<'a>)> {
+        let cfg = run
+            .repo
+            .forge
+            .clone()
+            .with_context(|| format!("the repo has no forge to publish the {what} through"))?;
+        let (title, body) = message.split_once('\n').unwrap_or((message, ""));
+        let publication = Publication {
+            head: format!("orch/{what}/{}", run.work_item),
+            old,
+            new,
+            pull_title: title.to_owned(),
+            pull_body: format!("{pull_body}\n\nDo not push to this branch: orch owns it."),
+            title: title.to_owned(),
+            message: body.trim_start().to_owned(),
+        };
+        Ok((cfg, publication))
+    }
+}
+
 /// What the forge put on the default branch.
 enum ForgePublished {
     /// `commit` (the staged commit itself, or the forge's merge/squash/rebase of it) has
@@ -980,25 +1011,18 @@ async fn forge_revert(
     message: &str,
     why: &str,
 ) -> Result<Reverted> {
-    let cfg = run
-        .repo
-        .forge
-        .clone()
-        .context("the repo has no forge to publish the revert through")?;
     let id = run.work_item.as_str();
-    let (title, body) = message.split_once('\n').unwrap_or((message, ""));
-    let publication = Publication {
-        head: format!("orch/revert/{id}"),
-        old: main,
-        new: sha,
-        pull_title: title.to_owned(),
-        pull_body: format!(
-            "orch reverts {id}: production rolled it back ({}).\n\nDo not push to this branch: orch owns it.",
+    let (cfg, publication) = Publication::of_commit(
+        run,
+        "revert",
+        main,
+        sha,
+        message,
+        format!(
+            "orch reverts {id}: production rolled it back ({}).",
             one_line(why)
         ),
-        title: title.to_owned(),
-        message: body.trim_start().to_owned(),
-    };
+    )?;
     let seq = crate::deploy::visit_seq(run);
     match publish_through_forge(run, &cfg, seq, &publication, None).await? {
         ForgePublished::Published { commit, .. } => {
@@ -1027,24 +1051,15 @@ pub async fn publish_audit_through_forge(
     commit: &str,
     message: &str,
 ) -> Result<String> {
-    let cfg = run
-        .repo
-        .forge
-        .clone()
-        .context("the repo has no forge to publish the audit trail through")?;
     let id = run.work_item.as_str();
-    let (title, body) = message.split_once('\n').unwrap_or((message, ""));
-    let publication = Publication {
-        head: format!("orch/audit/{id}"),
-        old: main,
-        new: commit,
-        pull_title: title.to_owned(),
-        pull_body: format!(
-            "The documents of {id}'s last stages and its lessons, after its release.\n\nDo not push to this branch: orch owns it."
-        ),
-        title: title.to_owned(),
-        message: body.trim_start().to_owned(),
-    };
+    let (cfg, publication) = Publication::of_commit(
+        run,
+        "audit",
+        main,
+        commit,
+        message,
+        format!("The documents of {id}'s last stages and its lessons, after its release."),
+    )?;
     let seq = crate::deploy::visit_seq(run);
     match publish_through_forge(run, &cfg, seq, &publication, None).await? {
         ForgePublished::Published { commit, .. } => {
