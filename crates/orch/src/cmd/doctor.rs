@@ -181,13 +181,14 @@ pub async fn run(cx: &Context) -> Result<ExitCode> {
 }
 
 async fn agents(r: &mut Report, config: &Config) {
-    // Stages whose agent must change the repository's code, not only write documents.
+    // Stages whose agent must change the repository's code (`writes_code`), not only write
+    // documents.
     let code_stages: Vec<(String, String)> = config
         .pipeline()
         .map(|p| {
             p.stages
                 .iter()
-                .filter(|s| s.name.as_str() == "implementation")
+                .filter(|s| s.writes_code)
                 .filter_map(|s| Some((s.name.to_string(), s.agent.as_ref()?.to_string())))
                 .collect()
         })
