@@ -52,15 +52,9 @@ pub const REVERT_LOG: &str = orch_domain::pipeline::REVERT_LOG;
 /// How long a task waiting for the release track waits between tries (the engine's).
 pub const WAIT_S: u64 = crate::engine::TRACK_WAIT_S;
 
-/// The guard for entering the release track of `pipeline`.
+/// The guard for entering the release track of `pipeline` (the engine's own).
 pub fn track(pipeline: &Pipeline) -> Exclusive {
-    Exclusive {
-        stages: pipeline
-            .release_track()
-            .iter()
-            .map(|s| s.as_str().to_owned())
-            .collect(),
-    }
+    crate::engine::release_track(pipeline)
 }
 
 fn value(e: &Event) -> serde_json::Value {
@@ -1263,14 +1257,6 @@ pub fn open_hold(events: &[Event]) -> Option<String> {
         }
     }
     hold
-}
-
-/// The outcome of a task reaching terminal stage `stage` with these events (its terminal event
-/// not yet among them), by the domain's one rule ([`orch_domain::outcome::outcome_of`]):
-/// `shipped`, `rolled_back`, `reverted`, `accepted`, `failed` or `cancelled`.
-pub fn outcome_now(stage: &str, events: &[Event]) -> &'static str {
-    orch_store::outcome_of_events(stage, events)
-        .map_or(orch_domain::control::FAILED, |o| o.outcome.as_str())
 }
 
 /// Ends the post-deploy watch and clears the deploy markers of a task that became terminal

@@ -85,7 +85,7 @@ pub fn job_kind(stage: &StageDef) -> String {
 
 /// The guard for entering the release track of `pipeline`: its stages whose descriptor says
 /// [`StageDef::release_track`].
-fn track(pipeline: &Pipeline) -> Exclusive {
+pub fn release_track(pipeline: &Pipeline) -> Exclusive {
     Exclusive {
         stages: pipeline
             .release_track()
@@ -274,7 +274,7 @@ impl Engine {
         if markers::is_release_wait(&cx.job.task_content)
             && self
                 .store
-                .track_holder(&task.repo, task.id, &track(&self.cfg.pipeline))
+                .track_holder(&task.repo, task.id, &release_track(&self.cfg.pipeline))
                 .await?
                 .is_some()
         {
@@ -717,7 +717,7 @@ impl Engine {
                 .data(data.to_string()),
             next_job,
         };
-        let track = track(&self.cfg.pipeline);
+        let track = release_track(&self.cfg.pipeline);
         let entering_track = track.stages.contains(&next)
             && !track.stages.iter().any(|s| s == run.stage.name.as_str());
         let advanced = if entering_track {

@@ -19,7 +19,9 @@ mod handler;
 pub use executor::{
     Executors, StageEffect, StageExecutor, StageRun, StageStart, WorktreePrep, YIELD_PRIORITY,
 };
-pub use handler::{Engine, EngineConfig, STAGE_ATTEMPTS, TRACK_WAIT_S, first_job, job_kind};
+pub use handler::{
+    Engine, EngineConfig, STAGE_ATTEMPTS, TRACK_WAIT_S, first_job, job_kind, release_track,
+};
 
 /// The payload of a stage job: which stage visit it belongs to. Markers (defers, ticks) are
 /// appended after the first line, so counting them is a substring count (seed ORCH-115 D-2).
