@@ -182,7 +182,7 @@ impl ApiIssue {
 
 /// A number in `[0, 1)` that differs between processes and tries (the clock's nanoseconds):
 /// enough to keep several orch processes from retrying an outage in step.
-fn jitter() -> f64 {
+pub(crate) fn jitter() -> f64 {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.subsec_nanos())

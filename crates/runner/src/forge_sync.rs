@@ -435,7 +435,7 @@ impl ForgeSyncPass {
             st.failures,
             interval_s,
             forge_cfg.max_backoff_s,
-            jitter(),
+            crate::forge::jitter(),
         )
         .unwrap_or(forge::Pause {
             secs: interval_s,
@@ -462,14 +462,6 @@ impl ForgeSyncPass {
             }
         }
     }
-}
-
-fn jitter() -> f64 {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.subsec_nanos())
-        .unwrap_or(0);
-    f64::from(nanos) / 1e9
 }
 
 #[async_trait::async_trait]
@@ -732,7 +724,7 @@ impl JobHandler for ForgeSyncHandler {
                     failures,
                     2,
                     item.forge_cfg.max_backoff_s,
-                    jitter(),
+                    crate::forge::jitter(),
                 )
                 .unwrap_or(forge::Pause {
                     secs: 2,

@@ -580,7 +580,7 @@ where
                     failures,
                     RETRY_S,
                     cfg.max_backoff_s,
-                    crate::forge::release::jitter(),
+                    crate::forge::jitter(),
                 );
                 let (secs, why) = match pause {
                     Some(p) => (p.secs.max(1), format!("{}: {message}", p.why)),

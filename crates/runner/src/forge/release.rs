@@ -20,11 +20,6 @@
 use orch_domain::forge::{Answer, ForgeConfig};
 use serde_json::{Value, json};
 
-/// A number in `[0, 1)` to spread retries (the forge's own jitter, as polling uses).
-pub fn jitter() -> f64 {
-    super::jitter()
-}
-
 /// Why a call did not succeed.
 #[derive(Debug, Clone)]
 pub enum Failure {
