@@ -4,9 +4,12 @@
 //! default.
 
 use serde::de::DeserializeOwned;
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
+use serde_json::Value;
 
+use crate::control;
 use crate::monitor::{ActionTaken, Verdict};
+use crate::outcome::Outcome;
 
 /// Reads an event's data (JSON text) as `T`; `None` when it is not that shape (a row of
 /// another kind, or corrupt): the reader skips it, never invents one.
@@ -17,6 +20,178 @@ pub fn read<T: DeserializeOwned>(data: &str) -> Option<T> {
 /// Reads an event's data already parsed as JSON as `T` (see [`read`]).
 pub fn read_value<T: DeserializeOwned>(data: &serde_json::Value) -> Option<T> {
     T::deserialize(data).ok()
+}
+
+/// An event's data as stored: the JSON text of `payload` (keys in the order `json!` writes
+/// them, so a typed writer stores the same text the untyped one did).
+pub fn text<T: Serialize>(payload: &T) -> String {
+    serde_json::to_value(payload).map_or_else(|_| "{}".to_owned(), |v| v.to_string())
+}
+
+/// A key some writers store as `null` and others leave out: `None` when absent, `Some(None)`
+/// when `null` (a reader may tell the two apart, as `orch replay` does with `commit`).
+fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(
+    d: D,
+) -> Result<Option<Option<T>>, D::Error> {
+    Option::<T>::deserialize(d).map(Some)
+}
+
+/// The data of a stage change: `stage.advanced`, `stage.loop_back`, `task.done`, `task.failed`,
+/// `task.cancelled` and `task.retried` (see [`control::events`]). Each writer fills the keys it
+/// knows and leaves the others out (absent keys are not written), so every row reads back as it
+/// was written; rows of older versions lack some keys, hence every key is optional.
+///
+/// Who writes which keys:
+/// - the engine's stage change (advance, loop back, end by `decide`): `from`, `to`, `outcome`
+///   (the gate's value; on an end, the task's [`Outcome`], the gate's value moving to
+///   `result`), `feedback` and `commit` (`null` when none), `awaiting_approval`, `attempt`;
+///   an end in `failed` adds `stage` and `reason`;
+/// - a failure outside `decide` (the engine's [`StageChange::failed`], the store's stranded
+///   task): `from`, `to`, `outcome`, `stage`, `reason`;
+/// - an operator's retry ([`StageChange::retried`]): `from`, `to`, `by`; a cancel
+///   ([`StageChange::cancelled`]): `from`, `to`, `outcome`, `reason`, `by`;
+/// - a forge review's change request (a loop back): `from`, `to`, `outcome`, `feedback`,
+///   `review`, `pull`, `by`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageChange {
+    /// The stage left (absent in some old rows of a stranded task's failure).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+    /// The stage entered.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+    /// Between pipeline stages, the gate's value (`PASS`, `CHANGES_REQUESTED`, `NOT_SUCCESS`,
+    /// …); when the task ends, the task's outcome ([`StageChange::task_outcome`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub outcome: Option<String>,
+    /// When the pipeline ended the task, the last gate's value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub result: Option<String>,
+    /// The feedback document the stage entered reads (a loop back); `Some(None)`: the engine
+    /// said there is none (`null`).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub feedback: Option<Option<String>>,
+    /// The stage entered waits for an approval before it runs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub awaiting_approval: Option<bool>,
+    /// The commit the gate read; `Some(None)`: the stage committed nothing new (`null`); `None`:
+    /// no gate was read (an operator's call, a failure, a review).
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "present"
+    )]
+    pub commit: Option<Option<String>>,
+    /// The attempt of the stage job that made the change.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempt: Option<i64>,
+    /// The stage a failure happened in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// Why the task failed or was cancelled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The forge review whose change request sent the item back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub review: Option<u64>,
+    /// The pull request of that review.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pull: Option<u64>,
+    /// Who made the call ([`control::actor::Actor::data`], under [`control::actor::KEY`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub by: Option<Value>,
+}
+
+impl StageChange {
+    /// A move from `from` to `to`, nothing else said yet.
+    pub fn new(from: &str, to: &str) -> StageChange {
+        StageChange {
+            from: Some(from.to_owned()),
+            to: Some(to.to_owned()),
+            ..StageChange::default()
+        }
+    }
+
+    /// A task failed in `stage` outside the pipeline's decision (a job that failed for good, a
+    /// stage that cannot run) because of `reason`.
+    pub fn failed(stage: &str, reason: &str) -> StageChange {
+        StageChange {
+            outcome: Some(control::FAILED.to_owned()),
+            stage: Some(stage.to_owned()),
+            reason: Some(reason.to_owned()),
+            ..StageChange::new(stage, control::FAILED)
+        }
+    }
+
+    /// An operator put a failed task back at `stage`; `by` is the caller's data.
+    pub fn retried(stage: &str, by: Value) -> StageChange {
+        StageChange {
+            by: Some(by),
+            ..StageChange::new(control::FAILED, stage)
+        }
+    }
+
+    /// An operator cancelled a task at `from`, saying `reason`; `by` is the caller's data.
+    pub fn cancelled(from: &str, reason: &str, by: Value) -> StageChange {
+        StageChange {
+            outcome: Some(control::CANCELLED.to_owned()),
+            reason: Some(reason.to_owned()),
+            by: Some(by),
+            ..StageChange::new(from, control::CANCELLED)
+        }
+    }
+
+    /// The task's outcome a terminal change recorded (`None` for a gate's value, or a word of
+    /// no outcome).
+    pub fn task_outcome(&self) -> Option<Outcome> {
+        self.outcome.as_deref().and_then(Outcome::parse)
+    }
+
+    /// Whether the stage entered waits for an approval.
+    pub fn awaits_approval(&self) -> bool {
+        self.awaiting_approval == Some(true)
+    }
+
+    /// The stage this change says a failure happened in: its `stage`, else the stage it left.
+    pub fn failed_stage(&self) -> Option<&str> {
+        self.stage.as_deref().or(self.from.as_deref())
+    }
+
+    /// The data as stored.
+    pub fn text(&self) -> String {
+        text(self)
+    }
+}
+
+/// `node.takeover`: a node took over a job pinned to a node gone longer than the grace.
+/// Every key is written; an old or broken row reads with the missing ones `None`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeTakeover {
+    /// The node that is gone.
+    #[serde(default)]
+    pub from: Option<String>,
+    /// The node that took the job over.
+    #[serde(default)]
+    pub to: Option<String>,
+    /// When the gone node was last seen (`null`: it left no beacon).
+    #[serde(default)]
+    pub last_seen_ms: Option<i64>,
+    /// The visit of the stage.
+    #[serde(default)]
+    pub seq: Option<i64>,
+    /// The stage.
+    #[serde(default)]
+    pub stage: Option<String>,
+    /// The job taken over.
+    #[serde(default)]
+    pub job: Option<i64>,
+    /// The job's kind.
+    #[serde(default)]
+    pub agent: Option<String>,
 }
 
 /// How a change reached a deployed revision.
@@ -154,6 +329,156 @@ pub struct WatchVerdict {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
+
+    /// Each writer's typed change stores exactly the text its `json!` stored before, and reads
+    /// back as written.
+    #[test]
+    fn every_stage_change_writes_the_text_of_before_and_reads_back() {
+        let by = json!({"via": "cli", "user": "alice", "uid": 1000});
+        let engine = StageChange {
+            outcome: Some("PASS".into()),
+            feedback: Some(None),
+            awaiting_approval: Some(false),
+            commit: Some(Some("c".repeat(40))),
+            attempt: Some(1),
+            ..StageChange::new("review", "verification")
+        };
+        let mut ended = StageChange {
+            outcome: Some("NOT_SUCCESS".into()),
+            feedback: Some(Some("09-review.md".into())),
+            awaiting_approval: Some(false),
+            commit: Some(None),
+            attempt: Some(2),
+            ..StageChange::new("staging", control::FAILED)
+        };
+        ended.result = ended.outcome.take();
+        ended.stage = Some("staging".into());
+        ended.reason = Some("loops used up".into());
+        ended.outcome = Some("failed".into());
+        let review = StageChange {
+            outcome: Some("CHANGES_REQUESTED".into()),
+            feedback: Some(Some("11-pull-request-review.md".into())),
+            review: Some(77),
+            pull: Some(5),
+            by: Some(by.clone()),
+            ..StageChange::new("review", "implementation")
+        };
+        let cases = [
+            (
+                engine.clone(),
+                json!({"from": "review", "to": "verification", "outcome": "PASS",
+                       "feedback": null, "awaiting_approval": false,
+                       "commit": "c".repeat(40), "attempt": 1}),
+            ),
+            (
+                ended.clone(),
+                json!({"from": "staging", "to": "failed", "outcome": "failed",
+                       "feedback": "09-review.md", "awaiting_approval": false, "commit": null,
+                       "attempt": 2, "result": "NOT_SUCCESS", "stage": "staging",
+                       "reason": "loops used up"}),
+            ),
+            (
+                StageChange::failed("deploy", "job 4 failed for good"),
+                json!({"from": "deploy", "to": "failed", "outcome": "failed",
+                       "stage": "deploy", "reason": "job 4 failed for good"}),
+            ),
+            (
+                StageChange::retried("deploy", by.clone()),
+                json!({"from": "failed", "to": "deploy", "by": by}),
+            ),
+            (
+                StageChange::cancelled("analysis", "cancelled via the CLI", by.clone()),
+                json!({"from": "analysis", "to": "cancelled", "outcome": "cancelled",
+                       "reason": "cancelled via the CLI", "by": by}),
+            ),
+            (
+                review.clone(),
+                json!({"from": "review", "to": "implementation", "outcome": "CHANGES_REQUESTED",
+                       "feedback": "11-pull-request-review.md", "review": 77, "pull": 5,
+                       "by": by}),
+            ),
+        ];
+        for (change, before) in cases {
+            assert_eq!(change.text(), before.to_string());
+            assert_eq!(read::<StageChange>(&change.text()), Some(change.clone()));
+            assert_eq!(read_value::<StageChange>(&before), Some(change));
+        }
+        assert_eq!(ended.task_outcome(), Some(Outcome::Failed));
+        assert_eq!(engine.task_outcome(), None);
+        assert_eq!(ended.failed_stage(), Some("staging"));
+    }
+
+    /// Rows already in users' databases, in each shape an older orch wrote, read as before:
+    /// what is absent is `None`, a stored `null` is told apart from an absent key.
+    #[test]
+    fn old_stage_change_rows_read_as_before() {
+        let r = |t: &str| read::<StageChange>(t);
+        // A bare advance (tests' fixtures, early versions).
+        assert_eq!(
+            r(r#"{"from":"intake","to":"analysis"}"#),
+            Some(StageChange::new("intake", "analysis"))
+        );
+        // A stranded failure before it carried `from`/`to`.
+        let stranded = r(r#"{"outcome":"failed","stage":"staging","reason":"smoke check failed"}"#);
+        assert_eq!(
+            stranded
+                .as_ref()
+                .map(|c| (c.from.clone(), c.failed_stage(), c.task_outcome())),
+            Some((None, Some("staging"), Some(Outcome::Failed)))
+        );
+        // An end before the task's outcome was recorded: the gate's value in `outcome`.
+        let done = r(r#"{"from":"lessons","to":"done","outcome":"PASS"}"#);
+        assert_eq!(done.as_ref().and_then(StageChange::task_outcome), None);
+        assert_eq!(done.and_then(|c| c.result), None);
+        // An advance with no commit: `null`, unlike a change that read no gate at all.
+        let advanced = r(
+            r#"{"from":"review","to":"verification","outcome":"PASS","feedback":null,"awaiting_approval":true,"commit":null,"attempt":1}"#,
+        );
+        assert_eq!(
+            advanced
+                .as_ref()
+                .map(|c| (c.commit.clone(), c.feedback.clone(), c.awaits_approval())),
+            Some((Some(None), Some(None), true))
+        );
+        let cancel = r(
+            r#"{"from":"analysis","to":"cancelled","outcome":"cancelled","reason":"x","by":{"via":"api","peer":null,"user_agent":null}}"#,
+        );
+        assert_eq!(cancel.as_ref().map(|c| c.commit.clone()), Some(None));
+        assert_eq!(
+            cancel.and_then(|c| c.by).map(|b| b["via"].clone()),
+            Some(json!("api"))
+        );
+        // No data, or not a stage change's: nothing is invented.
+        assert_eq!(r(""), None);
+        assert_eq!(r("[1]"), None);
+        assert_eq!(r("{}"), Some(StageChange::default()));
+    }
+
+    #[test]
+    fn a_takeover_reads_back_and_an_old_row_keeps_what_it_has() {
+        let t = NodeTakeover {
+            from: Some("a".into()),
+            to: Some("b".into()),
+            last_seen_ms: None,
+            seq: Some(4),
+            stage: Some("deploy".into()),
+            job: Some(9),
+            agent: Some("deployer".into()),
+        };
+        assert_eq!(
+            text(&t),
+            json!({"from": "a", "to": "b", "last_seen_ms": null, "seq": 4, "stage": "deploy",
+                   "job": 9, "agent": "deployer"})
+            .to_string()
+        );
+        assert_eq!(read::<NodeTakeover>(&text(&t)), Some(t));
+        let old = read::<NodeTakeover>(r#"{"from":"a","stage":"observe"}"#);
+        assert_eq!(
+            old.map(|t| (t.from, t.to, t.stage)),
+            Some((Some("a".into()), None, Some("observe".into())))
+        );
+    }
 
     #[test]
     fn a_deploy_reads_back_what_was_written() {

@@ -539,6 +539,13 @@ impl Pipeline {
             .collect()
     }
 
+    /// The stage that writes the item's code (the first [`StageDef::writes_code`] one, the
+    /// developer's `implementation` by default): its start opens a forge's pull request, and a
+    /// forge review's change request sends the item back to it.
+    pub fn code_stage(&self) -> Option<&StageDef> {
+        self.stages.iter().find(|s| s.writes_code)
+    }
+
     /// The stage a submitted work item starts in.
     pub fn first_stage(&self) -> Option<&StageName> {
         self.stages.first().map(|s| &s.name)
