@@ -167,6 +167,22 @@ impl StageChange {
     }
 }
 
+/// `stage.requeued`: a stage job comes back later as a fresh job of the same visit (a defer, a
+/// tick, a wait). The engine writes every key; a row that lacks one reads it as `None`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StageRequeued {
+    /// When the follow-up is due, from now.
+    #[serde(default)]
+    pub delay_ms: Option<u64>,
+    /// The follow-up's marker line ([`control::markers`]), whose count is a restart-safe
+    /// counter (a staging tool error's defers, ORCH-115).
+    #[serde(default)]
+    pub marker: Option<String>,
+    /// The follow-up's priority.
+    #[serde(default)]
+    pub priority: Option<i64>,
+}
+
 /// `node.takeover`: a node took over a job pinned to a node gone longer than the grace.
 /// Every key is written; an old or broken row reads with the missing ones `None`.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -192,6 +208,28 @@ pub struct NodeTakeover {
     /// The job's kind.
     #[serde(default)]
     pub agent: Option<String>,
+}
+
+/// What a `deploy.skipped` (no deploy command) goes on with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SkipThen {
+    /// Nothing to deploy and nothing to watch (no health URL either): the stage passes.
+    Pass,
+    /// The revision is taken as deployed outside orch: confirmed and watched at the health URL.
+    Confirm,
+}
+
+/// `deploy.skipped`: no deploy command is configured.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeploySkipped {
+    /// The revision not deployed by orch.
+    pub revision: String,
+    /// What the stage does instead.
+    pub outcome: SkipThen,
+    /// The visit of the stage.
+    #[serde(default)]
+    pub seq: Option<i64>,
 }
 
 /// How a change reached a deployed revision.
@@ -453,6 +491,43 @@ mod tests {
         assert_eq!(r(""), None);
         assert_eq!(r("[1]"), None);
         assert_eq!(r("{}"), Some(StageChange::default()));
+    }
+
+    #[test]
+    fn a_requeue_writes_the_text_of_before_and_an_old_row_reads() {
+        let r = StageRequeued {
+            delay_ms: Some(30_000),
+            marker: Some(control::markers::staging_defer(2)),
+            priority: Some(0),
+        };
+        assert_eq!(
+            text(&r),
+            json!({"delay_ms": 30_000, "marker": control::markers::staging_defer(2),
+                   "priority": 0})
+            .to_string()
+        );
+        assert_eq!(read::<StageRequeued>(&text(&r)), Some(r));
+        let old = read_value::<StageRequeued>(&json!({"marker": "m"}));
+        assert_eq!(
+            old.map(|r| (r.marker, r.delay_ms)),
+            Some((Some("m".into()), None))
+        );
+    }
+
+    #[test]
+    fn a_skipped_deploy_says_what_follows_in_its_stored_word() {
+        let old = r#"{"revision":"abc","outcome":"confirm","seq":2}"#;
+        let d = read::<DeploySkipped>(old);
+        assert_eq!(d.as_ref().map(|d| d.outcome), Some(SkipThen::Confirm));
+        assert_eq!(d.map(|d| text(&d)), Some(old.to_owned()));
+        assert_eq!(
+            read::<DeploySkipped>(r#"{"revision":"abc","outcome":"pass"}"#).map(|d| d.outcome),
+            Some(SkipThen::Pass)
+        );
+        assert_eq!(
+            read::<DeploySkipped>(r#"{"revision":"abc","outcome":"maybe"}"#),
+            None
+        );
     }
 
     #[test]

@@ -39,7 +39,7 @@ use serde_json::Value;
 use crate::control::{self, events as kind, markers};
 use crate::monitor::ActionTaken;
 use crate::outcome::{self, EventView, Outcome, RollbackFact};
-use crate::payload::{self, StageChange};
+use crate::payload::{self, StageChange, StageRequeued};
 
 /// Epoch milliseconds.
 pub type Millis = i64;
@@ -760,9 +760,8 @@ fn figures(items: &[&ItemRecord], range: Range) -> Figures {
                 }
                 kind::STAGE_REQUEUED
                     if e.stage.as_deref() == Some(STAGING_STAGE)
-                        && e.data
-                            .get("marker")
-                            .and_then(Value::as_str)
+                        && payload::read_value::<StageRequeued>(&e.data)
+                            .and_then(|r| r.marker)
                             .is_some_and(|m| m.contains(markers::STAGING_DEFER)) =>
                 {
                     f.staging.infrastructure_errors += 1;

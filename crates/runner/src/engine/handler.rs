@@ -13,7 +13,7 @@ use orch_domain::config::Config;
 use orch_domain::control::{self, dedupe, events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
 use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
-use orch_domain::payload::{self, NodeTakeover, StageChange};
+use orch_domain::payload::{self, NodeTakeover, StageChange, StageRequeued};
 use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
 use orch_store::{
@@ -589,12 +589,11 @@ impl Engine {
             .task(run.task.id)
             .job(run.job.id)
             .stage(run.stage.name.as_str().to_owned())
-            .data(
-                serde_json::json!({
-                    "delay_ms": delay_ms, "marker": marker, "priority": priority,
-                })
-                .to_string(),
-            );
+            .data(payload::text(&StageRequeued {
+                delay_ms: Some(delay_ms),
+                marker: Some(marker),
+                priority: Some(priority),
+            }));
         self.store.enqueue_fenced(cx.lease, job, event).await?;
         crate::failpoint::hit("engine.after_requeue");
         Ok(Outcome::Done)
