@@ -210,6 +210,107 @@ pub struct NodeTakeover {
     pub agent: Option<String>,
 }
 
+/// `forge.pull`: the item's pull request was found or opened on the forge.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForgePull {
+    /// Its number.
+    pub number: u64,
+    /// Its page.
+    #[serde(default)]
+    pub url: String,
+    /// The work branch.
+    #[serde(default)]
+    pub head: String,
+    /// The default branch it would merge into.
+    #[serde(default)]
+    pub base: String,
+    /// Opened now (`false`: an existing one was found by its head).
+    #[serde(default)]
+    pub opened: bool,
+}
+
+/// One commit status the forge sync set.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SentStatus {
+    /// The status's context (`orch/<stage>`).
+    pub context: String,
+    /// Its state (`pending`, `success`, `failure`, `error`).
+    pub state: String,
+}
+
+/// `forge.synced`: the forge is up to date with the item's events up to `through` (the
+/// sync's cursor).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForgeSynced {
+    /// The newest event on the forge.
+    pub through: i64,
+    /// The pull request, once there is one (`null` before).
+    #[serde(default)]
+    pub pull: Option<u64>,
+    /// The statuses set.
+    #[serde(default)]
+    pub statuses: Vec<SentStatus>,
+}
+
+/// `forge.review`: a review of the item's pull request was taken (noted, or an approval about
+/// to be made).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForgeReview {
+    /// The review's id on the forge.
+    pub review: u64,
+    /// Its state on the forge (`APPROVED`, `CHANGES_REQUESTED`, …).
+    #[serde(default)]
+    pub state: String,
+    /// The pull request.
+    #[serde(default)]
+    pub pull: Option<u64>,
+    /// What orch did: [`ForgeReview::APPROVING`], or `noted` (with `why`).
+    #[serde(default)]
+    pub action: String,
+    /// Why it was only noted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub why: Option<String>,
+    /// The stage an approval approves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stage: Option<String>,
+    /// The visit an approval approves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seq: Option<i64>,
+    /// The reviewer's login.
+    #[serde(default)]
+    pub by: String,
+}
+
+impl ForgeReview {
+    /// The action of an approval recorded before it is made.
+    pub const APPROVING: &'static str = "approving";
+}
+
+/// `forge.outcome`: the item's outcome was said on the forge.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForgeOutcome {
+    /// The outcome said ([`Outcome`]'s word).
+    #[serde(default)]
+    pub outcome: String,
+    /// The visit that ended the item.
+    pub seq: i64,
+    /// The issue.
+    #[serde(default)]
+    pub issue: u64,
+    /// The pull request, when there was one.
+    #[serde(default)]
+    pub pull: Option<u64>,
+    /// The numbers of the issue and pull request commented on.
+    #[serde(default)]
+    pub comments: Vec<u64>,
+    /// The comments' ids.
+    #[serde(default)]
+    pub comment_ids: Vec<u64>,
+    /// The issue was closed (the item shipped).
+    #[serde(default)]
+    pub closed: bool,
+}
+
 /// What a `deploy.skipped` (no deploy command) goes on with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -512,6 +613,86 @@ mod tests {
             old.map(|r| (r.marker, r.delay_ms)),
             Some((Some("m".into()), None))
         );
+    }
+
+    #[test]
+    fn the_forge_events_write_the_text_of_before_and_read_back() {
+        let pull = ForgePull {
+            number: 5,
+            url: "https://x/5".into(),
+            head: "orch/APP-1".into(),
+            base: "main".into(),
+            opened: true,
+        };
+        let synced = ForgeSynced {
+            through: 40,
+            pull: None,
+            statuses: vec![SentStatus {
+                context: "orch/review".into(),
+                state: "success".into(),
+            }],
+        };
+        let noted = ForgeReview {
+            review: 7,
+            state: "COMMENTED".into(),
+            pull: Some(5),
+            action: "noted".into(),
+            why: Some("x".into()),
+            stage: None,
+            seq: None,
+            by: "bob".into(),
+        };
+        let approving = ForgeReview {
+            action: ForgeReview::APPROVING.into(),
+            why: None,
+            stage: Some("deploy".into()),
+            seq: Some(3),
+            ..noted.clone()
+        };
+        let said = ForgeOutcome {
+            outcome: "shipped".into(),
+            seq: 9,
+            issue: 1,
+            pull: Some(5),
+            comments: vec![1, 5],
+            comment_ids: vec![11, 12],
+            closed: true,
+        };
+        let cases = [
+            (
+                text(&pull),
+                json!({"number": 5, "url": "https://x/5", "head": "orch/APP-1", "base": "main",
+                       "opened": true}),
+            ),
+            (
+                text(&synced),
+                json!({"through": 40, "pull": null,
+                       "statuses": [{"context": "orch/review", "state": "success"}]}),
+            ),
+            (
+                text(&noted),
+                json!({"review": 7, "state": "COMMENTED", "pull": 5, "action": "noted",
+                       "why": "x", "by": "bob"}),
+            ),
+            (
+                text(&approving),
+                json!({"review": 7, "state": "COMMENTED", "pull": 5, "action": "approving",
+                       "stage": "deploy", "seq": 3, "by": "bob"}),
+            ),
+            (
+                text(&said),
+                json!({"outcome": "shipped", "seq": 9, "issue": 1, "pull": 5,
+                       "comments": [1, 5], "comment_ids": [11, 12], "closed": true}),
+            ),
+        ];
+        for (written, before) in cases {
+            assert_eq!(written, before.to_string());
+        }
+        assert_eq!(read::<ForgePull>(&text(&pull)), Some(pull));
+        assert_eq!(read::<ForgeSynced>(&text(&synced)), Some(synced));
+        assert_eq!(read::<ForgeReview>(&text(&noted)), Some(noted));
+        assert_eq!(read::<ForgeReview>(&text(&approving)), Some(approving));
+        assert_eq!(read::<ForgeOutcome>(&text(&said)), Some(said));
     }
 
     #[test]

@@ -38,7 +38,10 @@ use orch_domain::control::actor::Actor;
 use orch_domain::control::{self, dedupe, events, jobs};
 use orch_domain::forge::{self, ForgeConfig, Origin, ReviewState, StatusState};
 use orch_domain::ids::{RepoName, WorkItemId};
-use orch_domain::payload::{self, StageChange};
+use orch_domain::payload::{
+    self, ForgeOutcome, ForgePull, ForgeReview, ForgeSynced, ReleaseDeployed, SentStatus,
+    StageChange,
+};
 use orch_store::{AdvanceStage, Event, Fence, JobState, NewEvent, NewJob, Store, Task, TaskFilter};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -113,7 +116,8 @@ fn cursor_of(events: &[Event]) -> i64 {
     events
         .iter()
         .filter(|e| e.kind == events::FORGE_SYNCED)
-        .filter_map(|e| e.data_value()["through"].as_i64())
+        .filter_map(|e| payload::read::<ForgeSynced>(&e.data))
+        .map(|s| s.through)
         .max()
         .unwrap_or(0)
 }
@@ -124,7 +128,8 @@ fn pull_of(events: &[Event]) -> Option<u64> {
         .iter()
         .rev()
         .find(|e| e.kind == events::FORGE_PULL)
-        .and_then(|e| e.data_value()["number"].as_u64())
+        .and_then(|e| payload::read::<ForgePull>(&e.data))
+        .map(|p| p.number)
 }
 
 /// The approval of review `review` that a job recorded it is about to make (`forge.review`,
@@ -133,9 +138,9 @@ fn approving_of(events: &[Event], review: u64) -> Option<(String, i64)> {
     events
         .iter()
         .filter(|e| e.kind == events::FORGE_REVIEW)
-        .map(|e| e.data_value())
-        .find(|d| d["review"].as_u64() == Some(review) && d["action"] == "approving")
-        .and_then(|d| Some((d["stage"].as_str()?.to_owned(), d["seq"].as_i64()?)))
+        .filter_map(|e| payload::read::<ForgeReview>(&e.data))
+        .find(|r| r.review == review && r.action == ForgeReview::APPROVING)
+        .and_then(|r| Some((r.stage?, r.seq?)))
 }
 
 /// The reviews already acted on: named by `forge.review` or by the loop back they caused.
@@ -143,7 +148,7 @@ fn reviews_taken(events: &[Event]) -> HashSet<u64> {
     events
         .iter()
         .filter_map(|e| match e.kind.as_str() {
-            events::FORGE_REVIEW => e.data_value()["review"].as_u64(),
+            events::FORGE_REVIEW => payload::read::<ForgeReview>(&e.data).map(|r| r.review),
             events::STAGE_LOOP_BACK => payload::read::<StageChange>(&e.data)?.review,
             _ => None,
         })
@@ -947,11 +952,13 @@ impl ForgeSyncHandler {
                     )
                     .task(item.task.id)
                     .job(cx.job.id)
-                    .data(
-                        json!({"number": p.number, "url": p.html_url, "head": item.task.branch,
-                                 "base": item.repo.default_branch, "opened": opened})
-                        .to_string(),
-                    );
+                    .data(payload::text(&ForgePull {
+                        number: p.number,
+                        url: p.html_url.clone(),
+                        head: item.task.branch.clone(),
+                        base: item.repo.default_branch.clone(),
+                        opened,
+                    }));
                     cx.store.append_event_fenced(cx.lease, event).await?;
                     pull = Some(p.number);
                 }
@@ -982,7 +989,10 @@ impl ForgeSyncHandler {
                 }
                 let context = forge::status_context(stage);
                 if gh.set_status(&sha, *state, &context, text, &url).await? {
-                    sent.push(json!({"context": context, "state": state.as_str()}));
+                    sent.push(SentStatus {
+                        context,
+                        state: state.as_str().to_owned(),
+                    });
                 }
             }
         }
@@ -1014,7 +1024,11 @@ impl ForgeSyncHandler {
         )
         .task(item.task.id)
         .job(cx.job.id)
-        .data(json!({"through": through, "pull": pull, "statuses": sent}).to_string());
+        .data(payload::text(&ForgeSynced {
+            through,
+            pull,
+            statuses: sent,
+        }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
     }
@@ -1038,11 +1052,16 @@ impl ForgeSyncHandler {
         )
         .task(item.task.id)
         .job(cx.job.id)
-        .data(
-            json!({"review": review.id, "state": review.state, "pull": pull, "action": action,
-                     "why": why, "by": review.user})
-            .to_string(),
-        );
+        .data(payload::text(&ForgeReview {
+            review: review.id,
+            state: review.state.clone(),
+            pull: Some(pull),
+            action: action.to_owned(),
+            why: Some(why.to_owned()),
+            stage: None,
+            seq: None,
+            by: review.user.clone(),
+        }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
     }
@@ -1134,12 +1153,16 @@ impl ForgeSyncHandler {
                 )
                 .task(task.id)
                 .job(cx.job.id)
-                .data(
-                    json!({"review": review.id, "state": review.state, "pull": pull,
-                           "action": "approving", "stage": task.stage, "seq": task.stage_seq,
-                           "by": review.user})
-                    .to_string(),
-                );
+                .data(payload::text(&ForgeReview {
+                    review: review.id,
+                    state: review.state.clone(),
+                    pull: Some(pull),
+                    action: ForgeReview::APPROVING.to_owned(),
+                    why: None,
+                    stage: Some(task.stage.clone()),
+                    seq: Some(task.stage_seq),
+                    by: review.user.clone(),
+                }));
                 cx.store.append_event_fenced(cx.lease, event).await?;
                 crate::failpoint::hit("forge.after_approving");
                 self.approve(cx, item, pull, review, &actor).await
@@ -1406,7 +1429,9 @@ impl ForgeSyncHandler {
         if item
             .history
             .iter()
-            .any(|e| e.kind == events::FORGE_OUTCOME && e.data_value()["seq"].as_i64() == Some(seq))
+            .filter(|e| e.kind == events::FORGE_OUTCOME)
+            .filter_map(|e| payload::read::<ForgeOutcome>(&e.data))
+            .any(|o| o.seq == seq)
         {
             return Ok(Outcome::Done);
         }
@@ -1419,7 +1444,8 @@ impl ForgeSyncHandler {
             .rev()
             .find(|e| e.kind == events::RELEASE_DEPLOYED);
         let revision = deployed
-            .and_then(|e| e.data_value()["revision"].as_str().map(str::to_owned))
+            .and_then(|e| payload::read::<ReleaseDeployed>(&e.data))
+            .map(|d| d.revision)
             .or(o.live.clone());
         let view = forge::OutcomeView {
             work_item: task.work_item_id.clone(),
@@ -1471,11 +1497,15 @@ impl ForgeSyncHandler {
         )
         .task(task.id)
         .job(cx.job.id)
-        .data(
-            json!({"outcome": o.outcome.as_str(), "seq": seq, "issue": item.origin.issue,
-                     "pull": pull, "comments": said, "comment_ids": ids, "closed": shipped})
-            .to_string(),
-        );
+        .data(payload::text(&ForgeOutcome {
+            outcome: o.outcome.as_str().to_owned(),
+            seq,
+            issue: item.origin.issue,
+            pull,
+            comments: said,
+            comment_ids: ids,
+            closed: shipped,
+        }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
     }
