@@ -524,18 +524,18 @@ mod tests {
             ),
             (
                 StageChange::retried("deploy", by.clone()),
-                json!({"from": "failed", "to": "deploy", "by": by}),
+                json!({"from": "failed", "to": "deploy", control::actor::KEY: by}),
             ),
             (
                 StageChange::cancelled("analysis", "cancelled via the CLI", by.clone()),
                 json!({"from": "analysis", "to": "cancelled", "outcome": "cancelled",
-                       "reason": "cancelled via the CLI", "by": by}),
+                       "reason": "cancelled via the CLI", control::actor::KEY: by}),
             ),
             (
                 review.clone(),
                 json!({"from": "review", "to": "implementation", "outcome": "CHANGES_REQUESTED",
                        "feedback": "11-pull-request-review.md", "review": 77, "pull": 5,
-                       "by": by}),
+                       control::actor::KEY: by}),
             ),
         ];
         for (change, before) in cases {

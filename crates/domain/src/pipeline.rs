@@ -852,6 +852,11 @@ mod tests {
             "the release track"
         );
         assert_eq!(flagged(|d| d.writes_code), ["implementation"]);
+        assert_eq!(
+            p.code_stage().map(|d| d.name.as_str()),
+            Some("implementation"),
+            "where a forge's change request sends an item back"
+        );
         assert_eq!(flagged(|d| d.writes_lessons), ["lessons"]);
         assert_eq!(
             flagged(|d| d.also_writes.iter().any(|a| a.as_str() == REVERT_LOG)),
