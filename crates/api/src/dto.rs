@@ -807,15 +807,16 @@ impl Queue {
                 .takeovers
                 .iter()
                 .map(|e| {
-                    let d: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
-                    let text = |k: &str| d[k].as_str().map(str::to_owned);
+                    let t =
+                        orch_domain::payload::read::<orch_domain::payload::NodeTakeover>(&e.data)
+                            .unwrap_or_default();
                     TakeoverDto {
                         at_ms: e.created_at,
                         task_id: e.task_id,
                         job_id: e.job_id,
-                        from: text("from"),
-                        to: text("to"),
-                        stage: text("stage"),
+                        from: t.from,
+                        to: t.to,
+                        stage: t.stage,
                         message: e.message.clone(),
                     }
                 })

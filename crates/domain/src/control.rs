@@ -41,7 +41,8 @@ pub fn terminal_event(stage: &str) -> Option<&'static str> {
 }
 
 /// Event kinds (`events.kind`). Each event's `data` is a JSON object; what it holds is said
-/// beside its kind.
+/// beside its kind. The data other crates read is typed in [`crate::payload`]: every stage
+/// change (the task's life, an advance, a loop back) is a [`crate::payload::StageChange`].
 pub mod events {
     // The task's life.
     /// A task was created (stage `intake`): `{by}` (see [`super::actor`]).
@@ -58,7 +59,8 @@ pub mod events {
     // Stage visits.
     /// A stage job began its work.
     pub const STAGE_STARTED: &str = "stage.started";
-    /// A stage job came back later (a defer, a tick, a wait): `{delay_s, …}`.
+    /// A stage job came back later (a defer, a tick, a wait): `{delay_ms, marker, priority}`
+    /// ([`crate::payload::StageRequeued`]).
     pub const STAGE_REQUEUED: &str = "stage.requeued";
     /// The task moved forward to its next stage: `{from, to}`.
     pub const STAGE_ADVANCED: &str = "stage.advanced";
@@ -112,7 +114,8 @@ pub mod events {
     /// (a crash, a kill) before it ended, and the revision is not live (recorded first: a
     /// visit re-runs it at most once).
     pub const DEPLOY_REDEPLOYED: &str = "deploy.redeployed";
-    /// No deploy command is configured.
+    /// No deploy command is configured: `{revision, outcome, seq}`
+    /// ([`crate::payload::DeploySkipped`]).
     pub const DEPLOY_SKIPPED: &str = "deploy.skipped";
     /// The deploy command failed (non-zero exit, timeout, cannot start).
     pub const DEPLOY_FAILED: &str = "deploy.failed";
@@ -170,7 +173,7 @@ pub mod events {
 
     // Nodes (design.md §10).
     /// A node took over a job pinned to a node gone longer than the grace, and re-pinned it:
-    /// `{from, to, last_seen_ms, seq, stage, job, agent}`.
+    /// `{from, to, last_seen_ms, seq, stage, job, agent}` ([`crate::payload::NodeTakeover`]).
     pub const NODE_TAKEOVER: &str = "node.takeover";
     /// The remote's `orch/<id>` held commits the lease holder had not seen (a stale attempt's
     /// push); the holder's branch replaced them by compare-and-swap.

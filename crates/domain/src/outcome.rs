@@ -31,6 +31,7 @@ use serde_json::Value;
 
 use crate::control::{self, events as kind};
 use crate::monitor::{ActionTaken, Verdict};
+use crate::payload::{self, StageChange};
 
 /// How a finished task ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -252,6 +253,15 @@ pub struct TaskOutcome {
     pub recorded: bool,
 }
 
+/// A stage change's text key as [`str_field`] reads one: trimmed, and `None` when empty.
+fn said(value: &Option<String>) -> Option<String> {
+    value
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(str::to_owned)
+}
+
 fn str_field(v: &Value, key: &str) -> Option<String> {
     v.get(key)
         .and_then(Value::as_str)
@@ -339,9 +349,8 @@ pub fn outcome_of(stage: &str, events: &[EventView<'_>]) -> Option<TaskOutcome> 
     let terminal_kind = control::terminal_event(stage)?;
     let last = events.iter().rev().find(|e| e.kind == terminal_kind);
     let recorded = last
-        .and_then(|e| e.data.get("outcome"))
-        .and_then(Value::as_str)
-        .and_then(Outcome::parse)
+        .and_then(|e| payload::read_value::<StageChange>(e.data))
+        .and_then(|c| c.task_outcome())
         == Some(outcome);
     let (stage, reason) = match outcome {
         Outcome::Shipped => (None, None),
@@ -383,8 +392,10 @@ fn failure_story(
     events: &[EventView<'_>],
     last: Option<&EventView<'_>>,
 ) -> (Option<String>, Option<String>) {
-    let stage = last
-        .and_then(|e| str_field(e.data, "stage").or_else(|| str_field(e.data, "from")))
+    let change = last.and_then(|e| payload::read_value::<StageChange>(e.data));
+    let stage = change
+        .as_ref()
+        .and_then(|c| said(&c.stage).or_else(|| said(&c.from)))
         .filter(|s| !control::is_terminal_stage(s))
         .or_else(|| {
             events
@@ -395,7 +406,7 @@ fn failure_story(
                 .map(str::to_owned)
         });
     let reason = last.and_then(|e| {
-        str_field(e.data, "reason").or_else(|| {
+        change.as_ref().and_then(|c| said(&c.reason)).or_else(|| {
             let m = e.message.trim();
             (!m.is_empty()).then(|| m.to_owned())
         })
@@ -469,7 +480,9 @@ fn rollback_story(
             (!m.is_empty()).then(|| m.to_owned()),
         );
     }
-    let reason = last.and_then(|e| str_field(e.data, "reason"));
+    let reason = last
+        .and_then(|e| payload::read_value::<StageChange>(e.data))
+        .and_then(|c| said(&c.reason));
     (Some("observe".to_owned()), reason)
 }
 

@@ -539,6 +539,13 @@ impl Pipeline {
             .collect()
     }
 
+    /// The stage that writes the item's code (the first [`StageDef::writes_code`] one, the
+    /// developer's `implementation` by default): its start opens a forge's pull request, and a
+    /// forge review's change request sends the item back to it.
+    pub fn code_stage(&self) -> Option<&StageDef> {
+        self.stages.iter().find(|s| s.writes_code)
+    }
+
     /// The stage a submitted work item starts in.
     pub fn first_stage(&self) -> Option<&StageName> {
         self.stages.first().map(|s| &s.name)
@@ -845,6 +852,11 @@ mod tests {
             "the release track"
         );
         assert_eq!(flagged(|d| d.writes_code), ["implementation"]);
+        assert_eq!(
+            p.code_stage().map(|d| d.name.as_str()),
+            Some("implementation"),
+            "where a forge's change request sends an item back"
+        );
         assert_eq!(flagged(|d| d.writes_lessons), ["lessons"]);
         assert_eq!(
             flagged(|d| d.also_writes.iter().any(|a| a.as_str() == REVERT_LOG)),

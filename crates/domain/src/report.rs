@@ -39,6 +39,7 @@ use serde_json::Value;
 use crate::control::{self, events as kind, markers};
 use crate::monitor::ActionTaken;
 use crate::outcome::{self, EventView, Outcome, RollbackFact};
+use crate::payload::{self, StageChange, StageRequeued};
 
 /// Epoch milliseconds.
 pub type Millis = i64;
@@ -544,7 +545,7 @@ fn stage_time(items: &[&ItemRecord], range: Range) -> Vec<StageTime> {
             };
             let current = at
                 .take()
-                .or_else(|| from_stage(e).map(|f| (f.to_owned(), item.created_at)));
+                .or_else(|| from_stage(e).map(|f| (f, item.created_at)));
             if let Some((stage, since)) = current {
                 *spent.entry(stage.clone()).or_default() += (e.at - since).max(0);
                 visits.push(stage);
@@ -574,8 +575,14 @@ fn stage_time(items: &[&ItemRecord], range: Range) -> Vec<StageTime> {
         .collect()
 }
 
-fn from_stage(e: &ItemEvent) -> Option<&str> {
-    e.data.get("from").and_then(Value::as_str)
+/// The event's data as a stage change (`None` when it is not one).
+fn change_of(e: &ItemEvent) -> Option<StageChange> {
+    payload::read_value(&e.data)
+}
+
+/// The stage a stage change left.
+fn from_stage(e: &ItemEvent) -> Option<String> {
+    change_of(e)?.from
 }
 
 fn is_deploy_end(k: &str) -> bool {
@@ -709,7 +716,10 @@ fn figures(items: &[&ItemRecord], range: Range) -> Figures {
         // DORA: the deploys in the range.
         let first_commit = ev
             .iter()
-            .find(|e| e.kind == kind::STAGE_ADVANCED && from_stage(e) == Some(FIRST_COMMIT_STAGE))
+            .find(|e| {
+                e.kind == kind::STAGE_ADVANCED
+                    && from_stage(e).as_deref() == Some(FIRST_COMMIT_STAGE)
+            })
             .map(|e| e.at);
         let deploys = deploys_of(ev);
         let mut failed_deploy = false;
@@ -745,26 +755,27 @@ fn figures(items: &[&ItemRecord], range: Range) -> Figures {
             }
             match e.kind.as_str() {
                 kind::RELEASE_STAGED => f.staging.passed += 1,
-                kind::STAGE_LOOP_BACK if from_stage(e) == Some(STAGING_STAGE) => {
+                kind::STAGE_LOOP_BACK if from_stage(e).as_deref() == Some(STAGING_STAGE) => {
                     f.staging.change_failures += 1;
                 }
                 kind::STAGE_REQUEUED
                     if e.stage.as_deref() == Some(STAGING_STAGE)
-                        && e.data
-                            .get("marker")
-                            .and_then(Value::as_str)
+                        && payload::read_value::<StageRequeued>(&e.data)
+                            .and_then(|r| r.marker)
                             .is_some_and(|m| m.contains(markers::STAGING_DEFER)) =>
                 {
                     f.staging.infrastructure_errors += 1;
                 }
                 kind::TASK_FAILED
-                    if from_stage(e) == Some(STAGING_STAGE)
-                        || e.data.get("stage").and_then(Value::as_str) == Some(STAGING_STAGE) =>
+                    if change_of(e).is_some_and(|c| {
+                        c.from.as_deref() == Some(STAGING_STAGE)
+                            || c.stage.as_deref() == Some(STAGING_STAGE)
+                    }) =>
                 {
                     // The gate's value says whose failure it was: the staging tool's errors
                     // ran out, or the change failed with its loops spent. Without one the
                     // stage job itself failed (a tool or orch), which is not the change.
-                    match e.data.get("result").and_then(Value::as_str) {
+                    match change_of(e).and_then(|c| c.result).as_deref() {
                         Some(r) if r != crate::pipeline::TOOL_ERROR_EXHAUSTED => {
                             f.staging.change_failures += 1;
                         }
@@ -797,7 +808,10 @@ fn figures(items: &[&ItemRecord], range: Range) -> Figures {
             runs_shipped += item.runs.len() as u64;
             review_loops_shipped += ev
                 .iter()
-                .filter(|e| e.kind == kind::STAGE_LOOP_BACK && from_stage(e) == Some(REVIEW_STAGE))
+                .filter(|e| {
+                    e.kind == kind::STAGE_LOOP_BACK
+                        && from_stage(e).as_deref() == Some(REVIEW_STAGE)
+                })
                 .count() as u64;
         }
         for r in &item.runs {

@@ -1,8 +1,9 @@
 //! The forge sync (issue 31, second part): for every work item that came from a forge's issue
 //! (its `task.submitted` carries a [`forge::Origin`]), orch's side of the story goes back to
-//! the forge: a draft pull request of `orch/<id>` once implementation starts, its description
+//! the forge: a draft pull request of `orch/<id>` once the stage that writes the code
+//! (`StageDef::writes_code`: implementation) starts, its description
 //! kept current, a commit status `orch/<stage>` per stage, the pull request's reviews acted
-//! on (a change request sends the item back to implementation with the review as the
+//! on (a change request sends the item back to that stage with the review as the
 //! developer's feedback; an approval satisfies an `approval = true` stage the item waits at),
 //! and the outcome said on the issue and the pull request (the issue closed when it shipped).
 //!
@@ -33,10 +34,14 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use orch_domain::config::{Config, RepoConfig};
-use orch_domain::control::actor::{self, Actor};
+use orch_domain::control::actor::Actor;
 use orch_domain::control::{self, dedupe, events, jobs};
 use orch_domain::forge::{self, ForgeConfig, Origin, ReviewState, StatusState};
 use orch_domain::ids::{RepoName, WorkItemId};
+use orch_domain::payload::{
+    self, ForgeOutcome, ForgePull, ForgeReview, ForgeSynced, ReleaseDeployed, SentStatus,
+    StageChange,
+};
 use orch_store::{AdvanceStage, Event, Fence, JobState, NewEvent, NewJob, Store, Task, TaskFilter};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
@@ -50,8 +55,6 @@ use crate::worker::{JobContext, JobHandler, Outcome};
 
 /// The job kind.
 pub const FORGE_SYNC: &str = jobs::FORGE_SYNC;
-/// The stage whose start opens the pull request, and where a change request sends the item.
-pub const IMPLEMENTATION: &str = "implementation";
 /// How often the pass reads the forge items' events (the store only).
 pub const SCAN_EVERY: Duration = Duration::from_secs(2);
 /// Ended items are followed this long after they ended (their outcome is said by then).
@@ -113,7 +116,8 @@ fn cursor_of(events: &[Event]) -> i64 {
     events
         .iter()
         .filter(|e| e.kind == events::FORGE_SYNCED)
-        .filter_map(|e| e.data_value()["through"].as_i64())
+        .filter_map(|e| payload::read::<ForgeSynced>(&e.data))
+        .map(|s| s.through)
         .max()
         .unwrap_or(0)
 }
@@ -124,7 +128,8 @@ fn pull_of(events: &[Event]) -> Option<u64> {
         .iter()
         .rev()
         .find(|e| e.kind == events::FORGE_PULL)
-        .and_then(|e| e.data_value()["number"].as_u64())
+        .and_then(|e| payload::read::<ForgePull>(&e.data))
+        .map(|p| p.number)
 }
 
 /// The approval of review `review` that a job recorded it is about to make (`forge.review`,
@@ -133,17 +138,20 @@ fn approving_of(events: &[Event], review: u64) -> Option<(String, i64)> {
     events
         .iter()
         .filter(|e| e.kind == events::FORGE_REVIEW)
-        .map(|e| e.data_value())
-        .find(|d| d["review"].as_u64() == Some(review) && d["action"] == "approving")
-        .and_then(|d| Some((d["stage"].as_str()?.to_owned(), d["seq"].as_i64()?)))
+        .filter_map(|e| payload::read::<ForgeReview>(&e.data))
+        .find(|r| r.review == review && r.action == ForgeReview::APPROVING)
+        .and_then(|r| Some((r.stage?, r.seq?)))
 }
 
 /// The reviews already acted on: named by `forge.review` or by the loop back they caused.
 fn reviews_taken(events: &[Event]) -> HashSet<u64> {
     events
         .iter()
-        .filter(|e| e.kind == events::FORGE_REVIEW || e.kind == events::STAGE_LOOP_BACK)
-        .filter_map(|e| e.data_value()["review"].as_u64())
+        .filter_map(|e| match e.kind.as_str() {
+            events::FORGE_REVIEW => payload::read::<ForgeReview>(&e.data).map(|r| r.review),
+            events::STAGE_LOOP_BACK => payload::read::<StageChange>(&e.data)?.review,
+            _ => None,
+        })
         .collect()
 }
 
@@ -159,9 +167,7 @@ fn forge_of(config: &Config, repo: &str) -> Option<(RepoName, RepoConfig, ForgeC
 fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
     let mut out = Vec::new();
     for e in events {
-        let d = e.data_value();
-        let from = d["from"].as_str().map(str::to_owned);
-        let to = d["to"].as_str().map(str::to_owned);
+        let change = || payload::read::<StageChange>(&e.data).unwrap_or_default();
         match e.kind.as_str() {
             k if k == events::STAGE_STARTED => {
                 if let Some(stage) = &e.stage {
@@ -169,8 +175,9 @@ fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
                 }
             }
             k if k == events::STAGE_ADVANCED => {
-                if let Some(from) = from {
-                    let outcome = d["outcome"].as_str().unwrap_or("passed").to_owned();
+                let c = change();
+                if let Some(from) = c.from.clone() {
+                    let outcome = c.outcome.clone().unwrap_or_else(|| "passed".to_owned());
                     // A stage whose failure does not send the item back (the watch's rollback
                     // goes on to lessons) still failed.
                     let state = match outcome.as_str() {
@@ -183,8 +190,8 @@ fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
                     };
                     out.push((e.id, from, state, outcome));
                 }
-                if d["awaiting_approval"].as_bool() == Some(true)
-                    && let Some(to) = to
+                if c.awaits_approval()
+                    && let Some(to) = c.to
                 {
                     out.push((
                         e.id,
@@ -195,6 +202,7 @@ fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
                 }
             }
             k if k == events::STAGE_LOOP_BACK => {
+                let StageChange { from, to, .. } = change();
                 if let Some(from) = from {
                     out.push((
                         e.id,
@@ -214,17 +222,17 @@ fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
                 }
             }
             k if k == events::TASK_DONE => {
-                if let Some(from) = from {
+                if let Some(from) = change().from {
                     out.push((e.id, from, StatusState::Success, "done".to_owned()));
                 }
             }
             k if k == events::TASK_FAILED => {
-                if let Some(stage) = d["stage"].as_str().map(str::to_owned).or(from) {
+                if let Some(stage) = change().failed_stage().map(str::to_owned) {
                     out.push((e.id, stage, StatusState::Failure, e.message.clone()));
                 }
             }
             k if k == events::TASK_CANCELLED => {
-                if let Some(from) = from {
+                if let Some(from) = change().from {
                     out.push((e.id, from, StatusState::Error, e.message.clone()));
                 }
             }
@@ -847,8 +855,9 @@ impl ForgeSyncHandler {
                 .iter()
                 .rev()
                 .filter(|e| e.kind == events::STAGE_ADVANCED || e.kind == events::STAGE_LOOP_BACK)
-                .find(|e| e.data_value()["from"].as_str() == Some(stage))
-                .and_then(|e| e.data_value()["outcome"].as_str().map(str::to_owned))
+                .filter_map(|e| payload::read::<StageChange>(&e.data))
+                .find(|c| c.from.as_deref() == Some(stage))
+                .and_then(|c| c.outcome)
         };
         let latest = |kind: &str| {
             item.history
@@ -862,7 +871,8 @@ impl ForgeSyncHandler {
             .iter()
             .rev()
             .find(|e| control::events::STAGE_ENTERED.contains(&e.kind.as_str()))
-            .is_some_and(|e| e.data_value()["awaiting_approval"].as_bool() == Some(true))
+            .and_then(|e| payload::read::<StageChange>(&e.data))
+            .is_some_and(|c| c.awaits_approval())
             && !item
                 .history
                 .iter()
@@ -888,7 +898,7 @@ impl ForgeSyncHandler {
         }
     }
 
-    /// Brings the forge up to event `through`: the pull request (once implementation has
+    /// Brings the forge up to event `through`: the pull request (once the code stage has
     /// started), the statuses of the stages the new events touched, the description; then the
     /// outcome's job when the item has ended, and the cursor.
     async fn sync(&self, cx: &JobContext, item: &Item, through: i64) -> Result<Outcome, SyncError> {
@@ -898,9 +908,15 @@ impl ForgeSyncHandler {
         let cursor = cursor_of(&item.history);
         let through = through.max(through_of(&item.history));
         let gh = GitHub::connect(&item.forge_cfg)?;
-        let started = item.history.iter().any(|e| {
-            e.stage.as_deref() == Some(IMPLEMENTATION)
-                || e.data_value()["from"].as_str() == Some(IMPLEMENTATION)
+        // The pull request opens once the stage that writes the code has started.
+        let code_stage = self.engine.config().pipeline.code_stage();
+        let code_stage = code_stage.map(|s| s.name.as_str());
+        let started = code_stage.is_some_and(|code| {
+            item.history.iter().any(|e| {
+                e.stage.as_deref() == Some(code)
+                    || payload::read::<StageChange>(&e.data)
+                        .is_some_and(|c| c.from.as_deref() == Some(code))
+            })
         });
         let mut pull = pull_of(&item.history);
         let view = self.pull_view(item).await;
@@ -936,11 +952,13 @@ impl ForgeSyncHandler {
                     )
                     .task(item.task.id)
                     .job(cx.job.id)
-                    .data(
-                        json!({"number": p.number, "url": p.html_url, "head": item.task.branch,
-                                 "base": item.repo.default_branch, "opened": opened})
-                        .to_string(),
-                    );
+                    .data(payload::text(&ForgePull {
+                        number: p.number,
+                        url: p.html_url.clone(),
+                        head: item.task.branch.clone(),
+                        base: item.repo.default_branch.clone(),
+                        opened,
+                    }));
                     cx.store.append_event_fenced(cx.lease, event).await?;
                     pull = Some(p.number);
                 }
@@ -971,7 +989,10 @@ impl ForgeSyncHandler {
                 }
                 let context = forge::status_context(stage);
                 if gh.set_status(&sha, *state, &context, text, &url).await? {
-                    sent.push(json!({"context": context, "state": state.as_str()}));
+                    sent.push(SentStatus {
+                        context,
+                        state: state.as_str().to_owned(),
+                    });
                 }
             }
         }
@@ -1003,7 +1024,11 @@ impl ForgeSyncHandler {
         )
         .task(item.task.id)
         .job(cx.job.id)
-        .data(json!({"through": through, "pull": pull, "statuses": sent}).to_string());
+        .data(payload::text(&ForgeSynced {
+            through,
+            pull,
+            statuses: sent,
+        }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
     }
@@ -1027,17 +1052,22 @@ impl ForgeSyncHandler {
         )
         .task(item.task.id)
         .job(cx.job.id)
-        .data(
-            json!({"review": review.id, "state": review.state, "pull": pull, "action": action,
-                     "why": why, "by": review.user})
-            .to_string(),
-        );
+        .data(payload::text(&ForgeReview {
+            review: review.id,
+            state: review.state.clone(),
+            pull: Some(pull),
+            action: action.to_owned(),
+            why: Some(why.to_owned()),
+            stage: None,
+            seq: None,
+            by: review.user.clone(),
+        }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
     }
 
     /// Acts on one review, once: an approval lets the item go on from the approval stage it
-    /// waits at; a change request sends it back to implementation with the review as its
+    /// waits at; a change request sends it back to the code stage with the review as its
     /// feedback. Anything else is noted (`forge.review`, `action: noted`).
     async fn review(
         &self,
@@ -1123,12 +1153,16 @@ impl ForgeSyncHandler {
                 )
                 .task(task.id)
                 .job(cx.job.id)
-                .data(
-                    json!({"review": review.id, "state": review.state, "pull": pull,
-                           "action": "approving", "stage": task.stage, "seq": task.stage_seq,
-                           "by": review.user})
-                    .to_string(),
-                );
+                .data(payload::text(&ForgeReview {
+                    review: review.id,
+                    state: review.state.clone(),
+                    pull: Some(pull),
+                    action: ForgeReview::APPROVING.to_owned(),
+                    why: None,
+                    stage: Some(task.stage.clone()),
+                    seq: Some(task.stage_seq),
+                    by: review.user.clone(),
+                }));
                 cx.store.append_event_fenced(cx.lease, event).await?;
                 crate::failpoint::hit("forge.after_approving");
                 self.approve(cx, item, pull, review, &actor).await
@@ -1191,7 +1225,11 @@ impl ForgeSyncHandler {
         let pipeline = &self.engine.config().pipeline;
         let index = |name: &str| pipeline.stages.iter().position(|s| s.name.as_str() == name);
         let track = crate::release::track(pipeline);
-        let (Some(at), Some(implementation)) = (index(&task.stage), index(IMPLEMENTATION)) else {
+        // Back to the stage that writes the code, as the pipeline's descriptor says.
+        let code = pipeline
+            .code_stage()
+            .and_then(|c| Some((index(c.name.as_str())?, c.name.as_str().to_owned())));
+        let (Some(at), Some((implementation, code_stage))) = (index(&task.stage), code) else {
             return self
                 .note(
                     cx,
@@ -1199,7 +1237,7 @@ impl ForgeSyncHandler {
                     pull,
                     review,
                     "noted",
-                    "the pipeline has no implementation stage to send the item back to",
+                    "the pipeline has no stage that writes code to send the item back to",
                 )
                 .await;
         };
@@ -1214,7 +1252,7 @@ impl ForgeSyncHandler {
                 pull,
                 &format!(
                     "orch cannot act on review {}: {} is at stage `{}`, on the release \
-                     track, and a change request cannot send it back to {IMPLEMENTATION} from \
+                     track, and a change request cannot send it back to {code_stage} from \
                      there. Cancel the item (or let it fail) and open a new one, or roll back \
                      after it ships.",
                     review.id, task.work_item_id, task.stage
@@ -1232,7 +1270,7 @@ impl ForgeSyncHandler {
                     review,
                     "noted",
                     &format!(
-                        "the item is at stage {}: only an item between implementation and the release track goes back",
+                        "the item is at stage {}: only an item between {code_stage} and the release track goes back",
                         task.stage
                     ),
                 )
@@ -1272,7 +1310,7 @@ impl ForgeSyncHandler {
             &comments,
         );
         self.commit_feedback(cx, item, &text).await?;
-        let Some(next_job) = self.engine.stage_job(IMPLEMENTATION, task.stage_seq + 1) else {
+        let Some(next_job) = self.engine.stage_job(&code_stage, task.stage_seq + 1) else {
             return self
                 .note(
                     cx,
@@ -1280,25 +1318,32 @@ impl ForgeSyncHandler {
                     pull,
                     review,
                     "noted",
-                    "the implementation stage has no job",
+                    &format!("the {code_stage} stage has no job"),
                 )
                 .await;
         };
         let message = format!(
-            "{} requests changes: back to {IMPLEMENTATION} with the review as feedback",
+            "{} requests changes: back to {code_stage} with the review as feedback",
             actor.describe()
         );
         let adv = AdvanceStage {
             task_id: task.id,
             expected_stage: task.stage.clone(),
-            new_stage: IMPLEMENTATION.to_owned(),
+            new_stage: code_stage.clone(),
             fence: Fence::Seq(task.stage_seq),
-            event: NewEvent::new(events::STAGE_LOOP_BACK, message).job(cx.job.id).data(
-                json!({"from": task.stage, "to": IMPLEMENTATION, "outcome": "CHANGES_REQUESTED",
-                       "feedback": forge::REVIEW_FEEDBACK, "review": review.id, "pull": pull,
-                       actor::KEY: actor.data()})
-                .to_string(),
-            ),
+            event: NewEvent::new(events::STAGE_LOOP_BACK, message)
+                .job(cx.job.id)
+                .data(
+                    StageChange {
+                        outcome: Some("CHANGES_REQUESTED".to_owned()),
+                        feedback: Some(Some(forge::REVIEW_FEEDBACK.to_owned())),
+                        review: Some(review.id),
+                        pull: Some(pull),
+                        by: Some(actor.data()),
+                        ..StageChange::new(&task.stage, &code_stage)
+                    }
+                    .text(),
+                ),
             next_job: Some(next_job),
         };
         match cx.store.advance_stage(adv).await {
@@ -1384,7 +1429,9 @@ impl ForgeSyncHandler {
         if item
             .history
             .iter()
-            .any(|e| e.kind == events::FORGE_OUTCOME && e.data_value()["seq"].as_i64() == Some(seq))
+            .filter(|e| e.kind == events::FORGE_OUTCOME)
+            .filter_map(|e| payload::read::<ForgeOutcome>(&e.data))
+            .any(|o| o.seq == seq)
         {
             return Ok(Outcome::Done);
         }
@@ -1397,7 +1444,8 @@ impl ForgeSyncHandler {
             .rev()
             .find(|e| e.kind == events::RELEASE_DEPLOYED);
         let revision = deployed
-            .and_then(|e| e.data_value()["revision"].as_str().map(str::to_owned))
+            .and_then(|e| payload::read::<ReleaseDeployed>(&e.data))
+            .map(|d| d.revision)
             .or(o.live.clone());
         let view = forge::OutcomeView {
             work_item: task.work_item_id.clone(),
@@ -1449,11 +1497,15 @@ impl ForgeSyncHandler {
         )
         .task(task.id)
         .job(cx.job.id)
-        .data(
-            json!({"outcome": o.outcome.as_str(), "seq": seq, "issue": item.origin.issue,
-                     "pull": pull, "comments": said, "comment_ids": ids, "closed": shipped})
-            .to_string(),
-        );
+        .data(payload::text(&ForgeOutcome {
+            outcome: o.outcome.as_str().to_owned(),
+            seq,
+            issue: item.origin.issue,
+            pull,
+            comments: said,
+            comment_ids: ids,
+            closed: shipped,
+        }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
     }

@@ -11,6 +11,7 @@ use orch_domain::config::Config;
 use orch_domain::control::actor::{self, Actor};
 use orch_domain::control::{self, events};
 use orch_domain::ids::{RepoName, WorkItemId};
+use orch_domain::payload::{self, StageChange};
 use orch_domain::pipeline::Pipeline;
 use orch_store::{AdvanceStage, Fence, NewEvent, NewTask, Store, StoreError, Task, WorkItemSpec};
 
@@ -300,8 +301,8 @@ impl Ops {
             .iter()
             .rev()
             .find(|e| e.kind == events::TASK_FAILED)
-            .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
-            .and_then(|v| v["from"].as_str().map(str::to_owned))
+            .and_then(|e| payload::read::<StageChange>(&e.data))
+            .and_then(|c| c.from)
             .filter(|s| !control::is_terminal_stage(s));
         let from_jobs = || async {
             let jobs = self.store.task_jobs(task.id).await?;
@@ -344,10 +345,7 @@ impl Ops {
                 events::TASK_RETRIED,
                 format!("retried at stage {stage} {}", by.describe()),
             )
-            .data(
-                serde_json::json!({"from": control::FAILED, "to": stage, actor::KEY: by.data()})
-                    .to_string(),
-            ),
+            .data(StageChange::retried(&stage, by.data()).text()),
             next_job,
         };
         // A retry into the release track takes it like any other entry: one release at a time.
@@ -379,13 +377,8 @@ impl Ops {
                 expected_stage: task.stage.clone(),
                 new_stage: control::CANCELLED.into(),
                 fence: Fence::Seq(task.stage_seq),
-                event: NewEvent::new(events::TASK_CANCELLED, cancelled.clone()).data(
-                    serde_json::json!({
-                        "from": task.stage, "to": control::CANCELLED, "outcome": control::CANCELLED,
-                        "reason": cancelled, actor::KEY: by.data(),
-                    })
-                    .to_string(),
-                ),
+                event: NewEvent::new(events::TASK_CANCELLED, cancelled.clone())
+                    .data(StageChange::cancelled(&task.stage, &cancelled, by.data()).text()),
                 next_job: None,
             })
             .await?;

@@ -2,6 +2,7 @@
 //! aggregate rows, and input checks.
 
 use orch_domain::control::{self, events};
+use orch_domain::payload::StageChange;
 use sqlx::Row;
 
 use crate::error::{Result, StoreError};
@@ -16,13 +17,7 @@ pub(crate) fn stranded_event(task: &Task, job_id: i64, error: &str) -> NewEvent 
     )
     .task(task.id)
     .job(job_id)
-    .data(
-        serde_json::json!({
-            "from": task.stage, "to": control::FAILED, "outcome": control::FAILED,
-            "stage": task.stage, "reason": error,
-        })
-        .to_string(),
-    )
+    .data(StageChange::failed(&task.stage, error).text())
 }
 
 /// The job a task reaching a terminal stage gets, in the same transaction (see

@@ -386,10 +386,12 @@ pub fn report_history(d: i64) -> Vec<SeedItem> {
     use orch_domain::control::{events as k, markers};
     use serde_json::json;
     const H: i64 = 3_600_000;
-    let adv = |from: &str, to: &str| json!({"from": from, "to": to});
+    use orch_domain::payload::StageChange;
+    let change = |c: StageChange| serde_json::to_value(c).unwrap_or_default();
+    let adv = |from: &str, to: &str| change(StageChange::new(from, to));
     let verdict = |v: &str, a: &str| json!({"verdict": v, "action": a});
     let defer = || json!({"marker": markers::staging_defer(9)});
-    let done = || json!({"from": "lessons", "to": "done"});
+    let done = || adv("lessons", "done");
     let opus = |c: Option<f64>| ("claude", "opus", c);
     vec![
         SeedItem {
@@ -560,7 +562,10 @@ pub fn report_history(d: i64) -> Vec<SeedItem> {
             end: Some((
                 d + 43 * H,
                 "failed",
-                json!({"from": "staging", "to": "failed", "stage": "staging"}),
+                change(StageChange {
+                    stage: Some("staging".into()),
+                    ..StageChange::new("staging", "failed")
+                }),
             )),
         },
         SeedItem {

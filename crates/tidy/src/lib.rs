@@ -54,6 +54,12 @@
 //!   `super::` path to them, or a `use crate::{…}` list naming them): the engine reads a
 //!   stage's descriptor and asks its executor, and those modules plug in as executors
 //!   (`crates/runner/src/catalogue.rs`), never the other way round.
+//! - **`payload-keys`**: a stage change's keys are read through its type. Outside
+//!   `crates/domain/src/payload.rs` (`PAYLOAD`), no shipped code line (comments aside) reads the
+//!   key `from`, `to` or `outcome` of a JSON value by name (`["from"]`, `get("to")`,
+//!   `field(e, "outcome")`, `s("from")`): the event data that carries them (stage changes, the
+//!   node takeover, the skipped deploy) is read as `payload::StageChange`, `NodeTakeover`,
+//!   `DeploySkipped`, so a reader cannot ask for a key no writer writes.
 //!
 //! An exception that no longer matches anything is itself a failure, so the list only shrinks.
 
@@ -246,6 +252,10 @@ const PRINT_PATTERNS: &[&str] = &[
 ];
 /// The binary's output module, where printing happens.
 const OUTPUT: &str = "crates/orch/src/output.rs";
+/// The typed event data (the `payload-keys` rule).
+pub const PAYLOAD: &str = "crates/domain/src/payload.rs";
+/// The keys read only through [`PAYLOAD`]'s types.
+const PAYLOAD_KEYS: &[&str] = &["from", "to", "outcome"];
 /// The pipeline engine's folder (the `engine-layering` rule).
 pub const ENGINE: &str = "crates/runner/src/engine/";
 /// The modules the engine may not refer to: the deploy tail and the release train.
@@ -367,6 +377,13 @@ pub fn check_file_with(path: &str, text: &str, kinds: &[String]) -> Vec<Violatio
             push("engine-layering", n, line);
         }
         if shipped
+            && path != PAYLOAD
+            && !line.trim_start().starts_with("//")
+            && reads_payload_key(line)
+        {
+            push("payload-keys", n, line);
+        }
+        if shipped
             && path != CONTROL
             && !line.trim_start().starts_with("//")
             && (line.contains(MARKER_LITERAL)
@@ -419,6 +436,16 @@ fn refers_above_engine(line: &str) -> bool {
                 matches!(before, Some('{' | ' ' | ',')) && word_at(at)
             });
         path("crate::") || path("super::") || listed
+    })
+}
+
+/// Whether a line reads one of [`PAYLOAD_KEYS`] by name: indexes a value with it (`["from"]`)
+/// or passes it as the last argument of a call (`get("to")`, `field(e, "outcome")`).
+fn reads_payload_key(line: &str) -> bool {
+    PAYLOAD_KEYS.iter().any(|k| {
+        [("[", "]"), ("(", ")"), (", ", ")")]
+            .iter()
+            .any(|(open, close)| line.contains(&format!("{open}\"{k}\"{close}")))
     })
 }
 
@@ -758,6 +785,38 @@ mod tests {
             "\"orch.toml\"",
         ] {
             assert!(rules("crates/runner/src/x.rs", other).is_empty(), "{other}");
+        }
+    }
+
+    #[test]
+    fn a_stage_change_key_read_by_name_is_caught_outside_the_payload_types() {
+        for line in [
+            planted(&["let from = d[\"fr", "om\"].as_str();"]),
+            planted(&["e.data.get(\"fr", "om\").and_then(Value::as_str)"]),
+            planted(&["let to = event_str(e, \"t", "o\");"]),
+            planted(&["    from: text(\"fr", "om\"),"]),
+            planted(&["match v[\"out", "come\"].as_str() {"]),
+        ] {
+            assert_eq!(
+                rules("crates/runner/src/x.rs", &line),
+                ["payload-keys"],
+                "{line}"
+            );
+            assert!(rules(PAYLOAD, &line).is_empty(), "the one place");
+            let in_tests = format!("fn f() {{}}\n#[cfg(test)]\nmod tests {{\n{line}\n}}\n");
+            assert!(
+                rules("crates/api/src/dto.rs", &in_tests).is_empty(),
+                "tests"
+            );
+        }
+        // Writing, other keys, a key among others, prose.
+        for line in [
+            "f.gauge(&[(\"outcome\", outcome)], *n)?;",
+            "table(&[\"id\", \"stage\", \"outcome\"], &rows)",
+            "let to = d[\"total\"].as_i64();",
+            "// reads `[\"from\"]` of the event",
+        ] {
+            assert!(rules("crates/runner/src/x.rs", line).is_empty(), "{line}");
         }
     }
 

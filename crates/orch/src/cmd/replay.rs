@@ -13,6 +13,7 @@ use anyhow::{Context as _, Result};
 use orch_api::dto;
 use orch_domain::control::events;
 use orch_domain::ids::{RepoName, WorkItemId};
+use orch_domain::payload;
 use orch_domain::replay::{
     Agreement, ItemRecord, Overrides, Replayed, StageChange, Summary, replay_item,
 };
@@ -186,15 +187,25 @@ async fn record_of(
         if e.kind == events::POST_DEPLOY_VERDICT {
             watch = s("verdict").map(|v| (v, s("action").unwrap_or_default()));
         }
-        if !STAGE_CHANGES.contains(&e.kind.as_str()) || data.get("commit").is_none() {
+        // Only the engine's stage changes read a gate (they record `commit`, maybe `null`).
+        let change = STAGE_CHANGES
+            .contains(&e.kind.as_str())
+            .then(|| payload::read_value::<payload::StageChange>(&data))
+            .flatten()
+            .filter(|c| c.commit.is_some());
+        let Some(change) = change else {
             if e.kind == events::STAGE_LOOP_BACK {
                 loops += 1;
             }
             continue;
-        }
+        };
         let terminal = matches!(e.kind.as_str(), events::TASK_DONE | events::TASK_FAILED);
-        let gate_value = if terminal { s("result") } else { s("outcome") };
-        let (Some(from), Some(to), Some(outcome)) = (s("from"), s("to"), gate_value) else {
+        let gate_value = if terminal {
+            change.result
+        } else {
+            change.outcome
+        };
+        let (Some(from), Some(to), Some(outcome)) = (change.from, change.to, gate_value) else {
             continue;
         };
         let files = match &clone {
@@ -203,7 +214,7 @@ async fn record_of(
                 // No commit recorded: the stage committed nothing new (a re-gate after a wait
                 // for the release track, an attempt after a crash that had committed): the
                 // gate read the branch as it stood.
-                let commit = match s("commit") {
+                let commit = match change.commit.flatten() {
                     Some(c) => object_id(&c),
                     None => branch_head_at(git, dir, &work_item, prev.as_deref(), &from).await,
                 };

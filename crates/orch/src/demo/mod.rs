@@ -586,8 +586,8 @@ async fn summary(
                     events::TASK_DONE | events::TASK_FAILED | events::TASK_CANCELLED
                 )
             })
-            .and_then(|e| serde_json::from_str::<serde_json::Value>(&e.data).ok())
-            .and_then(|v| v["outcome"].as_str().map(str::to_owned))
+            .and_then(|e| orch_domain::payload::read::<orch_domain::payload::StageChange>(&e.data))
+            .and_then(|c| c.outcome)
             .unwrap_or_else(|| t.stage.clone());
         say!("{}  {}  → {outcome}", t.work_item_id, t.title);
         let rows: Vec<Vec<String>> = events

@@ -27,13 +27,17 @@ use orch_deploystate::{
 };
 use orch_domain::control::markers;
 use orch_domain::gate::GateOutcome;
+use orch_domain::payload::{self, DeploySkipped, SkipThen};
 use orch_domain::recovery::Trouble;
 use orch_exec::process::ExitKind;
 use orch_store::JobCount;
 use serde_json::json;
 
 use super::probe::{check_health, live_revision, revision_matches};
-use super::{OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command, watch_params};
+use super::{
+    OUTPUT_TAIL_LINES, data, event_seq, events, record, record_payload, run_repo_command,
+    watch_params,
+};
 use crate::engine::{StageEffect, StageExecutor, StageRun};
 
 /// The default bound on finalizer defers per deploy visit.
@@ -130,12 +134,16 @@ impl StageExecutor for DeployerExecutor {
     }
 }
 
+/// What a `deploy.skipped` said the stage goes on with.
+fn skipped_then(e: &orch_store::Event) -> Option<SkipThen> {
+    payload::read::<DeploySkipped>(&e.data).map(|d| d.outcome)
+}
+
 /// Whether `e` says a visit's deploy got past writing its markers: `deploy.started`, or a
 /// confirming `deploy.skipped` (no command, the revision taken as deployed).
 fn began(e: &orch_store::Event) -> bool {
     e.kind == events::DEPLOY_STARTED
-        || (e.kind == events::DEPLOY_SKIPPED
-            && super::event_str(e, "outcome").as_deref() == Some("confirm"))
+        || (e.kind == events::DEPLOY_SKIPPED && skipped_then(e) == Some(SkipThen::Confirm))
 }
 
 /// `INITIATED` is on this node's disk, but the events say no deploy of this visit began (the
@@ -286,8 +294,7 @@ async fn replay(run: &StageRun, seq: i64) -> anyhow::Result<Option<StageEffect>>
             matches!(
                 e.kind.as_str(),
                 events::DEPLOY_CONFIRMED | events::DEPLOY_FAILED | events::DEPLOY_UNCONFIRMED
-            ) || (e.kind == events::DEPLOY_SKIPPED
-                && super::event_str(e, "outcome").as_deref() == Some("pass"))
+            ) || (e.kind == events::DEPLOY_SKIPPED && skipped_then(e) == Some(SkipThen::Pass))
         });
     let Some(e) = recorded else {
         return Ok(None);
@@ -389,12 +396,16 @@ impl DeployerExecutor {
                     "no deploy command and no health_url configured for repo `{}`: nothing to deploy, nothing to watch",
                     run.repo_name
                 );
-                record(
+                record_payload(
                     run,
                     seq,
                     events::DEPLOY_SKIPPED,
                     &msg,
-                    data([("revision", json!(revision)), ("outcome", json!("pass"))]),
+                    &DeploySkipped {
+                        revision: revision.to_string(),
+                        outcome: SkipThen::Pass,
+                        seq: None,
+                    },
                 )
                 .await?;
                 return Ok(produced(GateOutcome::pass(CONFIRMED.to_owned(), msg)));
@@ -403,12 +414,16 @@ impl DeployerExecutor {
                 "no deploy command configured for repo `{}`: `{revision}` is taken as deployed outside orch; confirming and watching it at health_url",
                 run.repo_name
             );
-            record(
+            record_payload(
                 run,
                 seq,
                 events::DEPLOY_SKIPPED,
                 &msg,
-                data([("revision", json!(revision)), ("outcome", json!("confirm"))]),
+                &DeploySkipped {
+                    revision: revision.to_string(),
+                    outcome: SkipThen::Confirm,
+                    seq: None,
+                },
             )
             .await?;
             if !state.write_marker(MARKER_INITIATED, &revision) {

@@ -26,12 +26,13 @@ use orch_domain::monitor::{
     decide, discount_lost_evidence, judge_superseded, planned_polls, render_post_deploy_log,
     tick_at_ms,
 };
+use orch_domain::payload::{self, NodeTakeover};
 use orch_domain::recovery::Trouble;
 use orch_store::{JobCount, NewEvent, NewJob, Store};
 use serde_json::json;
 
 use super::probe::{Probe, live_revision, revision_matches};
-use super::{MONITOR_AGENT, data, event_seq, events, record, watch_params};
+use super::{MONITOR_AGENT, data, events, record, watch_params};
 use crate::engine::{StageEffect, StageExecutor, StageJob, StageRun};
 
 /// The artifact the monitor writes (design.md §7).
@@ -660,14 +661,16 @@ async fn rearm_after_takeover(
     seq: i64,
 ) -> anyhow::Result<Option<ArmedRecord>> {
     let history = run.store.task_events(run.task.id).await?;
-    let Some(takeover) = history.iter().rev().find(|e| {
-        e.kind == events::NODE_TAKEOVER
-            && event_seq(e) == Some(seq)
-            && super::event_str(e, "to").as_deref() == Some(run.node.as_str())
-    }) else {
+    let Some(takeover) = history
+        .iter()
+        .rev()
+        .filter(|e| e.kind == events::NODE_TAKEOVER)
+        .filter_map(|e| payload::read::<NodeTakeover>(&e.data))
+        .find(|t| t.seq == Some(seq) && t.to.as_deref() == Some(run.node.as_str()))
+    else {
         return Ok(None);
     };
-    let from = super::event_str(takeover, "from").unwrap_or_else(|| "?".to_owned());
+    let from = takeover.from.unwrap_or_else(|| "?".to_owned());
     let Some(confirmed) = history.iter().rev().find(|e| {
         e.kind == events::DEPLOY_CONFIRMED
             && serde_json::from_str::<serde_json::Value>(&e.data)

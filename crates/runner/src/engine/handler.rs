@@ -13,6 +13,7 @@ use orch_domain::config::Config;
 use orch_domain::control::{self, dedupe, events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
 use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
+use orch_domain::payload::{self, NodeTakeover, StageChange, StageRequeued};
 use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
 use orch_store::{
@@ -324,13 +325,15 @@ impl Engine {
             .task(task.id)
             .job(cx.job.id)
             .stage(task.stage.clone())
-            .data(
-                serde_json::json!({
-                    "from": from, "to": to, "last_seen_ms": last_seen, "seq": sj.seq,
-                    "stage": sj.stage, "job": cx.job.id, "agent": cx.job.agent,
-                })
-                .to_string(),
-            );
+            .data(payload::text(&NodeTakeover {
+                from: Some(from.to_owned()),
+                to: Some(to.clone()),
+                last_seen_ms: last_seen,
+                seq: Some(sj.seq),
+                stage: Some(sj.stage.clone()),
+                job: Some(cx.job.id),
+                agent: Some(cx.job.agent.clone()),
+            }));
         self.store.take_over_job(cx.lease, to, event).await
     }
 
@@ -479,9 +482,9 @@ impl Engine {
         let mut feedback = None;
         for e in &events {
             if e.kind == events::STAGE_LOOP_BACK {
-                feedback = serde_json::from_str::<serde_json::Value>(&e.data)
-                    .ok()
-                    .and_then(|v| v["feedback"].as_str().and_then(|f| f.parse().ok()));
+                feedback = payload::read::<StageChange>(&e.data)
+                    .and_then(|c| c.feedback.flatten())
+                    .and_then(|f| f.parse().ok());
             } else if e.kind == events::STAGE_ADVANCED {
                 feedback = None;
             }
@@ -586,12 +589,11 @@ impl Engine {
             .task(run.task.id)
             .job(run.job.id)
             .stage(run.stage.name.as_str().to_owned())
-            .data(
-                serde_json::json!({
-                    "delay_ms": delay_ms, "marker": marker, "priority": priority,
-                })
-                .to_string(),
-            );
+            .data(payload::text(&StageRequeued {
+                delay_ms: Some(delay_ms),
+                marker: Some(marker),
+                priority: Some(priority),
+            }));
         self.store.enqueue_fenced(cx.lease, job, event).await?;
         crate::failpoint::hit("engine.after_requeue");
         Ok(Outcome::Done)
@@ -685,27 +687,31 @@ impl Engine {
         } else {
             events::STAGE_ADVANCED
         };
-        let mut data = serde_json::json!({
-            "from": run.stage.name.as_str(),
-            "to": next,
-            "outcome": match &gate.verdict { Verdict::Pass(v) => v.clone(), Verdict::NotSuccess => "NOT_SUCCESS".into() },
-            "feedback": decision.feedback.as_ref().map(|f| f.as_str().to_owned()),
-            "awaiting_approval": decision.needs_approval,
-            "commit": commit,
-            "attempt": cx.lease.attempt,
-        });
+        let mut change = StageChange {
+            outcome: Some(match &gate.verdict {
+                Verdict::Pass(v) => v.clone(),
+                Verdict::NotSuccess => "NOT_SUCCESS".into(),
+            }),
+            feedback: Some(decision.feedback.as_ref().map(|f| f.as_str().to_owned())),
+            awaiting_approval: Some(decision.needs_approval),
+            commit: Some(commit),
+            attempt: Some(cx.lease.attempt),
+            ..StageChange::new(run.stage.name.as_str(), &next)
+        };
         if decision.next_stage.is_terminal() {
             // The final outcome, for every view of the task (the gate's value stays `result`).
-            data["result"] = data["outcome"].take();
+            change.result = change.outcome.take();
             if next.as_str() == control::FAILED {
-                data["stage"] = run.stage.name.as_str().into();
-                data["reason"] = decision.reason.clone().into();
+                change.stage = Some(run.stage.name.as_str().to_owned());
+                change.reason = Some(decision.reason.clone());
             }
             // The outcome from the recorded facts, by the rule every view applies.
             let history = self.store.task_events(run.task.id).await?;
-            data["outcome"] = orch_store::outcome_of_events(&next, &history)
-                .map_or(control::FAILED, |o| o.outcome.as_str())
-                .into();
+            change.outcome = Some(
+                orch_store::outcome_of_events(&next, &history)
+                    .map_or(control::FAILED, |o| o.outcome.as_str())
+                    .to_owned(),
+            );
         }
         let adv = AdvanceStage {
             task_id: run.task.id,
@@ -714,7 +720,7 @@ impl Engine {
             fence: Fence::Job(cx.lease),
             event: NewEvent::new(kind, decision.reason.clone())
                 .job(cx.job.id)
-                .data(data.to_string()),
+                .data(change.text()),
             next_job,
         };
         let track = release_track(&self.cfg.pipeline);
@@ -957,13 +963,7 @@ impl Engine {
                 fence: Fence::Job(cx.lease),
                 event: NewEvent::new(events::TASK_FAILED, reason.to_owned())
                     .job(cx.job.id)
-                    .data(
-                        serde_json::json!({
-                            "from": task.stage, "to": control::FAILED,
-                            "outcome": control::FAILED, "stage": task.stage, "reason": reason,
-                        })
-                        .to_string(),
-                    ),
+                    .data(StageChange::failed(&task.stage, reason).text()),
                 next_job: None,
             })
             .await;
