@@ -37,7 +37,7 @@ use orch_domain::control::actor::{self, Actor};
 use orch_domain::control::{self, dedupe, events, jobs};
 use orch_domain::forge::{self, ForgeConfig, Origin, ReviewState, StatusState};
 use orch_domain::ids::{RepoName, WorkItemId};
-use orch_store::{AdvanceStage, Event, Fence, JobState, NewEvent, NewJob, Store, Task, TaskFilter};
+use orch_store::{AdvanceStage, Event, Fence, JobState, NewEvent, NewJob, Store, Task};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -56,8 +56,6 @@ pub const IMPLEMENTATION: &str = "implementation";
 pub const SCAN_EVERY: Duration = Duration::from_secs(2);
 /// Ended items are followed this long after they ended (their outcome is said by then).
 pub const FOLLOW_ENDED_MS: i64 = 24 * 3600 * 1000;
-/// The most items of a repo the pass reads per scan (newest first).
-pub const MAX_ITEMS: u32 = 1000;
 /// A forge sync job is retried, paced, as long as this (it fails no item).
 const MAX_ATTEMPTS: i64 = 100_000;
 
@@ -235,13 +233,34 @@ fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
 }
 
 /// The per-repo state of the pass: when the reviews are next read, the ETag of each pull
-/// request's reviews, and whether reading them waits (an outage, a rate limit).
+/// request's reviews, whether reading them waits (an outage, a rate limit), and what the pass
+/// last read of each item.
 #[derive(Debug, Default)]
 struct RepoSync {
     next_reviews_ms: i64,
     failures: u32,
     waiting_since_ms: Option<i64>,
     etags: HashMap<u64, String>,
+    seen: HashMap<i64, Seen>,
+}
+
+/// What tells the pass that an item has something new: its row's last change and its newest
+/// event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mark {
+    updated_at: i64,
+    stage_seq: i64,
+    newest_event: i64,
+}
+
+/// What the pass read of an item's history at [`Mark`], kept until the mark moves.
+#[derive(Debug)]
+struct Seen {
+    mark: Mark,
+    /// It came from this forge's issue.
+    follows: bool,
+    pull: Option<u64>,
+    taken: HashSet<u64>,
 }
 
 /// Enqueues the forge sync's jobs: one per new event of a forge item, one per review that asks
@@ -284,44 +303,62 @@ impl ForgeSyncPass {
         let now = store.now_ms();
         let reviews_due = now >= st.next_reviews_ms;
         let prefix = format!("{}-", forge_cfg.prefix);
-        let tasks = store
-            .list_tasks(&TaskFilter {
-                repo: Some(name.as_str().to_owned()),
-                limit: MAX_ITEMS,
-                ..TaskFilter::default()
-            })
-            .await?;
+        // Every live task of the repo, however many, and the ones that ended within the day.
+        let tasks: Vec<Task> = store
+            .tasks_followed(name.as_str(), now - FOLLOW_ENDED_MS)
+            .await?
+            .into_iter()
+            .filter(|t| t.work_item_id.starts_with(&prefix))
+            .collect();
+        let ids: Vec<i64> = tasks.iter().map(|t| t.id).collect();
+        let newest: HashMap<i64, i64> = store.newest_event_ids(&ids).await?.into_iter().collect();
+        let followed: HashSet<i64> = ids.iter().copied().collect();
+        st.seen.retain(|id, _| followed.contains(id));
         let mut gh: Option<GitHub> = None;
         let mut failed: Option<PollError> = None;
         for task in tasks {
-            if !task.work_item_id.starts_with(&prefix)
-                || (task.is_terminal() && task.updated_at < now - FOLLOW_ENDED_MS)
-            {
-                continue;
+            let mark = Mark {
+                updated_at: task.updated_at,
+                stage_seq: task.stage_seq,
+                newest_event: newest.get(&task.id).copied().unwrap_or(0),
+            };
+            // An item whose row and newest event are as the last pass saw them has nothing new:
+            // its history is not read again (a restart reads every one once).
+            if st.seen.get(&task.id).is_none_or(|s| s.mark != mark) {
+                let history = store.task_events(task.id).await?;
+                let follows = origin_of(&history)
+                    .is_some_and(|o| o.repo.eq_ignore_ascii_case(&forge_cfg.repo));
+                let through = through_of(&history);
+                if follows
+                    && through > cursor_of(&history)
+                    && let Some(job) = job_of(
+                        &SyncJob::Sync {
+                            task: task.id,
+                            through,
+                        },
+                        dedupe::forge_sync(task.id, through),
+                    )
+                {
+                    store.enqueue(job).await?;
+                }
+                // Kept only once its job is enqueued: an error above reads it again next pass.
+                st.seen.insert(
+                    task.id,
+                    Seen {
+                        mark,
+                        follows,
+                        pull: pull_of(&history),
+                        taken: reviews_taken(&history),
+                    },
+                );
             }
-            let history = store.task_events(task.id).await?;
-            let Some(origin) = origin_of(&history) else {
+            let Some(seen) = st.seen.get(&task.id) else {
                 continue;
             };
-            if !origin.repo.eq_ignore_ascii_case(&forge_cfg.repo) {
+            if !seen.follows || !reviews_due || task.is_terminal() || failed.is_some() {
                 continue;
             }
-            let through = through_of(&history);
-            if through > cursor_of(&history)
-                && let Some(job) = job_of(
-                    &SyncJob::Sync {
-                        task: task.id,
-                        through,
-                    },
-                    dedupe::forge_sync(task.id, through),
-                )
-            {
-                store.enqueue(job).await?;
-            }
-            if !reviews_due || task.is_terminal() || failed.is_some() {
-                continue;
-            }
-            let Some(pull) = pull_of(&history) else {
+            let Some(pull) = seen.pull else {
                 continue;
             };
             if gh.is_none() {
@@ -347,7 +384,11 @@ impl ForgeSyncPass {
             let ReviewsPage::Fresh { reviews, etag } = page else {
                 continue;
             };
-            let taken = reviews_taken(&history);
+            let taken = st
+                .seen
+                .get(&task.id)
+                .map(|s| s.taken.clone())
+                .unwrap_or_default();
             let mut all_queued = true;
             for review in reviews {
                 if ReviewState::of(&review.state) == ReviewState::Other
