@@ -116,6 +116,25 @@ fn cursor_of(events: &[Event]) -> i64 {
         .unwrap_or(0)
 }
 
+/// The digest of a pull request description, as `forge.synced` records the one sent.
+fn body_digest(body: &str) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(body.as_bytes())
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The digest of the description the forge has (the last `forge.synced` that names one).
+fn last_body_of(events: &[Event]) -> Option<String> {
+    events
+        .iter()
+        .rev()
+        .filter(|e| e.kind == events::FORGE_SYNCED)
+        .find_map(|e| e.data_value()["body"].as_str().map(str::to_owned))
+}
+
 /// The item's pull request's number, once found or opened.
 fn pull_of(events: &[Event]) -> Option<u64> {
     events
@@ -1016,8 +1035,13 @@ impl ForgeSyncHandler {
                 }
             }
         }
+        // The description is sent only when it differs from the last one sent (named by its
+        // digest in the last `forge.synced`, whichever process sent it).
+        let digest = body_digest(&body);
+        let described =
+            pull.is_some() && (opened_now || last_body_of(&item.history) == Some(digest.clone()));
         if let Some(number) = pull
-            && !opened_now
+            && !described
         {
             gh.set_pull_body(number, &body).await?;
         }
@@ -1044,7 +1068,11 @@ impl ForgeSyncHandler {
         )
         .task(item.task.id)
         .job(cx.job.id)
-        .data(json!({"through": through, "pull": pull, "statuses": sent}).to_string());
+        .data(
+            json!({"through": through, "pull": pull, "statuses": sent,
+                     "body": pull.map(|_| digest), "described": !described && pull.is_some()})
+            .to_string(),
+        );
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
     }
