@@ -259,6 +259,10 @@ pub mod events {
     pub const FORGE_REVIEW: &str = "forge.review";
     /// The item's outcome was said on the forge: `{outcome, issue, pull, comments, closed}`.
     pub const FORGE_OUTCOME: &str = "forge.outcome";
+    /// The item's pull request was closed after its outcome was said (it is where review
+    /// happened, not what was merged): `{pull, seq, closed_now}` (`closed_now`: false when it
+    /// was found closed already).
+    pub const FORGE_PULL_CLOSED: &str = "forge.pull_closed";
 
     /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
     pub const ALL: &[&str] = &[
@@ -336,6 +340,7 @@ pub mod events {
         FORGE_SYNCED,
         FORGE_REVIEW,
         FORGE_OUTCOME,
+        FORGE_PULL_CLOSED,
     ];
 
     /// The kinds that end a task.

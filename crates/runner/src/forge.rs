@@ -1491,6 +1491,22 @@ impl GitHub {
             .map_err(|_| poll_error(502, "the updated pull request is not one".into()))
     }
 
+    /// Closes pull request `number` (`state: closed`); closing a closed one changes nothing.
+    pub async fn close_pull(&self, number: u64) -> Result<ApiPull, PollError> {
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::PATCH,
+                &self.repo_api(&format!("/pulls/{number}"))?,
+                Some(&json!({ "state": "closed" })),
+                None,
+                &[200],
+                "closing the pull request",
+            )
+            .await?;
+        serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the closed pull request is not one".into()))
+    }
+
     /// Sets the commit status `context` of commit `sha`; `false` when GitHub does not know
     /// the commit (422: the branch is not on GitHub), which waits for nothing.
     pub async fn set_status(

@@ -1468,6 +1468,20 @@ impl ForgeSyncHandler {
         let revision = deployed
             .and_then(|e| e.data_value()["revision"].as_str().map(str::to_owned))
             .or(o.live.clone());
+        // The release that shipped it (through the forge's pull request, when it went that
+        // way) and the revert that took it out, from their records.
+        let promoted = item
+            .history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::RELEASE_PROMOTED)
+            .map(|e| e.data_value());
+        let reverted = item
+            .history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::RELEASE_REVERTED)
+            .map(|e| e.data_value());
         let view = forge::OutcomeView {
             work_item: task.work_item_id.clone(),
             seq,
@@ -1475,6 +1489,11 @@ impl ForgeSyncHandler {
             reason: o.reason.clone(),
             revision,
             deploy: deployed.map(|e| e.message.clone()),
+            shipped_commit: promoted
+                .as_ref()
+                .and_then(|d| d["new"].as_str().map(str::to_owned)),
+            release_pull: promoted.as_ref().and_then(|d| d["pull"].as_u64()),
+            revert_commit: reverted.and_then(|d| d["revert_commit"].as_str().map(str::to_owned)),
             task_url: self.task_url(item),
         };
         let text = forge::outcome_comment(&view);
@@ -1495,6 +1514,9 @@ impl ForgeSyncHandler {
             };
             said.push(number);
             ids.push(id);
+        }
+        if let Some(number) = pull {
+            self.close_pull(cx, item, &gh, number, seq).await?;
         }
         let shipped = o.outcome == orch_domain::outcome::Outcome::Shipped;
         if shipped {
@@ -1525,5 +1547,43 @@ impl ForgeSyncHandler {
         );
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
+    }
+
+    /// Closes the item's pull request `number` once its outcome is said: it is where review
+    /// happened, not what the release merged, and an ended item's review steers nothing. Found
+    /// by its state (closed already, by anyone: nothing sent), recorded once
+    /// (`forge.pull_closed`); a crash between the close and the record records it on replay.
+    async fn close_pull(
+        &self,
+        cx: &JobContext,
+        item: &Item,
+        gh: &GitHub,
+        number: u64,
+        seq: i64,
+    ) -> Result<(), SyncError> {
+        if item.history.iter().any(|e| {
+            e.kind == events::FORGE_PULL_CLOSED && e.data_value()["pull"].as_u64() == Some(number)
+        }) {
+            return Ok(());
+        }
+        let closed_now = gh.pull(number).await?.state == "open";
+        if closed_now {
+            gh.close_pull(number).await?;
+            crate::failpoint::hit("forge.after_pull_closed");
+        }
+        let event = NewEvent::new(
+            events::FORGE_PULL_CLOSED,
+            format!(
+                "pull request {}#{number} of {} {} after its outcome",
+                item.forge_cfg.repo,
+                item.task.work_item_id,
+                if closed_now { "closed" } else { "found closed" }
+            ),
+        )
+        .task(item.task.id)
+        .job(cx.job.id)
+        .data(json!({"pull": number, "seq": seq, "closed_now": closed_now}).to_string());
+        cx.store.append_event_fenced(cx.lease, event).await?;
+        Ok(())
     }
 }
