@@ -263,6 +263,10 @@ pub mod events {
     /// happened, not what was merged): `{pull, seq, closed_now}` (`closed_now`: false when it
     /// was found closed already).
     pub const FORGE_PULL_CLOSED: &str = "forge.pull_closed";
+    /// The pull request orch closed at an ending was reopened because the item is live again
+    /// (an operator retried it): `{pull, seq, reopened}` (`reopened`: false when the forge
+    /// refused, e.g. its branch is gone).
+    pub const FORGE_PULL_REOPENED: &str = "forge.pull_reopened";
 
     /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
     pub const ALL: &[&str] = &[
@@ -341,6 +345,7 @@ pub mod events {
         FORGE_REVIEW,
         FORGE_OUTCOME,
         FORGE_PULL_CLOSED,
+        FORGE_PULL_REOPENED,
     ];
 
     /// The kinds that end a task.

@@ -135,6 +135,21 @@ fn last_body_of(events: &[Event]) -> Option<String> {
         .find_map(|e| e.data_value()["body"].as_str().map(str::to_owned))
 }
 
+/// The pull request orch closed at an ending, when nothing reopened it since: an item live
+/// again after that (an operator retried it) has it reopened, so its reviews steer it again.
+fn closed_by_orch(history: &[Event]) -> Option<u64> {
+    let last = history
+        .iter()
+        .rev()
+        .find(|e| e.kind == events::FORGE_PULL_CLOSED || e.kind == events::FORGE_PULL_REOPENED)?;
+    let d = last.data_value();
+    if last.kind == events::FORGE_PULL_CLOSED && d["closed_now"] == true {
+        d["pull"].as_u64()
+    } else {
+        None
+    }
+}
+
 /// The item's pull request's number, once found or opened.
 fn pull_of(events: &[Event]) -> Option<u64> {
     events
@@ -1010,6 +1025,30 @@ impl ForgeSyncHandler {
                 }
             }
         }
+        // Live again after orch closed its pull request at an ending (a retry): reopened.
+        if !item.task.is_terminal()
+            && let Some(n) = closed_by_orch(&item.history)
+            && pull == Some(n)
+        {
+            let reopened = gh.reopen_pull(n).await?;
+            let event = NewEvent::new(
+                events::FORGE_PULL_REOPENED,
+                format!(
+                    "pull request {}#{n} of {} {}",
+                    item.forge_cfg.repo,
+                    item.task.work_item_id,
+                    if reopened {
+                        "reopened: the item is live again"
+                    } else {
+                        "cannot be reopened (GitHub refused): its reviews steer nothing"
+                    }
+                ),
+            )
+            .task(item.task.id)
+            .job(cx.job.id)
+            .data(json!({"pull": n, "seq": item.task.stage_seq, "reopened": reopened}).to_string());
+            cx.store.append_event_fenced(cx.lease, event).await?;
+        }
         // The statuses of the stages the new events touched, each at its latest state.
         let mut latest: BTreeMap<String, (StatusState, String)> = BTreeMap::new();
         let mut touched: HashSet<String> = HashSet::new();
@@ -1562,7 +1601,10 @@ impl ForgeSyncHandler {
         seq: i64,
     ) -> Result<(), SyncError> {
         if item.history.iter().any(|e| {
-            e.kind == events::FORGE_PULL_CLOSED && e.data_value()["pull"].as_u64() == Some(number)
+            let d = e.data_value();
+            e.kind == events::FORGE_PULL_CLOSED
+                && d["pull"].as_u64() == Some(number)
+                && d["seq"].as_i64() == Some(seq)
         }) {
             return Ok(());
         }
@@ -1585,5 +1627,54 @@ impl ForgeSyncHandler {
         .data(json!({"pull": number, "seq": seq, "closed_now": closed_now}).to_string());
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(id: i64, kind: &str, data: serde_json::Value) -> Event {
+        Event {
+            id,
+            task_id: Some(1),
+            job_id: None,
+            kind: kind.to_owned(),
+            stage: None,
+            message: String::new(),
+            data: data.to_string(),
+            created_at: 0,
+        }
+    }
+
+    #[test]
+    fn a_pull_request_orch_closed_is_reopened_once() {
+        let closed = event(
+            2,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 9, "closed_now": true}),
+        );
+        assert_eq!(closed_by_orch(&[]), None);
+        assert_eq!(closed_by_orch(std::slice::from_ref(&closed)), Some(7));
+        // Found closed (someone else closed it): not orch's to reopen.
+        let found = event(
+            2,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 9, "closed_now": false}),
+        );
+        assert_eq!(closed_by_orch(&[found]), None);
+        let reopened = event(
+            3,
+            events::FORGE_PULL_REOPENED,
+            json!({"pull": 7, "seq": 10, "reopened": true}),
+        );
+        assert_eq!(closed_by_orch(&[closed.clone(), reopened.clone()]), None);
+        // Closed again at the next ending.
+        let again = event(
+            4,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 12, "closed_now": true}),
+        );
+        assert_eq!(closed_by_orch(&[closed, reopened, again]), Some(7));
     }
 }

@@ -305,8 +305,8 @@ impl PullSide {
                 if let Some(b) = body.get("body") {
                     p["body"] = b.clone();
                 }
-                if body["state"] == "closed" {
-                    p["state"] = json!("closed");
+                if body["state"] == "closed" || body["state"] == "open" {
+                    p["state"] = body["state"].clone();
                 }
                 self.pull_patches.push((n, body.clone()));
                 let full = self.pull_example.clone();

@@ -359,9 +359,11 @@ pub(crate) fn route(
                     if let Some(t) = req["title"].as_str() {
                         p.title = t.to_owned();
                     }
-                    // Closing a merged pull request changes nothing; reopening is not served.
+                    // A merged pull request stays closed, as on GitHub.
                     if req["state"] == "closed" {
                         p.state = "closed".into();
+                    } else if req["state"] == "open" && p.merge_commit_sha.is_none() {
+                        p.state = "open".into();
                     }
                     return Some((200, r.pull_json(&r.pulls[i], &bare, false)));
                 }
