@@ -252,7 +252,9 @@ pub mod events {
     /// opened}` (`opened`: false when an existing one was found by its head).
     pub const FORGE_PULL: &str = "forge.pull";
     /// The forge sync caught up with the item's events up to event `through`: `{through,
-    /// pull, statuses}` (the statuses set, `[{context, state}]`). The sync's cursor.
+    /// pull, statuses, body, described}` (the statuses set, `[{context, state}]`; `body`: the
+    /// digest of the pull request's description the forge has, `described`: whether this sync
+    /// PATCHed it). The sync's cursor.
     pub const FORGE_SYNCED: &str = "forge.synced";
     /// A review of the item's pull request was taken: `{review, state, pull, action, by}`
     /// (`action`: `loop_back`, `approved` or `noted`, with `why`).
