@@ -255,13 +255,23 @@ pub mod events {
     /// opened}` (`opened`: false when an existing one was found by its head).
     pub const FORGE_PULL: &str = "forge.pull";
     /// The forge sync caught up with the item's events up to event `through`: `{through,
-    /// pull, statuses}` (the statuses set, `[{context, state}]`). The sync's cursor.
+    /// pull, statuses, body, described}` (the statuses set, `[{context, state}]`; `body`: the
+    /// digest of the pull request's description the forge has, `described`: whether this sync
+    /// PATCHed it). The sync's cursor.
     pub const FORGE_SYNCED: &str = "forge.synced";
     /// A review of the item's pull request was taken: `{review, state, pull, action, by}`
     /// (`action`: `loop_back`, `approved` or `noted`, with `why`).
     pub const FORGE_REVIEW: &str = "forge.review";
     /// The item's outcome was said on the forge: `{outcome, issue, pull, comments, closed}`.
     pub const FORGE_OUTCOME: &str = "forge.outcome";
+    /// The item's pull request was closed after its outcome was said (it is where review
+    /// happened, not what was merged): `{pull, seq, closed_now}` (`closed_now`: false when it
+    /// was found closed already).
+    pub const FORGE_PULL_CLOSED: &str = "forge.pull_closed";
+    /// The pull request orch closed at an ending was reopened because the item is live again
+    /// (an operator retried it): `{pull, seq, reopened}` (`reopened`: false when the forge
+    /// refused, e.g. its branch is gone).
+    pub const FORGE_PULL_REOPENED: &str = "forge.pull_reopened";
 
     /// Every kind above (a test holds it complete; the tidy rule reads the constants' lines).
     pub const ALL: &[&str] = &[
@@ -339,6 +349,8 @@ pub mod events {
         FORGE_SYNCED,
         FORGE_REVIEW,
         FORGE_OUTCOME,
+        FORGE_PULL_CLOSED,
+        FORGE_PULL_REOPENED,
     ];
 
     /// The kinds that end a task.

@@ -280,6 +280,20 @@ pub struct Answer {
     pub reset: Option<i64>,
 }
 
+/// Whether GitHub's refusal of a merge (`status`, its `message`) is a required status check
+/// that has not reported yet (expected, pending, queued or in progress): waited out, since it
+/// passes by itself once the check runs. A failing check, a missing review, a conflict are
+/// refusals.
+pub fn merge_waits_for_checks(status: u16, message: &str) -> bool {
+    let m = message.to_ascii_lowercase();
+    status == 405
+        && m.contains("required status check")
+        && !m.contains("fail")
+        && ["expected", "pending", "queued", "in progress"]
+            .iter()
+            .any(|w| m.contains(w))
+}
+
 /// Why and how long the next request waits.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Pause {
@@ -353,6 +367,12 @@ pub fn pause_after(
             format!("HTTP {status} without Retry-After (rate limited or refused)"),
         ),
         0 => (grow(poll_interval_s), "no answer".to_owned()),
+        // Only a merge waiting for its required checks is handed here as something to wait
+        // out (`merge_waits_for_checks`); any other 405 is a refusal.
+        405 => (
+            grow(poll_interval_s),
+            "HTTP 405: the merge waits for the branch's required status checks".to_owned(),
+        ),
         s if s >= 500 => (grow(poll_interval_s), format!("HTTP {s}")),
         s => (
             max_backoff_s.max(1),
@@ -936,6 +956,13 @@ pub struct OutcomeView {
     pub revision: Option<String>,
     /// The deploy record, in words.
     pub deploy: Option<String>,
+    /// The commit the release put on the default branch (what was deployed), when it got
+    /// there.
+    pub shipped_commit: Option<String>,
+    /// The release's own pull request, when the release went through the forge's API.
+    pub release_pull: Option<u64>,
+    /// The commit that took the item's change out of the default branch, when reverted.
+    pub revert_commit: Option<String>,
     /// The item's page on orch's dashboard.
     pub task_url: String,
 }
@@ -966,6 +993,24 @@ pub fn outcome_comment(v: &OutcomeView) -> String {
     }
     if let Some(d) = &v.deploy {
         out.push_str(&format!("- Deploy: {}\n", status_description(d)));
+    }
+    match (&v.shipped_commit, v.release_pull) {
+        (Some(c), Some(n)) => out.push_str(&format!(
+            "- Released through pull request #{n} as commit `{}`\n",
+            status_description(c)
+        )),
+        (Some(c), None) => out.push_str(&format!(
+            "- Released as commit `{}`\n",
+            status_description(c)
+        )),
+        (None, Some(n)) => out.push_str(&format!("- Release pull request: #{n}\n")),
+        (None, None) => {}
+    }
+    if let Some(c) = &v.revert_commit {
+        out.push_str(&format!(
+            "- Reverted by commit `{}`\n",
+            status_description(c)
+        ));
     }
     out.push_str(&format!("- Task page: {}\n", v.task_url));
     out
@@ -1376,6 +1421,45 @@ mod tests {
     }
 
     #[test]
+    fn a_merge_waits_only_for_checks_that_have_not_reported() {
+        for m in [
+            "Required status check \"ci\" is expected.",
+            "Required status check \"ci\" is in progress.",
+            "Required status checks have not succeeded: 1 expected.",
+            "Required status check \"build\" is pending",
+        ] {
+            assert!(merge_waits_for_checks(405, m), "{m}");
+        }
+        for (s, m) in [
+            (405, "Required status check \"ci\" is failing."),
+            (
+                405,
+                "At least 1 approving review is required by reviewers with write access.",
+            ),
+            (405, "Pull Request is not mergeable"),
+            (409, "Required status check \"ci\" is expected."),
+        ] {
+            assert!(!merge_waits_for_checks(s, m), "{s} {m}");
+        }
+        let p = pause_after(
+            &Answer {
+                status: 405,
+                ..Answer::default()
+            },
+            0,
+            1,
+            2,
+            900,
+            0.5,
+        )
+        .unwrap();
+        assert!(
+            p.failure && p.secs == 2 && p.why.contains("required status checks"),
+            "{p:?}"
+        );
+    }
+
+    #[test]
     fn status_descriptions_are_one_short_line() {
         let d = status_description(&format!("a\nb {}", "é".repeat(200)));
         assert!(
@@ -1415,5 +1499,19 @@ mod tests {
         });
         assert!(c.starts_with("<!-- orch:outcome GH-1 seq=12 -->"), "{c}");
         assert!(c.contains("stays open") && c.contains("`abc`"));
+        assert!(!c.contains("Released"), "{c}");
+        let c = outcome_comment(&OutcomeView {
+            work_item: "GH-1".into(),
+            seq: 12,
+            outcome: "shipped".into(),
+            shipped_commit: Some("def".into()),
+            release_pull: Some(7),
+            task_url: "http://x/ui/tasks/GH-1".into(),
+            ..OutcomeView::default()
+        });
+        assert!(
+            c.contains("Released through pull request #7 as commit `def`"),
+            "{c}"
+        );
     }
 }

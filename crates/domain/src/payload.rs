@@ -250,6 +250,12 @@ pub struct ForgeSynced {
     /// The statuses set.
     #[serde(default)]
     pub statuses: Vec<SentStatus>,
+    /// The digest of the description the forge has (`null` before there is a pull request).
+    #[serde(default)]
+    pub body: Option<String>,
+    /// Whether this sync sent the description (it is sent only when it changed).
+    #[serde(default)]
+    pub described: bool,
 }
 
 /// `forge.review`: a review of the item's pull request was taken (noted, or an approval about

@@ -1491,6 +1491,38 @@ impl GitHub {
             .map_err(|_| poll_error(502, "the updated pull request is not one".into()))
     }
 
+    /// Closes pull request `number` (`state: closed`); closing a closed one changes nothing.
+    pub async fn close_pull(&self, number: u64) -> Result<ApiPull, PollError> {
+        let (_, _, value) = self
+            .call(
+                reqwest::Method::PATCH,
+                &self.repo_api(&format!("/pulls/{number}"))?,
+                Some(&json!({ "state": "closed" })),
+                None,
+                &[200],
+                "closing the pull request",
+            )
+            .await?;
+        serde_json::from_value(value)
+            .map_err(|_| poll_error(502, "the closed pull request is not one".into()))
+    }
+
+    /// Reopens pull request `number` (`state: open`); `false` when GitHub refuses (422: its
+    /// branch is gone, or another pull request of that branch is open).
+    pub async fn reopen_pull(&self, number: u64) -> Result<bool, PollError> {
+        let (status, _, _) = self
+            .call(
+                reqwest::Method::PATCH,
+                &self.repo_api(&format!("/pulls/{number}"))?,
+                Some(&json!({ "state": "open" })),
+                None,
+                &[200, 422],
+                "reopening the pull request",
+            )
+            .await?;
+        Ok(status == 200)
+    }
+
     /// Sets the commit status `context` of commit `sha`; `false` when GitHub does not know
     /// the commit (422: the branch is not on GitHub), which waits for nothing.
     pub async fn set_status(

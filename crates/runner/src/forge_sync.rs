@@ -42,7 +42,7 @@ use orch_domain::payload::{
     self, ForgeOutcome, ForgePull, ForgeReview, ForgeSynced, ReleaseDeployed, SentStatus,
     StageChange,
 };
-use orch_store::{AdvanceStage, Event, Fence, JobState, NewEvent, NewJob, Store, Task, TaskFilter};
+use orch_store::{AdvanceStage, Event, Fence, JobState, NewEvent, NewJob, Store, Task};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -59,8 +59,6 @@ pub const FORGE_SYNC: &str = jobs::FORGE_SYNC;
 pub const SCAN_EVERY: Duration = Duration::from_secs(2);
 /// Ended items are followed this long after they ended (their outcome is said by then).
 pub const FOLLOW_ENDED_MS: i64 = 24 * 3600 * 1000;
-/// The most items of a repo the pass reads per scan (newest first).
-pub const MAX_ITEMS: u32 = 1000;
 /// A forge sync job is retried, paced, as long as this (it fails no item).
 const MAX_ATTEMPTS: i64 = 100_000;
 
@@ -120,6 +118,41 @@ fn cursor_of(events: &[Event]) -> i64 {
         .map(|s| s.through)
         .max()
         .unwrap_or(0)
+}
+
+/// The digest of a pull request description, as `forge.synced` records the one sent.
+fn body_digest(body: &str) -> String {
+    use sha2::Digest as _;
+    sha2::Sha256::digest(body.as_bytes())
+        .iter()
+        .take(16)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The digest of the description the forge has (the last `forge.synced` that names one).
+fn last_body_of(events: &[Event]) -> Option<String> {
+    events
+        .iter()
+        .rev()
+        .filter(|e| e.kind == events::FORGE_SYNCED)
+        .filter_map(|e| payload::read::<ForgeSynced>(&e.data))
+        .find_map(|s| s.body)
+}
+
+/// The pull request orch closed at an ending, when nothing reopened it since: an item live
+/// again after that (an operator retried it) has it reopened, so its reviews steer it again.
+fn closed_by_orch(history: &[Event]) -> Option<u64> {
+    let last = history
+        .iter()
+        .rev()
+        .find(|e| e.kind == events::FORGE_PULL_CLOSED || e.kind == events::FORGE_PULL_REOPENED)?;
+    let d = last.data_value();
+    if last.kind == events::FORGE_PULL_CLOSED && d["closed_now"] == true {
+        d["pull"].as_u64()
+    } else {
+        None
+    }
 }
 
 /// The item's pull request's number, once found or opened.
@@ -243,13 +276,34 @@ fn statuses_of(events: &[Event]) -> Vec<(i64, String, StatusState, String)> {
 }
 
 /// The per-repo state of the pass: when the reviews are next read, the ETag of each pull
-/// request's reviews, and whether reading them waits (an outage, a rate limit).
+/// request's reviews, whether reading them waits (an outage, a rate limit), and what the pass
+/// last read of each item.
 #[derive(Debug, Default)]
 struct RepoSync {
     next_reviews_ms: i64,
     failures: u32,
     waiting_since_ms: Option<i64>,
     etags: HashMap<u64, String>,
+    seen: HashMap<i64, Seen>,
+}
+
+/// What tells the pass that an item has something new: its row's last change and its newest
+/// event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Mark {
+    updated_at: i64,
+    stage_seq: i64,
+    newest_event: i64,
+}
+
+/// What the pass read of an item's history at [`Mark`], kept until the mark moves.
+#[derive(Debug)]
+struct Seen {
+    mark: Mark,
+    /// It came from this forge's issue.
+    follows: bool,
+    pull: Option<u64>,
+    taken: HashSet<u64>,
 }
 
 /// Enqueues the forge sync's jobs: one per new event of a forge item, one per review that asks
@@ -292,44 +346,62 @@ impl ForgeSyncPass {
         let now = store.now_ms();
         let reviews_due = now >= st.next_reviews_ms;
         let prefix = format!("{}-", forge_cfg.prefix);
-        let tasks = store
-            .list_tasks(&TaskFilter {
-                repo: Some(name.as_str().to_owned()),
-                limit: MAX_ITEMS,
-                ..TaskFilter::default()
-            })
-            .await?;
+        // Every live task of the repo, however many, and the ones that ended within the day.
+        let tasks: Vec<Task> = store
+            .tasks_followed(name.as_str(), now - FOLLOW_ENDED_MS)
+            .await?
+            .into_iter()
+            .filter(|t| t.work_item_id.starts_with(&prefix))
+            .collect();
+        let ids: Vec<i64> = tasks.iter().map(|t| t.id).collect();
+        let newest: HashMap<i64, i64> = store.newest_event_ids(&ids).await?.into_iter().collect();
+        let followed: HashSet<i64> = ids.iter().copied().collect();
+        st.seen.retain(|id, _| followed.contains(id));
         let mut gh: Option<GitHub> = None;
         let mut failed: Option<PollError> = None;
         for task in tasks {
-            if !task.work_item_id.starts_with(&prefix)
-                || (task.is_terminal() && task.updated_at < now - FOLLOW_ENDED_MS)
-            {
-                continue;
+            let mark = Mark {
+                updated_at: task.updated_at,
+                stage_seq: task.stage_seq,
+                newest_event: newest.get(&task.id).copied().unwrap_or(0),
+            };
+            // An item whose row and newest event are as the last pass saw them has nothing new:
+            // its history is not read again (a restart reads every one once).
+            if st.seen.get(&task.id).is_none_or(|s| s.mark != mark) {
+                let history = store.task_events(task.id).await?;
+                let follows = origin_of(&history)
+                    .is_some_and(|o| o.repo.eq_ignore_ascii_case(&forge_cfg.repo));
+                let through = through_of(&history);
+                if follows
+                    && through > cursor_of(&history)
+                    && let Some(job) = job_of(
+                        &SyncJob::Sync {
+                            task: task.id,
+                            through,
+                        },
+                        dedupe::forge_sync(task.id, through),
+                    )
+                {
+                    store.enqueue(job).await?;
+                }
+                // Kept only once its job is enqueued: an error above reads it again next pass.
+                st.seen.insert(
+                    task.id,
+                    Seen {
+                        mark,
+                        follows,
+                        pull: pull_of(&history),
+                        taken: reviews_taken(&history),
+                    },
+                );
             }
-            let history = store.task_events(task.id).await?;
-            let Some(origin) = origin_of(&history) else {
+            let Some(seen) = st.seen.get(&task.id) else {
                 continue;
             };
-            if !origin.repo.eq_ignore_ascii_case(&forge_cfg.repo) {
+            if !seen.follows || !reviews_due || task.is_terminal() || failed.is_some() {
                 continue;
             }
-            let through = through_of(&history);
-            if through > cursor_of(&history)
-                && let Some(job) = job_of(
-                    &SyncJob::Sync {
-                        task: task.id,
-                        through,
-                    },
-                    dedupe::forge_sync(task.id, through),
-                )
-            {
-                store.enqueue(job).await?;
-            }
-            if !reviews_due || task.is_terminal() || failed.is_some() {
-                continue;
-            }
-            let Some(pull) = pull_of(&history) else {
+            let Some(pull) = seen.pull else {
                 continue;
             };
             if gh.is_none() {
@@ -355,7 +427,11 @@ impl ForgeSyncPass {
             let ReviewsPage::Fresh { reviews, etag } = page else {
                 continue;
             };
-            let taken = reviews_taken(&history);
+            let taken = st
+                .seen
+                .get(&task.id)
+                .map(|s| s.taken.clone())
+                .unwrap_or_default();
             let mut all_queued = true;
             for review in reviews {
                 if ReviewState::of(&review.state) == ReviewState::Other
@@ -968,6 +1044,30 @@ impl ForgeSyncHandler {
                 }
             }
         }
+        // Live again after orch closed its pull request at an ending (a retry): reopened.
+        if !item.task.is_terminal()
+            && let Some(n) = closed_by_orch(&item.history)
+            && pull == Some(n)
+        {
+            let reopened = gh.reopen_pull(n).await?;
+            let event = NewEvent::new(
+                events::FORGE_PULL_REOPENED,
+                format!(
+                    "pull request {}#{n} of {} {}",
+                    item.forge_cfg.repo,
+                    item.task.work_item_id,
+                    if reopened {
+                        "reopened: the item is live again"
+                    } else {
+                        "cannot be reopened (GitHub refused): its reviews steer nothing"
+                    }
+                ),
+            )
+            .task(item.task.id)
+            .job(cx.job.id)
+            .data(json!({"pull": n, "seq": item.task.stage_seq, "reopened": reopened}).to_string());
+            cx.store.append_event_fenced(cx.lease, event).await?;
+        }
         // The statuses of the stages the new events touched, each at its latest state.
         let mut latest: BTreeMap<String, (StatusState, String)> = BTreeMap::new();
         let mut touched: HashSet<String> = HashSet::new();
@@ -996,8 +1096,13 @@ impl ForgeSyncHandler {
                 }
             }
         }
+        // The description is sent only when it differs from the last one sent (named by its
+        // digest in the last `forge.synced`, whichever process sent it).
+        let digest = body_digest(&body);
+        let described =
+            pull.is_some() && (opened_now || last_body_of(&item.history) == Some(digest.clone()));
         if let Some(number) = pull
-            && !opened_now
+            && !described
         {
             gh.set_pull_body(number, &body).await?;
         }
@@ -1028,6 +1133,8 @@ impl ForgeSyncHandler {
             through,
             pull,
             statuses: sent,
+            body: pull.map(|_| digest),
+            described: !described && pull.is_some(),
         }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
@@ -1447,6 +1554,20 @@ impl ForgeSyncHandler {
             .and_then(|e| payload::read::<ReleaseDeployed>(&e.data))
             .map(|d| d.revision)
             .or(o.live.clone());
+        // The release that shipped it (through the forge's pull request, when it went that
+        // way) and the revert that took it out, from their records.
+        let promoted = item
+            .history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::RELEASE_PROMOTED)
+            .map(|e| e.data_value());
+        let reverted = item
+            .history
+            .iter()
+            .rev()
+            .find(|e| e.kind == events::RELEASE_REVERTED)
+            .map(|e| e.data_value());
         let view = forge::OutcomeView {
             work_item: task.work_item_id.clone(),
             seq,
@@ -1454,6 +1575,11 @@ impl ForgeSyncHandler {
             reason: o.reason.clone(),
             revision,
             deploy: deployed.map(|e| e.message.clone()),
+            shipped_commit: promoted
+                .as_ref()
+                .and_then(|d| d["new"].as_str().map(str::to_owned)),
+            release_pull: promoted.as_ref().and_then(|d| d["pull"].as_u64()),
+            revert_commit: reverted.and_then(|d| d["revert_commit"].as_str().map(str::to_owned)),
             task_url: self.task_url(item),
         };
         let text = forge::outcome_comment(&view);
@@ -1474,6 +1600,9 @@ impl ForgeSyncHandler {
             };
             said.push(number);
             ids.push(id);
+        }
+        if let Some(number) = pull {
+            self.close_pull(cx, item, &gh, number, seq).await?;
         }
         let shipped = o.outcome == orch_domain::outcome::Outcome::Shipped;
         if shipped {
@@ -1508,5 +1637,95 @@ impl ForgeSyncHandler {
         }));
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(Outcome::Done)
+    }
+
+    /// Closes the item's pull request `number` once its outcome is said: it is where review
+    /// happened, not what the release merged, and an ended item's review steers nothing. Found
+    /// by its state (closed already, by anyone: nothing sent), recorded once
+    /// (`forge.pull_closed`); a crash between the close and the record records it on replay.
+    async fn close_pull(
+        &self,
+        cx: &JobContext,
+        item: &Item,
+        gh: &GitHub,
+        number: u64,
+        seq: i64,
+    ) -> Result<(), SyncError> {
+        if item.history.iter().any(|e| {
+            let d = e.data_value();
+            e.kind == events::FORGE_PULL_CLOSED
+                && d["pull"].as_u64() == Some(number)
+                && d["seq"].as_i64() == Some(seq)
+        }) {
+            return Ok(());
+        }
+        let closed_now = gh.pull(number).await?.state == "open";
+        if closed_now {
+            gh.close_pull(number).await?;
+            crate::failpoint::hit("forge.after_pull_closed");
+        }
+        let event = NewEvent::new(
+            events::FORGE_PULL_CLOSED,
+            format!(
+                "pull request {}#{number} of {} {} after its outcome",
+                item.forge_cfg.repo,
+                item.task.work_item_id,
+                if closed_now { "closed" } else { "found closed" }
+            ),
+        )
+        .task(item.task.id)
+        .job(cx.job.id)
+        .data(json!({"pull": number, "seq": seq, "closed_now": closed_now}).to_string());
+        cx.store.append_event_fenced(cx.lease, event).await?;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn event(id: i64, kind: &str, data: serde_json::Value) -> Event {
+        Event {
+            id,
+            task_id: Some(1),
+            job_id: None,
+            kind: kind.to_owned(),
+            stage: None,
+            message: String::new(),
+            data: data.to_string(),
+            created_at: 0,
+        }
+    }
+
+    #[test]
+    fn a_pull_request_orch_closed_is_reopened_once() {
+        let closed = event(
+            2,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 9, "closed_now": true}),
+        );
+        assert_eq!(closed_by_orch(&[]), None);
+        assert_eq!(closed_by_orch(std::slice::from_ref(&closed)), Some(7));
+        // Found closed (someone else closed it): not orch's to reopen.
+        let found = event(
+            2,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 9, "closed_now": false}),
+        );
+        assert_eq!(closed_by_orch(&[found]), None);
+        let reopened = event(
+            3,
+            events::FORGE_PULL_REOPENED,
+            json!({"pull": 7, "seq": 10, "reopened": true}),
+        );
+        assert_eq!(closed_by_orch(&[closed.clone(), reopened.clone()]), None);
+        // Closed again at the next ending.
+        let again = event(
+            4,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 12, "closed_now": true}),
+        );
+        assert_eq!(closed_by_orch(&[closed, reopened, again]), Some(7));
     }
 }

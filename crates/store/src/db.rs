@@ -833,6 +833,29 @@ where
         Ok(tasks)
     }
 
+    /// Every live task of `repo` and its tasks that ended at or after `ended_since`
+    /// ([`Db::tasks_alive_in`] with no upper bound): no cap.
+    pub async fn tasks_followed(&self, repo: &str, ended_since: Millis) -> Result<Vec<Task>> {
+        self.tasks_alive_in(ended_since, Millis::MAX, Some(repo))
+            .await
+    }
+
+    /// `(task, newest event id)` of these tasks (those with events), one statement per
+    /// [`EVENTS_OF_TASKS_CHUNK`] tasks (`max(id)` per task: the end of its `events_task` range).
+    pub async fn newest_event_ids(&self, task_ids: &[i64]) -> Result<Vec<(i64, i64)>> {
+        let mut out = Vec::new();
+        for ids in task_ids.chunks(EVENTS_OF_TASKS_CHUNK) {
+            let ids = serde_json::to_string(ids).map_err(|e| StoreError::Invalid(e.to_string()))?;
+            let chunk: Vec<(i64, i64)> = sqlx::query_as(self.sql.newest_event_ids.as_str())
+                .bind(ids)
+                .bind("[]")
+                .fetch_all(self.d.reader())
+                .await?;
+            out.extend(chunk);
+        }
+        Ok(out)
+    }
+
     /// The agent runs of these tasks, by task then oldest first; one statement per
     /// [`EVENTS_OF_TASKS_CHUNK`] tasks (the index `agent_runs_task`).
     pub async fn agent_runs_of_tasks(&self, task_ids: &[i64]) -> Result<Vec<AgentRun>> {

@@ -151,6 +151,8 @@ pub struct Statements {
     pub oldest_ready: String,
     /// `$1 task ids` (a JSON array) → their agent runs, by task then oldest first.
     pub agent_runs_of_tasks: String,
+    /// `$1 task ids` (a JSON array), `$2` `'[]'` → `(task_id, max(id))` of their events.
+    pub newest_event_ids: String,
     /// [`sql::report_live_tasks`] on this driver.
     pub report_live_tasks: String,
     /// [`sql::report_ended_tasks`] on this driver.
@@ -199,6 +201,10 @@ impl Statements {
                 "SELECT {} FROM agent_runs {} ORDER BY task_id, id",
                 sql::AGENT_RUN_COLUMNS,
                 D::RUNS_OF_TASKS_WHERE
+            ),
+            newest_event_ids: format!(
+                "SELECT task_id, max(id) FROM events {} GROUP BY task_id",
+                D::EVENTS_OF_TASKS_WHERE
             ),
             report_live_tasks: sql::report_live_tasks(&indexed_by::<D>("tasks_live")),
             report_ended_tasks: sql::report_ended_tasks(&indexed_by::<D>("tasks_ended")),

@@ -551,6 +551,20 @@ impl Store {
         dispatch!(self, tasks_alive_in(since, until, repo))
     }
 
+    /// The tasks of `repo` a follower of its items reads (the forge sync): every live task,
+    /// however many and however old, and the ones that ended at or after `ended_since`. Two
+    /// index reads (`tasks_live`, a range of `tasks_ended`), no cap that could drop a live task.
+    pub async fn tasks_followed(&self, repo: &str, ended_since: Millis) -> Result<Vec<Task>> {
+        dispatch!(self, tasks_followed(repo, ended_since))
+    }
+
+    /// The newest event id of each of these tasks that has events, as `(task, event id)`: one
+    /// read of the index `events_task` per [`EVENTS_OF_TASKS_CHUNK`] tasks, however long their
+    /// histories. A follower compares it with what it read last to skip an unchanged history.
+    pub async fn newest_event_ids(&self, task_ids: &[i64]) -> Result<Vec<(i64, i64)>> {
+        dispatch!(self, newest_event_ids(task_ids))
+    }
+
     /// The agent runs of these tasks, by task then oldest first (one statement per
     /// [`EVENTS_OF_TASKS_CHUNK`] tasks).
     pub async fn agent_runs_of_tasks(&self, task_ids: &[i64]) -> Result<Vec<AgentRun>> {

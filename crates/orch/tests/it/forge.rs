@@ -37,6 +37,7 @@ use orch_store::{ConnectOptions, Store, TaskFilter};
 use serde_json::{Value, json};
 
 use crate::common::{self, ORCH, demo_setup, git_show, skip};
+use crate::forge_release::{git as rgit, protect_remote, refused_pushes, serve_releases};
 
 pub(crate) const TOKEN: &str = "ghp_forgeTestTokenThatMustNeverLeak0123";
 const SECRET: &str = "webhook-secret-of-the-forge-test";
@@ -158,6 +159,8 @@ struct PullSide {
     issue_patches: Vec<(u64, Value)>,
     /// `POST …/pulls` requests (head), also the refused ones.
     pull_posts: Vec<String>,
+    /// `PATCH …/pulls/{n}` bodies by number.
+    pull_patches: Vec<(u64, Value)>,
     next_number: u64,
     next_id: u64,
     /// The description's examples the answers are made from.
@@ -302,6 +305,10 @@ impl PullSide {
                 if let Some(b) = body.get("body") {
                     p["body"] = b.clone();
                 }
+                if body["state"] == "closed" || body["state"] == "open" {
+                    p["state"] = body["state"].clone();
+                }
+                self.pull_patches.push((n, body.clone()));
                 let full = self.pull_example.clone();
                 (200, self.pull_of(&full, n))
             }
@@ -455,6 +462,52 @@ impl PullSide {
 }
 
 pub(crate) type Shared = Arc<Mutex<Hub>>;
+
+/// An item's pull request as the stand-in keeps it, on whichever side serves pull requests
+/// (the release side, acting on a real bare repository, once it has one).
+#[derive(Debug, Clone)]
+struct ItemPull {
+    number: u64,
+    body: String,
+    draft: bool,
+    state: String,
+    base: String,
+}
+
+impl Hub {
+    fn item_pull(&self, branch: &str) -> Option<ItemPull> {
+        if self.release.bare.is_some() {
+            let p = self.release.pulls.iter().find(|p| p.head == branch)?;
+            return Some(ItemPull {
+                number: p.number,
+                body: p.body.clone(),
+                draft: p.draft,
+                state: p.state.clone(),
+                base: "main".into(),
+            });
+        }
+        let n = self.prs.pull_number(branch)?;
+        let p = self.prs.pulls.iter().find(|p| p["number"] == n)?;
+        Some(ItemPull {
+            number: n,
+            body: p["body"].as_str().unwrap_or("").to_owned(),
+            draft: p["draft"] == true,
+            state: p["state"].as_str().unwrap_or("").to_owned(),
+            base: p["base"]["ref"].as_str().unwrap_or("").to_owned(),
+        })
+    }
+
+    /// The `PATCH …/pulls/{n}` request bodies the stand-in took for pull request `n`.
+    fn pull_patches(&self, n: u64) -> Vec<Value> {
+        self.release
+            .patches
+            .iter()
+            .chain(self.prs.pull_patches.iter())
+            .filter(|(m, _)| *m == n)
+            .map(|(_, b)| b.clone())
+            .collect()
+    }
+}
 
 fn etag_of(text: &str) -> String {
     // FNV-1a: stable across runs, enough to tell two listings apart.
@@ -1616,19 +1669,24 @@ fn configure_reviews(dir: &Path, api: &str) {
     configure_sync(dir, api, true);
 }
 
-/// The demo's config with the forge section, and an approval before `verification` when
-/// `approval`.
-fn configure_sync(dir: &Path, api: &str, approval: bool) {
+/// [`configure_sync`] with `extra` lines in the forge section.
+fn configure_sync_with(dir: &Path, api: &str, approval: bool, extra: &str) {
     let path = dir.join("orch.toml");
     let mut text = std::fs::read_to_string(&path).unwrap();
     text.push_str(&format!(
         "\n[repos.service.forge]\nkind = \"github\"\nrepo = \"{OWNER_REPO}\"\napi_url = \"{api}\"\n\
-         token_env = \"{TOKEN_VAR}\"\nlabel = \"{LABEL}\"\npoll_interval_s = 1\nmax_backoff_s = 2\n"
+         token_env = \"{TOKEN_VAR}\"\nlabel = \"{LABEL}\"\npoll_interval_s = 1\nmax_backoff_s = 2\n{extra}"
     ));
     if approval {
         text.push_str("\n[pipeline.stages.verification]\napproval = true\n");
     }
     std::fs::write(&path, text).unwrap();
+}
+
+/// The demo's config with the forge section, and an approval before `verification` when
+/// `approval`.
+fn configure_sync(dir: &Path, api: &str, approval: bool) {
+    configure_sync_with(dir, api, approval, "");
 }
 
 /// The statuses the stand-in was given for item `id`'s context `context`: their states in
@@ -1709,7 +1767,13 @@ async fn pulls_story(backend: &str) {
     let dir = tmp.path().join("demo");
     demo_setup(&dir);
     let (hub, api) = start_hub().await;
-    configure_reviews(&dir, &api);
+    // `main` refuses direct pushes (a pre-receive hook, as branch protection): releases,
+    // reverts and audit trails go through the API, squashed.
+    let bare = protect_remote(&dir);
+    configure_sync_with(&dir, &api, true, "merge_method = \"squash\"\n");
+    serve_releases(&hub, &bare);
+    hub.lock().unwrap().release.number_base = 100;
+    let main_before = rgit(&bare, &["rev-parse", "main"]).unwrap();
     let url = match backend {
         "postgres" => {
             let url = orch_store::testing::fresh_pg_schema().await;
@@ -1757,12 +1821,11 @@ async fn pulls_story(backend: &str) {
                     .last()
                     .map(String::as_str)
                     == Some("pending");
-                let described = h.lock().unwrap().prs.pulls.iter().any(|p| {
-                    p["head"]["ref"] == "orch/GH-1"
-                        && p["body"]
-                            .as_str()
-                            .is_some_and(|b| b.contains("waiting for an approval"))
-                });
+                let described = h
+                    .lock()
+                    .unwrap()
+                    .item_pull("orch/GH-1")
+                    .is_some_and(|p| p.body.contains("waiting for an approval"));
                 let synced = events_of(&s, "GH-1")
                     .await
                     .iter()
@@ -1774,11 +1837,11 @@ async fn pulls_story(backend: &str) {
     .await;
     let pull = {
         let h = hub.lock().unwrap();
-        let pull = h.prs.pull_number("orch/GH-1").expect("GH-1's pull request");
-        let p = h.prs.pulls.iter().find(|p| p["number"] == pull).unwrap();
-        assert_eq!(p["draft"], true, "{p}");
-        assert_eq!(p["base"]["ref"], "main", "{p}");
-        let body = p["body"].as_str().unwrap_or("");
+        let p = h.item_pull("orch/GH-1").expect("GH-1's pull request");
+        let pull = p.number;
+        assert!(p.draft, "{p:?}");
+        assert_eq!(p.base, "main", "{p:?}");
+        let body = p.body.as_str();
         assert!(body.contains("<!-- orch:pull GH-1 -->"), "{body}");
         assert!(body.contains("issue #1"), "{body}");
         assert!(
@@ -1805,6 +1868,8 @@ async fn pulls_story(backend: &str) {
             "{sha}"
         );
     }
+    // Idle, GH-1 waiting for its approval: the passes send no description (it did not change).
+    idle_sends_no_description(&dir, &store, &hub, "GH-1", pull).await;
 
     // 2. A review that requests changes sends GH-1 back to implementation; its text and its
     //    line comment reach the developer's prompt (the demo developer quotes the review).
@@ -2060,12 +2125,92 @@ async fn pulls_story(backend: &str) {
             h.prs
                 .pull_posts
                 .iter()
+                .chain(h.release.posts.iter())
                 .filter(|p| *p == "orch/GH-1")
                 .count(),
             1,
             "one pull request opened"
         );
     }
+    // GH-1's release went through its own pull request, merged with its head pinned to the
+    // staged commit and squashed: `main` got one commit with exactly the staged tree, and that
+    // commit is what was deployed. Its outcome names it; then the draft pull request is closed.
+    let squash1 = {
+        let h = hub.lock().unwrap();
+        let staged = ev1
+            .iter()
+            .rev()
+            .find(|e| e.kind == "release.staged")
+            .and_then(|e| e.data_value()["revision"].as_str().map(str::to_owned))
+            .expect("GH-1 staged");
+        let merging = ev1
+            .iter()
+            .find(|e| e.kind == "release.forge_merging")
+            .map(|e| e.data_value())
+            .expect("GH-1's release through the API");
+        assert_eq!(merging["method"], "squash", "{merging}");
+        let release_pull = merging["pull"]
+            .as_u64()
+            .expect("the release's pull request");
+        let rp = h
+            .release
+            .pulls
+            .iter()
+            .find(|p| p.number == release_pull)
+            .unwrap();
+        assert_eq!(rp.head, "orch/release/GH-1");
+        assert_eq!(rp.state, "closed");
+        let squash = rp.merge_commit_sha.clone().expect("merged");
+        assert!(
+            h.exchanges.iter().any(|e| e["method"] == "PUT"
+                && e["path"]
+                    .as_str()
+                    .is_some_and(|p| p.ends_with(&format!("/pulls/{release_pull}/merge")))
+                && e["request_body"]["sha"] == staged.as_str()
+                && e["request_body"]["merge_method"] == "squash"
+                && e["status"] == 200),
+            "the release's merge pinned its head to the staged {staged}"
+        );
+        assert_eq!(
+            rgit(&bare, &["rev-parse", &format!("{squash}^{{tree}}")]).unwrap(),
+            rgit(&bare, &["rev-parse", &format!("{staged}^{{tree}}")]).unwrap(),
+            "the squash has exactly the staged tree"
+        );
+        assert_eq!(
+            rgit(
+                &bare,
+                &["rev-list", "--count", &format!("{squash}^..{squash}")]
+            )
+            .unwrap(),
+            "1",
+            "a squash: one parent"
+        );
+        let promoted = ev1
+            .iter()
+            .rev()
+            .find(|e| e.kind == "release.promoted")
+            .unwrap()
+            .data_value();
+        assert_eq!(promoted["new"], squash.as_str(), "{promoted}");
+        assert_eq!(promoted["staged"], staged.as_str(), "{promoted}");
+        let deployed = ev1
+            .iter()
+            .rev()
+            .find(|e| e.kind == "release.deployed")
+            .unwrap()
+            .data_value();
+        assert_eq!(deployed["revision"], squash.as_str(), "{deployed}");
+        let said = &h.prs.comments[&pull][0]["body"];
+        let said = said.as_str().unwrap_or("");
+        assert!(
+            said.contains(&format!(
+                "Released through pull request #{release_pull} as commit `{squash}`"
+            )),
+            "{said}"
+        );
+        squash
+    };
+    pull_closed_after_outcome(&store, &hub, "GH-1", pull).await;
     for stage in [
         "verification",
         "merge",
@@ -2178,6 +2323,85 @@ async fn pulls_story(backend: &str) {
         Some("failure"),
         "the watch's status: {watch:?}"
     );
+    // GH-2's revert reached the protected `main` through the API too (its own branch and pull
+    // request, merged): `main` no longer has GH-2's change. Its outcome is on its draft pull
+    // request as well, which is then closed.
+    let pull2 = hub
+        .lock()
+        .unwrap()
+        .item_pull("orch/GH-2")
+        .expect("GH-2's pull request")
+        .number;
+    {
+        let h = hub.lock().unwrap();
+        let reverted = ev2
+            .iter()
+            .find(|e| e.kind == "release.reverted")
+            .map(|e| e.data_value())
+            .unwrap_or_else(|| panic!("no release.reverted: {ev2:#?}"));
+        let revert = reverted["revert_commit"].as_str().unwrap().to_owned();
+        let rp = h
+            .release
+            .pulls
+            .iter()
+            .find(|p| p.head == "orch/revert/GH-2")
+            .expect("the revert's pull request");
+        assert_eq!(rp.merge_commit_sha.as_deref(), Some(revert.as_str()));
+        let shipped2 = ev2
+            .iter()
+            .rev()
+            .find(|e| e.kind == "release.promoted")
+            .and_then(|e| e.data_value()["new"].as_str().map(str::to_owned))
+            .expect("GH-2 released");
+        let changed = rgit(
+            &bare,
+            &["diff", "--name-only", &format!("{shipped2}^"), &shipped2],
+        )
+        .unwrap();
+        let code: Vec<&str> = changed
+            .lines()
+            .filter(|p| !p.starts_with("docs/"))
+            .collect();
+        assert!(!code.is_empty(), "GH-2 changed code: {changed}");
+        for path in code {
+            assert_eq!(
+                rgit(&bare, &["rev-parse", &format!("main:{path}")]).ok(),
+                rgit(&bare, &["rev-parse", &format!("{shipped2}^:{path}")]).ok(),
+                "{path} still has GH-2's change on main"
+            );
+        }
+        let said = h.prs.comments.get(&pull2).cloned().unwrap_or_default();
+        assert_eq!(said.len(), 1, "{said:?}");
+        let text = said[0]["body"].as_str().unwrap_or("");
+        assert!(
+            text.contains("rolled back")
+                && text.contains(&format!("Reverted by commit `{revert}`")),
+            "{text}"
+        );
+    }
+    pull_closed_after_outcome(&store, &hub, "GH-2", pull2).await;
+    // `main` was never pushed to directly: the hook refused orch's pushes, and every commit
+    // `main` gained is one the stand-in's merges made (all squashes), no ref moved by hand.
+    {
+        let h = hub.lock().unwrap();
+        assert!(refused_pushes(&bare) >= 1, "the hook refused nothing");
+        assert_eq!(h.release.ref_updates, 0);
+        let merged: std::collections::BTreeSet<String> =
+            h.release.merges.iter().map(|(_, _, c)| c.clone()).collect();
+        assert!(
+            h.release.merges.iter().all(|(_, m, _)| m == "squash"),
+            "{:?}",
+            h.release.merges
+        );
+        let gained: std::collections::BTreeSet<String> =
+            rgit(&bare, &["rev-list", &format!("{main_before}..main")])
+                .unwrap()
+                .lines()
+                .map(str::to_owned)
+                .collect();
+        assert_eq!(gained, merged, "main moved only by the stand-in's merges");
+        assert!(gained.contains(&squash1));
+    }
     common::terminate(serve).await;
 
     // The token is in no log line, event or document.
@@ -2234,6 +2458,81 @@ async fn pulls_story(backend: &str) {
         "a bad status state passed: {text}"
     );
     store.close().await;
+}
+
+/// Waits for item `id`'s sync to be caught up, then watches it idle for a few of the sync's
+/// passes: no `PATCH` of its pull request `pull` (an unchanged description is not sent again).
+async fn idle_sends_no_description(dir: &Path, store: &Store, hub: &Shared, id: &str, pull: u64) {
+    let followed = |events: &[orch_store::Event]| {
+        events
+            .iter()
+            .filter(|e| !e.kind.starts_with("forge."))
+            .map(|e| e.id)
+            .max()
+            .unwrap_or(0)
+    };
+    for _ in 0..5 {
+        let s = store.clone();
+        let id2 = id.to_owned();
+        wait_until(dir, Duration::from_secs(30), "the sync caught up", || {
+            let s = s.clone();
+            let id = id2.clone();
+            async move {
+                let events = events_of(&s, &id).await;
+                let through = followed(&events);
+                events.iter().any(|e| {
+                    e.kind == "forge.synced" && e.data_value()["through"].as_i64() >= Some(through)
+                })
+            }
+        })
+        .await;
+        let before = followed(&events_of(store, id).await);
+        let patches = hub.lock().unwrap().pull_patches(pull).len();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        if followed(&events_of(store, id).await) != before {
+            // The item moved meanwhile: not idle; look again.
+            continue;
+        }
+        assert_eq!(
+            hub.lock().unwrap().pull_patches(pull).len(),
+            patches,
+            "an idle item's unchanged description was sent again"
+        );
+        return;
+    }
+    panic!("{id} never stayed idle for 5 s");
+}
+
+/// Item `id`'s pull request `pull` was closed after its outcome was said, once, recorded.
+async fn pull_closed_after_outcome(store: &Store, hub: &Shared, id: &str, pull: u64) {
+    pull_closed_once(store, hub, id, pull, true).await;
+}
+
+/// Item `id`'s pull request `pull` is closed, by one `PATCH`, and recorded once (`closed_now`:
+/// by the process that recorded it, not found closed after a crash).
+async fn pull_closed_once(store: &Store, hub: &Shared, id: &str, pull: u64, closed_now: bool) {
+    let events = events_of(store, id).await;
+    let closed: Vec<Value> = events
+        .iter()
+        .filter(|e| e.kind == "forge.pull_closed")
+        .map(|e| e.data_value())
+        .collect();
+    assert_eq!(closed.len(), 1, "{id}: {closed:?}");
+    assert_eq!(closed[0]["pull"], pull, "{closed:?}");
+    assert_eq!(closed[0]["closed_now"], closed_now, "{closed:?}");
+    let h = hub.lock().unwrap();
+    assert_eq!(
+        h.item_pull(&format!("orch/{id}"))
+            .map(|p| p.state)
+            .as_deref(),
+        Some("closed")
+    );
+    let closes = h
+        .pull_patches(pull)
+        .iter()
+        .filter(|b| b["state"] == "closed")
+        .count();
+    assert_eq!(closes, 1, "{id}'s pull request closed once");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2338,9 +2637,20 @@ async fn a_crash_after_opening_the_pull_request_opens_no_second_one() {
 
 /// The other crash window: `orch serve` dies right after commenting the outcome on the issue
 /// and before recording it; the next `orch serve` finds its comment by the ending's marker and
-/// says the outcome once, then closes the shipped item's issue.
+/// says the outcome once, then closes the item's pull request and the shipped item's issue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_the_outcome_comment_posts_no_second_one() {
+    crash_at_the_outcome("forge.after_outcome_comment").await;
+}
+
+/// `orch serve` dies right after closing the item's pull request and before recording it: the
+/// next one finds it closed (by its state), records that, and closes nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_closing_the_pull_request_closes_it_once() {
+    crash_at_the_outcome("forge.after_pull_closed").await;
+}
+
+async fn crash_at_the_outcome(failpoint: &str) {
     if !specs_available() {
         return;
     }
@@ -2364,13 +2674,7 @@ async fn a_crash_after_the_outcome_comment_posts_no_second_one() {
         "--grace-s",
         "1",
     ];
-    let mut dying = spawn_orch_failing(
-        &dir,
-        None,
-        "serve.log",
-        &args,
-        Some("forge.after_outcome_comment"),
-    );
+    let mut dying = spawn_orch_failing(&dir, None, "serve.log", &args, Some(failpoint));
     let status = tokio::time::timeout(Duration::from_secs(300), dying.wait())
         .await
         .expect("orch reached the failpoint")
@@ -2422,6 +2726,17 @@ async fn a_crash_after_the_outcome_comment_posts_no_second_one() {
             "the shipped item's issue is closed"
         );
     }
+    let pull = hub
+        .lock()
+        .unwrap()
+        .prs
+        .pull_number("orch/GH-4")
+        .expect("GH-4's pull request");
+    let closed_now = failpoint != "forge.after_pull_closed";
+    pull_closed_once(&store, &hub, "GH-4", pull, closed_now).await;
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    assert!(ok, "{text}");
     store.close().await;
 }
 

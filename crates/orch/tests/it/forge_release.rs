@@ -41,8 +41,17 @@ pub(crate) struct Releases {
     pub merges: Vec<(u64, String, String)>,
     /// Each `PATCH …/git/refs/…` that moved the branch.
     pub ref_updates: u64,
+    /// Each `POST …/pulls`' head, also the refused ones.
+    pub posts: Vec<String>,
+    /// Each `PATCH …/pulls/{n}`: (pull request, request body).
+    pub patches: Vec<(u64, Value)>,
+    /// Pull requests are numbered from this + 1 (past the issues' numbers, which share the
+    /// number space on GitHub).
+    pub number_base: u64,
     /// The next merge adds a file the pull request does not have.
     pub tamper_next: bool,
+    /// Refuse this many merges with 405: a required status check has not reported yet.
+    pub checks_pending: u32,
     /// The description's examples the answers are made from.
     pub pull_example: Value,
     pub pull_simple_example: Value,
@@ -50,16 +59,17 @@ pub(crate) struct Releases {
 }
 
 pub(crate) struct PullState {
-    number: u64,
+    pub number: u64,
     title: String,
-    body: String,
-    head: String,
+    pub body: String,
+    pub head: String,
     base: String,
-    state: String,
-    merge_commit_sha: Option<String>,
+    pub state: String,
+    pub draft: bool,
+    pub merge_commit_sha: Option<String>,
 }
 
-fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
+pub(crate) fn git(dir: &Path, args: &[&str]) -> Result<String, String> {
     let out = std::process::Command::new("git")
         .arg("-C")
         .arg(dir)
@@ -110,6 +120,7 @@ impl Releases {
         v["title"] = json!(p.title);
         v["body"] = json!(p.body);
         v["state"] = json!(p.state);
+        v["draft"] = json!(p.draft);
         v["merge_commit_sha"] = json!(p.merge_commit_sha);
         let at = if merged {
             json!("2026-12-07T03:00:00Z")
@@ -155,6 +166,10 @@ impl Releases {
                 409,
                 error("Head branch was modified. Review and try the merge again."),
             );
+        }
+        if self.checks_pending > 0 {
+            self.checks_pending -= 1;
+            return (405, error("Required status check \"ci\" is expected."));
         }
         let main = git(bare, &["rev-parse", "refs/heads/main"]).unwrap();
         let Ok(tree) = git(bare, &["merge-tree", "--write-tree", &main, &head]) else {
@@ -283,10 +298,19 @@ pub(crate) fn route(
         }
         ("POST", "/pulls") => {
             let head = req["head"].as_str().unwrap_or_default().to_owned();
+            r.posts.push(head.clone());
             if git(&bare, &["rev-parse", &format!("refs/heads/{head}")]).is_err() {
                 return Some((422, error("Validation Failed")));
             }
-            let number = r.pulls.len() as u64 + 1;
+            if r.pulls.iter().any(|p| p.head == head && p.state == "open") {
+                return Some((
+                    422,
+                    json!({"message": "Validation Failed", "documentation_url": "https://docs.github.com/rest",
+                           "errors": [{"resource": "PullRequest", "code": "custom",
+                                       "message": format!("A pull request already exists for Codertocat:{head}.")}]}),
+                ));
+            }
+            let number = r.number_base + r.pulls.len() as u64 + 1;
             r.pulls.push(PullState {
                 number,
                 title: req["title"].as_str().unwrap_or_default().to_owned(),
@@ -294,6 +318,7 @@ pub(crate) fn route(
                 head,
                 base: req["base"].as_str().unwrap_or("main").to_owned(),
                 state: "open".into(),
+                draft: req["draft"].as_bool().unwrap_or(false),
                 merge_commit_sha: None,
             });
             let p = r.pulls.last().unwrap();
@@ -323,6 +348,25 @@ pub(crate) fn route(
                 r.merge(&bare, n, &req)
             } else {
                 let n: u64 = n.parse().ok()?;
+                if method == "PATCH"
+                    && let Some(i) = r.pulls.iter().position(|p| p.number == n)
+                {
+                    r.patches.push((n, req.clone()));
+                    let p = &mut r.pulls[i];
+                    if let Some(b) = req["body"].as_str() {
+                        p.body = b.to_owned();
+                    }
+                    if let Some(t) = req["title"].as_str() {
+                        p.title = t.to_owned();
+                    }
+                    // A merged pull request stays closed, as on GitHub.
+                    if req["state"] == "closed" {
+                        p.state = "closed".into();
+                    } else if req["state"] == "open" && p.merge_commit_sha.is_none() {
+                        p.state = "open".into();
+                    }
+                    return Some((200, r.pull_json(&r.pulls[i], &bare, false)));
+                }
                 match r.pulls.iter().find(|p| p.number == n) {
                     Some(p) if method == "GET" => (200, r.pull_json(p, &bare, false)),
                     _ => (404, error("Not Found")),
@@ -332,9 +376,10 @@ pub(crate) fn route(
     })
 }
 
-/// The demo with its repository behind a bare remote that refuses direct pushes to `main`
-/// (a pre-receive hook, as branch protection), and the forge section (no polling).
-fn protect(dir: &Path, api: &str, method: &str) -> PathBuf {
+/// The demo's repository behind a bare remote that refuses direct pushes to `main` (a
+/// pre-receive hook, as branch protection; each refusal is appended to `refused.log` in the
+/// bare repository), which `orch.toml` then names as the repo's path.
+pub(crate) fn protect_remote(dir: &Path) -> PathBuf {
     let bare = dir.join("service.git");
     let out = std::process::Command::new("git")
         .args(["clone", "--quiet", "--bare"])
@@ -350,7 +395,7 @@ fn protect(dir: &Path, api: &str, method: &str) -> PathBuf {
     let hook = bare.join("hooks/pre-receive");
     std::fs::write(
         &hook,
-        "#!/bin/sh\nwhile read old new ref; do\n  if [ \"$ref\" = refs/heads/main ]; then\n    echo \"remote: error: GH006: Protected branch update failed for refs/heads/main.\" >&2\n    exit 1\n  fi\ndone\nexit 0\n",
+        "#!/bin/sh\nwhile read old new ref; do\n  if [ \"$ref\" = refs/heads/main ]; then\n    echo \"$old $new\" >> refused.log\n    echo \"remote: error: GH006: Protected branch update failed for refs/heads/main.\" >&2\n    exit 1\n  fi\ndone\nexit 0\n",
     )
     .unwrap();
     use std::os::unix::fs::PermissionsExt as _;
@@ -358,7 +403,37 @@ fn protect(dir: &Path, api: &str, method: &str) -> PathBuf {
     let path = dir.join("orch.toml");
     let text = std::fs::read_to_string(&path).unwrap();
     assert!(text.contains("path = \"service\"\n"), "{text}");
-    let mut text = text.replace("path = \"service\"\n", "path = \"service.git\"\n");
+    let text = text.replace("path = \"service\"\n", "path = \"service.git\"\n");
+    std::fs::write(&path, text).unwrap();
+    bare
+}
+
+/// The direct pushes to `main` the hook of [`protect_remote`] refused so far.
+pub(crate) fn refused_pushes(bare: &Path) -> usize {
+    std::fs::read_to_string(bare.join("refused.log"))
+        .map(|t| t.lines().count())
+        .unwrap_or(0)
+}
+
+/// The stand-in's release side acting on `bare`, its answers made from the description's
+/// examples.
+pub(crate) fn serve_releases(hub: &crate::forge::Shared, bare: &Path) {
+    let spec: Value =
+        serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
+    let ex = &spec["components"]["examples"];
+    let mut h = hub.lock().unwrap();
+    h.release.bare = Some(bare.to_owned());
+    h.release.pull_example = ex["pull-request"]["value"].clone();
+    h.release.pull_simple_example = ex["pull-request-simple-items"]["value"][0].clone();
+    h.release.git_ref_example = ex["git-ref"]["value"].clone();
+    assert!(h.release.pull_example.is_object() && h.release.git_ref_example.is_object());
+}
+
+/// [`protect_remote`] and the forge section (no polling).
+fn protect(dir: &Path, api: &str, method: &str) -> PathBuf {
+    let bare = protect_remote(dir);
+    let path = dir.join("orch.toml");
+    let mut text = std::fs::read_to_string(&path).unwrap();
     text.push_str(&format!(
         "\n[repos.service.forge]\nkind = \"github\"\nrepo = \"{OWNER_REPO}\"\napi_url = \"{api}\"\n\
          token_env = \"{TOKEN_VAR}\"\nlabel = \"orch\"\npoll_interval_s = 0\nmax_backoff_s = 2\n\
@@ -454,17 +529,7 @@ async fn story(backend: &str) {
     demo_setup(&dir);
     let (hub, api) = start_hub().await;
     let bare = protect(&dir, &api, "squash");
-    {
-        let spec: Value =
-            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
-        let ex = &spec["components"]["examples"];
-        let mut h = hub.lock().unwrap();
-        h.release.bare = Some(bare.clone());
-        h.release.pull_example = ex["pull-request"]["value"].clone();
-        h.release.pull_simple_example = ex["pull-request-simple-items"]["value"][0].clone();
-        h.release.git_ref_example = ex["git-ref"]["value"].clone();
-        assert!(h.release.pull_example.is_object() && h.release.git_ref_example.is_object());
-    }
+    serve_releases(&hub, &bare);
     // The hook refuses a direct push, as GitHub refuses one to a protected branch.
     let probe = git(
         &bare,
@@ -693,14 +758,8 @@ async fn fast_forward_through_an_outage(backend: &str) {
     demo_setup(&dir);
     let (hub, api) = start_hub().await;
     let bare = protect(&dir, &api, "fast-forward");
-    {
-        let spec: Value =
-            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
-        let mut h = hub.lock().unwrap();
-        h.release.bare = Some(bare.clone());
-        h.release.git_ref_example = spec["components"]["examples"]["git-ref"]["value"].clone();
-        h.down_for_release = true;
-    }
+    serve_releases(&hub, &bare);
+    hub.lock().unwrap().down_for_release = true;
     let url = match backend {
         "postgres" => {
             let url = orch_store::testing::fresh_pg_schema().await;
@@ -815,15 +874,9 @@ async fn merge_commit(backend: &str) {
     demo_setup(&dir);
     let (hub, api) = start_hub().await;
     let bare = protect(&dir, &api, "merge");
-    {
-        let spec: Value =
-            serde_json::from_str(&std::fs::read_to_string(openapi_path()).unwrap()).unwrap();
-        let ex = &spec["components"]["examples"];
-        let mut h = hub.lock().unwrap();
-        h.release.bare = Some(bare.clone());
-        h.release.pull_example = ex["pull-request"]["value"].clone();
-        h.release.pull_simple_example = ex["pull-request-simple-items"]["value"][0].clone();
-    }
+    serve_releases(&hub, &bare);
+    // The first two merges are refused: the branch's required check has not reported yet.
+    hub.lock().unwrap().release.checks_pending = 2;
     let url = match backend {
         "postgres" => {
             let url = orch_store::testing::fresh_pg_schema().await;
@@ -849,6 +902,20 @@ async fn merge_commit(backend: &str) {
         .find(|e| e.kind == "release.staged")
         .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
         .unwrap();
+    // The merge waited for the check, visibly, with GitHub's words, and went on.
+    let waiting = evs
+        .iter()
+        .position(|e| e.kind == "forge.waiting")
+        .unwrap_or_else(|| panic!("no forge.waiting: {evs:#?}"));
+    assert!(
+        evs[waiting]
+            .message
+            .contains("Required status check \"ci\" is expected"),
+        "{}",
+        evs[waiting].message
+    );
+    assert!(evs[waiting..].iter().any(|e| e.kind == "forge.resumed"));
+    assert_eq!(hub.lock().unwrap().release.checks_pending, 0);
     let merges = hub.lock().unwrap().release.merges.clone();
     assert!(merges.iter().all(|m| m.1 == "merge"), "{merges:?}");
     let merged = &merges[0].2;

@@ -284,7 +284,23 @@ impl Api {
                     "commit_title": title, "commit_message": message,
                 })),
             )
-            .await?;
+            .await
+            .map_err(|f| match f {
+                // A required check that has not reported yet: the merge is waited out (with
+                // GitHub's words), not refused.
+                Failure::Refused { status, message }
+                    if orch_domain::forge::merge_waits_for_checks(status, &message) =>
+                {
+                    Failure::Outage {
+                        answer: Answer {
+                            status,
+                            ..Answer::default()
+                        },
+                        message,
+                    }
+                }
+                other => other,
+            })?;
         match (v["merged"].as_bool(), v["sha"].as_str()) {
             (Some(true), Some(sha)) => Ok(sha.to_owned()),
             _ => Err(Failure::Refused {

@@ -77,6 +77,7 @@ conformance!(
     take_over_repins_the_job_fenced_by_its_lease,
     a_follow_up_and_its_event_are_written_together_fenced_by_the_lease,
     every_terminal_stage_change_enqueues_one_task_ended_job,
+    a_followed_repo_is_every_live_task_and_the_recently_ended,
 );
 
 const LEASE: i64 = 30_000;
@@ -2432,4 +2433,74 @@ async fn a_gone_nodes_job_waits_the_grace_once_ready(db: TestDb) {
             .len(),
         1
     );
+}
+
+async fn a_followed_repo_is_every_live_task_and_the_recently_ended(db: TestDb) {
+    let s = &db.store;
+    const DAY: i64 = 24 * 3600 * 1000;
+    // The oldest task of the repo is live; one ended long ago; then more than a listing's
+    // 1000 ended recently, and another repo's live task.
+    let live = task_in(s, "alpha", "implementation").await;
+    let long_ago = task_in(s, "alpha", "done").await;
+    db.clock.advance_ms(2 * DAY);
+    let mut ended = HashSet::new();
+    for _ in 0..1001 {
+        ended.insert(task_in(s, "alpha", "done").await.id);
+    }
+    let other = task_in(s, "beta", "review").await;
+    let listed = s
+        .list_tasks(&TaskFilter {
+            repo: Some("alpha".into()),
+            limit: 1000,
+            ..TaskFilter::default()
+        })
+        .await
+        .unwrap();
+    assert!(
+        !listed.iter().any(|t| t.id == live.id),
+        "a capped listing drops the oldest live task"
+    );
+    let followed = s.tasks_followed("alpha", s.now_ms() - DAY).await.unwrap();
+    let ids: HashSet<i64> = followed.iter().map(|t| t.id).collect();
+    assert_eq!(ids.len(), followed.len(), "each task once");
+    assert!(
+        ids.contains(&live.id),
+        "the live task beyond 1000 ended ones"
+    );
+    assert!(ended.is_subset(&ids), "every recently ended task");
+    assert!(!ids.contains(&long_ago.id), "ended before the window");
+    assert!(!ids.contains(&other.id), "another repo's task");
+    assert_eq!(ids.len(), 1002);
+    // A name that would be SQL if it were spliced in is a value.
+    assert!(
+        s.tasks_followed("alpha' OR '1'='1", 0)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+
+    // The newest event id of each task, whatever its history; none for a task without events
+    // of its own beyond those given.
+    let newest = |ids: Vec<i64>| async move {
+        s.newest_event_ids(&ids)
+            .await
+            .unwrap()
+            .into_iter()
+            .collect::<HashMap<i64, i64>>()
+    };
+    let before = newest(vec![live.id, other.id]).await;
+    assert_eq!(before.len(), 2, "{before:?}");
+    let appended = s
+        .append_event(NewEvent::new("stage.started", "again").task(live.id))
+        .await
+        .unwrap();
+    let after = newest(vec![live.id, other.id]).await;
+    assert_eq!(after[&live.id], appended);
+    assert!(after[&live.id] > before[&live.id]);
+    assert_eq!(
+        after[&other.id], before[&other.id],
+        "another task's is unchanged"
+    );
+    let many: Vec<i64> = ended.iter().copied().collect();
+    assert_eq!(newest(many).await.len(), 1001, "read in chunks");
 }
