@@ -637,6 +637,8 @@ mod tests {
                 context: "orch/review".into(),
                 state: "success".into(),
             }],
+            body: None,
+            described: false,
         };
         let noted = ForgeReview {
             review: 7,
@@ -673,7 +675,8 @@ mod tests {
             (
                 text(&synced),
                 json!({"through": 40, "pull": null,
-                       "statuses": [{"context": "orch/review", "state": "success"}]}),
+                       "statuses": [{"context": "orch/review", "state": "success"}],
+                       "body": null, "described": false}),
             ),
             (
                 text(&noted),
