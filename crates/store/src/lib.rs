@@ -484,6 +484,25 @@ impl Store {
         dispatch!(self, advance_stage(adv, Some(exclusive)))
     }
 
+    /// An operator's write at one stage visit, in one transaction: only while task
+    /// `visit.task_id` is still at `visit.stage` with `visit.stage_seq` (a compare-and-swap on
+    /// the visit, the task row locked), `job` is enqueued (its dedupe key defaulting to the
+    /// visit's stage job key) and `event` appended on the task. A task that moved is
+    /// [`StoreError::StageConflict`] and nothing is written; a job that already exists (an
+    /// earlier write made it, with its event) writes nothing and comes back as a duplicate.
+    /// With no job, only the event is written, under the same check.
+    pub async fn write_at_visit(
+        &self,
+        visit: Visit,
+        job: Option<NewJob>,
+        event: NewEvent,
+    ) -> Result<Option<Enqueued>> {
+        if let Some(job) = &job {
+            validate_new_job(job)?;
+        }
+        dispatch!(self, write_at_visit(visit, job, event))
+    }
+
     /// The task of `repo` (other than `task_id`) at one of `exclusive`'s stages, as
     /// `(work_item_id, stage)`: who holds the track that task would enter. A read, not an
     /// admission: only [`Store::advance_stage_exclusive`] decides, in its transaction. A waiting
