@@ -99,6 +99,16 @@ macro_rules! dispatch {
     };
 }
 
+/// The SQLite database file `url` names: `sqlite://PATH`, `sqlite:PATH` or a bare path ending
+/// in `.db`; `None` for any other URL. The one reading of a SQLite URL ([`Store::connect`]'s,
+/// and the binary's when it looks for the file before opening it).
+pub fn sqlite_file(url: &str) -> Option<&str> {
+    let url = url.trim();
+    url.strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .or_else(|| (url.ends_with(".db") && !url.contains("://")).then_some(url))
+}
+
 impl Store {
     /// Opens `url`: `sqlite://PATH` (or a bare path ending in `.db`) or `postgres://…`.
     /// Does not migrate; call [`Store::migrate`] or [`Store::check_schema`].
@@ -108,17 +118,9 @@ impl Store {
             Ok(Store::Postgres(
                 postgres::PgStore::connect(url, opts).await?,
             ))
-        } else if let Some(path) = url.strip_prefix("sqlite://") {
+        } else if let Some(path) = sqlite_file(url) {
             Ok(Store::Sqlite(
                 sqlite::SqliteStore::connect(path, opts).await?,
-            ))
-        } else if let Some(path) = url.strip_prefix("sqlite:") {
-            Ok(Store::Sqlite(
-                sqlite::SqliteStore::connect(path, opts).await?,
-            ))
-        } else if url.ends_with(".db") && !url.contains("://") {
-            Ok(Store::Sqlite(
-                sqlite::SqliteStore::connect(url, opts).await?,
             ))
         } else {
             Err(StoreError::BadUrl {
@@ -789,4 +791,19 @@ fn validate_claim(claim: &Claim) -> Result<()> {
 /// (`orch_domain::control::dedupe::stage_job`).
 pub fn stage_job_key(task_id: i64, stage_seq: i64) -> String {
     orch_domain::control::dedupe::stage_job(task_id, stage_seq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sqlite_file;
+
+    #[test]
+    fn a_sqlite_url_names_its_file_and_nothing_else_does() {
+        assert_eq!(sqlite_file("sqlite:///p/orch.db"), Some("/p/orch.db"));
+        assert_eq!(sqlite_file(" sqlite:rel/orch.db "), Some("rel/orch.db"));
+        assert_eq!(sqlite_file("/p/orch.db"), Some("/p/orch.db"));
+        assert_eq!(sqlite_file("postgres://u@h:5432/db"), None);
+        assert_eq!(sqlite_file("/p/orch"), None, "a bare path must end in .db");
+        assert_eq!(sqlite_file("http://h/x.db"), None);
+    }
 }
