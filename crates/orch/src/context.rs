@@ -94,9 +94,7 @@ impl Context {
             self.state_dir(),
             self.repos_dir(config),
         ];
-        if self.is_sqlite()
-            && let Some(dir) = Path::new(&sqlite_path(&self.database_url)).parent()
-        {
+        if let Some(dir) = self.sqlite_file().and_then(|f| Path::new(f).parent()) {
             paths.push(dir.to_path_buf());
         }
         for repo in config.repos.values() {
@@ -112,10 +110,9 @@ impl Context {
         paths
     }
 
-    /// True for the embedded default database.
-    pub fn is_sqlite(&self) -> bool {
-        let u = &self.database_url;
-        u.starts_with("sqlite:") || !u.contains("://")
+    /// The SQLite database file, when the database is SQLite (as the store reads the URL).
+    pub fn sqlite_file(&self) -> Option<&str> {
+        orch_store::sqlite_file(&self.database_url)
     }
 
     /// Opens the store without creating anything; checks the schema version.
@@ -128,17 +125,17 @@ impl Context {
         if let Some(e) = &self.config_error {
             return Err(fail(Kind::Config, e.clone()));
         }
-        if self.is_sqlite() && !opts.create_if_missing {
-            let path = sqlite_path(&self.database_url);
-            if !Path::new(&path).exists() {
-                return Err(fail(
-                    Kind::Unavailable,
-                    format!(
-                        "no orch database at {path}; run `orch init` in {} first (or pass --database-url)",
-                        self.root.display()
-                    ),
-                ));
-            }
+        if let Some(path) = self.sqlite_file()
+            && !opts.create_if_missing
+            && !Path::new(path).exists()
+        {
+            return Err(fail(
+                Kind::Unavailable,
+                format!(
+                    "no orch database at {path}; run `orch init` in {} first (or pass --database-url)",
+                    self.root.display()
+                ),
+            ));
         }
         let store = Store::connect(&self.database_url, opts).await?;
         if check_schema {
@@ -226,13 +223,6 @@ fn find_key(text: &str, section: &str, key: &str) -> Option<usize> {
         }
     }
     header
-}
-
-fn sqlite_path(url: &str) -> String {
-    url.strip_prefix("sqlite://")
-        .or_else(|| url.strip_prefix("sqlite:"))
-        .unwrap_or(url)
-        .to_owned()
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {

@@ -13,7 +13,9 @@ use orch_domain::control::{self, events};
 use orch_domain::ids::{RepoName, WorkItemId};
 use orch_domain::payload::{self, StageChange};
 use orch_domain::pipeline::Pipeline;
-use orch_store::{AdvanceStage, Fence, NewEvent, NewTask, Store, StoreError, Task, WorkItemSpec};
+use orch_store::{
+    AdvanceStage, Fence, NewEvent, NewTask, Store, StoreError, Task, Visit, WorkItemSpec,
+};
 
 use crate::engine::{Engine, StageJob, first_job};
 
@@ -173,7 +175,11 @@ impl Ops {
     /// [`Ops::approve`], only while the task is still at `expected` (stage, `stage_seq`): a
     /// caller that checked the stage before approving gets [`OpsError::Conflict`] when the
     /// task moved meanwhile, and the stage job it enqueues is of that visit (a later visit
-    /// finds it stale).
+    /// finds it stale). Without `expected`, the visit read here is the one approved. The
+    /// check and the write are one operation ([`Store::write_at_visit`]: a compare-and-swap on
+    /// the visit in the transaction that enqueues the job and appends `stage.approved`): of
+    /// two approvals racing, or an approval racing the item moving on, exactly one writes and
+    /// the other gets [`OpsError::Conflict`].
     pub async fn approve_at(
         &self,
         id: &str,
@@ -215,7 +221,9 @@ impl Ops {
                 |s| format!("production: {}", s.describe()),
             );
             self.store
-                .append_event(
+                .write_at_visit(
+                    Visit::of(&task),
+                    None,
                     NewEvent::new(
                         events::RELEASE_UNHELD,
                         format!(
@@ -224,8 +232,6 @@ impl Ops {
                             by.describe()
                         ),
                     )
-                    .task(task.id)
-                    .stage(task.stage.clone())
                     .data(
                         serde_json::json!({
                             "repo": task.repo,
@@ -268,21 +274,22 @@ impl Ops {
         let job = job
             .task(task.id)
             .dedupe(orch_store::stage_job_key(task.id, task.stage_seq));
-        let enq = self.store.enqueue(job).await?;
-        if !enq.duplicate {
-            self.store
-                .append_event(
-                    NewEvent::new(
-                        events::STAGE_APPROVED,
-                        format!("{} approved {}", task.stage, by.describe()),
-                    )
-                    .task(task.id)
-                    .stage(task.stage.clone())
-                    .data(serde_json::json!({ actor::KEY: by.data() }).to_string()),
-                )
-                .await?;
+        let event = NewEvent::new(
+            events::STAGE_APPROVED,
+            format!("{} approved {}", task.stage, by.describe()),
+        )
+        .data(serde_json::json!({ actor::KEY: by.data() }).to_string());
+        match self
+            .store
+            .write_at_visit(Visit::of(&task), Some(job), event)
+            .await?
+        {
+            Some(enq) if enq.duplicate => Err(OpsError::Conflict(format!(
+                "{id} is already approved (stage {}, visit {})",
+                task.stage, task.stage_seq
+            ))),
+            _ => Ok(task),
         }
-        Ok(task)
     }
 
     /// Puts a failed task back at the stage it failed in, as a new visit.

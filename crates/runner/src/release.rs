@@ -69,9 +69,13 @@ fn seq_of(e: &Event) -> Option<i64> {
     value(e).get("seq")?.as_i64()
 }
 
-/// Appends a release event to the run's task, fenced by the job's lease ([`record`] logs a
-/// failure; a write that must precede an effect propagates it).
-async fn record_fenced(
+/// Appends a release event to the run's task, fenced by the job's lease: the one way the
+/// release train records anything. An attempt that lost its job (or cannot write) gets the
+/// error and stops there; nothing is dropped in silence. Each record is made so that the job's
+/// next attempt, finding the effect done and its record missing, makes it then (the promotion
+/// by its intent, the revert by its trailer, the deploy by its recorded outcome, staging by
+/// running again).
+async fn record(
     run: &StageRun,
     kind: &str,
     message: String,
@@ -82,15 +86,10 @@ async fn record_fenced(
         .job(run.job.id)
         .stage(run.stage.name.as_str())
         .data(data.to_string());
-    Ok(run.store.append_event_fenced(run.lease, event).await?)
-}
-
-/// [`record_fenced`] for an event that records what was done: a failure is logged (the job's
-/// next attempt finds the effect and records it then).
-async fn record(run: &StageRun, kind: &str, message: String, data: serde_json::Value) {
-    if let Err(e) = record_fenced(run, kind, message, data).await {
-        tracing::warn!(work_item = %run.work_item, kind, error = %e, "could not append a release event");
-    }
+    run.store
+        .append_event_fenced(run.lease, event)
+        .await
+        .with_context(|| format!("cannot record {kind} for {}", run.work_item))
 }
 
 async fn latest(run: &StageRun, kind: &str) -> Result<Option<Event>> {
@@ -98,15 +97,18 @@ async fn latest(run: &StageRun, kind: &str) -> Result<Option<Event>> {
     Ok(events.into_iter().rev().find(|e| e.kind == kind))
 }
 
-/// Records the commit that passed staging (called by the staging runner on SUCCESS).
-pub async fn record_staged(run: &StageRun, revision: &str) {
+/// Records the commit that passed staging (called by the staging runner on SUCCESS). An
+/// error fails the staging attempt: its retry stages again and records then, since the deploy
+/// ships only a recorded staged commit.
+pub async fn record_staged(run: &StageRun, revision: &str) -> Result<()> {
     record(
         run,
         events::RELEASE_STAGED,
         format!("staging passed on `{revision}`"),
         json!({"repo": run.repo_name.as_str(), "revision": revision, "seq": run.task.stage_seq}),
     )
-    .await;
+    .await?;
+    Ok(())
 }
 
 /// What [`promote`] did.
@@ -160,7 +162,7 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     {
         // Done before a crash: the event that says so may be missing.
         let old = field(intent, "old").unwrap_or_default();
-        finish_promotion(run, seq, &old, &staged).await;
+        finish_promotion(run, seq, &old, &staged).await?;
         return Ok(Promotion::Promoted { old, new: staged });
     }
     if main == staged {
@@ -173,7 +175,7 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
         return Ok(Promotion::Moved { main, staged });
     }
     // Written ahead of the move: an attempt that lost its job (or cannot write) moves nothing.
-    record_fenced(
+    record(
         run,
         events::RELEASE_PROMOTING,
         format!("moving `{branch}` from `{main}` to the staged `{staged}`"),
@@ -198,9 +200,11 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
         }
         Err(e) => return Err(e),
     };
-    note_unpublished(run, &published).await;
-    crate::failpoint::hit("release.after_promote");
-    finish_promotion(run, seq, &main, &staged).await;
+    note_unpublished(run, &published).await?;
+    // The branch moved and its record is not made yet: a crash here (or a lease lost) leaves
+    // the intent, by which the next attempt finds the move done and records it.
+    crate::failpoint::pause("release.after_promote", &run.repo_dir.to_string_lossy()).await;
+    finish_promotion(run, seq, &main, &staged).await?;
     Ok(Promotion::Promoted {
         old: main,
         new: staged,
@@ -322,7 +326,7 @@ async fn forge_promotion(
                 json!({"repo": run.repo_name.as_str(), "old": old, "new": commit, "staged": staged,
                        "via": via, "pull": pull, "seq": seq}),
             )
-            .await;
+            .await?;
             Ok(Promotion::Promoted {
                 old: old.to_owned(),
                 new: commit,
@@ -345,7 +349,7 @@ async fn forge_promotion(
                        "staged": staged, "merged": commit, "staged_tree": staged_tree,
                        "merged_tree": merged_tree, "seq": seq}),
             )
-            .await;
+            .await?;
             let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
             Ok(Promotion::Moved {
                 main,
@@ -393,7 +397,7 @@ async fn publish_through_forge(
             // The commit must be on the forge before its ref can point at it.
             repos::push_owned_branch(&run.git, &run.repo_dir, &p.head, p.new).await?;
             if intent.is_none() {
-                record_fenced(
+                record(
                     run,
                     events::RELEASE_FORGE_MERGING,
                     format!(
@@ -435,7 +439,7 @@ async fn publish_through_forge(
                 }
             };
             if earlier != Some(n) {
-                record_fenced(
+                record(
                     run,
                     events::RELEASE_FORGE_MERGING,
                     format!(
@@ -560,7 +564,7 @@ where
                         ),
                         json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "waited_s": waited_s}),
                     )
-                    .await;
+                    .await?;
                 }
                 return Ok(v);
             }
@@ -599,7 +603,7 @@ where
                         json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "why": why,
                                "wait_s": secs, "failures": failures}),
                     )
-                    .await;
+                    .await?;
                 }
                 tokio::select! {
                     () = run.cancel.cancelled() => bail!("cancelled while waiting for GitHub {}", cfg.repo),
@@ -616,8 +620,8 @@ const RETRY_S: u64 = 2;
 
 /// A release that reached orch's clone but not the user's checkout (it has local changes) is
 /// said in an event: the user must take it in by hand (or clean the checkout; the next release
-/// publishes it).
-pub async fn note_unpublished(run: &StageRun, published: &repos::Published) {
+/// publishes it). Fenced like every release record: an error fails the attempt.
+pub async fn note_unpublished(run: &StageRun, published: &repos::Published) -> Result<()> {
     if let Some(warning) = published.warning() {
         record(
             run,
@@ -625,11 +629,12 @@ pub async fn note_unpublished(run: &StageRun, published: &repos::Published) {
             warning.to_owned(),
             json!({"repo": run.repo_name.as_str(), "target": published.target}),
         )
-        .await;
+        .await?;
     }
+    Ok(())
 }
 
-async fn finish_promotion(run: &StageRun, seq: i64, old: &str, new: &str) {
+async fn finish_promotion(run: &StageRun, seq: i64, old: &str, new: &str) -> Result<()> {
     let branch = run.repo.default_branch.as_str();
     record(
         run,
@@ -637,7 +642,8 @@ async fn finish_promotion(run: &StageRun, seq: i64, old: &str, new: &str) {
         format!("`{branch}` now holds the staged `{new}` (was `{old}`)"),
         json!({"repo": run.repo_name.as_str(), "old": old, "new": new, "seq": seq}),
     )
-    .await;
+    .await?;
+    Ok(())
 }
 
 /// The revision promoted in this task's latest promotion: `(old, new)`.
@@ -768,8 +774,16 @@ pub async fn previous_live(run: &StageRun, seq: i64) -> Option<String> {
     }
 }
 
-/// Records a production deploy and what it shipped (rule 3). Never raises.
-pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed: bool) {
+/// Records a production deploy and what it shipped (rule 3). What it shipped is read best
+/// effort (an unreadable history ships "no new work item"); the record itself is fenced: an
+/// error fails the attempt, and the next one finds the deploy's outcome recorded and makes
+/// this record then (`deploy::deployer`'s replay).
+pub async fn record_deployed(
+    run: &StageRun,
+    seq: i64,
+    revision: &str,
+    confirmed: bool,
+) -> Result<()> {
     let prev = previous_live(run, seq).await;
     let items = match shipped_changes(&run.git, &run.repo_dir, prev.as_deref(), revision).await {
         Ok(items) => items,
@@ -822,9 +836,10 @@ pub async fn record_deployed(run: &StageRun, seq: i64, revision: &str, confirmed
         run,
         events::RELEASE_DEPLOYED,
         message,
-        serde_json::to_value(data).unwrap_or_default(),
+        serde_json::to_value(data).context("cannot encode the deploy record")?,
     )
-    .await;
+    .await?;
+    Ok(())
 }
 
 /// A Markdown section saying what this task's last production deploy shipped (revision,
@@ -863,8 +878,9 @@ pub async fn shipped_section(run: &StageRun) -> String {
     )
 }
 
-/// Records that production went back from `revision` to `live` (never raises).
-pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&str>) {
+/// Records that production went back from `revision` to `live`. Fenced: an error fails the
+/// attempt (the watch's ending runs again and records it; it is recorded once).
+pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&str>) -> Result<()> {
     record(
         run,
         events::RELEASE_ROLLED_BACK,
@@ -877,9 +893,10 @@ pub async fn record_rolled_back(run: &StageRun, revision: &str, live: Option<&st
             revision: revision.to_owned(),
             live: live.map(str::to_owned),
         })
-        .unwrap_or_default(),
+        .context("cannot encode the rollback record")?,
     )
-    .await;
+    .await?;
+    Ok(())
 }
 
 /// The revision that was live before this task's deploy (from its `release.deployed`).
@@ -927,7 +944,7 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
                 .iter()
                 .any(|e| e.kind == events::RELEASE_REVERTED);
             if !recorded {
-                record_reverted(run, &old, &new, sha, why).await;
+                record_reverted(run, &old, &new, sha, why).await?;
             }
             return Ok(Reverted::Reverted {
                 commit: sha.clone(),
@@ -969,10 +986,10 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
         }
         match repos::move_default_branch(&run.git, &run.repo_dir, &run.repo, &main, &sha).await {
             Ok(published) => {
-                note_unpublished(run, &published).await;
+                note_unpublished(run, &published).await?;
                 write_revert_log(run, &old, &new, &sha, why)?;
                 crate::failpoint::hit("release.after_revert_published");
-                record_reverted(run, &old, &new, &sha, why).await;
+                record_reverted(run, &old, &new, &sha, why).await?;
                 return Ok(Reverted::Reverted { commit: sha });
             }
             // A protected branch: the revert goes through the forge's API, like a promotion.
@@ -1023,7 +1040,7 @@ async fn forge_revert(
             repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
             write_revert_log(run, old, new, &commit, why)?;
             crate::failpoint::hit("release.after_revert_published");
-            record_reverted(run, old, new, &commit, why).await;
+            record_reverted(run, old, new, &commit, why).await?;
             Ok(Reverted::Reverted { commit })
         }
         ForgePublished::Mismatch { commit, why, .. } => Ok(Reverted::Held {
@@ -1068,8 +1085,9 @@ pub async fn publish_audit_through_forge(
     }
 }
 
-/// Records `release.reverted`: the item's change `old..new` taken out by `sha`.
-async fn record_reverted(run: &StageRun, old: &str, new: &str, sha: &str, why: &str) {
+/// Records `release.reverted`: the item's change `old..new` taken out by `sha` (fenced: an
+/// error fails the attempt, whose retry finds the revert by its trailer and records it).
+async fn record_reverted(run: &StageRun, old: &str, new: &str, sha: &str, why: &str) -> Result<()> {
     record(
         run,
         events::RELEASE_REVERTED,
@@ -1084,7 +1102,8 @@ async fn record_reverted(run: &StageRun, old: &str, new: &str, sha: &str, why: &
             "revert_commit": sha, "reverted_from": old, "reverted_to": new,
         }),
     )
-    .await;
+    .await?;
+    Ok(())
 }
 
 /// Runs the repo's test command on a checkout of exactly `sha`; `Some(why)` when it does not
@@ -1175,7 +1194,7 @@ pub async fn hold(run: &StageRun, reason: &str) -> Result<()> {
         "repo {} is held: {reason}; later releases wait until an operator runs `orch approve {}` (go on) or `orch cancel {}`",
         run.repo_name, run.work_item, run.work_item
     );
-    let id = record_fenced(
+    let id = record(
         run,
         events::RELEASE_HELD,
         message,

@@ -721,6 +721,59 @@ where
         Ok(Advanced { task, next_job_id })
     }
 
+    pub async fn write_at_visit(
+        &self,
+        visit: Visit,
+        job: Option<NewJob>,
+        mut event: NewEvent,
+    ) -> Result<Option<Enqueued>> {
+        let now = self.now();
+        let mut tx = self.d.begin().await?;
+        let current = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
+            .bind(visit.task_id)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let current = match current {
+            Some(t) if t.stage == visit.stage && t.stage_seq == visit.stage_seq => t,
+            other => {
+                // Rolled back now: PostgreSQL would keep the task row locked meanwhile.
+                let _ = tx.rollback().await;
+                return Err(match other {
+                    None => StoreError::TaskNotFound(visit.task_id.to_string()),
+                    Some(t) => StoreError::StageConflict {
+                        task_id: t.id,
+                        expected: format!("{} (seq {})", visit.stage, visit.stage_seq),
+                        actual: t.stage,
+                        actual_seq: t.stage_seq,
+                    },
+                });
+            }
+        };
+        let mut wake = None;
+        let mut enqueued = None;
+        if let Some(mut job) = job {
+            job.task_id = Some(current.id);
+            job.dedupe_key
+                .get_or_insert_with(|| stage_job_key(current.id, current.stage_seq));
+            let out = Self::insert_job(&mut tx, &job, now).await?;
+            if out.duplicate {
+                // The visit's job exists: an earlier write made it, with its event.
+                let _ = tx.rollback().await;
+                return Ok(Some(out));
+            }
+            wake = Some(Announce {
+                due_at: due_at(std::slice::from_ref(&job), now),
+                now,
+            });
+            enqueued = Some(out);
+        }
+        event.task_id = Some(current.id);
+        event.stage = Some(current.stage.clone());
+        Self::insert_event(&mut tx, &event, now).await?;
+        self.d.commit(tx, wake).await?;
+        Ok(enqueued)
+    }
+
     pub async fn track_holder(
         &self,
         repo: &str,

@@ -99,6 +99,16 @@ macro_rules! dispatch {
     };
 }
 
+/// The SQLite database file `url` names: `sqlite://PATH`, `sqlite:PATH` or a bare path ending
+/// in `.db`; `None` for any other URL. The one reading of a SQLite URL ([`Store::connect`]'s,
+/// and the binary's when it looks for the file before opening it).
+pub fn sqlite_file(url: &str) -> Option<&str> {
+    let url = url.trim();
+    url.strip_prefix("sqlite://")
+        .or_else(|| url.strip_prefix("sqlite:"))
+        .or_else(|| (url.ends_with(".db") && !url.contains("://")).then_some(url))
+}
+
 impl Store {
     /// Opens `url`: `sqlite://PATH` (or a bare path ending in `.db`) or `postgres://…`.
     /// Does not migrate; call [`Store::migrate`] or [`Store::check_schema`].
@@ -108,17 +118,9 @@ impl Store {
             Ok(Store::Postgres(
                 postgres::PgStore::connect(url, opts).await?,
             ))
-        } else if let Some(path) = url.strip_prefix("sqlite://") {
+        } else if let Some(path) = sqlite_file(url) {
             Ok(Store::Sqlite(
                 sqlite::SqliteStore::connect(path, opts).await?,
-            ))
-        } else if let Some(path) = url.strip_prefix("sqlite:") {
-            Ok(Store::Sqlite(
-                sqlite::SqliteStore::connect(path, opts).await?,
-            ))
-        } else if url.ends_with(".db") && !url.contains("://") {
-            Ok(Store::Sqlite(
-                sqlite::SqliteStore::connect(url, opts).await?,
             ))
         } else {
             Err(StoreError::BadUrl {
@@ -484,6 +486,25 @@ impl Store {
         dispatch!(self, advance_stage(adv, Some(exclusive)))
     }
 
+    /// An operator's write at one stage visit, in one transaction: only while task
+    /// `visit.task_id` is still at `visit.stage` with `visit.stage_seq` (a compare-and-swap on
+    /// the visit, the task row locked), `job` is enqueued (its dedupe key defaulting to the
+    /// visit's stage job key) and `event` appended on the task. A task that moved is
+    /// [`StoreError::StageConflict`] and nothing is written; a job that already exists (an
+    /// earlier write made it, with its event) writes nothing and comes back as a duplicate.
+    /// With no job, only the event is written, under the same check.
+    pub async fn write_at_visit(
+        &self,
+        visit: Visit,
+        job: Option<NewJob>,
+        event: NewEvent,
+    ) -> Result<Option<Enqueued>> {
+        if let Some(job) = &job {
+            validate_new_job(job)?;
+        }
+        dispatch!(self, write_at_visit(visit, job, event))
+    }
+
     /// The task of `repo` (other than `task_id`) at one of `exclusive`'s stages, as
     /// `(work_item_id, stage)`: who holds the track that task would enter. A read, not an
     /// admission: only [`Store::advance_stage_exclusive`] decides, in its transaction. A waiting
@@ -784,4 +805,19 @@ fn validate_claim(claim: &Claim) -> Result<()> {
 /// (`orch_domain::control::dedupe::stage_job`).
 pub fn stage_job_key(task_id: i64, stage_seq: i64) -> String {
     orch_domain::control::dedupe::stage_job(task_id, stage_seq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sqlite_file;
+
+    #[test]
+    fn a_sqlite_url_names_its_file_and_nothing_else_does() {
+        assert_eq!(sqlite_file("sqlite:///p/orch.db"), Some("/p/orch.db"));
+        assert_eq!(sqlite_file(" sqlite:rel/orch.db "), Some("rel/orch.db"));
+        assert_eq!(sqlite_file("/p/orch.db"), Some("/p/orch.db"));
+        assert_eq!(sqlite_file("postgres://u@h:5432/db"), None);
+        assert_eq!(sqlite_file("/p/orch"), None, "a bare path must end in .db");
+        assert_eq!(sqlite_file("http://h/x.db"), None);
+    }
 }

@@ -363,6 +363,26 @@ pub struct AdvanceStage {
     pub next_job: Option<NewJob>,
 }
 
+/// One stage visit of a task, as an operator read it: what [`crate::Store::write_at_visit`]
+/// compares before it writes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Visit {
+    pub task_id: i64,
+    pub stage: String,
+    pub stage_seq: i64,
+}
+
+impl Visit {
+    /// The visit `task` is at.
+    pub fn of(task: &Task) -> Visit {
+        Visit {
+            task_id: task.id,
+            stage: task.stage.clone(),
+            stage_seq: task.stage_seq,
+        }
+    }
+}
+
 /// A guard on a stage change into a set of stages that at most one task of a repo may occupy at
 /// a time (the repo's release track): the change is refused with [`crate::StoreError::TrackBusy`]
 /// when another task of the same repo is at one of `stages`. Checked and applied in one

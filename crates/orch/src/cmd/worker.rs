@@ -202,6 +202,13 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
     config.lease = Duration::from_secs(settings.lease_s.max(1));
     if let Some(ms) = args.lease_ms {
         anyhow::ensure!(ms >= 200, "--lease-ms must be at least 200 (got {ms})");
+        // The config's own `lease_s` was checked against `node_grace_s` when it was read
+        // (`Config::validate`); only this flag can pass it.
+        anyhow::ensure!(
+            settings.node_grace_s.saturating_mul(1000) >= ms,
+            "--lease-ms ({ms}) must be at most [settings] node_grace_s ({} s): a node is judged gone only after its leases could have expired",
+            settings.node_grace_s
+        );
         config.lease = Duration::from_millis(ms);
     }
     config.poll_interval = Duration::from_millis(settings.poll_interval_ms.clamp(10, 60_000));
@@ -219,13 +226,6 @@ async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> 
             }),
     );
     config.node_grace = Some(Duration::from_secs(settings.node_grace_s));
-    anyhow::ensure!(
-        settings.node_grace_s.saturating_mul(1000)
-            >= u64::try_from(config.lease.as_millis()).unwrap_or(u64::MAX),
-        "[settings] node_grace_s ({} s) must be at least the lease ({} ms): a node is judged gone only after its leases could have expired",
-        settings.node_grace_s,
-        config.lease.as_millis()
-    );
     let opts = ConnectOptions {
         max_connections: u32::try_from(config.concurrency + 6).unwrap_or(16),
         ..ConnectOptions::default()

@@ -310,7 +310,7 @@ async fn replay(run: &StageRun, seq: i64) -> anyhow::Result<Option<StageEffect>>
         && let Some(revision) = super::event_str(e, "revision")
     {
         crate::release::record_deployed(run, seq, &revision, e.kind == events::DEPLOY_CONFIRMED)
-            .await;
+            .await?;
     }
     let outcome = match e.kind.as_str() {
         events::DEPLOY_CONFIRMED | events::DEPLOY_SKIPPED => {
@@ -689,7 +689,8 @@ impl DeployerExecutor {
         )
         .await?;
         if settlement.rolled == super::recover::Rolled::Verified {
-            crate::release::record_rolled_back(run, revision, settlement.settled.as_deref()).await;
+            crate::release::record_rolled_back(run, revision, settlement.settled.as_deref())
+                .await?;
         }
         let reason = format!("{detail}; {}", settlement.summary);
         fail(run, state, seq, kind, reason, revision).await
@@ -728,7 +729,7 @@ impl DeployerExecutor {
         .await?;
         run.counters.incr("deployer", "confirmed");
         crate::failpoint::hit("deploy.before_record_deployed");
-        crate::release::record_deployed(run, seq, revision, true).await;
+        crate::release::record_deployed(run, seq, revision, true).await?;
         if !state.clear_state() {
             tracing::warn!(work_item = %run.work_item, "deploy: confirmed, but the markers could not be cleared (the recorded event keeps re-runs from deploying)");
         }
@@ -837,7 +838,7 @@ async fn fail(
         "failed"
     };
     run.counters.incr("deployer", counter);
-    crate::release::record_deployed(run, seq, revision, false).await;
+    crate::release::record_deployed(run, seq, revision, false).await?;
     if !state.clear_state() {
         tracing::warn!(work_item = %run.work_item, "deploy: the markers could not be cleared");
     }

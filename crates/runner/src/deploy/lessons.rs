@@ -466,7 +466,7 @@ async fn publish(
             .await
         {
             Ok(published) => {
-                crate::release::note_unpublished(run, &published).await;
+                crate::release::note_unpublished(run, &published).await?;
                 return Ok(format!(
                     "{} file(s) committed on `{branch}` as {}",
                     files.len(),

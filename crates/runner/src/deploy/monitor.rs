@@ -886,7 +886,7 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) -> an
             let timeout = Duration::from_secs(run.repo.post_deploy.poll_timeout_s.max(1));
             live = live_revision(url, timeout).await;
         }
-        release::record_rolled_back(run, revision, live.as_deref()).await;
+        release::record_rolled_back(run, revision, live.as_deref()).await?;
     }
     match run.repo.on_failure {
         orch_domain::config::OnFailure::Hold => {

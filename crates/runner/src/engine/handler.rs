@@ -14,7 +14,7 @@ use orch_domain::control::{self, dedupe, events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
 use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
 use orch_domain::payload::{self, NodeTakeover, StageChange, StageRequeued};
-use orch_domain::pipeline::{Pipeline, StageDef, StageKind};
+use orch_domain::pipeline::{Decision, Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
 use orch_store::{
     AdvanceStage, Exclusive, Fence, JobState, NewEvent, NewJob, Store, StoreError, Task,
@@ -599,6 +599,8 @@ impl Engine {
         Ok(Outcome::Done)
     }
 
+    /// A stage produced its result: check and commit what it left, read its gate, ask the
+    /// pipeline where it goes ([`Route`]) and move the task there in one fenced stage change.
     async fn finish_stage(
         &self,
         cx: &JobContext,
@@ -606,10 +608,45 @@ impl Engine {
         outcome: Option<GateOutcome>,
     ) -> Result<Outcome> {
         run.ensure_worktree().await?;
-        // What the stage left is checked before anything is staged (`guard`), and the repo's
-        // main checkout, which no stage may touch, at the same time.
+        let refused = self.check_left(&run).await?;
+        let commit = self.commit_checked(cx, &run, "result").await?;
+        let gate = self.gate(&run, outcome, &refused).await?;
+        let loops = match run.prep.is_deferred() {
+            true => self.loops_and_feedback(run.task.id).await?.0,
+            false => run.loops,
+        };
+        let decision = match self.cfg.pipeline.decide(&run.stage.name, &gate, loops) {
+            Ok(d) => d,
+            Err(e) => {
+                return self
+                    .fail_task(cx, &run.task, &format!("pipeline: {e}"))
+                    .await;
+            }
+        };
+        let track = release_track(&self.cfg.pipeline);
+        let route = Route::of(&track, &run.stage, decision);
+        let next_job = self.next_job(&run, &route);
+        let data = self.change_data(cx, &run, &route, &gate, commit).await?;
+        let adv = AdvanceStage {
+            task_id: run.task.id,
+            expected_stage: run.stage.name.as_str().to_owned(),
+            new_stage: route.next.clone(),
+            fence: Fence::Job(cx.lease),
+            event: NewEvent::new(route.kind, route.decision.reason.clone())
+                .job(cx.job.id)
+                .data(data.text()),
+            next_job,
+        };
+        self.advance(cx, &run, &route, &track, adv).await
+    }
+
+    /// The git checks of a finished stage, before anything is committed: what the stage left
+    /// in its worktree ([`Engine::guard`]) and the repo's main checkout, which no stage may
+    /// touch (a change there is reverted, said and fails the attempt), at the same time; then
+    /// the artifact folder's unsafe files, each refused with an event. Returns the refusals.
+    async fn check_left(&self, run: &StageRun) -> Result<Vec<artifacts::Refused>> {
         let (guarded, repo_status) =
-            tokio::join!(self.guard(&run), self.git.status_porcelain(&run.repo_dir));
+            tokio::join!(self.guard(run), self.git.status_porcelain(&run.repo_dir));
         guarded?;
         let repo_status = repo_status?;
         if !repo_status.is_empty() {
@@ -623,16 +660,27 @@ impl Engine {
                 "files were changed in the repo's main checkout (outside the worktree): {}; reverted",
                 files.join(", ")
             );
-            self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+            self.event(run, events::ARTIFACT_REJECTED, &reason, None)
                 .await;
             anyhow::bail!(reason);
         }
         let refused = artifacts::refuse_unsafe(&self.git, &run.worktree, &run.artifact_dir).await?;
         for r in &refused {
-            self.event(&run, events::ARTIFACT_REJECTED, &r.reason, None)
+            self.event(run, events::ARTIFACT_REJECTED, &r.reason, None)
                 .await;
         }
-        let commit = self.commit_checked(cx, &run, "result").await?;
+        Ok(refused)
+    }
+
+    /// The stage's gate: the executor's own outcome, else its artifacts read through the
+    /// stage's gate. An LLM stage's bad artifact fails the attempt here (naming `refused` too):
+    /// it never advances the task, the next attempt retries.
+    async fn gate(
+        &self,
+        run: &StageRun,
+        outcome: Option<GateOutcome>,
+        refused: &[artifacts::Refused],
+    ) -> Result<GateOutcome> {
         let gate = match outcome {
             Some(o) => o,
             None => {
@@ -643,50 +691,48 @@ impl Engine {
             }
         };
         if run.stage.kind == StageKind::Llm && gate.verdict == Verdict::NotSuccess {
-            // A bad artifact never advances the task: this attempt fails, the next one retries.
             let refused: Vec<&str> = refused.iter().map(|r| r.reason.as_str()).collect();
             let reason = match refused.is_empty() {
                 true => format!("artifact rejected: {}", gate.reason),
                 false => format!("artifact rejected: {}; {}", refused.join("; "), gate.reason),
             };
-            self.event(&run, events::ARTIFACT_REJECTED, &reason, None)
+            self.event(run, events::ARTIFACT_REJECTED, &reason, None)
                 .await;
             anyhow::bail!(reason);
         }
-        let loops = match run.prep.is_deferred() {
-            true => self.loops_and_feedback(run.task.id).await?.0,
-            false => run.loops,
-        };
-        let decision = match self.cfg.pipeline.decide(&run.stage.name, &gate, loops) {
-            Ok(d) => d,
-            Err(e) => {
-                return self
-                    .fail_task(cx, &run.task, &format!("pipeline: {e}"))
-                    .await;
-            }
-        };
-        let next = decision.next_stage.as_str().to_owned();
-        let next_job = if decision.next_stage.is_terminal() || decision.needs_approval {
-            None
-        } else {
-            self.stage_job(&next, run.task.stage_seq + 1).map(|job| {
-                // A stage whose first job is due later (a watch's first poll, after its
-                // initial delay) says so through its executor.
-                match self.executor(&next).map(|e| e.first_delay_s(&run.repo)) {
-                    Some(delay) if delay > 0 => {
-                        job.delay_s(i64::try_from(delay).unwrap_or(i64::MAX / 1000))
-                    }
-                    _ => job,
+        Ok(gate)
+    }
+
+    /// The next stage's first job, enqueued with the change when the route says so. A stage
+    /// whose first job is due later (a watch's first poll, after its initial delay) says so
+    /// through its executor.
+    fn next_job(&self, run: &StageRun, route: &Route) -> Option<NewJob> {
+        if !route.enqueues_next {
+            return None;
+        }
+        let next = &route.next;
+        self.stage_job(next, run.task.stage_seq + 1).map(|job| {
+            match self.executor(next).map(|e| e.first_delay_s(&run.repo)) {
+                Some(delay) if delay > 0 => {
+                    job.delay_s(i64::try_from(delay).unwrap_or(i64::MAX / 1000))
                 }
-            })
-        };
-        let kind = if decision.loop_back {
-            events::STAGE_LOOP_BACK
-        } else if decision.next_stage.is_terminal() {
-            control::terminal_event(next.as_str()).unwrap_or(events::TASK_FAILED)
-        } else {
-            events::STAGE_ADVANCED
-        };
+                _ => job,
+            }
+        })
+    }
+
+    /// The data of the stage change's event: where from and to, the gate's value, the
+    /// feedback, the commit and the attempt; a change to a terminal stage also carries the
+    /// final outcome, by the rule every view applies to the recorded facts.
+    async fn change_data(
+        &self,
+        cx: &JobContext,
+        run: &StageRun,
+        route: &Route,
+        gate: &GateOutcome,
+        commit: Option<String>,
+    ) -> Result<StageChange> {
+        let (decision, next) = (&route.decision, &route.next);
         let mut change = StageChange {
             outcome: Some(match &gate.verdict {
                 Verdict::Pass(v) => v.clone(),
@@ -696,7 +742,7 @@ impl Engine {
             awaiting_approval: Some(decision.needs_approval),
             commit: Some(commit),
             attempt: Some(cx.lease.attempt),
-            ..StageChange::new(run.stage.name.as_str(), &next)
+            ..StageChange::new(run.stage.name.as_str(), next)
         };
         if decision.next_stage.is_terminal() {
             // The final outcome, for every view of the task (the gate's value stays `result`).
@@ -708,41 +754,42 @@ impl Engine {
             // The outcome from the recorded facts, by the rule every view applies.
             let history = self.store.task_events(run.task.id).await?;
             change.outcome = Some(
-                orch_store::outcome_of_events(&next, &history)
+                orch_store::outcome_of_events(next, &history)
                     .map_or(control::FAILED, |o| o.outcome.as_str())
                     .to_owned(),
             );
         }
-        let adv = AdvanceStage {
-            task_id: run.task.id,
-            expected_stage: run.stage.name.as_str().to_owned(),
-            new_stage: next.clone(),
-            fence: Fence::Job(cx.lease),
-            event: NewEvent::new(kind, decision.reason.clone())
-                .job(cx.job.id)
-                .data(change.text()),
-            next_job,
-        };
-        let track = release_track(&self.cfg.pipeline);
-        let entering_track = track.stages.contains(&next)
-            && !track.stages.iter().any(|s| s == run.stage.name.as_str());
-        let advanced = if entering_track {
-            self.store.advance_stage_exclusive(adv, &track).await
+        Ok(change)
+    }
+
+    /// Moves the task along `route` in one transaction fenced by the job's lease (entering the
+    /// release track through its guard: a held track makes this job wait for it). A lost
+    /// lease or a task moved by someone else ends this attempt without a change.
+    async fn advance(
+        &self,
+        cx: &JobContext,
+        run: &StageRun,
+        route: &Route,
+        track: &Exclusive,
+        adv: AdvanceStage,
+    ) -> Result<Outcome> {
+        let advanced = if route.enters_track {
+            self.store.advance_stage_exclusive(adv, track).await
         } else {
             self.store.advance_stage(adv).await
         };
         match advanced {
             Ok(_) => {}
             Err(StoreError::TrackBusy { holder, stage, .. }) => {
-                return self.wait_for_track(cx, &run, &holder, &stage).await;
+                return self.wait_for_track(cx, run, &holder, &stage).await;
             }
             Err(StoreError::LeaseLost { .. }) => return Ok(Outcome::Marked),
             Err(StoreError::StageConflict { .. }) => return Ok(Outcome::Done),
             Err(e) => return Err(e.into()),
         }
         crate::failpoint::hit("engine.after_advance");
-        if decision.next_stage.is_terminal() {
-            self.remove_worktree(&run).await;
+        if route.terminal {
+            self.remove_worktree(run).await;
         }
         Ok(Outcome::Done)
     }
@@ -1058,6 +1105,45 @@ async fn ready_worktree(
     Ok(set_aside)
 }
 
+/// Where a finished stage goes, from the pipeline's decision alone (pure; see the unit
+/// tests): the stage it moves to, the event kind that says so, whether the change is terminal,
+/// whether the next stage's job is enqueued with it (not at a terminal stage, nor at one
+/// waiting for approval) and whether it enters the release track (to a track stage from a
+/// stage off it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Route {
+    decision: Decision,
+    next: String,
+    kind: &'static str,
+    terminal: bool,
+    enqueues_next: bool,
+    enters_track: bool,
+}
+
+impl Route {
+    fn of(track: &Exclusive, from: &StageDef, decision: Decision) -> Route {
+        let next = decision.next_stage.as_str().to_owned();
+        let terminal = decision.next_stage.is_terminal();
+        let kind = if decision.loop_back {
+            events::STAGE_LOOP_BACK
+        } else if terminal {
+            control::terminal_event(next.as_str()).unwrap_or(events::TASK_FAILED)
+        } else {
+            events::STAGE_ADVANCED
+        };
+        let enters_track =
+            track.stages.contains(&next) && !track.stages.iter().any(|s| s == from.name.as_str());
+        Route {
+            enqueues_next: !terminal && !decision.needs_approval,
+            next,
+            kind,
+            terminal,
+            enters_track,
+            decision,
+        }
+    }
+}
+
 /// A follow-up job of the same stage visit (see [`Engine::come_back`]).
 struct Again {
     delay_ms: u64,
@@ -1079,5 +1165,148 @@ struct Handler(Arc<Engine>);
 impl JobHandler for Handler {
     async fn run(&self, cx: JobContext) -> Result<Outcome> {
         self.0.handle(cx).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use orch_domain::gate::GateOutcome;
+    use orch_domain::ids::StageName;
+
+    fn name(s: &str) -> StageName {
+        s.parse().unwrap()
+    }
+
+    fn decision(to: &str, loop_back: bool, needs_approval: bool) -> Decision {
+        Decision {
+            next_stage: name(to),
+            loop_back,
+            feedback: None,
+            needs_approval,
+            reason: format!("to {to}"),
+        }
+    }
+
+    /// The default pipeline, its track guard and the stage that enters the track (the stage
+    /// before its first track stage), the first track stage and the one after it.
+    fn setup() -> (Pipeline, Exclusive, String, String, String) {
+        let pipeline = Pipeline::default_pipeline();
+        let track = release_track(&pipeline);
+        let first = pipeline
+            .stages
+            .iter()
+            .position(|s| s.release_track)
+            .unwrap();
+        let stage = |i: usize| pipeline.stages[i].name.as_str().to_owned();
+        let (before, entry, inside) = (stage(first - 1), stage(first), stage(first + 1));
+        (pipeline, track, before, entry, inside)
+    }
+
+    fn route(pipeline: &Pipeline, track: &Exclusive, from: &str, d: Decision) -> Route {
+        let from = pipeline.stage(&name(from)).unwrap();
+        Route::of(track, from, d)
+    }
+
+    #[test]
+    fn an_advance_enqueues_the_next_stage_and_enters_the_track_only_from_outside() {
+        let (p, track, before, entry, inside) = setup();
+        let r = route(&p, &track, &before, decision(&entry, false, false));
+        assert_eq!(r.kind, events::STAGE_ADVANCED);
+        assert_eq!(r.next, entry);
+        assert!(r.enqueues_next && r.enters_track && !r.terminal);
+        let r = route(&p, &track, &entry, decision(&inside, false, false));
+        assert_eq!(r.kind, events::STAGE_ADVANCED);
+        assert!(r.enqueues_next && !r.enters_track, "already on the track");
+        let r = route(&p, &track, "intake", decision("analysis", false, false));
+        assert!(r.enqueues_next && !r.enters_track, "off the track");
+    }
+
+    #[test]
+    fn a_stage_waiting_for_approval_gets_no_job() {
+        let (p, track, before, entry, _) = setup();
+        let r = route(&p, &track, &before, decision(&entry, false, true));
+        assert_eq!(r.kind, events::STAGE_ADVANCED);
+        assert!(!r.enqueues_next && !r.terminal);
+        assert!(r.enters_track, "the approval waits on the track it entered");
+    }
+
+    #[test]
+    fn a_loop_back_is_its_own_event_and_runs_the_earlier_stage_again() {
+        let (p, track, _, entry, _) = setup();
+        let r = route(&p, &track, &entry, decision("implementation", true, false));
+        assert_eq!(r.kind, events::STAGE_LOOP_BACK);
+        assert!(r.enqueues_next && !r.enters_track && !r.terminal);
+    }
+
+    #[test]
+    fn a_terminal_stage_is_its_ending_event_with_no_job() {
+        let (p, track, before, _, inside) = setup();
+        for (from, to, kind) in [
+            ("lessons", control::DONE, events::TASK_DONE),
+            (inside.as_str(), control::FAILED, events::TASK_FAILED),
+            (before.as_str(), control::FAILED, events::TASK_FAILED),
+        ] {
+            let r = route(&p, &track, from, decision(to, false, false));
+            assert_eq!(r.kind, kind, "{from} -> {to}");
+            assert!(r.terminal && !r.enqueues_next && !r.enters_track);
+            assert_eq!(r.decision.reason, format!("to {to}"), "the event's text");
+        }
+    }
+
+    /// The gate outcome that takes `from` along the first of its transitions `pick` accepts.
+    fn outcome_for(
+        from: &StageDef,
+        pick: impl Fn(&orch_domain::pipeline::Transition) -> bool,
+    ) -> GateOutcome {
+        use orch_domain::pipeline::On;
+        let on = from
+            .transitions
+            .iter()
+            .find_map(|(on, t)| pick(t).then(|| on.clone()))
+            .unwrap();
+        match on {
+            On::Value(v) => GateOutcome::pass(v, "ok"),
+            On::Pass => GateOutcome::pass("PASS".to_owned(), "ok"),
+            On::NotSuccess => GateOutcome::not_success("no".to_owned()),
+        }
+    }
+
+    #[test]
+    fn the_route_follows_the_pipelines_own_decision() {
+        use orch_domain::pipeline::Transition as T;
+        let (p, track, before, entry, _) = setup();
+        let from = p.stage(&name(&before)).unwrap();
+        let gate = outcome_for(from, |t| matches!(t, T::Next(to) if to.as_str() == entry));
+        let d = p.decide(&from.name, &gate, 0).unwrap();
+        let r = Route::of(&track, from, d.clone());
+        assert_eq!(
+            (r.next.as_str(), r.kind),
+            (entry.as_str(), events::STAGE_ADVANCED)
+        );
+        assert!(r.enters_track && r.enqueues_next);
+        assert_eq!(r.decision, d, "its reason is the event's text");
+
+        // A loop back while loops are left; the task fails once the bound is used up.
+        let looping = p
+            .stages
+            .iter()
+            .find(|s| {
+                s.transitions
+                    .values()
+                    .any(|t| matches!(t, T::LoopBack { .. }))
+            })
+            .unwrap();
+        let gate = outcome_for(looping, |t| matches!(t, T::LoopBack { .. }));
+        let r = Route::of(&track, looping, p.decide(&looping.name, &gate, 0).unwrap());
+        assert_eq!(r.kind, events::STAGE_LOOP_BACK);
+        assert!(r.enqueues_next && !r.terminal);
+        let spent = p.decide(&looping.name, &gate, p.max_loops).unwrap();
+        let r = Route::of(&track, looping, spent);
+        assert_eq!(
+            (r.next.as_str(), r.kind),
+            (control::FAILED, events::TASK_FAILED)
+        );
+        assert!(r.terminal && !r.enqueues_next);
     }
 }

@@ -272,7 +272,7 @@ impl StageExecutor for StagingExecutor {
                     && let Some(rev) = &revision
                 {
                     // What passed staging is what the release train may promote and deploy.
-                    crate::release::record_staged(run, rev).await;
+                    crate::release::record_staged(run, rev).await?;
                 }
                 Ok(StageEffect::Produced { outcome: None })
             }

@@ -44,8 +44,12 @@ struct Fx {
 impl Fx {
     /// A repo `app` with `main`, the work item's worktree on `orch/ORCH-3`, a task at `stage`.
     async fn new(stage: &str) -> Fx {
+        Fx::on(stage, TestDb::sqlite().await).await
+    }
+
+    /// [`Fx::new`] on the store `db`.
+    async fn on(stage: &str, db: TestDb) -> Fx {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let db = TestDb::sqlite().await;
         let tmp = tempfile::tempdir().unwrap();
         let repos_dir = tmp.path().join("repos");
         let repo_dir = repos_dir.join("app");
@@ -147,6 +151,11 @@ impl Fx {
 
     async fn run(&self, agent: &str, content: String) -> StageRun {
         let (job, lease) = common::enqueue(&self.db, &self.task, agent, content).await;
+        self.run_as(job, lease)
+    }
+
+    /// The run of `job`'s attempt that holds `lease`.
+    fn run_as(&self, job: orch_store::Job, lease: orch_store::Lease) -> StageRun {
         StageRun {
             worktree: self.worktree.clone(),
             artifact_dir: self.artifact_dir(),
@@ -943,4 +952,109 @@ async fn a_published_revert_that_was_never_recorded_is_recorded_once() {
         "{}",
         recorded[0].data
     );
+}
+
+/// The promotion moves the default branch, then records it (`release.promoted`). An attempt
+/// whose lease is taken between the two (paused at `release.after_promote` while its job is
+/// rescued) records nothing and fails there, never going on as if it had promoted; the job's
+/// next attempt finds the move done (by the recorded intent) and records it, once. Every
+/// release record is fenced the same way: the stale attempt cannot write `release.staged`
+/// either.
+async fn a_promotion_whose_lease_was_lost_before_its_record_is_recorded_by_the_retry(db: TestDb) {
+    use orch_runner::failpoint::Gate;
+    use orch_runner::release::{self, Promotion};
+    let fx = Fx::on("deploy", db).await;
+    let main = git_out(&fx.repo_dir, &["rev-parse", "main"]);
+    let staged = git_out(
+        &fx.repo_dir,
+        &[
+            "-c",
+            "user.name=t",
+            "-c",
+            "user.email=t@t",
+            "commit-tree",
+            "main^{tree}",
+            "-p",
+            "main",
+            "-m",
+            "the change\n\nWork-Item: ORCH-3",
+        ],
+    );
+    let (job, lease) = common::enqueue(&fx.db, &fx.task, "deployer", fx.content()).await;
+    let job_id = job.id;
+    let run = fx.run_as(job, lease);
+    release::record_staged(&run, &staged).await.unwrap();
+    let seq = fx.task.stage_seq;
+    let gate = Gate::register("release.after_promote", &fx.repo_dir.to_string_lossy());
+    let (first, ()) = tokio::join!(release::promote(&run, seq), async {
+        gate.reached().await;
+        fx.db.clock.advance_ms(11 * 60 * 1000);
+        let rescued = fx
+            .db
+            .store
+            .rescue_expired(orch_store::Rescue::default())
+            .await
+            .unwrap();
+        assert_eq!(rescued.requeued, vec![job_id]);
+        gate.resume();
+    });
+    let err = first.expect_err("the stale attempt must fail, not report a promotion");
+    assert!(format!("{err:#}").contains("lease"), "{err:#}");
+    assert_eq!(
+        git_out(&fx.repo_dir, &["rev-parse", "main"]),
+        staged,
+        "the move happened"
+    );
+    let promoted = || async {
+        fx.db
+            .store
+            .task_events(fx.task.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == events::RELEASE_PROMOTED)
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        promoted().await.is_empty(),
+        "the stale attempt records nothing"
+    );
+    assert!(release::record_staged(&run, &staged).await.is_err());
+
+    // The job's next attempt.
+    let (job, lease) = common::first_lease(&fx.db, job_id).await;
+    assert_eq!(lease.attempt, 2);
+    let retry = fx.run_as(job, lease);
+    for _ in 0..2 {
+        let got = release::promote(&retry, seq).await.unwrap();
+        assert_eq!(
+            got,
+            Promotion::Promoted {
+                old: main.clone(),
+                new: staged.clone()
+            }
+        );
+    }
+    let recorded = promoted().await;
+    assert_eq!(recorded.len(), 1, "recorded once: {recorded:?}");
+    let data: serde_json::Value = serde_json::from_str(&recorded[0].data).unwrap();
+    assert_eq!(data["new"], staged.as_str());
+    assert_eq!(data["old"], main.as_str());
+    assert_eq!(data["seq"], seq);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promotion_whose_lease_was_lost_before_its_record_is_recorded_by_the_retry_on_sqlite() {
+    a_promotion_whose_lease_was_lost_before_its_record_is_recorded_by_the_retry(
+        TestDb::sqlite().await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promotion_whose_lease_was_lost_before_its_record_is_recorded_by_the_retry_on_postgres() {
+    a_promotion_whose_lease_was_lost_before_its_record_is_recorded_by_the_retry(
+        TestDb::postgres().await,
+    )
+    .await;
 }

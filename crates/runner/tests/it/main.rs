@@ -4,6 +4,7 @@
 
 mod agent_clis;
 mod agents;
+mod approve;
 mod artifact_snapshots;
 mod common;
 mod deploy;

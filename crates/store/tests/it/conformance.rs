@@ -78,6 +78,8 @@ conformance!(
     a_follow_up_and_its_event_are_written_together_fenced_by_the_lease,
     every_terminal_stage_change_enqueues_one_task_ended_job,
     a_followed_repo_is_every_live_task_and_the_recently_ended,
+    a_write_at_a_visit_is_one_compare_and_swap,
+    racing_writes_at_one_visit_enqueue_exactly_one_job,
 );
 
 const LEASE: i64 = 30_000;
@@ -2189,6 +2191,163 @@ async fn racing_exclusive_changes_admit_exactly_one(db: TestDb) {
         .await
         .unwrap();
     assert_eq!(in_track.len(), 1);
+}
+
+// ----- an operator's write at a stage visit ----------------------------------------------
+
+fn approved(note: &str) -> NewEvent {
+    NewEvent::new(events::STAGE_APPROVED, note.to_owned())
+}
+
+/// `write_at_visit` writes only while the task is at the visit read: a task that moved on
+/// (another `stage_seq`) or is at another stage is a `StageConflict` with nothing written; the
+/// job and its event are written together; a second write finds the job and writes nothing.
+async fn a_write_at_a_visit_is_one_compare_and_swap(db: TestDb) {
+    let s = &db.store;
+    let t = new_task(s, false).await;
+    let job = || NewJob::new("analyst", "analyse");
+    let events_of = |kind: &'static str| async move {
+        s.task_events(t.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == kind)
+            .count()
+    };
+    let stale = Visit {
+        stage_seq: t.stage_seq + 1,
+        ..Visit::of(&t)
+    };
+    match s
+        .write_at_visit(stale, Some(job()), approved("stale"))
+        .await
+    {
+        Err(StoreError::StageConflict { actual_seq, .. }) => assert_eq!(actual_seq, t.stage_seq),
+        other => panic!("a stale visit must conflict: {other:?}"),
+    }
+    let elsewhere = Visit {
+        stage: "design".into(),
+        ..Visit::of(&t)
+    };
+    assert!(matches!(
+        s.write_at_visit(elsewhere, None, approved("elsewhere"))
+            .await,
+        Err(StoreError::StageConflict { .. })
+    ));
+    assert!(
+        s.task_jobs(t.id).await.unwrap().is_empty(),
+        "nothing enqueued"
+    );
+    assert_eq!(
+        events_of(events::STAGE_APPROVED).await,
+        0,
+        "nothing appended"
+    );
+
+    let first = s
+        .write_at_visit(Visit::of(&t), Some(job()), approved("first"))
+        .await
+        .unwrap()
+        .expect("a job was asked for");
+    assert!(!first.duplicate);
+    let jobs = s.task_jobs(t.id).await.unwrap();
+    assert_eq!(jobs.len(), 1);
+    assert_eq!(
+        jobs[0].dedupe_key.as_deref(),
+        Some(stage_job_key(t.id, t.stage_seq).as_str()),
+        "the visit's stage job key by default"
+    );
+    let again = s
+        .write_at_visit(Visit::of(&t), Some(job()), approved("again"))
+        .await
+        .unwrap()
+        .expect("a job was asked for");
+    assert!(again.duplicate);
+    assert_eq!(again.job_id, first.job_id);
+    assert_eq!(
+        events_of(events::STAGE_APPROVED).await,
+        1,
+        "one event, with its job"
+    );
+
+    // An event alone, under the same check.
+    assert_eq!(
+        s.write_at_visit(Visit::of(&t), None, approved("note"))
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(events_of(events::STAGE_APPROVED).await, 2);
+    let moved = s
+        .advance_stage(to_stage(&t, "intake", "design"))
+        .await
+        .unwrap()
+        .task;
+    assert!(matches!(
+        s.write_at_visit(Visit::of(&t), None, approved("late"))
+            .await,
+        Err(StoreError::StageConflict { .. })
+    ));
+    assert!(
+        s.write_at_visit(Visit::of(&moved), None, approved("now"))
+            .await
+            .is_ok()
+    );
+}
+
+/// Approvals racing at one visit: exactly one job is enqueued, with one event, and every other
+/// writer finds it (a duplicate, nothing written). An approval racing the item moving on
+/// writes only if it came first: a job exactly when its event, never one without the other.
+async fn racing_writes_at_one_visit_enqueue_exactly_one_job(db: TestDb) {
+    let s = &db.store;
+    let race = |t: Task, mover: bool| async move {
+        let mut handles = Vec::new();
+        for i in 0..4 {
+            let s = s.clone();
+            let visit = Visit::of(&t);
+            handles.push(tokio::spawn(async move {
+                s.write_at_visit(
+                    visit,
+                    Some(NewJob::new("analyst", "analyse")),
+                    approved(&format!("approval {i}")),
+                )
+                .await
+            }));
+        }
+        let moved = mover.then(|| {
+            let s = s.clone();
+            let t = t.clone();
+            tokio::spawn(async move { s.advance_stage(to_stage(&t, "intake", "design")).await })
+        });
+        let (mut written, mut found, mut conflicts) = (0, 0, 0);
+        for h in handles {
+            match h.await.unwrap() {
+                Ok(Some(e)) if !e.duplicate => written += 1,
+                Ok(Some(_)) => found += 1,
+                Err(StoreError::StageConflict { .. }) => conflicts += 1,
+                other => panic!("unexpected: {other:?}"),
+            }
+        }
+        if let Some(m) = moved {
+            m.await.unwrap().expect("the move is a plain stage change");
+        }
+        let jobs = s.task_jobs(t.id).await.unwrap();
+        let approvals = s
+            .task_events(t.id)
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|e| e.kind == events::STAGE_APPROVED)
+            .count();
+        assert_eq!(jobs.len(), written, "a job exactly when an approval wrote");
+        assert_eq!(approvals, written, "its event with it, never without");
+        (written, found, conflicts)
+    };
+    let (written, found, conflicts) = race(new_task(s, false).await, false).await;
+    assert_eq!((written, found, conflicts), (1, 3, 0));
+    let (written, found, conflicts) = race(new_task(s, false).await, true).await;
+    assert!(written <= 1, "at most one approval writes");
+    assert_eq!(written + found + conflicts, 4);
 }
 
 // ----- node affinity and takeover (design.md §10) ---------------------------------------
