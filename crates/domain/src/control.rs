@@ -268,6 +268,9 @@ pub mod events {
     /// happened, not what was merged): `{pull, seq, closed_now}` (`closed_now`: false when it
     /// was found closed already).
     pub const FORGE_PULL_CLOSED: &str = "forge.pull_closed";
+    /// Orch is about to close the item's pull request after its outcome (recorded before the
+    /// call, fenced): `{pull, seq}`. A pull request found closed after it was closed by orch.
+    pub const FORGE_PULL_CLOSING: &str = "forge.pull_closing";
     /// The pull request orch closed at an ending was reopened because the item is live again
     /// (an operator retried it): `{pull, seq, reopened}` (`reopened`: false when the forge
     /// refused, e.g. its branch is gone).
@@ -350,6 +353,7 @@ pub mod events {
         FORGE_REVIEW,
         FORGE_OUTCOME,
         FORGE_PULL_CLOSED,
+        FORGE_PULL_CLOSING,
         FORGE_PULL_REOPENED,
     ];
 
