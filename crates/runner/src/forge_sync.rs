@@ -1871,6 +1871,7 @@ mod tests {
                 retry_after: retry_after.map(str::to_owned),
                 remaining,
                 reset: None,
+                checks_pending: false,
             },
             message: String::new(),
         };
