@@ -1768,21 +1768,27 @@ impl ForgeSyncHandler {
 /// Whether the item is still ended at visit `seq`, read from its row now (not from when the
 /// job loaded it): another process may have retried it since.
 async fn still_ended_at(cx: &JobContext, item: &Item, seq: i64) -> Result<bool, SyncError> {
-    Ok(cx
-        .store
-        .get_task(item.task.id)
-        .await?
-        .is_some_and(|t| t.is_terminal() && t.stage_seq == seq))
+    Ok(ended_at(
+        cx.store.get_task(item.task.id).await?.as_ref(),
+        seq,
+    ))
 }
 
 /// Whether the item is live, read from its row now: it may have ended again since the job
 /// loaded it.
 async fn live_now(cx: &JobContext, item: &Item) -> Result<bool, SyncError> {
-    Ok(cx
-        .store
-        .get_task(item.task.id)
-        .await?
-        .is_some_and(|t| !t.is_terminal()))
+    Ok(live(cx.store.get_task(item.task.id).await?.as_ref()))
+}
+
+/// A row that may still have its pull request closed for the ending at visit `seq`: ended, at
+/// that very visit (a retry, even one that ended again since, moved `stage_seq`).
+fn ended_at(row: Option<&Task>, seq: i64) -> bool {
+    row.is_some_and(|t| t.is_terminal() && t.stage_seq == seq)
+}
+
+/// A row whose pull request may be reopened: live (a row gone is not).
+fn live(row: Option<&Task>) -> bool {
+    row.is_some_and(|t| !t.is_terminal())
 }
 
 #[cfg(test)]
@@ -1861,6 +1867,32 @@ mod tests {
             closed_by_orch(&[closing, closed, reopened, found_at_next_ending]),
             None
         );
+    }
+
+    /// The rows read again right before the close and the reopen (another process may have
+    /// retried the item, or it ended again, since the job loaded it).
+    #[test]
+    fn close_and_reopen_go_only_on_a_row_that_did_not_move() {
+        let row = |stage: &str, stage_seq| Task {
+            id: 1,
+            work_item_id: "GH-1".into(),
+            repo: "app".into(),
+            title: String::new(),
+            body: String::new(),
+            stage: stage.into(),
+            stage_seq,
+            branch: "orch/GH-1".into(),
+            created_at: 0,
+            updated_at: 0,
+        };
+        assert!(ended_at(Some(&row("failed", 9)), 9));
+        // Retried: live again, or ended again at a later visit.
+        assert!(!ended_at(Some(&row("code", 10)), 9));
+        assert!(!ended_at(Some(&row("failed", 12)), 9));
+        assert!(!ended_at(None, 9));
+        assert!(live(Some(&row("code", 10))));
+        assert!(!live(Some(&row("cancelled", 11))));
+        assert!(!live(None));
     }
 
     #[test]
