@@ -1810,6 +1810,32 @@ mod tests {
             probe,
             Err("unknown variant `gitlab`"),
         );
+        let waits = |c: &Config| {
+            c.repos[&"app".parse::<RepoName>().unwrap()]
+                .forge
+                .as_ref()
+                .map(|f| f.check_wait_s.to_string())
+                .unwrap_or_default()
+        };
+        check(&format!("{REPO}{forge}"), &[], waits, Ok("10800"));
+        check(
+            &format!("{REPO}{forge}check_wait_s = 600\n"),
+            &[],
+            waits,
+            Ok("600"),
+        );
+        check(
+            &format!("{REPO}{forge}check_wait_s = 0\n"),
+            &[],
+            waits,
+            Err("[repos.app.forge] check_wait_s: must be at least 1"),
+        );
+        check(
+            &format!("{REPO}{forge}check_wait = 600\n"),
+            &[],
+            waits,
+            Err("unknown field `check_wait`"),
+        );
     }
 
     #[test]

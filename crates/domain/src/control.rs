@@ -264,10 +264,16 @@ pub mod events {
     pub const FORGE_REVIEW: &str = "forge.review";
     /// The item's outcome was said on the forge: `{outcome, issue, pull, comments, closed}`.
     pub const FORGE_OUTCOME: &str = "forge.outcome";
+    /// A release stopped waiting for the protected branch's required status checks after the
+    /// forge's `check_wait_s`: `{repo, forge, waited_s, check_wait_s}`; the attempt fails.
+    pub const FORGE_CHECK_WAIT_OVER: &str = "forge.check_wait_over";
     /// The item's pull request was closed after its outcome was said (it is where review
     /// happened, not what was merged): `{pull, seq, closed_now}` (`closed_now`: false when it
-    /// was found closed already).
+    /// was found closed already and orch had not recorded its intent to close it).
     pub const FORGE_PULL_CLOSED: &str = "forge.pull_closed";
+    /// Orch is about to close the item's pull request after its outcome (recorded before the
+    /// call, fenced): `{pull, seq}`. A pull request found closed after it was closed by orch.
+    pub const FORGE_PULL_CLOSING: &str = "forge.pull_closing";
     /// The pull request orch closed at an ending was reopened because the item is live again
     /// (an operator retried it): `{pull, seq, reopened}` (`reopened`: false when the forge
     /// refused, e.g. its branch is gone).
@@ -349,7 +355,9 @@ pub mod events {
         FORGE_SYNCED,
         FORGE_REVIEW,
         FORGE_OUTCOME,
+        FORGE_CHECK_WAIT_OVER,
         FORGE_PULL_CLOSED,
+        FORGE_PULL_CLOSING,
         FORGE_PULL_REOPENED,
     ];
 

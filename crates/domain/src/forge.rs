@@ -62,6 +62,15 @@ pub struct ForgeConfig {
     /// set, only these, and still only while they have write access.
     #[serde(default)]
     pub reviewers: Vec<String>,
+    /// The longest a release waits for a required status check of the protected default
+    /// branch that has not reported yet, seconds. Default 10800 (3 hours); past it the
+    /// release stops waiting and fails, visibly, instead of waiting forever.
+    #[serde(default = "default_check_wait_s")]
+    pub check_wait_s: u64,
+}
+
+fn default_check_wait_s() -> u64 {
+    DEFAULT_CHECK_WAIT_S
 }
 
 /// How the release train publishes through the forge's API when the default branch refuses
@@ -168,6 +177,9 @@ impl ForgeConfig {
         }
         if self.max_backoff_s == 0 {
             return Err(("max_backoff_s", "must be at least 1".to_owned()));
+        }
+        if self.check_wait_s == 0 {
+            return Err(("check_wait_s", "must be at least 1".to_owned()));
         }
         Ok(())
     }
@@ -278,14 +290,19 @@ pub struct Answer {
     pub remaining: Option<u64>,
     /// `X-RateLimit-Reset` (epoch seconds).
     pub reset: Option<i64>,
+    /// Set only by the release's merge call, when GitHub refused it because a required status
+    /// check has not reported yet ([`merge_waits_for_checks`]): the one refusal
+    /// [`pause_after`] waits out. Every other answer, 405s included, leaves it false.
+    pub checks_pending: bool,
 }
 
 /// Whether GitHub's refusal of a merge (`status`, its `message`) is a required status check
 /// that has not reported yet (expected, pending, queued or in progress): waited out, since it
 /// passes by itself once the check runs. A failing check, a missing review, a conflict are
-/// refusals.
+/// refusals. Only GitHub's own words count: the quoted check names (`"…"`, anyone can name a
+/// check `failover` or `pending-migrations`) are left out before the words are looked for.
 pub fn merge_waits_for_checks(status: u16, message: &str) -> bool {
-    let m = message.to_ascii_lowercase();
+    let m = outside_quotes(message).to_ascii_lowercase();
     status == 405
         && m.contains("required status check")
         && !m.contains("fail")
@@ -293,6 +310,24 @@ pub fn merge_waits_for_checks(status: u16, message: &str) -> bool {
             .iter()
             .any(|w| m.contains(w))
 }
+
+/// `text` without what is between double quotes (an unclosed quote runs to the end).
+fn outside_quotes(text: &str) -> String {
+    let mut quoted = false;
+    text.chars()
+        .filter(|&c| {
+            if c == '"' {
+                quoted = !quoted;
+                return false;
+            }
+            !quoted
+        })
+        .collect()
+}
+
+/// How long a release waits, by default, for a required status check that has not reported
+/// (`check_wait_s`): 3 hours.
+pub const DEFAULT_CHECK_WAIT_S: u64 = 3 * 3_600;
 
 /// Why and how long the next request waits.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -367,9 +402,10 @@ pub fn pause_after(
             format!("HTTP {status} without Retry-After (rate limited or refused)"),
         ),
         0 => (grow(poll_interval_s), "no answer".to_owned()),
-        // Only a merge waiting for its required checks is handed here as something to wait
-        // out (`merge_waits_for_checks`); any other 405 is a refusal.
-        405 => (
+        // Only the release's merge call marks a 405 as waiting for required checks
+        // (`checks_pending`, from `merge_waits_for_checks`); any other 405 (a description,
+        // a close, a reopen refused) falls to the refusal below.
+        405 if answer.checks_pending => (
             grow(poll_interval_s),
             "HTTP 405: the merge waits for the branch's required status checks".to_owned(),
         ),
@@ -1353,6 +1389,7 @@ mod tests {
             webhook_secret_env: None,
             merge_method: MergeMethod::default(),
             reviewers: Vec::new(),
+            check_wait_s: default_check_wait_s(),
         };
         assert_eq!(c.check(), Ok(()));
         assert_eq!(c.owner_and_name(), Some(("octo", "hello")));
@@ -1427,8 +1464,21 @@ mod tests {
             "Required status check \"ci\" is in progress.",
             "Required status checks have not succeeded: 1 expected.",
             "Required status check \"build\" is pending",
+            // A check's name is not GitHub's words.
+            "Required status check \"failover\" is expected.",
+            "Required status check \"ci-failures-report\" is in progress.",
+            "PUT pulls/7/merge: HTTP 405: Required status check \"failover\" is expected.",
         ] {
             assert!(merge_waits_for_checks(405, m), "{m}");
+        }
+        for m in [
+            "Required status check \"pending-migrations\" is failing.",
+            "Required status check \"expected-output\" has failed.",
+            "Required status check \"queued jobs\" is failing.",
+            // An unclosed quote hides the rest, so nothing says it waits.
+            "Required status check \"in progress is expected",
+        ] {
+            assert!(!merge_waits_for_checks(405, m), "{m}");
         }
         for (s, m) in [
             (405, "Required status check \"ci\" is failing."),
@@ -1444,6 +1494,7 @@ mod tests {
         let p = pause_after(
             &Answer {
                 status: 405,
+                checks_pending: true,
                 ..Answer::default()
             },
             0,
@@ -1455,6 +1506,23 @@ mod tests {
         .unwrap();
         assert!(
             p.failure && p.secs == 2 && p.why.contains("required status checks"),
+            "{p:?}"
+        );
+        // Any other 405 (a close, a description refused) is a refusal, not a wait.
+        let p = pause_after(
+            &Answer {
+                status: 405,
+                ..Answer::default()
+            },
+            0,
+            1,
+            2,
+            900,
+            0.5,
+        )
+        .unwrap();
+        assert!(
+            p.failure && p.secs == 900 && !p.why.contains("status checks"),
             "{p:?}"
         );
     }

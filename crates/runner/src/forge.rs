@@ -228,6 +228,7 @@ fn answer_of(status: u16, headers: &reqwest::header::HeaderMap) -> Answer {
         retry_after: text("retry-after"),
         remaining: text("x-ratelimit-remaining").and_then(|v| v.trim().parse().ok()),
         reset: text("x-ratelimit-reset").and_then(|v| v.trim().parse().ok()),
+        checks_pending: false,
     }
 }
 

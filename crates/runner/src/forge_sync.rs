@@ -142,17 +142,47 @@ fn last_body_of(events: &[Event]) -> Option<String> {
 
 /// The pull request orch closed at an ending, when nothing reopened it since: an item live
 /// again after that (an operator retried it) has it reopened, so its reviews steer it again.
+/// Orch closed it when, since the last reopening, it recorded its intent to close it
+/// (`forge.pull_closing`, written before the call) or a close it made (`closed_now`): a crash
+/// between the call and its record, or an item retried and ending again before any sync ran
+/// (its second ending finds the pull request closed, by orch), keeps orch's right to reopen it.
 fn closed_by_orch(history: &[Event]) -> Option<u64> {
-    let last = history
+    let since = history
+        .iter()
+        .rposition(|e| e.kind == events::FORGE_PULL_REOPENED)
+        .map_or(0, |i| i + 1);
+    let since = history.get(since..).unwrap_or_default();
+    let last = since
         .iter()
         .rev()
-        .find(|e| e.kind == events::FORGE_PULL_CLOSED || e.kind == events::FORGE_PULL_REOPENED)?;
-    let d = last.data_value();
-    if last.kind == events::FORGE_PULL_CLOSED && d["closed_now"] == true {
-        d["pull"].as_u64()
-    } else {
-        None
-    }
+        .find(|e| e.kind == events::FORGE_PULL_CLOSED || e.kind == events::FORGE_PULL_CLOSING)?;
+    let pull = last.data_value()["pull"].as_u64()?;
+    since
+        .iter()
+        .any(|e| {
+            let d = e.data_value();
+            d["pull"].as_u64() == Some(pull)
+                && (e.kind == events::FORGE_PULL_CLOSING
+                    || (e.kind == events::FORGE_PULL_CLOSED && d["closed_now"] == true))
+        })
+        .then_some(pull)
+}
+
+/// Whether orch recorded its intent to close pull request `number` at the ending `seq`.
+fn closing_recorded(history: &[Event], number: u64, seq: i64) -> bool {
+    history.iter().any(|e| {
+        let d = e.data_value();
+        e.kind == events::FORGE_PULL_CLOSING
+            && d["pull"].as_u64() == Some(number)
+            && d["seq"].as_i64() == Some(seq)
+    })
+}
+
+/// Whether GitHub's refusal is for good: 404 (gone) or a 403 that is not a rate limit (no
+/// `Retry-After`, quota not used up: the token may not do it). Asking again cannot help.
+fn refused_for_good(e: &PollError) -> bool {
+    let a = &e.answer;
+    a.status == 404 || (a.status == 403 && a.retry_after.is_none() && a.remaining != Some(0))
 }
 
 /// The item's pull request's number, once found or opened.
@@ -287,6 +317,13 @@ struct RepoSync {
     seen: HashMap<i64, Seen>,
 }
 
+/// How long the pass trusts an unchanged [`Mark`]: each followed item's history is read again
+/// at least this often. On PostgreSQL event ids are taken when a transaction inserts, not
+/// when it commits, so an event committing late can carry an id lower than the newest one a
+/// pass already saw: the mark would not move for it, and without this re-read its sync job
+/// would wait for the item's next change.
+const REREAD_MS: i64 = 30_000;
+
 /// What tells the pass that an item has something new: its row's last change and its newest
 /// event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -296,10 +333,13 @@ struct Mark {
     newest_event: i64,
 }
 
-/// What the pass read of an item's history at [`Mark`], kept until the mark moves.
+/// What the pass read of an item's history at [`Mark`], kept until the mark moves or
+/// [`REREAD_MS`] passed since it was read.
 #[derive(Debug)]
 struct Seen {
     mark: Mark,
+    /// When the history was read (the store's clock).
+    read_at: i64,
     /// It came from this forge's issue.
     follows: bool,
     pull: Option<u64>,
@@ -366,8 +406,13 @@ impl ForgeSyncPass {
                 newest_event: newest.get(&task.id).copied().unwrap_or(0),
             };
             // An item whose row and newest event are as the last pass saw them has nothing new:
-            // its history is not read again (a restart reads every one once).
-            if st.seen.get(&task.id).is_none_or(|s| s.mark != mark) {
+            // its history is not read again (a restart reads every one once), except every
+            // `REREAD_MS` (an event that committed late, below the newest id, on PostgreSQL).
+            if st
+                .seen
+                .get(&task.id)
+                .is_none_or(|s| s.mark != mark || now - s.read_at >= REREAD_MS)
+            {
                 let history = store.task_events(task.id).await?;
                 let follows = origin_of(&history)
                     .is_some_and(|o| o.repo.eq_ignore_ascii_case(&forge_cfg.repo));
@@ -389,6 +434,7 @@ impl ForgeSyncPass {
                     task.id,
                     Seen {
                         mark,
+                        read_at: now,
                         follows,
                         pull: pull_of(&history),
                         taken: reviews_taken(&history),
@@ -1044,12 +1090,24 @@ impl ForgeSyncHandler {
                 }
             }
         }
-        // Live again after orch closed its pull request at an ending (a retry): reopened.
+        // Live again after orch closed its pull request at an ending (a retry): reopened, when
+        // the row, read again right before the call, is still live (it may have ended again
+        // since the job loaded it; the next ending's sync then finds it as it is). A refusal
+        // for good (403, 404) is recorded as not reopened, like a 422, and the sync goes on.
         if !item.task.is_terminal()
             && let Some(n) = closed_by_orch(&item.history)
             && pull == Some(n)
+            && live_now(cx, item).await?
         {
-            let reopened = gh.reopen_pull(n).await?;
+            let reopened = match gh.reopen_pull(n).await {
+                Ok(reopened) => reopened,
+                Err(e) if refused_for_good(&e) => {
+                    tracing::warn!(work_item = %item.task.work_item_id, pull = n,
+                        "forge sync: GitHub refused to reopen the pull request: {}", e.message);
+                    false
+                }
+                Err(e) => return Err(e.into()),
+            };
             let event = NewEvent::new(
                 events::FORGE_PULL_REOPENED,
                 format!(
@@ -1642,7 +1700,11 @@ impl ForgeSyncHandler {
     /// Closes the item's pull request `number` once its outcome is said: it is where review
     /// happened, not what the release merged, and an ended item's review steers nothing. Found
     /// by its state (closed already, by anyone: nothing sent), recorded once
-    /// (`forge.pull_closed`); a crash between the close and the record records it on replay.
+    /// (`forge.pull_closed`). Orch's intent is recorded first (`forge.pull_closing`, fenced by
+    /// the job's lease): a crash between the close and its record finds it closed on replay
+    /// and still records it as orch's close (`closed_now`), so a retry reopens it. The task's
+    /// row is read again right before the call: an item retried meanwhile (another process)
+    /// is live, and its pull request is left open.
     async fn close_pull(
         &self,
         cx: &JobContext,
@@ -1659,11 +1721,33 @@ impl ForgeSyncHandler {
         }) {
             return Ok(());
         }
-        let closed_now = gh.pull(number).await?.state == "open";
-        if closed_now {
+        let intended = closing_recorded(&item.history, number, seq);
+        let open = gh.pull(number).await?.state == "open";
+        if open {
+            if !still_ended_at(cx, item, seq).await? {
+                tracing::info!(work_item = %item.task.work_item_id, pull = number,
+                    "forge sync: not closing the pull request: the item moved on since its ending");
+                return Ok(());
+            }
+            if !intended {
+                let event = NewEvent::new(
+                    events::FORGE_PULL_CLOSING,
+                    format!(
+                        "closing pull request {}#{number} of {} after its outcome",
+                        item.forge_cfg.repo, item.task.work_item_id
+                    ),
+                )
+                .task(item.task.id)
+                .job(cx.job.id)
+                .data(json!({"pull": number, "seq": seq}).to_string());
+                cx.store.append_event_fenced(cx.lease, event).await?;
+            }
             gh.close_pull(number).await?;
             crate::failpoint::hit("forge.after_pull_closed");
         }
+        // Closed by this job, or found closed after orch's own intent to close it (a crash
+        // between the call and this record): orch's close either way.
+        let closed_now = open || intended;
         let event = NewEvent::new(
             events::FORGE_PULL_CLOSED,
             format!(
@@ -1679,6 +1763,32 @@ impl ForgeSyncHandler {
         cx.store.append_event_fenced(cx.lease, event).await?;
         Ok(())
     }
+}
+
+/// Whether the item is still ended at visit `seq`, read from its row now (not from when the
+/// job loaded it): another process may have retried it since.
+async fn still_ended_at(cx: &JobContext, item: &Item, seq: i64) -> Result<bool, SyncError> {
+    Ok(ended_at(
+        cx.store.get_task(item.task.id).await?.as_ref(),
+        seq,
+    ))
+}
+
+/// Whether the item is live, read from its row now: it may have ended again since the job
+/// loaded it.
+async fn live_now(cx: &JobContext, item: &Item) -> Result<bool, SyncError> {
+    Ok(live(cx.store.get_task(item.task.id).await?.as_ref()))
+}
+
+/// A row that may still have its pull request closed for the ending at visit `seq`: ended, at
+/// that very visit (a retry, even one that ended again since, moved `stage_seq`).
+fn ended_at(row: Option<&Task>, seq: i64) -> bool {
+    row.is_some_and(|t| t.is_terminal() && t.stage_seq == seq)
+}
+
+/// A row whose pull request may be reopened: live (a row gone is not).
+fn live(row: Option<&Task>) -> bool {
+    row.is_some_and(|t| !t.is_terminal())
 }
 
 #[cfg(test)]
@@ -1726,6 +1836,82 @@ mod tests {
             events::FORGE_PULL_CLOSED,
             json!({"pull": 7, "seq": 12, "closed_now": true}),
         );
-        assert_eq!(closed_by_orch(&[closed, reopened, again]), Some(7));
+        assert_eq!(
+            closed_by_orch(&[closed.clone(), reopened.clone(), again]),
+            Some(7)
+        );
+        // A crash between the close and its record: the intent stands for orch's close.
+        let closing = event(2, events::FORGE_PULL_CLOSING, json!({"pull": 7, "seq": 9}));
+        assert_eq!(closed_by_orch(std::slice::from_ref(&closing)), Some(7));
+        let found_after_intent = event(
+            3,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 9, "closed_now": false}),
+        );
+        assert_eq!(
+            closed_by_orch(&[closing.clone(), found_after_intent]),
+            Some(7)
+        );
+        // Retried and ended again before any sync: the second ending finds it closed, by orch.
+        let found_at_next_ending = event(
+            3,
+            events::FORGE_PULL_CLOSED,
+            json!({"pull": 7, "seq": 12, "closed_now": false}),
+        );
+        assert_eq!(
+            closed_by_orch(&[closed.clone(), found_at_next_ending.clone()]),
+            Some(7)
+        );
+        // But not across a reopening: then a found-closed one is someone else's close.
+        assert_eq!(
+            closed_by_orch(&[closing, closed, reopened, found_at_next_ending]),
+            None
+        );
+    }
+
+    /// The rows read again right before the close and the reopen (another process may have
+    /// retried the item, or it ended again, since the job loaded it).
+    #[test]
+    fn close_and_reopen_go_only_on_a_row_that_did_not_move() {
+        let row = |stage: &str, stage_seq| Task {
+            id: 1,
+            work_item_id: "GH-1".into(),
+            repo: "app".into(),
+            title: String::new(),
+            body: String::new(),
+            stage: stage.into(),
+            stage_seq,
+            branch: "orch/GH-1".into(),
+            created_at: 0,
+            updated_at: 0,
+        };
+        assert!(ended_at(Some(&row("failed", 9)), 9));
+        // Retried: live again, or ended again at a later visit.
+        assert!(!ended_at(Some(&row("code", 10)), 9));
+        assert!(!ended_at(Some(&row("failed", 12)), 9));
+        assert!(!ended_at(None, 9));
+        assert!(live(Some(&row("code", 10))));
+        assert!(!live(Some(&row("cancelled", 11))));
+        assert!(!live(None));
+    }
+
+    #[test]
+    fn only_a_refusal_for_good_is_taken_as_not_reopened() {
+        let err = |status, retry_after: Option<&str>, remaining| PollError {
+            answer: forge::Answer {
+                status,
+                retry_after: retry_after.map(str::to_owned),
+                remaining,
+                reset: None,
+                checks_pending: false,
+            },
+            message: String::new(),
+        };
+        assert!(refused_for_good(&err(404, None, None)));
+        assert!(refused_for_good(&err(403, None, Some(4000))));
+        assert!(!refused_for_good(&err(403, Some("60"), None)));
+        assert!(!refused_for_good(&err(403, None, Some(0))));
+        assert!(!refused_for_good(&err(502, None, None)));
+        assert!(!refused_for_good(&err(0, None, None)));
     }
 }

@@ -537,7 +537,11 @@ async fn verify_forge_commit(
 
 /// Runs one call to the forge until it is answered: an outage or a rate limit is waited out
 /// (backing off as polling does, `forge.waiting` once when the waiting starts and
-/// `forge.resumed` when it ends: the item never fails for it); a refusal is an error.
+/// `forge.resumed` when it ends: the item never fails for it); a refusal is an error. A merge
+/// waiting for a required status check (`Answer::checks_pending`) is waited out too, but at
+/// most the forge's `check_wait_s` from the first such answer: past it the call is an error
+/// (`forge.check_wait_over` recorded), like a refusal, instead of waiting forever on a check
+/// that never reports.
 async fn through_forge<T, F, Fut>(
     run: &StageRun,
     cfg: &orch_domain::forge::ForgeConfig,
@@ -550,6 +554,7 @@ where
     use crate::forge::release::Failure;
     let mut failures = 0u32;
     let mut since: Option<i64> = None;
+    let mut checks_since: Option<i64> = None;
     loop {
         match call().await {
             Ok(v) => {
@@ -578,6 +583,29 @@ where
             Err(Failure::Outage { answer, message }) => {
                 failures = failures.saturating_add(1);
                 let now = run.store.now_ms();
+                if answer.checks_pending {
+                    let first = *checks_since.get_or_insert(now);
+                    let waited_s = u64::try_from((now - first) / 1000).unwrap_or(0);
+                    if waited_s >= cfg.check_wait_s {
+                        record(
+                            run,
+                            events::FORGE_CHECK_WAIT_OVER,
+                            format!(
+                                "the release of {} through GitHub {} stops waiting for its required status checks after {waited_s} s (check_wait_s {}): {message}",
+                                run.work_item, cfg.repo, cfg.check_wait_s
+                            ),
+                            json!({"repo": run.repo_name.as_str(), "forge": cfg.repo,
+                                   "waited_s": waited_s, "check_wait_s": cfg.check_wait_s}),
+                        )
+                        .await?;
+                        bail!(
+                            "GitHub {} kept refusing the release of {} for its required status checks, {waited_s} s (check_wait_s {}): {message}",
+                            cfg.repo,
+                            run.work_item,
+                            cfg.check_wait_s
+                        );
+                    }
+                }
                 let pause = orch_domain::forge::pause_after(
                     &answer,
                     now / 1000,

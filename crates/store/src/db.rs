@@ -894,14 +894,14 @@ where
     }
 
     /// `(task, newest event id)` of these tasks (those with events), one statement per
-    /// [`EVENTS_OF_TASKS_CHUNK`] tasks (`max(id)` per task: the end of its `events_task` range).
+    /// [`EVENTS_OF_TASKS_CHUNK`] tasks: per task a `max(id)` subquery, the last entry of its
+    /// `events_task` range ([`Driver::NEWEST_EVENT_IDS`]).
     pub async fn newest_event_ids(&self, task_ids: &[i64]) -> Result<Vec<(i64, i64)>> {
         let mut out = Vec::new();
         for ids in task_ids.chunks(EVENTS_OF_TASKS_CHUNK) {
             let ids = serde_json::to_string(ids).map_err(|e| StoreError::Invalid(e.to_string()))?;
             let chunk: Vec<(i64, i64)> = sqlx::query_as(self.sql.newest_event_ids.as_str())
                 .bind(ids)
-                .bind("[]")
                 .fetch_all(self.d.reader())
                 .await?;
             out.extend(chunk);

@@ -44,6 +44,11 @@ pub trait Driver: Send + Sync + 'static {
     /// The `WHERE` of `events_of_tasks`: `$1 task ids, $2 kinds` (both JSON arrays; no kinds:
     /// every kind).
     const EVENTS_OF_TASKS_WHERE: &'static str;
+    /// `newest_event_ids`: `$1 task ids` (a JSON array) → `(task id, newest event id)` of each
+    /// given task with events. Written as one `max(id)` subquery per task, each the end of the
+    /// task's `events_task` range (a backward index read of one entry): filtering `events` by
+    /// `task_id IN (…)` and grouping instead read the whole table on PostgreSQL.
+    const NEWEST_EVENT_IDS: &'static str;
     /// The `WHERE` of `agent_runs_of_tasks`: `$1 task ids` (a JSON array).
     const RUNS_OF_TASKS_WHERE: &'static str;
     /// → whether the orch schema exists (its `events` table), as a boolean.
@@ -202,10 +207,7 @@ impl Statements {
                 sql::AGENT_RUN_COLUMNS,
                 D::RUNS_OF_TASKS_WHERE
             ),
-            newest_event_ids: format!(
-                "SELECT task_id, max(id) FROM events {} GROUP BY task_id",
-                D::EVENTS_OF_TASKS_WHERE
-            ),
+            newest_event_ids: D::NEWEST_EVENT_IDS.to_owned(),
             report_live_tasks: sql::report_live_tasks(&indexed_by::<D>("tasks_live")),
             report_ended_tasks: sql::report_ended_tasks(&indexed_by::<D>("tasks_ended")),
         }

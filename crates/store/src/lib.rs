@@ -580,8 +580,10 @@ impl Store {
     }
 
     /// The newest event id of each of these tasks that has events, as `(task, event id)`: one
-    /// read of the index `events_task` per [`EVENTS_OF_TASKS_CHUNK`] tasks, however long their
-    /// histories. A follower compares it with what it read last to skip an unchanged history.
+    /// statement per [`EVENTS_OF_TASKS_CHUNK`] tasks, in which each task costs one descent of
+    /// the index `events_task` to the end of its range (a `max(id)` subquery per task), so the
+    /// cost grows with the number of tasks asked about, not with their histories nor with the
+    /// table. A follower compares it with what it read last to skip an unchanged history.
     pub async fn newest_event_ids(&self, task_ids: &[i64]) -> Result<Vec<(i64, i64)>> {
         dispatch!(self, newest_event_ids(task_ids))
     }

@@ -70,6 +70,7 @@ impl Driver for PgDriver {
     const EVENTS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN \
          (SELECT jsonb_array_elements_text($1::text::jsonb)::bigint) \
          AND ($2::text = '[]' OR kind IN (SELECT jsonb_array_elements_text($2::text::jsonb)))";
+    const NEWEST_EVENT_IDS: &'static str = NEWEST_EVENT_IDS;
     // `= ANY(ARRAY(…))`: the generic plan walks `agent_runs_task` (with `IN (SELECT …)` it
     // hash-joined a scan of the whole table).
     const RUNS_OF_TASKS_WHERE: &'static str =
@@ -446,6 +447,13 @@ impl Db<PgDriver> {
 /// due. `jobs_ready` is ordered by priority, then due time: the statement steps from one
 /// priority present to the next (an index seek each) and takes, per priority, the first row in
 /// due order that fits, so it reads a few index entries, not every queued row.
+/// `newest_event_ids` (see [`Driver::NEWEST_EVENT_IDS`]): a lateral `max(id)` per task, the
+/// end of its `events_task` range; public for the plan test.
+pub const NEWEST_EVENT_IDS: &str = "SELECT t.id, m.newest \
+     FROM (SELECT DISTINCT jsonb_array_elements_text($1::text::jsonb)::bigint AS id) t \
+     CROSS JOIN LATERAL (SELECT max(e.id) AS newest FROM events e WHERE e.task_id = t.id) m \
+     WHERE m.newest IS NOT NULL";
+
 pub const NEXT_AVAILABLE_AT: &str = "WITH RECURSIVE p(priority) AS ( \
         SELECT (SELECT priority FROM jobs WHERE state = 'queued' \
                 ORDER BY priority DESC LIMIT 1) \

@@ -59,6 +59,11 @@ impl Driver for SqliteDriver {
     const EVENTS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN \
          (SELECT value FROM json_each($1)) \
          AND ($2 = '[]' OR kind IN (SELECT value FROM json_each($2)))";
+    const NEWEST_EVENT_IDS: &'static str = "SELECT id, newest FROM \
+         (SELECT t.id AS id, (SELECT max(e.id) FROM events e INDEXED BY events_task \
+         WHERE e.task_id = t.id) AS newest \
+         FROM (SELECT DISTINCT value AS id FROM json_each($1)) t) \
+         WHERE newest IS NOT NULL";
     const RUNS_OF_TASKS_WHERE: &'static str = "WHERE task_id IN (SELECT value FROM json_each($1))";
     const SCHEMA_EXISTS: &'static str = "SELECT EXISTS (SELECT 1 FROM sqlite_master \
          WHERE type = 'table' AND name = 'events')";

@@ -2644,7 +2644,9 @@ async fn a_crash_after_the_outcome_comment_posts_no_second_one() {
 }
 
 /// `orch serve` dies right after closing the item's pull request and before recording it: the
-/// next one finds it closed (by its state), records that, and closes nothing twice.
+/// next one finds it closed (by its state), closes nothing twice, and, since orch recorded its
+/// intent to close it before the call, records it as orch's own close (`closed_now`): a retry
+/// of the item would reopen it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_crash_after_closing_the_pull_request_closes_it_once() {
     crash_at_the_outcome("forge.after_pull_closed").await;
@@ -2732,8 +2734,17 @@ async fn crash_at_the_outcome(failpoint: &str) {
         .prs
         .pull_number("orch/GH-4")
         .expect("GH-4's pull request");
-    let closed_now = failpoint != "forge.after_pull_closed";
-    pull_closed_once(&store, &hub, "GH-4", pull, closed_now).await;
+    // Orch's own close whether or not it died between the call and the record: its intent
+    // (`forge.pull_closing`) came first, once.
+    pull_closed_once(&store, &hub, "GH-4", pull, true).await;
+    let closing: Vec<Value> = events_of(&store, "GH-4")
+        .await
+        .iter()
+        .filter(|e| e.kind == "forge.pull_closing")
+        .map(|e| e.data_value())
+        .collect();
+    assert_eq!(closing.len(), 1, "{closing:?}");
+    assert_eq!(closing[0]["pull"], pull, "{closing:?}");
     let exchanges = hub.lock().unwrap().exchanges.clone();
     let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
     assert!(ok, "{text}");

@@ -956,3 +956,72 @@ async fn a_merge_commit_ships_the_staged_tree_on_sqlite() {
 async fn a_merge_commit_ships_the_staged_tree_on_postgres() {
     merge_commit("postgres").await;
 }
+
+/// A required check that never reports: the merge waits at most `check_wait_s` from GitHub's
+/// first such answer, then the release attempt stops waiting (`forge.check_wait_over`) and
+/// fails like a refusal, nothing merged, instead of waiting forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_required_check_that_never_reports_is_waited_for_at_most_check_wait_s() {
+    if !specs_available() {
+        return;
+    }
+    if !common::python_available() {
+        return skip(
+            "python3 is not installed: the demo's service and the description check need it",
+        );
+    }
+    common::become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    let bare = protect(&dir, &api, "merge");
+    // The forge section is the file's last: the bound goes into it.
+    let path = dir.join("orch.toml");
+    let mut text = std::fs::read_to_string(&path).unwrap();
+    text.push_str("check_wait_s = 1\n");
+    std::fs::write(&path, text).unwrap();
+    serve_releases(&hub, &bare);
+    hub.lock().unwrap().release.checks_pending = u32::MAX;
+    let store = common::open(&dir).await;
+    let serve = serve(&dir, None, "");
+    submit(&dir, None, "Add a /version endpoint");
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(300),
+        "APP-1's release stops waiting for its checks",
+        || {
+            let s = s.clone();
+            async move {
+                events_of(&s, "APP-1")
+                    .await
+                    .iter()
+                    .any(|e| e.kind == "forge.check_wait_over")
+            }
+        },
+    )
+    .await;
+    serve.terminate().await;
+    let evs = events_of(&store, "APP-1").await;
+    let over = evs
+        .iter()
+        .find(|e| e.kind == "forge.check_wait_over")
+        .unwrap();
+    assert_eq!(data(over)["check_wait_s"], json!(1), "{over:?}");
+    assert!(
+        over.message
+            .contains("Required status check \"ci\" is expected"),
+        "{}",
+        over.message
+    );
+    assert!(
+        evs.iter().any(|e| e.kind == "forge.waiting"),
+        "it waited first: {evs:#?}"
+    );
+    assert!(hub.lock().unwrap().release.merges.is_empty());
+    assert!(!evs.iter().any(|e| e.kind == "release.promoted"));
+    common::stop_service(&dir);
+    common::reap_orphans();
+    store.close().await;
+}

@@ -86,6 +86,9 @@ impl std::fmt::Debug for Api {
     }
 }
 
+/// The most of GitHub's `message` a failure carries (it goes into events and the log).
+const MAX_REFUSAL_CHARS: usize = 500;
+
 impl Api {
     /// The API of `cfg`'s repository. A token variable that is not set is an outage to wait
     /// out (the operator sets it; nothing is lost meanwhile).
@@ -119,7 +122,8 @@ impl Api {
         format!("{}/repos/{}/{}{rest}", self.base, self.owner, self.repo)
     }
 
-    /// Sends one request; the JSON answer of a 2xx, else the failure, classified.
+    /// Sends one request; the JSON answer of a 2xx, else the failure, classified (GitHub's
+    /// `message` in it on one line, at most [`MAX_REFUSAL_CHARS`]: it reaches events).
     async fn send(
         &self,
         what: &str,
@@ -166,7 +170,10 @@ impl Api {
             .map(|m| {
                 format!(
                     ": {}",
-                    orch_domain::text::escape(&orch_domain::text::one_line(m))
+                    orch_domain::text::escape(&orch_domain::text::one_line_max(
+                        m,
+                        MAX_REFUSAL_CHARS
+                    ))
                 )
             })
             .unwrap_or_default();
@@ -294,6 +301,7 @@ impl Api {
                     Failure::Outage {
                         answer: Answer {
                             status,
+                            checks_pending: true,
                             ..Answer::default()
                         },
                         message,

@@ -242,3 +242,75 @@ async fn next_available_at_seeks_the_ready_index_on_both_backends() {
     assert!(!plan.contains("Seq Scan on jobs"), "{plan}");
     assert!(plan.contains("jobs_ready"), "{plan}");
 }
+
+/// `newest_event_ids` runs for every followed task on every forge sync pass: on PostgreSQL
+/// each task must be one backward read of `events_task`, never a scan of `events` (the earlier
+/// `task_id IN (…) AND ($2 = '[]' OR …) GROUP BY` form read the whole table). Measured with
+/// a table shaped like a real one (many tasks, each a small share of the events; with a handful
+/// of tasks the planner rightly walks the primary key back instead, a few rows), analyzed, and
+/// the generic plan the driver's prepared statement ends up with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn newest_event_ids_reads_the_task_index_on_postgres() {
+    use sqlx::Row as _;
+    let db = TestDb::postgres().await;
+    let pg = orch_store::postgres::PgStore::connect(&db.url, orch_store::ConnectOptions::default())
+        .await
+        .unwrap();
+    const TASKS: usize = 300;
+    let mut ids = Vec::new();
+    for _ in 0..TASKS {
+        let task = db
+            .store
+            .create_task(orch_store::NewTask {
+                work_item: orch_store::WorkItemSpec::Next {
+                    prefix: "ORCH".into(),
+                },
+                repo: "svc".into(),
+                title: "t".into(),
+                body: String::new(),
+                stage: "intake".into(),
+                branch_prefix: "orch/".into(),
+                event: orch_store::NewEvent::new("task.submitted", "x"),
+                first_job: None,
+            })
+            .await
+            .unwrap();
+        ids.push(task.id);
+    }
+    let mut conn = pg.pool().acquire().await.unwrap();
+    let list = ids.iter().map(i64::to_string).collect::<Vec<_>>().join(",");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "INSERT INTO events (task_id, kind, message, created_at) \
+         SELECT (ARRAY[{list}])[1 + g % {TASKS}], 'stage.started', 'event ' || g, g \
+         FROM generate_series(1, 60000) g; ANALYZE events; \
+         SET plan_cache_mode = force_generic_plan; \
+         PREPARE newest(text) AS {}",
+        orch_store::postgres::NEWEST_EVENT_IDS
+    )))
+    .execute(&mut *conn)
+    .await
+    .unwrap();
+    let json = format!(
+        "[{}]",
+        ids[..5]
+            .iter()
+            .map(i64::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    );
+    let plan: Vec<String> = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "EXPLAIN EXECUTE newest('{json}')"
+    )))
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get::<String, _>(0))
+    .collect();
+    let plan = plan.join("\n");
+    assert!(!plan.contains("Seq Scan on events"), "{plan}");
+    assert!(plan.contains("events_task"), "{plan}");
+    // And the store's answer is each task's newest.
+    let newest = db.store.newest_event_ids(&ids[..5]).await.unwrap();
+    assert_eq!(newest.len(), 5, "{newest:?}");
+}
