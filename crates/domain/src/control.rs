@@ -392,9 +392,12 @@ pub mod markers {
     pub const RELEASE_WAIT: &str = "release-wait";
     /// A lessons job that waits while the repo's releases are held.
     pub const RELEASE_HOLD: &str = "release-hold";
+    /// A deploy job that stepped aside while its release waits for the forge (an outage, a
+    /// rate limit, a pending required check): the stage comes back as this job.
+    pub const FORGE_WAIT: &str = "forge-wait";
 
     /// Every marker name above.
-    pub const ALL: [&str; 8] = [
+    pub const ALL: [&str; 9] = [
         STAGING_DEFER,
         MERGE_INFRA_RETRY,
         DEPLOY_FINALIZE,
@@ -403,6 +406,7 @@ pub mod markers {
         MONITOR_END,
         RELEASE_WAIT,
         RELEASE_HOLD,
+        FORGE_WAIT,
     ];
 
     /// `text` (written by someone else: a reviewer, an agent) with every spelling of orch's
@@ -499,6 +503,11 @@ pub mod markers {
     /// `[orch:release-hold seq=<seq>]`.
     pub fn release_hold(seq: i64) -> String {
         prefix(RELEASE_HOLD, seq)
+    }
+
+    /// `[orch:forge-wait seq=<seq>]`.
+    pub fn forge_wait(seq: i64) -> String {
+        prefix(FORGE_WAIT, seq)
     }
 
     /// True when a job's content carries a release-track wait marker (of any visit).

@@ -67,11 +67,26 @@ pub struct ForgeConfig {
     /// release stops waiting and fails, visibly, instead of waiting forever.
     #[serde(default = "default_check_wait_s")]
     pub check_wait_s: u64,
+    /// The longest a release waits for GitHub (an outage, a rate limit, a pending check)
+    /// within one run of its stage's job, seconds: past it the job steps aside and the stage
+    /// comes back later, as a new job, so no wait ever runs into the job's timeout or uses up
+    /// its attempts. Default 240; 1 to 300 (below the shortest stage timeout, 360 s).
+    #[serde(default = "default_wait_step_s")]
+    pub wait_step_s: u64,
 }
 
 fn default_check_wait_s() -> u64 {
     DEFAULT_CHECK_WAIT_S
 }
+
+fn default_wait_step_s() -> u64 {
+    DEFAULT_WAIT_STEP_S
+}
+
+/// The default of [`ForgeConfig::wait_step_s`].
+pub const DEFAULT_WAIT_STEP_S: u64 = 240;
+/// The largest [`ForgeConfig::wait_step_s`]: below the shortest stage job timeout (360 s).
+pub const MAX_WAIT_STEP_S: u64 = 300;
 
 /// How the release train publishes through the forge's API when the default branch refuses
 /// a direct push. Whatever the method, orch fetches what the forge made and deploys it only
@@ -180,6 +195,12 @@ impl ForgeConfig {
         }
         if self.check_wait_s == 0 {
             return Err(("check_wait_s", "must be at least 1".to_owned()));
+        }
+        if !(1..=MAX_WAIT_STEP_S).contains(&self.wait_step_s) {
+            return Err((
+                "wait_step_s",
+                format!("must be 1 to {MAX_WAIT_STEP_S} (below the shortest stage timeout)"),
+            ));
         }
         Ok(())
     }
@@ -1390,7 +1411,14 @@ mod tests {
             merge_method: MergeMethod::default(),
             reviewers: Vec::new(),
             check_wait_s: default_check_wait_s(),
+            wait_step_s: default_wait_step_s(),
         };
+        assert_eq!(c.check(), Ok(()));
+        c.wait_step_s = 0;
+        assert_eq!(c.check().unwrap_err().0, "wait_step_s");
+        c.wait_step_s = MAX_WAIT_STEP_S + 1;
+        assert_eq!(c.check().unwrap_err().0, "wait_step_s");
+        c.wait_step_s = MAX_WAIT_STEP_S;
         assert_eq!(c.check(), Ok(()));
         assert_eq!(c.owner_and_name(), Some(("octo", "hello")));
         c.repo = "../x".into();

@@ -310,7 +310,11 @@ async fn forge_promotion(
             run.stage.name
         ),
     };
-    let outcome = publish_through_forge(run, &cfg, seq, &publication, intent).await?;
+    let outcome = publish_through_forge(run, &cfg, seq, &publication, intent, Step::Aside).await?;
+    // A wait an earlier job of this visit began and no call of this one saw end is over.
+    if let (Some(since), _) = waiting_on_record(run).await? {
+        say_resumed(run, &cfg, since).await?;
+    }
     let via = format!("GitHub {} ({})", cfg.repo, method.as_str());
     match outcome {
         ForgePublished::Published { commit, pull } => {
@@ -369,12 +373,13 @@ async fn publish_through_forge(
     seq: i64,
     p: &Publication<'_>,
     intent: Option<&Event>,
+    step: Step,
 ) -> Result<ForgePublished> {
     use crate::forge::release::Api;
     use orch_domain::forge::MergeMethod;
     let branch = run.repo.default_branch.as_str();
     let method = cfg.merge_method;
-    let api = through_forge(run, cfg, || async { Api::new(cfg) }).await?;
+    let api = through_forge(run, cfg, step, || async { Api::new(cfg) }).await?;
     let intent_data = |pull: Option<u64>| {
         json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "method": method.as_str(),
                "pull": pull, "branch": p.head, "old": p.old, "staged": p.new, "seq": seq})
@@ -409,13 +414,13 @@ async fn publish_through_forge(
                 .await
                 .context("cannot record the intent to publish through the forge; nothing was published")?;
             }
-            through_forge(run, cfg, || api.update_branch(branch, p.new)).await?;
+            through_forge(run, cfg, step, || api.update_branch(branch, p.new)).await?;
             merged = Some(p.new.to_owned());
         }
     } else {
         let earlier = intent.and_then(|e| value(e)["pull"].as_u64());
         if let Some(n) = earlier {
-            let pull = through_forge(run, cfg, || api.pull(n)).await?;
+            let pull = through_forge(run, cfg, step, || api.pull(n)).await?;
             if pull.merged {
                 // Merged before the attempt that asked for it could record it.
                 merged = Some(pull.merge_commit_sha.with_context(|| {
@@ -431,7 +436,7 @@ async fn publish_through_forge(
             let n = match pull_no {
                 Some(n) => n,
                 None => {
-                    through_forge(run, cfg, || {
+                    through_forge(run, cfg, step, || {
                         api.find_or_open_release_pull(&p.head, branch, &p.pull_title, &p.pull_body)
                     })
                     .await?
@@ -453,7 +458,7 @@ async fn publish_through_forge(
                 .await
                 .context("cannot record the intent to merge through the forge; nothing was merged")?;
             }
-            let sha = through_forge(run, cfg, || {
+            let sha = through_forge(run, cfg, step, || {
                 api.merge_pull(n, p.new, method.as_str(), &p.title, &p.message)
             })
             .await?;
@@ -535,6 +540,78 @@ async fn verify_forge_commit(
     })
 }
 
+/// Whether a wait for the forge may step aside ([`StepAside`]) when it outlasts the forge's
+/// `wait_step_s` in one job: the deploy's promotion may (its stage comes back as a new job),
+/// a revert or an audit commit waits within its job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Step {
+    Aside,
+    Stay,
+}
+
+/// A release that waited for the forge as long as one job may (`wait_step_s`): the stage
+/// steps aside and comes back after `delay_s`, its waiting on record (`forge.waiting`).
+#[derive(Debug)]
+pub struct StepAside {
+    pub delay_s: u64,
+    pub why: String,
+}
+
+impl std::fmt::Display for StepAside {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "the release waits for GitHub {} s more: {}",
+            self.delay_s, self.why
+        )
+    }
+}
+
+impl std::error::Error for StepAside {}
+
+/// The release's wait for the forge this visit began and did not end (its latest
+/// `forge.waiting` after its latest `forge.resumed`): when it began and when its pending
+/// check was first answered.
+async fn waiting_on_record(run: &StageRun) -> Result<(Option<i64>, Option<i64>)> {
+    let events = run.store.task_events(run.task.id).await?;
+    let last = events.iter().rev().find(|e| {
+        (e.kind == events::FORGE_WAITING || e.kind == events::FORGE_RESUMED)
+            && value(e)["release"] == true
+            && seq_of(e) == Some(run.task.stage_seq)
+    });
+    Ok(match last {
+        Some(e) if e.kind == events::FORGE_WAITING => {
+            let d = value(e);
+            (
+                Some(d["since"].as_i64().unwrap_or(e.created_at)),
+                d["checks_since"].as_i64(),
+            )
+        }
+        _ => (None, None),
+    })
+}
+
+/// Records the end of the release's wait for the forge that began at `since`.
+async fn say_resumed(
+    run: &StageRun,
+    cfg: &orch_domain::forge::ForgeConfig,
+    since: i64,
+) -> Result<()> {
+    let waited_s = (run.store.now_ms() - since) / 1000;
+    record(
+        run,
+        events::FORGE_RESUMED,
+        format!(
+            "GitHub {} answers again; the release of {} goes on after {waited_s} s",
+            cfg.repo, run.work_item
+        ),
+        json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "waited_s": waited_s,
+               "release": true, "seq": run.task.stage_seq}),
+    )
+    .await?;
+    Ok(())
+}
+
 /// Runs one call to the forge until it is answered: an outage or a rate limit is waited out
 /// (backing off as polling does, `forge.waiting` once when the waiting starts and
 /// `forge.resumed` when it ends: the item never fails for it); a refusal is an error. A merge
@@ -545,6 +622,7 @@ async fn verify_forge_commit(
 async fn through_forge<T, F, Fut>(
     run: &StageRun,
     cfg: &orch_domain::forge::ForgeConfig,
+    step: Step,
     mut call: F,
 ) -> Result<T>
 where
@@ -552,24 +630,25 @@ where
     Fut: std::future::Future<Output = Result<T, crate::forge::release::Failure>>,
 {
     use crate::forge::release::Failure;
+    let started = run.store.now_ms();
     let mut failures = 0u32;
-    let mut since: Option<i64> = None;
-    let mut checks_since: Option<i64> = None;
+    // A wait an earlier job of this visit began (it stepped aside) goes on: not said again,
+    // and a pending check's clock keeps running from its first answer.
+    let (mut since, mut checks_since) = match step {
+        Step::Aside => waiting_on_record(run).await?,
+        Step::Stay => (None, None),
+    };
+    let mut checks_said = checks_since.is_some();
     loop {
         match call().await {
             Ok(v) => {
-                if let Some(since) = since {
-                    let waited_s = (run.store.now_ms() - since) / 1000;
-                    record(
-                        run,
-                        events::FORGE_RESUMED,
-                        format!(
-                            "GitHub {} answers again; the release of {} goes on after {waited_s} s",
-                            cfg.repo, run.work_item
-                        ),
-                        json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "waited_s": waited_s}),
-                    )
-                    .await?;
+                // The call that waited is answered. (Another call answering is no sign that
+                // this wait, begun by an earlier job, is over: a merge may still wait for its
+                // checks. The promotion closes that wait when it is done.)
+                if failures > 0
+                    && let Some(since) = since
+                {
+                    say_resumed(run, cfg, since).await?;
                 }
                 return Ok(v);
             }
@@ -619,8 +698,10 @@ where
                     None => (RETRY_S, message),
                 };
                 tracing::warn!(work_item = %run.work_item, forge = %cfg.repo, wait_s = secs, failures, "forge: the release waits: {why}");
-                if since.is_none() {
-                    since = Some(now);
+                let checks_new = answer.checks_pending && !checks_said;
+                if since.is_none() || checks_new {
+                    since.get_or_insert(now);
+                    checks_said |= answer.checks_pending;
                     record(
                         run,
                         events::FORGE_WAITING,
@@ -629,9 +710,19 @@ where
                             run.work_item, cfg.repo
                         ),
                         json!({"repo": run.repo_name.as_str(), "forge": cfg.repo, "why": why,
-                               "wait_s": secs, "failures": failures}),
+                               "wait_s": secs, "failures": failures, "release": true,
+                               "seq": run.task.stage_seq, "since": since,
+                               "checks_since": checks_since}),
                     )
                     .await?;
+                }
+                // One job waits at most `wait_step_s`: then the stage steps aside and comes
+                // back as a new job after the pause, so no wait meets the job's timeout.
+                if step == Step::Aside {
+                    let in_job_s = u64::try_from((now - started) / 1000).unwrap_or(0);
+                    if in_job_s.saturating_add(secs) > cfg.wait_step_s {
+                        return Err(anyhow::Error::new(StepAside { delay_s: secs, why }));
+                    }
                 }
                 tokio::select! {
                     () = run.cancel.cancelled() => bail!("cancelled while waiting for GitHub {}", cfg.repo),
@@ -1063,7 +1154,7 @@ async fn forge_revert(
         ),
     )?;
     let seq = crate::deploy::visit_seq(run);
-    match publish_through_forge(run, &cfg, seq, &publication, None).await? {
+    match publish_through_forge(run, &cfg, seq, &publication, None, Step::Stay).await? {
         ForgePublished::Published { commit, .. } => {
             repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
             write_revert_log(run, old, new, &commit, why)?;
@@ -1100,7 +1191,7 @@ pub async fn publish_audit_through_forge(
         format!("The documents of {id}'s last stages and its lessons, after its release."),
     )?;
     let seq = crate::deploy::visit_seq(run);
-    match publish_through_forge(run, &cfg, seq, &publication, None).await? {
+    match publish_through_forge(run, &cfg, seq, &publication, None, Step::Stay).await? {
         ForgePublished::Published { commit, .. } => {
             repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
             Ok(commit)

@@ -758,6 +758,19 @@ async fn fast_forward_through_an_outage(backend: &str) {
     demo_setup(&dir);
     let (hub, api) = start_hub().await;
     let bare = protect(&dir, &api, "fast-forward");
+    // One deploy job waits at most a second: the outage outlasts many jobs, each stepping
+    // aside for the next, as a long outage outlasts a job's timeout.
+    let config = dir.join("orch.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    assert!(text.contains("merge_method = \"fast-forward\"\n"), "{text}");
+    std::fs::write(
+        &config,
+        text.replace(
+            "merge_method = \"fast-forward\"\n",
+            "merge_method = \"fast-forward\"\nwait_step_s = 1\n",
+        ),
+    )
+    .unwrap();
     serve_releases(&hub, &bare);
     hub.lock().unwrap().down_for_release = true;
     let url = match backend {
@@ -804,7 +817,7 @@ async fn fast_forward_through_an_outage(backend: &str) {
     assert_eq!(
         evs.iter().filter(|e| e.kind == "forge.waiting").count(),
         1,
-        "one forge.waiting per waiting, not per try"
+        "one forge.waiting per waiting, not per try: {evs:#?}"
     );
     let tries = hub
         .lock()
@@ -814,13 +827,34 @@ async fn fast_forward_through_an_outage(backend: &str) {
         .filter(|e| e["method"] == "PATCH")
         .count();
     assert!(tries >= 2, "{tries} tries in 5 s of outage");
+    // The deploy stepped aside and came back as new jobs (its attempts untouched), the wait
+    // said once.
+    let asides = evs
+        .iter()
+        .filter(|e| e.kind == "stage.requeued" && e.data.contains("[orch:forge-wait seq="))
+        .count();
+    assert!(
+        asides >= 2,
+        "{asides} steps aside in 5 s of outage: {evs:#?}"
+    );
     hub.lock().unwrap().down_for_release = false;
 
     let t = wait_ended(&dir, &store, "APP-1").await;
     serve.terminate().await;
     assert_eq!(t.stage, "done");
     let evs = events_of(&store, "APP-1").await;
-    assert!(evs.iter().any(|e| e.kind == "forge.resumed"));
+    let resumed: Vec<_> = evs.iter().filter(|e| e.kind == "forge.resumed").collect();
+    assert_eq!(resumed.len(), 1, "{resumed:#?}");
+    // The wait is counted from its start, across the jobs that stepped aside.
+    assert!(
+        data(resumed[0])["waited_s"].as_i64().unwrap() >= 5,
+        "{resumed:#?}"
+    );
+    assert_eq!(
+        evs.iter().filter(|e| e.kind == "forge.waiting").count(),
+        1,
+        "one forge.waiting for the whole wait"
+    );
     let staged = evs
         .iter()
         .rev()

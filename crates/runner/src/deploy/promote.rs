@@ -6,6 +6,7 @@
 use std::sync::Arc;
 
 use orch_domain::config::RepoConfig;
+use orch_domain::control::markers;
 use orch_domain::gate::GateOutcome;
 use orch_domain::pipeline::RESTAGE;
 use orch_store::Task;
@@ -22,7 +23,22 @@ pub struct Promote {
 impl StageExecutor for Promote {
     async fn execute(&self, run: &StageRun) -> anyhow::Result<StageEffect> {
         let seq = super::visit_seq(run);
-        match release::promote(run, seq).await? {
+        let promotion = match release::promote(run, seq).await {
+            Ok(p) => p,
+            // The release waited for the forge as long as one job may: the stage comes back
+            // as a new job after the pause (its attempts untouched), the wait on record.
+            Err(e) => match e.downcast_ref::<release::StepAside>() {
+                Some(aside) => {
+                    return Ok(StageEffect::Requeue {
+                        delay_ms: aside.delay_s.saturating_mul(1000),
+                        marker: markers::forge_wait(seq),
+                        reason: format!("{aside}; the deploy comes back then"),
+                    });
+                }
+                None => return Err(e),
+            },
+        };
+        match promotion {
             Promotion::Promoted { .. } => self.inner.execute(run).await,
             Promotion::Moved { main, staged } => Ok(StageEffect::Produced {
                 outcome: Some(GateOutcome::pass(
