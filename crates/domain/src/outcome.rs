@@ -31,7 +31,9 @@ use serde_json::Value;
 
 use crate::control::{self, events as kind};
 use crate::monitor::{ActionTaken, Verdict};
-use crate::payload::{self, StageChange};
+use crate::payload::{
+    self, ProductionChecked, ReleaseRolledBack, RollbackResult, StageChange, WatchVerdict,
+};
 
 /// How a finished task ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -303,9 +305,7 @@ pub fn facts_of(stage: &str, events: &[EventView<'_>]) -> Option<Facts> {
             kind::DEPLOY_UNCONFIRMED => f.deploy = DeployFact::Unconfirmed,
             kind::DEPLOY_ROLLED_BACK => f.rollback = RollbackFact::Verified,
             // Written with `attempted: false` when no rollback was run at all.
-            kind::DEPLOY_ROLLBACK_FAILED
-                if e.data.get("attempted") != Some(&Value::Bool(false)) =>
-            {
+            kind::DEPLOY_ROLLBACK_FAILED if RollbackResult::attempted_in(e.data) => {
                 f.rollback = RollbackFact::Failed;
             }
             kind::POST_DEPLOY_VERDICT => {
@@ -313,7 +313,7 @@ pub fn facts_of(stage: &str, events: &[EventView<'_>]) -> Option<Facts> {
                 f.action = action_of(e);
             }
             kind::POST_DEPLOY_ROLLBACK => {
-                f.rollback = if e.data.get("verified") == Some(&Value::Bool(true)) {
+                f.rollback = if RollbackResult::verified_in(e.data) {
                     RollbackFact::Verified
                 } else {
                     RollbackFact::Failed
@@ -322,7 +322,10 @@ pub fn facts_of(stage: &str, events: &[EventView<'_>]) -> Option<Facts> {
             // Recorded only after a verified rollback.
             kind::RELEASE_ROLLED_BACK => {
                 f.rollback = RollbackFact::Verified;
-                if let Some(live) = str_field(e.data, "live") {
+                if let Some(live) = payload::read_value::<ReleaseRolledBack>(e.data)
+                    .and_then(|r| r.live)
+                    .filter(|l| !l.trim().is_empty())
+                {
                     f.live = Some(live);
                 }
             }
@@ -334,7 +337,11 @@ pub fn facts_of(stage: &str, events: &[EventView<'_>]) -> Option<Facts> {
                 }
                 f.accepted = Some(live);
             }
-            kind::PRODUCTION_CHECKED => f.live = str_field(e.data, "live"),
+            kind::PRODUCTION_CHECKED => {
+                f.live = payload::read_value::<ProductionChecked>(e.data)
+                    .and_then(|c| c.live)
+                    .filter(|l| !l.trim().is_empty());
+            }
             _ => {}
         }
     }
@@ -414,42 +421,14 @@ fn failure_story(
     (stage, reason)
 }
 
-/// The verdict of a `post_deploy.verdict` event (its data's `verdict`/`status`, or its message
-/// when the data has neither).
+/// The verdict of a `post_deploy.verdict` event.
 fn verdict_of(e: &EventView<'_>) -> Option<Verdict> {
-    let field = ["verdict", "post_deploy_status", "status"]
-        .iter()
-        .find_map(|k| e.data.get(*k).and_then(Value::as_str));
-    let parse = |w: &str| match w {
-        "HEALTHY" => Some(Verdict::Healthy),
-        "DEGRADED" => Some(Verdict::Degraded),
-        "FAILED" => Some(Verdict::Failed),
-        _ => None,
-    };
-    match field {
-        Some(v) => parse(v),
-        None => e
-            .message
-            .split(|c: char| !c.is_ascii_alphanumeric())
-            .find_map(parse),
-    }
+    WatchVerdict::verdict_in(e.data, e.message)
 }
 
-/// The action of a `post_deploy.verdict` event (its data's `action`, or `(action <a>)` in its
-/// message).
+/// The action of a `post_deploy.verdict` event.
 fn action_of(e: &EventView<'_>) -> Option<ActionTaken> {
-    let text = str_field(e.data, "action").or_else(|| {
-        let (_, rest) = e.message.rsplit_once("(action ")?;
-        Some(rest.trim_end_matches(')').trim().to_owned())
-    })?;
-    [
-        ActionTaken::None,
-        ActionTaken::Alert,
-        ActionTaken::Rollback,
-        ActionTaken::RollbackFailed,
-    ]
-    .into_iter()
-    .find(|a| a.as_str() == text)
+    WatchVerdict::action_in(e.data, e.message)
 }
 
 /// Where and why production was rolled back: the stage of the rollback (`observe` for the

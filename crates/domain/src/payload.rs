@@ -418,8 +418,10 @@ pub struct ReleaseDeployed {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReleaseRolledBack {
     /// The repo rolled back.
+    #[serde(default)]
     pub repo: String,
     /// The revision rolled back.
+    #[serde(default)]
     pub revision: String,
     /// What runs now, when known.
     #[serde(default)]
@@ -469,6 +471,158 @@ pub struct WatchVerdict {
     /// The visit of the stage.
     #[serde(default)]
     pub seq: Option<i64>,
+}
+
+impl WatchVerdict {
+    /// The verdict of a `post_deploy.verdict` row written by any version of orch: the typed
+    /// data's, else an older row's `post_deploy_status` or `status`, else the verdict word in
+    /// its message.
+    pub fn verdict_in(data: &Value, message: &str) -> Option<Verdict> {
+        let parse = |w: &str| match w {
+            "HEALTHY" => Some(Verdict::Healthy),
+            "DEGRADED" => Some(Verdict::Degraded),
+            "FAILED" => Some(Verdict::Failed),
+            _ => None,
+        };
+        if let Some(v) = read_value::<WatchVerdict>(data) {
+            return Some(v.verdict);
+        }
+        match ["verdict", "post_deploy_status", "status"]
+            .iter()
+            .find_map(|k| data.get(*k).and_then(Value::as_str))
+        {
+            Some(word) => parse(word),
+            None => message
+                .split(|c: char| !c.is_ascii_alphanumeric())
+                .find_map(parse),
+        }
+    }
+
+    /// The action of a `post_deploy.verdict` row written by any version of orch: the typed
+    /// data's, else an older row's `action`, else `(action <a>)` in its message.
+    pub fn action_in(data: &Value, message: &str) -> Option<ActionTaken> {
+        if let Some(v) = read_value::<WatchVerdict>(data) {
+            return Some(v.action);
+        }
+        let word = match data.get("action").and_then(Value::as_str) {
+            Some(a) => a.trim().to_owned(),
+            None => {
+                let (_, rest) = message.rsplit_once("(action ")?;
+                rest.trim_end_matches(')').trim().to_owned()
+            }
+        };
+        [
+            ActionTaken::None,
+            ActionTaken::Alert,
+            ActionTaken::Rollback,
+            ActionTaken::RollbackFailed,
+        ]
+        .into_iter()
+        .find(|a| a.as_str() == word)
+    }
+}
+
+impl RollbackResult {
+    /// Whether a rollback command ran, for a row of any version: rows that say nothing ran
+    /// (`attempted: false`) are the only `false`.
+    pub fn attempted_in(data: &Value) -> bool {
+        read_value::<RollbackResult>(data).map_or_else(
+            || data.get("attempted") != Some(&Value::Bool(false)),
+            |r| r.attempted,
+        )
+    }
+
+    /// Whether production was verified back, for a row of any version (unreadable: no).
+    pub fn verified_in(data: &Value) -> bool {
+        read_value::<RollbackResult>(data).map_or_else(
+            || data.get("verified") == Some(&Value::Bool(true)),
+            |r| r.verified,
+        )
+    }
+}
+
+/// How a rollback ended (`production.checked`'s `rolled`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rolled {
+    /// No rollback command ran.
+    #[default]
+    NotRun,
+    /// Production was verified back.
+    Verified,
+    /// The rollback ran and production was not verified back.
+    Failed,
+}
+
+impl Rolled {
+    /// The stored word (`not_run`, `verified`, `failed`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rolled::NotRun => "not_run",
+            Rolled::Verified => "verified",
+            Rolled::Failed => "failed",
+        }
+    }
+}
+
+/// How production was left after trouble (`production.checked`'s `settled`); a row without
+/// one reads as alerted, the conservative reading.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Settled {
+    /// Verified healthy at a known revision (`settled_at`).
+    Healthy,
+    /// An operator was alerted: production is not known good.
+    #[default]
+    Alerted,
+}
+
+/// `production.checked`: how production was settled after a deploy or a watch went wrong — the
+/// conclusion of the shared recovery (its rule: [`crate::recovery`]). Written once per trouble
+/// and stage visit; a re-run replays it instead of acting again.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ProductionChecked {
+    /// What went wrong (`crate::recovery::Trouble`: `deploy_failed`, `watch_failed`, …).
+    pub trouble: String,
+    /// The item's revision, the one that went wrong.
+    pub revision: String,
+    /// The revision live before it, when known.
+    #[serde(default)]
+    pub previous: Option<String>,
+    /// The revision the service named at the last look.
+    #[serde(default)]
+    pub live: Option<String>,
+    /// The health check's word at the last look.
+    #[serde(default)]
+    pub health: String,
+    /// The last look, in words.
+    #[serde(default)]
+    pub description: String,
+    /// Healthy at a known revision, or an operator alerted.
+    #[serde(default)]
+    pub settled: Settled,
+    /// How the rollback went.
+    #[serde(default)]
+    pub rolled: Rolled,
+    /// The revision production was verified healthy at (with [`Settled::Healthy`]).
+    #[serde(default)]
+    pub settled_at: Option<String>,
+    /// What was tried, in order (the deploy command, the rollback, …).
+    #[serde(default)]
+    pub tried: Vec<String>,
+    /// What a person should do (the alert's advice).
+    #[serde(default)]
+    pub todo: String,
+    /// The visit of the stage.
+    #[serde(default)]
+    pub seq: Option<i64>,
+}
+
+impl ProductionChecked {
+    /// The revision that runs now: the verified one, else the one the service named.
+    pub fn running(&self) -> Option<&str> {
+        self.settled_at.as_deref().or(self.live.as_deref())
+    }
 }
 
 #[cfg(test)]
@@ -818,5 +972,86 @@ mod tests {
             read::<WatchVerdict>(r#"{"verdict":"MAYBE","action":"none"}"#),
             None
         );
+    }
+
+    /// A `production.checked` row as the untyped writer stored it reads back typed, and the
+    /// typed writer stores the same keys.
+    #[test]
+    fn production_checked_reads_the_rows_of_before_and_writes_the_same_keys() {
+        let before = json!({
+            "trouble": "watch_failed", "revision": "r2", "previous": "r1", "live": "r1",
+            "health": "PASS", "description": "healthy at r1", "settled": "healthy",
+            "rolled": "verified", "settled_at": "r1", "tried": ["rollback.sh: exit 0"],
+            "todo": "nothing", "seq": 4,
+        });
+        let c: ProductionChecked = read_value(&before).unwrap();
+        assert_eq!(c.settled, Settled::Healthy);
+        assert_eq!(c.rolled, Rolled::Verified);
+        assert_eq!(c.running(), Some("r1"));
+        assert_eq!(c.tried, vec!["rollback.sh: exit 0".to_owned()]);
+        assert_eq!(serde_json::to_value(&c).unwrap(), before);
+        // An alert with nothing settled names what the service said; a row missing the later
+        // keys reads as alerted and not rolled, the conservative reading.
+        let alerted: ProductionChecked =
+            read_value(&json!({"trouble": "deploy_failed", "revision": "r2", "live": "r2"}))
+                .unwrap();
+        assert_eq!(alerted.settled, Settled::Alerted);
+        assert_eq!(alerted.rolled, Rolled::NotRun);
+        assert_eq!(alerted.running(), Some("r2"));
+        assert_eq!(
+            read_value::<ProductionChecked>(&json!({"settled": "maybe"})),
+            None
+        );
+    }
+
+    /// The verdict and action of a watch row of any version: typed, the older keys, or only
+    /// the message.
+    #[test]
+    fn a_watch_verdict_reads_from_every_version_of_its_row() {
+        let typed = json!({"verdict": "FAILED", "action": "rollback", "revision": "r"});
+        assert_eq!(WatchVerdict::verdict_in(&typed, ""), Some(Verdict::Failed));
+        assert_eq!(
+            WatchVerdict::action_in(&typed, ""),
+            Some(ActionTaken::Rollback)
+        );
+        let older = json!({"post_deploy_status": "DEGRADED", "action": "alert"});
+        assert_eq!(
+            WatchVerdict::verdict_in(&older, ""),
+            Some(Verdict::Degraded)
+        );
+        assert_eq!(
+            WatchVerdict::action_in(&older, ""),
+            Some(ActionTaken::Alert)
+        );
+        let message = "post-deploy watch HEALTHY: 6/6 polls passed (action none)";
+        assert_eq!(
+            WatchVerdict::verdict_in(&json!({}), message),
+            Some(Verdict::Healthy)
+        );
+        assert_eq!(
+            WatchVerdict::action_in(&json!({}), message),
+            Some(ActionTaken::None)
+        );
+        assert_eq!(
+            WatchVerdict::verdict_in(&json!({"status": "MAYBE"}), "FAILED"),
+            None
+        );
+        assert_eq!(WatchVerdict::action_in(&json!({}), "no action here"), None);
+    }
+
+    /// A rollback row's `attempted` and `verified`, typed or from an older row.
+    #[test]
+    fn a_rollback_result_reads_attempted_and_verified_from_any_row() {
+        let typed = json!({"revision": "r", "verified": true});
+        assert!(RollbackResult::attempted_in(&typed));
+        assert!(RollbackResult::verified_in(&typed));
+        let none_ran = json!({"revision": "r", "attempted": false});
+        assert!(!RollbackResult::attempted_in(&none_ran));
+        assert!(!RollbackResult::verified_in(&none_ran));
+        // Older rows without a revision: the keys that are there still count.
+        assert!(!RollbackResult::attempted_in(&json!({"attempted": false})));
+        assert!(RollbackResult::verified_in(&json!({"verified": true})));
+        assert!(RollbackResult::attempted_in(&json!({})));
+        assert!(!RollbackResult::verified_in(&json!({})));
     }
 }

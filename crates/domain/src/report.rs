@@ -37,9 +37,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::Value;
 
 use crate::control::{self, events as kind, markers};
-use crate::monitor::ActionTaken;
+use crate::monitor::{ActionTaken, Verdict};
 use crate::outcome::{self, EventView, Outcome, RollbackFact};
-use crate::payload::{self, StageChange, StageRequeued};
+use crate::payload::{
+    self, ProductionChecked, RollbackResult, Settled, StageChange, StageRequeued, WatchVerdict,
+};
 
 /// Epoch milliseconds.
 pub type Millis = i64;
@@ -660,10 +662,7 @@ fn deploys_of(events: &[ItemEvent]) -> Vec<Deploy> {
                 let failed = match e.kind.as_str() {
                     kind::DEPLOY_FAILED | kind::DEPLOY_UNCONFIRMED => true,
                     kind::POST_DEPLOY_VERDICT => {
-                        ["verdict", "post_deploy_status", "status"]
-                            .iter()
-                            .find_map(|k| e.data.get(*k).and_then(Value::as_str))
-                            == Some("FAILED")
+                        WatchVerdict::verdict_in(&e.data, &e.message) == Some(Verdict::Failed)
                     }
                     kind::DEPLOY_ROLLBACK_STARTED | kind::POST_DEPLOY_ROLLBACK_STARTED => true,
                     _ => false,
@@ -675,12 +674,9 @@ fn deploys_of(events: &[ItemEvent]) -> Vec<Deploy> {
             seg.iter().filter(|e| e.at >= d).find_map(|e| {
                 let back = match e.kind.as_str() {
                     kind::DEPLOY_ROLLED_BACK | kind::RELEASE_ROLLED_BACK => true,
-                    kind::POST_DEPLOY_ROLLBACK => {
-                        e.data.get("verified") == Some(&Value::Bool(true))
-                    }
-                    kind::PRODUCTION_CHECKED => {
-                        e.data.get("settled").and_then(Value::as_str) == Some("healthy")
-                    }
+                    kind::POST_DEPLOY_ROLLBACK => RollbackResult::verified_in(&e.data),
+                    kind::PRODUCTION_CHECKED => payload::read_value::<ProductionChecked>(&e.data)
+                        .is_some_and(|c| c.settled == Settled::Healthy),
                     _ => false,
                 };
                 back.then_some(e.at)

@@ -299,8 +299,6 @@ fn outcome_notice(
         .rposition(|e| e.kind == events::TASK_RETRIED)
         .map_or(0, |i| i + 1);
     let recent = &history[since..];
-    let data = |e: &Event| serde_json::from_str::<serde_json::Value>(&e.data).unwrap_or_default();
-    let text = |v: &serde_json::Value, k: &str| v[k].as_str().map(str::to_owned);
     let deployed = recent
         .iter()
         .rev()
@@ -310,7 +308,9 @@ fn outcome_notice(
         .iter()
         .rev()
         .find(|e| e.kind == events::PRODUCTION_CHECKED)
-        .map(data);
+        .and_then(|e| {
+            orch_domain::payload::read::<orch_domain::payload::ProductionChecked>(&e.data)
+        });
     let healthy_watch = recent
         .iter()
         .rev()
@@ -319,9 +319,9 @@ fn outcome_notice(
         .filter(|v| v.verdict == orch_domain::monitor::Verdict::Healthy);
     let live = match (&checked, &healthy_watch) {
         (Some(c), _) => Some(notice::Live {
-            revision: text(c, "settled_at").or_else(|| text(c, "live")),
-            health: text(c, "health").unwrap_or_default(),
-            description: text(c, "description").unwrap_or_default(),
+            revision: c.running().map(str::to_owned),
+            health: c.health.clone(),
+            description: c.description.clone(),
         }),
         (None, Some(v)) => {
             let rev = Some(v.revision.clone()).filter(|r| !r.is_empty());
@@ -338,18 +338,16 @@ fn outcome_notice(
     };
     let tried = checked
         .as_ref()
-        .and_then(|c| c["tried"].as_array().cloned())
-        .unwrap_or_default()
-        .iter()
-        .filter_map(|t| t.as_str().map(str::to_owned))
-        .collect();
+        .map(|c| c.tried.clone())
+        .unwrap_or_default();
     let id = &task.work_item_id;
     let todo = match o.outcome {
         Outcome::Failed => Some(
             checked
                 .as_ref()
-                .filter(|c| c["settled"] == json!("alerted"))
-                .and_then(|c| text(c, "todo"))
+                .filter(|c| c.settled == orch_domain::payload::Settled::Alerted)
+                .map(|c| c.todo.clone())
+                .filter(|t| !t.is_empty())
                 .unwrap_or_else(|| {
                     format!("`orch logs {id}` says why; fix the cause and `orch retry {id}`, or leave it failed")
                 }),

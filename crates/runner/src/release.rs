@@ -1357,11 +1357,9 @@ pub async fn announce_hold(run: &StageRun, event_id: i64, at_ms: i64, reason: &s
             .iter()
             .rev()
             .find(|e| e.kind == events::PRODUCTION_CHECKED)
-            .and_then(|e| value(e)["tried"].as_array().cloned())
-            .unwrap_or_default()
-            .iter()
-            .filter_map(|t| t.as_str().map(str::to_owned))
-            .collect(),
+            .and_then(|e| payload::read::<payload::ProductionChecked>(&e.data))
+            .map(|c| c.tried)
+            .unwrap_or_default(),
         todo: Some(format!(
             "make production and `{}` right, then `orch approve {id}` (go on) or `orch cancel {id}`; later releases of {} wait until then",
             run.repo.default_branch, run.repo_name

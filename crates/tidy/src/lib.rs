@@ -54,12 +54,14 @@
 //!   `super::` path to them, or a `use crate::{…}` list naming them): the engine reads a
 //!   stage's descriptor and asks its executor, and those modules plug in as executors
 //!   (`crates/runner/src/catalogue.rs`), never the other way round.
-//! - **`payload-keys`**: a stage change's keys are read through its type. Outside
-//!   `crates/domain/src/payload.rs` (`PAYLOAD`), no shipped code line (comments aside) reads the
-//!   key `from`, `to` or `outcome` of a JSON value by name (`["from"]`, `get("to")`,
+//! - **`payload-keys`**: the keys of the events that decide an item's outcome are read
+//!   through their types. Outside `crates/domain/src/payload.rs` (`PAYLOAD`), no shipped code
+//!   line (comments aside) reads the key `from`, `to`, `outcome`, `settled`, `attempted`,
+//!   `verified` or `tried` of a JSON value by name (`["from"]`, `get("to")`,
 //!   `field(e, "outcome")`, `s("from")`): the event data that carries them (stage changes, the
-//!   node takeover, the skipped deploy) is read as `payload::StageChange`, `NodeTakeover`,
-//!   `DeploySkipped`, so a reader cannot ask for a key no writer writes.
+//!   node takeover, the skipped deploy, rollback results, production's settlement) is read as
+//!   `payload::StageChange`, `NodeTakeover`, `DeploySkipped`, `RollbackResult`,
+//!   `ProductionChecked`, so a reader cannot ask for a key no writer writes.
 //!
 //! An exception that no longer matches anything is itself a failure, so the list only shrinks.
 
@@ -255,7 +257,15 @@ const OUTPUT: &str = "crates/orch/src/output.rs";
 /// The typed event data (the `payload-keys` rule).
 pub const PAYLOAD: &str = "crates/domain/src/payload.rs";
 /// The keys read only through [`PAYLOAD`]'s types.
-const PAYLOAD_KEYS: &[&str] = &["from", "to", "outcome"];
+const PAYLOAD_KEYS: &[&str] = &[
+    "from",
+    "to",
+    "outcome",
+    "settled",
+    "attempted",
+    "verified",
+    "tried",
+];
 /// The pipeline engine's folder (the `engine-layering` rule).
 pub const ENGINE: &str = "crates/runner/src/engine/";
 /// The modules the engine may not refer to: the deploy tail and the release train.
@@ -796,6 +806,9 @@ mod tests {
             planted(&["let to = event_str(e, \"t", "o\");"]),
             planted(&["    from: text(\"fr", "om\"),"]),
             planted(&["match v[\"out", "come\"].as_str() {"]),
+            planted(&["c[\"sett", "led\"] == json!(\"alerted\")"]),
+            planted(&["e.data.get(\"veri", "fied\") == Some(&Value::Bool(true))"]),
+            planted(&["event_str(e, \"attem", "pted\")"]),
         ] {
             assert_eq!(
                 rules("crates/runner/src/x.rs", &line),

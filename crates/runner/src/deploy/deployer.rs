@@ -688,7 +688,7 @@ impl DeployerExecutor {
             },
         )
         .await?;
-        if settlement.rolled == super::recover::Rolled::Verified {
+        if settlement.rolled == orch_domain::payload::Rolled::Verified {
             crate::release::record_rolled_back(run, revision, settlement.settled.as_deref())
                 .await?;
         }

@@ -551,9 +551,9 @@ impl MonitorExecutor {
         )
         .await?;
         let action = match settlement.rolled {
-            super::recover::Rolled::Verified => ActionTaken::Rollback,
-            super::recover::Rolled::Failed => ActionTaken::RollbackFailed,
-            super::recover::Rolled::NotRun => ActionTaken::Alert,
+            orch_domain::payload::Rolled::Verified => ActionTaken::Rollback,
+            orch_domain::payload::Rolled::Failed => ActionTaken::RollbackFailed,
+            orch_domain::payload::Rolled::NotRun => ActionTaken::Alert,
         };
         Ok(Ending {
             verdict,

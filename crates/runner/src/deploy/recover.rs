@@ -25,9 +25,9 @@ use orch_store::Event;
 use serde_json::json;
 
 use super::probe::Probe;
-use orch_domain::payload::{self, RollbackResult};
+use orch_domain::payload::{self, ProductionChecked, RollbackResult, Rolled, Settled};
 
-use super::{OUTPUT_TAIL_LINES, data, event_seq, event_str, events, record, run_repo_command};
+use super::{OUTPUT_TAIL_LINES, data, event_seq, events, record, run_repo_command};
 use crate::engine::StageRun;
 
 /// The events one caller's rollback writes.
@@ -85,14 +85,6 @@ pub(crate) struct Case<'a> {
     pub alert_if_settled: bool,
 }
 
-/// How the rollback went.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Rolled {
-    NotRun,
-    Verified,
-    Failed,
-}
-
 /// The conclusion.
 #[derive(Debug, Clone)]
 pub(crate) struct Settlement {
@@ -148,7 +140,10 @@ pub(crate) async fn settle(
     let history = run.store.task_events(run.task.id).await?;
     if let Some(done) = super::of_visit(&history, seq, events::PRODUCTION_CHECKED)
         .rev()
-        .find(|e| event_str(e, "trouble").as_deref() == Some(case.trouble.as_str()))
+        .find(|e| {
+            payload::read::<ProductionChecked>(&e.data)
+                .is_some_and(|c| c.trouble == case.trouble.as_str())
+        })
     {
         return Ok(replayed(done));
     }
@@ -277,7 +272,7 @@ pub(crate) async fn settle(
             run,
             seq,
             &super::alert::Alert {
-                occasion: &format!("{}-{}", case.trouble.as_str(), rolled_word(rolled)),
+                occasion: &format!("{}-{}", case.trouble.as_str(), rolled.as_str()),
                 verdict: case.verdict,
                 action: action_word(rolled, true),
                 reason: &format!("{}: {}; {why}", case.verdict, case.what),
@@ -290,31 +285,29 @@ pub(crate) async fn settle(
         )
         .await?;
     }
-    record(
+    super::record_payload(
         run,
         seq,
         events::PRODUCTION_CHECKED,
         &summary,
-        data([
-            ("trouble", json!(case.trouble.as_str())),
-            ("revision", json!(case.revision)),
-            ("previous", json!(case.previous)),
-            ("live", json!(sight.live.clone().or(settled.clone()))),
-            ("health", json!(sight.health.as_str())),
-            ("description", json!(sight.describe())),
-            (
-                "settled",
-                json!(if alert_why.is_some() {
-                    "alerted"
-                } else {
-                    "healthy"
-                }),
-            ),
-            ("rolled", json!(rolled_word(rolled))),
-            ("settled_at", json!(settled)),
-            ("tried", json!(tried)),
-            ("todo", json!(todo)),
-        ]),
+        &ProductionChecked {
+            trouble: case.trouble.as_str().to_owned(),
+            revision: case.revision.to_owned(),
+            previous: case.previous.clone(),
+            live: sight.live.clone().or(settled.clone()),
+            health: sight.health.as_str().to_owned(),
+            description: sight.describe(),
+            settled: if alert_why.is_some() {
+                Settled::Alerted
+            } else {
+                Settled::Healthy
+            },
+            rolled,
+            settled_at: settled.clone(),
+            tried: tried.clone(),
+            todo: todo.clone(),
+            seq: None,
+        },
     )
     .await?;
     Ok(Settlement {
@@ -485,25 +478,12 @@ fn rollback_result<'a>(history: &'a [Event], seq: i64, kinds: &Kinds) -> Option<
 
 /// A settlement read back from its `production.checked` event.
 fn replayed(e: &Event) -> Settlement {
-    let v: serde_json::Value = serde_json::from_str(&e.data).unwrap_or_default();
-    let s = |k: &str| v[k].as_str().map(str::to_owned);
-    let rolled = match s("rolled").as_deref() {
-        Some("verified") => Rolled::Verified,
-        Some("failed") => Rolled::Failed,
-        _ => Rolled::NotRun,
-    };
+    // An unreadable row replays as "not settled": the conservative reading (the item holds).
+    let checked = payload::read::<ProductionChecked>(&e.data);
     Settlement {
-        settled: s("settled_at"),
-        rolled,
+        settled: checked.as_ref().and_then(|c| c.settled_at.clone()),
+        rolled: checked.map_or(Rolled::NotRun, |c| c.rolled),
         summary: e.message.clone(),
-    }
-}
-
-fn rolled_word(r: Rolled) -> &'static str {
-    match r {
-        Rolled::NotRun => "not_run",
-        Rolled::Verified => "verified",
-        Rolled::Failed => "failed",
     }
 }
 
