@@ -148,11 +148,11 @@ impl Operations for ApiOps {
     }
 
     async fn active_observations(&self) -> Vec<Observation> {
-        active_observations(self.runtime.repos_dir.clone()).await
+        active_observations(self.runtime.places.repos_dir.clone()).await
     }
 
     async fn observation_series(&self, work_item_id: &str) -> Vec<SeriesPoint> {
-        let repos_dir = self.runtime.repos_dir.clone();
+        let repos_dir = self.runtime.places.repos_dir.clone();
         let id = work_item_id.to_owned();
         let Ok(task) = self.ops().task(&id).await else {
             return Vec::new();
@@ -201,7 +201,7 @@ impl Operations for ApiOps {
         if !inside {
             return None;
         }
-        let repo_dir = self.runtime.repos_dir.join(repo);
+        let repo_dir = self.runtime.places.repos_dir.join(repo);
         if !repo_dir.join(".git").exists() {
             return None;
         }
@@ -221,12 +221,12 @@ impl Operations for ApiOps {
     }
 
     async fn run_transcript(&self, id: &str, run_id: i64) -> Option<orch_api::RunTranscript> {
-        read_transcript(&self.runtime.repos_dir, id, run_id).await
+        read_transcript(&self.runtime.places.repos_dir, id, run_id).await
     }
 
     async fn artifacts(&self, id: &str) -> Result<Vec<ArtifactFile>, OpError> {
         let task = self.ops().task(id).await.map_err(op_err)?;
-        let repo_dir = self.runtime.repos_dir.join(&task.repo);
+        let repo_dir = self.runtime.places.repos_dir.join(&task.repo);
         if !repo_dir.join(".git").exists() {
             return Ok(Vec::new());
         }

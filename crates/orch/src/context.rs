@@ -2,13 +2,33 @@
 //! that tell the user what to do.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use orch_domain::config::{Config, ConfigError};
+use orch_domain::config::Config;
+use orch_runner::worker::{WorkerConfig, default_worker_id};
 use orch_store::{ConnectOptions, Store};
 
-use crate::cli::Global;
+use crate::cli::{Global, WorkerArgs};
 use crate::exit::{Kind, fail};
+use crate::places::Places;
+
+/// What `orch serve` and `orch worker` start from, resolved from the context in one pass
+/// ([`Context::startup`]) and handed down: nothing the start-up builds asks the context again.
+pub struct Startup {
+    /// The config and where its files are, when there is a config.
+    pub project: Option<Project>,
+    /// The worker's settings: the flags over `[settings]`.
+    pub worker: WorkerConfig,
+    /// The open store, its schema checked.
+    pub store: Store,
+}
+
+/// A valid `orch.toml` and the places it resolves to.
+pub struct Project {
+    pub config: Config,
+    pub places: Places,
+}
 
 /// What every command needs to find the project.
 #[derive(Debug, Clone)]
@@ -32,7 +52,7 @@ impl Context {
             .parent()
             .map(Path::to_path_buf)
             .unwrap_or_else(|| PathBuf::from("."));
-        let (config, config_error) = match load_config(&config_path) {
+        let (config, config_error) = match crate::config_file::load_config(&config_path) {
             Ok(c) => (c, None),
             Err(e) => (None, Some(e)),
         };
@@ -70,44 +90,56 @@ impl Context {
         })
     }
 
+    /// Resolves what a process running workers starts from (see [`Startup`]); `need_config`:
+    /// fail (exit 78) without a valid config, as `orch serve` does.
+    pub async fn startup(&self, args: &WorkerArgs, need_config: bool) -> Result<Startup> {
+        if need_config {
+            self.require_config()?;
+        }
+        let project = self.config.as_ref().map(|config| Project {
+            config: config.clone(),
+            places: self.places(config),
+        });
+        let worker = worker_config(args, project.as_ref().map(|p| &p.config))?;
+        let opts = ConnectOptions {
+            max_connections: u32::try_from(worker.concurrency + 6).unwrap_or(16),
+            ..ConnectOptions::default()
+        };
+        let store = self.open_store_with(opts, true).await?;
+        Ok(Startup {
+            project,
+            worker,
+            store,
+        })
+    }
+
+    /// Where a process running `config` keeps its files, resolved once
+    /// ([`crate::places::Places`]).
+    pub fn places(&self, config: &Config) -> Places {
+        let p = Path::new(&config.settings.repos_dir);
+        Places {
+            root: self.root.clone(),
+            config_path: self.config_path.clone(),
+            state_dir: self.state_dir(),
+            repos_dir: if p.is_absolute() {
+                p.to_path_buf()
+            } else {
+                self.root.join(p)
+            },
+            database_dir: self
+                .sqlite_file()
+                .and_then(|f| Path::new(f).parent())
+                .map(Path::to_path_buf),
+        }
+    }
+
     /// `settings.repos_dir`, resolved against the project root.
     pub fn repos_dir(&self, config: &Config) -> PathBuf {
-        let p = Path::new(&config.settings.repos_dir);
-        if p.is_absolute() {
-            p.to_path_buf()
-        } else {
-            self.root.join(p)
-        }
+        self.places(config).repos_dir
     }
 
     pub fn state_dir(&self) -> PathBuf {
         self.root.join(".orch")
-    }
-
-    /// orch's own files and directories no sandboxed run may see: the configuration file,
-    /// the state directory, the SQLite database's directory, the repos directory and every
-    /// repo's local checkout or bare repository. Handed to the runner at start-up and after a
-    /// reload (`orch_runner::contain::protect`).
-    pub fn protected_paths(&self, config: &Config) -> Vec<PathBuf> {
-        let mut paths = vec![
-            self.config_path.clone(),
-            self.state_dir(),
-            self.repos_dir(config),
-        ];
-        if let Some(dir) = self.sqlite_file().and_then(|f| Path::new(f).parent()) {
-            paths.push(dir.to_path_buf());
-        }
-        for repo in config.repos.values() {
-            if let Some(p) = &repo.path {
-                let p = Path::new(p);
-                paths.push(if p.is_absolute() {
-                    p.to_path_buf()
-                } else {
-                    self.root.join(p)
-                });
-            }
-        }
-        paths
     }
 
     /// The SQLite database file, when the database is SQLite (as the store reads the URL).
@@ -145,84 +177,33 @@ impl Context {
     }
 }
 
-/// Reads and validates `orch.toml` with `ORCH_*` overrides; `None` when the file is absent.
-/// The error names the file, the line (when the key can be found) and the section and key.
-pub fn load_config(path: &Path) -> std::result::Result<Option<Config>, String> {
-    let text = match std::fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(format!("cannot read {}: {e}", path.display())),
-    };
-    parse_config(path, &text).map(Some)
-}
-
-/// Parses config `text` read from `path`; the error is `file:line: what` (see [`load_config`]).
-pub fn parse_config(path: &Path, text: &str) -> std::result::Result<Config, String> {
-    let config = Config::from_toml_str(text, &|k: &str| crate::secrets::var(k))
-        .map_err(|e| describe_config_error(path, text, &e))?;
-    // The variables holding a forge's secrets reach no child, its supervisor included.
-    orch_exec::env::treat_as_secret(
-        config
-            .repos
-            .values()
-            .filter_map(|r| r.forge.as_ref())
-            .flat_map(|f| {
-                std::iter::once(f.token_env.as_str()).chain(f.webhook_secret_env.as_deref())
-            }),
-    );
-    Ok(config)
-}
-
-/// `file:line: error`, with the line found for errors that do not carry one (a value that
-/// parses but cannot be used is looked up by its section and key).
-pub fn describe_config_error(path: &Path, text: &str, e: &ConfigError) -> String {
-    let file = path.display();
-    match e {
-        ConfigError::Parse {
-            section,
-            line: Some(l),
-            message,
-        } => {
-            let section = section
-                .as_ref()
-                .map_or_else(|| "top level".to_owned(), |s| format!("[{s}]"));
-            format!("invalid config {file}:{l}: {section}: {message}")
-        }
-        ConfigError::Invalid { section, key, .. } => match find_key(text, section, key) {
-            Some(l) => format!("invalid config {file}:{l}: {e}"),
-            None => format!("invalid config {file}: {e}"),
-        },
-        _ => format!("invalid config {file}: {e}"),
+/// The worker's settings: `orch worker`/`orch serve` flags over `[settings]` (the defaults
+/// without a config). The node is `--node`, else `settings.node`, else the host name.
+fn worker_config(args: &WorkerArgs, config: Option<&Config>) -> Result<WorkerConfig> {
+    let settings = config.map(|c| c.settings.clone()).unwrap_or_default();
+    let mut w = WorkerConfig::new(args.worker_id.clone().unwrap_or_else(default_worker_id));
+    w.concurrency = args.concurrency.unwrap_or(settings.workers as usize).max(1);
+    w.claim_batch = args.claim_batch.max(1);
+    w.lease = Duration::from_secs(settings.lease_s.max(1));
+    if let Some(ms) = args.lease_ms {
+        anyhow::ensure!(ms >= 200, "--lease-ms must be at least 200 (got {ms})");
+        // The config's own `lease_s` was checked against `node_grace_s` when it was read
+        // (`Config::validate`); only this flag can pass it.
+        anyhow::ensure!(
+            settings.node_grace_s.saturating_mul(1000) >= ms,
+            "--lease-ms ({ms}) must be at most [settings] node_grace_s ({} s): a node is judged gone only after its leases could have expired",
+            settings.node_grace_s
+        );
+        w.lease = Duration::from_millis(ms);
     }
-}
-
-/// The line of `key` inside `[section]` (or of the section header when the key is absent).
-fn find_key(text: &str, section: &str, key: &str) -> Option<usize> {
-    let mut in_section = false;
-    let mut header = None;
-    for (i, raw) in text.lines().enumerate() {
-        let line = raw.trim();
-        if line.starts_with('[') {
-            let name = line
-                .trim_start_matches('[')
-                .split(']')
-                .next()
-                .unwrap_or("")
-                .trim();
-            in_section = name == section;
-            if in_section && header.is_none() {
-                header = Some(i + 1);
-            }
-            continue;
-        }
-        if in_section
-            && let Some((k, _)) = line.split_once('=')
-            && k.trim().trim_matches('"') == key
-        {
-            return Some(i + 1);
-        }
-    }
-    header
+    w.poll_interval = Duration::from_millis(settings.poll_interval_ms.clamp(10, 60_000));
+    w.fetch_cooldown = Duration::from_millis(settings.fetch_cooldown_ms);
+    w.shutdown_grace = Duration::from_secs(args.grace_s);
+    w.node = Some(args.node.clone().unwrap_or_else(|| {
+        config.map_or_else(|| "localhost".to_owned(), crate::places::node_name)
+    }));
+    w.node_grace = Some(Duration::from_secs(settings.node_grace_s));
+    Ok(w)
 }
 
 fn absolute(p: &Path) -> Result<PathBuf> {

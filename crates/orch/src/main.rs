@@ -4,10 +4,12 @@
 mod api_ops;
 mod cli;
 mod cmd;
+mod config_file;
 mod context;
 mod demo;
 mod exit;
 mod output;
+mod places;
 mod reload;
 mod runtime;
 mod secrets;

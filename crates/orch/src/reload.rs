@@ -12,6 +12,8 @@ use std::time::Duration;
 use orch_runner::live_config::{ConfigState, LiveConfig};
 use tokio_util::sync::CancellationToken;
 
+use crate::places::Places;
+
 /// How often the file is looked at.
 fn poll_interval() -> Duration {
     let ms = std::env::var("ORCH_CONFIG_POLL_MS")
@@ -64,12 +66,12 @@ fn write_state(file: &Path, config_path: &Path, st: &ConfigState) {
 
 /// Watches `config_path` until `stop`; removes this process's state file on the way out.
 pub fn spawn(
-    cx: &crate::context::Context,
+    places: &Places,
     live: LiveConfig,
     stop: CancellationToken,
 ) -> tokio::task::JoinHandle<()> {
-    let (config_path, state_dir) = (cx.config_path.clone(), cx.state_dir());
-    let cx = cx.clone();
+    let places = places.clone();
+    let (config_path, state_dir) = (places.config_path.clone(), places.state_dir.clone());
     tokio::spawn(async move {
         let file = state_file(&state_dir);
         let mut seen = std::fs::read_to_string(&config_path)
@@ -100,10 +102,10 @@ pub fn spawn(
                 continue;
             }
             seen = Some(hash);
-            match crate::context::parse_config(&config_path, &text) {
+            match crate::config_file::parse_config(&config_path, &text) {
                 Ok(config) => {
                     // A repo added or moved: its checkout is hidden from sandboxes from now on.
-                    orch_runner::contain::protect(cx.protected_paths(&config));
+                    orch_runner::contain::protect(places.protected(&config));
                     let restart = live.replace(config, now_ms());
                     let generation = live.state().generation;
                     tracing::info!(config = %config_path.display(), generation,

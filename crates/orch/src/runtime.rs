@@ -16,7 +16,7 @@ use orch_runner::ops::Ops;
 use orch_runner::worker::Registry;
 use orch_store::Store;
 
-use crate::context::Context;
+use crate::places::{Places, node_name};
 
 /// Everything a process that runs the pipeline holds.
 pub struct Runtime {
@@ -26,36 +26,27 @@ pub struct Runtime {
     pub config: Arc<Config>,
     /// The config in use, swapped by a reload (`crate::reload`).
     pub live: LiveConfig,
-    pub repos_dir: std::path::PathBuf,
-}
-
-/// This machine's node name: `settings.node`, else the host name.
-pub fn node_name(config: &Config) -> String {
-    config.settings.node.clone().unwrap_or_else(|| {
-        std::fs::read_to_string("/etc/hostname")
-            .map(|h| h.trim().to_owned())
-            .ok()
-            .filter(|h| !h.is_empty())
-            .unwrap_or_else(|| "localhost".to_owned())
-    })
+    /// Where this process keeps its files.
+    pub places: Places,
 }
 
 impl Runtime {
-    pub fn new(cx: &Context, config: &Config, store: &Store) -> Result<Runtime> {
-        Runtime::new_on_node(cx, config, store, None)
+    /// The runtime of a command that runs no workers (`orch submit`, the demo), on this
+    /// machine's node.
+    pub fn new(places: &Places, config: &Config, store: &Store) -> Result<Runtime> {
+        Runtime::new_on_node(places, config, store, &node_name(config))
     }
 
-    /// [`Runtime::new`] for the node `node` (`orch worker --node`), else [`node_name`]: the
-    /// node the engine pins deploy and watch jobs to must be the one the worker claims as.
+    /// [`Runtime::new`] for the node `node`: the node the engine pins deploy and watch jobs
+    /// to must be the one the worker claims as (`WorkerConfig::node`).
     pub fn new_on_node(
-        cx: &Context,
+        places: &Places,
         config: &Config,
         store: &Store,
-        node: Option<&str>,
+        node: &str,
     ) -> Result<Runtime> {
         let pipeline = config.pipeline().context("invalid pipeline in orch.toml")?;
-        orch_runner::contain::protect(cx.protected_paths(config));
-        let repos_dir = cx.repos_dir(config);
+        orch_runner::contain::protect(places.protected(config));
         let counters = Arc::new(Counters::new());
         let config = Arc::new(config.clone());
         let live = LiveConfig::new(config.clone(), store.now_ms());
@@ -65,9 +56,9 @@ impl Runtime {
                 config: config.clone(),
                 live: live.clone(),
                 pipeline: Arc::new(pipeline),
-                root: cx.root.clone(),
-                repos_dir: repos_dir.clone(),
-                node: node.map_or_else(|| node_name(&config), str::to_owned),
+                root: places.root.clone(),
+                repos_dir: places.repos_dir.clone(),
+                node: node.to_owned(),
             },
             counters.clone(),
         );
@@ -84,7 +75,7 @@ impl Runtime {
             counters,
             config,
             live,
-            repos_dir,
+            places: places.clone(),
         })
     }
 
@@ -98,7 +89,7 @@ impl Runtime {
         let mut passes = orch_runner::maintenance::default_passes(lease, retention);
         passes.push(Arc::new(orch_runner::maintenance::WatchRecoveryPass {
             every: Duration::from_secs(30),
-            repos_dir: self.repos_dir.clone(),
+            repos_dir: self.places.repos_dir.clone(),
             node: self.engine.config().node.clone(),
         }));
         // The forges' labeled issues (issue 31): a no-op for repos without `[repos.<name>.forge]`,
@@ -114,7 +105,7 @@ impl Runtime {
         )));
         passes.push(Arc::new(orch_runner::maintenance::SupervisedPass {
             every: lease.max(Duration::from_secs(1)),
-            children_dir: crate::cmd::worker::children_dir(&self.repos_dir),
+            children_dir: self.places.children_dir(),
         }));
         passes
     }

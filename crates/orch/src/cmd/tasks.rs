@@ -19,7 +19,7 @@ use crate::runtime::Runtime;
 async fn runtime(cx: &Context) -> Result<(Store, Runtime)> {
     let config = cx.require_config()?.clone();
     let store = cx.open_store().await?;
-    let rt = Runtime::new(cx, &config, &store)?;
+    let rt = Runtime::new(&cx.places(&config), &config, &store)?;
     Ok((store, rt))
 }
 

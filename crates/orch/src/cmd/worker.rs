@@ -3,29 +3,35 @@
 
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Duration;
 
 use anyhow::{Context as _, Result};
-use orch_runner::worker::{Registry, Worker, WorkerConfig, WorkerStats, default_worker_id};
+use orch_runner::worker::{Registry, Worker, WorkerConfig, WorkerStats};
 use orch_runner::{builtin, maintenance};
-use orch_store::{ConnectOptions, Store};
+use orch_store::Store;
 use tokio_util::sync::CancellationToken;
 
 use crate::cli::{ServeArgs, WorkerArgs};
-use crate::context::Context;
+use crate::context::{Context, Project, Startup};
 use crate::runtime::Runtime;
 
 pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     let (stop, hard) = crate::signals::shutdown_tokens()?;
-    let (store, config) = open(cx, &args).await?;
+    let Startup {
+        project,
+        worker: config,
+        store,
+    } = cx.startup(&args, false).await?;
     let mut reloader = None;
-    let (registry, passes) = match &cx.config {
-        Some(c) => {
-            recover_from_dead_incarnations(&cx.repos_dir(c), &store, &config.worker_id).await;
-            let rt = Runtime::new_on_node(cx, c, &store, config.node.as_deref())?;
-            reloader = Some(crate::reload::spawn(cx, rt.live.clone(), stop.clone()));
-            let retention = c.settings.retention.period();
-            (rt.registry(), rt.passes(config.lease, retention))
+    let (registry, passes) = match project {
+        Some(Project { config: c, places }) => {
+            recover_from_dead_incarnations(&places.children_dir(), &store, &config.worker_id).await;
+            let rt = Runtime::new_on_node(&places, &c, &store, node_of(&config))?;
+            let (registry, passes) = (
+                rt.registry(),
+                rt.passes(config.lease, c.settings.retention.period()),
+            );
+            reloader = Some(crate::reload::spawn(&places, rt.live.clone(), stop.clone()));
+            (registry, passes)
         }
         None => {
             tracing::warn!(config = %cx.config_path.display(),
@@ -49,19 +55,30 @@ pub async fn run(cx: &Context, args: WorkerArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `orch serve`'s start-up, in one pass: what the context resolves ([`Context::startup`]),
+/// then the dead incarnations' leftovers, the runtime, the config reloader, the HTTP API and
+/// the workers, each handed what the steps before it built.
 pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
-    let config = cx.require_config()?.clone();
     let (stop, hard) = crate::signals::shutdown_tokens()?;
-    let (store, wconfig) = open(cx, &args.worker).await?;
-    recover_from_dead_incarnations(&cx.repos_dir(&config), &store, &wconfig.worker_id).await;
+    let Startup {
+        project,
+        worker: wconfig,
+        store,
+    } = cx.startup(&args.worker, true).await?;
+    let Some(Project { config, places }) = project else {
+        anyhow::bail!("orch serve needs a config ({})", cx.config_path.display());
+    };
+    recover_from_dead_incarnations(&places.children_dir(), &store, &wconfig.worker_id).await;
     let runtime = Arc::new(Runtime::new_on_node(
-        cx,
+        &places,
         &config,
         &store,
-        wconfig.node.as_deref(),
+        node_of(&wconfig),
     )?);
-    let worker = Worker::new(store.clone(), runtime.registry(), wconfig.clone());
-    let reloader = crate::reload::spawn(cx, runtime.live.clone(), stop.clone());
+    let registry = runtime.registry();
+    let passes = runtime.passes(wconfig.lease, config.settings.retention.period());
+    let reloader = crate::reload::spawn(&places, runtime.live.clone(), stop.clone());
+    let worker = Worker::new(store.clone(), registry, wconfig.clone());
     let bind = args
         .bind
         .clone()
@@ -82,20 +99,18 @@ pub async fn serve(cx: &Context, args: ServeArgs) -> Result<ExitCode> {
     crate::say(&format!(
         "orch: serving http://{addr}/ (API, dashboard, /metrics)"
     ));
-    run_workers(
-        store.clone(),
-        worker,
-        runtime.passes(wconfig.lease, config.settings.retention.period()),
-        stop.clone(),
-        hard,
-    )
-    .await;
+    run_workers(store.clone(), worker, passes, stop.clone(), hard).await;
     stop.cancel();
     let _ = reloader.await;
     let _ = api.await;
     store.close().await;
     leave_supervised();
     Ok(ExitCode::SUCCESS)
+}
+
+/// The node the worker claims as (always set by [`Context::startup`]).
+fn node_of(config: &WorkerConfig) -> &str {
+    config.node.as_deref().unwrap_or("localhost")
 }
 
 /// When the shutdown left stage commands running under their supervisors (an upgrade, a
@@ -110,35 +125,25 @@ fn leave_supervised() {
     }
 }
 
-/// Where this node's orch processes record the process groups they start.
-pub fn children_dir(repos_dir: &std::path::Path) -> std::path::PathBuf {
-    repos_dir.join(".orch-children")
-}
-
 /// Before claiming anything: record this process's children (and its worker id) from now on,
 /// stop what dead orch processes on this node left running (their recorded groups and escaped
 /// daemons), so a re-run stage never races the previous run of itself, and end the leases
 /// those dead processes held, so their jobs run again now instead of after the lease: a
 /// process that keeps crashing loses seconds per crash, not a lease each time.
-async fn recover_from_dead_incarnations(
-    repos_dir: &std::path::Path,
-    store: &Store,
-    worker_id: &str,
-) {
+async fn recover_from_dead_incarnations(dir: &std::path::Path, store: &Store, worker_id: &str) {
     use orch_exec::records;
-    let dir = children_dir(repos_dir);
-    if let Err(e) = records::record_children_in(&dir) {
+    if let Err(e) = records::record_children_in(dir) {
         tracing::warn!(dir = %dir.display(), error = %e,
             "cannot record child processes; a crash may leave them running");
         return;
     }
-    let done = records::stop_dead_incarnations(&dir);
+    let done = records::stop_dead_incarnations(dir);
     if !done.incarnations.is_empty() {
         tracing::warn!(incarnations = ?done.incarnations, groups = ?done.groups_killed,
             escaped = ?done.escaped_killed,
             "stopped what dead orch processes on this node left running");
     }
-    for dead in records::dead_workers(&dir) {
+    for dead in records::dead_workers(dir) {
         match store.expire_leases_of(&dead.worker_id).await {
             Ok(n) => {
                 if n > 0 {
@@ -188,50 +193,6 @@ pub fn spawn_api(
             tracing::error!(error = %e, "the HTTP API stopped");
         }
     })
-}
-
-async fn open(cx: &Context, args: &WorkerArgs) -> Result<(Store, WorkerConfig)> {
-    let settings = cx
-        .config
-        .as_ref()
-        .map(|c| c.settings.clone())
-        .unwrap_or_default();
-    let mut config = WorkerConfig::new(args.worker_id.clone().unwrap_or_else(default_worker_id));
-    config.concurrency = args.concurrency.unwrap_or(settings.workers as usize).max(1);
-    config.claim_batch = args.claim_batch.max(1);
-    config.lease = Duration::from_secs(settings.lease_s.max(1));
-    if let Some(ms) = args.lease_ms {
-        anyhow::ensure!(ms >= 200, "--lease-ms must be at least 200 (got {ms})");
-        // The config's own `lease_s` was checked against `node_grace_s` when it was read
-        // (`Config::validate`); only this flag can pass it.
-        anyhow::ensure!(
-            settings.node_grace_s.saturating_mul(1000) >= ms,
-            "--lease-ms ({ms}) must be at most [settings] node_grace_s ({} s): a node is judged gone only after its leases could have expired",
-            settings.node_grace_s
-        );
-        config.lease = Duration::from_millis(ms);
-    }
-    config.poll_interval = Duration::from_millis(settings.poll_interval_ms.clamp(10, 60_000));
-    config.fetch_cooldown = Duration::from_millis(settings.fetch_cooldown_ms);
-    config.shutdown_grace = Duration::from_secs(args.grace_s);
-    config.node = Some(
-        args.node
-            .clone()
-            .or(settings.node.clone())
-            .unwrap_or_else(|| {
-                cx.config
-                    .as_ref()
-                    .map(crate::runtime::node_name)
-                    .unwrap_or_else(|| "localhost".into())
-            }),
-    );
-    config.node_grace = Some(Duration::from_secs(settings.node_grace_s));
-    let opts = ConnectOptions {
-        max_connections: u32::try_from(config.concurrency + 6).unwrap_or(16),
-        ..ConnectOptions::default()
-    };
-    let store = cx.open_store_with(opts, true).await?;
-    Ok((store, config))
 }
 
 /// Runs the workers and the maintenance passes until `stop`; maintenance stops after the

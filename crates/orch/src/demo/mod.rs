@@ -163,7 +163,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
         )
         .await?;
     store.migrate().await?;
-    let runtime = Arc::new(Runtime::new(&cx, &config, &store)?);
+    let runtime = Arc::new(Runtime::new(&cx.places(&config), &config, &store)?);
     if args.setup_only {
         if global.json {
             let doc = orch_api::demo_report_json(&store, "service", &dir, None, None, None).await?;
@@ -214,7 +214,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
     wc.claim_batch = 1;
     wc.lease = Duration::from_secs(30);
     wc.poll_interval = Duration::from_millis(200);
-    wc.node = Some(crate::runtime::node_name(&config));
+    wc.node = Some(runtime.engine.config().node.clone());
     let worker = Worker::new(store.clone(), runtime.registry(), wc.clone());
     let listener = tokio::net::TcpListener::bind(("127.0.0.1", api_port)).await?;
     let api = crate::cmd::worker::spawn_api(
@@ -330,7 +330,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
         "  +  ---   {:6}  cancelled by the demo after analysis",
         t.work_item_id
     );
-    let repo_dir = runtime.repos_dir.join("service");
+    let repo_dir = runtime.places.repos_dir.join("service");
     let path = format!("docs/work-items/{0}/02-requirements.md", t.work_item_id);
     let text = runtime
         .engine
