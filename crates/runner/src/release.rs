@@ -311,10 +311,7 @@ async fn forge_promotion(
         ),
     };
     let outcome = publish_through_forge(run, &cfg, seq, &publication, intent, Step::Aside).await?;
-    // A wait an earlier job of this visit began and no call of this one saw end is over.
-    if let (Some(since), _) = waiting_on_record(run).await? {
-        say_resumed(run, &cfg, since).await?;
-    }
+    close_open_wait(run, &cfg).await?;
     let via = format!("GitHub {} ({})", cfg.repo, method.as_str());
     match outcome {
         ForgePublished::Published { commit, pull } => {
@@ -542,7 +539,8 @@ async fn verify_forge_commit(
 
 /// Whether a wait for the forge may step aside ([`StepAside`]) when it outlasts the forge's
 /// `wait_step_s` in one job: the deploy's promotion may (its stage comes back as a new job),
-/// a revert or an audit commit waits within its job.
+/// and so may the watch's revert (the watch's ending comes back); a failed deploy's revert
+/// and the audit commit wait within their job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     Aside,
@@ -561,7 +559,7 @@ impl std::fmt::Display for StepAside {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "the release waits for GitHub {} s more: {}",
+            "waiting for GitHub {} s more: {}",
             self.delay_s, self.why
         )
     }
@@ -589,6 +587,15 @@ async fn waiting_on_record(run: &StageRun) -> Result<(Option<i64>, Option<i64>)>
         }
         _ => (None, None),
     })
+}
+
+/// Ends the wait for the forge an earlier job of this visit began (it stepped aside) when no
+/// call of this job saw it end: the publication it waited for is through.
+async fn close_open_wait(run: &StageRun, cfg: &orch_domain::forge::ForgeConfig) -> Result<()> {
+    if let (Some(since), _) = waiting_on_record(run).await? {
+        say_resumed(run, cfg, since).await?;
+    }
+    Ok(())
 }
 
 /// Records the end of the release's wait for the forge that began at `since`.
@@ -1035,7 +1042,9 @@ pub enum Reverted {
 
 /// Rule 4: takes this task's promoted change out of the default branch (idempotent: a revert
 /// already on the branch is found by its trailer). Writes [`REVERT_LOG`] in the worktree.
-pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
+/// Through the forge, `step` says whether a long wait for it may step aside ([`StepAside`]:
+/// the caller's job comes back later) or waits within the job.
+pub async fn revert(run: &StageRun, why: &str, step: Step) -> Result<Reverted> {
     let Some((old, new)) = promoted(run).await? else {
         return Ok(Reverted::Held {
             reason: format!(
@@ -1114,7 +1123,14 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
             // A protected branch: the revert goes through the forge's API, like a promotion.
             Err(e) if repos::push_refused(&e) && run.repo.forge.is_some() => {
                 tracing::info!(work_item = %run.work_item, error = %e, "the default branch refused the revert; publishing through the forge");
-                return forge_revert(run, &old, &new, &main, &sha, &message, why).await;
+                let revert = Revert {
+                    old: &old,
+                    new: &new,
+                    main: &main,
+                    sha: &sha,
+                    message: &message,
+                };
+                return forge_revert(run, &revert, why, step).await;
             }
             Err(e) if attempt < 2 => {
                 tracing::warn!(work_item = %run.work_item, error = %e, "the revert lost a race for the default branch; again");
@@ -1128,38 +1144,43 @@ pub async fn revert(run: &StageRun, why: &str) -> Result<Reverted> {
     )
 }
 
+/// A revert commit made on `main`: it takes `old..new` out.
+struct Revert<'a> {
+    old: &'a str,
+    new: &'a str,
+    main: &'a str,
+    sha: &'a str,
+    message: &'a str,
+}
+
 /// Publishes the revert commit `sha` (made on `main`) through the forge's API: the branch
 /// `orch/revert/<id>`, then as a promotion. What the forge made must have exactly the revert's
 /// tree; else the repo holds. A re-run after a kill finds the revert on the branch by its
 /// trailer (`Orch-Revert:`, kept in the forge's commit message) and does not publish it again.
-async fn forge_revert(
-    run: &StageRun,
-    old: &str,
-    new: &str,
-    main: &str,
-    sha: &str,
-    message: &str,
-    why: &str,
-) -> Result<Reverted> {
+async fn forge_revert(run: &StageRun, r: &Revert<'_>, why: &str, step: Step) -> Result<Reverted> {
     let id = run.work_item.as_str();
     let (cfg, publication) = Publication::of_commit(
         run,
         "revert",
-        main,
-        sha,
-        message,
+        r.main,
+        r.sha,
+        r.message,
         format!(
             "orch reverts {id}: production rolled it back ({}).",
             one_line(why)
         ),
     )?;
     let seq = crate::deploy::visit_seq(run);
-    match publish_through_forge(run, &cfg, seq, &publication, None, Step::Stay).await? {
+    let published = publish_through_forge(run, &cfg, seq, &publication, None, step).await?;
+    if step == Step::Aside {
+        close_open_wait(run, &cfg).await?;
+    }
+    match published {
         ForgePublished::Published { commit, .. } => {
             repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
-            write_revert_log(run, old, new, &commit, why)?;
+            write_revert_log(run, r.old, r.new, &commit, why)?;
             crate::failpoint::hit("release.after_revert_published");
-            record_reverted(run, old, new, &commit, why).await?;
+            record_reverted(run, r.old, r.new, &commit, why).await?;
             Ok(Reverted::Reverted { commit })
         }
         ForgePublished::Mismatch { commit, why, .. } => Ok(Reverted::Held {

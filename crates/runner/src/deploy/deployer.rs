@@ -802,8 +802,9 @@ async fn fail(
     revision: &str,
 ) -> anyhow::Result<StageEffect> {
     // A change that never ran healthy in production leaves the default branch, whatever
-    // `on_failure` says (hold is for changes that deployed and then failed their watch).
-    let reverted = match crate::release::revert(run, &reason).await {
+    // `on_failure` says (hold is for changes that deployed and then failed their watch). Its
+    // wait for a forge stays within this job: the deploy's failure is concluded here.
+    let reverted = match crate::release::revert(run, &reason, crate::release::Step::Stay).await {
         Err(e) if run.cancel.is_cancelled() || run.job.attempt < run.job.max_attempts => {
             return Err(e.context(format!(
                 "the revert of {} did not finish (attempt {} of {})",

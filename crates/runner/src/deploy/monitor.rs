@@ -769,6 +769,21 @@ async fn finish(
         ending.action.as_str(),
         ending.reason
     );
+    if ending.verdict == Verdict::Failed
+        && let Err(e) = release_reaction(run, revision, &ending).await
+    {
+        // The revert waits for the forge longer than one job may: this ending comes back as
+        // a new ending job after the pause (it decides the same from the same polls and finds
+        // the rollback and the revert's progress on record).
+        return match e.downcast_ref::<crate::release::StepAside>() {
+            Some(aside) => Ok(StageEffect::Requeue {
+                delay_ms: aside.delay_s.saturating_mul(1000),
+                marker: markers::monitor_end(seq),
+                reason: format!("{aside}; the watch's ending (the revert) comes back then"),
+            }),
+            None => Err(e),
+        };
+    }
     let verdict_counter = match ending.verdict {
         Verdict::Healthy => "healthy",
         Verdict::Degraded => "degraded",
@@ -779,9 +794,6 @@ async fn finish(
         ActionTaken::Rollback => run.counters.incr("post_deploy_monitor", "rollback"),
         ActionTaken::RollbackFailed => run.counters.incr("post_deploy_monitor", "rollback_failed"),
         ActionTaken::Alert | ActionTaken::None => {}
-    }
-    if ending.verdict == Verdict::Failed {
-        release_reaction(run, revision, &ending).await?;
     }
     // The verdict is recorded before `done` is written: a crash between the two leaves the
     // watch not done, so the ending job runs again, decides the same from the same polls and
@@ -897,8 +909,11 @@ async fn release_reaction(run: &StageRun, revision: &str, ending: &Ending) -> an
             .await
         }
         orch_domain::config::OnFailure::Revert => {
-            match release::revert(run, &ending.reason).await {
+            match release::revert(run, &ending.reason, release::Step::Aside).await {
                 Ok(Reverted::Reverted { .. }) => Ok(()),
+                // GitHub has not answered for as long as one job waits: the ending comes back
+                // (`finish`), never a hold for an outage.
+                Err(e) if e.is::<release::StepAside>() => Err(e),
                 // A verdict: the revert conflicts or fails the repo's tests.
                 Ok(Reverted::Held { reason }) => held(reason).await,
                 // No verdict (git or the tests could not run, the run is stopping): the job runs
