@@ -103,7 +103,9 @@ pub enum MergeMethod {
     Merge,
     /// The item's pull request is squashed into one commit on the default branch.
     Squash,
-    /// The item's pull request's commits are rebased onto the default branch.
+    /// The item's pull request's commits are rebased onto the default branch: GitHub makes
+    /// each one again there (a new id even where a fast-forward was possible; author, date
+    /// and message kept), the branch ends at the last, which is what orch checks and deploys.
     Rebase,
 }
 

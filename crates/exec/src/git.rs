@@ -1125,6 +1125,45 @@ impl Git {
             .collect())
     }
 
+    /// Every commit in `range` (e.g. `a..b`), newest first, with what a rebase keeps of it:
+    /// its author (name, email, date) and its message. Used to tell a forge's rebase of a
+    /// pull request (new ids and committer, the rest kept) from commits that are not in it.
+    pub async fn commit_origins(
+        &self,
+        dir: &Path,
+        range: &str,
+    ) -> Result<Vec<CommitOrigin>, GitError> {
+        let out = self
+            .text(
+                dir,
+                args([
+                    "log",
+                    "-z",
+                    "--date=raw",
+                    "--format=%H%n%P%n%an <%ae> %ad%n%B",
+                    range,
+                    "--",
+                ]),
+            )
+            .await?;
+        Ok(split_nul(&out)
+            .into_iter()
+            .filter_map(|entry| {
+                let mut lines = entry.trim_start_matches('\n').splitn(4, '\n');
+                let sha = lines.next().filter(|s| !s.is_empty())?.to_owned();
+                let parents = lines.next().unwrap_or_default().split_whitespace().count();
+                let author = lines.next().unwrap_or_default().to_owned();
+                let message = lines.next().unwrap_or_default().to_owned();
+                Some(CommitOrigin {
+                    sha,
+                    parents,
+                    author,
+                    message,
+                })
+            })
+            .collect())
+    }
+
     async fn commit_tree(
         &self,
         dir: &Path,
@@ -1634,6 +1673,18 @@ fn parse_status(out: &str) -> Vec<StatusEntry> {
         });
     }
     entries
+}
+
+/// One commit of [`Git::commit_origins`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CommitOrigin {
+    pub sha: String,
+    /// How many parents it has (2 or more: a merge commit).
+    pub parents: usize,
+    /// `Name <email> <seconds> <offset>`: the author and the author date, as git stores them.
+    pub author: String,
+    /// The full message.
+    pub message: String,
 }
 
 /// One path of [`Git::changes`].

@@ -28,8 +28,8 @@ pub mod sandbox;
 pub mod supervise;
 
 pub use git::{
-    Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult, StatusEntry,
-    WorktreeAdd,
+    CommitOrigin, Git, GitError, Identity, MergeResult, MergeStrategy, Pathspec, RevertResult,
+    StatusEntry, WorktreeAdd,
 };
 pub use group::{processes_under, stop_processes_under};
 pub use process::{Cmd, ExitKind, Output, OutputSink, SpawnError, run};

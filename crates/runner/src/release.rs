@@ -469,8 +469,11 @@ async fn publish_through_forge(
 }
 
 /// Checks what the forge put on the default branch: `commit` must have exactly the tree of
-/// `verified` and descend from `old`; a merge or a squash must sit right on `old` (a branch
-/// that moved in between is not what staging verified).
+/// `verified` and descend from `old`; a merge or a squash must sit right on `old`, and a
+/// rebase's commits must all be the pull request's, rewritten, the first right on `old` (a
+/// branch that moved in between is not what staging verified). With a rebase only `commit`,
+/// the last of its commits, is checked and deployed: the ones before it are on the branch but
+/// were never staged as such, and orch deploys none of them.
 async fn verify_forge_commit(
     run: &StageRun,
     method: orch_domain::forge::MergeMethod,
@@ -523,6 +526,8 @@ async fn verify_forge_commit(
         Some(format!(
             "its parent is not `{old:.12}`: the default branch moved before the merge"
         ))
+    } else if method == MergeMethod::Rebase {
+        not_a_rebase_of(&run.git, dir, old, verified, &commit).await?
     } else {
         None
     };
@@ -535,6 +540,56 @@ async fn verify_forge_commit(
             merged_tree,
         },
     })
+}
+
+/// Why `commit` is not the forge's rebase of `old..verified` onto exactly `old`, if it is not.
+/// GitHub's rebase merge replays the pull request's commits one by one onto the base branch:
+/// a new commit for each (new id and committer, even where a fast-forward was possible; the
+/// author, its date and the message kept), in a line, leaving out merge commits and commits
+/// that were empty to begin with. So each commit of `old..commit` must be a commit of
+/// `old..verified` that is not a merge (each taken once), and none may be a merge. Anything
+/// else sits between `old` and the release although the tree matches (a commit pushed to the
+/// default branch before the rebase, whose change the tree happens not to show): not what
+/// staging verified, as a merge or a squash whose parent is not `old` is not. With `old` an
+/// ancestor of `commit` (checked first) and no merge in between, the commits are a line whose
+/// first sits right on `old`.
+async fn not_a_rebase_of(
+    git: &orch_exec::Git,
+    dir: &Path,
+    old: &str,
+    verified: &str,
+    commit: &str,
+) -> Result<Option<String>> {
+    let mut pulled: Vec<orch_exec::CommitOrigin> = git
+        .commit_origins(dir, &format!("{old}..{verified}"))
+        .await?
+        .into_iter()
+        .filter(|c| c.parents < 2)
+        .collect();
+    let rebased = git.commit_origins(dir, &format!("{old}..{commit}")).await?;
+    if let Some(c) = rebased.iter().find(|c| c.parents > 1) {
+        return Ok(Some(format!(
+            "`{:.12}` between `{old:.12}` and it is a merge commit, which a rebase does not make",
+            c.sha
+        )));
+    }
+    for c in rebased.iter().rev() {
+        let same = |p: &orch_exec::CommitOrigin| {
+            p.author == c.author && p.message.trim_end() == c.message.trim_end()
+        };
+        match pulled.iter().position(same) {
+            Some(i) => {
+                pulled.swap_remove(i);
+            }
+            None => {
+                return Ok(Some(format!(
+                    "`{:.12}` between `{old:.12}` and it is not one of the pull request's commits rebased: the default branch moved before the rebase",
+                    c.sha
+                )));
+            }
+        }
+    }
+    Ok(None)
 }
 
 /// Whether a wait for the forge may step aside ([`StepAside`]) when it outlasts the forge's
@@ -1524,4 +1579,166 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
 /// The paths of this repo on this machine.
 pub fn paths(run: &StageRun) -> RepoPaths {
     RepoPaths::new(&run.repos_dir, &run.repo_name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `git` in `dir` with `env` (an author, a committer, a date), its trimmed output.
+    fn git(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> String {
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(dir)
+            .args(args)
+            .envs(env.iter().copied())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    const DEV: &[(&str, &str)] = &[
+        ("GIT_AUTHOR_NAME", "dev"),
+        ("GIT_AUTHOR_EMAIL", "dev@example.com"),
+        ("GIT_COMMITTER_NAME", "dev"),
+        ("GIT_COMMITTER_EMAIL", "dev@example.com"),
+    ];
+
+    /// A commit of `tree` on `parent` with `message`, by `env`'s author at `date`.
+    fn commit(dir: &Path, tree: &str, parents: &[&str], message: &str, date: &str) -> String {
+        let mut args = vec!["commit-tree", tree];
+        for p in parents {
+            args.extend(["-p", p]);
+        }
+        args.extend(["-m", message]);
+        let mut env = DEV.to_vec();
+        env.push(("GIT_AUTHOR_DATE", date));
+        git(dir, &args, &env)
+    }
+
+    /// `original` made again on `parent` as GitHub's rebase makes it: same author, author date,
+    /// message and change; GitHub's committer.
+    fn rebased(dir: &Path, original: &str, parent: &str) -> String {
+        let base = format!("--merge-base={original}^");
+        let tree = git(
+            dir,
+            &["merge-tree", "--write-tree", &base, parent, original],
+            &[],
+        );
+        let who = git(
+            dir,
+            &[
+                "log",
+                "-1",
+                "--date=raw",
+                "--format=%an%n%ae%n%ad%n%B",
+                original,
+            ],
+            &[],
+        );
+        let mut lines = who.splitn(4, '\n');
+        let (name, email, date, message) = (
+            lines.next().unwrap(),
+            lines.next().unwrap(),
+            lines.next().unwrap(),
+            lines.next().unwrap(),
+        );
+        git(
+            dir,
+            &["commit-tree", &tree, "-p", parent, "-m", message],
+            &[
+                ("GIT_AUTHOR_NAME", name),
+                ("GIT_AUTHOR_EMAIL", email),
+                ("GIT_AUTHOR_DATE", date),
+                ("GIT_COMMITTER_NAME", "GitHub"),
+                ("GIT_COMMITTER_EMAIL", "noreply@github.com"),
+            ],
+        )
+    }
+
+    /// A tree of `base` with `file` holding `text`.
+    fn with_file(dir: &Path, base: &str, file: &str, text: &str) -> String {
+        let index = dir.join("test.index");
+        let env = [("GIT_INDEX_FILE", index.to_str().unwrap())];
+        git(dir, &["read-tree", base], &env);
+        let blob = {
+            std::fs::write(dir.join("blob"), text).unwrap();
+            git(dir, &["hash-object", "-w", "blob"], &[])
+        };
+        git(
+            dir,
+            &[
+                "update-index",
+                "--add",
+                "--cacheinfo",
+                &format!("100644,{blob},{file}"),
+            ],
+            &env,
+        );
+        git(dir, &["write-tree"], &env)
+    }
+
+    #[tokio::test]
+    async fn a_rebase_is_the_pull_requests_commits_made_again_on_the_old_branch() {
+        let tmp = tempfile::tempdir().unwrap();
+        let dir = tmp.path();
+        git(dir, &["init", "-q", "--bare"], &[]);
+        let empty = git(dir, &["hash-object", "-t", "tree", "-w", "/dev/null"], &[]);
+        let old = commit(dir, &empty, &[], "base", "1700000000 +0000");
+        // The pull request: a, b, a merge of `old` into it (left out by a rebase), c.
+        let a = commit(
+            dir,
+            &with_file(dir, &empty, "a", "a"),
+            &[&old],
+            "a\n\nWork-Item: X-1\n",
+            "1700000001 +0000",
+        );
+        let b_tree = with_file(dir, &format!("{a}^{{tree}}"), "b", "b");
+        let b = commit(dir, &b_tree, &[&a], "b", "1700000002 +0000");
+        let m = commit(dir, &b_tree, &[&b, &old], "merge", "1700000003 +0000");
+        let c_tree = with_file(dir, &b_tree, "c", "c");
+        let verified = commit(dir, &c_tree, &[&m], "c", "1700000004 +0000");
+        let g = orch_exec::Git::default();
+        let check = |on: String| {
+            let (g, old, verified) = (g.clone(), old.clone(), verified.clone());
+            async move {
+                not_a_rebase_of(&g, dir, &old, &verified, &on)
+                    .await
+                    .unwrap()
+            }
+        };
+
+        // GitHub's rebase: a', b', c' in a line on `old`.
+        let a2 = rebased(dir, &a, &old);
+        let b2 = rebased(dir, &b, &a2);
+        let c2 = rebased(dir, &verified, &b2);
+        assert_ne!(c2, verified);
+        assert_eq!(check(c2.clone()).await, None);
+
+        // The branch moved before the rebase: a commit of someone else's, even one that
+        // changes nothing, is not the pull request's.
+        let moved = commit(dir, &empty, &[&old], "someone else's", "1700000005 +0000");
+        let a3 = rebased(dir, &a, &moved);
+        let b3 = rebased(dir, &b, &a3);
+        let c3 = rebased(dir, &verified, &b3);
+        let why = check(c3).await.unwrap();
+        assert!(
+            why.contains(&moved[..12]) && why.contains("moved before the rebase"),
+            "{why}"
+        );
+
+        // A merge commit between: not a rebase's.
+        let merged = commit(dir, &c_tree, &[&c2, &verified], "merge", "1700000006 +0000");
+        let why = check(merged).await.unwrap();
+        assert!(why.contains("merge commit"), "{why}");
+
+        // A pull request's commit twice: the second is not a rewrite of anything left.
+        let twice = rebased(dir, &verified, &c2);
+        assert!(check(twice).await.is_some());
+    }
 }

@@ -2,8 +2,8 @@
 //! real `orch serve`, on SQLite and on PostgreSQL, a repository whose bare remote refuses every
 //! direct push to `main` with a pre-receive hook (as branch protection does), and the GitHub
 //! stand-in of `forge.rs`, whose pull request and ref endpoints act on that same bare
-//! repository with real git (a real merge, squash or ref move). Every exchange is held to
-//! GitHub's OpenAPI description afterwards.
+//! repository with real git (a real merge, squash, rebase or ref move). Every exchange is held
+//! to GitHub's OpenAPI description afterwards.
 //!
 //! The story, per backend (squash):
 //! 1. orch is killed -9 (a failpoint) right after GitHub merged the item's pull request and
@@ -50,6 +50,9 @@ pub(crate) struct Releases {
     pub number_base: u64,
     /// The next merge adds a file the pull request does not have.
     pub tamper_next: bool,
+    /// Before the next rebase someone else puts a commit on `main` that changes no file: the
+    /// rebase lands on it, its last tree still the staged one.
+    pub move_main_next: bool,
     /// Refuse this many merges with 405: a required status check has not reported yet.
     pub checks_pending: u32,
     /// The description's examples the answers are made from.
@@ -146,7 +149,7 @@ impl Releases {
         v
     }
 
-    /// A squash or merge of `head` onto `main`, made with git in the bare repository.
+    /// A merge, squash or rebase of `head` onto `main`, made with git in the bare repository.
     fn merge(&mut self, bare: &Path, n: u64, req: &Value) -> (u16, Value) {
         let Some(i) = self.pulls.iter().position(|p| p.number == n) else {
             return (404, error("Not Found"));
@@ -171,14 +174,33 @@ impl Releases {
             self.checks_pending -= 1;
             return (405, error("Required status check \"ci\" is expected."));
         }
-        let main = git(bare, &["rev-parse", "refs/heads/main"]).unwrap();
+        let mut main = git(bare, &["rev-parse", "refs/heads/main"]).unwrap();
+        if req["merge_method"] == "rebase" && std::mem::take(&mut self.move_main_next) {
+            let moved = git(
+                bare,
+                &[
+                    "commit-tree",
+                    &format!("{main}^{{tree}}"),
+                    "-p",
+                    &main,
+                    "-m",
+                    "someone else's commit, straight onto main",
+                ],
+            )
+            .unwrap();
+            git(bare, &["update-ref", "refs/heads/main", &moved, &main]).unwrap();
+            main = moved;
+        }
         let Ok(tree) = git(bare, &["merge-tree", "--write-tree", &main, &head]) else {
             return (405, error("Pull Request is not mergeable"));
         };
-        let mut tree = tree.lines().next().unwrap_or_default().to_owned();
-        if std::mem::take(&mut self.tamper_next) {
-            tree = with_extra_file(bare, &tree);
-        }
+        let merged_tree = tree.lines().next().unwrap_or_default().to_owned();
+        let tamper = std::mem::take(&mut self.tamper_next);
+        let tree = if tamper {
+            with_extra_file(bare, &merged_tree)
+        } else {
+            merged_tree.clone()
+        };
         let message = format!(
             "{}\n\n{}",
             req["commit_title"].as_str().unwrap_or("Merge"),
@@ -200,12 +222,11 @@ impl Releases {
                 ],
             ),
             "squash" => git(bare, &["commit-tree", &tree, "-p", &main, "-m", &message]),
-            _ => {
-                return (
-                    405,
-                    error("Rebase merges are not allowed on this repository."),
-                );
-            }
+            "rebase" => match rebase(bare, &main, &head, &merged_tree, tamper) {
+                Ok(last) => Ok(last),
+                Err(refused) => return refused,
+            },
+            _ => return (422, error("Validation Failed")),
         }
         .unwrap();
         git(bare, &["update-ref", "refs/heads/main", &commit, &main]).unwrap();
@@ -217,6 +238,261 @@ impl Releases {
             json!({"sha": commit, "merged": true, "message": "Pull Request successfully merged"}),
         )
     }
+}
+
+/// GitHub's rebase merge of `head` onto `main`, with git in the bare repository: the pull
+/// request's commits (reachable from `head` and not from `main`), oldest first, each replayed
+/// onto the last as a new commit: its author, author date and message kept, the committer
+/// GitHub, so every one gets a new id even where `main` could have been fast-forwarded
+/// (GitHub's documented difference from `git rebase`). As on GitHub, merge commits are left out
+/// (`git rebase` linearizes) and so are commits that were empty to begin with; a commit that
+/// becomes empty on the new base is dropped too, as `git rebase` drops it. A replay that
+/// conflicts, a result that is not the tree a merge would make (`merged_tree`: GitHub calls
+/// such a rebase unsafe) or nothing left to replay is GitHub's 405. The last new commit, which
+/// the caller moves `main` to; `tamper` gives it an extra file (after the checks, as a forge
+/// that misbehaves would).
+fn rebase(
+    bare: &Path,
+    main: &str,
+    head: &str,
+    merged_tree: &str,
+    tamper: bool,
+) -> Result<String, (u16, Value)> {
+    let cannot = || (405, error("This branch can't be rebased"));
+    let tree_of = |rev: &str| git(bare, &["rev-parse", &format!("{rev}^{{tree}}")]).unwrap();
+    let commits = git(
+        bare,
+        &[
+            "rev-list",
+            "--reverse",
+            "--topo-order",
+            "--no-merges",
+            &format!("{main}..{head}"),
+        ],
+    )
+    .unwrap();
+    let mut tip = main.to_owned();
+    let mut last_original = None;
+    for c in commits.lines() {
+        let Ok(parent) = git(bare, &["rev-parse", &format!("{c}^")]) else {
+            return Err(cannot());
+        };
+        if tree_of(c) == tree_of(&parent) {
+            continue;
+        }
+        let Ok(out) = git(
+            bare,
+            &[
+                "merge-tree",
+                "--write-tree",
+                &format!("--merge-base={parent}"),
+                &tip,
+                c,
+            ],
+        ) else {
+            return Err(cannot());
+        };
+        let tree = out.lines().next().unwrap_or_default().to_owned();
+        if tree == tree_of(&tip) {
+            continue;
+        }
+        tip = recommit(bare, c, &tree, &tip);
+        last_original = Some(c.to_owned());
+    }
+    let Some(last_original) = last_original else {
+        return Err(cannot());
+    };
+    if tree_of(&tip) != merged_tree {
+        return Err(cannot());
+    }
+    if tamper {
+        let parent = git(bare, &["rev-parse", &format!("{tip}^")]).unwrap();
+        tip = recommit(
+            bare,
+            &last_original,
+            &with_extra_file(bare, &tree_of(&tip)),
+            &parent,
+        );
+    }
+    Ok(tip)
+}
+
+/// A new commit of `tree` on `parent` made from `original`: its author, author date and
+/// message (byte for byte), GitHub's committer and the current time.
+fn recommit(bare: &Path, original: &str, tree: &str, parent: &str) -> String {
+    let who = git(
+        bare,
+        &[
+            "log",
+            "-1",
+            "--date=raw",
+            "--format=%an%n%ae%n%ad",
+            original,
+        ],
+    )
+    .unwrap();
+    let mut who = who.lines();
+    let (name, email, date) = (
+        who.next().unwrap_or_default(),
+        who.next().unwrap_or_default(),
+        who.next().unwrap_or_default(),
+    );
+    let raw = std::process::Command::new("git")
+        .arg("-C")
+        .arg(bare)
+        .args(["cat-file", "commit", original])
+        .output()
+        .unwrap();
+    assert!(raw.status.success());
+    let raw = String::from_utf8_lossy(&raw.stdout).into_owned();
+    let message = raw.split_once("\n\n").map(|(_, m)| m).unwrap_or_default();
+    let mut child = std::process::Command::new("git")
+        .arg("-C")
+        .arg(bare)
+        .args(["commit-tree", tree, "-p", parent, "-F", "-"])
+        .env("GIT_AUTHOR_NAME", name)
+        .env("GIT_AUTHOR_EMAIL", email)
+        .env("GIT_AUTHOR_DATE", date)
+        .env("GIT_COMMITTER_NAME", "GitHub")
+        .env("GIT_COMMITTER_EMAIL", "noreply@github.com")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(message.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// The stand-in's rebase refuses what GitHub refuses: a pull request whose replay conflicts
+/// although a merge would not (its first commit conflicts with `main`, its second takes the
+/// change back), and one whose merge commit holds a change of its own (left out by the replay,
+/// so the result is not the merge's tree: "unsafe"); a pull request that replays cleanly gets
+/// a new commit for each of its commits, on `main`, by their authors.
+#[test]
+fn the_stand_ins_rebase_refuses_a_conflict_and_an_unsafe_rebase() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bare = tmp.path();
+    git(bare, &["init", "-q", "--bare"]).unwrap();
+    // The tree `base` (none: empty) with `name` holding `text`.
+    let file = |base: Option<&str>, name: &str, text: &str| -> String {
+        let index = bare.join("test.index");
+        let run = |args: &[&str]| {
+            let out = std::process::Command::new("git")
+                .arg("-C")
+                .arg(bare)
+                .args(args)
+                .env("GIT_INDEX_FILE", &index)
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+            String::from_utf8_lossy(&out.stdout).trim().to_owned()
+        };
+        match base {
+            Some(b) => run(&["read-tree", b]),
+            None => run(&["read-tree", "--empty"]),
+        };
+        std::fs::write(bare.join("blob"), text).unwrap();
+        let blob = run(&["hash-object", "-w", "blob"]);
+        run(&[
+            "update-index",
+            "--add",
+            "--cacheinfo",
+            &format!("100644,{blob},{name}"),
+        ]);
+        run(&["write-tree"])
+    };
+    let commit = |tree: &str, parents: &[&str], message: &str| -> String {
+        let mut args = vec!["commit-tree", tree];
+        for p in parents {
+            args.extend(["-p", p]);
+        }
+        args.extend(["-m", message]);
+        let out = std::process::Command::new("git")
+            .arg("-C")
+            .arg(bare)
+            .args(&args)
+            .env("GIT_AUTHOR_NAME", "dev")
+            .env("GIT_AUTHOR_EMAIL", "dev@example.com")
+            .env("GIT_COMMITTER_NAME", "dev")
+            .env("GIT_COMMITTER_EMAIL", "dev@example.com")
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    };
+    let merged = |main: &str, head: &str| -> String {
+        let out = git(bare, &["merge-tree", "--write-tree", main, head]).unwrap();
+        out.lines().next().unwrap().to_owned()
+    };
+    let base = commit(&file(None, "f", "a\n"), &[], "base");
+    let main = commit(&file(None, "f", "c\n"), &[&base], "main's change");
+
+    // b, then a again: a merge changes nothing of `main`, a replay conflicts at the first.
+    let there = commit(&file(None, "f", "b\n"), &[&base], "there");
+    let back = commit(&file(None, "f", "a\n"), &[&there], "and back");
+    let (status, body) = rebase(bare, &main, &back, &merged(&main, &back), false).unwrap_err();
+    assert_eq!(
+        (status, body["message"].as_str()),
+        (405, Some("This branch can't be rebased"))
+    );
+
+    // `main` merged into the pull request by a merge commit that adds a file of its own: the
+    // replay leaves the merge commit out, so its result is not the merge's tree.
+    let own = file(Some(&format!("{main}^{{tree}}")), "g", "1\n");
+    let own = file(Some(&own), "h", "only in the merge commit\n");
+    let adds = commit(
+        &file(Some(&format!("{base}^{{tree}}")), "g", "1\n"),
+        &[&base],
+        "adds g",
+    );
+    let evil = commit(&own, &[&adds, &main], "merge main, and more");
+    let (status, _) = rebase(bare, &main, &evil, &merged(&main, &evil), false).unwrap_err();
+    assert_eq!(status, 405);
+    // Without the file of its own the same pull request rebases.
+    let clean = commit(
+        &file(Some(&format!("{main}^{{tree}}")), "g", "1\n"),
+        &[&adds, &main],
+        "merge main",
+    );
+    assert!(rebase(bare, &main, &clean, &merged(&main, &clean), false).is_ok());
+
+    // A clean one on `main` itself (a fast-forward was possible): new commits all the same.
+    let one = commit(&file(None, "f", "e\n"), &[&main], "one");
+    let two = commit(&file(None, "f", "f\n"), &[&one], "two");
+    let last = rebase(bare, &main, &two, &merged(&main, &two), false).unwrap();
+    let made = git(bare, &["rev-list", "--reverse", &format!("{main}..{last}")]).unwrap();
+    let made: Vec<&str> = made.lines().collect();
+    assert_eq!(made.len(), 2);
+    assert!(made.iter().all(|c| *c != one && *c != two));
+    assert_eq!(
+        git(bare, &["rev-parse", &format!("{}^", made[0])]).unwrap(),
+        main
+    );
+    assert_eq!(
+        git(bare, &["log", "-1", "--format=%an %cn %s", made[1]]).unwrap(),
+        "dev GitHub two"
+    );
+    assert_eq!(
+        git(bare, &["rev-parse", &format!("{last}^{{tree}}")]).unwrap(),
+        git(bare, &["rev-parse", &format!("{two}^{{tree}}")]).unwrap()
+    );
 }
 
 /// `tree` with a file `EXTRA.txt` added: a merge that is not what was staged.
@@ -1079,6 +1355,228 @@ async fn a_merge_commit_ships_the_staged_tree_on_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_merge_commit_ships_the_staged_tree_on_postgres() {
     merge_commit("postgres").await;
+}
+
+/// `merge_method = "rebase"`: the hook refuses orch's push, and GitHub replays the release pull
+/// request's commits onto `main` one by one as new commits (new ids and committer; author,
+/// date, message and change kept); the last has exactly the staged tree, and it alone is
+/// deployed. Then a rebase whose last commit carries a file staging never saw, and one onto a
+/// `main` that someone else moved (the last tree still the staged one): nothing of either is
+/// deployed, each item goes back to the merge gate, is staged again and released.
+async fn rebase_merge(backend: &str) {
+    if !specs_available() {
+        return;
+    }
+    if !common::python_available() {
+        return skip(
+            "python3 is not installed: the demo's service and the description check need it",
+        );
+    }
+    common::become_subreaper();
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("demo");
+    demo_setup(&dir);
+    let (hub, api) = start_hub().await;
+    let bare = protect(&dir, &api, "rebase");
+    serve_releases(&hub, &bare);
+    let url = match backend {
+        "postgres" => {
+            let url = orch_store::testing::fresh_pg_schema().await;
+            common::orch_db(&dir, &url, &["migrate"]);
+            Some(url)
+        }
+        _ => None,
+    };
+    let store = match &url {
+        Some(u) => Store::connect(u, ConnectOptions::default()).await.unwrap(),
+        None => common::open(&dir).await,
+    };
+    let main_before = git(&bare, &["rev-parse", "main"]).unwrap();
+    let serve = serve(&dir, url.as_deref(), "");
+    submit(&dir, url.as_deref(), "Add a /version endpoint");
+    let t = wait_ended(&dir, &store, "APP-1").await;
+    assert_eq!(t.stage, "done");
+    let evs = events_of(&store, "APP-1").await;
+    let staged = evs
+        .iter()
+        .rev()
+        .find(|e| e.kind == "release.staged")
+        .map(|e| data(e)["revision"].as_str().unwrap().to_owned())
+        .unwrap();
+    // The hook refused orch's direct push of exactly the staged commit first.
+    let refused = std::fs::read_to_string(bare.join("refused.log")).unwrap_or_default();
+    assert_eq!(
+        refused.lines().next(),
+        Some(format!("{main_before} {staged}").as_str()),
+        "{refused}"
+    );
+    let merges = hub.lock().unwrap().release.merges.clone();
+    assert!(merges.iter().all(|m| m.1 == "rebase"), "{merges:?}");
+    let last = merges[0].2.clone();
+    // `main`'s new commits: one per commit of the pull request that is not a merge and was not
+    // empty, oldest first, each made again (a new id, GitHub the committer; author, date and
+    // message kept), in a line on the `main` the release was built on.
+    let list = |range: String, extra: &[&str]| -> Vec<String> {
+        let mut args = vec!["rev-list", "--reverse", "--topo-order"];
+        args.extend(extra);
+        args.push(&range);
+        git(&bare, &args)
+            .unwrap()
+            .lines()
+            .map(str::to_owned)
+            .collect()
+    };
+    let tree = |rev: &str| git(&bare, &["rev-parse", &format!("{rev}^{{tree}}")]).unwrap();
+    let pulled = list(format!("{main_before}..{staged}"), &[]);
+    let replayed: Vec<String> = list(format!("{main_before}..{staged}"), &["--no-merges"])
+        .into_iter()
+        .filter(|c| tree(c) != tree(&format!("{c}^")))
+        .collect();
+    let rewritten = list(format!("{main_before}..{last}"), &[]);
+    assert!(
+        replayed.len() >= 2,
+        "too few commits to show a rebase: {replayed:?}"
+    );
+    assert_eq!(
+        rewritten.len(),
+        replayed.len(),
+        "{rewritten:?} of {replayed:?}"
+    );
+    assert!(
+        rewritten.iter().all(|c| !pulled.contains(c)),
+        "a commit of the pull request reached main as it was: {rewritten:?} {pulled:?}"
+    );
+    assert!(list(format!("{main_before}..{last}"), &["--merges"]).is_empty());
+    assert_eq!(
+        git(&bare, &["rev-parse", &format!("{}^", rewritten[0])]).unwrap(),
+        main_before
+    );
+    let kept = |c: &str| {
+        git(
+            &bare,
+            &["log", "-1", "--date=raw", "--format=%an <%ae> %ad%n%B", c],
+        )
+        .unwrap()
+    };
+    for (new, original) in rewritten.iter().zip(&replayed) {
+        assert_eq!(kept(new), kept(original));
+        assert_eq!(
+            git(&bare, &["log", "-1", "--format=%cn <%ce>", new]).unwrap(),
+            "GitHub <noreply@github.com>"
+        );
+    }
+    assert_eq!(tree(&last), tree(&staged));
+    eprintln!(
+        "{backend}: the pull request had {} commits, {} replayed; main gained {} new ones",
+        pulled.len(),
+        replayed.len(),
+        rewritten.len()
+    );
+    // Only the last commit was deployed, and its record names it and the staged commit.
+    let deploys: Vec<String> = evs
+        .iter()
+        .filter(|e| matches!(e.kind.as_str(), "deploy.started" | "release.deployed"))
+        .filter_map(|e| data(e)["revision"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        !deploys.is_empty() && deploys.iter().all(|r| *r == last),
+        "{deploys:?} {last}"
+    );
+    let promoted = evs.iter().find(|e| e.kind == "release.promoted").unwrap();
+    assert_eq!(data(promoted)["new"], json!(last));
+    assert_eq!(data(promoted)["staged"], json!(staged));
+    let deployed = evs.iter().find(|e| e.kind == "release.deployed").unwrap();
+    assert_eq!(data(deployed)["revision"], json!(last));
+    assert_eq!(data(deployed)["staged"], json!(staged));
+    assert!(
+        data(deployed)["items"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|i| i["work_item"] == "APP-1")),
+        "{deployed:?}"
+    );
+    // The audit trail came after, rebased as well.
+    assert!(merges.len() >= 2, "{merges:?}");
+    assert_eq!(
+        git(&bare, &["rev-parse", "main"]).unwrap(),
+        merges.last().unwrap().2
+    );
+
+    // A rebase whose last commit is not the staged tree: never deployed.
+    hub.lock().unwrap().release.tamper_next = true;
+    let before = merges.len();
+    submit(&dir, url.as_deref(), "Write a note");
+    let t2 = wait_ended(&dir, &store, "APP-2").await;
+    let evs = events_of(&store, "APP-2").await;
+    let mismatch = evs
+        .iter()
+        .find(|e| e.kind == "release.forge_mismatch")
+        .unwrap_or_else(|| panic!("no release.forge_mismatch: {evs:#?}"));
+    let tampered = data(mismatch)["merged"].as_str().unwrap().to_owned();
+    assert_eq!(hub.lock().unwrap().release.merges[before].2, tampered);
+    assert_eq!(data(mismatch)["method"], json!("rebase"));
+    let deploys: Vec<String> = evs
+        .iter()
+        .filter(|e| matches!(e.kind.as_str(), "deploy.started" | "release.deployed"))
+        .filter_map(|e| data(e)["revision"].as_str().map(str::to_owned))
+        .collect();
+    assert!(
+        !deploys.contains(&tampered),
+        "the tampered rebase was deployed: {deploys:?}"
+    );
+    let at = evs
+        .iter()
+        .position(|e| e.kind == "release.forge_mismatch")
+        .unwrap();
+    assert!(
+        evs[at..].iter().any(|e| e.kind == "release.staged"),
+        "the item was not staged again after the mismatch"
+    );
+    assert_eq!(t2.stage, "done", "APP-2 after the mismatch: {evs:#?}");
+
+    // `main` moved before the rebase (a commit that changes no file): the last commit has the
+    // staged tree, but something staging never saw sits under it. Never deployed either.
+    hub.lock().unwrap().release.move_main_next = true;
+    let before = hub.lock().unwrap().release.merges.len();
+    submit(&dir, url.as_deref(), "Write another note");
+    let t3 = wait_ended(&dir, &store, "APP-3").await;
+    serve.terminate().await;
+    let evs3 = events_of(&store, "APP-3").await;
+    let mismatch = evs3
+        .iter()
+        .find(|e| e.kind == "release.forge_mismatch")
+        .unwrap_or_else(|| panic!("no release.forge_mismatch: {evs3:#?}"));
+    let landed = data(mismatch)["merged"].as_str().unwrap().to_owned();
+    assert_eq!(hub.lock().unwrap().release.merges[before].2, landed);
+    assert_eq!(data(mismatch)["staged_tree"], data(mismatch)["merged_tree"]);
+    assert!(
+        mismatch.message.contains("moved before the rebase"),
+        "{}",
+        mismatch.message
+    );
+    let deploys: Vec<String> = evs3
+        .iter()
+        .filter(|e| matches!(e.kind.as_str(), "deploy.started" | "release.deployed"))
+        .filter_map(|e| data(e)["revision"].as_str().map(str::to_owned))
+        .collect();
+    assert!(!deploys.contains(&landed), "{deploys:?}");
+    assert_eq!(t3.stage, "done", "APP-3 after the mismatch: {evs3:#?}");
+    let exchanges = hub.lock().unwrap().exchanges.clone();
+    let (ok, text) = check_exchanges(&dir, "exchanges.jsonl", &exchanges);
+    eprintln!("{backend}: {text}");
+    assert!(ok, "{text}");
+    common::stop_service(&dir);
+    common::reap_orphans();
+    store.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebase_ships_the_staged_tree_on_sqlite() {
+    rebase_merge("sqlite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebase_ships_the_staged_tree_on_postgres() {
+    rebase_merge("postgres").await;
 }
 
 /// A required check that never reports: the merge waits at most `check_wait_s` from GitHub's

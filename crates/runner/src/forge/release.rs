@@ -48,7 +48,8 @@ pub struct Pull {
     pub state: String,
     /// Merged (a closed pull request may be merged or not).
     pub merged: bool,
-    /// The commit the merge made on the base branch, once merged.
+    /// The commit the merge made on the base branch, once merged (a rebase's last commit:
+    /// where GitHub moved the base branch to).
     pub merge_commit_sha: Option<String>,
     pub head_sha: Option<String>,
 }
@@ -269,8 +270,9 @@ impl Api {
     }
 
     /// Merges pull request `number` by `method` only if its head is exactly `sha`; the commit
-    /// the merge made. `message` is the commit's (for `merge` and `squash`; GitHub ignores it
-    /// for `rebase`).
+    /// the merge made (with `rebase`, the last of the commits GitHub made again, where the
+    /// base branch now is). `message` is the commit's (for `merge` and `squash`; GitHub ignores
+    /// it for `rebase`, whose commits keep their own messages).
     pub async fn merge_pull(
         &self,
         number: u64,
