@@ -839,7 +839,9 @@ async fn a_revert_is_verified_before_it_reaches_main() {
         let merged = git_out(&fx.repo_dir, &["rev-parse", "main"]);
         common::record_promoted(&fx.db, &fx.task, &before, &merged).await;
         let run = fx.run("post-deploy-monitor", fx.content()).await;
-        let got = orch_runner::release::revert(&run, "health failed").await;
+        let got =
+            orch_runner::release::revert(&run, "health failed", orch_runner::release::Step::Stay)
+                .await;
         let main_now = git_out(&fx.repo_dir, &["rev-parse", "main"]);
         match (&want, got) {
             (Want::Reverted, Ok(orch_runner::release::Reverted::Reverted { .. })) => {
@@ -924,9 +926,10 @@ async fn a_published_revert_that_was_never_recorded_is_recorded_once() {
     );
     let run = fx.run("post-deploy-monitor", fx.content()).await;
     for _ in 0..2 {
-        let got = orch_runner::release::revert(&run, "health failed")
-            .await
-            .unwrap();
+        let got =
+            orch_runner::release::revert(&run, "health failed", orch_runner::release::Step::Stay)
+                .await
+                .unwrap();
         match got {
             orch_runner::release::Reverted::Reverted { commit } => assert_eq!(commit, published),
             other => panic!("{other:?}"),
