@@ -594,8 +594,8 @@ async fn not_a_rebase_of(
 
 /// Whether a wait for the forge may step aside ([`StepAside`]) when it outlasts the forge's
 /// `wait_step_s` in one job: the deploy's promotion may (its stage comes back as a new job),
-/// and so may the watch's revert (the watch's ending comes back); a failed deploy's revert
-/// and the audit commit wait within their job.
+/// and so may the watch's revert (the watch's ending comes back) and the audit commit (the
+/// lessons stage comes back); a failed deploy's revert waits within its job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Step {
     Aside,
@@ -1250,7 +1250,8 @@ async fn forge_revert(run: &StageRun, r: &Revert<'_>, why: &str, step: Step) -> 
 /// Publishes the audit commit `commit` (made on `main`: the item's last documents and its
 /// lessons) through the forge's API when the default branch refuses orch's push, on the
 /// branch `orch/audit/<id>`; the commit the forge made, with exactly the audit commit's tree.
-/// Idempotent as the audit is: a re-run finds the documents on the default branch.
+/// Idempotent as the audit is: a re-run finds the documents on the default branch. A wait for
+/// the forge longer than one job steps aside ([`StepAside`]: the lessons stage comes back).
 pub async fn publish_audit_through_forge(
     run: &StageRun,
     main: &str,
@@ -1267,7 +1268,9 @@ pub async fn publish_audit_through_forge(
         format!("The documents of {id}'s last stages and its lessons, after its release."),
     )?;
     let seq = crate::deploy::visit_seq(run);
-    match publish_through_forge(run, &cfg, seq, &publication, None, Step::Stay).await? {
+    let published = publish_through_forge(run, &cfg, seq, &publication, None, Step::Aside).await?;
+    close_open_wait(run, &cfg).await?;
+    match published {
         ForgePublished::Published { commit, .. } => {
             repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
             Ok(commit)

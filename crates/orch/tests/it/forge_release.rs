@@ -55,6 +55,9 @@ pub(crate) struct Releases {
     pub move_main_next: bool,
     /// Refuse this many merges with 405: a required status check has not reported yet.
     pub checks_pending: u32,
+    /// Answer 503 to a `PATCH …/git/refs` that would put an audit commit (`Stage: audit`) on
+    /// `main`: GitHub down just when an item's trail is published.
+    pub down_for_audit: bool,
     /// The description's examples the answers are made from.
     pub pull_example: Value,
     pub pull_simple_example: Value,
@@ -602,6 +605,12 @@ pub(crate) fn route(
         }
         ("PATCH", "/git/refs/heads%2Fmain") => {
             let sha = req["sha"].as_str().unwrap_or_default();
+            if r.down_for_audit
+                && git(&bare, &["log", "-1", "--format=%B", sha])
+                    .is_ok_and(|m| m.contains("Stage: audit"))
+            {
+                return Some((503, json!({"message": "Service Unavailable"})));
+            }
             let main = git(&bare, &["rev-parse", "refs/heads/main"]).unwrap();
             let ff = git(&bare, &["merge-base", "--is-ancestor", &main, sha]).is_ok();
             if !ff || req["force"] != json!(false) {
@@ -1113,7 +1122,36 @@ async fn fast_forward_through_an_outage(backend: &str) {
         asides >= 2,
         "{asides} steps aside in 5 s of outage: {evs:#?}"
     );
+    // GitHub comes back for the release, but is down again just when the item's trail (the
+    // audit commit) goes onto `main`: the lessons stage steps aside too, and never fails.
+    hub.lock().unwrap().release.down_for_audit = true;
     hub.lock().unwrap().down_for_release = false;
+    let s = store.clone();
+    wait_until(
+        &dir,
+        Duration::from_secs(300),
+        "APP-1's audit commit stepping aside twice",
+        || {
+            let s = s.clone();
+            async move {
+                let t = s.get_task_by_work_item("APP-1").await.unwrap().unwrap();
+                s.task_events(t.id)
+                    .await
+                    .unwrap()
+                    .iter()
+                    .filter(|e| {
+                        e.kind == "stage.requeued"
+                            && e.stage.as_deref() == Some("lessons")
+                            && e.data.contains("[orch:forge-wait seq=")
+                    })
+                    .count()
+                    >= 2
+            }
+        },
+    )
+    .await;
+    assert_eq!(common::task(&store, "APP-1").await.stage, "lessons");
+    hub.lock().unwrap().release.down_for_audit = false;
 
     let t = wait_ended(&dir, &store, "APP-1").await;
     assert_eq!(t.stage, "done");
@@ -1208,7 +1246,13 @@ async fn fast_forward_through_an_outage(backend: &str) {
     assert!(!evs2.iter().any(|e| e.kind == "release.held"));
 
     let evs = events_of(&store, "APP-1").await;
-    let resumed: Vec<_> = evs.iter().filter(|e| e.kind == "forge.resumed").collect();
+    // Two waits, the release's and the audit's, each said once and ended once.
+    let in_stage = |kind: &str, stage: &str| -> Vec<&orch_store::Event> {
+        evs.iter()
+            .filter(|e| e.kind == kind && e.stage.as_deref() == Some(stage))
+            .collect()
+    };
+    let resumed = in_stage("forge.resumed", "deploy");
     assert_eq!(resumed.len(), 1, "{resumed:#?}");
     // The wait is counted from its start, across the jobs that stepped aside.
     assert!(
@@ -1216,10 +1260,13 @@ async fn fast_forward_through_an_outage(backend: &str) {
         "{resumed:#?}"
     );
     assert_eq!(
-        evs.iter().filter(|e| e.kind == "forge.waiting").count(),
+        in_stage("forge.waiting", "deploy").len(),
         1,
         "one forge.waiting for the whole wait"
     );
+    assert_eq!(in_stage("forge.waiting", "lessons").len(), 1, "{evs:#?}");
+    assert_eq!(in_stage("forge.resumed", "lessons").len(), 1, "{evs:#?}");
+    assert_eq!(evs.iter().filter(|e| e.kind == "forge.waiting").count(), 2);
     let staged = evs
         .iter()
         .rev()

@@ -141,13 +141,26 @@ impl StageExecutor for LessonsExecutor {
 
         // The item's whole trail (and the lessons, if any) reach the default branch in one
         // commit, lessons or not.
-        let (published, note) = publish_to_default_branch(
+        let (published, note) = match publish_to_default_branch(
             run,
             lessons_file_path(&run.repo.lessons_file),
             &lessons,
             now,
         )
-        .await;
+        .await
+        {
+            Ok(p) => p,
+            // The forge has not answered for as long as one job waits: the stage comes back
+            // after the pause (what it wrote is in its worktree; the lessons are not appended
+            // twice), its wait on record.
+            Err(aside) => {
+                return Ok(StageEffect::Requeue {
+                    delay_ms: aside.delay_s.saturating_mul(1000),
+                    marker: markers::forge_wait(seq),
+                    reason: format!("{aside}; the audit commit comes back then"),
+                });
+            }
+        };
         let file_note = format!("{file_note}; {note}");
 
         let ws = WatchState::new(
@@ -393,13 +406,19 @@ async fn publish_to_default_branch(
     rel: Option<&Path>,
     lessons: &[Lesson],
     now_ms: i64,
-) -> (bool, String) {
+) -> Result<(bool, String), crate::release::StepAside> {
     let branch = &run.repo.default_branch;
     match publish(run, rel, lessons, now_ms).await {
-        Ok(note) => (true, note),
+        Ok(note) => Ok((true, note)),
         Err(e) => {
+            if let Some(aside) = e.downcast_ref::<crate::release::StepAside>() {
+                return Err(crate::release::StepAside {
+                    delay_s: aside.delay_s,
+                    why: aside.why.clone(),
+                });
+            }
             tracing::warn!(work_item = %run.work_item, repo_dir = %run.repo_dir.display(), error = %e, "lessons: not published on the default branch");
-            (false, format!("not published on `{branch}`: {e}"))
+            Ok((false, format!("not published on `{branch}`: {e}")))
         }
     }
 }
