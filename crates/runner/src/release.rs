@@ -131,7 +131,7 @@ pub async fn promote(run: &StageRun, seq: i64) -> Result<Promotion> {
     };
     let staged = field(&staged, "revision").context("the release.staged event has no revision")?;
     let branch = run.repo.default_branch.as_str();
-    let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+    let main = sync_or_step_aside(run, Step::Aside).await?;
     let done = latest(run, events::RELEASE_PROMOTED)
         .await?
         .filter(|e| seq_of(e) == Some(seq) && staged_of(e).as_deref() == Some(&staged));
@@ -644,6 +644,34 @@ async fn waiting_on_record(run: &StageRun) -> Result<(Option<i64>, Option<i64>)>
     })
 }
 
+/// The default branch as the remote has it (`repos::sync_default_branch`), for a publication
+/// that may step aside: while this visit waits for the forge (an earlier job stepped aside), a
+/// fetch that fails is the same outage (GitHub's git down with its API) and steps aside again
+/// instead of failing the attempt. Outside such a wait, a failed fetch is an error as before.
+pub(crate) async fn sync_or_step_aside(run: &StageRun, step: Step) -> Result<String> {
+    match repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await {
+        Ok(main) => Ok(main),
+        Err(e) => {
+            let Some(cfg) = run.repo.forge.as_ref().filter(|_| step == Step::Aside) else {
+                return Err(e);
+            };
+            if waiting_on_record(run).await?.0.is_none() {
+                return Err(e);
+            }
+            tracing::warn!(work_item = %run.work_item, forge = %cfg.repo, error = %format!("{e:#}"), "forge: the fetch fails while the release waits for GitHub; stepping aside again");
+            Err(anyhow::Error::new(StepAside {
+                delay_s: cfg.max_backoff_s.clamp(1, cfg.wait_step_s.max(1)),
+                why: format!(
+                    "cannot fetch `{}` from GitHub {}: {}",
+                    run.repo.default_branch,
+                    cfg.repo,
+                    one_line(&format!("{e:#}"))
+                ),
+            }))
+        }
+    }
+}
+
 /// Ends the wait for the forge an earlier job of this visit began (it stepped aside) when no
 /// call of this job saw it end: the publication it waited for is through.
 async fn close_open_wait(run: &StageRun, cfg: &orch_domain::forge::ForgeConfig) -> Result<()> {
@@ -1111,14 +1139,20 @@ pub async fn revert(run: &StageRun, why: &str, step: Step) -> Result<Reverted> {
     let branch = run.repo.default_branch.as_str();
     let trailer = format!("Orch-Revert: {}", run.work_item);
     for attempt in 0..3 {
-        let main = repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+        let main = sync_or_step_aside(run, step).await?;
         let since = run
             .git
             .commit_messages(&run.repo_dir, &format!("{new}..{main}"))
             .await?;
         if let Some((sha, _)) = since.iter().find(|(_, m)| m.contains(&trailer)) {
             // Already on the default branch: an earlier attempt published it. That attempt may
-            // have died before recording it, so the record is made here unless it exists.
+            // have died before recording it, so the record is made here unless it exists; a
+            // wait for the forge it began is over.
+            if step == Step::Aside
+                && let Some(cfg) = &run.repo.forge
+            {
+                close_open_wait(run, cfg).await?;
+            }
             write_revert_log(run, &old, &new, sha, why)?;
             let recorded = run
                 .store

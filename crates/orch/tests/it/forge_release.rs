@@ -1244,6 +1244,30 @@ async fn fast_forward_through_an_outage(backend: &str) {
         "{evs2:#?}"
     );
     assert!(!evs2.iter().any(|e| e.kind == "release.held"));
+    // However often the watch's ending and the lessons stage came back, each lesson is on
+    // `main` once, and APP-1's record counts the lessons its audit commit put there.
+    let lessons = git(&bare, &["show", "main:LESSONS.md"]).unwrap();
+    let ids: Vec<&str> = lessons
+        .lines()
+        .filter_map(|l| l.split("orch-lesson:").nth(1))
+        .filter_map(|rest| rest.split("-->").next())
+        .map(str::trim)
+        .collect();
+    let unique: std::collections::HashSet<&&str> = ids.iter().collect();
+    assert_eq!(unique.len(), ids.len(), "{lessons}");
+    assert!(
+        !ids.iter().any(|id| id.ends_with("#2")),
+        "a lesson read twice from a come-back: {lessons}"
+    );
+    assert!(ids.iter().any(|id| id.starts_with("APP-2/")), "{lessons}");
+    let app1 = ids.iter().filter(|id| id.starts_with("APP-1/")).count();
+    let recorded = events_of(&store, "APP-1")
+        .await
+        .into_iter()
+        .find(|e| e.kind == "lessons.recorded")
+        .unwrap();
+    assert!(app1 > 0, "{lessons}");
+    assert_eq!(data(&recorded)["appended"], json!(app1), "{recorded:?}");
 
     let evs = events_of(&store, "APP-1").await;
     // Two waits, the release's and the audit's, each said once and ended once.

@@ -108,7 +108,15 @@ impl StageExecutor for LessonsExecutor {
                 ),
             });
         }
-        run.counters.incr("lessons", "runs");
+        // A come-back after the audit commit stepped aside for the forge carries how many
+        // lessons the first job appended (they are in the worktree now: appending finds none).
+        let carried = markers::parse(&run.job.task_content)
+            .into_iter()
+            .find(|m| m.name == markers::FORGE_WAIT && m.seq == seq)
+            .map(|m| m.n.unwrap_or(0) as usize);
+        if carried.is_none() {
+            run.counters.incr("lessons", "runs");
+        }
         let lessons = gather(run).await?;
         let now = run.store.now_ms();
 
@@ -121,9 +129,13 @@ impl StageExecutor for LessonsExecutor {
                 ),
             ),
             Some(rel) => {
-                let n = append_to_lessons_file(rel, run, &lessons, now)?;
-                run.counters
-                    .add("lessons", "recorded", u64::try_from(n).unwrap_or(u64::MAX));
+                let new = append_to_lessons_file(rel, run, &lessons, now)?;
+                run.counters.add(
+                    "lessons",
+                    "recorded",
+                    u64::try_from(new).unwrap_or(u64::MAX),
+                );
+                let n = new + carried.unwrap_or(0);
                 (
                     n,
                     format!(
@@ -156,7 +168,7 @@ impl StageExecutor for LessonsExecutor {
             Err(aside) => {
                 return Ok(StageEffect::Requeue {
                     delay_ms: aside.delay_s.saturating_mul(1000),
-                    marker: markers::forge_wait(seq),
+                    marker: format!("{} n={appended}", markers::forge_wait(seq)),
                     reason: format!("{aside}; the audit commit comes back then"),
                 });
             }
@@ -433,7 +445,7 @@ async fn publish(
     let rel_str = rel.map(|r| r.to_string_lossy().into_owned());
     let dir_rel = run.work_item.artifact_dir();
     for attempt in 0..3 {
-        let main = crate::repos::sync_default_branch(&run.git, &run.repo_dir, &run.repo).await?;
+        let main = crate::release::sync_or_step_aside(run, crate::release::Step::Aside).await?;
         let mut files: Vec<(String, Vec<u8>)> = Vec::new();
         let mut n = 0;
         if let Some(rel_str) = &rel_str {

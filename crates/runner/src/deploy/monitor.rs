@@ -740,6 +740,22 @@ async fn finish(
     evidence_lost: Option<&str>,
     ending: Ending,
 ) -> anyhow::Result<StageEffect> {
+    if ending.verdict == Verdict::Failed
+        && let Err(e) = release_reaction(run, revision, &ending).await
+    {
+        // Before the log is written: the revert waits for the forge longer than one job may,
+        // so this ending comes back as a new ending job after the pause (it decides the same
+        // from the same polls and finds the rollback and the revert's progress on record),
+        // having written nothing the lessons would read twice.
+        return match e.downcast_ref::<crate::release::StepAside>() {
+            Some(aside) => Ok(StageEffect::Requeue {
+                delay_ms: aside.delay_s.saturating_mul(1000),
+                marker: markers::monitor_end(seq),
+                reason: format!("{aside}; the watch's ending (the revert) comes back then"),
+            }),
+            None => Err(e),
+        };
+    }
     let doc = render_post_deploy_log(&PostDeployLog {
         work_item: run.work_item.as_str(),
         created_at_ms: run.store.now_ms(),
@@ -769,21 +785,6 @@ async fn finish(
         ending.action.as_str(),
         ending.reason
     );
-    if ending.verdict == Verdict::Failed
-        && let Err(e) = release_reaction(run, revision, &ending).await
-    {
-        // The revert waits for the forge longer than one job may: this ending comes back as
-        // a new ending job after the pause (it decides the same from the same polls and finds
-        // the rollback and the revert's progress on record).
-        return match e.downcast_ref::<crate::release::StepAside>() {
-            Some(aside) => Ok(StageEffect::Requeue {
-                delay_ms: aside.delay_s.saturating_mul(1000),
-                marker: markers::monitor_end(seq),
-                reason: format!("{aside}; the watch's ending (the revert) comes back then"),
-            }),
-            None => Err(e),
-        };
-    }
     let verdict_counter = match ending.verdict {
         Verdict::Healthy => "healthy",
         Verdict::Degraded => "degraded",
