@@ -6,8 +6,8 @@
 //! ids, durations) are masked before the comparison. Any change to an artifact's wording or
 //! layout shows up in review as a change to a snapshot file.
 //!
-//! To accept an intended change: `ORCH_UPDATE_SNAPSHOTS=1 cargo test -p orch-runner --test
-//! artifact_snapshots`.
+//! To accept an intended change: `ORCH_UPDATE_SNAPSHOTS=1 cargo test -p orch-runner --test it
+//! artifact_snapshots::`.
 
 use crate::common;
 
