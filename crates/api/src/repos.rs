@@ -12,9 +12,10 @@ use std::collections::{BTreeMap, HashMap};
 
 use orch_domain::control::events;
 use orch_domain::outcome::TaskOutcome;
-use orch_domain::payload::{self, ReleaseDeployed, RollbackResult, WatchVerdict};
+use orch_domain::payload::{
+    self, DeployConfirmed, ReleaseDeployed, ReleaseReverted, RollbackResult, WatchVerdict,
+};
 use orch_store::{Event, Store, StoreError, Task, TaskFilter};
-use serde_json::Value;
 
 /// Tasks of one repo read at most (newest first).
 const MAX_TASKS: u32 = 1000;
@@ -73,13 +74,6 @@ pub(crate) struct RepoStory {
     /// Oldest first.
     pub deploys: Vec<Deploy>,
     pub lessons: Vec<LessonEvent>,
-}
-
-fn str_of(v: &Value, key: &str) -> Option<String> {
-    v.get(key)
-        .and_then(Value::as_str)
-        .map(str::to_owned)
-        .filter(|s| !s.is_empty())
 }
 
 /// Reads the repo's story; `None` when the repo has no task at all.
@@ -166,8 +160,10 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         .map(|(e, d)| (e.task_id, Some(d.revision.clone())))
         .collect();
     for e in take(&mut events, events::DEPLOY_CONFIRMED) {
-        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
-        if released_revs.contains(&(e.task_id, str_of(&d, "revision"))) {
+        let revision = payload::read::<DeployConfirmed>(&e.data)
+            .map(|d| d.revision)
+            .filter(|r| !r.is_empty());
+        if released_revs.contains(&(e.task_id, revision.clone())) {
             continue;
         }
         let wi = work_item(&e);
@@ -175,12 +171,12 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             event_id: e.id,
             at_ms: e.created_at,
             deployed_by: wi.clone(),
-            revision: str_of(&d, "revision"),
+            revision: revision.clone(),
             previous_revision: None,
             seq: None,
             items: vec![ShippedItem {
                 work_item: wi,
-                commit: str_of(&d, "revision"),
+                commit: revision,
                 change: "merge".to_owned(),
             }],
             source: events::DEPLOY_CONFIRMED,
@@ -246,12 +242,18 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         .cloned()
         .unwrap_or_default();
     for e in &reverted {
-        let d: Value = serde_json::from_str(&e.data).unwrap_or(Value::Null);
-        if str_of(&d, "repo").is_some_and(|r| r != repo) {
+        let d = payload::read::<ReleaseReverted>(&e.data);
+        if d.as_ref()
+            .is_some_and(|d| !d.repo.is_empty() && d.repo != repo)
+        {
             continue;
         }
-        let wi = str_of(&d, "work_item").unwrap_or_else(|| work_item(e));
-        let commit = str_of(&d, "revert_commit").unwrap_or_default();
+        let wi = d
+            .as_ref()
+            .map(|d| d.work_item.clone())
+            .filter(|w| !w.is_empty())
+            .unwrap_or_else(|| work_item(e));
+        let commit = d.map(|d| d.revert_commit).unwrap_or_default();
         if let Some(dep) = deploys
             .iter_mut()
             .rev()

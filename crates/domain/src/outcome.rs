@@ -32,7 +32,8 @@ use serde_json::Value;
 use crate::control::{self, events as kind};
 use crate::monitor::{ActionTaken, Verdict};
 use crate::payload::{
-    self, ProductionChecked, ReleaseRolledBack, RollbackResult, StageChange, WatchVerdict,
+    self, DeployConfirmed, ProductionChecked, ReleaseRolledBack, RollbackResult, StageChange,
+    WatchVerdict,
 };
 
 /// How a finished task ended.
@@ -299,7 +300,10 @@ pub fn facts_of(stage: &str, events: &[EventView<'_>]) -> Option<Facts> {
         match e.kind {
             kind::DEPLOY_CONFIRMED => {
                 f.deploy = DeployFact::Confirmed;
-                f.live = str_field(e.data, "revision").or(f.live.take());
+                f.live = payload::read_value::<DeployConfirmed>(e.data)
+                    .map(|d| d.revision)
+                    .filter(|r| !r.trim().is_empty())
+                    .or(f.live.take());
             }
             kind::DEPLOY_FAILED => f.deploy = DeployFact::Failed,
             kind::DEPLOY_UNCONFIRMED => f.deploy = DeployFact::Unconfirmed,

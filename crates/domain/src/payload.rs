@@ -414,6 +414,40 @@ pub struct ReleaseDeployed {
     pub seq: Option<i64>,
 }
 
+/// `deploy.confirmed`: the deploy command ran and production named `revision` (or the deploy
+/// was otherwise confirmed); `armed` when a post-deploy watch was armed for it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeployConfirmed {
+    /// The revision deployed.
+    pub revision: String,
+    /// A post-deploy watch was armed (the repo has a `health_url`).
+    #[serde(default)]
+    pub armed: bool,
+    /// The visit of the stage.
+    #[serde(default)]
+    pub seq: Option<i64>,
+}
+
+/// `release.reverted`: the item's change `reverted_from..reverted_to` taken out of the default
+/// branch by `revert_commit`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseReverted {
+    /// The repo.
+    #[serde(default)]
+    pub repo: String,
+    /// The item reverted.
+    #[serde(default)]
+    pub work_item: String,
+    /// The commit that reverts it, on the default branch.
+    pub revert_commit: String,
+    /// The default branch before the item's change.
+    #[serde(default)]
+    pub reverted_from: String,
+    /// The default branch with the item's change.
+    #[serde(default)]
+    pub reverted_to: String,
+}
+
 /// `release.rolled_back`: production went back from `revision` to `live`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReleaseRolledBack {
@@ -1053,5 +1087,30 @@ mod tests {
         assert!(RollbackResult::verified_in(&json!({"verified": true})));
         assert!(RollbackResult::attempted_in(&json!({})));
         assert!(!RollbackResult::verified_in(&json!({})));
+    }
+
+    /// `deploy.confirmed` and `release.reverted` as their untyped writers stored them read
+    /// back typed, and the typed writers store the same keys.
+    #[test]
+    fn deploy_confirmed_and_release_reverted_read_the_rows_of_before() {
+        let confirmed = json!({"revision": "r2", "armed": true, "seq": 7});
+        let c: DeployConfirmed = read_value(&confirmed).unwrap();
+        assert!(c.armed);
+        assert_eq!(c.revision, "r2");
+        assert_eq!(serde_json::to_value(&c).unwrap(), confirmed);
+        let unarmed: DeployConfirmed = read_value(&json!({"revision": "r3"})).unwrap();
+        assert!(!unarmed.armed, "a row without `armed` armed nothing");
+        assert_eq!(read_value::<DeployConfirmed>(&json!({"armed": true})), None);
+
+        let reverted = json!({"repo": "svc", "work_item": "APP-2", "revert_commit": "c3",
+                              "reverted_from": "c1", "reverted_to": "c2"});
+        let r: ReleaseReverted = read_value(&reverted).unwrap();
+        assert_eq!(
+            (r.work_item.as_str(), r.revert_commit.as_str()),
+            ("APP-2", "c3")
+        );
+        assert_eq!(serde_json::to_value(&r).unwrap(), reverted);
+        let older: ReleaseReverted = read_value(&json!({"revert_commit": "c3"})).unwrap();
+        assert_eq!(older.repo, "");
     }
 }

@@ -1625,7 +1625,7 @@ impl ForgeSyncHandler {
             .iter()
             .rev()
             .find(|e| e.kind == events::RELEASE_REVERTED)
-            .map(|e| e.data_value());
+            .and_then(|e| payload::read::<payload::ReleaseReverted>(&e.data));
         let view = forge::OutcomeView {
             work_item: task.work_item_id.clone(),
             seq,
@@ -1637,7 +1637,7 @@ impl ForgeSyncHandler {
                 .as_ref()
                 .and_then(|d| d["new"].as_str().map(str::to_owned)),
             release_pull: promoted.as_ref().and_then(|d| d["pull"].as_u64()),
-            revert_commit: reverted.and_then(|d| d["revert_commit"].as_str().map(str::to_owned)),
+            revert_commit: reverted.map(|d| d.revert_commit),
             task_url: self.task_url(item),
         };
         let text = forge::outcome_comment(&view);

@@ -1329,10 +1329,14 @@ async fn record_reverted(run: &StageRun, old: &str, new: &str, sha: &str, why: &
             run.repo.default_branch,
             one_line(why)
         ),
-        json!({
-            "repo": run.repo_name.as_str(), "work_item": run.work_item.as_str(),
-            "revert_commit": sha, "reverted_from": old, "reverted_to": new,
-        }),
+        serde_json::to_value(payload::ReleaseReverted {
+            repo: run.repo_name.as_str().to_owned(),
+            work_item: run.work_item.as_str().to_owned(),
+            revert_commit: sha.to_owned(),
+            reverted_from: old.to_owned(),
+            reverted_to: new.to_owned(),
+        })
+        .context("cannot encode the revert record")?,
     )
     .await?;
     Ok(())

@@ -719,12 +719,16 @@ impl DeployerExecutor {
                 "no health_url: no watch armed"
             }
         );
-        record(
+        super::record_payload(
             run,
             seq,
             events::DEPLOY_CONFIRMED,
             &message,
-            data([("revision", json!(revision)), ("armed", json!(armed))]),
+            &orch_domain::payload::DeployConfirmed {
+                revision: revision.to_owned(),
+                armed,
+                seq: None,
+            },
         )
         .await?;
         run.counters.incr("deployer", "confirmed");

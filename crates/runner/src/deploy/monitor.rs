@@ -26,7 +26,7 @@ use orch_domain::monitor::{
     decide, discount_lost_evidence, judge_superseded, planned_polls, render_post_deploy_log,
     tick_at_ms,
 };
-use orch_domain::payload::{self, NodeTakeover};
+use orch_domain::payload::{self, DeployConfirmed, NodeTakeover};
 use orch_domain::recovery::Trouble;
 use orch_store::{JobCount, NewEvent, NewJob, Store};
 use serde_json::json;
@@ -585,8 +585,8 @@ impl MonitorExecutor {
             .iter()
             .rev()
             .find(|e| e.kind == events::DEPLOY_CONFIRMED)
-            .and_then(|e| super::event_str(e, "revision"))
-            .unwrap_or_else(|| "unknown".to_owned());
+            .and_then(|e| payload::read::<DeployConfirmed>(&e.data))
+            .map_or_else(|| "unknown".to_owned(), |d| d.revision);
         let (reason, lost) = match (corrupt, &run.repo.health_url) {
             (None, None) => (
                 "nothing was watched: the repo has no health_url, so the deploy armed no watch"
@@ -671,14 +671,13 @@ async fn rearm_after_takeover(
         return Ok(None);
     };
     let from = takeover.from.unwrap_or_else(|| "?".to_owned());
-    let Some(confirmed) = history.iter().rev().find(|e| {
-        e.kind == events::DEPLOY_CONFIRMED
-            && serde_json::from_str::<serde_json::Value>(&e.data)
-                .is_ok_and(|v| v["armed"] == json!(true))
+    let Some((confirmed, revision)) = history.iter().rev().find_map(|e| {
+        (e.kind == events::DEPLOY_CONFIRMED)
+            .then(|| payload::read::<DeployConfirmed>(&e.data))
+            .flatten()
+            .filter(|d| d.armed)
+            .map(|d| (e, d.revision))
     }) else {
-        return Ok(None);
-    };
-    let Some(revision) = super::event_str(confirmed, "revision") else {
         return Ok(None);
     };
     let record = ArmedRecord::new(
