@@ -431,7 +431,7 @@ impl Progress {
             .iter()
             .filter(|t| {
                 t.is_terminal()
-                    || project.track.contains(&t.stage)
+                    || project.track.iter().any(|s| *s == t.stage)
                     || self.waiting.contains(&(t.id, t.stage_seq))
             })
             .count();

@@ -41,11 +41,11 @@ fn wall_ms() -> i64 {
 async fn task(store: &Store, n: usize) -> Task {
     store
         .create_task(NewTask {
-            work_item: orch_store::WorkItemSpec::Exact(format!("GC-{n}")),
-            repo: "svc".into(),
+            work_item: orch_store::WorkItemSpec::Exact(format!("GC-{n}").parse().unwrap()),
+            repo: "svc".parse().unwrap(),
             title: "gc".into(),
             body: String::new(),
-            stage: "staging".into(),
+            stage: "staging".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new(events::TASK_SUBMITTED, "submitted"),
             first_job: None,
@@ -85,7 +85,7 @@ async fn cancel(store: &Store, t: &Task) {
         .advance_stage(AdvanceStage {
             task_id: t.id,
             expected_stage: t.stage.clone(),
-            new_stage: control::CANCELLED.into(),
+            new_stage: control::CANCELLED.parse().unwrap(),
             fence: Fence::Seq(t.stage_seq),
             event: NewEvent::new(events::TASK_CANCELLED, "cancelled"),
             next_job: None,
