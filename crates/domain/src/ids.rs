@@ -325,15 +325,16 @@ impl WorkItemId {
     }
 
     /// The folder of the work item's artifacts, relative to the repo root:
-    /// `docs/work-items/<id>`.
+    /// `docs/work-items/<id>` (under [`crate::protect::WORK_ITEMS_DIR`]). The one place the
+    /// folder is spelled: every reader and writer of an item's documents goes through it.
     pub fn artifact_dir(&self) -> String {
-        format!("docs/work-items/{}", self.0)
+        format!("{}/{}", crate::protect::WORK_ITEMS_DIR, self.0)
     }
 
     /// The relative path of one of the work item's artifacts:
     /// `docs/work-items/<id>/<artifact>`.
     pub fn artifact_path(&self, artifact: &ArtifactName) -> String {
-        format!("docs/work-items/{}/{}", self.0, artifact)
+        format!("{}/{}", self.artifact_dir(), artifact)
     }
 }
 

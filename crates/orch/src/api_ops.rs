@@ -231,7 +231,7 @@ impl Operations for ApiOps {
             return Ok(Vec::new());
         }
         let git = self.runtime.engine.git();
-        let dir = format!("docs/work-items/{}", task.work_item_id);
+        let dir = task.work_item_id.artifact_dir();
         let files = match git.files_at(&repo_dir, &task.branch, &dir).await {
             Ok(files) => files,
             // All at once failed (more than git's output limit in all, an object missing):

@@ -950,7 +950,7 @@ impl ForgeSyncHandler {
     async fn pull_view(&self, item: &Item) -> forge::PullView {
         let paths = self.paths(item);
         let work_item = item.task.work_item_id.clone();
-        let dir = format!("docs/work-items/{work_item}");
+        let dir = work_item.artifact_dir();
         let documents = match self
             .engine
             .git()

@@ -334,7 +334,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
         t.work_item_id
     );
     let repo_dir = runtime.repos_dir.join("service");
-    let path = format!("docs/work-items/{0}/02-requirements.md", t.work_item_id);
+    let path = format!("{}/02-requirements.md", t.work_item_id.artifact_dir());
     let text = runtime
         .engine
         .git()
