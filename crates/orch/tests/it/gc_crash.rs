@@ -38,10 +38,12 @@ fn wall_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// Task number `n` (from 0) of the test: work item `GC-<n + 1>` (a work item's number is
+/// positive: `GC-0` is not a work item id, and the store refuses to write one).
 async fn task(store: &Store, n: usize) -> Task {
     store
         .create_task(NewTask {
-            work_item: orch_store::WorkItemSpec::Exact(format!("GC-{n}").parse().unwrap()),
+            work_item: orch_store::WorkItemSpec::Exact(format!("GC-{}", n + 1).parse().unwrap()),
             repo: "svc".parse().unwrap(),
             title: "gc".into(),
             body: String::new(),
