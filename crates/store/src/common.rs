@@ -298,7 +298,7 @@ pub(crate) fn decode_listing(rows: Vec<TaskRow>) -> Vec<Task> {
         .filter_map(|row| match row.decode() {
             Ok(task) => Some(task),
             Err(e) => {
-                tracing::error!(error = %e, "a task row left out of a listing: {e}");
+                tracing::error!(error = %e, "a corrupt task row is left out of a listing");
                 None
             }
         })

@@ -410,7 +410,7 @@ where
                     // A maintenance pass over many tasks: one corrupt row is reported and
                     // left as it is, not allowed to stop the pass for every other task.
                     let _ = tx.rollback().await;
-                    tracing::error!(error = %e, "a stranded task left as it is: {e}");
+                    tracing::error!(error = %e, task = task_id, "a stranded task with a corrupt row is left as it is");
                     continue;
                 }
                 Err(e) => return Err(e),
@@ -1209,7 +1209,7 @@ where
                 // a corrupt task row must not stop a job's completion nor a rescue pass over
                 // every other job. The task is left as it is for an operator: no stage change
                 // is made from a row whose names cannot be trusted.
-                tracing::error!(error = %e, job = job_id, "a failed job's task is left as it is: {e}");
+                tracing::error!(error = %e, job = job_id, "the task of a job failed for good has a corrupt row: left as it is");
                 return Ok(false);
             }
             Err(e) => return Err(e),
