@@ -713,7 +713,12 @@ async fn summary(
     );
     say!(
         "  ls {}  # every item's whole trail, in the sample service's own checkout",
-        shell_quote(&dir.join("service/docs/work-items").display().to_string())
+        shell_quote(
+            &dir.join("service")
+                .join(orch_domain::protect::WORK_ITEMS_DIR)
+                .display()
+                .to_string()
+        )
     );
     say!("  {orch} --config {cfg} serve               # the dashboard again, on the same data");
     if !on_path {
