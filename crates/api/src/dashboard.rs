@@ -422,7 +422,7 @@ impl OutcomeView {
             None => OutcomeView {
                 class: "in-flight",
                 label: format!("in progress: {}", task.stage),
-                stage: task.stage.clone(),
+                stage: task.stage.to_string(),
                 reason: String::new(),
             },
         }
@@ -443,12 +443,12 @@ impl TaskRow {
     fn new(t: &orch_store::Task, events: &[orch_store::Event]) -> Self {
         let o = crate::outcomes::of(t, events);
         TaskRow {
-            work_item_id: t.work_item_id.clone(),
-            repo: t.repo.clone(),
+            work_item_id: t.work_item_id.to_string(),
+            repo: t.repo.to_string(),
             title: t.title.clone(),
-            stage: t.stage.clone(),
+            stage: t.stage.to_string(),
             updated: fmt_time(t.updated_at),
-            pipeline: PipelineView::new(&t.stage, events),
+            pipeline: PipelineView::new(t.stage.as_str(), events),
             outcome: OutcomeView::new(t, o.as_ref()),
         }
     }
@@ -1153,8 +1153,8 @@ pub(crate) async fn index(
     let mut rows = Vec::with_capacity(tasks.len());
     let mut repos: Vec<String> = Vec::new();
     for t in &tasks {
-        if !repos.contains(&t.repo) {
-            repos.push(t.repo.clone());
+        if !repos.iter().any(|r| *r == t.repo) {
+            repos.push(t.repo.to_string());
         }
         rows.push(TaskRow::new(t, &events.remove(&t.id).unwrap_or_default()));
     }
@@ -1247,7 +1247,7 @@ pub(crate) async fn task_page(
         .await
         .map_err(store_err)?;
     let jobs = state.store.task_jobs(task.id).await.map_err(store_err)?;
-    let (files, artifacts_error) = match state.ops.artifacts(&task.work_item_id).await {
+    let (files, artifacts_error) = match state.ops.artifacts(task.work_item_id.as_str()).await {
         Ok(files) => (files, String::new()),
         Err(e) => (Vec::new(), e.to_string()),
     };
@@ -1311,9 +1311,9 @@ pub(crate) async fn task_page(
             }
         })
         .collect();
-    let pipeline = PipelineView::new(&task.stage, &events);
+    let pipeline = PipelineView::new(task.stage.as_str(), &events);
     let terminal = task.is_terminal();
-    let transcripts = transcripts(&state, &task.work_item_id, &runs).await;
+    let transcripts = transcripts(&state, task.work_item_id.as_str(), &runs).await;
     let page = TaskPage {
         transcripts,
         version: state.version.clone(),
@@ -1398,10 +1398,10 @@ pub(crate) async fn repo_page(
         .finished
         .iter()
         .map(|(t, o)| TaskRow {
-            work_item_id: t.work_item_id.clone(),
-            repo: t.repo.clone(),
+            work_item_id: t.work_item_id.to_string(),
+            repo: t.repo.to_string(),
             title: t.title.clone(),
-            stage: t.stage.clone(),
+            stage: t.stage.to_string(),
             updated: fmt_time(t.updated_at),
             pipeline: PipelineView {
                 boxes: Vec::new(),

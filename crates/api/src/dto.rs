@@ -116,7 +116,7 @@ impl Submitted {
     /// The answer for a task just submitted.
     pub fn of(task: &orch_store::Task) -> Self {
         Submitted {
-            work_item_id: task.work_item_id.clone(),
+            work_item_id: task.work_item_id.to_string(),
             task_id: task.id,
             task: Some(TaskDto::from(task)),
         }
@@ -156,7 +156,7 @@ impl ActionDone {
     /// The answer for `action` done on `task` (as stored after it).
     pub fn of(task: &orch_store::Task, action: Action) -> Self {
         ActionDone {
-            work_item_id: task.work_item_id.clone(),
+            work_item_id: task.work_item_id.to_string(),
             action: action.as_str(),
             task: Some(TaskDto::from(task)),
         }
@@ -224,11 +224,11 @@ impl From<&orch_store::Task> for TaskDto {
     fn from(t: &orch_store::Task) -> Self {
         TaskDto {
             id: t.id,
-            work_item_id: t.work_item_id.clone(),
-            repo: t.repo.clone(),
+            work_item_id: t.work_item_id.to_string(),
+            repo: t.repo.to_string(),
             title: t.title.clone(),
             body: t.body.clone(),
-            stage: t.stage.clone(),
+            stage: t.stage.to_string(),
             stage_seq: t.stage_seq,
             terminal: t.is_terminal(),
             branch: t.branch.clone(),

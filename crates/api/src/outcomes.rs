@@ -15,7 +15,7 @@ pub(crate) fn of(task: &Task, events: &[Event]) -> Option<TaskOutcome> {
     if !task.is_terminal() {
         return None;
     }
-    orch_store::outcome_of_events(&task.stage, events)
+    orch_store::outcome_of_events(task.stage.as_str(), events)
 }
 
 /// The outcome of one task, reading its events; `None` while it is in flight.

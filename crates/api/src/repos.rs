@@ -115,7 +115,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
     let work_item = |e: &Event| {
         e.task_id
             .and_then(|t| by_id.get(&t))
-            .map(|t| t.work_item_id.clone())
+            .map(|t| t.work_item_id.to_string())
             .unwrap_or_default()
     };
 
@@ -133,7 +133,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         deploys.push(Deploy {
             event_id: e.id,
             at_ms: e.created_at,
-            deployed_by: work_item(e),
+            deployed_by: work_item(e).to_string(),
             revision: Some(d.revision.clone()),
             previous_revision: d.previous_revision.clone(),
             seq: d.seq,
@@ -170,12 +170,12 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         deploys.push(Deploy {
             event_id: e.id,
             at_ms: e.created_at,
-            deployed_by: wi.clone(),
+            deployed_by: wi.to_string(),
             revision: revision.clone(),
             previous_revision: None,
             seq: None,
             items: vec![ShippedItem {
-                work_item: wi,
+                work_item: wi.to_string(),
                 commit: revision,
                 change: "merge".to_owned(),
             }],
@@ -252,7 +252,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
             .as_ref()
             .map(|d| d.work_item.clone())
             .filter(|w| !w.is_empty())
-            .unwrap_or_else(|| work_item(e));
+            .unwrap_or_else(|| work_item(e).to_string());
         let commit = d.map(|d| d.revert_commit).unwrap_or_default();
         if let Some(dep) = deploys
             .iter_mut()
@@ -267,7 +267,7 @@ pub(crate) async fn read(store: &Store, repo: &str) -> Result<Option<RepoStory>,
         .iter()
         .rev()
         .map(|e| LessonEvent {
-            work_item: work_item(e),
+            work_item: work_item(e).to_string(),
             at_ms: e.created_at,
             message: e.message.clone(),
         })

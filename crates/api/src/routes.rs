@@ -257,7 +257,7 @@ pub(crate) async fn task_events(
         .await
         .map_err(|e| AppError::store("a task's events", &e))?;
     Ok(Json(dto::EventList {
-        work_item_id: task.work_item_id,
+        work_item_id: task.work_item_id.to_string(),
         events: events.iter().map(dto::EventDto::from).collect(),
     }))
 }
@@ -268,9 +268,9 @@ pub(crate) async fn task_artifacts(
     WorkItemPath(id): WorkItemPath,
 ) -> ApiResult<Json<dto::ArtifactList>> {
     let task = find_task(&state, &id).await?;
-    let files = state.ops.artifacts(&task.work_item_id).await?;
+    let files = state.ops.artifacts(task.work_item_id.as_str()).await?;
     Ok(Json(dto::ArtifactList {
-        work_item_id: task.work_item_id,
+        work_item_id: task.work_item_id.to_string(),
         artifacts: files.into_iter().map(dto::ArtifactDto::from).collect(),
     }))
 }
@@ -289,7 +289,7 @@ pub(crate) async fn task_artifact(
         .parse()
         .map_err(|e| AppError::new(StatusCode::BAD_REQUEST, "invalid_name", format!("{e}")))?;
     let task = find_task(&state, &id).await?;
-    let files = state.ops.artifacts(&task.work_item_id).await?;
+    let files = state.ops.artifacts(task.work_item_id.as_str()).await?;
     files
         .into_iter()
         .find(|f| f.name == name.as_str())

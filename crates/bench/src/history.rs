@@ -275,11 +275,11 @@ async fn item(store: &Store, clock: &ManualClock, i: usize) -> Result<()> {
     };
     let mut task = store
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(format!("APP-{}", i + 1)),
-            repo: "service".into(),
+            work_item: WorkItemSpec::Exact(format!("APP-{}", i + 1).parse()?),
+            repo: "service".parse()?,
             title: format!("note {i}: add a line to the notes"),
             body: "Write notes/<id>.txt with one line; the service's tests must pass.".into(),
-            stage: STAGES[0].0.into(),
+            stage: STAGES[0].0.parse()?,
             branch_prefix: "orch/".into(),
             event: NewEvent::new(events::TASK_SUBMITTED, "submitted by the bench"),
             first_job: Some(NewJob::new(STAGES[0].0, payload(STAGES[0].0, 0))),
@@ -342,8 +342,8 @@ async fn item(store: &Store, clock: &ManualClock, i: usize) -> Result<()> {
         let adv = store
             .advance_stage(AdvanceStage {
                 task_id: task.id,
-                expected_stage: (*stage).to_owned(),
-                new_stage: next.to_owned(),
+                expected_stage: stage.parse()?,
+                new_stage: next.parse()?,
                 fence: Fence::Seq(task.stage_seq),
                 event: NewEvent::new(events::STAGE_ADVANCED, format!("{stage} → {next}")),
                 next_job: (next != "done")

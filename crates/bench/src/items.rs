@@ -431,7 +431,7 @@ impl Progress {
             .iter()
             .filter(|t| {
                 t.is_terminal()
-                    || project.track.contains(&t.stage)
+                    || project.track.iter().any(|s| *s == t.stage)
                     || self.waiting.contains(&(t.id, t.stage_seq))
             })
             .count();
@@ -937,7 +937,7 @@ async fn analyse(store: &Store, project: &Project) -> Result<Analysis> {
         let evs = store.task_events(task.id).await?;
         let runs = store.task_agent_runs(task.id).await?;
         // The test report on the item's branch: its time and the stage it belongs to.
-        let path = format!("docs/work-items/{}/{TEST_REPORT}", task.work_item_id);
+        let path = format!("{}/{TEST_REPORT}", task.work_item_id.artifact_dir());
         let test = git
             .show_file(&repo_dir, &task.branch, &path)
             .await

@@ -636,11 +636,11 @@ async fn fill_tasks(
         clock.set(at);
         let task = store
             .create_task(orch_store::NewTask {
-                work_item: orch_store::WorkItemSpec::Exact(format!("BENCH-{}", i + 1)),
-                repo: format!("repo{}", i % 10),
+                work_item: orch_store::WorkItemSpec::Exact(format!("BENCH-{}", i + 1).parse()?),
+                repo: format!("repo{}", i % 10).parse()?,
                 title: format!("bench task {i}"),
                 body: String::new(),
-                stage: stage.into(),
+                stage: stage.parse()?,
                 branch_prefix: "orch/".into(),
                 event: orch_store::NewEvent::new(
                     orch_domain::control::events::TASK_SUBMITTED,

@@ -100,11 +100,11 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
     for i in 0..n {
         let task = store
             .create_task(NewTask {
-                work_item: WorkItemSpec::Exact(format!("BENCH-{}", i + 1)),
-                repo: REPO.into(),
+                work_item: WorkItemSpec::Exact(format!("BENCH-{}", i + 1).parse()?),
+                repo: REPO.parse()?,
                 title: format!("watch {i}"),
                 body: String::new(),
-                stage: "observe".into(),
+                stage: "observe".parse()?,
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new(orch_domain::control::events::TASK_SUBMITTED, "bench watch"),
                 first_job: None,
@@ -117,8 +117,8 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
     // Every item's worktree, as the stages before `observe` left it.
     let t_worktrees = Instant::now();
     for id in &order {
-        let work_item: orch_domain::ids::WorkItemId = tasks[id].work_item_id.parse()?;
-        repos::prepare_worktree(&git, &paths, &work_item, &repo.default_branch).await?;
+        let work_item = &tasks[id].work_item_id;
+        repos::prepare_worktree(&git, &paths, work_item, &repo.default_branch).await?;
     }
     eprintln!(
         "{n} worktrees created in {:.1} s",
@@ -131,7 +131,7 @@ pub async fn watches(cx: &Context, args: BenchWatchesArgs) -> Result<ExitCode> {
         let task = &tasks[id];
         let offset = i64::try_from(args.spread_ms.saturating_mul(i as u64) / n as u64).unwrap_or(0);
         let record = ArmedRecord::new(params, armed_base + offset, REVISION);
-        let ws = WatchState::new(&repos_dir, REPO, &task.work_item_id);
+        let ws = WatchState::new(&repos_dir, REPO, task.work_item_id.as_str());
         anyhow::ensure!(
             ws.arm(&record) == ArmOutcome::Armed,
             "cannot arm the watch of {}",

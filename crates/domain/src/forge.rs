@@ -874,9 +874,10 @@ pub struct PullView {
 pub fn pull_body(v: &PullView) -> String {
     let doc = |name: &str| {
         format!(
-            "{}/blob/{}/docs/work-items/{}/{}",
+            "{}/blob/{}/{}/{}/{}",
             url_text(&v.web),
             url_path(&v.branch),
+            url_path(crate::protect::WORK_ITEMS_DIR),
             url_path(&v.work_item),
             url_path(name)
         )

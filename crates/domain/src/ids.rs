@@ -162,6 +162,45 @@ macro_rules! string_newtype {
             }
         }
 
+        // Comparing with plain text is always safe (no unvalidated value is built), and it
+        // lets code and tests holding a typed row compare it with a literal (`task.stage ==
+        // "done"`) as they did when the row held strings.
+        impl PartialEq<str> for $name {
+            fn eq(&self, other: &str) -> bool {
+                self.0 == other
+            }
+        }
+
+        impl PartialEq<&str> for $name {
+            fn eq(&self, other: &&str) -> bool {
+                self.0 == *other
+            }
+        }
+
+        impl PartialEq<String> for $name {
+            fn eq(&self, other: &String) -> bool {
+                &self.0 == other
+            }
+        }
+
+        impl PartialEq<$name> for str {
+            fn eq(&self, other: &$name) -> bool {
+                self == other.0
+            }
+        }
+
+        impl PartialEq<$name> for &str {
+            fn eq(&self, other: &$name) -> bool {
+                *self == other.0
+            }
+        }
+
+        impl PartialEq<$name> for String {
+            fn eq(&self, other: &$name) -> bool {
+                *self == other.0
+            }
+        }
+
         impl serde::Serialize for $name {
             fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
                 s.serialize_str(&self.0)
@@ -286,15 +325,16 @@ impl WorkItemId {
     }
 
     /// The folder of the work item's artifacts, relative to the repo root:
-    /// `docs/work-items/<id>`.
+    /// `docs/work-items/<id>` (under [`crate::protect::WORK_ITEMS_DIR`]). The one place the
+    /// folder is spelled: every reader and writer of an item's documents goes through it.
     pub fn artifact_dir(&self) -> String {
-        format!("docs/work-items/{}", self.0)
+        format!("{}/{}", crate::protect::WORK_ITEMS_DIR, self.0)
     }
 
     /// The relative path of one of the work item's artifacts:
     /// `docs/work-items/<id>/<artifact>`.
     pub fn artifact_path(&self, artifact: &ArtifactName) -> String {
-        format!("docs/work-items/{}/{}", self.0, artifact)
+        format!("{}/{}", self.artifact_dir(), artifact)
     }
 }
 

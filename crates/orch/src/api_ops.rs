@@ -50,7 +50,7 @@ impl Operations for ApiOps {
             .await
             .map_err(op_err)?;
         Ok(SubmitResult {
-            work_item_id: task.work_item_id,
+            work_item_id: task.work_item_id.to_string(),
             task_id: task.id,
         })
     }
@@ -158,7 +158,7 @@ impl Operations for ApiOps {
             return Vec::new();
         };
         tokio::task::spawn_blocking(move || {
-            WatchState::new(&repos_dir, &task.repo, &id)
+            WatchState::new(&repos_dir, task.repo.as_str(), &id)
                 .series()
                 .polls
                 .iter()
@@ -226,12 +226,12 @@ impl Operations for ApiOps {
 
     async fn artifacts(&self, id: &str) -> Result<Vec<ArtifactFile>, OpError> {
         let task = self.ops().task(id).await.map_err(op_err)?;
-        let repo_dir = self.runtime.places.repos_dir.join(&task.repo);
+        let repo_dir = self.runtime.places.repos_dir.join(task.repo.as_str());
         if !repo_dir.join(".git").exists() {
             return Ok(Vec::new());
         }
         let git = self.runtime.engine.git();
-        let dir = format!("docs/work-items/{}", task.work_item_id);
+        let dir = task.work_item_id.artifact_dir();
         let files = match git.files_at(&repo_dir, &task.branch, &dir).await {
             Ok(files) => files,
             // All at once failed (more than git's output limit in all, an object missing):

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use anyhow::Context as _;
 use orch_domain::control::{dedupe, events, jobs};
-use orch_domain::ids::{RepoName, WorkItemId};
+use orch_domain::ids::RepoName;
 use orch_domain::notice::{self, Notice};
 use orch_domain::outcome::{Outcome, TaskOutcome};
 use orch_store::{Event, NewEvent, NewJob, Task};
@@ -67,12 +67,8 @@ impl JobHandler for TaskEndedHandler {
             return Ok(JobDone::Done);
         }
         let config = self.engine.config().live.current();
-        let Some((name, repo)) = task
-            .repo
-            .parse::<RepoName>()
-            .ok()
-            .and_then(|n| config.repos.get(&n).cloned().map(|r| (n, r)))
-        else {
+        let name = task.repo.clone();
+        let Some(repo) = config.repos.get(&name).cloned() else {
             tracing::info!(work_item = %task.work_item_id, repo = %task.repo, "task-ended: the repo is no longer configured; nothing announced or published");
             return Ok(JobDone::Done);
         };
@@ -86,7 +82,10 @@ impl JobHandler for TaskEndedHandler {
             return Ok(JobDone::Done);
         }
         let track = crate::release::track(&self.engine.config().pipeline);
-        if let Some((holder, stage)) = store.track_holder(&task.repo, task.id, &track).await? {
+        if let Some((holder, stage)) = store
+            .track_holder(task.repo.as_str(), task.id, &track)
+            .await?
+        {
             tracing::info!(work_item = %task.work_item_id, %holder, %stage, "task-ended: the trail waits for the release track");
             let next = Payload {
                 wait: p.wait.saturating_add(1),
@@ -183,7 +182,7 @@ impl TaskEndedHandler {
                 repo,
                 cwd,
                 task_id: task.id,
-                stage: &task.stage,
+                stage: task.stage.as_str(),
                 lease: Some(cx.lease),
             },
             &notice,
@@ -204,13 +203,10 @@ impl TaskEndedHandler {
         paths: &RepoPaths,
     ) -> anyhow::Result<Option<(String, usize)>> {
         let git = self.engine.git();
-        let work_item: WorkItemId = task
-            .work_item_id
-            .parse()
-            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let work_item = &task.work_item_id;
         repos::ensure_clone(git, &self.engine.config().root, paths, name, repo).await?;
         if git.has_remote(&paths.repo_dir, "origin").await? {
-            repos::catch_up_work_branch(git, paths, &work_item).await?;
+            repos::catch_up_work_branch(git, paths, work_item).await?;
         }
         let dir = work_item.artifact_dir();
         let branch = format!("refs/heads/{}", work_item.branch_name());
@@ -282,7 +278,7 @@ fn trail_published(history: &[Event], seq: i64) -> bool {
 
 /// The task's outcome by the one rule.
 fn outcome_of_task(task: &Task, history: &[Event]) -> Option<TaskOutcome> {
-    orch_store::outcome_of_events(&task.stage, history)
+    orch_store::outcome_of_events(task.stage.as_str(), history)
 }
 
 /// The `outcome` notice: the outcome and its reason, the deploy's revisions, what orch last saw
@@ -363,10 +359,10 @@ fn outcome_notice(
         id: format!("{id}-{}", terminal.id),
         event: notice::event::OUTCOME.to_owned(),
         at_ms: terminal.created_at,
-        work_item: id.clone(),
+        work_item: id.to_string(),
         title: task.title.clone(),
-        repo: task.repo.clone(),
-        stage: o.stage.clone().unwrap_or_else(|| task.stage.clone()),
+        repo: task.repo.to_string(),
+        stage: o.stage.clone().unwrap_or_else(|| task.stage.to_string()),
         revision: deployed.as_ref().map(|d| d.revision.clone()),
         previous_revision: deployed.and_then(|d| d.previous_revision),
         outcome: Some(o.outcome.as_str().to_owned()),
@@ -376,7 +372,7 @@ fn outcome_notice(
         live,
         tried,
         todo,
-        links: notice::links(&settings.link_base(), id, &task.repo),
+        links: notice::links(&settings.link_base(), id.as_str(), task.repo.as_str()),
     }
 }
 

@@ -121,7 +121,10 @@ pub async fn create_item(
     let task = crate::ops::new_task(
         pipeline,
         repo,
-        WorkItemSpec::Exact(id.clone()),
+        WorkItemSpec::Exact(
+            id.parse()
+                .map_err(|e| StoreError::Invalid(format!("issue #{}: {e}", issue.number)))?,
+        ),
         &title,
         &body,
         &by,

@@ -37,7 +37,7 @@ use orch_domain::config::{Config, RepoConfig};
 use orch_domain::control::actor::Actor;
 use orch_domain::control::{self, dedupe, events, jobs};
 use orch_domain::forge::{self, ForgeConfig, Origin, ReviewState, StatusState};
-use orch_domain::ids::{RepoName, WorkItemId};
+use orch_domain::ids::RepoName;
 use orch_domain::payload::{
     self, ForgeOutcome, ForgePull, ForgeReview, ForgeSynced, ReleaseDeployed, SentStatus,
     StageChange,
@@ -218,11 +218,10 @@ fn reviews_taken(events: &[Event]) -> HashSet<u64> {
         .collect()
 }
 
-fn forge_of(config: &Config, repo: &str) -> Option<(RepoName, RepoConfig, ForgeConfig)> {
-    let name: RepoName = repo.parse().ok()?;
-    let repo = config.repos.get(&name)?.clone();
+fn forge_of(config: &Config, name: &RepoName) -> Option<(RepoName, RepoConfig, ForgeConfig)> {
+    let repo = config.repos.get(name)?.clone();
     let f = repo.forge.clone()?;
-    Some((name, repo, f))
+    Some((name.clone(), repo, f))
 }
 
 /// The state of stage `stage`'s status as the events say, in event order: which stages each
@@ -391,7 +390,7 @@ impl ForgeSyncPass {
             .tasks_followed(name.as_str(), now - FOLLOW_ENDED_MS)
             .await?
             .into_iter()
-            .filter(|t| t.work_item_id.starts_with(&prefix))
+            .filter(|t| t.work_item_id.as_str().starts_with(&prefix))
             .collect();
         let ids: Vec<i64> = tasks.iter().map(|t| t.id).collect();
         let newest: HashMap<i64, i64> = store.newest_event_ids(&ids).await?.into_iter().collect();
@@ -927,8 +926,8 @@ impl ForgeSyncHandler {
         let config = self.engine.config().live.current();
         orch_domain::notice::links(
             &config.settings.link_base(),
-            &item.task.work_item_id,
-            &item.task.repo,
+            item.task.work_item_id.as_str(),
+            item.task.repo.as_str(),
         )
         .task
     }
@@ -951,7 +950,7 @@ impl ForgeSyncHandler {
     async fn pull_view(&self, item: &Item) -> forge::PullView {
         let paths = self.paths(item);
         let work_item = item.task.work_item_id.clone();
-        let dir = format!("docs/work-items/{work_item}");
+        let dir = work_item.artifact_dir();
         let documents = match self
             .engine
             .git()
@@ -1001,14 +1000,14 @@ impl ForgeSyncHandler {
                 .rev()
                 .take_while(|e| !control::events::STAGE_ENTERED.contains(&e.kind.as_str()))
                 .any(|e| e.kind == events::STAGE_APPROVED);
-        let outcome = orch_store::outcome_of_events(&item.task.stage, &item.history)
+        let outcome = orch_store::outcome_of_events(item.task.stage.as_str(), &item.history)
             .map(|o| o.outcome.label().to_owned());
         forge::PullView {
-            work_item,
+            work_item: work_item.into(),
             issue: item.origin.issue,
             web: item.origin.web_url(),
             branch: item.task.branch.clone(),
-            stage: item.task.stage.clone(),
+            stage: item.task.stage.to_string(),
             awaiting_approval: awaiting,
             documents,
             tests: outcome_of_stage("verification"),
@@ -1324,7 +1323,7 @@ impl ForgeSyncHandler {
                     pull: Some(pull),
                     action: ForgeReview::APPROVING.to_owned(),
                     why: None,
-                    stage: Some(task.stage.clone()),
+                    stage: Some(task.stage.to_string()),
                     seq: Some(task.stage_seq),
                     by: review.user.clone(),
                 }));
@@ -1353,7 +1352,7 @@ impl ForgeSyncHandler {
         match self
             .ops
             .approve_at(
-                &task.work_item_id,
+                task.work_item_id.as_str(),
                 actor,
                 Some((task.stage.as_str(), task.stage_seq)),
             )
@@ -1393,8 +1392,9 @@ impl ForgeSyncHandler {
         // Back to the stage that writes the code, as the pipeline's descriptor says.
         let code = pipeline
             .code_stage()
-            .and_then(|c| Some((index(c.name.as_str())?, c.name.as_str().to_owned())));
-        let (Some(at), Some((implementation, code_stage))) = (index(&task.stage), code) else {
+            .and_then(|c| Some((index(c.name.as_str())?, c.name.clone())));
+        let (Some(at), Some((implementation, code_stage))) = (index(task.stage.as_str()), code)
+        else {
             return self
                 .note(
                     cx,
@@ -1468,14 +1468,17 @@ impl ForgeSyncHandler {
         let gh = GitHub::connect(&item.forge_cfg)?;
         let comments = gh.review_comments(pull, review.id).await?;
         let text = forge::review_feedback(
-            &task.work_item_id,
+            task.work_item_id.as_str(),
             &item.forge_cfg.repo,
             pull,
             review,
             &comments,
         );
         self.commit_feedback(cx, item, &text).await?;
-        let Some(next_job) = self.engine.stage_job(&code_stage, task.stage_seq + 1) else {
+        let Some(next_job) = self
+            .engine
+            .stage_job(code_stage.as_str(), task.stage_seq + 1)
+        else {
             return self
                 .note(
                     cx,
@@ -1505,7 +1508,7 @@ impl ForgeSyncHandler {
                         review: Some(review.id),
                         pull: Some(pull),
                         by: Some(actor.data()),
-                        ..StageChange::new(&task.stage, &code_stage)
+                        ..StageChange::new(task.stage.as_str(), code_stage.as_str())
                     }
                     .text(),
                 ),
@@ -1536,14 +1539,10 @@ impl ForgeSyncHandler {
     ) -> Result<(), SyncError> {
         let git = self.engine.git();
         let paths = self.paths(item);
-        let work_item: WorkItemId = item
-            .task
-            .work_item_id
-            .parse()
-            .map_err(|e| anyhow::anyhow!("work item {}: {e}", item.task.work_item_id))?;
+        let work_item = &item.task.work_item_id;
         let shared = repos::shares_work_branches(git, &paths.repo_dir, &item.repo).await;
         if shared {
-            repos::catch_up_work_branch(git, &paths, &work_item).await?;
+            repos::catch_up_work_branch(git, &paths, work_item).await?;
         }
         let branch = &item.task.branch;
         let head = git
@@ -1600,7 +1599,7 @@ impl ForgeSyncHandler {
         {
             return Ok(Outcome::Done);
         }
-        let Some(o) = orch_store::outcome_of_events(&task.stage, &item.history) else {
+        let Some(o) = orch_store::outcome_of_events(task.stage.as_str(), &item.history) else {
             return Ok(Outcome::Done);
         };
         let deployed = item
@@ -1627,7 +1626,7 @@ impl ForgeSyncHandler {
             .find(|e| e.kind == events::RELEASE_REVERTED)
             .and_then(|e| payload::read::<payload::ReleaseReverted>(&e.data));
         let view = forge::OutcomeView {
-            work_item: task.work_item_id.clone(),
+            work_item: task.work_item_id.to_string(),
             seq,
             outcome: o.outcome.as_str().to_owned(),
             reason: o.reason.clone(),
@@ -1641,7 +1640,7 @@ impl ForgeSyncHandler {
             task_url: self.task_url(item),
         };
         let text = forge::outcome_comment(&view);
-        let marker = forge::outcome_marker(&task.work_item_id, seq);
+        let marker = forge::outcome_marker(task.work_item_id.as_str(), seq);
         let gh = GitHub::connect(&item.forge_cfg)?;
         let pull = pull_of(&item.history);
         let own = self.own_login(&gh, &item.forge_cfg).await?;
@@ -1875,11 +1874,11 @@ mod tests {
     fn close_and_reopen_go_only_on_a_row_that_did_not_move() {
         let row = |stage: &str, stage_seq| Task {
             id: 1,
-            work_item_id: "GH-1".into(),
-            repo: "app".into(),
+            work_item_id: "GH-1".parse().unwrap(),
+            repo: "app".parse().unwrap(),
             title: String::new(),
             body: String::new(),
-            stage: stage.into(),
+            stage: stage.parse().unwrap(),
             stage_seq,
             branch: "orch/GH-1".into(),
             created_at: 0,

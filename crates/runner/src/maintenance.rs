@@ -348,12 +348,12 @@ mod tests {
         let task = s
             .create_task(NewTask {
                 work_item: WorkItemSpec::Next {
-                    prefix: "ORCH".into(),
+                    prefix: "ORCH".parse().unwrap(),
                 },
-                repo: "svc".into(),
+                repo: "svc".parse().unwrap(),
                 title: "t".into(),
                 body: String::new(),
-                stage: "review".into(),
+                stage: "review".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new(orch_domain::control::events::TASK_SUBMITTED, "submitted"),
                 first_job: Some(NewJob::new("reviewer", "review")),

@@ -10,7 +10,7 @@ use orch_domain::MAX_REQUEST_BYTES;
 use orch_domain::config::Config;
 use orch_domain::control::actor::{self, Actor};
 use orch_domain::control::{self, events};
-use orch_domain::ids::{RepoName, WorkItemId};
+use orch_domain::ids::{RepoName, StageName, WorkItemId};
 use orch_domain::payload::{self, StageChange};
 use orch_domain::pipeline::Pipeline;
 use orch_store::{
@@ -51,7 +51,7 @@ pub async fn submit(
             pipeline,
             &repo_name,
             WorkItemSpec::Next {
-                prefix: repo_cfg.prefix.as_str().to_owned(),
+                prefix: repo_cfg.prefix.clone(),
             },
             title,
             body,
@@ -95,7 +95,7 @@ pub fn new_task(
         .ok_or_else(|| OpsError::Invalid("the pipeline has no stages".into()))?;
     Ok(NewTask {
         work_item,
-        repo: repo.as_str().to_owned(),
+        repo: repo.clone(),
         title: title.to_owned(),
         body: body.to_owned(),
         stage,
@@ -202,11 +202,7 @@ impl Ops {
             // What production runs as the operator goes on: the revision the item's outcome
             // names as accepted when production was not verified back.
             let config = self.engine.config().live.current();
-            let repo = task
-                .repo
-                .parse::<RepoName>()
-                .ok()
-                .and_then(|r| config.repos.get(&r).cloned());
+            let repo = config.repos.get(&task.repo).cloned();
             // A short look: the operator's call waits for it.
             let sight = match repo {
                 Some(mut repo) => {
@@ -331,28 +327,32 @@ impl Ops {
                 "{id} failed at stage {stage}, which the pipeline no longer has"
             )));
         }
+        // A stage of the pipeline (just checked), so a valid name.
+        let stage: StageName = stage.parse().map_err(|e| {
+            OpsError::Conflict(format!("{id}: the stage it failed in is not a stage: {e}"))
+        })?;
         let waits = self
             .engine
             .config()
             .pipeline
             .stages
             .iter()
-            .any(|s| s.name.as_str() == stage && s.approval);
+            .any(|s| s.name == stage && s.approval);
         let next_job = if waits {
             None
         } else {
-            self.engine.stage_job(&stage, task.stage_seq + 1)
+            self.engine.stage_job(stage.as_str(), task.stage_seq + 1)
         };
         let adv = AdvanceStage {
             task_id: task.id,
-            expected_stage: control::FAILED.into(),
+            expected_stage: StageName::failed(),
             new_stage: stage.clone(),
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new(
                 events::TASK_RETRIED,
                 format!("retried at stage {stage} {}", by.describe()),
             )
-            .data(StageChange::retried(&stage, by.data()).text()),
+            .data(StageChange::retried(stage.as_str(), by.data()).text()),
             next_job,
         };
         // A retry into the release track takes it like any other entry: one release at a time.
@@ -382,10 +382,11 @@ impl Ops {
             .advance_stage(AdvanceStage {
                 task_id: task.id,
                 expected_stage: task.stage.clone(),
-                new_stage: control::CANCELLED.into(),
+                new_stage: StageName::cancelled(),
                 fence: Fence::Seq(task.stage_seq),
-                event: NewEvent::new(events::TASK_CANCELLED, cancelled.clone())
-                    .data(StageChange::cancelled(&task.stage, &cancelled, by.data()).text()),
+                event: NewEvent::new(events::TASK_CANCELLED, cancelled.clone()).data(
+                    StageChange::cancelled(task.stage.as_str(), &cancelled, by.data()).text(),
+                ),
                 next_job: None,
             })
             .await?;
@@ -394,8 +395,8 @@ impl Ops {
         // recovery sweep, when this process is elsewhere).
         crate::release::end_watch(
             &self.engine.config().repos_dir,
-            &task.repo,
-            &task.work_item_id,
+            task.repo.as_str(),
+            task.work_item_id.as_str(),
             &format!("the task was cancelled {}", by.describe()),
         );
         Ok(adv.task)

@@ -1585,9 +1585,9 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
     for t in holders {
         let hold = open_hold(&holds.remove(&t.id).unwrap_or_default());
         let entry = by_repo
-            .entry(t.repo.clone())
-            .or_insert_with(|| (t.repo.clone(), None, None, Vec::new()));
-        entry.1 = Some((t.work_item_id.clone(), t.stage.clone()));
+            .entry(t.repo.to_string())
+            .or_insert_with(|| (t.repo.to_string(), None, None, Vec::new()));
+        entry.1 = Some((t.work_item_id.to_string(), t.stage.to_string()));
         entry.2 = hold;
     }
     // The waiters: tasks off the track (a refused entry leaves a task at the stage it
@@ -1604,7 +1604,7 @@ pub async fn tracks(store: &Store, pipeline: &Pipeline) -> Result<Vec<TrackView>
             .get(&t.id)
             .is_some_and(|evs| evs.iter().any(|e| seq_of(e) == Some(t.stage_seq)));
         if refused {
-            waiting.insert(t.id, (t.repo.clone(), t.work_item_id.clone()));
+            waiting.insert(t.id, (t.repo.to_string(), t.work_item_id.to_string()));
         }
     }
     for (repo, id) in waiting.into_values() {

@@ -5,6 +5,8 @@ use orch_domain::control::{self, events};
 use orch_domain::payload::StageChange;
 use sqlx::Row;
 
+use orch_domain::ids::IdError;
+
 use crate::error::{Result, StoreError};
 use crate::model::*;
 
@@ -17,7 +19,7 @@ pub(crate) fn stranded_event(task: &Task, job_id: i64, error: &str) -> NewEvent 
     )
     .task(task.id)
     .job(job_id)
-    .data(StageChange::failed(&task.stage, error).text())
+    .data(StageChange::failed(task.stage.as_str(), error).text())
 }
 
 /// The job a task reaching a terminal stage gets, in the same transaction (see
@@ -147,20 +149,6 @@ pub(crate) fn lease_lost(lease: Lease, state: &str, attempt: i64) -> StoreError 
     StoreError::LeaseLost { lease, actual }
 }
 
-pub(crate) fn check_prefix(prefix: &str) -> Result<()> {
-    if prefix.is_empty()
-        || prefix.len() > 16
-        || !prefix
-            .bytes()
-            .all(|b| b.is_ascii_uppercase() || b.is_ascii_digit())
-    {
-        return Err(StoreError::Invalid(format!(
-            "work item prefix {prefix:?} must be 1-16 characters of [A-Z0-9]"
-        )));
-    }
-    Ok(())
-}
-
 pub(crate) fn json_or_empty(data: &str) -> &str {
     if data.trim().is_empty() { "{}" } else { data }
 }
@@ -261,4 +249,93 @@ pub(crate) fn due_at(jobs: &[NewJob], now: Millis) -> Millis {
         })
         .min()
         .unwrap_or(Millis::MIN)
+}
+
+/// A row of `tasks` as the database returns it: the text columns not yet checked. Only the
+/// store sees it (`pub` only for the drivers' `FromRow` bounds; this module is private); [`TaskRow::decode`] turns it into a [`Task`] or a
+/// [`StoreError::CorruptRow`] naming the row, the column and the value.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct TaskRow {
+    pub id: i64,
+    pub work_item_id: String,
+    pub repo: String,
+    pub title: String,
+    pub body: String,
+    pub stage: String,
+    pub stage_seq: i64,
+    pub branch: String,
+    pub created_at: Millis,
+    pub updated_at: Millis,
+}
+
+impl TaskRow {
+    /// The row as a [`Task`], its names validated; the first one that does not parse is a
+    /// [`StoreError::CorruptRow`].
+    pub(crate) fn decode(self) -> Result<Task, StoreError> {
+        let id = self.id;
+        Ok(Task {
+            id,
+            work_item_id: column("tasks", id, "work_item_id", self.work_item_id)?,
+            repo: column("tasks", id, "repo", self.repo)?,
+            title: self.title,
+            body: self.body,
+            stage: column("tasks", id, "stage", self.stage)?,
+            stage_seq: self.stage_seq,
+            branch: self.branch,
+            created_at: self.created_at,
+            updated_at: self.updated_at,
+        })
+    }
+}
+
+/// Decodes `rows` of a listing (the dashboard, a report, a maintenance pass): a row that does
+/// not decode is left out with an error in the log naming it, so one corrupt row neither hides
+/// every other task nor stops a pass that works on the others. Nothing is deleted or changed:
+/// the row stays for an operator to repair, and every single-row read of it
+/// ([`crate::Store::get_task`], a stage change) still fails with the same error.
+pub(crate) fn decode_listing(rows: Vec<TaskRow>) -> Vec<Task> {
+    rows.into_iter()
+        .filter_map(|row| match row.decode() {
+            Ok(task) => Some(task),
+            Err(e) => {
+                tracing::error!(error = %e, "a corrupt task row is left out of a listing");
+                None
+            }
+        })
+        .collect()
+}
+
+/// Column `column` of row `id` of `table` as a validated name `T`, or the error that names
+/// them and the value (cut to [`CORRUPT_VALUE_ECHO`] characters, escaped by `{:?}`).
+pub(crate) fn column<T>(
+    table: &'static str,
+    id: i64,
+    column: &'static str,
+    value: String,
+) -> Result<T, StoreError>
+where
+    T: TryFrom<String, Error = IdError>,
+{
+    T::try_from(value.clone()).map_err(|e| StoreError::CorruptRow {
+        table,
+        id,
+        column,
+        value: echo(&value),
+        reason: e.reason,
+    })
+}
+
+/// At most this many characters of a corrupt value are quoted in an error: the value may be
+/// anything, of any length.
+pub(crate) const CORRUPT_VALUE_ECHO: usize = 80;
+
+/// `value` cut to [`CORRUPT_VALUE_ECHO`] characters (`…` marks a cut); the error escapes it.
+fn echo(value: &str) -> String {
+    if value.chars().count() > CORRUPT_VALUE_ECHO {
+        let mut cut: String = value.chars().take(CORRUPT_VALUE_ECHO).collect();
+        cut.push('…');
+        cut
+    } else {
+        value.to_owned()
+    }
 }

@@ -15,7 +15,8 @@
 
 use std::sync::Arc;
 
-use orch_domain::control::{self, events};
+use orch_domain::control::events;
+use orch_domain::ids::{StageName, WorkItemId};
 use sqlx::{ColumnIndex, Database, Decode, Encode, Executor, FromRow, IntoArguments, Row, Type};
 
 use crate::common::*;
@@ -61,7 +62,7 @@ where
     for<'q> Option<String>: Encode<'q, DB>,
     usize: ColumnIndex<DB::Row>,
     for<'r> Job: FromRow<'r, DB::Row>,
-    for<'r> Task: FromRow<'r, DB::Row>,
+    for<'r> TaskRow: FromRow<'r, DB::Row>,
     for<'r> Event: FromRow<'r, DB::Row>,
     for<'r> AgentRun: FromRow<'r, DB::Row>,
 {
@@ -403,10 +404,17 @@ where
             );
             let now = self.now();
             let mut tx = self.d.begin().await?;
-            let current = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
-                .bind(task_id)
-                .fetch_optional(&mut *tx)
-                .await?;
+            let current = match self.locked_task(&mut tx, task_id).await {
+                Ok(current) => current,
+                Err(e @ StoreError::CorruptRow { .. }) => {
+                    // A maintenance pass over many tasks: one corrupt row is reported and
+                    // left as it is, not allowed to stop the pass for every other task.
+                    let _ = tx.rollback().await;
+                    tracing::error!(error = %e, task = task_id, "a stranded task with a corrupt row is left as it is");
+                    continue;
+                }
+                Err(e) => return Err(e),
+            };
             let ended = current.is_some_and(|t| t.stage_seq == seq)
                 && self
                     .fail_stranded_task(&mut tx, task_id, job_id, &error, now)
@@ -552,31 +560,42 @@ where
         let work_item_id = match &new.work_item {
             WorkItemSpec::Exact(id) => id.clone(),
             WorkItemSpec::Next { prefix } => {
-                check_prefix(prefix)?;
-                D::lock_work_item_prefix(&mut tx, prefix).await?;
+                D::lock_work_item_prefix(&mut tx, prefix.as_str()).await?;
                 let max: Option<i64> = sqlx::query_scalar(D::MAX_WORK_ITEM_NUMBER)
-                    .bind(prefix)
+                    .bind(prefix.as_str())
                     .fetch_one(&mut *tx)
                     .await?;
-                format!("{prefix}-{}", max.unwrap_or(0) + 1)
+                let next = max
+                    .unwrap_or(0)
+                    .checked_add(1)
+                    .and_then(|n| u64::try_from(n).ok())
+                    .ok_or_else(|| {
+                        StoreError::Invalid(format!(
+                            "no work item number is left after {max:?} for prefix {prefix}"
+                        ))
+                    })?;
+                WorkItemId::new(prefix, next).map_err(|e| StoreError::Invalid(e.to_string()))?
             }
         };
-        let task: Option<Task> = sqlx::query_as(sql::INSERT_TASK.as_str())
-            .bind(&work_item_id)
-            .bind(&new.repo)
+        let row: Option<TaskRow> = sqlx::query_as(sql::INSERT_TASK.as_str())
+            .bind(work_item_id.as_str())
+            .bind(new.repo.as_str())
             .bind(&new.title)
             .bind(&new.body)
-            .bind(&new.stage)
+            .bind(new.stage.as_str())
             .bind(format!("{}{}", new.branch_prefix, work_item_id))
             .bind(now)
             .fetch_optional(&mut *tx)
             .await?;
-        let Some(task) = task else {
-            return Err(StoreError::WorkItemTaken(work_item_id));
+        let Some(row) = row else {
+            return Err(StoreError::WorkItemTaken(work_item_id.to_string()));
         };
+        let task = row.decode()?;
         let mut event = new.event;
         event.task_id = Some(task.id);
-        event.stage.get_or_insert_with(|| task.stage.clone());
+        event
+            .stage
+            .get_or_insert_with(|| task.stage.as_str().to_owned());
         Self::insert_event(&mut tx, &event, now).await?;
         let has_job = new.first_job.is_some();
         if let Some(mut job) = new.first_job {
@@ -589,28 +608,49 @@ where
         Ok(task)
     }
 
+    /// One task; a row that does not decode is a [`StoreError::CorruptRow`].
     pub async fn get_task(&self, task_id: i64) -> Result<Option<Task>> {
-        Ok(sqlx::query_as(sql::TASK_BY_ID.as_str())
+        sqlx::query_as::<_, TaskRow>(sql::TASK_BY_ID.as_str())
             .bind(task_id)
             .fetch_optional(self.d.reader())
-            .await?)
+            .await?
+            .map(TaskRow::decode)
+            .transpose()
     }
 
+    /// One task; a row that does not decode is a [`StoreError::CorruptRow`].
     pub async fn get_task_by_work_item(&self, work_item_id: &str) -> Result<Option<Task>> {
-        Ok(sqlx::query_as(sql::TASK_BY_WORK_ITEM.as_str())
+        sqlx::query_as::<_, TaskRow>(sql::TASK_BY_WORK_ITEM.as_str())
             .bind(work_item_id)
             .fetch_optional(self.d.reader())
-            .await?)
+            .await?
+            .map(TaskRow::decode)
+            .transpose()
     }
 
+    /// A page of tasks; a corrupt row is left out (see [`decode_listing`]), so a page may be
+    /// shorter than the limit.
     pub async fn list_tasks(&self, filter: &TaskFilter) -> Result<Vec<Task>> {
-        Ok(sqlx::query_as(self.sql.list_tasks.as_str())
+        let rows: Vec<TaskRow> = sqlx::query_as(self.sql.list_tasks.as_str())
             .bind(&filter.stage)
             .bind(&filter.repo)
             .bind(i64::from(filter.limit.clamp(1, 1000)))
             .bind(i64::from(filter.offset))
             .fetch_all(self.d.reader())
-            .await?)
+            .await?;
+        Ok(decode_listing(rows))
+    }
+
+    /// Task `task_id` locked for the transaction (`FOR UPDATE` on PostgreSQL), decoded; a
+    /// corrupt row is a [`StoreError::CorruptRow`]: no stage change is made from a row whose
+    /// names cannot be trusted.
+    async fn locked_task(&self, conn: &mut Conn<D>, task_id: i64) -> Result<Option<Task>> {
+        sqlx::query_as::<_, TaskRow>(self.sql.task_by_id_locked.as_str())
+            .bind(task_id)
+            .fetch_optional(&mut *conn)
+            .await?
+            .map(TaskRow::decode)
+            .transpose()
     }
 
     pub async fn count_tasks_by_stage(&self) -> Result<Vec<(String, i64)>> {
@@ -637,15 +677,17 @@ where
         Ok(rows)
     }
 
-    /// The tasks that ended at or after `since`, oldest ending first.
+    /// The tasks that ended at or after `since`, oldest ending first (a corrupt row left out,
+    /// see [`decode_listing`]).
     pub async fn tasks_ended_since(&self, since: Millis) -> Result<Vec<Task>> {
         let recent = sql::with_since(&self.sql.tasks_ended_since, since);
-        sqlx::raw_sql(sqlx::AssertSqlSafe(recent))
+        let rows = sqlx::raw_sql(sqlx::AssertSqlSafe(recent))
             .fetch_all(self.d.reader())
             .await?
             .iter()
-            .map(|row| Ok(Task::from_row(row)?))
-            .collect()
+            .map(|row| Ok(TaskRow::from_row(row)?))
+            .collect::<Result<Vec<TaskRow>>>()?;
+        Ok(decode_listing(rows))
     }
 
     /// Refreshes the planner's statistics of the four tables after a bulk load (PostgreSQL;
@@ -674,35 +716,31 @@ where
     ) -> Result<Advanced> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
-        let Some(current) = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
-            .bind(adv.task_id)
-            .fetch_optional(&mut *tx)
-            .await?
-        else {
+        let Some(current) = self.locked_task(&mut tx, adv.task_id).await? else {
             return Err(StoreError::TaskNotFound(adv.task_id.to_string()));
         };
         self.check_fence(&mut tx, &adv, &current).await?;
         if current.stage != adv.expected_stage {
             return Err(StoreError::StageConflict {
                 task_id: current.id,
-                expected: adv.expected_stage,
-                actual: current.stage,
+                expected: adv.expected_stage.into(),
+                actual: current.stage.into(),
                 actual_seq: current.stage_seq,
             });
         }
         if let Some(exclusive) = exclusive {
-            D::lock_repo_track(&mut tx, &current.repo).await?;
+            D::lock_repo_track(&mut tx, current.repo.as_str()).await?;
             let stages = serde_json::to_string(&exclusive.stages)
                 .map_err(|e| StoreError::Invalid(e.to_string()))?;
             let holder: Option<(String, String)> = sqlx::query_as(D::TRACK_HOLDER)
-                .bind(&current.repo)
+                .bind(current.repo.as_str())
                 .bind(current.id)
                 .bind(stages)
                 .fetch_optional(&mut *tx)
                 .await?;
             if let Some((holder, stage)) = holder {
                 return Err(StoreError::TrackBusy {
-                    repo: current.repo.clone(),
+                    repo: current.repo.to_string(),
                     holder,
                     stage,
                 });
@@ -729,10 +767,13 @@ where
     ) -> Result<Option<Enqueued>> {
         let now = self.now();
         let mut tx = self.d.begin().await?;
-        let current = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
-            .bind(visit.task_id)
-            .fetch_optional(&mut *tx)
-            .await?;
+        let current = match self.locked_task(&mut tx, visit.task_id).await {
+            Ok(current) => current,
+            Err(e) => {
+                let _ = tx.rollback().await;
+                return Err(e);
+            }
+        };
         let current = match current {
             Some(t) if t.stage == visit.stage && t.stage_seq == visit.stage_seq => t,
             other => {
@@ -743,7 +784,7 @@ where
                     Some(t) => StoreError::StageConflict {
                         task_id: t.id,
                         expected: format!("{} (seq {})", visit.stage, visit.stage_seq),
-                        actual: t.stage,
+                        actual: t.stage.into(),
                         actual_seq: t.stage_seq,
                     },
                 });
@@ -768,7 +809,7 @@ where
             enqueued = Some(out);
         }
         event.task_id = Some(current.id);
-        event.stage = Some(current.stage.clone());
+        event.stage = Some(current.stage.as_str().to_owned());
         Self::insert_event(&mut tx, &event, now).await?;
         self.d.commit(tx, wake).await?;
         Ok(enqueued)
@@ -877,11 +918,11 @@ where
         let mut tasks = Vec::new();
         for statement in [&self.sql.report_live_tasks, &self.sql.report_ended_tasks] {
             let text = sql::report_bounds(statement, since, until);
-            let rows: Vec<Task> = sqlx::query_as(sqlx::AssertSqlSafe(text))
+            let rows: Vec<TaskRow> = sqlx::query_as(sqlx::AssertSqlSafe(text))
                 .bind(repo)
                 .fetch_all(&mut *conn)
                 .await?;
-            tasks.extend(rows);
+            tasks.extend(decode_listing(rows));
         }
         Ok(tasks)
     }
@@ -1104,7 +1145,7 @@ where
             Fence::Seq(seq) if seq != current.stage_seq => Err(StoreError::StageConflict {
                 task_id: current.id,
                 expected: format!("{} (seq {seq})", adv.expected_stage),
-                actual: current.stage.clone(),
+                actual: current.stage.to_string(),
                 actual_seq: current.stage_seq,
             }),
             Fence::Seq(_) => Ok(()),
@@ -1160,18 +1201,24 @@ where
         if live > 0 {
             return Ok(false);
         }
-        let Some(current) = sqlx::query_as::<_, Task>(self.sql.task_by_id_locked.as_str())
-            .bind(task_id)
-            .fetch_optional(&mut *conn)
-            .await?
-        else {
-            return Ok(false);
+        let current = match self.locked_task(conn, task_id).await {
+            Ok(Some(current)) => current,
+            Ok(None) => return Ok(false),
+            Err(e @ StoreError::CorruptRow { .. }) => {
+                // The job's own failure is still written (the caller's transaction goes on):
+                // a corrupt task row must not stop a job's completion nor a rescue pass over
+                // every other job. The task is left as it is for an operator: no stage change
+                // is made from a row whose names cannot be trusted.
+                tracing::error!(error = %e, job = job_id, "the task of a job failed for good has a corrupt row: left as it is");
+                return Ok(false);
+            }
+            Err(e) => return Err(e),
         };
         if current.is_terminal() {
             return Ok(false);
         }
         let event = stranded_event(&current, job_id, error);
-        Self::write_stage(conn, &current, control::FAILED, event, now).await?;
+        Self::write_stage(conn, &current, &StageName::failed(), event, now).await?;
         Ok(true)
     }
 
@@ -1181,15 +1228,15 @@ where
     async fn write_stage(
         conn: &mut Conn<D>,
         current: &Task,
-        new_stage: &str,
+        new_stage: &StageName,
         mut event: NewEvent,
         now: Millis,
     ) -> Result<Task> {
-        let task: Task = sqlx::query_as(sql::ADVANCE_TASK.as_str())
+        let row: TaskRow = sqlx::query_as(sql::ADVANCE_TASK.as_str())
             .bind(current.id)
-            .bind(new_stage)
+            .bind(new_stage.as_str())
             .bind(now)
-            .bind(&current.stage)
+            .bind(current.stage.as_str())
             .bind(current.stage_seq)
             .fetch_optional(&mut *conn)
             .await?
@@ -1199,10 +1246,11 @@ where
                 actual: "changed concurrently".into(),
                 actual_seq: current.stage_seq,
             })?;
+        let task = row.decode()?;
         event.task_id = Some(task.id);
-        event.stage = Some(task.stage.clone());
+        event.stage = Some(task.stage.as_str().to_owned());
         Self::insert_event(conn, &event, now).await?;
-        if control::is_terminal_stage(&task.stage) {
+        if task.is_terminal() {
             // Whatever ended the task, its ending is announced and its trail published by a
             // job enqueued with the stage change: none is missed, whichever process dies.
             Self::insert_job(conn, &task_ended_job(&task), now).await?;

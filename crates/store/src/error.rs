@@ -43,6 +43,20 @@ pub enum StoreError {
     #[error("invalid input: {0}")]
     Invalid(String),
 
+    /// A row read from the database holds a value that is not a valid name of its column's
+    /// kind (a hand edit, a bug of another version): the row is not used. `value` is cut to
+    /// `common::CORRUPT_VALUE_ECHO` (80) characters and shown escaped.
+    #[error(
+        "the {table} row {id} is corrupt: its {column} {value:?} is not valid ({reason}); the row is left as it is for an operator to repair"
+    )]
+    CorruptRow {
+        table: &'static str,
+        id: i64,
+        column: &'static str,
+        value: String,
+        reason: String,
+    },
+
     #[error("invalid database URL '{url}': {reason}")]
     BadUrl { url: String, reason: String },
 

@@ -635,8 +635,8 @@ impl Store {
                     })
                     .collect(),
                 runs: runs.remove(&t.id).unwrap_or_default(),
-                repo: t.repo,
-                stage: t.stage,
+                repo: t.repo.into(),
+                stage: t.stage.into(),
                 created_at: t.created_at,
                 updated_at: t.updated_at,
             })

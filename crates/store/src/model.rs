@@ -6,10 +6,7 @@
 /// Epoch milliseconds.
 pub type Millis = i64;
 
-/// The stages that end a task (`orch_domain::control`). The store knows them only to keep
-/// finished tasks' jobs collectable and to refuse work on a finished task; its SQL spells
-/// them in `sql::FAIL_TASK` and `sql::CLEANUP_FINISHED`.
-use orch_domain::control::is_terminal_stage;
+use orch_domain::ids::{Prefix, RepoName, StageName, WorkItemId};
 
 /// The lifecycle of a job row.
 ///
@@ -292,15 +289,21 @@ pub struct JobCount {
     pub content_contains: Option<String>,
 }
 
-/// A row of `tasks`. There is no status column: the stage is the status.
-#[derive(Debug, Clone, PartialEq, sqlx::FromRow)]
+/// A row of `tasks`, decoded and validated. There is no status column: the stage is the status.
+///
+/// The store checks the work item id, the repo and the stage when it reads the row (see
+/// `common::TaskRow`), so no caller re-parses them: a value that is not a valid name
+/// (a row written by hand, or by a version that did not validate) never reaches a path, a
+/// branch name or a shell as if it had been checked.
+#[derive(Debug, Clone, PartialEq)]
 pub struct Task {
     pub id: i64,
-    pub work_item_id: String,
-    pub repo: String,
+    pub work_item_id: WorkItemId,
+    pub repo: RepoName,
     pub title: String,
     pub body: String,
-    pub stage: String,
+    /// The stage is the status; `done`, `failed` and `cancelled` are terminal.
+    pub stage: StageName,
     /// Bumped by every stage change: a stage visit's identity, and the operator CAS token.
     pub stage_seq: i64,
     pub branch: String,
@@ -310,7 +313,7 @@ pub struct Task {
 
 impl Task {
     pub fn is_terminal(&self) -> bool {
-        is_terminal_stage(&self.stage)
+        self.stage.is_terminal()
     }
 }
 
@@ -318,19 +321,19 @@ impl Task {
 #[derive(Debug, Clone, PartialEq)]
 pub enum WorkItemSpec {
     /// The next free number for this prefix: `<prefix>-<max+1>`.
-    Next { prefix: String },
+    Next { prefix: Prefix },
     /// An id chosen by the caller; it must be free.
-    Exact(String),
+    Exact(WorkItemId),
 }
 
 /// A task to create, with its first event and (optionally) its first job, in one transaction.
 #[derive(Debug, Clone, PartialEq)]
 pub struct NewTask {
     pub work_item: WorkItemSpec,
-    pub repo: String,
+    pub repo: RepoName,
     pub title: String,
     pub body: String,
-    pub stage: String,
+    pub stage: StageName,
     /// The branch is `<branch_prefix><work_item_id>`.
     pub branch_prefix: String,
     pub event: NewEvent,
@@ -353,8 +356,8 @@ pub enum Fence {
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdvanceStage {
     pub task_id: i64,
-    pub expected_stage: String,
-    pub new_stage: String,
+    pub expected_stage: StageName,
+    pub new_stage: StageName,
     pub fence: Fence,
     /// Appended in the same transaction; `task_id` and `stage` are filled in by the store.
     pub event: NewEvent,
@@ -368,7 +371,7 @@ pub struct AdvanceStage {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Visit {
     pub task_id: i64,
-    pub stage: String,
+    pub stage: StageName,
     pub stage_seq: i64,
 }
 
@@ -389,7 +392,7 @@ impl Visit {
 /// transaction, serialized per repo, so two tasks racing into the set cannot both win.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Exclusive {
-    pub stages: Vec<String>,
+    pub stages: Vec<StageName>,
 }
 
 /// The result of a successful stage change.

@@ -299,16 +299,17 @@ pub async fn seed_item(
         AdvanceStage, AgentRunFinish, Fence, NewAgentRun, NewEvent, NewTask, WorkItemSpec,
     };
     use orch_domain::control::events;
+    let name = |e: orch_domain::ids::IdError| StoreError::Invalid(e.to_string());
     clock.set(item.created);
     let task = store
         .create_task(NewTask {
             work_item: WorkItemSpec::Next {
-                prefix: prefix.to_owned(),
+                prefix: prefix.parse().map_err(name)?,
             },
-            repo: item.repo.clone(),
+            repo: item.repo.parse().map_err(name)?,
             title: "seeded".to_owned(),
             body: String::new(),
-            stage: "intake".to_owned(),
+            stage: "intake".parse().map_err(name)?,
             branch_prefix: "orch/".to_owned(),
             event: NewEvent::new(events::TASK_SUBMITTED, "submitted"),
             first_job: None,
@@ -358,8 +359,8 @@ pub async fn seed_item(
     let adv = store
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "intake".to_owned(),
-            new_stage: (*stage).to_owned(),
+            expected_stage: "intake".parse().map_err(name)?,
+            new_stage: stage.parse().map_err(name)?,
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new(kind, kind).data(data.to_string()),
             next_job: None,

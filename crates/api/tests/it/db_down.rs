@@ -36,19 +36,22 @@ impl Operations for StoreOps {
             .0
             .create_task(NewTask {
                 work_item: WorkItemSpec::Next {
-                    prefix: "ORCH".into(),
+                    prefix: "ORCH".parse().unwrap(),
                 },
-                repo: req.repo,
+                repo: req
+                    .repo
+                    .parse()
+                    .map_err(|e: orch_domain::ids::IdError| OpError::Invalid(e.to_string()))?,
                 title: req.title,
                 body: req.body,
-                stage: "intake".into(),
+                stage: "intake".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.submitted", "submitted"),
                 first_job: Some(NewJob::new("analyst", "x")),
             })
             .await?;
         Ok(SubmitResult {
-            work_item_id: task.work_item_id,
+            work_item_id: task.work_item_id.to_string(),
             task_id: task.id,
         })
     }

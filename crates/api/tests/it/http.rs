@@ -61,19 +61,22 @@ impl Operations for Recorder {
         let task = store
             .create_task(NewTask {
                 work_item: WorkItemSpec::Next {
-                    prefix: "ORCH".into(),
+                    prefix: "ORCH".parse().unwrap(),
                 },
-                repo: req.repo,
+                repo: req
+                    .repo
+                    .parse()
+                    .map_err(|e: orch_domain::ids::IdError| OpError::Invalid(e.to_string()))?,
                 title: req.title,
                 body: req.body,
-                stage: "intake".into(),
+                stage: "intake".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.submitted", "submitted over HTTP"),
                 first_job: Some(NewJob::new("analyst", "analyse")),
             })
             .await?;
         Ok(SubmitResult {
-            work_item_id: task.work_item_id,
+            work_item_id: task.work_item_id.to_string(),
             task_id: task.id,
         })
     }
@@ -296,11 +299,11 @@ impl Harness {
         self.db
             .store
             .create_task(NewTask {
-                work_item: WorkItemSpec::Exact(id.into()),
-                repo: repo.into(),
+                work_item: WorkItemSpec::Exact(id.parse().unwrap()),
+                repo: repo.parse().unwrap(),
                 title: title.into(),
                 body: "the body".into(),
-                stage: "intake".into(),
+                stage: "intake".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.submitted", "submitted"),
                 first_job: job.map(|agent| NewJob::new(agent, "content")),
@@ -1954,7 +1957,7 @@ impl Harness {
             .advance_stage(orch_store::AdvanceStage {
                 task_id: task.id,
                 expected_stage: current.stage.clone(),
-                new_stage: to.into(),
+                new_stage: to.parse().unwrap(),
                 fence: orch_store::Fence::Seq(current.stage_seq),
                 event: NewEvent::new(kind, format!("{} -> {to}", current.stage))
                     .data(data.to_string()),

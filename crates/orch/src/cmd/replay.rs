@@ -50,11 +50,9 @@ pub async fn run(cx: &Context, args: ReplayArgs) -> Result<ExitCode> {
     let git = Git::new();
     let mut items: Vec<(Task, Vec<Replayed>)> = Vec::new();
     for (task, history) in tasks {
-        let limit = task
-            .repo
-            .parse::<RepoName>()
-            .ok()
-            .and_then(|r| config.repos.get(&r))
+        let limit = config
+            .repos
+            .get(&task.repo)
             .map_or(orch_domain::staging::DEFAULT_DEFER_LIMIT, |r| {
                 r.staging_defer_limit
             });
@@ -82,8 +80,8 @@ pub async fn run(cx: &Context, args: ReplayArgs) -> Result<ExitCode> {
             items: items
                 .iter()
                 .map(|(t, d)| dto::ReplayItem {
-                    work_item_id: t.work_item_id.clone(),
-                    repo: t.repo.clone(),
+                    work_item_id: t.work_item_id.to_string(),
+                    repo: t.repo.to_string(),
                     decisions: d.iter().map(dto::ReplayDecision::from_domain).collect(),
                 })
                 .collect(),
@@ -166,16 +164,9 @@ async fn record_of(
     history: &[Event],
     staging_defer_limit: u32,
 ) -> Result<ItemRecord> {
-    let work_item: WorkItemId = task
-        .work_item_id
-        .parse()
-        .with_context(|| format!("the stored work item id {:?}", task.work_item_id))?;
-    let clone = task
-        .repo
-        .parse::<RepoName>()
-        .ok()
-        .map(|r| orch_runner::repos::RepoPaths::new(repos_dir, &r).repo_dir);
-    let folder = format!("docs/work-items/{work_item}");
+    let work_item = &task.work_item_id;
+    let clone = Some(orch_runner::repos::RepoPaths::new(repos_dir, &task.repo).repo_dir);
+    let folder = work_item.artifact_dir();
     let mut changes = Vec::new();
     let mut loops = 0u32;
     let mut watch: Option<(String, String)> = None;
@@ -216,7 +207,7 @@ async fn record_of(
                 // gate read the branch as it stood.
                 let commit = match change.commit.flatten() {
                     Some(c) => object_id(&c),
-                    None => branch_head_at(git, dir, &work_item, prev.as_deref(), &from).await,
+                    None => branch_head_at(git, dir, work_item, prev.as_deref(), &from).await,
                 };
                 match commit {
                     Ok(c) => {
@@ -247,7 +238,7 @@ async fn record_of(
         }
     }
     Ok(ItemRecord {
-        work_item,
+        work_item: work_item.clone(),
         staging_defer_limit,
         changes,
     })

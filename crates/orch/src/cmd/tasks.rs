@@ -189,10 +189,10 @@ pub async fn status(cx: &Context, args: StatusArgs) -> Result<ExitCode> {
             let mut rows: Vec<Vec<String>> = Vec::with_capacity(tasks.len());
             for t in &tasks {
                 rows.push(vec![
-                    t.work_item_id.clone(),
-                    t.stage.clone(),
+                    t.work_item_id.to_string(),
+                    t.stage.to_string(),
                     outcome_label(&store, t).await?,
-                    t.repo.clone(),
+                    t.repo.to_string(),
                     age(now - t.updated_at),
                     t.title.clone(),
                 ]);
@@ -289,7 +289,8 @@ pub async fn transcripts(cx: &Context, id: &str) -> Result<ExitCode> {
     store.close().await;
     let mut json_runs = Vec::new();
     for r in &runs {
-        let kept = crate::api_ops::read_transcript(&repos_dir, &task.work_item_id, r.id).await;
+        let kept =
+            crate::api_ops::read_transcript(&repos_dir, task.work_item_id.as_str(), r.id).await;
         let data: serde_json::Value = serde_json::from_str(&r.data).unwrap_or_default();
         let format = data["transcript"]["format"]
             .as_str()
@@ -326,7 +327,7 @@ pub async fn transcripts(cx: &Context, id: &str) -> Result<ExitCode> {
     }
     if cx.json {
         print_json(&dto::to_json(&dto::Transcripts {
-            work_item: task.work_item_id.clone(),
+            work_item: task.work_item_id.to_string(),
             runs: json_runs,
         }));
     }

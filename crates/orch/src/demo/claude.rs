@@ -161,7 +161,11 @@ fn demo_brain(turn: &Turn) -> Reply {
 fn writes_for(prompt: &str) -> Result<Vec<Action>> {
     let ask = Ask::of(prompt);
     let first = ask.files.first().context("the prompt asks for no file")?;
-    let rel_dir = format!("docs/work-items/{}", ask.work_item);
+    let rel_dir = ask
+        .work_item
+        .parse::<orch_domain::ids::WorkItemId>()
+        .context("the prompt names no valid work item")?
+        .artifact_dir();
     let artifact_dir = Path::new(first)
         .parent()
         .context("an artifact path without a folder")?;

@@ -242,7 +242,7 @@ pub async fn run(global: &Global, args: DemoArgs) -> Result<ExitCode> {
             .submit("service", title, body, &demo_actor())
             .await?;
         say!("submitted {}: {title}", t.work_item_id);
-        ids.push(t.work_item_id);
+        ids.push(t.work_item_id.to_string());
     }
     say!();
     let started = Instant::now();
@@ -313,7 +313,7 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
     let t0 = Instant::now();
     loop {
         let cur = store
-            .get_task_by_work_item(&t.work_item_id)
+            .get_task_by_work_item(t.work_item_id.as_str())
             .await?
             .context("APP-3 vanished")?;
         if !matches!(cur.stage.as_str(), "intake" | "analysis") {
@@ -325,13 +325,16 @@ async fn third_item(store: &Store, runtime: &Runtime) -> Result<(Task, Option<St
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let cancelled = runtime.ops.cancel(&t.work_item_id, &demo_actor()).await?;
+    let cancelled = runtime
+        .ops
+        .cancel(t.work_item_id.as_str(), &demo_actor())
+        .await?;
     say!(
         "  +  ---   {:6}  cancelled by the demo after analysis",
         t.work_item_id
     );
     let repo_dir = runtime.places.repos_dir.join("service");
-    let path = format!("docs/work-items/{0}/02-requirements.md", t.work_item_id);
+    let path = format!("{}/02-requirements.md", t.work_item_id.artifact_dir());
     let text = runtime
         .engine
         .git()
@@ -539,12 +542,12 @@ async fn watch_progress(
                         .position(|s| *s == t.stage)
                         .unwrap_or(stages.len() - 1);
                     b.set_position(pos as u64);
-                    b.set_message(t.stage.clone());
+                    b.set_message(t.stage.to_string());
                     if t.is_terminal() {
-                        b.finish_with_message(t.stage.clone());
+                        b.finish_with_message(t.stage.to_string());
                     }
                 }
-                last.insert(id.clone(), (t.stage.clone(), t.stage_seq));
+                last.insert(id.clone(), (t.stage.to_string(), t.stage_seq));
             }
             tasks.push(t);
         }
@@ -588,7 +591,7 @@ async fn summary(
             })
             .and_then(|e| orch_domain::payload::read::<orch_domain::payload::StageChange>(&e.data))
             .and_then(|c| c.outcome)
-            .unwrap_or_else(|| t.stage.clone());
+            .unwrap_or_else(|| t.stage.to_string());
         say!("{}  {}  → {outcome}", t.work_item_id, t.title);
         let rows: Vec<Vec<String>> = events
             .iter()
@@ -710,7 +713,12 @@ async fn summary(
     );
     say!(
         "  ls {}  # every item's whole trail, in the sample service's own checkout",
-        shell_quote(&dir.join("service/docs/work-items").display().to_string())
+        shell_quote(
+            &dir.join("service")
+                .join(orch_domain::protect::WORK_ITEMS_DIR)
+                .display()
+                .to_string()
+        )
     );
     say!("  {orch} --config {cfg} serve               # the dashboard again, on the same data");
     if !on_path {

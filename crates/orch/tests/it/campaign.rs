@@ -347,7 +347,7 @@ async fn outcomes(store: &Store) -> BTreeMap<String, ItemOutcome> {
             }
         } else {
             ItemOutcome {
-                stage: t.stage,
+                stage: t.stage.to_string(),
                 outcome,
                 watch,
             }
@@ -569,7 +569,7 @@ async fn outcomes_so_far(store: &Store) -> Vec<(String, String)> {
     let mut v = Vec::new();
     for id in ITEMS {
         if let Ok(Some(t)) = store.get_task_by_work_item(id).await {
-            v.push((id.to_owned(), t.stage));
+            v.push((id.to_owned(), t.stage.to_string()));
         }
     }
     v

@@ -344,11 +344,11 @@ async fn costs_count_unknown_runs_per_repo_stage_and_day() {
     ] {
         let task = store
             .create_task(orch_store::NewTask {
-                work_item: orch_store::WorkItemSpec::Exact(id.into()),
-                repo: repo.into(),
+                work_item: orch_store::WorkItemSpec::Exact(id.parse().unwrap()),
+                repo: repo.parse().unwrap(),
                 title: "t".into(),
                 body: String::new(),
-                stage: "analysis".into(),
+                stage: "analysis".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.submitted", "submitted"),
                 first_job: None,

@@ -247,11 +247,11 @@ async fn logs_fit_the_terminal_width_not_124_and_agent_runs_show_their_error() {
     let store = common::open(d).await;
     let task = store
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact("APP-7".into()),
-            repo: "service".into(),
+            work_item: WorkItemSpec::Exact("APP-7".parse().unwrap()),
+            repo: "service".parse().unwrap(),
             title: "wide".into(),
             body: String::new(),
-            stage: "analysis".into(),
+            stage: "analysis".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "submitted"),
             first_job: None,

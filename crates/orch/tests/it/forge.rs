@@ -975,7 +975,7 @@ async fn forge_tasks(store: &Store) -> Vec<String> {
         .await
         .unwrap()
         .into_iter()
-        .map(|t| t.work_item_id)
+        .map(|t| t.work_item_id.to_string())
         .collect();
     ids.sort();
     ids

@@ -38,14 +38,16 @@ fn wall_ms() -> i64 {
         .unwrap_or(0)
 }
 
+/// Task number `n` (from 0) of the test: work item `GC-<n + 1>` (a work item's number is
+/// positive: `GC-0` is not a work item id, and the store refuses to write one).
 async fn task(store: &Store, n: usize) -> Task {
     store
         .create_task(NewTask {
-            work_item: orch_store::WorkItemSpec::Exact(format!("GC-{n}")),
-            repo: "svc".into(),
+            work_item: orch_store::WorkItemSpec::Exact(format!("GC-{}", n + 1).parse().unwrap()),
+            repo: "svc".parse().unwrap(),
             title: "gc".into(),
             body: String::new(),
-            stage: "staging".into(),
+            stage: "staging".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new(events::TASK_SUBMITTED, "submitted"),
             first_job: None,
@@ -85,7 +87,7 @@ async fn cancel(store: &Store, t: &Task) {
         .advance_stage(AdvanceStage {
             task_id: t.id,
             expected_stage: t.stage.clone(),
-            new_stage: control::CANCELLED.into(),
+            new_stage: control::CANCELLED.parse().unwrap(),
             fence: Fence::Seq(t.stage_seq),
             event: NewEvent::new(events::TASK_CANCELLED, "cancelled"),
             next_job: None,

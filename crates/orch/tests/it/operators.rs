@@ -149,8 +149,8 @@ async fn approve_cancel_and_retry() {
     store
         .advance_stage(AdvanceStage {
             task_id: t3.id,
-            expected_stage: "architecture".into(),
-            new_stage: "failed".into(),
+            expected_stage: "architecture".parse().unwrap(),
+            new_stage: "failed".parse().unwrap(),
             fence: Fence::Seq(t3.stage_seq),
             event: NewEvent::new("task.failed", "failed by the test")
                 .data(r#"{"from": "architecture", "to": "failed"}"#),

@@ -574,6 +574,7 @@ async fn stage_of(store: &Store, id: &str) -> String {
         .unwrap()
         .unwrap()
         .stage
+        .to_string()
 }
 
 /// The items among `ids` that hold their repo's releases (a `release.held` not released).

@@ -126,7 +126,7 @@ async fn a_watch_killed_at_random_instants_counts_each_tick_once_and_rolls_back_
     while kills.len() < planned {
         let after = Duration::from_millis(rng.random_range(200..=2_500));
         tokio::time::sleep(after).await;
-        let stage = task(&store, "APP-2").await.map(|t| t.stage);
+        let stage = task(&store, "APP-2").await.map(|t| t.stage.to_string());
         if stage.as_deref() != Some("observe") {
             break;
         }

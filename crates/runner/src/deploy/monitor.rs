@@ -161,7 +161,12 @@ impl StageExecutor for MonitorExecutor {
     /// A task that failed (in any stage) leaves no watch armed and no deploy markers: a retry
     /// deploys afresh ([`crate::release::end_watch`]).
     fn task_failed(&self, repos_dir: &std::path::Path, task: &orch_store::Task, reason: &str) {
-        crate::release::end_watch(repos_dir, &task.repo, &task.work_item_id, reason);
+        crate::release::end_watch(
+            repos_dir,
+            task.repo.as_str(),
+            task.work_item_id.as_str(),
+            reason,
+        );
     }
 }
 
@@ -1089,10 +1094,14 @@ async fn recover_one(
             work_item_id,
             &format!("the task ended ({}) while its watch was armed", task.stage),
         );
-        return Ok(RecoveryAction::NotObserving { stage: task.stage });
+        return Ok(RecoveryAction::NotObserving {
+            stage: task.stage.to_string(),
+        });
     }
     if task.stage != "observe" {
-        return Ok(RecoveryAction::NotObserving { stage: task.stage });
+        return Ok(RecoveryAction::NotObserving {
+            stage: task.stage.to_string(),
+        });
     }
     let seq = task.stage_seq;
     let live = store.task_jobs(task.id).await?.into_iter().find(|j| {
@@ -1112,7 +1121,7 @@ async fn recover_one(
         .await?;
     let n = u32::try_from(ticks).unwrap_or(u32::MAX).saturating_add(1);
     let payload = StageJob {
-        stage: task.stage.clone(),
+        stage: task.stage.to_string(),
         seq,
     };
     let enqueued = store

@@ -12,7 +12,7 @@ use anyhow::{Context as _, Result};
 use orch_domain::config::Config;
 use orch_domain::control::{self, dedupe, events, markers};
 use orch_domain::gate::{GateOutcome, Verdict};
-use orch_domain::ids::{ArtifactName, RepoName, StageName, WorkItemId};
+use orch_domain::ids::{ArtifactName, StageName, WorkItemId};
 use orch_domain::payload::{self, NodeTakeover, StageChange, StageRequeued};
 use orch_domain::pipeline::{Decision, Pipeline, StageDef, StageKind};
 use orch_exec::git::{Git, Pathspec};
@@ -64,13 +64,13 @@ pub struct Engine {
 
 /// A new task's first stage and the job that runs it (visit 0), `None` for a pipeline without
 /// stages. Needs only the pipeline: a submit inserts one row and builds no engine.
-pub fn first_job(pipeline: &Pipeline) -> Option<(String, NewJob)> {
+pub fn first_job(pipeline: &Pipeline) -> Option<(StageName, NewJob)> {
     let first = pipeline.stages.first()?;
-    let stage = first.name.to_string();
+    let stage = first.name.clone();
     let job = NewJob::new(
         job_kind(first),
         StageJob {
-            stage: stage.clone(),
+            stage: stage.to_string(),
             seq: 0,
         }
         .to_content(),
@@ -88,11 +88,7 @@ pub fn job_kind(stage: &StageDef) -> String {
 /// [`StageDef::release_track`].
 pub fn release_track(pipeline: &Pipeline) -> Exclusive {
     Exclusive {
-        stages: pipeline
-            .release_track()
-            .iter()
-            .map(|s| s.as_str().to_owned())
-            .collect(),
+        stages: pipeline.release_track(),
     }
 }
 
@@ -275,7 +271,11 @@ impl Engine {
         if markers::is_release_wait(&cx.job.task_content)
             && self
                 .store
-                .track_holder(&task.repo, task.id, &release_track(&self.cfg.pipeline))
+                .track_holder(
+                    task.repo.as_str(),
+                    task.id,
+                    &release_track(&self.cfg.pipeline),
+                )
                 .await?
                 .is_some()
         {
@@ -343,34 +343,25 @@ impl Engine {
         task: &Task,
         taken_over: bool,
     ) -> Result<StageRun, Prep> {
-        let work_item: WorkItemId = task
-            .work_item_id
-            .parse()
-            .map_err(|e| Prep::Fatal(format!("invalid work item id: {e}")))?;
-        let stage_name: StageName = task
-            .stage
-            .parse()
-            .map_err(|e| Prep::Fatal(format!("invalid stage: {e}")))?;
+        let work_item = &task.work_item_id;
+        let stage_name = &task.stage;
         let stage = self
             .cfg
             .pipeline
-            .stage(&stage_name)
+            .stage(stage_name)
             .cloned()
             .ok_or_else(|| Prep::Fatal(format!("stage {stage_name} is not in the pipeline")))?;
-        let repo_name: RepoName = task
-            .repo
-            .parse()
-            .map_err(|e| Prep::Fatal(format!("invalid repo name: {e}")))?;
+        let repo_name = &task.repo;
         let config = self.cfg.live.current();
         let repo =
-            config.repos.get(&repo_name).cloned().ok_or_else(|| {
+            config.repos.get(repo_name).cloned().ok_or_else(|| {
                 Prep::Fatal(format!("repo {repo_name} is not declared in orch.toml"))
             })?;
-        let paths = RepoPaths::new(&self.cfg.repos_dir, &repo_name);
-        repos::ensure_clone(&self.git, &self.cfg.root, &paths, &repo_name, &repo)
+        let paths = RepoPaths::new(&self.cfg.repos_dir, repo_name);
+        repos::ensure_clone(&self.git, &self.cfg.root, &paths, repo_name, &repo)
             .await
             .map_err(Prep::Transient)?;
-        let worktree = paths.worktree(&work_item);
+        let worktree = paths.worktree(work_item);
         // A job that only retries entering the release track finishes at once: never deferred.
         let defers = !markers::is_release_wait(&cx.job.task_content)
             && self
@@ -455,9 +446,9 @@ impl Engine {
             lease: cx.lease,
             cancel: cx.cancel.clone(),
             task: task.clone(),
-            work_item,
+            work_item: work_item.clone(),
             stage,
-            repo_name,
+            repo_name: repo_name.clone(),
             repo,
             settings: config.settings.clone(),
             repos_dir: self.cfg.repos_dir.clone(),
@@ -629,7 +620,7 @@ impl Engine {
         let data = self.change_data(cx, &run, &route, &gate, commit).await?;
         let adv = AdvanceStage {
             task_id: run.task.id,
-            expected_stage: run.stage.name.as_str().to_owned(),
+            expected_stage: run.stage.name.clone(),
             new_stage: route.next.clone(),
             fence: Fence::Job(cx.lease),
             event: NewEvent::new(route.kind, route.decision.reason.clone())
@@ -711,14 +702,18 @@ impl Engine {
             return None;
         }
         let next = &route.next;
-        self.stage_job(next, run.task.stage_seq + 1).map(|job| {
-            match self.executor(next).map(|e| e.first_delay_s(&run.repo)) {
-                Some(delay) if delay > 0 => {
-                    job.delay_s(i64::try_from(delay).unwrap_or(i64::MAX / 1000))
+        self.stage_job(next.as_str(), run.task.stage_seq + 1)
+            .map(|job| {
+                match self
+                    .executor(next.as_str())
+                    .map(|e| e.first_delay_s(&run.repo))
+                {
+                    Some(delay) if delay > 0 => {
+                        job.delay_s(i64::try_from(delay).unwrap_or(i64::MAX / 1000))
+                    }
+                    _ => job,
                 }
-                _ => job,
-            }
-        })
+            })
     }
 
     /// The data of the stage change's event: where from and to, the gate's value, the
@@ -742,7 +737,7 @@ impl Engine {
             awaiting_approval: Some(decision.needs_approval),
             commit: Some(commit),
             attempt: Some(cx.lease.attempt),
-            ..StageChange::new(run.stage.name.as_str(), next)
+            ..StageChange::new(run.stage.name.as_str(), next.as_str())
         };
         if decision.next_stage.is_terminal() {
             // The final outcome, for every view of the task (the gate's value stays `result`).
@@ -754,7 +749,7 @@ impl Engine {
             // The outcome from the recorded facts, by the rule every view applies.
             let history = self.store.task_events(run.task.id).await?;
             change.outcome = Some(
-                orch_store::outcome_of_events(next, &history)
+                orch_store::outcome_of_events(next.as_str(), &history)
                     .map_or(control::FAILED, |o| o.outcome.as_str())
                     .to_owned(),
             );
@@ -1006,11 +1001,11 @@ impl Engine {
             .advance_stage(AdvanceStage {
                 task_id: task.id,
                 expected_stage: task.stage.clone(),
-                new_stage: control::FAILED.into(),
+                new_stage: StageName::failed(),
                 fence: Fence::Job(cx.lease),
                 event: NewEvent::new(events::TASK_FAILED, reason.to_owned())
                     .job(cx.job.id)
-                    .data(StageChange::failed(&task.stage, reason).text()),
+                    .data(StageChange::failed(task.stage.as_str(), reason).text()),
                 next_job: None,
             })
             .await;
@@ -1113,7 +1108,7 @@ async fn ready_worktree(
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Route {
     decision: Decision,
-    next: String,
+    next: StageName,
     kind: &'static str,
     terminal: bool,
     enqueues_next: bool,
@@ -1122,7 +1117,7 @@ struct Route {
 
 impl Route {
     fn of(track: &Exclusive, from: &StageDef, decision: Decision) -> Route {
-        let next = decision.next_stage.as_str().to_owned();
+        let next = decision.next_stage.clone();
         let terminal = decision.next_stage.is_terminal();
         let kind = if decision.loop_back {
             events::STAGE_LOOP_BACK

@@ -62,11 +62,11 @@ impl Fx {
         let task = db
             .store
             .create_task(NewTask {
-                work_item: WorkItemSpec::Exact(ID.into()),
-                repo: "svc".into(),
+                work_item: WorkItemSpec::Exact(ID.parse().unwrap()),
+                repo: "svc".parse().unwrap(),
                 title: "Add a dry-run flag".into(),
                 body: "The CLI needs `--dry-run` that prints the plan and changes nothing.".into(),
-                stage: "analysis".into(),
+                stage: "analysis".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.submitted", "submitted"),
                 first_job: Some(NewJob::new("analyst", "{\"stage\":\"analysis\",\"seq\":1}")),

@@ -42,12 +42,12 @@ async fn waiting(store: &Store) -> Task {
     store
         .create_task(NewTask {
             work_item: WorkItemSpec::Next {
-                prefix: "APP".into(),
+                prefix: "APP".parse().unwrap(),
             },
-            repo: "app".into(),
+            repo: "app".parse().unwrap(),
             title: "a change".into(),
             body: String::new(),
-            stage: "deploy".into(),
+            stage: "deploy".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "submitted"),
             first_job: None,
@@ -85,7 +85,8 @@ async fn approvals_race_and_one_wins(db: TestDb) {
             let ops = ops.clone();
             let id = task.work_item_id.clone();
             racing.push(tokio::spawn(async move {
-                ops.approve_at(&id, &operator(n), Some(("deploy", 0))).await
+                ops.approve_at(id.as_str(), &operator(n), Some(("deploy", 0)))
+                    .await
             }));
         }
         let (mut won, mut conflicts) = (0, 0);
@@ -114,8 +115,8 @@ async fn an_approval_of_a_visit_the_item_left_enqueues_nothing(db: TestDb) {
         .store
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "deploy".into(),
-            new_stage: "failed".into(),
+            expected_stage: "deploy".parse().unwrap(),
+            new_stage: "failed".parse().unwrap(),
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new(events::TASK_FAILED, "failed"),
             next_job: None,
@@ -127,8 +128,8 @@ async fn an_approval_of_a_visit_the_item_left_enqueues_nothing(db: TestDb) {
         .store
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "failed".into(),
-            new_stage: "deploy".into(),
+            expected_stage: "failed".parse().unwrap(),
+            new_stage: "deploy".parse().unwrap(),
             fence: Fence::Seq(moved.stage_seq),
             event: NewEvent::new(events::TASK_RETRIED, "retried"),
             next_job: None,
@@ -139,7 +140,7 @@ async fn an_approval_of_a_visit_the_item_left_enqueues_nothing(db: TestDb) {
     let before = written(&db.store, &task).await;
     let stale = ops
         .approve_at(
-            &task.work_item_id,
+            task.work_item_id.as_str(),
             &operator(0),
             Some(("deploy", task.stage_seq)),
         )
@@ -148,13 +149,13 @@ async fn an_approval_of_a_visit_the_item_left_enqueues_nothing(db: TestDb) {
     assert_eq!(written(&db.store, &task).await, before, "nothing written");
     // The visit it is at is approved once.
     ops.approve_at(
-        &task.work_item_id,
+        task.work_item_id.as_str(),
         &operator(1),
         Some(("deploy", again.stage_seq)),
     )
     .await
     .unwrap();
-    let twice = ops.approve(&task.work_item_id, &operator(2)).await;
+    let twice = ops.approve(task.work_item_id.as_str(), &operator(2)).await;
     assert!(matches!(twice, Err(OpsError::Conflict(_))), "{twice:?}");
     let (jobs, approvals) = written(&db.store, &task).await;
     assert_eq!((jobs - before.0, approvals - before.1), (1, 1));

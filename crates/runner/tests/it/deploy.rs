@@ -111,11 +111,11 @@ impl Fx {
         let task = db
             .store
             .create_task(NewTask {
-                work_item: WorkItemSpec::Exact(ITEM.into()),
-                repo: "app".into(),
+                work_item: WorkItemSpec::Exact(ITEM.parse().unwrap()),
+                repo: "app".parse().unwrap(),
                 title: "ship it".into(),
                 body: String::new(),
-                stage: "deploy".into(),
+                stage: "deploy".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.created", "test"),
                 first_job: None,

@@ -34,11 +34,11 @@ fn git(dir: &Path, args: &[&str]) -> String {
 async fn task_at(store: &Store, id: &str, stage: &str) -> Task {
     store
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(id.into()),
-            repo: "app".into(),
+            work_item: WorkItemSpec::Exact(id.parse().unwrap()),
+            repo: "app".parse().unwrap(),
             title: format!("item {id}"),
             body: String::new(),
-            stage: stage.into(),
+            stage: stage.parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new(events::TASK_SUBMITTED, "submitted"),
             first_job: None,
@@ -52,7 +52,7 @@ async fn end(store: &Store, task: &Task, stage: &str, kind: &str, reason: &str) 
         .advance_stage(AdvanceStage {
             task_id: task.id,
             expected_stage: task.stage.clone(),
-            new_stage: stage.into(),
+            new_stage: stage.parse().unwrap(),
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new(kind, reason).data(
                 serde_json::json!({"from": task.stage, "to": stage, "stage": task.stage, "reason": reason})

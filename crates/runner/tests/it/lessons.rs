@@ -68,11 +68,11 @@ impl Fx {
         let task = db
             .store
             .create_task(NewTask {
-                work_item: WorkItemSpec::Exact(ITEM.into()),
-                repo: "app".into(),
+                work_item: WorkItemSpec::Exact(ITEM.parse().unwrap()),
+                repo: "app".parse().unwrap(),
                 title: "Retry the payment webhook".into(),
                 body: String::new(),
-                stage: stage.into(),
+                stage: stage.parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.created", "test"),
                 first_job: None,
@@ -131,7 +131,7 @@ impl Fx {
             .advance_stage(AdvanceStage {
                 task_id: self.task.id,
                 expected_stage: self.task.stage.clone(),
-                new_stage: to.into(),
+                new_stage: to.parse().unwrap(),
                 fence: Fence::Seq(self.task.stage_seq),
                 event: NewEvent::new("stage.changed", format!("to {to}")),
                 next_job: None,
@@ -143,7 +143,7 @@ impl Fx {
 
     fn content(&self) -> String {
         StageJob {
-            stage: self.task.stage.clone(),
+            stage: self.task.stage.to_string(),
             seq: self.task.stage_seq,
         }
         .to_content()

@@ -129,11 +129,11 @@ impl Fx {
         let task = db
             .store
             .create_task(NewTask {
-                work_item: WorkItemSpec::Exact(ITEM.into()),
-                repo: "app".into(),
+                work_item: WorkItemSpec::Exact(ITEM.parse().unwrap()),
+                repo: "app".parse().unwrap(),
                 title: "watch it".into(),
                 body: String::new(),
-                stage: "observe".into(),
+                stage: "observe".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: NewEvent::new("task.created", "test"),
                 first_job: None,
@@ -1221,8 +1221,8 @@ async fn the_recovery_sweep_reenqueues_a_stranded_watch_once_pinned_to_this_node
         .store
         .advance_stage(AdvanceStage {
             task_id: fx.task.id,
-            expected_stage: "observe".into(),
-            new_stage: "lessons".into(),
+            expected_stage: "observe".parse().unwrap(),
+            new_stage: "lessons".parse().unwrap(),
             fence: Fence::Seq(seq),
             event: NewEvent::new("stage.changed", "test"),
             next_job: None,

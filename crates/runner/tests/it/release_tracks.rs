@@ -12,12 +12,12 @@ async fn task(store: &Store, repo: &str, stage: &str) -> Task {
     store
         .create_task(NewTask {
             work_item: WorkItemSpec::Next {
-                prefix: "APP".into(),
+                prefix: "APP".parse().unwrap(),
             },
-            repo: repo.into(),
+            repo: repo.parse().unwrap(),
             title: "t".into(),
             body: String::new(),
-            stage: stage.into(),
+            stage: stage.parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "submitted"),
             first_job: None,
@@ -62,8 +62,8 @@ async fn holders_holds_and_waiters_per_repo() {
     .await;
     s.advance_stage(AdvanceStage {
         task_id: moved_on.id,
-        expected_stage: "verification".into(),
-        new_stage: "implementation".into(),
+        expected_stage: "verification".parse().unwrap(),
+        new_stage: "implementation".parse().unwrap(),
         fence: Fence::Seq(moved_on.stage_seq),
         event: NewEvent::new("stage.loop_back", "back"),
         next_job: None,
@@ -84,13 +84,13 @@ async fn holders_holds_and_waiters_per_repo() {
         vec![
             (
                 "svc".to_owned(),
-                Some((holder.work_item_id.clone(), "observe".to_owned())),
+                Some((holder.work_item_id.to_string(), "observe".to_owned())),
                 Some("a conflicting revert".to_owned()),
-                vec![waiter.work_item_id.clone()],
+                vec![waiter.work_item_id.to_string()],
             ),
             (
                 "web".to_owned(),
-                Some((other_repo.work_item_id.clone(), "merge".to_owned())),
+                Some((other_repo.work_item_id.to_string(), "merge".to_owned())),
                 None,
                 vec![],
             ),
@@ -228,8 +228,8 @@ async fn a_waiting_job_waits_again_without_touching_the_repo_while_the_track_is_
     store
         .advance_stage(AdvanceStage {
             task_id: holder.id,
-            expected_stage: "merge".into(),
-            new_stage: "done".into(),
+            expected_stage: "merge".parse().unwrap(),
+            new_stage: "done".parse().unwrap(),
             fence: Fence::Seq(holder.stage_seq),
             event: NewEvent::new("stage.advanced", "merge -> done"),
             next_job: None,

@@ -95,11 +95,11 @@ async fn decide(db: &TestDb, c: &Counter, task_id: i64) -> Decision {
 async fn task_at(db: &TestDb, n: usize, stage: &str) -> Task {
     db.store
         .create_task(NewTask {
-            work_item: orch_store::WorkItemSpec::Exact(format!("RET-{n}")),
-            repo: "svc".into(),
+            work_item: orch_store::WorkItemSpec::Exact(format!("RET-{n}").parse().unwrap()),
+            repo: "svc".parse().unwrap(),
             title: "retention".into(),
             body: String::new(),
-            stage: stage.into(),
+            stage: stage.parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new(events::TASK_SUBMITTED, "submitted"),
             first_job: None,
@@ -146,7 +146,7 @@ async fn move_to(db: &TestDb, task_id: i64, to: &str, kind: &str) {
         .advance_stage(AdvanceStage {
             task_id,
             expected_stage: t.stage.clone(),
-            new_stage: to.into(),
+            new_stage: to.parse().unwrap(),
             fence: Fence::Seq(t.stage_seq),
             event: NewEvent::new(kind, format!("{} → {to}", t.stage)),
             next_job: None,

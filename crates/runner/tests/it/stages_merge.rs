@@ -745,11 +745,11 @@ async fn second_item(f: &Fixture) -> StageRun {
         .run
         .store
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact("DEMO-2".into()),
-            repo: "demo".into(),
+            work_item: WorkItemSpec::Exact("DEMO-2".parse().unwrap()),
+            repo: "demo".parse().unwrap(),
             title: "another change".into(),
             body: "body".into(),
-            stage: "merge".into(),
+            stage: "merge".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.created", "created"),
             first_job: Some(NewJob::new("merge-gate", "{}")),

@@ -69,19 +69,19 @@ async fn a_watchs_ticks_leave_the_worktree_alone_and_its_end_commits_the_log() {
     let task = store
         .create_task(NewTask {
             work_item: WorkItemSpec::Next {
-                prefix: "APP".into(),
+                prefix: "APP".parse().unwrap(),
             },
-            repo: "app".into(),
+            repo: "app".parse().unwrap(),
             title: "t".into(),
             body: String::new(),
-            stage: "observe".into(),
+            stage: "observe".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "submitted"),
             first_job: None,
         })
         .await
         .unwrap();
-    let id: orch_domain::ids::WorkItemId = task.work_item_id.parse().unwrap();
+    let id: orch_domain::ids::WorkItemId = task.work_item_id.clone();
     // The worktree as the stages before left it, plus a file a crashed attempt left behind.
     let name = "app".parse().unwrap();
     let repo = config.repos.get(&name).unwrap().clone();

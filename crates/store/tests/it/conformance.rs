@@ -80,6 +80,7 @@ conformance!(
     a_followed_repo_is_every_live_task_and_the_recently_ended,
     a_write_at_a_visit_is_one_compare_and_swap,
     racing_writes_at_one_visit_enqueue_exactly_one_job,
+    a_corrupt_task_row_is_an_error_alone_and_left_out_of_listings,
 );
 
 const LEASE: i64 = 30_000;
@@ -105,12 +106,12 @@ async fn new_task(store: &Store, with_job: bool) -> Task {
     store
         .create_task(NewTask {
             work_item: WorkItemSpec::Next {
-                prefix: "ORCH".into(),
+                prefix: "ORCH".parse().unwrap(),
             },
-            repo: "svc".into(),
+            repo: "svc".parse().unwrap(),
             title: "a task".into(),
             body: String::new(),
-            stage: "intake".into(),
+            stage: "intake".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "submitted"),
             first_job: with_job.then(|| NewJob::new("analyst", "analyse")),
@@ -293,8 +294,8 @@ async fn advance_stage_with_wrong_expected_stage_changes_nothing(db: TestDb) {
     let err = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "review".into(),
-            new_stage: "verification".into(),
+            expected_stage: "review".parse().unwrap(),
+            new_stage: "verification".parse().unwrap(),
             fence: Fence::Job(job.lease),
             event: NewEvent::new("stage.advanced", "x"),
             next_job: Some(NewJob::new("tester", "t")),
@@ -330,8 +331,8 @@ async fn advance_stage_with_a_lost_lease_changes_nothing(db: TestDb) {
     let err = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "intake".into(),
-            new_stage: "analysis".into(),
+            expected_stage: "intake".parse().unwrap(),
+            new_stage: "analysis".parse().unwrap(),
             fence: Fence::Job(job.lease),
             event: NewEvent::new("stage.advanced", "x"),
             next_job: None,
@@ -349,8 +350,8 @@ async fn advance_stage_writes_stage_event_and_next_job_together(db: TestDb) {
     let adv = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "intake".into(),
-            new_stage: "analysis".into(),
+            expected_stage: "intake".parse().unwrap(),
+            new_stage: "analysis".parse().unwrap(),
             fence: Fence::Job(job.lease),
             event: NewEvent::new("stage.advanced", "intake → analysis"),
             next_job: Some(NewJob::new("analyst", "go")),
@@ -373,8 +374,8 @@ async fn advance_stage_writes_stage_event_and_next_job_together(db: TestDb) {
     let again = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "intake".into(),
-            new_stage: "analysis".into(),
+            expected_stage: "intake".parse().unwrap(),
+            new_stage: "analysis".parse().unwrap(),
             fence: Fence::Job(job.lease),
             event: NewEvent::new("stage.advanced", "again"),
             next_job: Some(NewJob::new("analyst", "go")),
@@ -390,8 +391,8 @@ async fn operator_fence_is_the_stage_seq(db: TestDb) {
     let moved = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "intake".into(),
-            new_stage: "analysis".into(),
+            expected_stage: "intake".parse().unwrap(),
+            new_stage: "analysis".parse().unwrap(),
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new("approval.granted", "approved"),
             next_job: None,
@@ -402,8 +403,8 @@ async fn operator_fence_is_the_stage_seq(db: TestDb) {
     let back = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "analysis".into(),
-            new_stage: "cancelled".into(),
+            expected_stage: "analysis".parse().unwrap(),
+            new_stage: "cancelled".parse().unwrap(),
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new("task.cancelled", "x"),
             next_job: None,
@@ -413,8 +414,8 @@ async fn operator_fence_is_the_stage_seq(db: TestDb) {
     let ok = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "analysis".into(),
-            new_stage: "cancelled".into(),
+            expected_stage: "analysis".parse().unwrap(),
+            new_stage: "cancelled".parse().unwrap(),
             fence: Fence::Seq(moved.task.stage_seq),
             event: NewEvent::new("task.cancelled", "x"),
             next_job: None,
@@ -440,8 +441,8 @@ async fn every_terminal_stage_change_enqueues_one_task_ended_job(db: TestDb) {
     let moved = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "intake".into(),
-            new_stage: "analysis".into(),
+            expected_stage: "intake".parse().unwrap(),
+            new_stage: "analysis".parse().unwrap(),
             fence: Fence::Seq(task.stage_seq),
             event: NewEvent::new("stage.advanced", "on"),
             next_job: None,
@@ -453,8 +454,8 @@ async fn every_terminal_stage_change_enqueues_one_task_ended_job(db: TestDb) {
     let done = s
         .advance_stage(AdvanceStage {
             task_id: task.id,
-            expected_stage: "analysis".into(),
-            new_stage: "cancelled".into(),
+            expected_stage: "analysis".parse().unwrap(),
+            new_stage: "cancelled".parse().unwrap(),
             fence: Fence::Seq(moved.task.stage_seq),
             event: NewEvent::new("task.cancelled", "x"),
             next_job: None,
@@ -615,11 +616,11 @@ async fn attempt_limit_ends_in_failed_and_fails_the_stranded_task(db: TestDb) {
     let s = &db.store;
     let task = s
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact("ORCH-7".into()),
-            repo: "svc".into(),
+            work_item: WorkItemSpec::Exact("ORCH-7".parse().unwrap()),
+            repo: "svc".parse().unwrap(),
             title: "t".into(),
             body: String::new(),
-            stage: "intake".into(),
+            stage: "intake".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "x"),
             first_job: Some(NewJob::new("analyst", "x").max_attempts(2)),
@@ -784,12 +785,12 @@ async fn crash_loop_ends_the_job_with_a_clear_reason(db: TestDb) {
 async fn new_task_with(s: &Store, job: NewJob) -> Task {
     s.create_task(NewTask {
         work_item: WorkItemSpec::Next {
-            prefix: "ORCH".into(),
+            prefix: "ORCH".parse().unwrap(),
         },
-        repo: "svc".into(),
+        repo: "svc".parse().unwrap(),
         title: "t".into(),
         body: String::new(),
-        stage: "intake".into(),
+        stage: "intake".parse().unwrap(),
         branch_prefix: "orch/".into(),
         event: NewEvent::new("task.submitted", "x"),
         first_job: Some(job),
@@ -935,11 +936,11 @@ async fn work_item_ids_are_allocated_per_prefix(db: TestDb) {
     assert_eq!(b.branch, "orch/ORCH-2");
     let other = s
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact("ORCH-115".into()),
-            repo: "svc".into(),
+            work_item: WorkItemSpec::Exact("ORCH-115".parse().unwrap()),
+            repo: "svc".parse().unwrap(),
             title: "t".into(),
             body: String::new(),
-            stage: "intake".into(),
+            stage: "intake".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "x"),
             first_job: None,
@@ -950,32 +951,19 @@ async fn work_item_ids_are_allocated_per_prefix(db: TestDb) {
     assert_eq!(new_task(s, false).await.work_item_id, "ORCH-116");
     let taken = s
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact("ORCH-115".into()),
-            repo: "svc".into(),
+            work_item: WorkItemSpec::Exact("ORCH-115".parse().unwrap()),
+            repo: "svc".parse().unwrap(),
             title: "t".into(),
             body: String::new(),
-            stage: "intake".into(),
+            stage: "intake".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "x"),
             first_job: None,
         })
         .await;
     assert!(matches!(taken, Err(StoreError::WorkItemTaken(_))));
-    let bad_prefix = s
-        .create_task(NewTask {
-            work_item: WorkItemSpec::Next {
-                prefix: "OR%".into(),
-            },
-            repo: "svc".into(),
-            title: "t".into(),
-            body: String::new(),
-            stage: "intake".into(),
-            branch_prefix: "orch/".into(),
-            event: NewEvent::new("task.submitted", "x"),
-            first_job: None,
-        })
-        .await;
-    assert!(matches!(bad_prefix, Err(StoreError::Invalid(_))));
+    // A bad prefix cannot reach the store: `WorkItemSpec::Next` takes a validated `Prefix`.
+    assert!("OR%".parse::<orch_domain::ids::Prefix>().is_err());
     assert_eq!(
         s.get_task_by_work_item("ORCH-2").await.unwrap().unwrap().id,
         b.id
@@ -1025,7 +1013,7 @@ async fn retention_prunes_only_old_finished_jobs_of_finished_tasks(db: TestDb) {
     let advance = |t: &Task| AdvanceStage {
         task_id: t.id,
         expected_stage: t.stage.clone(),
-        new_stage: "cancelled".into(),
+        new_stage: "cancelled".parse().unwrap(),
         fence: Fence::Seq(t.stage_seq),
         event: NewEvent::new(events::TASK_CANCELLED, "cancelled"),
         next_job: None,
@@ -1592,12 +1580,12 @@ async fn task_in(store: &Store, repo: &str, stage: &str) -> Task {
     store
         .create_task(NewTask {
             work_item: WorkItemSpec::Next {
-                prefix: "LIST".into(),
+                prefix: "LIST".parse().unwrap(),
             },
-            repo: repo.into(),
+            repo: repo.parse().unwrap(),
             title: format!("{repo} {stage}"),
             body: String::new(),
-            stage: stage.into(),
+            stage: stage.parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "submitted"),
             first_job: None,
@@ -1679,8 +1667,8 @@ async fn list_tasks_filters_and_pages_newest_first(db: TestDb) {
     );
     s.advance_stage(AdvanceStage {
         task_id: a1.id,
-        expected_stage: "intake".into(),
-        new_stage: "done".into(),
+        expected_stage: "intake".parse().unwrap(),
+        new_stage: "done".parse().unwrap(),
         fence: Fence::Seq(a1.stage_seq),
         event: NewEvent::new("task.done", "done"),
         next_job: None,
@@ -1957,8 +1945,8 @@ async fn a_task_stranded_after_its_other_job_ended_is_failed_by_the_sweep(db: Te
     db.clock.advance_ms(1);
     s.advance_stage(AdvanceStage {
         task_id: waiting.id,
-        expected_stage: "intake".into(),
-        new_stage: "approval".into(),
+        expected_stage: "intake".parse().unwrap(),
+        new_stage: "approval".parse().unwrap(),
         fence: Fence::Job(second.lease),
         event: NewEvent::new(events::STAGE_ADVANCED, "to the approval"),
         next_job: None,
@@ -2065,8 +2053,8 @@ async fn target_names_the_database_and_close_ends_the_store(db: TestDb) {
 fn to_stage(task: &Task, from: &str, to: &str) -> AdvanceStage {
     AdvanceStage {
         task_id: task.id,
-        expected_stage: from.into(),
-        new_stage: to.into(),
+        expected_stage: from.parse().unwrap(),
+        new_stage: to.parse().unwrap(),
         fence: Fence::Seq(task.stage_seq),
         event: NewEvent::new("stage.advanced", format!("{from} -> {to}")),
         next_job: None,
@@ -2075,7 +2063,11 @@ fn to_stage(task: &Task, from: &str, to: &str) -> AdvanceStage {
 
 fn track() -> Exclusive {
     Exclusive {
-        stages: vec!["merge".into(), "staging".into(), "deploy".into()],
+        stages: vec![
+            "merge".parse().unwrap(),
+            "staging".parse().unwrap(),
+            "deploy".parse().unwrap(),
+        ],
     }
 }
 
@@ -2091,7 +2083,7 @@ async fn exclusive_stages_admit_one_task_per_repo(db: TestDb) {
     // The holder, as a waiting task reads it; a task does not wait for itself.
     assert_eq!(
         s.track_holder("svc", b.id, &track()).await.unwrap(),
-        Some((a.work_item_id.clone(), "merge".to_owned()))
+        Some((a.work_item_id.to_string(), "merge".to_owned()))
     );
     assert_eq!(s.track_holder("svc", a.id, &track()).await.unwrap(), None);
     assert_eq!(s.track_holder("other", b.id, &track()).await.unwrap(), None);
@@ -2130,12 +2122,12 @@ async fn exclusive_stages_admit_one_task_per_repo(db: TestDb) {
     let other = s
         .create_task(NewTask {
             work_item: WorkItemSpec::Next {
-                prefix: "OTH".into(),
+                prefix: "OTH".parse().unwrap(),
             },
-            repo: "other".into(),
+            repo: "other".parse().unwrap(),
             title: "another repo".into(),
             body: String::new(),
-            stage: "intake".into(),
+            stage: "intake".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", "submitted"),
             first_job: None,
@@ -2226,7 +2218,7 @@ async fn a_write_at_a_visit_is_one_compare_and_swap(db: TestDb) {
         other => panic!("a stale visit must conflict: {other:?}"),
     }
     let elsewhere = Visit {
-        stage: "design".into(),
+        stage: "design".parse().unwrap(),
         ..Visit::of(&t)
     };
     assert!(matches!(
@@ -2662,4 +2654,188 @@ async fn a_followed_repo_is_every_live_task_and_the_recently_ended(db: TestDb) {
     );
     let many: Vec<i64> = ended.iter().copied().collect();
     assert_eq!(newest(many).await.len(), 1001, "read in chunks");
+}
+
+/// Runs `sql` on the test's database past the store, as a hand edit of the database (or an
+/// older version that did not validate) would: the only way to put into a row a value the
+/// store refuses to write.
+async fn write_past_the_store(db: &TestDb, sql: String) {
+    use sqlx::Connection as _;
+    match db.store.backend() {
+        Backend::Sqlite => {
+            let mut conn = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            conn.close().await.unwrap();
+        }
+        Backend::Postgres => {
+            let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            conn.close().await.unwrap();
+        }
+    }
+}
+
+/// A task row whose work item id, repo or stage is not a valid name is never handed out as a
+/// typed [`Task`]: a read of that one row is a [`StoreError::CorruptRow`] naming the table, the
+/// row, the column and the value (escaped, cut short); a listing leaves the row out and still
+/// lists the others; a stage change from it is refused; nothing is deleted.
+async fn a_corrupt_task_row_is_an_error_alone_and_left_out_of_listings(db: TestDb) {
+    let s = &db.store;
+    let good = task_in(s, "svc", "intake").await;
+    let bad_stage = task_in(s, "svc", "intake").await;
+    let bad_id = task_in(s, "svc", "review").await;
+    let bad_repo = task_in(s, "svc", "intake").await;
+    let ended = task_in(s, "svc", "done").await;
+    let bad_ended = task_in(s, "svc", "failed").await;
+    let bad_with_job = new_task(s, true).await;
+    let long = format!("Evil\n{}", "y".repeat(500));
+    write_past_the_store(
+        &db,
+        format!(
+            "UPDATE tasks SET stage = '../x' WHERE id = {}; \
+             UPDATE tasks SET work_item_id = 'nope' WHERE id = {}; \
+             UPDATE tasks SET repo = '{long}' WHERE id = {}; \
+             UPDATE tasks SET work_item_id = 'LIST-0' WHERE id = {}; \
+             UPDATE tasks SET stage = 'Review' WHERE id = {}",
+            bad_stage.id, bad_id.id, bad_repo.id, bad_ended.id, bad_with_job.id
+        ),
+    )
+    .await;
+
+    // A single read: the error names the table, the row, the column and the value.
+    let corrupt = |r: Result<Option<Task>>, id: i64, column: &str, value: &str| {
+        let e = r.expect_err("a corrupt row is an error");
+        let text = e.to_string();
+        match e {
+            StoreError::CorruptRow {
+                table,
+                id: row,
+                column: col,
+                value: v,
+                ..
+            } => {
+                assert_eq!((table, row, col), ("tasks", id, column), "{text}");
+                assert_eq!(v, value, "{text}");
+            }
+            other => panic!("expected CorruptRow, got {other:?}"),
+        }
+        assert!(text.contains(&format!("tasks row {id}")), "{text}");
+        assert!(text.contains(column), "{text}");
+        text
+    };
+    let text = corrupt(
+        s.get_task(bad_stage.id).await,
+        bad_stage.id,
+        "stage",
+        "../x",
+    );
+    assert!(text.contains("\"../x\""), "the value is quoted: {text}");
+    corrupt(
+        s.get_task_by_work_item("nope").await,
+        bad_id.id,
+        "work_item_id",
+        "nope",
+    );
+    let cut = format!("Evil\n{}…", "y".repeat(75));
+    let text = corrupt(s.get_task(bad_repo.id).await, bad_repo.id, "repo", &cut);
+    assert!(text.contains("\"Evil\\n"), "the value is escaped: {text}");
+    assert!(
+        !text.contains('\n'),
+        "no raw line break in the error: {text}"
+    );
+    assert!(text.len() < 400, "the value is cut short: {text}");
+    assert_eq!(s.get_task(good.id).await.unwrap().unwrap(), good);
+
+    // A stage change from a corrupt row is refused, and changes nothing.
+    let adv = s
+        .advance_stage(AdvanceStage {
+            task_id: bad_stage.id,
+            expected_stage: "intake".parse().unwrap(),
+            new_stage: "review".parse().unwrap(),
+            fence: Fence::Seq(bad_stage.stage_seq),
+            event: NewEvent::new("stage.advanced", "advanced"),
+            next_job: None,
+        })
+        .await;
+    assert!(
+        matches!(
+            adv,
+            Err(StoreError::CorruptRow {
+                column: "stage",
+                ..
+            })
+        ),
+        "{adv:?}"
+    );
+    let visit = s
+        .write_at_visit(
+            Visit {
+                task_id: bad_repo.id,
+                stage: "intake".parse().unwrap(),
+                stage_seq: bad_repo.stage_seq,
+            },
+            None,
+            NewEvent::new("stage.approved", "approved"),
+        )
+        .await;
+    assert!(
+        matches!(visit, Err(StoreError::CorruptRow { column: "repo", .. })),
+        "{visit:?}"
+    );
+
+    // A job of a corrupt task that fails for good is still recorded as failed; its task is
+    // left as it is (no stage change from a row that cannot be trusted).
+    let job = claim_one(s, "w1").await;
+    assert_eq!(job.job.task_id, Some(bad_with_job.id));
+    s.mark_job(
+        job.lease,
+        JobOutcome::Failed {
+            error: "broken".into(),
+        },
+        None,
+    )
+    .await
+    .expect("the failure of a corrupt task's job is written");
+    let failed = s.get_job(job.lease.job_id).await.unwrap().unwrap();
+    assert_eq!(failed.state, JobState::Failed);
+    corrupt(
+        s.get_task(bad_with_job.id).await,
+        bad_with_job.id,
+        "stage",
+        "Review",
+    );
+
+    // Listings leave the corrupt rows out and still list the others.
+    let ids = |tasks: Vec<Task>| tasks.iter().map(|t| t.id).collect::<Vec<_>>();
+    let all = TaskFilter {
+        limit: 100,
+        ..TaskFilter::default()
+    };
+    assert_eq!(
+        ids(s.list_tasks(&all).await.unwrap()),
+        vec![ended.id, good.id]
+    );
+    let mut followed = ids(s.tasks_followed("svc", T0 - 1).await.unwrap());
+    followed.sort();
+    assert_eq!(followed, vec![good.id, ended.id]);
+    assert_eq!(
+        ids(s.tasks_ended_since(T0 - 1).await.unwrap()),
+        vec![ended.id]
+    );
+
+    // Nothing was deleted: every row is still there for an operator to repair.
+    let counted: i64 = s
+        .count_tasks_by_stage()
+        .await
+        .unwrap()
+        .iter()
+        .map(|(_, n)| n)
+        .sum();
+    assert_eq!(counted, 7);
 }

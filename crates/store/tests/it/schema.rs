@@ -263,12 +263,12 @@ async fn newest_event_ids_reads_the_task_index_on_postgres() {
             .store
             .create_task(orch_store::NewTask {
                 work_item: orch_store::WorkItemSpec::Next {
-                    prefix: "ORCH".into(),
+                    prefix: "ORCH".parse().unwrap(),
                 },
-                repo: "svc".into(),
+                repo: "svc".parse().unwrap(),
                 title: "t".into(),
                 body: String::new(),
-                stage: "intake".into(),
+                stage: "intake".parse().unwrap(),
                 branch_prefix: "orch/".into(),
                 event: orch_store::NewEvent::new("task.submitted", "x"),
                 first_job: None,

@@ -325,7 +325,7 @@ async fn hostile_names(backend: Backend) {
         "no such name on any branch"
     );
     // The operator reads about them without the terminal acting on them.
-    let logs = home.orch(&["logs", &task.work_item_id]);
+    let logs = home.orch(&["logs", task.work_item_id.as_str()]);
     assert!(logs.status.success());
     assert!(
         !logs.stdout.contains(&0x1b) && !logs.stdout.contains(&0x07),

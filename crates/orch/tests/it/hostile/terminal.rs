@@ -36,11 +36,11 @@ async fn status_and_logs_print_no_control_sequences(backend: Backend) {
     let store = home.store().await;
     let task = store
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact("APP-1".into()),
-            repo: "service".into(),
+            work_item: WorkItemSpec::Exact("APP-1".parse().unwrap()),
+            repo: "service".parse().unwrap(),
             title: TITLE.into(),
             body: String::new(),
-            stage: "analysis".into(),
+            stage: "analysis".parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.submitted", format!("submitted: {TITLE}")),
             first_job: None,

@@ -81,8 +81,8 @@ pub fn stage_run(
     repo_dir: &Path,
     repo: RepoConfig,
 ) -> StageRun {
-    let work_item: WorkItemId = task.work_item_id.parse().unwrap();
-    let worktree = repo_dir.join("worktrees").join(&task.work_item_id);
+    let work_item: WorkItemId = task.work_item_id.clone();
+    let worktree = repo_dir.join("worktrees").join(task.work_item_id.as_str());
     StageRun {
         store: db.store.clone(),
         job,
@@ -91,10 +91,10 @@ pub fn stage_run(
         task: task.clone(),
         work_item: work_item.clone(),
         stage: Pipeline::default_pipeline()
-            .stage(&task.stage.parse().unwrap())
+            .stage(&task.stage)
             .unwrap()
             .clone(),
-        repo_name: task.repo.parse().unwrap(),
+        repo_name: task.repo.clone(),
         repo,
         settings: Settings::default(),
         repos_dir: repo_dir.parent().unwrap().to_path_buf(),
@@ -154,11 +154,11 @@ async fn claimed_task(db: &TestDb, stage: &str, agent: &str) -> (Task, Job, Leas
     let task = db
         .store
         .create_task(NewTask {
-            work_item: WorkItemSpec::Exact(ID.into()),
-            repo: "demo".into(),
+            work_item: WorkItemSpec::Exact(ID.parse().unwrap()),
+            repo: "demo".parse().unwrap(),
             title: "a change".into(),
             body: "body".into(),
-            stage: stage.into(),
+            stage: stage.parse().unwrap(),
             branch_prefix: "orch/".into(),
             event: NewEvent::new("task.created", "created"),
             first_job: Some(NewJob::new(agent, content)),
