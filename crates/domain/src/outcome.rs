@@ -32,8 +32,8 @@ use serde_json::Value;
 use crate::control::{self, events as kind};
 use crate::monitor::{ActionTaken, Verdict};
 use crate::payload::{
-    self, DeployConfirmed, ProductionChecked, ReleaseRolledBack, RollbackResult, StageChange,
-    WatchVerdict,
+    self, DeployConfirmed, ProductionChecked, ReleaseRolledBack, ReleaseUnheld, RollbackResult,
+    StageChange, WatchVerdict,
 };
 
 /// How a finished task ended.
@@ -335,7 +335,9 @@ pub fn facts_of(stage: &str, events: &[EventView<'_>]) -> Option<Facts> {
             }
             kind::RELEASE_REVERTED => f.reverted = true,
             kind::RELEASE_UNHELD => {
-                let live = str_field(e.data, "live");
+                let live = payload::read_value::<ReleaseUnheld>(e.data)
+                    .and_then(|u| u.live)
+                    .filter(|l| !l.trim().is_empty());
                 if live.is_some() {
                     f.live.clone_from(&live);
                 }

@@ -448,6 +448,23 @@ pub struct ReleaseReverted {
     pub reverted_to: String,
 }
 
+/// `release.unheld`: an operator released the repo's hold; what production named then.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ReleaseUnheld {
+    /// The repo.
+    #[serde(default)]
+    pub repo: String,
+    /// Who released it (`control::actor`'s data).
+    #[serde(default)]
+    pub by: Value,
+    /// The revision production named, when it answered.
+    #[serde(default)]
+    pub live: Option<String>,
+    /// Whether its health check passed, when it was looked at.
+    #[serde(default)]
+    pub healthy: Option<bool>,
+}
+
 /// `release.rolled_back`: production went back from `revision` to `live`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ReleaseRolledBack {
@@ -1089,8 +1106,8 @@ mod tests {
         assert!(!RollbackResult::verified_in(&json!({})));
     }
 
-    /// `deploy.confirmed` and `release.reverted` as their untyped writers stored them read
-    /// back typed, and the typed writers store the same keys.
+    /// `deploy.confirmed`, `release.reverted` and `release.unheld` as their untyped writers
+    /// stored them read back typed, and the typed writers store the same keys.
     #[test]
     fn deploy_confirmed_and_release_reverted_read_the_rows_of_before() {
         let confirmed = json!({"revision": "r2", "armed": true, "seq": 7});
@@ -1112,5 +1129,14 @@ mod tests {
         assert_eq!(serde_json::to_value(&r).unwrap(), reverted);
         let older: ReleaseReverted = read_value(&json!({"revert_commit": "c3"})).unwrap();
         assert_eq!(older.repo, "");
+
+        let unheld = json!({"repo": "svc", "by": {"via": "cli", "user": "alice", "uid": 1000},
+                            "live": "r1", "healthy": true});
+        let u: ReleaseUnheld = read_value(&unheld).unwrap();
+        assert_eq!((u.live.as_deref(), u.healthy), (Some("r1"), Some(true)));
+        assert_eq!(serde_json::to_value(&u).unwrap(), unheld);
+        let unseen: ReleaseUnheld =
+            read_value(&json!({"repo": "svc", "by": null, "live": null, "healthy": null})).unwrap();
+        assert_eq!(unseen.live, None);
     }
 }

@@ -228,15 +228,14 @@ impl Ops {
                             by.describe()
                         ),
                     )
-                    .data(
-                        serde_json::json!({
-                            "repo": task.repo,
-                            actor::KEY: by.data(),
-                            "live": live,
-                            "healthy": sight.as_ref().map(|s| s.health == orch_domain::recovery::Health::Pass),
-                        })
-                        .to_string(),
-                    ),
+                    .data(payload::text(&payload::ReleaseUnheld {
+                        repo: task.repo.to_string(),
+                        by: by.data(),
+                        live,
+                        healthy: sight
+                            .as_ref()
+                            .map(|s| s.health == orch_domain::recovery::Health::Pass),
+                    })),
                 )
                 .await?;
             return Ok(task);
